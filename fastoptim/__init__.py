@@ -1,0 +1,5 @@
+"""fastoptim: Adan, AdamW and friends whose step costs what the memory bus allows."""
+from .optimizers import AdamW, Adan
+
+__version__ = "0.1.0"
+__all__ = ["Adan", "AdamW", "__version__"]

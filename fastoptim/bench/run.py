@@ -1,0 +1,77 @@
+"""A small benchmark of optimizer steps: time per step (interleaved repeats, medians) and peak memory."""
+import statistics
+import time
+
+import torch
+
+import fastoptim
+
+from . import memory
+from .shapes import MODELS
+
+ENGINES = {"loop": dict(foreach=False, fused=False), "foreach": dict(foreach=True, fused=False)}
+
+
+def optimizers():
+    """Every optimizer the benchmark knows, by name: fastoptim's engines, then torch's peers."""
+    table = {}
+    for cls in (fastoptim.Adan, fastoptim.AdamW):
+        for engine, flags in ENGINES.items():
+            table[f"{cls.__name__.lower()}-{engine}"] = (cls, flags)
+    table["torch-adamw-foreach"] = (torch.optim.AdamW, dict(foreach=True))
+    table["torch-adamw-fused"] = (torch.optim.AdamW, dict(fused=True))
+    return table
+
+
+def build(model, name, dtype=torch.float32, seed=0):
+    """Params with random grads in ``model``'s shapes, and the optimizer ``name`` over them."""
+    generator = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in MODELS[model]():
+        param = torch.nn.Parameter(torch.randn(shape, generator=generator, dtype=dtype) * 0.02)
+        param.grad = torch.randn(shape, generator=generator, dtype=dtype) * 1e-3
+        params.append(param)
+    cls, flags = optimizers()[name]
+    return params, cls(params, lr=1e-4, weight_decay=0.02, **flags)
+
+
+def step_in_subprocess(spec):
+    """In a measuring subprocess: warm up (state allocation), then the peak extra bytes of one step."""
+    torch.set_num_threads(spec["threads"])
+    _, optimizer = build(spec["model"], spec["optimizer"])
+    optimizer.step()
+    return memory.measure_step(optimizer.step)
+
+
+def time_steps(model, names, steps, repeats):
+    """Median seconds per step of each optimizer; repeats are interleaved so drift hits all alike."""
+    built = {name: build(model, name)[1] for name in names}
+    for optimizer in built.values():
+        optimizer.step()  # allocate state outside the timing
+    samples = {name: [] for name in names}
+    for _ in range(repeats):
+        for name, optimizer in built.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                optimizer.step()
+            samples[name].append((time.perf_counter() - start) / steps)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def main(models, names, steps, repeats, threads, measure_memory):
+    torch.set_num_threads(threads)
+    print(f"fastoptim {fastoptim.__version__}, torch {torch.__version__}, {threads} threads, "
+          f"{steps} steps x {repeats} interleaved repeats, fp32")
+    for model in models:
+        numel = sum(torch.Size(shape).numel() for shape in MODELS[model]())
+        print(f"\n{model}: {len(MODELS[model]())} tensors, {numel / 1e6:.1f}M params")
+        seconds = time_steps(model, names, steps, repeats)
+        base = seconds[names[0]]
+        print(f"| optimizer | ms/step | vs {names[0]} |" + (" peak extra MB |" if measure_memory else ""))
+        print("|---|---|---|" + ("---|" if measure_memory else ""))
+        for name in names:
+            row = f"| {name} | {seconds[name] * 1e3:.1f} | {base / seconds[name]:.2f}x |"
+            if measure_memory:
+                extra = memory.peak_extra_bytes(dict(model=model, optimizer=name, threads=threads))
+                row += f" {extra / 2**20:.1f} |"
+            print(row, flush=True)

@@ -1,0 +1,23 @@
+"""Global gradient-norm clipping whose coefficient stays a tensor (no host sync)."""
+import torch
+
+from .multi_tensor import buckets
+
+
+def global_grad_norm(grads):
+    """The 2-norm over every tensor in ``grads``, as an fp32 0-d tensor on the first grad's device.
+
+    ``torch._foreach_norm`` reduces each tensor without a copy of it; only the per-tensor norms
+    (one scalar each) are stacked.
+    """
+    device = grads[0].device
+    squares = []
+    for bucket in buckets(grads):
+        norms = torch._foreach_norm([grads[i] for i in bucket], 2.0, dtype=torch.float32)
+        squares.append(torch.stack(norms).square().sum().to(device, non_blocking=True))
+    return torch.stack(squares).sum().sqrt()
+
+
+def clip_coefficient(grads, max_norm, eps):
+    """``min(1, max_norm / (norm + eps))``, the factor official Adan scales every gradient by."""
+    return (max_norm / (global_grad_norm(grads) + eps)).clamp(max=1.0)

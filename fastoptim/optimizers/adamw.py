@@ -1,0 +1,79 @@
+"""AdamW (Loshchilov & Hutter), with the same signature, results and state dict as torch.optim.AdamW."""
+import torch
+
+from .base import FastOptimizer
+
+
+def adamw_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, max_exp_avg_sq=None,
+                 beta1, beta2, eps, lr, weight_decay, grad_scale, step_size, bias_correction2_sqrt):
+    """One AdamW step, as torch.optim.AdamW computes it::
+
+        g     = grad · grad_scale          (−1 to maximize, times the clip coefficient; None: 1)
+        p     = p·(1 − lr·wd)
+        m     = β1·m + (1−β1)·g            exp_avg
+        v     = β2·v + (1−β2)·g²           exp_avg_sq
+        v̂     = max(v̂, v) with amsgrad     max_exp_avg_sq
+        p     = p − step_size · m / (√v / √(1−β2^t) + eps),  step_size = lr/(1−β1^t)
+    """
+    if grad_scale is not None:
+        ops.copy_(scratch, grad)
+        ops.mul_(scratch, grad_scale)
+        grad = scratch
+    if weight_decay:
+        ops.mul_(param, 1 - lr * weight_decay)
+    ops.lerp_(exp_avg, grad, 1 - beta1)
+    ops.mul_(exp_avg_sq, beta2)
+    ops.addcmul_(exp_avg_sq, grad, grad, value=1 - beta2)
+    if max_exp_avg_sq is not None:
+        ops.maximum_(max_exp_avg_sq, exp_avg_sq)
+    ops.copy_(scratch, exp_avg_sq if max_exp_avg_sq is None else max_exp_avg_sq)
+    ops.sqrt_(scratch)
+    ops.div_(scratch, bias_correction2_sqrt)
+    ops.add_(scratch, eps)
+    ops.div_(scratch, step_size)
+    ops.addcdiv_(param, exp_avg, scratch, value=-1)
+
+
+class AdamW(FastOptimizer):
+    """AdamW with torch.optim.AdamW's signature and results (see :func:`adamw_update`).
+
+    Beyond torch's arguments, ``max_grad_norm > 0`` clips every gradient by the global norm over all
+    groups, as :class:`fastoptim.Adan` does. ``foreach``/``fused`` choose the engine. State per
+    parameter is torch's: ``step`` (0-d fp32 tensor), ``exp_avg``, ``exp_avg_sq`` and, with amsgrad,
+    ``max_exp_avg_sq``, all fp32; torch AdamW state dicts load as they are.
+    """
+
+    n_betas = 2
+    update = staticmethod(adamw_update)
+    optional_state = frozenset()
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
+                 maximize=False, foreach=None, fused=None, max_grad_norm=0.0):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+                        foreach=foreach, fused=fused, max_grad_norm=max_grad_norm)
+        super().__init__(params, defaults)
+
+    def _state_roles(self, group):
+        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
+
+    def _expected_state(self, group, param):
+        return {"step": torch.Size([])} | {role: param.shape for role in self._state_roles(group)}
+
+    def _ensure_state(self, param, group, grad_scale):
+        state = self.state[param]
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+        for role in self._state_roles(group):
+            if role not in state:
+                state[role] = torch.zeros_like(param, dtype=torch.float32)
+        return state
+
+    def _step_arguments(self, group, params, states, grad_scale):
+        steps = [state["step"] for state in states]
+        torch._foreach_add_(steps, 1)
+        t = torch.stack(steps).to(torch.float64)  # one step count per parameter, as torch keeps them
+        beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        args = dict(beta1=beta1, beta2=beta2, eps=group["eps"], lr=lr, weight_decay=group["weight_decay"],
+                    grad_scale=grad_scale, step_size=lr / (1 - beta1**t), bias_correction2_sqrt=(1 - beta2**t).sqrt())
+        return args, {"step_size", "bias_correction2_sqrt"}

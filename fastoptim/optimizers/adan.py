@@ -1,0 +1,130 @@
+"""Adan: Adaptive Nesterov Momentum (Xie et al., 2022), exactly as official sail-sg/Adan computes it."""
+import torch
+
+from .base import FastOptimizer
+
+
+def adan_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_grad,
+                beta1, beta2, beta3, eps, lr, weight_decay, no_prox, grad_scale,
+                bias_correction3_sqrt, step_size, diff_step_size):
+    """One Adan step; betas follow the official code's convention (1 − the paper's)::
+
+        g      = grad · grad_scale           (the clip coefficient, negated to maximize; None: 1)
+        d      = g − g_prev                  (g_prev = g at step 1, so d = 0 there)
+        m      = β1·m + (1−β1)·g             exp_avg
+        v      = β2·v + (1−β2)·d             exp_avg_diff
+        n      = β3·n + (1−β3)·(g + β2·d)²   exp_avg_sq
+        denom  = √n / √(1−β3^t) + eps
+        update = step_size·m/denom + diff_step_size·v/denom,
+                 step_size = lr/(1−β1^t), diff_step_size = lr·β2/(1−β2^t)
+        p      = (p − update) / (1 + lr·wd)  proximal (default)
+        p      = p·(1 − lr·wd) − update      no_prox
+
+    ``neg_pre_grad`` holds −g_prev between steps; within one it holds d, then g + β2·d.
+    """
+    ops.copy_(scratch, grad)
+    ops.mul_(scratch, -1.0 if grad_scale is None else -grad_scale)  # scratch = −g
+    ops.sub_(neg_pre_grad, scratch)  # d
+    ops.mul_(exp_avg, beta1)
+    ops.sub_(exp_avg, scratch, alpha=1 - beta1)
+    ops.mul_(exp_avg_diff, beta2)
+    ops.add_(exp_avg_diff, neg_pre_grad, alpha=1 - beta2)
+    ops.mul_(neg_pre_grad, beta2)
+    ops.sub_(neg_pre_grad, scratch)  # g + β2·d
+    ops.mul_(exp_avg_sq, beta3)
+    ops.addcmul_(exp_avg_sq, neg_pre_grad, neg_pre_grad, value=1 - beta3)
+    ops.copy_(neg_pre_grad, scratch)  # −g, for the next step
+
+    ops.copy_(scratch, exp_avg_sq)
+    ops.sqrt_(scratch)
+    ops.div_(scratch, bias_correction3_sqrt)
+    ops.add_(scratch, eps)
+    ops.reciprocal_(scratch)  # 1/denom
+    if weight_decay and no_prox:
+        ops.mul_(param, 1 - lr * weight_decay)
+    ops.mul_(scratch, step_size)
+    ops.addcmul_(param, exp_avg, scratch, value=-1)
+    ops.mul_(scratch, diff_step_size / step_size)
+    ops.addcmul_(param, exp_avg_diff, scratch, value=-1)
+    if weight_decay and not no_prox:
+        ops.div_(param, 1 + lr * weight_decay)
+
+
+class Adan(FastOptimizer):
+    """Adan, computing exactly what official sail-sg/Adan computes (see :func:`adan_update`).
+
+    Args:
+        params: parameters or param groups (dicts with per-group options).
+        lr: learning rate, a float or a 0-d tensor.
+        betas: (β1, β2, β3) in the official code's convention, 1 − the paper's.
+        eps: added to the denominator after the square root.
+        weight_decay: proximal by default, decoupled (AdamW-like) with ``no_prox=True``.
+        max_grad_norm: if > 0, every gradient is scaled by ``min(1, max_grad_norm / (norm + eps))``,
+            with the norm taken over all groups; the clipped gradient is what the state remembers.
+            The coefficient stays a tensor. It is global, so it is set here, not per group.
+        no_prox: decoupled weight decay ``p·(1 − lr·wd) − update`` instead of ``(p − update)/(1 + lr·wd)``.
+        foreach, fused: the engine, as torch chooses it: ``foreach=False`` the loop engine,
+            ``foreach=True`` the foreach engine, ``None`` the fastest available.
+        maximize: maximize the objective instead of minimizing it.
+
+    State: per parameter ``exp_avg``, ``exp_avg_sq``, ``exp_avg_diff`` and ``neg_pre_grad`` (fp32, the
+    official and timm keys); the step count is ``group['step']``, a 0-d fp32 tensor. State dicts of
+    official Adan and timm's Adan (integer ``step``) load and resume on the same trajectory.
+    """
+
+    n_betas = 3
+    update = staticmethod(adan_update)
+    state_roles = ("exp_avg", "exp_avg_sq", "exp_avg_diff", "neg_pre_grad")
+    optional_state = frozenset({"neg_pre_grad"})  # absent after restart_opt until the next step
+
+    def __init__(self, params, lr=1e-3, betas=(0.98, 0.92, 0.99), eps=1e-8, weight_decay=0.0,
+                 max_grad_norm=0.0, no_prox=False, foreach=None, fused=None, *, maximize=False):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
+                        no_prox=no_prox, foreach=foreach, fused=fused, maximize=maximize)
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def restart_opt(self):
+        """Restart as the official code does: step 0, zero moments, and the next gradient is g_prev."""
+        for group in self.param_groups:
+            group["step"] = torch.zeros((), dtype=torch.float32, device=group["params"][0].device)
+            for param in group["params"]:
+                if param.requires_grad:
+                    self.state[param].clear()
+
+    def _state_roles(self, group):
+        return self.state_roles
+
+    def _expected_state(self, group, param):
+        return {role: param.shape for role in self.state_roles}
+
+    def _ensure_state(self, param, group, grad_scale):
+        state = self.state[param]
+        if not state:
+            for role in ("exp_avg", "exp_avg_sq", "exp_avg_diff"):
+                state[role] = torch.zeros_like(param, dtype=torch.float32)
+        if "neg_pre_grad" not in state:  # at step 1, g_prev = g
+            state["neg_pre_grad"] = param.grad.to(torch.float32) * (-1.0 if grad_scale is None else -grad_scale)
+        return state
+
+    def _step_arguments(self, group, params, states, grad_scale):
+        if "step" not in group:
+            group["step"] = torch.zeros((), dtype=torch.float32, device=params[0].device)
+        group["step"] += 1
+        t = group["step"].to(torch.float64)  # fp32 betas**t would lose digits in 1 − β^t
+        beta1, beta2, beta3 = group["betas"]
+        lr = group["lr"]
+        args = dict(beta1=beta1, beta2=beta2, beta3=beta3, eps=group["eps"], lr=lr,
+                    weight_decay=group["weight_decay"], no_prox=group["no_prox"], grad_scale=grad_scale,
+                    bias_correction3_sqrt=(1 - beta3**t).sqrt(), step_size=lr / (1 - beta1**t),
+                    diff_step_size=lr * beta2 / (1 - beta2**t))
+        return args, ()
+
+    def _convert_saved_group(self, group, device):
+        if "step" in group:  # official and timm keep an integer
+            group["step"] = torch.as_tensor(group["step"], dtype=torch.float32).to(device, copy=True)
+
+    def _convert_saved_state(self, state, group):
+        if "step" in group and group["step"].item() == 0:  # official re-reads g_prev at step 1
+            state.pop("neg_pre_grad", None)
+        return state

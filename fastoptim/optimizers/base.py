@@ -1,0 +1,175 @@
+"""What every fastoptim optimizer shares: the torch.optim contract, input validation, bucketing,
+engine dispatch and state-dict conversion. A subclass states its algorithm: hyperparameters, state
+layout, per-step scalars and ``update``, the math written once."""
+import math
+
+import torch
+from torch import Tensor
+
+from .. import engines
+from ..clip import clip_coefficient
+from ..multi_tensor import buckets
+
+
+def check_hyperparameters(group, n_betas):
+    """Raise a ValueError that names the first invalid hyperparameter of ``group``."""
+    lr = group["lr"]
+    if isinstance(lr, Tensor):
+        if lr.numel() != 1 or not lr.is_floating_point():
+            raise ValueError(f"Invalid lr: a Tensor lr must be a floating-point scalar, got shape {tuple(lr.shape)}")
+        lr = lr.item()  # construction time only, never in step()
+    for name, value in (("lr", lr), ("eps", group["eps"]), ("weight_decay", group["weight_decay"]),
+                        ("max_grad_norm", group["max_grad_norm"])):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value < math.inf):
+            raise ValueError(f"Invalid {name}: {value!r} (must be a finite number >= 0)")
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != n_betas:
+        raise ValueError(f"Invalid betas: {betas!r} (expected {n_betas} numbers)")
+    for i, beta in enumerate(betas):
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid betas[{i}]: {beta!r} (must be in [0, 1))")
+    for flag in ("foreach", "fused"):
+        if group[flag] not in (None, True, False):
+            raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be None, True or False)")
+
+
+class FastOptimizer(torch.optim.Optimizer):
+    n_betas: int
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            self._check_group(group)
+            for param in group["params"]:
+                if param.is_complex():
+                    raise ValueError(f"{type(self).__name__} does not support complex parameters; "
+                                     "optimize torch.view_as_real(param) instead")
+            devices = {param.device for param in group["params"]}
+            if len(devices) > 1:
+                raise ValueError(f"all params of a group must be on one device, got {sorted(map(str, devices))}")
+        except Exception:
+            self.param_groups.pop()
+            raise
+
+    def _check_group(self, group):
+        check_hyperparameters(group, self.n_betas)
+        if group["max_grad_norm"] != self.defaults["max_grad_norm"]:
+            raise ValueError("Invalid max_grad_norm: it clips by the norm over all groups, "
+                             "so set it in the constructor, not per group")
+        engines.engine_name(group["foreach"], group["fused"])
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+
+    # --- step -----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = [(group, self._params_with_grad(group)) for group in self.param_groups]  # validates all first
+        grads = [param.grad for _, params in work for param in params]
+        if not grads:
+            return loss
+        max_norm = self.defaults["max_grad_norm"]
+        # Official Adan takes eps for the clip from the last group.
+        clip = clip_coefficient(grads, max_norm, self.param_groups[-1]["eps"]) if max_norm > 0 else None
+        for group, params in work:
+            if params:
+                self._step_group(group, params, clip)
+        return loss
+
+    def _params_with_grad(self, group):
+        params = [param for param in group["params"] if param.grad is not None]
+        name = type(self).__name__
+        for param in params:
+            grad = param.grad
+            if grad.is_sparse or grad.layout != torch.strided:
+                raise RuntimeError(f"{name} does not support sparse gradients")
+            if param.is_complex() or grad.is_complex():
+                raise RuntimeError(f"{name} does not support complex parameters or gradients")
+            if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
+                raise RuntimeError(
+                    f"{name}: a gradient must match its parameter; got grad {grad.dtype} {tuple(grad.shape)} "
+                    f"on {grad.device} for param {param.dtype} {tuple(param.shape)} on {param.device}")
+        if len({param.device for param in params}) > 1:
+            raise RuntimeError(f"{name}: all params of a group must be on one device")
+        return params
+
+    def _step_group(self, group, params, clip):
+        grad_scale = self._grad_scale(group, clip)
+        states = [self._ensure_state(param, group, grad_scale) for param in params]
+        args, per_tensor = self._step_arguments(group, params, states, grad_scale)
+        roles = self._state_roles(group)
+        run = engines.AVAILABLE[engines.engine_name(group["foreach"], group["fused"])]
+        for bucket in buckets(params):
+            tensors = {"param": [params[i] for i in bucket], "grad": [params[i].grad for i in bucket]}
+            tensors |= {role: [states[i][role] for i in bucket] for role in roles}
+            if len(bucket) < len(params):
+                index = torch.tensor(bucket, device=params[0].device)
+                bucket_args = {k: v[index] if k in per_tensor else v for k, v in args.items()}
+            else:
+                bucket_args = args
+            run(self.update, engines.Plan(tensors, bucket_args, frozenset(per_tensor)))
+
+    def _grad_scale(self, group, clip):
+        """What the gradient is multiplied by (the clip coefficient, negated to maximize), or None for 1."""
+        if clip is None:
+            return -1.0 if group["maximize"] else None
+        return -clip if group["maximize"] else clip
+
+    # --- state dicts ----------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict):
+        """Load a state dict of this optimizer or of its peers' layout (see the class docstring).
+
+        Everything is checked before anything changes. The engine flags (``foreach``, ``fused``)
+        stay this optimizer's, so a state moves freely between engines. States are fp32 tensors on
+        the parameter's device, whatever the parameter's dtype.
+        """
+        groups, saved_groups = self.param_groups, state_dict["param_groups"]
+        if len(groups) != len(saved_groups) or any(
+                len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
+            raise ValueError("loaded state dict does not match the optimizer's parameter groups: "
+                             f"{[len(s['params']) for s in saved_groups]} params saved, "
+                             f"{[len(g['params']) for g in groups]} here")
+        new_groups, new_state, sources = [], {}, {}
+        for group, saved in zip(groups, saved_groups):
+            merged = {**self.defaults, **saved, "foreach": group["foreach"], "fused": group["fused"]}
+            self._check_group(merged)
+            device = group["params"][0].device
+            self._convert_saved_group(merged, device)
+            for saved_id, param in zip(saved["params"], group["params"]):
+                if saved_id not in state_dict["state"]:
+                    continue
+                state = self._convert_saved_state(dict(state_dict["state"][saved_id]), merged)
+                expected = self._expected_state(merged, param)
+                if set(state) - set(expected) or set(expected) - set(state) - self.optional_state:
+                    raise ValueError(
+                        f"state of parameter {saved_id} has keys {sorted(state)}, but {type(self).__name__} "
+                        f"expects {sorted(expected)}: is it a state dict of another optimizer?")
+                for key in state:
+                    shape, value = expected[key], torch.as_tensor(state[key])
+                    if value.shape != shape:
+                        raise ValueError(f"state '{key}' of parameter {saved_id} has shape {tuple(value.shape)}, "
+                                         f"expected {tuple(shape)}")
+                    state[key] = value.to(device=param.device, dtype=torch.float32, copy=True)
+                new_state[saved_id], sources[param] = state, state
+            new_groups.append(merged)
+        super().load_state_dict({"state": new_state, "param_groups": new_groups})
+        for param, state in sources.items():  # torch casts states to the param's dtype; keep fp32
+            self.state[param].update(state)
+
+    def _convert_saved_group(self, group, device):
+        """Bring a saved param group into this optimizer's layout, in place."""
+
+    def _convert_saved_state(self, state, group):
+        """Bring one saved per-parameter state into this optimizer's layout."""
+        return state
