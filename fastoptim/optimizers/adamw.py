@@ -71,9 +71,10 @@ class AdamW(FastOptimizer):
     def _step_arguments(self, group, params, states, grad_scale):
         steps = [state["step"] for state in states]
         torch._foreach_add_(steps, 1)
-        t = torch.stack(steps).to(torch.float64)  # one step count per parameter, as torch keeps them
+        t = torch.stack(steps).to(torch.float64)  # one count per param, as torch; 1 − β^t needs fp64
         beta1, beta2 = group["betas"]
         lr = group["lr"]
         args = dict(beta1=beta1, beta2=beta2, eps=group["eps"], lr=lr, weight_decay=group["weight_decay"],
-                    grad_scale=grad_scale, step_size=lr / (1 - beta1**t), bias_correction2_sqrt=(1 - beta2**t).sqrt())
+                    grad_scale=grad_scale, step_size=(lr / (1 - beta1**t)).float(),
+                    bias_correction2_sqrt=(1 - beta2**t).sqrt().float())
         return args, {"step_size", "bias_correction2_sqrt"}

@@ -6,7 +6,7 @@ from .base import FastOptimizer
 
 def adan_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_grad,
                 beta1, beta2, beta3, eps, lr, weight_decay, no_prox, grad_scale,
-                bias_correction3_sqrt, step_size, diff_step_size):
+                bias_correction3_sqrt, step_size, diff_ratio):
     """One Adan step; betas follow the official code's convention (1 − the paper's)::
 
         g      = grad · grad_scale           (the clip coefficient, negated to maximize; None: 1)
@@ -15,8 +15,8 @@ def adan_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, exp_avg_diff,
         v      = β2·v + (1−β2)·d             exp_avg_diff
         n      = β3·n + (1−β3)·(g + β2·d)²   exp_avg_sq
         denom  = √n / √(1−β3^t) + eps
-        update = step_size·m/denom + diff_step_size·v/denom,
-                 step_size = lr/(1−β1^t), diff_step_size = lr·β2/(1−β2^t)
+        update = step_size·(m + diff_ratio·v)/denom,
+                 step_size = lr/(1−β1^t), diff_ratio = β2·(1−β1^t)/(1−β2^t)
         p      = (p − update) / (1 + lr·wd)  proximal (default)
         p      = p·(1 − lr·wd) − update      no_prox
 
@@ -44,7 +44,7 @@ def adan_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, exp_avg_diff,
         ops.mul_(param, 1 - lr * weight_decay)
     ops.mul_(scratch, step_size)
     ops.addcmul_(param, exp_avg, scratch, value=-1)
-    ops.mul_(scratch, diff_step_size / step_size)
+    ops.mul_(scratch, diff_ratio)
     ops.addcmul_(param, exp_avg_diff, scratch, value=-1)
     if weight_decay and not no_prox:
         ops.div_(param, 1 + lr * weight_decay)
@@ -111,13 +111,13 @@ class Adan(FastOptimizer):
         if "step" not in group:
             group["step"] = torch.zeros((), dtype=torch.float32, device=params[0].device)
         group["step"] += 1
-        t = group["step"].to(torch.float64)  # fp32 betas**t would lose digits in 1 − β^t
+        t = group["step"].to(torch.float64)  # 1 − β^t in fp32 would lose digits; fp32 scalars keep ops fast
         beta1, beta2, beta3 = group["betas"]
         lr = group["lr"]
         args = dict(beta1=beta1, beta2=beta2, beta3=beta3, eps=group["eps"], lr=lr,
                     weight_decay=group["weight_decay"], no_prox=group["no_prox"], grad_scale=grad_scale,
-                    bias_correction3_sqrt=(1 - beta3**t).sqrt(), step_size=lr / (1 - beta1**t),
-                    diff_step_size=lr * beta2 / (1 - beta2**t))
+                    bias_correction3_sqrt=(1 - beta3**t).sqrt().float(), step_size=(lr / (1 - beta1**t)).float(),
+                    diff_ratio=(beta2 * (1 - beta1**t) / (1 - beta2**t)).float())
         return args, ()
 
     def _convert_saved_group(self, group, device):

@@ -141,9 +141,13 @@ class FastOptimizer(torch.optim.Optimizer):
                              f"{[len(s['params']) for s in saved_groups]} params saved, "
                              f"{[len(g['params']) for g in groups]} here")
         new_groups, new_state, sources = [], {}, {}
-        for group, saved in zip(groups, saved_groups):
+        for index, (group, saved) in enumerate(zip(groups, saved_groups)):
             merged = {**self.defaults, **saved, "foreach": group["foreach"], "fused": group["fused"]}
-            self._check_group(merged)
+            try:
+                self._check_group(merged)
+            except ValueError as error:
+                raise ValueError(f"loaded param group {index}: {error}. Is it a state dict of another "
+                                 f"optimizer? {type(self).__name__} expects {self.n_betas} betas.") from None
             device = group["params"][0].device
             self._convert_saved_group(merged, device)
             for saved_id, param in zip(saved["params"], group["params"]):

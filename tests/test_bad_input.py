@@ -1,0 +1,164 @@
+"""Bad input gets a clear error and changes nothing."""
+import copy
+
+import pytest
+import torch
+
+import fastoptim
+
+from . import oracle
+
+OPTIMIZERS = [fastoptim.Adan, fastoptim.AdamW]
+
+
+def snapshot(params, opt):
+    return [p.detach().clone() for p in params], copy.deepcopy(opt.state_dict())
+
+
+def assert_unchanged(params, opt, before):
+    values, state = before
+    assert all(torch.equal(a, b) for a, b in zip(values, params))
+    after = opt.state_dict()
+    assert after["param_groups"] == state["param_groups"] or str(after["param_groups"]) == str(state["param_groups"])
+    assert after["state"].keys() == state["state"].keys()
+    for key in state["state"]:
+        for name, value in state["state"][key].items():
+            assert torch.equal(after["state"][key][name], value)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+@pytest.mark.parametrize("name, value", [
+    ("lr", -1.0), ("lr", float("nan")), ("lr", float("inf")), ("eps", -1e-8), ("weight_decay", -0.1),
+    ("max_grad_norm", -1.0), ("lr", "0.1"), ("lr", torch.tensor([0.1, 0.2]))])
+def test_invalid_hyperparameters_name_the_argument(cls, name, value):
+    with pytest.raises(ValueError, match=f"Invalid {name}"):
+        cls(oracle.make_params(), **{name: value})
+
+
+@pytest.mark.parametrize("cls, n", [(fastoptim.Adan, 3), (fastoptim.AdamW, 2)])
+def test_invalid_betas(cls, n):
+    with pytest.raises(ValueError, match=r"Invalid betas\[1\]"):
+        cls(oracle.make_params(), betas=(0.9, 1.0, 0.9)[:n])
+    with pytest.raises(ValueError, match=r"Invalid betas\[0\]"):
+        cls(oracle.make_params(), betas=(-0.1, 0.9, 0.9)[:n])
+    with pytest.raises(ValueError, match=r"Invalid betas:"):
+        cls(oracle.make_params(), betas=(0.9,) * (n + 1))
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_invalid_group_options_leave_the_groups_as_they_were(cls):
+    params = oracle.make_params()
+    opt = cls(params[:2])
+    with pytest.raises(ValueError, match="Invalid lr"):
+        opt.add_param_group({"params": params[2:], "lr": -1})
+    with pytest.raises(ValueError, match="Invalid max_grad_norm"):
+        opt.add_param_group({"params": params[2:], "max_grad_norm": 3.0})
+    with pytest.raises(ValueError, match="Invalid foreach"):
+        opt.add_param_group({"params": params[2:], "foreach": "yes"})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_empty_param_list_is_refused(cls):
+    with pytest.raises(ValueError, match="empty parameter list"):
+        cls([])
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_fused_is_refused_at_construction_until_it_lands(cls):
+    with pytest.raises(NotImplementedError, match="fused"):
+        cls(oracle.make_params(), fused=True)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_complex_params_are_refused(cls):
+    with pytest.raises(ValueError, match="complex"):
+        cls([torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))])
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_mixed_devices_in_a_group_are_refused(cls):
+    with pytest.raises(ValueError, match="one device"):
+        cls([torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3, device="meta"))])
+
+
+def stepped(cls, **options):
+    params = oracle.make_params()
+    opt = cls(params, lr=0.1, **options)
+    oracle.run(opt, params, oracle.grad_sequence(oracle.SHAPES, 2))
+    return params, opt
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("bad_grad, message", [
+    (lambda p: torch.zeros_like(p).to_sparse(), "sparse"),
+    (lambda p: torch.zeros(p.numel() + 1), "must match"),
+    (lambda p: torch.zeros_like(p, dtype=torch.float64), "must match"),
+])
+def test_bad_grads_raise_before_anything_is_touched(cls, foreach, bad_grad, message):
+    params, opt = stepped(cls, foreach=foreach, max_grad_norm=1.0)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    # The last param: everything before it would have been updated. torch refuses a mismatched
+    # grad on assignment, but `.data` skips that check, as code that swaps grads in place can.
+    bad = bad_grad(params[-1])
+    if bad.is_sparse:
+        params[-1].grad = bad
+    else:
+        params[-1].grad.data = bad
+    before = snapshot(params, opt)
+    with pytest.raises(RuntimeError, match=message):
+        opt.step()
+    assert_unchanged(params, opt, before)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_non_contiguous_params_are_updated_correctly(cls):
+    base = torch.randn(6, 5)
+    view = torch.nn.Parameter(base.t())  # a transposed, non-contiguous parameter
+    dense = torch.nn.Parameter(base.t().contiguous())
+    assert not view.is_contiguous()
+    grads = oracle.grad_sequence([(5, 6)], 3)
+    for p in (view, dense):
+        oracle.run(cls([p], lr=0.1, foreach=True), [p], grads)
+    torch.testing.assert_close(view, dense)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_load_state_dict_mismatches_raise_without_partial_load(cls):
+    params, opt = stepped(cls)
+    before = snapshot(params, opt)
+    good = opt.state_dict()
+
+    fewer = copy.deepcopy(good)
+    fewer["param_groups"][0]["params"] = fewer["param_groups"][0]["params"][:-1]
+    with pytest.raises(ValueError, match="does not match"):
+        opt.load_state_dict(fewer)
+
+    wrong_shape = copy.deepcopy(good)
+    last = wrong_shape["param_groups"][0]["params"][-1]
+    wrong_shape["state"][last]["exp_avg"] = torch.zeros(99)
+    with pytest.raises(ValueError, match="shape"):
+        opt.load_state_dict(wrong_shape)
+
+    bad_lr = copy.deepcopy(good)
+    bad_lr["param_groups"][0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="Invalid lr"):
+        opt.load_state_dict(bad_lr)
+    assert_unchanged(params, opt, before)
+
+
+@pytest.mark.parametrize("source, target", [
+    (torch.optim.Adam, fastoptim.Adan), (fastoptim.AdamW, fastoptim.Adan), (fastoptim.Adan, fastoptim.AdamW),
+    (torch.optim.SGD, fastoptim.AdamW)])
+def test_state_dicts_of_other_optimizers_are_refused(source, target):
+    params = oracle.make_params()
+    options = dict(momentum=0.9) if source is torch.optim.SGD else {}
+    other = source(params, lr=0.1, **options)
+    oracle.run(other, params, oracle.grad_sequence(oracle.SHAPES, 2))
+    params2, opt = stepped(target)
+    before = snapshot(params2, opt)
+    with pytest.raises(ValueError, match="another optimizer"):
+        opt.load_state_dict(other.state_dict())
+    assert_unchanged(params2, opt, before)

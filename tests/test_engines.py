@@ -1,0 +1,85 @@
+"""Every engine against the loop engine, over drawn shapes, dtypes and options."""
+import torch
+from hypothesis import given, settings, strategies as st
+
+import fastoptim
+from fastoptim.engines import foreach
+
+from . import oracle
+
+shapes = st.lists(st.lists(st.integers(0, 6), min_size=0, max_size=3).map(tuple), min_size=1, max_size=5)
+dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
+adan_options = st.fixed_dictionaries({
+    "lr": st.sampled_from([1e-2, 0.3]),
+    "weight_decay": st.sampled_from([0.0, 0.05]),
+    "no_prox": st.booleans(),
+    "max_grad_norm": st.sampled_from([0.0, 0.5]),
+    "maximize": st.booleans(),
+})
+adamw_options = st.fixed_dictionaries({
+    "lr": st.sampled_from([1e-2, 0.3]),
+    "weight_decay": st.sampled_from([0.0, 0.05]),
+    "amsgrad": st.booleans(),
+    "max_grad_norm": st.sampled_from([0.0, 0.5]),
+    "maximize": st.booleans(),
+})
+
+
+def run_engines(cls, shapes, dtype, options, tensor_lr, steps=4):
+    results = []
+    for engine in (dict(foreach=False), dict(foreach=True)):
+        params = oracle.make_params(shapes, dtype)
+        lr = torch.tensor(options["lr"]) if tensor_lr else options["lr"]
+        opt = cls(params, **(options | {"lr": lr}), **engine)
+        oracle.run(opt, params, oracle.grad_sequence(shapes, steps))
+        results.append((params, opt.state_dict()))
+    return results
+
+
+def assert_same(results, dtype):
+    (loop_params, loop_state), (params, state) = results
+    tolerance = 0 if dtype == torch.float32 else torch.finfo(dtype).eps
+    for a, b in zip(params, loop_params):
+        torch.testing.assert_close(a, b, rtol=max(tolerance, 1e-6), atol=1e-6)
+    for key in state["state"]:
+        for name, value in state["state"][key].items():
+            torch.testing.assert_close(value, loop_state["state"][key][name], rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes=shapes, dtype=dtypes, options=adan_options, tensor_lr=st.booleans())
+def test_adan_foreach_matches_loop(shapes, dtype, options, tensor_lr):
+    assert_same(run_engines(fastoptim.Adan, shapes, dtype, options, tensor_lr), dtype)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shapes=shapes, dtype=dtypes, options=adamw_options, tensor_lr=st.booleans())
+def test_adamw_foreach_matches_loop(shapes, dtype, options, tensor_lr):
+    assert_same(run_engines(fastoptim.AdamW, shapes, dtype, options, tensor_lr), dtype)
+
+
+def test_foreach_slices_bound_the_scratch_and_cover_every_tensor():
+    tensors = [torch.empty(n) for n in (5, 5, 20, 1, 1, 9)]
+    parts = list(foreach.slices(tensors, limit=10))
+    assert [(p.start, p.stop) for p in parts] == [(0, 2), (2, 3), (3, 5), (5, 6)]
+    assert all(sum(t.numel() for t in tensors[p]) <= 10 or p.stop - p.start == 1 for p in parts)
+
+
+def test_foreach_matches_loop_across_several_slices(monkeypatch):
+    monkeypatch.setattr(foreach, "CHUNK_NUMEL", 16)
+    shapes = [(7,), (5, 3), (40,), (2, 2), (3,)]
+    results = run_engines(fastoptim.Adan, shapes, torch.float32, dict(lr=0.01, weight_decay=0.02), False)
+    assert_same(results, torch.float32)
+
+
+def test_mixed_dtypes_in_one_group_are_bucketed():
+    shapes = [(4,), (3, 2), (5,)]
+    params = oracle.make_params(shapes[:2]) + oracle.make_params(shapes[2:], torch.bfloat16)
+    alone = [p.detach().clone().requires_grad_() for p in params]
+    grads = oracle.grad_sequence(shapes, 3)
+    oracle.run(fastoptim.AdamW(params, lr=0.01, foreach=True), params, grads)
+    for i, p in enumerate(alone):
+        oracle.run(fastoptim.AdamW([p], lr=0.01, foreach=False), [p], [[g[i]] for g in grads])
+    for a, b in zip(params, alone):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b)

@@ -1,0 +1,124 @@
+"""The loop engine against float64 re-statements of the equations and against peers."""
+import pytest
+import torch
+
+import fastoptim
+
+from . import oracle
+
+STEPS = 20
+
+
+@pytest.mark.parametrize("no_prox", [False, True])
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1.0])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_adan_matches_float64_equations(no_prox, max_grad_norm, maximize):
+    params = oracle.make_params()
+    grads = oracle.grad_sequence(oracle.SHAPES, STEPS)
+    expected = oracle.adan(params, grads, lr=0.01, weight_decay=0.02, no_prox=no_prox,
+                           max_grad_norm=max_grad_norm, maximize=maximize)
+    opt = fastoptim.Adan(params, lr=0.01, weight_decay=0.02, no_prox=no_prox, max_grad_norm=max_grad_norm,
+                         maximize=maximize, foreach=False)
+    oracle.run(opt, params, grads)
+    assert oracle.relative_error(params, expected) < 1e-5
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("maximize", [False, True])
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1.0])
+def test_adamw_matches_float64_equations(amsgrad, maximize, max_grad_norm):
+    params = oracle.make_params()
+    grads = oracle.grad_sequence(oracle.SHAPES, STEPS)
+    expected = oracle.adamw(params, grads, lr=0.01, amsgrad=amsgrad, maximize=maximize,
+                            max_grad_norm=max_grad_norm)
+    opt = fastoptim.AdamW(params, lr=0.01, amsgrad=amsgrad, maximize=maximize, max_grad_norm=max_grad_norm,
+                          foreach=False)
+    oracle.run(opt, params, grads)
+    assert oracle.relative_error(params, expected) < 1e-5
+
+
+@pytest.mark.parametrize("no_prox", [False, True])
+@pytest.mark.parametrize("timm_foreach", [False, True])
+def test_adan_matches_timm(no_prox, timm_foreach):
+    params = oracle.make_params()
+    peer_params = [p.detach().clone().requires_grad_() for p in params]
+    grads = oracle.grad_sequence(oracle.SHAPES, STEPS)
+    options = dict(lr=0.01, betas=(0.98, 0.92, 0.99), eps=1e-8, weight_decay=0.02, no_prox=no_prox)
+    oracle.run(fastoptim.Adan(params, foreach=False, **options), params, grads)
+    oracle.run(oracle.timm_adan_class()(peer_params, foreach=timm_foreach, **options), peer_params, grads)
+    assert oracle.relative_error(params, peer_params) < 1e-5
+
+
+@pytest.mark.parametrize("engine", [dict(foreach=False), dict(foreach=True)])
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("maximize", [False, True])
+def test_adamw_matches_torch(engine, amsgrad, maximize):
+    params = oracle.make_params()
+    peer_params = [p.detach().clone().requires_grad_() for p in params]
+    grads = oracle.grad_sequence(oracle.SHAPES, STEPS)
+    options = dict(lr=0.01, weight_decay=0.05, amsgrad=amsgrad, maximize=maximize)
+    oracle.run(fastoptim.AdamW(params, **engine, **options), params, grads)
+    oracle.run(torch.optim.AdamW(peer_params, **options), peer_params, grads)
+    assert oracle.relative_error(params, peer_params) < 1e-5
+
+
+def test_adamw_skips_like_torch_when_some_params_have_no_grad():
+    """Per-parameter step counts: a param without a grad keeps its own count, as in torch."""
+    params = oracle.make_params()
+    peer_params = [p.detach().clone().requires_grad_() for p in params]
+    opt, peer = fastoptim.AdamW(params, lr=0.01), torch.optim.AdamW(peer_params, lr=0.01)
+    for step, grads in enumerate(oracle.grad_sequence(oracle.SHAPES, 10)):
+        for i, (p, q, g) in enumerate(zip(params, peer_params, grads)):
+            p.grad = q.grad = None if (i == 0 and step % 3) else g.clone()
+        opt.step()
+        peer.step()
+    assert oracle.relative_error(params, peer_params) < 1e-5
+
+
+def test_adan_resumes_a_timm_checkpoint_on_the_same_trajectory():
+    params = oracle.make_params()
+    peer_params = [p.detach().clone().requires_grad_() for p in params]
+    grads = oracle.grad_sequence(oracle.SHAPES, STEPS)
+    peer = oracle.timm_adan_class()(peer_params, lr=0.01, weight_decay=0.02)
+    oracle.run(peer, peer_params, grads[:10])
+    with torch.no_grad():
+        for p, q in zip(params, peer_params):
+            p.copy_(q)
+    opt = fastoptim.Adan(params, lr=0.01, weight_decay=0.02)
+    opt.load_state_dict(peer.state_dict())
+    assert float(opt.param_groups[0]["step"]) == 10
+    oracle.run(peer, peer_params, grads[10:])
+    oracle.run(opt, params, grads[10:])
+    assert oracle.relative_error(params, peer_params) < 1e-5
+
+
+def test_adan_restart_opt_matches_timm():
+    params = oracle.make_params()
+    peer_params = [p.detach().clone().requires_grad_() for p in params]
+    grads = oracle.grad_sequence(oracle.SHAPES, STEPS)
+    opt = fastoptim.Adan(params, lr=0.01)
+    peer = oracle.timm_adan_class()(peer_params, lr=0.01)
+    for optimizer, ps in ((opt, params), (peer, peer_params)):
+        oracle.run(optimizer, ps, grads[:5])
+        optimizer.restart_opt()
+        oracle.run(optimizer, ps, grads[5:])
+    assert oracle.relative_error(params, peer_params) < 1e-5
+
+
+@pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_params_match_a_rounded_oracle(cls, dtype):
+    """fp32 math and fp32 states; the param is rounded to its dtype after every step."""
+    params = oracle.make_params(dtype=dtype)
+    grads = oracle.grad_sequence(oracle.SHAPES, STEPS, scale=0.1)
+    reference = oracle.adan if cls is fastoptim.Adan else oracle.adamw
+    expected = reference(params, [[g.to(dtype) for g in gs] for gs in grads], lr=0.01, round_to=dtype)
+    for engine in (False, True):
+        ps = [p.detach().clone().requires_grad_() for p in params]
+        opt = cls(ps, lr=0.01, foreach=engine)
+        oracle.run(opt, ps, grads)
+        assert all(p.dtype == dtype for p in ps)
+        assert all(s.dtype == torch.float32 for state in opt.state.values() for s in state.values())
+        ulp = torch.finfo(dtype).eps
+        for p, e in zip(ps, expected):
+            assert torch.allclose(p.double(), e, rtol=2 * ulp, atol=1e-6)
