@@ -9,6 +9,6 @@ bench: $(READY)
 test: $(READY)
 	$(VENV)/bin/python -m pytest -q
 
-$(READY): pyproject.toml scripts/setup.sh
+$(READY): pyproject.toml setup.py scripts/setup.sh fastoptim/kernels/fused_cpu.c
 	bash scripts/setup.sh
 	touch $@

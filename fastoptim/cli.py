@@ -6,6 +6,7 @@ import torch
 
 import fastoptim
 from fastoptim import engines
+from fastoptim.kernels import fused_cpu
 
 
 def info(_args):
@@ -13,6 +14,7 @@ def info(_args):
     print(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}, GPU {'yes' if torch.cuda.is_available() else 'no'})")
     print(f"threads {torch.get_num_threads()}")
     print(f"engines {', '.join(engines.AVAILABLE)}")
+    print(f"fused CPU kernel {'built' if fused_cpu.AVAILABLE else 'not built: fused=True falls back to foreach'}")
     print(f"triton {'installed' if importlib.util.find_spec('triton') else 'not installed'}")
 
 
@@ -39,7 +41,8 @@ def main(argv=None):
     b.add_argument("--models", nargs="+", default=["gpt2-124m"])
     b.add_argument("--optimizers", nargs="+",
                    default=["torch-adamw-foreach", "torch-adamw-fused", "adamw-loop", "adamw-foreach",
-                            "adan-loop", "adan-foreach"])
+                            "adamw-fused-single", "adamw-fused-multi", "adan-loop", "adan-foreach",
+                            "adan-fused-single", "adan-fused-multi"])
     b.add_argument("--steps", type=int, default=3)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--threads", type=int, default=torch.get_num_threads())

@@ -18,6 +18,10 @@ def global_grad_norm(grads):
     return torch.stack(squares).sum().sqrt()
 
 
-def clip_coefficient(grads, max_norm, eps):
-    """``min(1, max_norm / (norm + eps))``, the factor official Adan scales every gradient by."""
-    return (max_norm / (global_grad_norm(grads) + eps)).clamp(max=1.0)
+def clip_coefficient(grads, max_norm, eps, inv_scale=None):
+    """``min(1, max_norm / (norm + eps))``, the factor official Adan scales every gradient by.
+    ``inv_scale`` (GradScaler's 1/scale, a tensor) unscales the norm of still-scaled grads."""
+    norm = global_grad_norm(grads)
+    if inv_scale is not None:
+        norm = norm * inv_scale
+    return (max_norm / (norm + eps)).clamp(max=1.0)

@@ -1,4 +1,16 @@
-"""Grouping of tensors into buckets that one engine call can take: one device and one dtype each."""
+"""Grouping of tensors for one engine call, and the tables a fused kernel walks.
+
+A bucket holds one device and one dtype. A fused kernel reads a :class:`PointerTable`: the data
+pointers of every tensor by role, and a chunk plan that cuts all tensors into fixed-size chunks,
+so threads share the work of many small tensors as evenly as that of one large one. The table is
+built once and kept while the parameters' storages stay the same; only the gradients' pointers,
+which change whenever grads are set to None and recomputed, are refreshed every step.
+"""
+import operator
+
+import numpy as np
+
+CHUNK_NUMEL = 1 << 15  # 128 KiB of fp32 per stream: large enough to amortise, small enough to balance
 
 
 def buckets(params):
@@ -7,3 +19,57 @@ def buckets(params):
     for i, param in enumerate(params):
         groups.setdefault((param.device, param.dtype), []).append(i)
     return list(groups.values())
+
+
+def is_dense(tensor):
+    """Whether ``tensor``'s elements fill its storage span with no gaps or overlaps, in any order
+    of dimensions (contiguous, channels_last, a transpose...), so it can be walked as a flat array."""
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def chunk_plan(numels, chunk_numel=CHUNK_NUMEL):
+    """Rows (tensor, first element, element count) covering every tensor in chunks of at most
+    ``chunk_numel`` elements, and each tensor's first row (one more entry than tensors)."""
+    numels = np.asarray(numels, dtype=np.int64)
+    counts = -(-numels // chunk_numel)  # empty tensors get no chunk
+    first_chunk = np.concatenate([[0], np.cumsum(counts)])
+    tensor = np.repeat(np.arange(len(numels)), counts)
+    start = (np.arange(first_chunk[-1]) - first_chunk[tensor]) * chunk_numel
+    count = np.minimum(chunk_numel, numels[tensor] - start)
+    return np.ascontiguousarray(np.stack([tensor, start, count], axis=1), dtype=np.int64), first_chunk
+
+
+def data_pointers(tensors):
+    return np.fromiter((t.data_ptr() for t in tensors), dtype=np.int64, count=len(tensors))
+
+
+class PointerTable:
+    """The data pointers of a bucket's tensors, one row per role in ``roles`` order (a role the
+    bucket lacks is a row of zeros), and the chunk plan over them. It keeps the tensors it points
+    into alive, so a stale table can never point into freed memory."""
+
+    def __init__(self, tensors, roles):
+        self.roles = roles
+        self.kept = {role: list(tensors[role]) for role in roles if role in tensors and role != "grad"}
+        self.param_pointers = data_pointers(tensors["param"])
+        self.pointers = np.zeros((len(roles), len(tensors["param"])), dtype=np.int64)
+        for row, role in enumerate(roles):
+            if role in tensors:
+                self.pointers[row] = data_pointers(tensors[role])
+        self.chunks, self.first_chunk = chunk_plan([t.numel() for t in tensors["param"]])
+
+    def describes(self, tensors, roles):
+        """Whether this table is still right for ``tensors``: the same param and state tensors, and
+        the params' storages unchanged (``param.data = ...`` and ``to()`` keep the object)."""
+        return (roles == self.roles and self.kept.keys() == {r for r in roles if r in tensors and r != "grad"}
+                and all(len(tensors[r]) == len(kept) and all(map(operator.is_, tensors[r], kept))
+                        for r, kept in self.kept.items())
+                and np.array_equal(data_pointers(tensors["param"]), self.param_pointers))
+
+    def refresh_grads(self, grads):
+        self.pointers[self.roles.index("grad")] = data_pointers(grads)

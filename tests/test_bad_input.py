@@ -65,12 +65,6 @@ def test_empty_param_list_is_refused(cls):
 
 
 @pytest.mark.parametrize("cls", OPTIMIZERS)
-def test_fused_is_refused_at_construction_until_it_lands(cls):
-    with pytest.raises(NotImplementedError, match="fused"):
-        cls(oracle.make_params(), fused=True)
-
-
-@pytest.mark.parametrize("cls", OPTIMIZERS)
 def test_complex_params_are_refused(cls):
     with pytest.raises(ValueError, match="complex"):
         cls([torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))])

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import fastoptim
+from fastoptim.bench.peers import timm_adan_class
 
 from . import oracle
 
@@ -45,7 +46,7 @@ def test_adan_matches_timm(no_prox, timm_foreach):
     grads = oracle.grad_sequence(oracle.SHAPES, STEPS)
     options = dict(lr=0.01, betas=(0.98, 0.92, 0.99), eps=1e-8, weight_decay=0.02, no_prox=no_prox)
     oracle.run(fastoptim.Adan(params, foreach=False, **options), params, grads)
-    oracle.run(oracle.timm_adan_class()(peer_params, foreach=timm_foreach, **options), peer_params, grads)
+    oracle.run(timm_adan_class()(peer_params, foreach=timm_foreach, **options), peer_params, grads)
     assert oracle.relative_error(params, peer_params) < 1e-5
 
 
@@ -79,7 +80,7 @@ def test_adan_resumes_a_timm_checkpoint_on_the_same_trajectory():
     params = oracle.make_params()
     peer_params = [p.detach().clone().requires_grad_() for p in params]
     grads = oracle.grad_sequence(oracle.SHAPES, STEPS)
-    peer = oracle.timm_adan_class()(peer_params, lr=0.01, weight_decay=0.02)
+    peer = timm_adan_class()(peer_params, lr=0.01, weight_decay=0.02)
     oracle.run(peer, peer_params, grads[:10])
     with torch.no_grad():
         for p, q in zip(params, peer_params):
@@ -97,7 +98,7 @@ def test_adan_restart_opt_matches_timm():
     peer_params = [p.detach().clone().requires_grad_() for p in params]
     grads = oracle.grad_sequence(oracle.SHAPES, STEPS)
     opt = fastoptim.Adan(params, lr=0.01)
-    peer = oracle.timm_adan_class()(peer_params, lr=0.01)
+    peer = timm_adan_class()(peer_params, lr=0.01)
     for optimizer, ps in ((opt, params), (peer, peer_params)):
         oracle.run(optimizer, ps, grads[:5])
         optimizer.restart_opt()

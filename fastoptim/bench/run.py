@@ -9,7 +9,8 @@ import fastoptim
 from . import memory
 from .shapes import MODELS
 
-ENGINES = {"loop": dict(foreach=False, fused=False), "foreach": dict(foreach=True, fused=False)}
+ENGINES = {"loop": dict(foreach=False, fused=False), "foreach": dict(foreach=True, fused=False),
+           "fused-single": dict(foreach=False, fused=True), "fused-multi": dict(foreach=True, fused=True)}
 
 
 def optimizers():

@@ -1,10 +1,13 @@
-"""How a step executes. Every engine runs an optimizer's ``update`` (its math, written once in
-``fastoptim/optimizers``) over a :class:`Plan`; engines differ only in how they walk the tensors."""
+"""How a step executes. Every engine runs an optimizer's math (its ``update``, written once in
+``fastoptim/optimizers``, or the fused kernel that restates it) over a :class:`Plan`; engines differ
+only in how they walk the tensors."""
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
-from . import foreach, loop
+from ..kernels import fused_cpu
+from . import foreach, fused, loop
 
 
 @dataclass
@@ -14,21 +17,39 @@ class Plan:
     ``tensors`` maps a role (``param``, ``grad``, ``exp_avg``, ...) to one tensor per parameter.
     ``args`` holds the rest of ``update``'s keyword arguments: Python numbers and bools, 0-d tensors
     shared by every parameter, or 1-d tensors with one entry per parameter (named in ``per_tensor``).
+    The fused engines also read ``found_inf`` (GradScaler's, or None), ``stochastic_rounding``,
+    ``warn_fallback`` (fused was asked for, not picked) and ``cache`` (a dict they keep their
+    pointer table in, owned by the optimizer, which empties it when states are replaced).
     """
 
     tensors: dict[str, list[Tensor]]
     args: dict = field(default_factory=dict)
     per_tensor: frozenset = frozenset()
+    found_inf: Tensor | None = None
+    stochastic_rounding: bool = False
+    warn_fallback: bool = False
+    cache: dict = field(default_factory=dict)
 
     def __len__(self):
         return len(self.tensors["param"])
 
+    def subset(self, indices):
+        """The plan restricted to tensors ``indices`` (with a cache of its own)."""
+        index = torch.tensor(indices, device=self.tensors["param"][0].device)
+        return Plan({role: [tensors[i] for i in indices] for role, tensors in self.tensors.items()},
+                    {k: v[index] if k in self.per_tensor else v for k, v in self.args.items()},
+                    self.per_tensor, self.found_inf, self.stochastic_rounding, self.warn_fallback)
 
-AVAILABLE = {"loop": loop.run, "foreach": foreach.run}
+
+AVAILABLE = {"loop": loop.run, "foreach": foreach.run, "fused-single": fused.run_single, "fused-multi": fused.run_multi}
+FUSED = frozenset({"fused-single", "fused-multi"})
 
 
 def engine_name(foreach, fused):
-    """The engine that a group's ``foreach``/``fused`` flags select, as the seeds choose it."""
+    """The engine that a group's ``foreach``/``fused`` flags select, as the seeds choose them:
+    ``fused=True`` is multi-tensor unless ``foreach=False``; with both None, the fastest there is."""
     if fused:
-        raise NotImplementedError("fused=True: the fused engines are not available yet; use fused=None or False")
+        return "fused-single" if foreach is False else "fused-multi"
+    if fused is None and foreach is None:
+        return "fused-multi" if fused_cpu.AVAILABLE else "foreach"
     return "loop" if foreach is False else "foreach"

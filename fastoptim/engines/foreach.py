@@ -6,7 +6,7 @@ temporaries the size of all parameters.
 """
 import torch
 
-from .ops import FOREACH_OPS
+from .ops import FOREACH_OPS, round_into
 
 CHUNK_NUMEL = 1 << 22
 
@@ -23,7 +23,7 @@ def slices(tensors, limit=CHUNK_NUMEL):
         yield slice(start, len(tensors))
 
 
-def run(update, plan):
+def run(algorithm, plan):
     for part in slices(plan.tensors["param"]):
         tensors = {role: tensors[part] for role, tensors in plan.tensors.items()}
         params = tensors["param"]
@@ -36,6 +36,9 @@ def run(update, plan):
             for name, value in plan.args.items()
         }
         scratch = [torch.empty_like(p) for p in tensors["param"]]
-        update(FOREACH_OPS, scratch=scratch, **tensors, **args)
-        if low_precision:
+        algorithm.update(FOREACH_OPS, scratch=scratch, **tensors, **args)
+        if low_precision and plan.stochastic_rounding:
+            for param, result in zip(params, tensors["param"]):
+                round_into(param, result, stochastic=True)
+        elif low_precision:
             torch._foreach_copy_(params, tensors["param"])

@@ -1,16 +1,16 @@
 """The loop engine (``foreach=False, fused=False``): the readable reference, one tensor at a time."""
 import torch
 
-from .ops import TENSOR_OPS
+from .ops import TENSOR_OPS, round_into
 
 
-def run(update, plan):
+def run(algorithm, plan):
     for i in range(len(plan)):
         tensors = {role: tensors[i] for role, tensors in plan.tensors.items()}
         param = tensors["param"]
         if param.dtype != torch.float32:  # the math is fp32; the write-back rounds to nearest even
             tensors["param"], tensors["grad"] = param.float(), tensors["grad"].float()
         args = {name: value[i] if name in plan.per_tensor else value for name, value in plan.args.items()}
-        update(TENSOR_OPS, scratch=torch.empty_like(tensors["param"]), **tensors, **args)
+        algorithm.update(TENSOR_OPS, scratch=torch.empty_like(tensors["param"]), **tensors, **args)
         if tensors["param"] is not param:
-            param.copy_(tensors["param"])
+            round_into(param, tensors["param"], plan.stochastic_rounding)

@@ -38,7 +38,8 @@ class AdamW(FastOptimizer):
     """AdamW with torch.optim.AdamW's signature and results (see :func:`adamw_update`).
 
     Beyond torch's arguments, ``max_grad_norm > 0`` clips every gradient by the global norm over all
-    groups, as :class:`fastoptim.Adan` does. ``foreach``/``fused`` choose the engine. State per
+    groups, as :class:`fastoptim.Adan` does, and ``stochastic_rounding=True`` rounds bf16 params
+    stochastically (see :class:`fastoptim.Adan`). ``foreach``/``fused`` choose the engine. State per
     parameter is torch's: ``step`` (0-d fp32 tensor), ``exp_avg``, ``exp_avg_sq`` and, with amsgrad,
     ``max_exp_avg_sq``, all fp32; torch AdamW state dicts load as they are.
     """
@@ -46,11 +47,13 @@ class AdamW(FastOptimizer):
     n_betas = 2
     update = staticmethod(adamw_update)
     optional_state = frozenset()
+    kernel = "adamw"
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, foreach=None, fused=None, max_grad_norm=0.0):
+                 maximize=False, foreach=None, fused=None, max_grad_norm=0.0, stochastic_rounding=False):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-                        foreach=foreach, fused=fused, max_grad_norm=max_grad_norm)
+                        foreach=foreach, fused=fused, max_grad_norm=max_grad_norm,
+                        stochastic_rounding=stochastic_rounding)
         super().__init__(params, defaults)
 
     def _state_roles(self, group):
@@ -59,7 +62,7 @@ class AdamW(FastOptimizer):
     def _expected_state(self, group, param):
         return {"step": torch.Size([])} | {role: param.shape for role in self._state_roles(group)}
 
-    def _ensure_state(self, param, group, grad_scale):
+    def _ensure_state(self, param, group):
         state = self.state[param]
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
@@ -68,9 +71,9 @@ class AdamW(FastOptimizer):
                 state[role] = torch.zeros_like(param, dtype=torch.float32)
         return state
 
-    def _step_arguments(self, group, params, states, grad_scale):
+    def _step_arguments(self, group, params, states, grad_scale, increment):
         steps = [state["step"] for state in states]
-        torch._foreach_add_(steps, 1)
+        torch._foreach_add_(steps, increment)
         t = torch.stack(steps).to(torch.float64)  # one count per param, as torch; 1 − β^t needs fp64
         beta1, beta2 = group["betas"]
         lr = group["lr"]
@@ -78,3 +81,10 @@ class AdamW(FastOptimizer):
                     grad_scale=grad_scale, step_size=(lr / (1 - beta1**t)).float(),
                     bias_correction2_sqrt=(1 - beta2**t).sqrt().float())
         return args, {"step_size", "bias_correction2_sqrt"}
+
+    @staticmethod
+    def kernel_scalars(args):
+        """``adamw_update``'s arguments as the fused kernels take them."""
+        return {name: args[name] for name in ("beta1", "beta2", "eps", "step_size", "bias_correction2_sqrt")} | dict(
+            grad_scale=1.0 if args["grad_scale"] is None else args["grad_scale"],
+            decay_mul=1 - args["lr"] * args["weight_decay"])

@@ -5,12 +5,12 @@ from .base import FastOptimizer
 
 
 def adan_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_grad,
-                beta1, beta2, beta3, eps, lr, weight_decay, no_prox, grad_scale,
+                beta1, beta2, beta3, eps, lr, weight_decay, no_prox, grad_scale, pre_grad_weight,
                 bias_correction3_sqrt, step_size, diff_ratio):
     """One Adan step; betas follow the official code's convention (1 − the paper's)::
 
         g      = grad · grad_scale           (the clip coefficient, negated to maximize; None: 1)
-        d      = g − g_prev                  (g_prev = g at step 1, so d = 0 there)
+        d      = w·(g − g_prev)              (w = pre_grad_weight: 0 at step 1, where g_prev = g; then 1)
         m      = β1·m + (1−β1)·g             exp_avg
         v      = β2·v + (1−β2)·d             exp_avg_diff
         n      = β3·n + (1−β3)·(g + β2·d)²   exp_avg_sq
@@ -24,7 +24,8 @@ def adan_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, exp_avg_diff,
     """
     ops.copy_(scratch, grad)
     ops.mul_(scratch, -1.0 if grad_scale is None else -grad_scale)  # scratch = −g
-    ops.sub_(neg_pre_grad, scratch)  # d
+    ops.sub_(neg_pre_grad, scratch)
+    ops.mul_(neg_pre_grad, pre_grad_weight)  # d
     ops.mul_(exp_avg, beta1)
     ops.sub_(exp_avg, scratch, alpha=1 - beta1)
     ops.mul_(exp_avg_diff, beta2)
@@ -63,9 +64,13 @@ class Adan(FastOptimizer):
             with the norm taken over all groups; the clipped gradient is what the state remembers.
             The coefficient stays a tensor. It is global, so it is set here, not per group.
         no_prox: decoupled weight decay ``p·(1 − lr·wd) − update`` instead of ``(p − update)/(1 + lr·wd)``.
-        foreach, fused: the engine, as torch chooses it: ``foreach=False`` the loop engine,
-            ``foreach=True`` the foreach engine, ``None`` the fastest available.
+        foreach, fused: the engine, as the seeds choose it: ``foreach=False`` the loop engine,
+            ``foreach=True`` the foreach engine, ``fused=True`` the fused kernel (multi-tensor,
+            or one call per tensor with ``foreach=False``), both None the fastest available.
         maximize: maximize the objective instead of minimizing it.
+        stochastic_rounding: for bf16 params, round each updated value up or down at random, with
+            the probability of its distance, instead of to nearest even: small updates then add
+            up over steps instead of vanishing. No effect on other dtypes.
 
     State: per parameter ``exp_avg``, ``exp_avg_sq``, ``exp_avg_diff`` and ``neg_pre_grad`` (fp32, the
     official and timm keys); the step count is ``group['step']``, a 0-d fp32 tensor. State dicts of
@@ -75,12 +80,15 @@ class Adan(FastOptimizer):
     n_betas = 3
     update = staticmethod(adan_update)
     state_roles = ("exp_avg", "exp_avg_sq", "exp_avg_diff", "neg_pre_grad")
-    optional_state = frozenset({"neg_pre_grad"})  # absent after restart_opt until the next step
+    optional_state = frozenset({"neg_pre_grad"})  # step 1 does not read it
+    kernel = "adan"
 
     def __init__(self, params, lr=1e-3, betas=(0.98, 0.92, 0.99), eps=1e-8, weight_decay=0.0,
-                 max_grad_norm=0.0, no_prox=False, foreach=None, fused=None, *, maximize=False):
+                 max_grad_norm=0.0, no_prox=False, foreach=None, fused=None, *, maximize=False,
+                 stochastic_rounding=False):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
-                        no_prox=no_prox, foreach=foreach, fused=fused, maximize=maximize)
+                        no_prox=no_prox, foreach=foreach, fused=fused, maximize=maximize,
+                        stochastic_rounding=stochastic_rounding)
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -91,6 +99,7 @@ class Adan(FastOptimizer):
             for param in group["params"]:
                 if param.requires_grad:
                     self.state[param].clear()
+        self._forget_engine_caches()
 
     def _state_roles(self, group):
         return self.state_roles
@@ -98,33 +107,38 @@ class Adan(FastOptimizer):
     def _expected_state(self, group, param):
         return {role: param.shape for role in self.state_roles}
 
-    def _ensure_state(self, param, group, grad_scale):
+    def _ensure_state(self, param, group):
         state = self.state[param]
-        if not state:
-            for role in ("exp_avg", "exp_avg_sq", "exp_avg_diff"):
+        for role in self.state_roles:
+            if role not in state:
                 state[role] = torch.zeros_like(param, dtype=torch.float32)
-        if "neg_pre_grad" not in state:  # at step 1, g_prev = g
-            state["neg_pre_grad"] = param.grad.to(torch.float32) * (-1.0 if grad_scale is None else -grad_scale)
         return state
 
-    def _step_arguments(self, group, params, states, grad_scale):
+    def _step_arguments(self, group, params, states, grad_scale, increment):
         if "step" not in group:
             group["step"] = torch.zeros((), dtype=torch.float32, device=params[0].device)
-        group["step"] += 1
+        group["step"] += increment
         t = group["step"].to(torch.float64)  # 1 − β^t in fp32 would lose digits; fp32 scalars keep ops fast
         beta1, beta2, beta3 = group["betas"]
         lr = group["lr"]
         args = dict(beta1=beta1, beta2=beta2, beta3=beta3, eps=group["eps"], lr=lr,
                     weight_decay=group["weight_decay"], no_prox=group["no_prox"], grad_scale=grad_scale,
+                    pre_grad_weight=(t > 1).float(),
                     bias_correction3_sqrt=(1 - beta3**t).sqrt().float(), step_size=(lr / (1 - beta1**t)).float(),
                     diff_ratio=(beta2 * (1 - beta1**t) / (1 - beta2**t)).float())
         return args, ()
+
+    @staticmethod
+    def kernel_scalars(args):
+        """``adan_update``'s arguments as the fused kernels take them: weight decay as a factor
+        before the update and a divisor after it (1 where it does not apply)."""
+        decay = args["lr"] * args["weight_decay"]
+        return {name: args[name] for name in ("beta1", "beta2", "beta3", "eps", "pre_grad_weight",
+                                               "bias_correction3_sqrt", "step_size", "diff_ratio")} | dict(
+            grad_scale=1.0 if args["grad_scale"] is None else args["grad_scale"],
+            decay_mul=1 - decay if args["no_prox"] else 1.0, decay_div=1.0 if args["no_prox"] else 1 + decay)
 
     def _convert_saved_group(self, group, device):
         if "step" in group:  # official and timm keep an integer
             group["step"] = torch.as_tensor(group["step"], dtype=torch.float32).to(device, copy=True)
 
-    def _convert_saved_state(self, state, group):
-        if "step" in group and group["step"].item() == 0:  # official re-reads g_prev at step 1
-            state.pop("neg_pre_grad", None)
-        return state

@@ -31,6 +31,9 @@ def check_hyperparameters(group, n_betas):
     for flag in ("foreach", "fused"):
         if group[flag] not in (None, True, False):
             raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be None, True or False)")
+    for flag in ("maximize", "stochastic_rounding"):
+        if not isinstance(group[flag], bool):
+            raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be True or False)")
 
 
 class FastOptimizer(torch.optim.Optimizer):
@@ -67,6 +70,10 @@ class FastOptimizer(torch.optim.Optimizer):
 
     # --- step -----------------------------------------------------------------------------------
 
+    # GradScaler hands its scale and found_inf to step() (as attributes) instead of unscaling the
+    # grads itself: the fused kernels consume them in the same pass, with no host sync.
+    _step_supports_amp_scaling = True
+
     @torch.no_grad()
     def step(self, closure=None):
         """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
@@ -78,12 +85,19 @@ class FastOptimizer(torch.optim.Optimizer):
         grads = [param.grad for _, params in work for param in params]
         if not grads:
             return loss
+        amp_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        fused = {engines.engine_name(group["foreach"], group["fused"]) in engines.FUSED for group, _ in work}
+        if found_inf is not None and fused != {True}:
+            if found_inf.item():  # the loop and foreach engines cannot skip without looking
+                return loss
+            found_inf = None
+        inv_scale = None if amp_scale is None else amp_scale.double().reciprocal().float()
         max_norm = self.defaults["max_grad_norm"]
         # Official Adan takes eps for the clip from the last group.
-        clip = clip_coefficient(grads, max_norm, self.param_groups[-1]["eps"]) if max_norm > 0 else None
-        for group, params in work:
+        clip = clip_coefficient(grads, max_norm, self.param_groups[-1]["eps"], inv_scale) if max_norm > 0 else None
+        for index, (group, params) in enumerate(work):
             if params:
-                self._step_group(group, params, clip)
+                self._step_group(index, group, params, self._grad_scale(group, clip, inv_scale), found_inf)
         return loss
 
     def _params_with_grad(self, group):
@@ -103,27 +117,34 @@ class FastOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"{name}: all params of a group must be on one device")
         return params
 
-    def _step_group(self, group, params, clip):
-        grad_scale = self._grad_scale(group, clip)
-        states = [self._ensure_state(param, group, grad_scale) for param in params]
-        args, per_tensor = self._step_arguments(group, params, states, grad_scale)
+    def _step_group(self, index, group, params, grad_scale, found_inf):
+        states = [self._ensure_state(param, group) for param in params]
+        increment = 1 if found_inf is None else 1 - found_inf  # a skipped step does not count
+        args, per_tensor = self._step_arguments(group, params, states, grad_scale, increment)
         roles = self._state_roles(group)
-        run = engines.AVAILABLE[engines.engine_name(group["foreach"], group["fused"])]
+        engine = engines.engine_name(group["foreach"], group["fused"])
+        caches = self.__dict__.setdefault("_engine_caches", {})
+        tensors = {"param": params, "grad": [param.grad for param in params]}
+        tensors |= {role: [state[role] for state in states] for role in roles}
+        plan = engines.Plan(tensors, args, frozenset(per_tensor), found_inf, group["stochastic_rounding"],
+                            warn_fallback=group["fused"] is True)
         for bucket in buckets(params):
-            tensors = {"param": [params[i] for i in bucket], "grad": [params[i].grad for i in bucket]}
-            tensors |= {role: [states[i][role] for i in bucket] for role in roles}
-            if len(bucket) < len(params):
-                index = torch.tensor(bucket, device=params[0].device)
-                bucket_args = {k: v[index] if k in per_tensor else v for k, v in args.items()}
-            else:
-                bucket_args = args
-            run(self.update, engines.Plan(tensors, bucket_args, frozenset(per_tensor)))
+            part = plan if len(bucket) == len(params) else plan.subset(bucket)
+            first = params[bucket[0]]
+            part.cache = caches.setdefault((index, first.device, first.dtype), {})
+            engines.AVAILABLE[engine](self, part)
 
-    def _grad_scale(self, group, clip):
-        """What the gradient is multiplied by (the clip coefficient, negated to maximize), or None for 1."""
-        if clip is None:
-            return -1.0 if group["maximize"] else None
-        return -clip if group["maximize"] else clip
+    def _grad_scale(self, group, clip, inv_scale):
+        """What the gradient is multiplied by: the clip coefficient, GradScaler's 1/scale, and −1
+        to maximize; None for 1."""
+        scale = clip if inv_scale is None else inv_scale if clip is None else clip * inv_scale
+        if group["maximize"]:
+            return -1.0 if scale is None else -scale
+        return scale
+
+    def _forget_engine_caches(self):
+        """The fused engines' pointer tables point at the states: drop them when states are replaced."""
+        self.__dict__.pop("_engine_caches", None)
 
     # --- state dicts ----------------------------------------------------------------------------
 
@@ -168,6 +189,7 @@ class FastOptimizer(torch.optim.Optimizer):
                 new_state[saved_id], sources[param] = state, state
             new_groups.append(merged)
         super().load_state_dict({"state": new_state, "param_groups": new_groups})
+        self._forget_engine_caches()
         for param, state in sources.items():  # torch casts states to the param's dtype; keep fp32
             self.state[param].update(state)
 

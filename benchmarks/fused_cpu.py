@@ -1,0 +1,107 @@
+"""The fused CPU engine against the other engines, torch, timm and a bandwidth probe.
+
+Prints, for GPT-2 124M shapes and for 2000 tensors of 1,000-5,000 elements (fp32), the median step
+time of every engine of Adan and AdamW, of torch's AdamW foreach and fused and of timm's Adan, all
+measured in one run with interleaved repeats. The probe is a C loop with Adan's traffic (6 fp32
+reads and 5 writes per element) and trivial math; each fused engine's bandwidth is reported as a
+fraction of the probe's. Usage: python benchmarks/fused_cpu.py [--threads 2] [--repeats 5]
+"""
+import argparse
+import statistics
+import time
+
+import torch
+
+import fastoptim
+from fastoptim.bench.peers import timm_adan_class
+from fastoptim.bench.shapes import MODELS
+from fastoptim.kernels import fused_cpu
+from fastoptim.multi_tensor import PointerTable
+
+ENGINES = {"loop": dict(foreach=False, fused=False), "foreach": dict(foreach=True, fused=False),
+           "fused-single": dict(foreach=False, fused=True), "fused-multi": dict(foreach=True, fused=True)}
+ADAN_BYTES = 44  # per fp32 element: 6 reads + 5 writes
+
+
+def steppers(shapes):
+    """A step function per candidate. To fit in memory, all share one set of params and grads,
+    and the engines of one optimizer share its states (the engine flags are switched per step)."""
+    generator = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=generator) * 0.02) for s in shapes]
+    for param in params:
+        param.grad = torch.randn(param.shape, generator=generator) * 1e-3
+    options = dict(lr=1e-4, weight_decay=0.02)
+    table = {}
+    for cls, engines in ((fastoptim.Adan, ENGINES), (fastoptim.AdamW, ENGINES),
+                         (torch.optim.AdamW, {"foreach": dict(foreach=True), "fused": dict(fused=True)})):
+        optimizer = cls(params, **options)
+        prefix = "torch-adamw" if cls is torch.optim.AdamW else cls.__name__.lower()
+        for engine, flags in engines.items():
+            table[f"{prefix}-{engine}"] = with_flags(optimizer, dict(foreach=None, fused=None) | flags)
+    table["timm-adan"] = timm_adan_class()(params, foreach=True, **options).step
+    for step in table.values():
+        step()  # allocate states outside the timing
+    return table, params
+
+
+def with_flags(optimizer, flags):
+    def step():
+        optimizer.param_groups[0].update(flags)
+        optimizer.step()
+    return step
+
+
+def probe_stepper(params):
+    """One call of the C probe over six fp32 buffers per param (the params, grads and four more),
+    in the fused engine's chunk plan."""
+    roles = fused_cpu.ROLES["adan"]
+    tensors = {"param": params, "grad": [p.grad for p in params]}
+    tensors |= {role: [torch.zeros_like(p) for p in params] for role in roles[2:]}
+    table = PointerTable(tensors, roles)
+    return lambda: fused_cpu.probe(table.pointers, len(params), table.chunks, torch.get_num_threads())
+
+
+def measure(steppers, repeats, steps):
+    samples = {name: [] for name in steppers}
+    for _ in range(repeats):
+        for name, step in steppers.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            samples[name].append((time.perf_counter() - start) / steps)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def report(model, repeats, steps):
+    shapes = MODELS[model]()
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    table, params = steppers(shapes)
+    table["probe (Adan traffic)"] = probe_stepper(params)
+    seconds = measure(table, repeats, steps)
+    probe = seconds["probe (Adan traffic)"]
+    print(f"\n{model}: {len(shapes)} tensors, {numel / 1e6:.1f}M elements, "
+          f"probe {ADAN_BYTES * numel / probe / 1e9:.1f} GB/s")
+    print("| step | ms | vs adan-foreach | vs torch-adamw-fused | of probe bandwidth |")
+    print("|---|---|---|---|---|")
+    for name, s in seconds.items():
+        bandwidth = f"{probe / s:.2f}" if name.startswith("adan-fused") or name.startswith("probe") else ""
+        print(f"| {name} | {s * 1e3:.1f} | {seconds['adan-foreach'] / s:.2f}x | "
+              f"{seconds['torch-adamw-fused'] / s:.2f}x | {bandwidth} |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--models", nargs="+", default=["gpt2-124m", "small-tensors"])
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"fastoptim {fastoptim.__version__}, torch {torch.__version__}, {args.threads} threads, fp32, "
+          f"median of {args.repeats} interleaved repeats of {args.steps} steps")
+    for model in args.models:
+        report(model, args.repeats, args.steps)
+
+
+if __name__ == "__main__":
+    main()

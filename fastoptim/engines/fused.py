@@ -1,0 +1,110 @@
+"""The fused CPU engine (``fused=True``): the C kernel of ``fastoptim/kernels/fused_cpu.c``.
+
+Multi-tensor (``foreach=True``, the default with ``fused=True``): one call per bucket updates every
+tensor, parallel over fixed-size chunks across all of them. Single-tensor (``foreach=False``): one
+call per tensor, as the seeds' FusedAdan does. Both read the pointer table and chunk plan cached in
+``plan.cache``; only the gradients' row is refreshed each step.
+
+Tensors the kernel cannot take run on the foreach engine instead, with one warning when fused was
+asked for: no build, a dtype other than fp32/bf16/fp16, a device other than the CPU, or a layout
+where param, grad and states are not dense with the same strides.
+"""
+import warnings
+
+import torch
+
+from ..kernels import fused_cpu
+from ..multi_tensor import PointerTable, is_dense
+from . import foreach
+
+
+def _refusal(param, grad, states):
+    """Why the kernel cannot take this tensor, or None."""
+    if not fused_cpu.AVAILABLE:
+        return "the fused CPU kernel is not built (see the README's set-up)"
+    if param.device.type != "cpu":
+        return f"no fused kernel for {param.device.type} tensors yet"
+    if param.dtype not in fused_cpu.DTYPES:
+        return f"no fused kernel for {param.dtype}"
+    if not is_dense(param) or any(t.stride() != param.stride() for t in (grad, *states)):
+        return "param, grad and states are not dense with the same strides"
+    return None
+
+
+def _split(plan):
+    """Indices the kernel takes, and those left to the foreach engine with the first reason."""
+    state_roles = [role for role in plan.tensors if role not in ("param", "grad")]
+    taken, left, reason = [], [], None
+    for i, (param, grad) in enumerate(zip(plan.tensors["param"], plan.tensors["grad"])):
+        why = _refusal(param, grad, [plan.tensors[role][i] for role in state_roles])
+        (left if why else taken).append(i)
+        reason = reason or why
+    return taken, left, reason
+
+
+def _fallback(algorithm, plan, reason):
+    if plan.warn_fallback:
+        warnings.warn(f"fastoptim: fused=True, but {reason}; those tensors take the foreach engine", stacklevel=4)
+    if plan.found_inf is not None and plan.found_inf.item():  # the foreach engine cannot skip without a sync
+        return
+    foreach.run(algorithm, plan)
+
+
+def _scalars(algorithm, plan):
+    """The kernel's scalars as a ctypes array of (pointer, stride), and the tensors it points into."""
+    values = algorithm.kernel_scalars(plan.args)
+    values |= dict(found_inf=0.0 if plan.found_inf is None else plan.found_inf,
+                   seed=torch.randint(1 << 24, ()) if plan.stochastic_rounding else 0.0)
+    names = fused_cpu.SCALARS[algorithm.kernel]
+    numbers = torch.tensor([0.0 if isinstance(values[n], torch.Tensor) else float(values[n]) for n in names])
+    keep, array = [numbers], (fused_cpu.Scalar * len(names))()
+    for i, name in enumerate(names):
+        value = values[name]
+        if isinstance(value, torch.Tensor):
+            value = value.detach().to(torch.float32).contiguous()
+            keep.append(value)
+            array[i] = fused_cpu.Scalar(value.data_ptr(), 1 if name in plan.per_tensor else 0)
+        else:
+            array[i] = fused_cpu.Scalar(numbers.data_ptr() + 4 * i, 0)
+    return array, keep
+
+
+def _prepare(algorithm, plan):
+    """The indices the kernel takes, those left to foreach (and why), and the pointer table of the
+    taken ones: cached while the tensors, their storages and their layouts stay the same."""
+    roles = fused_cpu.ROLES[algorithm.kernel]
+    params, grads = plan.tensors["param"], plan.tensors["grad"]
+    cached = plan.cache.get("prepared")
+    if (cached is None or not cached[0].describes(plan.tensors, roles)
+            or any(grads[i].stride() != params[i].stride() for i in cached[1])):
+        taken, left, reason = _split(plan)
+        table = PointerTable({role: [t[i] for i in taken] for role, t in plan.tensors.items()}, roles)
+        whole = PointerTable(plan.tensors, roles) if left else table  # what the cache is checked against
+        cached = plan.cache["prepared"] = (whole, taken, left, reason, table)
+    _, taken, left, reason, table = cached
+    table.refresh_grads([grads[i] for i in taken] if left else grads)
+    return taken, left, reason, table
+
+
+def _run(algorithm, plan, per_tensor_calls):
+    taken, left, reason, table = _prepare(algorithm, plan)
+    if left:
+        _fallback(algorithm, plan.subset(left), reason)
+        if not taken:
+            return
+        plan = plan.subset(taken)
+    scalars, _keep = _scalars(algorithm, plan)
+    flags = (fused_cpu.AMSGRAD if "max_exp_avg_sq" in plan.tensors else 0) | (
+        fused_cpu.STOCHASTIC_ROUNDING if plan.stochastic_rounding else 0)
+    ranges = zip(table.first_chunk[:-1], table.first_chunk[1:]) if per_tensor_calls else [(0, len(table.chunks))]
+    for chunk_range in ranges:
+        fused_cpu.run(algorithm.kernel, table.pointers, len(plan), table.chunks, chunk_range, scalars,
+                      plan.tensors["param"][0].dtype, flags, torch.get_num_threads())
+
+
+def run_multi(algorithm, plan):
+    _run(algorithm, plan, per_tensor_calls=False)
+
+
+def run_single(algorithm, plan):
+    _run(algorithm, plan, per_tensor_calls=True)

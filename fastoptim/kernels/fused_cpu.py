@@ -1,0 +1,67 @@
+"""ctypes binding of the fused CPU kernels in ``fused_cpu.c``.
+
+Each kernel takes a pointer table (one row of data pointers per role, in ``ROLES`` order), a chunk
+table, and its scalars in ``SCALARS`` order: the names mirror the C enums. ctypes releases the GIL
+for the call.
+"""
+import ctypes
+import importlib.machinery
+from pathlib import Path
+
+import torch
+
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+AMSGRAD, STOCHASTIC_ROUNDING = 1, 2
+
+COMMON_SCALARS = ("found_inf", "seed", "grad_scale")
+ROLES = {
+    "adan": ("param", "grad", "exp_avg", "exp_avg_sq", "exp_avg_diff", "neg_pre_grad"),
+    "adamw": ("param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+}
+SCALARS = {
+    "adan": COMMON_SCALARS + ("beta1", "beta2", "beta3", "eps", "pre_grad_weight", "bias_correction3_sqrt",
+                              "step_size", "diff_ratio", "decay_mul", "decay_div"),
+    "adamw": COMMON_SCALARS + ("beta1", "beta2", "eps", "decay_mul", "step_size", "bias_correction2_sqrt"),
+}
+
+
+class Scalar(ctypes.Structure):
+    """A pointer to fp32 values: one shared value (stride 0) or one per tensor (stride 1)."""
+    _fields_ = [("values", ctypes.c_void_p), ("stride", ctypes.c_int64)]
+
+
+def _load():
+    folder = Path(__file__).parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = folder / f"_fused_cpu{suffix}"
+        if path.exists():
+            library = ctypes.CDLL(str(path))
+            break
+    else:
+        return None
+    common = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+    for name in ROLES:
+        kernel = getattr(library, f"fastoptim_{name}")
+        kernel.argtypes = common + [ctypes.POINTER(Scalar), ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]
+        kernel.restype = ctypes.c_int
+    library.fastoptim_probe.argtypes = common + [ctypes.c_int32]
+    library.fastoptim_probe.restype = ctypes.c_int
+    return library
+
+
+LIBRARY = _load()
+AVAILABLE = LIBRARY is not None
+
+
+def run(kernel, pointers, n_tensors, chunks, chunk_range, scalars, dtype, flags, n_threads):
+    """Run ``kernel`` ('adan' or 'adamw') over chunks ``chunk_range`` of the tables (numpy int64)."""
+    status = getattr(LIBRARY, f"fastoptim_{kernel}")(
+        pointers.ctypes.data, n_tensors, chunks.ctypes.data, chunk_range[0], chunk_range[1],
+        scalars, DTYPES[dtype], flags, n_threads)
+    if status:
+        raise RuntimeError(f"fused CPU kernel {kernel} refused dtype {dtype}")
+
+
+def probe(pointers, n_tensors, chunks, n_threads):
+    """The bandwidth probe: Adan's traffic (6 fp32 reads, 5 writes per element) with trivial math."""
+    LIBRARY.fastoptim_probe(pointers.ctypes.data, n_tensors, chunks.ctypes.data, 0, len(chunks), n_threads)
