@@ -33,15 +33,17 @@ def is_dense(tensor):
 
 
 def chunk_plan(numels, chunk_numel=CHUNK_NUMEL):
-    """Rows (tensor, first element, element count) covering every tensor in chunks of at most
-    ``chunk_numel`` elements, and each tensor's first row (one more entry than tensors)."""
+    """Rows (tensor, first element, element count, elements in all rows before) covering every
+    tensor in chunks of at most ``chunk_numel`` elements, and each tensor's first row (one more
+    entry than tensors). The running count lets a kernel give each thread an equal share."""
     numels = np.asarray(numels, dtype=np.int64)
     counts = -(-numels // chunk_numel)  # empty tensors get no chunk
     first_chunk = np.concatenate([[0], np.cumsum(counts)])
     tensor = np.repeat(np.arange(len(numels)), counts)
     start = (np.arange(first_chunk[-1]) - first_chunk[tensor]) * chunk_numel
     count = np.minimum(chunk_numel, numels[tensor] - start)
-    return np.ascontiguousarray(np.stack([tensor, start, count], axis=1), dtype=np.int64), first_chunk
+    before = np.cumsum(count) - count
+    return np.ascontiguousarray(np.stack([tensor, start, count, before], axis=1), dtype=np.int64), first_chunk
 
 
 def data_pointers(tensors):

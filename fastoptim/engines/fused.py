@@ -9,6 +9,7 @@ Tensors the kernel cannot take run on the foreach engine instead, with one warni
 asked for: no build, a dtype other than fp32/bf16/fp16, a device other than the CPU, or a layout
 where param, grad and states are not dense with the same strides.
 """
+import operator
 import warnings
 
 import torch
@@ -71,28 +72,39 @@ def _scalars(algorithm, plan):
 
 def _prepare(algorithm, plan):
     """The indices the kernel takes, those left to foreach (and why), and the pointer table of the
-    taken ones: cached while the tensors, their storages and their layouts stay the same."""
+    taken ones: cached while the tensors, their storages and their layouts stay the same. The
+    grads' checks and pointers are redone only when they are new tensors."""
     roles = fused_cpu.ROLES[algorithm.kernel]
     params, grads = plan.tensors["param"], plan.tensors["grad"]
     cached = plan.cache.get("prepared")
-    if (cached is None or not cached[0].describes(plan.tensors, roles)
-            or any(grads[i].stride() != params[i].stride() for i in cached[1])):
-        taken, left, reason = _split(plan)
-        table = PointerTable({role: [t[i] for i in taken] for role, t in plan.tensors.items()}, roles)
-        whole = PointerTable(plan.tensors, roles) if left else table  # what the cache is checked against
-        cached = plan.cache["prepared"] = (whole, taken, left, reason, table)
-    _, taken, left, reason, table = cached
-    table.refresh_grads([grads[i] for i in taken] if left else grads)
-    return taken, left, reason, table
+    same_grads = cached is not None and len(cached.grads) == len(grads) and all(map(operator.is_, grads, cached.grads))
+    if cached is None or not cached.whole.describes(plan.tensors, roles) or not (
+            same_grads or all(grads[i].stride() == params[i].stride() for i in cached.taken)):
+        cached = plan.cache["prepared"] = Prepared(plan, roles)
+    elif not same_grads:
+        cached.grads = grads
+        cached.table.refresh_grads([grads[i] for i in cached.taken] if cached.left else grads)
+    return cached
+
+
+class Prepared:
+    """What the kernel takes of a plan, what it leaves to foreach and why, and the pointer tables."""
+
+    def __init__(self, plan, roles):
+        self.grads = plan.tensors["grad"]
+        self.taken, self.left, self.reason = _split(plan)
+        self.table = PointerTable({role: [t[i] for i in self.taken] for role, t in plan.tensors.items()}, roles)
+        self.whole = PointerTable(plan.tensors, roles) if self.left else self.table  # to check the cache against
 
 
 def _run(algorithm, plan, per_tensor_calls):
-    taken, left, reason, table = _prepare(algorithm, plan)
-    if left:
-        _fallback(algorithm, plan.subset(left), reason)
-        if not taken:
+    prepared = _prepare(algorithm, plan)
+    table = prepared.table
+    if prepared.left:
+        _fallback(algorithm, plan.subset(prepared.left), prepared.reason)
+        if not prepared.taken:
             return
-        plan = plan.subset(taken)
+        plan = plan.subset(prepared.taken)
     scalars, _keep = _scalars(algorithm, plan)
     flags = (fused_cpu.AMSGRAD if "max_exp_avg_sq" in plan.tensors else 0) | (
         fused_cpu.STOCHASTIC_ROUNDING if plan.stochastic_rounding else 0)

@@ -1,8 +1,9 @@
 /* Fused CPU kernels: one call updates every tensor of a bucket in one pass over memory.
 
    The work is a table of fixed-size chunks across all tensors (built once in Python and cached):
-   threads take chunks from a shared counter, so 2000 small tensors cost what one large tensor of
-   the same size costs. Each element of each tensor is read once and written once; nothing is
+   each thread takes a run of consecutive chunks holding an equal share of the elements, so 2000
+   small tensors cost what one large tensor of the same size costs, and each thread streams
+   through memory in order, as the hardware prefetcher likes. Each element of each tensor is read once and written once; nothing is
    allocated. Threads are plain pthreads (no second OpenMP runtime beside torch's); ctypes
    releases the GIL for the call.
 
@@ -12,7 +13,6 @@
    by always-inline; the rest (weight decay, prox, maximize, clipping) are scalars. */
 #include <math.h>
 #include <pthread.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -40,13 +40,12 @@ typedef void (*ChunkFn)(const Work *, int64_t tensor, int64_t start, int64_t cou
 struct Work {
     const int64_t *pointers;   /* [role][tensor] data pointers */
     int64_t n_tensors;
-    const int64_t *chunks;     /* [chunk][3]: tensor, first element, element count */
-    int64_t chunk_end;
+    const int64_t *chunks;     /* [chunk][4]: tensor, first element, element count, elements before it */
     const Scalar *scalars;
-    int32_t dtype, flags;
     ChunkFn chunk;
-    _Atomic int64_t next;      /* the next chunk to take */
 };
+
+typedef struct { const Work *work; int64_t chunk_begin, chunk_end; } Share;
 
 /* The streams never overlap (each is its own tensor): tell the vectoriser so. */
 #define IVDEP _Pragma("GCC ivdep")
@@ -184,28 +183,46 @@ ADAMW_CHUNK(adamw_bf16_sr_ams, BF16, 1, 1)
 ADAMW_CHUNK(adamw_fp16_ams, FP16, 0, 1)
 VECTORISED static void probe_fp32(const Work *w, int64_t t, int64_t s, int64_t c) { probe_body(w, t, s, c); }
 
-static void *drain(void *arg) {
-    Work *w = arg;
-    for (int64_t k; (k = atomic_fetch_add_explicit(&w->next, 1, memory_order_relaxed)) < w->chunk_end;)
-        w->chunk(w, w->chunks[3 * k], w->chunks[3 * k + 1], w->chunks[3 * k + 2]);
+static void *work_share(void *arg) {
+    const Share *s = arg;
+    const Work *w = s->work;
+    for (int64_t k = s->chunk_begin; k < s->chunk_end; k++)
+        w->chunk(w, w->chunks[4 * k], w->chunks[4 * k + 1], w->chunks[4 * k + 2]);
     return NULL;
+}
+
+#define MAX_THREADS 256
+
+/* The first chunk in [begin, end) that does not start before element ``target``. */
+static int64_t chunk_at(const int64_t *chunks, int64_t begin, int64_t end, int64_t target) {
+    while (begin < end) {
+        int64_t mid = begin + (end - begin) / 2;
+        if (chunks[4 * mid + 3] < target) begin = mid + 1; else end = mid;
+    }
+    return begin;
 }
 
 /* Runs chunks [chunk_begin, chunk_end) on up to n_threads threads (the caller is one of them). */
 static int run(ChunkFn chunk, const int64_t *pointers, int64_t n_tensors, const int64_t *chunks,
-               int64_t chunk_begin, int64_t chunk_end, const Scalar *scalars, int32_t dtype, int32_t flags,
-               int32_t n_threads) {
+               int64_t chunk_begin, int64_t chunk_end, const Scalar *scalars, int32_t n_threads) {
     if (!chunk) return -1;
     if (scalars && scalars[FOUND_INF].values[0] != 0) return 0;  /* GradScaler found inf: skip */
-    Work w = {pointers, n_tensors, chunks, chunk_end, scalars, dtype, flags, chunk, chunk_begin};
-    int64_t n_chunks = chunk_end - chunk_begin;
-    int helpers = (int)((n_threads < n_chunks ? n_threads : n_chunks) - 1);
-    pthread_t threads[256];
-    if (helpers > 256) helpers = 256;
-    int started = 0;
-    while (started < helpers && pthread_create(&threads[started], NULL, drain, &w) == 0) started++;
-    drain(&w);
-    for (int i = 0; i < started; i++) pthread_join(threads[i], NULL);
+    const Work w = {.pointers = pointers, .n_tensors = n_tensors, .chunks = chunks, .scalars = scalars, .chunk = chunk};
+    int64_t n_chunks = chunk_end - chunk_begin, n = n_threads < n_chunks ? n_threads : n_chunks;
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    if (n < 1) n = 1;
+    Share shares[MAX_THREADS];
+    pthread_t threads[MAX_THREADS];
+    const int64_t first = n_chunks ? chunks[4 * chunk_begin + 3] : 0;
+    const int64_t total = n_chunks ? chunks[4 * (chunk_end - 1) + 3] + chunks[4 * (chunk_end - 1) + 2] - first : 0;
+    for (int64_t k = 0; k < n; k++)
+        shares[k] = (Share){&w, chunk_at(chunks, chunk_begin, chunk_end, first + total * k / n),
+                            chunk_at(chunks, chunk_begin, chunk_end, first + total * (k + 1) / n)};
+    int64_t started = 1;  /* share 0 is the caller's; a thread that fails to start leaves its share to it */
+    for (; started < n && pthread_create(&threads[started], NULL, work_share, &shares[started]) == 0; started++) {}
+    for (int64_t k = started; k < n; k++) work_share(&shares[k]);
+    work_share(&shares[0]);
+    for (int64_t k = 1; k < started; k++) pthread_join(threads[k], NULL);
     return 0;
 }
 
@@ -221,7 +238,7 @@ static ChunkFn pick(ChunkFn fp32, ChunkFn bf16, ChunkFn bf16_sr, ChunkFn fp16, i
 int fastoptim_adan(const int64_t *pointers, int64_t n_tensors, const int64_t *chunks, int64_t chunk_begin,
                    int64_t chunk_end, const Scalar *scalars, int32_t dtype, int32_t flags, int32_t n_threads) {
     ChunkFn chunk = pick(adan_fp32, adan_bf16, adan_bf16_sr, adan_fp16, dtype, flags);
-    return run(chunk, pointers, n_tensors, chunks, chunk_begin, chunk_end, scalars, dtype, flags, n_threads);
+    return run(chunk, pointers, n_tensors, chunks, chunk_begin, chunk_end, scalars, n_threads);
 }
 
 int fastoptim_adamw(const int64_t *pointers, int64_t n_tensors, const int64_t *chunks, int64_t chunk_begin,
@@ -229,10 +246,10 @@ int fastoptim_adamw(const int64_t *pointers, int64_t n_tensors, const int64_t *c
     ChunkFn chunk = flags & AMSGRAD
         ? pick(adamw_fp32_ams, adamw_bf16_ams, adamw_bf16_sr_ams, adamw_fp16_ams, dtype, flags)
         : pick(adamw_fp32, adamw_bf16, adamw_bf16_sr, adamw_fp16, dtype, flags);
-    return run(chunk, pointers, n_tensors, chunks, chunk_begin, chunk_end, scalars, dtype, flags, n_threads);
+    return run(chunk, pointers, n_tensors, chunks, chunk_begin, chunk_end, scalars, n_threads);
 }
 
 int fastoptim_probe(const int64_t *pointers, int64_t n_tensors, const int64_t *chunks, int64_t chunk_begin,
                     int64_t chunk_end, int32_t n_threads) {
-    return run(probe_fp32, pointers, n_tensors, chunks, chunk_begin, chunk_end, NULL, FP32, 0, n_threads);
+    return run(probe_fp32, pointers, n_tensors, chunks, chunk_begin, chunk_end, NULL, n_threads);
 }

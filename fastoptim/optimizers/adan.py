@@ -114,9 +114,9 @@ class Adan(FastOptimizer):
                 state[role] = torch.zeros_like(param, dtype=torch.float32)
         return state
 
-    def _step_arguments(self, group, params, states, grad_scale, increment):
+    def _step_arguments(self, group, entry, grad_scale, increment):
         if "step" not in group:
-            group["step"] = torch.zeros((), dtype=torch.float32, device=params[0].device)
+            group["step"] = torch.zeros((), dtype=torch.float32, device=entry.params[0].device)
         group["step"] += increment
         t = group["step"].to(torch.float64)  # 1 − β^t in fp32 would lose digits; fp32 scalars keep ops fast
         beta1, beta2, beta3 = group["betas"]

@@ -2,6 +2,7 @@
 engine dispatch and state-dict conversion. A subclass states its algorithm: hyperparameters, state
 layout, per-step scalars and ``update``, the math written once."""
 import math
+import operator
 
 import torch
 from torch import Tensor
@@ -34,6 +35,17 @@ def check_hyperparameters(group, n_betas):
     for flag in ("maximize", "stochastic_rounding"):
         if not isinstance(group[flag], bool):
             raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be True or False)")
+
+
+class GroupWork:
+    """One group's step work: its params that have grads (validated against ``all_grads``, the
+    group's grads when it was built), their (device, dtype) buckets, their states, the tensors by
+    role, and what the optimizer's ``_prepare_states`` made of the states (``context``)."""
+
+    def __init__(self, roles, engine):
+        self.roles, self.engine = roles, engine
+        self.all_grads, self.params, self.buckets = [], [], []
+        self.states = self.tensors = self.context = None
 
 
 class FastOptimizer(torch.optim.Optimizer):
@@ -81,34 +93,55 @@ class FastOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = [(group, self._params_with_grad(group)) for group in self.param_groups]  # validates all first
-        grads = [param.grad for _, params in work for param in params]
-        if not grads:
+        caches = self.__dict__.setdefault("_engine_caches", {})
+        work = [(index, group, self._group_work(caches, index, group))  # validates every group first
+                for index, group in enumerate(self.param_groups)]
+        work = [(index, group, entry) for index, group, entry in work if entry.params]
+        if not work:
             return loss
         amp_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-        fused = {engines.engine_name(group["foreach"], group["fused"]) in engines.FUSED for group, _ in work}
-        if found_inf is not None and fused != {True}:
+        if found_inf is not None and any(entry.engine not in engines.FUSED for _, _, entry in work):
             if found_inf.item():  # the loop and foreach engines cannot skip without looking
                 return loss
             found_inf = None
         inv_scale = None if amp_scale is None else amp_scale.double().reciprocal().float()
         max_norm = self.defaults["max_grad_norm"]
-        # Official Adan takes eps for the clip from the last group.
-        clip = clip_coefficient(grads, max_norm, self.param_groups[-1]["eps"], inv_scale) if max_norm > 0 else None
-        for index, (group, params) in enumerate(work):
-            if params:
-                self._step_group(index, group, params, self._grad_scale(group, clip, inv_scale), found_inf)
+        clip = None
+        if max_norm > 0:  # official Adan takes eps for the clip from the last group
+            grads = [param.grad for _, _, entry in work for param in entry.params]
+            clip = clip_coefficient(grads, max_norm, self.param_groups[-1]["eps"], inv_scale)
+        for index, group, entry in work:
+            self._step_group(caches, index, group, entry, self._grad_scale(group, clip, inv_scale), found_inf)
         return loss
+
+    def _group_work(self, caches, index, group):
+        """The group's params that have grads, validated, with their states and tensors by role.
+        While the grads are the very tensors of the last step, that step's work is reused; while
+        the same params have grads, their states and state lists are: checking 2000 tensors in
+        Python costs more than updating them."""
+        grads = [param.grad for param in group["params"]]
+        roles = self._state_roles(group)
+        engine = engines.engine_name(group["foreach"], group["fused"])
+        entry = caches.get(("work", index))
+        if entry is None or (entry.roles, entry.engine) != (roles, engine):
+            entry = caches[("work", index)] = GroupWork(roles, engine)
+        if len(entry.all_grads) == len(grads) and all(map(operator.is_, grads, entry.all_grads)):
+            return entry
+        params = self._params_with_grad(group)
+        if len(params) != len(entry.params) or not all(map(operator.is_, params, entry.params)):
+            entry.params, entry.buckets, entry.states = params, buckets(params), None
+        entry.all_grads = grads
+        if entry.states is not None:
+            entry.tensors = entry.tensors | {"grad": [param.grad for param in params]}
+        return entry
 
     def _params_with_grad(self, group):
         params = [param for param in group["params"] if param.grad is not None]
         name = type(self).__name__
         for param in params:
             grad = param.grad
-            if grad.is_sparse or grad.layout != torch.strided:
+            if grad.layout != torch.strided:
                 raise RuntimeError(f"{name} does not support sparse gradients")
-            if param.is_complex() or grad.is_complex():
-                raise RuntimeError(f"{name} does not support complex parameters or gradients")
             if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
                 raise RuntimeError(
                     f"{name}: a gradient must match its parameter; got grad {grad.dtype} {tuple(grad.shape)} "
@@ -117,22 +150,26 @@ class FastOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"{name}: all params of a group must be on one device")
         return params
 
-    def _step_group(self, index, group, params, grad_scale, found_inf):
-        states = [self._ensure_state(param, group) for param in params]
+    def _step_group(self, caches, index, group, entry, grad_scale, found_inf):
+        if entry.states is None:  # after validation of every group: now states may be created
+            entry.states = [self._ensure_state(param, group) for param in entry.params]
+            entry.context = self._prepare_states(entry.states)
+            entry.tensors = {"param": entry.params, "grad": [param.grad for param in entry.params]}
+            entry.tensors |= {role: [state[role] for state in entry.states] for role in entry.roles}
         increment = 1 if found_inf is None else 1 - found_inf  # a skipped step does not count
-        args, per_tensor = self._step_arguments(group, params, states, grad_scale, increment)
-        roles = self._state_roles(group)
-        engine = engines.engine_name(group["foreach"], group["fused"])
-        caches = self.__dict__.setdefault("_engine_caches", {})
-        tensors = {"param": params, "grad": [param.grad for param in params]}
-        tensors |= {role: [state[role] for state in states] for role in roles}
-        plan = engines.Plan(tensors, args, frozenset(per_tensor), found_inf, group["stochastic_rounding"],
+        args, per_tensor = self._step_arguments(group, entry, grad_scale, increment)
+        plan = engines.Plan(entry.tensors, args, frozenset(per_tensor), found_inf, group["stochastic_rounding"],
                             warn_fallback=group["fused"] is True)
-        for bucket in buckets(params):
-            part = plan if len(bucket) == len(params) else plan.subset(bucket)
-            first = params[bucket[0]]
+        for bucket in entry.buckets:
+            part = plan if len(bucket) == len(entry.params) else plan.subset(bucket)
+            first = entry.params[bucket[0]]
             part.cache = caches.setdefault((index, first.device, first.dtype), {})
-            engines.AVAILABLE[engine](self, part)
+            engines.AVAILABLE[entry.engine](self, part)
+
+    def _prepare_states(self, states):
+        """Hook: arrange the states of a group's params with grads once (not every step); the
+        result is handed to ``_step_arguments`` as ``entry.context``."""
+        return None
 
     def _grad_scale(self, group, clip, inv_scale):
         """What the gradient is multiplied by: the clip coefficient, GradScaler's 1/scale, and −1
@@ -143,7 +180,7 @@ class FastOptimizer(torch.optim.Optimizer):
         return scale
 
     def _forget_engine_caches(self):
-        """The fused engines' pointer tables point at the states: drop them when states are replaced."""
+        """Drop the step work and pointer tables, which hold the states: for when states are replaced."""
         self.__dict__.pop("_engine_caches", None)
 
     # --- state dicts ----------------------------------------------------------------------------
