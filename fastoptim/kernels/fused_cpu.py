@@ -2,7 +2,8 @@
 
 Each kernel takes a pointer table (one row of data pointers per role, in ``ROLES`` order), a chunk
 table, and its scalars in ``SCALARS`` order: the names mirror the C enums. ctypes releases the GIL
-for the call.
+for the call. The kernels run on the threads of the OpenMP runtime torch has loaded, when there is
+one (``LIBRARY.openmp`` is its path), else on pthreads.
 """
 import ctypes
 import importlib.machinery
@@ -46,7 +47,21 @@ def _load():
         kernel.restype = ctypes.c_int
     library.fastoptim_probe.argtypes = common + [ctypes.c_int32]
     library.fastoptim_probe.restype = ctypes.c_int
+    library.fastoptim_use_openmp.argtypes = [ctypes.c_char_p]
+    openmp = _torch_openmp()
+    library.openmp = openmp if openmp and library.fastoptim_use_openmp(openmp.encode()) == 0 else None
     return library
+
+
+def _torch_openmp():
+    """The path of the OpenMP runtime that torch has loaded (read from /proc/self/maps), or None."""
+    torch.ones(1 << 16).sum()  # make sure torch has started its runtime
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/lib" in line}
+    except OSError:
+        return None
+    return next((p for p in sorted(paths) if Path(p).name.startswith(("libgomp", "libiomp", "libomp"))), None)
 
 
 LIBRARY = _load()
