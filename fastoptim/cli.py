@@ -14,7 +14,10 @@ def info(_args):
     print(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}, GPU {'yes' if torch.cuda.is_available() else 'no'})")
     print(f"threads {torch.get_num_threads()}")
     print(f"engines {', '.join(engines.AVAILABLE)}")
-    print(f"fused CPU kernel {'built' if fused_cpu.AVAILABLE else 'not built: fused=True falls back to foreach'}")
+    if fused_cpu.AVAILABLE:
+        print(f"fused CPU kernel built, threads from {fused_cpu.LIBRARY.openmp or 'pthreads (torch has no OpenMP)'}")
+    else:
+        print("fused CPU kernel not built: fused=True falls back to foreach")
     print(f"triton {'installed' if importlib.util.find_spec('triton') else 'not installed'}")
 
 

@@ -1,8 +1,10 @@
 """Every engine against the loop engine, over drawn shapes, dtypes and options."""
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 import fastoptim
+import fastoptim.engines
 from fastoptim.engines import foreach
 
 from . import oracle
@@ -65,11 +67,18 @@ def test_foreach_slices_bound_the_scratch_and_cover_every_tensor():
     assert all(sum(t.numel() for t in tensors[p]) <= 10 or p.stop - p.start == 1 for p in parts)
 
 
-def test_foreach_matches_loop_across_several_slices(monkeypatch):
+@pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_foreach_matches_loop_across_slices_and_pieces_of_large_tensors(monkeypatch, cls, dtype):
     monkeypatch.setattr(foreach, "CHUNK_NUMEL", 16)
-    shapes = [(7,), (5, 3), (40,), (2, 2), (3,)]
-    results = run_engines(fastoptim.Adan, shapes, torch.float32, dict(lr=0.01, weight_decay=0.02), False)
-    assert_same(results, torch.float32)
+    shapes = [(7,), (5, 3), (40,), (2, 2), (3,), (6, 7)]  # (40,) and (6, 7) are cut into flat views
+    params = oracle.make_params(shapes, dtype)
+    plan = fastoptim.engines.Plan({"param": params, "grad": params}, {"x": torch.arange(6.0)}, frozenset({"x"}))
+    cut = foreach.pieces(plan, 16)
+    assert [t.numel() for t in cut.tensors["param"]] == [7, 15, 16, 16, 8, 4, 3, 16, 16, 10]
+    assert cut.args["x"].tolist() == [0, 1, 2, 2, 2, 3, 4, 5, 5, 5]
+    results = run_engines(cls, shapes, dtype, dict(lr=0.01, weight_decay=0.02), False)
+    assert_same(results, dtype)
 
 
 def test_mixed_dtypes_in_one_group_are_bucketed():

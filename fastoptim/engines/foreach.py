@@ -1,8 +1,9 @@
 """The foreach engine (``foreach=True, fused=False``): ``torch._foreach_*`` over slices of a bucket.
 
-A slice holds at most ``CHUNK_NUMEL`` elements (or one larger tensor), so the one scratch buffer the
-math needs never exceeds that, however large the model: official Adan's foreach path holds two
-temporaries the size of all parameters.
+A slice holds at most ``CHUNK_NUMEL`` elements: a larger contiguous tensor is cut into flat views
+of that size first. So the one scratch buffer the math needs (and, for bf16 or fp16 params, the fp32
+copies of param and grad) never exceeds it, however large the model: official Adan's foreach path
+holds two temporaries the size of all parameters.
 """
 import torch
 
@@ -23,8 +24,31 @@ def slices(tensors, limit=CHUNK_NUMEL):
         yield slice(start, len(tensors))
 
 
+def pieces(plan, limit=CHUNK_NUMEL):
+    """``plan`` with every tensor above ``limit`` elements cut into flat views of at most ``limit``
+    (when all its roles are contiguous tensors of its size; others stay whole)."""
+    owners, cut = [], {role: [] for role in plan.tensors}
+    for i, param in enumerate(plan.tensors["param"]):
+        group = [tensors[i] for tensors in plan.tensors.values()]
+        n = -(-param.numel() // limit)
+        if n > 1 and all(t.is_contiguous() and t.numel() == param.numel() for t in group):
+            for role, tensors in plan.tensors.items():
+                cut[role] += tensors[i].view(-1).split(limit)
+        else:
+            n = 1
+            for role, tensors in plan.tensors.items():
+                cut[role].append(tensors[i])
+        owners += [i] * n
+    if len(owners) == len(plan):
+        return plan
+    index = torch.tensor(owners, device=plan.tensors["param"][0].device)
+    args = {k: v[index] if k in plan.per_tensor else v for k, v in plan.args.items()}
+    return type(plan)(cut, args, plan.per_tensor, stochastic_rounding=plan.stochastic_rounding)
+
+
 def run(algorithm, plan):
-    for part in slices(plan.tensors["param"]):
+    plan = pieces(plan, CHUNK_NUMEL)
+    for part in slices(plan.tensors["param"], CHUNK_NUMEL):
         tensors = {role: tensors[part] for role, tensors in plan.tensors.items()}
         params = tensors["param"]
         low_precision = params[0].dtype != torch.float32
