@@ -24,6 +24,8 @@ def buckets(params):
 def is_dense(tensor):
     """Whether ``tensor``'s elements fill its storage span with no gaps or overlaps, in any order
     of dimensions (contiguous, channels_last, a transpose...), so it can be walked as a flat array."""
+    if tensor.numel() == 0:
+        return True
     expected = 1
     for stride, size in sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape) if n != 1):
         if stride != expected:
@@ -59,6 +61,7 @@ class PointerTable:
         self.roles = roles
         self.kept = {role: list(tensors[role]) for role in roles if role in tensors and role != "grad"}
         self.param_pointers = data_pointers(tensors["param"])
+        self.param_strides = [p.stride() for p in tensors["param"]]
         self.pointers = np.zeros((len(roles), len(tensors["param"])), dtype=np.int64)
         for row, role in enumerate(roles):
             if role in tensors:
@@ -67,11 +70,14 @@ class PointerTable:
 
     def describes(self, tensors, roles):
         """Whether this table is still right for ``tensors``: the same param and state tensors, and
-        the params' storages unchanged (``param.data = ...`` and ``to()`` keep the object)."""
+        the params' storages and layouts unchanged (``param.data = ...`` and ``to()`` keep the
+        object)."""
+        params = tensors["param"]
         return (roles == self.roles and self.kept.keys() == {r for r in roles if r in tensors and r != "grad"}
                 and all(len(tensors[r]) == len(kept) and all(map(operator.is_, tensors[r], kept))
                         for r, kept in self.kept.items())
-                and np.array_equal(data_pointers(tensors["param"]), self.param_pointers))
+                and np.array_equal(data_pointers(params), self.param_pointers)
+                and [p.stride() for p in params] == self.param_strides)
 
-    def refresh_grads(self, grads):
-        self.pointers[self.roles.index("grad")] = data_pointers(grads)
+    def refresh_grads(self, grad_pointers):
+        self.pointers[self.roles.index("grad")] = grad_pointers

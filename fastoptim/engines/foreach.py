@@ -7,7 +7,7 @@ holds two temporaries the size of all parameters.
 """
 import torch
 
-from .ops import FOREACH_OPS, round_into
+from .ops import FOREACH_OPS, LOW_PRECISION, round_into
 
 CHUNK_NUMEL = 1 << 22
 
@@ -51,7 +51,7 @@ def run(algorithm, plan):
     for part in slices(plan.tensors["param"], CHUNK_NUMEL):
         tensors = {role: tensors[part] for role, tensors in plan.tensors.items()}
         params = tensors["param"]
-        low_precision = params[0].dtype != torch.float32
+        low_precision = params[0].dtype in LOW_PRECISION
         if low_precision:  # buckets share one dtype; the math is fp32
             tensors["param"] = [p.float() for p in params]
             tensors["grad"] = [g.float() for g in tensors["grad"]]

@@ -12,10 +12,11 @@ where param, grad and states are not dense with the same strides.
 import operator
 import warnings
 
+import numpy as np
 import torch
 
 from ..kernels import fused_cpu
-from ..multi_tensor import PointerTable, is_dense
+from ..multi_tensor import PointerTable, data_pointers, is_dense
 from . import foreach
 
 
@@ -73,17 +74,18 @@ def _scalars(algorithm, plan):
 def _prepare(algorithm, plan):
     """The indices the kernel takes, those left to foreach (and why), and the pointer table of the
     taken ones: cached while the tensors, their storages and their layouts stay the same. The
-    grads' checks and pointers are redone only when they are new tensors."""
+    grads' layouts are checked again whenever they are new tensors or have new storage."""
     roles = fused_cpu.ROLES[algorithm.kernel]
     params, grads = plan.tensors["param"], plan.tensors["grad"]
+    grad_pointers = data_pointers(grads)
     cached = plan.cache.get("prepared")
-    same_grads = cached is not None and len(cached.grads) == len(grads) and all(map(operator.is_, grads, cached.grads))
+    same_grads = (cached is not None and len(cached.grads) == len(grads) and all(map(operator.is_, grads, cached.grads))
+                  and np.array_equal(grad_pointers, cached.grad_pointers))
     if cached is None or not cached.whole.describes(plan.tensors, roles) or not (
             same_grads or all(grads[i].stride() == params[i].stride() for i in cached.taken)):
         cached = plan.cache["prepared"] = Prepared(plan, roles)
-    elif not same_grads:
-        cached.grads = grads
-        cached.table.refresh_grads([grads[i] for i in cached.taken] if cached.left else grads)
+    cached.grads, cached.grad_pointers = grads, grad_pointers
+    cached.table.refresh_grads(grad_pointers[cached.taken] if cached.left else grad_pointers)
     return cached
 
 
@@ -91,7 +93,6 @@ class Prepared:
     """What the kernel takes of a plan, what it leaves to foreach and why, and the pointer tables."""
 
     def __init__(self, plan, roles):
-        self.grads = plan.tensors["grad"]
         self.taken, self.left, self.reason = _split(plan)
         self.table = PointerTable({role: [t[i] for i in self.taken] for role, t in plan.tensors.items()}, roles)
         self.whole = PointerTable(plan.tensors, roles) if self.left else self.table  # to check the cache against

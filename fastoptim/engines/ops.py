@@ -5,6 +5,7 @@ lists of tensors (``FOREACH_OPS``: ``torch._foreach_*``), so the math is stated 
 """
 import torch
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)  # params whose math runs in an fp32 copy
 NAMES = ("add_", "addcdiv_", "addcmul_", "copy_", "div_", "lerp_", "mul_", "reciprocal_", "sqrt_", "sub_")
 
 

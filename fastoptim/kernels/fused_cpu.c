@@ -30,10 +30,12 @@ typedef struct { const float *values; int64_t stride; } Scalar;
 
 /* Scalars shared by every kernel come first, in this order; each kernel's own follow. */
 enum { FOUND_INF, SEED, GRAD_SCALE, COMMON_SCALARS };
-enum { ADAN_BETA1 = COMMON_SCALARS, ADAN_BETA2, ADAN_BETA3, ADAN_EPS, ADAN_PRE_GRAD_WEIGHT,
+/* 1 − β comes from Python, computed in double as the reference does, not from the rounded β. */
+enum { ADAN_BETA1 = COMMON_SCALARS, ADAN_BETA2, ADAN_BETA3, ADAN_ONE_MINUS_BETA1, ADAN_ONE_MINUS_BETA2,
+       ADAN_ONE_MINUS_BETA3, ADAN_EPS, ADAN_PRE_GRAD_WEIGHT,
        ADAN_BIAS_CORRECTION3_SQRT, ADAN_STEP_SIZE, ADAN_DIFF_RATIO, ADAN_DECAY_MUL, ADAN_DECAY_DIV,
        ADAN_SCALARS };
-enum { ADAMW_BETA1 = COMMON_SCALARS, ADAMW_BETA2, ADAMW_EPS, ADAMW_DECAY_MUL, ADAMW_STEP_SIZE,
+enum { ADAMW_ONE_MINUS_BETA1 = COMMON_SCALARS, ADAMW_BETA2, ADAMW_ONE_MINUS_BETA2, ADAMW_EPS, ADAMW_DECAY_MUL, ADAMW_STEP_SIZE,
        ADAMW_BIAS_CORRECTION2_SQRT, ADAMW_SCALARS };
 /* Rows of the pointer table, by kernel. */
 enum { PARAM, GRAD, EXP_AVG, EXP_AVG_SQ, EXP_AVG_DIFF, NEG_PRE_GRAD };
@@ -106,6 +108,8 @@ INLINE void store(void *base, int64_t i, float x, int dtype, int stochastic, uin
 INLINE void adan_body(const Work *w, int64_t t, int64_t start, int64_t count, int dtype, int stochastic) {
     const float beta1 = scalar(w, ADAN_BETA1, t), beta2 = scalar(w, ADAN_BETA2, t);
     const float beta3 = scalar(w, ADAN_BETA3, t), eps = scalar(w, ADAN_EPS, t);
+    const float one_minus_beta1 = scalar(w, ADAN_ONE_MINUS_BETA1, t), one_minus_beta2 = scalar(w, ADAN_ONE_MINUS_BETA2, t);
+    const float one_minus_beta3 = scalar(w, ADAN_ONE_MINUS_BETA3, t);
     const float grad_scale = scalar(w, GRAD_SCALE, t), pre_grad_weight = scalar(w, ADAN_PRE_GRAD_WEIGHT, t);
     /* Reciprocals once per chunk: one division per element is what the core can afford. */
     const float inv_bias_correction3_sqrt = 1 / scalar(w, ADAN_BIAS_CORRECTION3_SQRT, t);
@@ -121,10 +125,10 @@ INLINE void adan_body(const Work *w, int64_t t, int64_t start, int64_t count, in
     IVDEP for (int64_t i = 0; i < count; i++) {
         const float neg_g = load(grad, start + i, dtype) * -grad_scale;
         const float d = (neg_pre_grad[i] - neg_g) * pre_grad_weight;      /* g − g_prev (0 at step 1) */
-        m[i] = m[i] * beta1 - neg_g * (1 - beta1);
-        v[i] = v[i] * beta2 + d * (1 - beta2);
+        m[i] = m[i] * beta1 - neg_g * one_minus_beta1;
+        v[i] = v[i] * beta2 + d * one_minus_beta2;
         const float u = d * beta2 - neg_g;                                 /* g + β2·d */
-        n[i] = n[i] * beta3 + u * u * (1 - beta3);
+        n[i] = n[i] * beta3 + u * u * one_minus_beta3;
         neg_pre_grad[i] = neg_g;
         const float scale = step_size / (sqrtf(n[i]) * inv_bias_correction3_sqrt + eps);
         float p = load(param, start + i, dtype) * decay_mul;               /* 1 − lr·wd with no_prox */
@@ -136,7 +140,8 @@ INLINE void adan_body(const Work *w, int64_t t, int64_t start, int64_t count, in
 
 INLINE void adamw_body(const Work *w, int64_t t, int64_t start, int64_t count, int dtype, int stochastic,
                        int amsgrad) {
-    const float beta1 = scalar(w, ADAMW_BETA1, t), beta2 = scalar(w, ADAMW_BETA2, t);
+    const float one_minus_beta1 = scalar(w, ADAMW_ONE_MINUS_BETA1, t), beta2 = scalar(w, ADAMW_BETA2, t);
+    const float one_minus_beta2 = scalar(w, ADAMW_ONE_MINUS_BETA2, t);
     const float eps = scalar(w, ADAMW_EPS, t), grad_scale = scalar(w, GRAD_SCALE, t);
     const float decay_mul = scalar(w, ADAMW_DECAY_MUL, t), step_size = scalar(w, ADAMW_STEP_SIZE, t);
     const float inv_bias_correction2_sqrt = 1 / scalar(w, ADAMW_BIAS_CORRECTION2_SQRT, t);
@@ -148,8 +153,8 @@ INLINE void adamw_body(const Work *w, int64_t t, int64_t start, int64_t count, i
     float *restrict v_max = amsgrad ? (float *)row(w, MAX_EXP_AVG_SQ, t) + start : v;
     IVDEP for (int64_t i = 0; i < count; i++) {
         const float g = load(grad, start + i, dtype) * grad_scale;
-        m[i] += (g - m[i]) * (1 - beta1);                                  /* lerp */
-        v[i] = v[i] * beta2 + g * g * (1 - beta2);
+        m[i] += (g - m[i]) * one_minus_beta1;                              /* lerp */
+        v[i] = v[i] * beta2 + g * g * one_minus_beta2;
         if (amsgrad) v_max[i] = fmaxf(v_max[i], v[i]);
         const float scale = step_size / (sqrtf(v_max[i]) * inv_bias_correction2_sqrt + eps);
         const float p = load(param, start + i, dtype) * decay_mul - m[i] * scale;

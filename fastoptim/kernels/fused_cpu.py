@@ -20,9 +20,11 @@ ROLES = {
     "adamw": ("param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
 }
 SCALARS = {
-    "adan": COMMON_SCALARS + ("beta1", "beta2", "beta3", "eps", "pre_grad_weight", "bias_correction3_sqrt",
-                              "step_size", "diff_ratio", "decay_mul", "decay_div"),
-    "adamw": COMMON_SCALARS + ("beta1", "beta2", "eps", "decay_mul", "step_size", "bias_correction2_sqrt"),
+    "adan": COMMON_SCALARS + ("beta1", "beta2", "beta3", "one_minus_beta1", "one_minus_beta2", "one_minus_beta3",
+                              "eps", "pre_grad_weight", "bias_correction3_sqrt", "step_size", "diff_ratio",
+                              "decay_mul", "decay_div"),
+    "adamw": COMMON_SCALARS + ("one_minus_beta1", "beta2", "one_minus_beta2", "eps", "decay_mul", "step_size",
+                               "bias_correction2_sqrt"),
 }
 
 

@@ -1,7 +1,7 @@
 """AdamW (Loshchilov & Hutter), with the same signature, results and state dict as torch.optim.AdamW."""
 import torch
 
-from .base import FastOptimizer
+from .base import FastOptimizer, state_dtype
 
 
 def adamw_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, max_exp_avg_sq=None,
@@ -68,13 +68,15 @@ class AdamW(FastOptimizer):
             state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
         for role in self._state_roles(group):
             if role not in state:
-                state[role] = torch.zeros_like(param, dtype=torch.float32)
+                state[role] = torch.zeros_like(param, dtype=state_dtype(param))
         return state
 
     def _prepare_states(self, states):
         """Make every ``state['step']`` a view into one tensor of counts, so a step adds to them in
         one op (2000 separate 0-d tensors cost milliseconds of dispatch)."""
         steps = [state["step"] for state in states]
+        if torch.compiler.is_compiling():  # a traced step adds to each count; views would retrace
+            return None
         base = steps[0]._base
         if base is None or base.shape != (len(steps),) or not all(
                 step._base is base and step.storage_offset() == i for i, step in enumerate(steps)):
@@ -85,8 +87,13 @@ class AdamW(FastOptimizer):
 
     def _step_arguments(self, group, entry, grad_scale, increment):
         steps = entry.context  # one count per param, as torch keeps them
-        steps += increment
-        t = steps.to(torch.float64)  # 1 − β^t needs fp64
+        if steps is None:
+            steps = [state["step"] for state in entry.states]
+            torch._foreach_add_(steps, increment)
+            t = torch.stack(steps).to(torch.float64)
+        else:
+            steps += increment
+            t = steps.to(torch.float64)  # 1 − β^t needs fp64
         beta1, beta2 = group["betas"]
         lr = group["lr"]
         args = dict(beta1=beta1, beta2=beta2, eps=group["eps"], lr=lr, weight_decay=group["weight_decay"],
@@ -97,6 +104,7 @@ class AdamW(FastOptimizer):
     @staticmethod
     def kernel_scalars(args):
         """``adamw_update``'s arguments as the fused kernels take them."""
-        return {name: args[name] for name in ("beta1", "beta2", "eps", "step_size", "bias_correction2_sqrt")} | dict(
+        return {name: args[name] for name in ("beta2", "eps", "step_size", "bias_correction2_sqrt")} | dict(
+            one_minus_beta1=1 - args["beta1"], one_minus_beta2=1 - args["beta2"],
             grad_scale=1.0 if args["grad_scale"] is None else args["grad_scale"],
             decay_mul=1 - args["lr"] * args["weight_decay"])

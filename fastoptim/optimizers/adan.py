@@ -1,7 +1,7 @@
 """Adan: Adaptive Nesterov Momentum (Xie et al., 2022), exactly as official sail-sg/Adan computes it."""
 import torch
 
-from .base import FastOptimizer
+from .base import FastOptimizer, state_dtype
 
 
 def adan_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_grad,
@@ -111,7 +111,7 @@ class Adan(FastOptimizer):
         state = self.state[param]
         for role in self.state_roles:
             if role not in state:
-                state[role] = torch.zeros_like(param, dtype=torch.float32)
+                state[role] = torch.zeros_like(param, dtype=state_dtype(param))
         return state
 
     def _step_arguments(self, group, entry, grad_scale, increment):
@@ -135,6 +135,7 @@ class Adan(FastOptimizer):
         decay = args["lr"] * args["weight_decay"]
         return {name: args[name] for name in ("beta1", "beta2", "beta3", "eps", "pre_grad_weight",
                                                "bias_correction3_sqrt", "step_size", "diff_ratio")} | dict(
+            one_minus_beta1=1 - args["beta1"], one_minus_beta2=1 - args["beta2"], one_minus_beta3=1 - args["beta3"],
             grad_scale=1.0 if args["grad_scale"] is None else args["grad_scale"],
             decay_mul=1 - decay if args["no_prox"] else 1.0, decay_div=1.0 if args["no_prox"] else 1 + decay)
 

@@ -4,12 +4,13 @@ layout, per-step scalars and ``update``, the math written once."""
 import math
 import operator
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from .. import engines
 from ..clip import clip_coefficient
-from ..multi_tensor import buckets
+from ..multi_tensor import buckets, data_pointers
 
 
 def check_hyperparameters(group, n_betas):
@@ -37,6 +38,12 @@ def check_hyperparameters(group, n_betas):
             raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be True or False)")
 
 
+def state_dtype(param):
+    """States are fp32, whatever the param's dtype, except that a float64 param keeps float64
+    states and math: rounding it through fp32 would change it."""
+    return torch.float64 if param.dtype == torch.float64 else torch.float32
+
+
 class GroupWork:
     """One group's step work: its params that have grads (validated against ``all_grads``, the
     group's grads when it was built), their (device, dtype) buckets, their states, the tensors by
@@ -44,7 +51,7 @@ class GroupWork:
 
     def __init__(self, roles, engine):
         self.roles, self.engine = roles, engine
-        self.all_grads, self.params, self.buckets = [], [], []
+        self.all_grads, self.params, self.buckets, self.grad_pointers = [], [], [], None
         self.states = self.tensors = self.context = None
 
 
@@ -122,15 +129,23 @@ class FastOptimizer(torch.optim.Optimizer):
         grads = [param.grad for param in group["params"]]
         roles = self._state_roles(group)
         engine = engines.engine_name(group["foreach"], group["fused"])
+        if torch.compiler.is_compiling():  # traced once, so nothing to reuse; data pointers do not trace
+            entry = GroupWork(roles, engine)
+            entry.params = self._params_with_grad(group)
+            entry.buckets = buckets(entry.params)
+            return entry
         entry = caches.get(("work", index))
         if entry is None or (entry.roles, entry.engine) != (roles, engine):
             entry = caches[("work", index)] = GroupWork(roles, engine)
-        if len(entry.all_grads) == len(grads) and all(map(operator.is_, grads, entry.all_grads)):
+        # The same grad objects with the same storage (`grad.data = ...` and Module.to() keep the object).
+        if (len(entry.all_grads) == len(grads) and all(map(operator.is_, grads, entry.all_grads))
+                and np.array_equal(data_pointers([grad for grad in grads if grad is not None]), entry.grad_pointers)):
             return entry
         params = self._params_with_grad(group)
         if len(params) != len(entry.params) or not all(map(operator.is_, params, entry.params)):
-            entry.params, entry.buckets, entry.states = params, buckets(params), None
-        entry.all_grads = grads
+            entry.params, entry.states = params, None
+        entry.all_grads, entry.buckets = grads, buckets(params)
+        entry.grad_pointers = data_pointers([param.grad for param in params])
         if entry.states is not None:
             entry.tensors = entry.tensors | {"grad": [param.grad for param in params]}
         return entry
@@ -190,7 +205,7 @@ class FastOptimizer(torch.optim.Optimizer):
 
         Everything is checked before anything changes. The engine flags (``foreach``, ``fused``)
         stay this optimizer's, so a state moves freely between engines. States are fp32 tensors on
-        the parameter's device, whatever the parameter's dtype.
+        the parameter's device (float64 for a float64 parameter), whatever the saved dtype.
         """
         groups, saved_groups = self.param_groups, state_dict["param_groups"]
         if len(groups) != len(saved_groups) or any(
@@ -222,12 +237,13 @@ class FastOptimizer(torch.optim.Optimizer):
                     if value.shape != shape:
                         raise ValueError(f"state '{key}' of parameter {saved_id} has shape {tuple(value.shape)}, "
                                          f"expected {tuple(shape)}")
-                    state[key] = value.to(device=param.device, dtype=torch.float32, copy=True)
+                    dtype = torch.float32 if key == "step" else state_dtype(param)  # counts are fp32, as torch's
+                    state[key] = value.to(device=param.device, dtype=dtype, copy=True)
                 new_state[saved_id], sources[param] = state, state
             new_groups.append(merged)
         super().load_state_dict({"state": new_state, "param_groups": new_groups})
         self._forget_engine_caches()
-        for param, state in sources.items():  # torch casts states to the param's dtype; keep fp32
+        for param, state in sources.items():  # torch casts states to the param's dtype; keep ours
             self.state[param].update(state)
 
     def _convert_saved_group(self, group, device):
