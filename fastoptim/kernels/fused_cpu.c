@@ -57,9 +57,9 @@ typedef struct { const Work *work; int64_t chunk_begin, chunk_end; } Share;
 /* The streams never overlap (each is its own tensor): tell the vectoriser so. */
 #define IVDEP _Pragma("GCC ivdep")
 #define INLINE static inline __attribute__((always_inline))
-/* Each chunk function is compiled for AVX-512, AVX2+FMA+F16C and baseline x86-64, and the loader
-   picks the best the CPU has. */
-#define VECTORISED __attribute__((target_clones("arch=skylake-avx512", "arch=haswell", "default")))
+/* Each chunk function is compiled for x86-64-v4 (AVX-512), x86-64-v3 (AVX2, FMA, F16C) and baseline
+   x86-64; the loader picks by the CPU's features (an "arch=<model>" clone would miss AMD CPUs). */
+#define VECTORISED __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 
 INLINE void *row(const Work *w, int role, int64_t tensor) {
     return (void *)(intptr_t)w->pointers[role * w->n_tensors + tensor];
