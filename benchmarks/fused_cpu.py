@@ -7,48 +7,29 @@ reads and 5 writes per element) and trivial math; each fused engine's bandwidth 
 fraction of the probe's. Usage: python benchmarks/fused_cpu.py [--threads 2] [--repeats 5]
 """
 import argparse
-import statistics
-import time
 
 import torch
 
 import fastoptim
+from fastoptim.bench import run
 from fastoptim.bench.peers import timm_adan_class
 from fastoptim.bench.shapes import MODELS
 from fastoptim.kernels import fused_cpu
 from fastoptim.multi_tensor import PointerTable
 
-ENGINES = {"loop": dict(foreach=False, fused=False), "foreach": dict(foreach=True, fused=False),
-           "fused-single": dict(foreach=False, fused=True), "fused-multi": dict(foreach=True, fused=True)}
 ADAN_BYTES = 44  # per fp32 element: 6 reads + 5 writes
+PEERS = ["torch-adamw-foreach", "torch-adamw-fused"]
 
 
-def steppers(shapes):
-    """A step function per candidate. To fit in memory, all share one set of params and grads,
-    and the engines of one optimizer share its states (the engine flags are switched per step)."""
-    generator = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, generator=generator) * 0.02) for s in shapes]
-    for param in params:
-        param.grad = torch.randn(param.shape, generator=generator) * 1e-3
-    options = dict(lr=1e-4, weight_decay=0.02)
-    table = {}
-    for cls, engines in ((fastoptim.Adan, ENGINES), (fastoptim.AdamW, ENGINES),
-                         (torch.optim.AdamW, {"foreach": dict(foreach=True), "fused": dict(fused=True)})):
-        optimizer = cls(params, **options)
-        prefix = "torch-adamw" if cls is torch.optim.AdamW else cls.__name__.lower()
-        for engine, flags in engines.items():
-            table[f"{prefix}-{engine}"] = with_flags(optimizer, dict(foreach=None, fused=None) | flags)
-    table["timm-adan"] = timm_adan_class()(params, foreach=True, **options).step
-    for step in table.values():
-        step()  # allocate states outside the timing
+def candidates(model):
+    """Step functions of every engine and peer over one shared set of params (see bench.run.steppers)."""
+    params = run.model_params(model)
+    names = [name for name in run.optimizers() if name.startswith(("adan-", "adamw-"))] + PEERS
+    table = run.steppers(params, names)
+    timm = timm_adan_class()(params, lr=1e-4, weight_decay=0.02, foreach=True)
+    timm.step()
+    table["timm-adan"] = timm.step
     return table, params
-
-
-def with_flags(optimizer, flags):
-    def step():
-        optimizer.param_groups[0].update(flags)
-        optimizer.step()
-    return step
 
 
 def probe_stepper(params):
@@ -61,24 +42,12 @@ def probe_stepper(params):
     return lambda: fused_cpu.probe(table.pointers, len(params), table.chunks, torch.get_num_threads())
 
 
-def measure(steppers, repeats, steps):
-    samples = {name: [] for name in steppers}
-    for _ in range(repeats):
-        for name, step in steppers.items():
-            step()  # untimed: the first step after switching engines rebuilds the cached plans
-            start = time.perf_counter()
-            for _ in range(steps):
-                step()
-            samples[name].append((time.perf_counter() - start) / steps)
-    return {name: statistics.median(times) for name, times in samples.items()}
-
-
 def report(model, repeats, steps):
     shapes = MODELS[model]()
     numel = sum(torch.Size(s).numel() for s in shapes)
-    table, params = steppers(shapes)
+    table, params = candidates(model)
     table["probe (Adan traffic)"] = probe_stepper(params)
-    seconds = measure(table, repeats, steps)
+    seconds = run.time_steps(table, steps, repeats)
     probe = seconds["probe (Adan traffic)"]
     print(f"\n{model}: {len(shapes)} tensors, {numel / 1e6:.1f}M elements, "
           f"probe {ADAN_BYTES * numel / probe / 1e9:.1f} GB/s")

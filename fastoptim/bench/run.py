@@ -19,42 +19,65 @@ def optimizers():
     for cls in (fastoptim.Adan, fastoptim.AdamW):
         for engine, flags in ENGINES.items():
             table[f"{cls.__name__.lower()}-{engine}"] = (cls, flags)
-    table["torch-adamw-foreach"] = (torch.optim.AdamW, dict(foreach=True))
-    table["torch-adamw-fused"] = (torch.optim.AdamW, dict(fused=True))
+    table["torch-adamw-foreach"] = (torch.optim.AdamW, dict(foreach=True, fused=None))
+    table["torch-adamw-fused"] = (torch.optim.AdamW, dict(foreach=None, fused=True))
     return table
 
 
-def build(model, name, dtype=torch.float32, seed=0):
-    """Params with random grads in ``model``'s shapes, and the optimizer ``name`` over them."""
+def model_params(model, dtype=torch.float32, seed=0):
+    """Params with random grads in ``model``'s shapes."""
     generator = torch.Generator().manual_seed(seed)
     params = []
     for shape in MODELS[model]():
         param = torch.nn.Parameter(torch.randn(shape, generator=generator, dtype=dtype) * 0.02)
         param.grad = torch.randn(shape, generator=generator, dtype=dtype) * 1e-3
         params.append(param)
-    cls, flags = optimizers()[name]
-    return params, cls(params, lr=1e-4, weight_decay=0.02, **flags)
+    return params
+
+
+def build(params, cls, flags):
+    return cls(params, lr=1e-4, weight_decay=0.02, **flags)
+
+
+def steppers(params, names):
+    """A step function per optimizer name. To fit in memory, all share ``params`` and their grads,
+    and the engines of one optimizer class share its states: each step sets its engine flags."""
+    table, shared = {}, {}
+    for name in names:
+        cls, flags = optimizers()[name]
+        optimizer = shared.setdefault(cls, build(params, cls, {}))
+        table[name] = with_flags(optimizer, flags)
+    for step in table.values():
+        step()  # allocate states outside the timing
+    return table
+
+
+def with_flags(optimizer, flags):
+    def step():
+        optimizer.param_groups[0].update(flags)
+        optimizer.step()
+    return step
 
 
 def step_in_subprocess(spec):
     """In a measuring subprocess: warm up (state allocation), then the peak extra bytes of one step."""
     torch.set_num_threads(spec["threads"])
-    _, optimizer = build(spec["model"], spec["optimizer"])
+    cls, flags = optimizers()[spec["optimizer"]]
+    optimizer = build(model_params(spec["model"]), cls, flags)
     optimizer.step()
     return memory.measure_step(optimizer.step)
 
 
-def time_steps(model, names, steps, repeats):
-    """Median seconds per step of each optimizer; repeats are interleaved so drift hits all alike."""
-    built = {name: build(model, name)[1] for name in names}
-    for optimizer in built.values():
-        optimizer.step()  # allocate state outside the timing
-    samples = {name: [] for name in names}
+def time_steps(steps_by_name, steps, repeats):
+    """Median seconds per step of each step function; repeats are interleaved so drift hits all
+    alike, and each starts with an untimed step (the first after switching engines rebuilds caches)."""
+    samples = {name: [] for name in steps_by_name}
     for _ in range(repeats):
-        for name, optimizer in built.items():
+        for name, step in steps_by_name.items():
+            step()
             start = time.perf_counter()
             for _ in range(steps):
-                optimizer.step()
+                step()
             samples[name].append((time.perf_counter() - start) / steps)
     return {name: statistics.median(times) for name, times in samples.items()}
 
@@ -66,7 +89,7 @@ def main(models, names, steps, repeats, threads, measure_memory):
     for model in models:
         numel = sum(torch.Size(shape).numel() for shape in MODELS[model]())
         print(f"\n{model}: {len(MODELS[model]())} tensors, {numel / 1e6:.1f}M params")
-        seconds = time_steps(model, names, steps, repeats)
+        seconds = time_steps(steppers(model_params(model), names), steps, repeats)
         base = seconds[names[0]]
         print(f"| optimizer | ms/step | vs {names[0]} |" + (" peak extra MB |" if measure_memory else ""))
         print("|---|---|---|" + ("---|" if measure_memory else ""))
