@@ -759,3 +759,19 @@ def test_float64_params_keep_float64_math_and_states(cls, flags):
         optimizer.step()
     assert torch.equal(param.detach(), torch.full((5,), 1 + 1e-12, dtype=torch.float64))
     assert all(s.dtype == torch.float64 for s in optimizer.state[param].values() if s.dim())
+
+
+@pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW])
+def test_pthreads_give_the_same_result_as_openmp_threads(cls):
+    torch_openmp = fused_cpu.LIBRARY.openmp
+    results = []
+    try:
+        for openmp in (torch_openmp, None):
+            assert fused_cpu.use_threads(openmp) == openmp
+            params = oracle.make_params([(70001,), (3, 5), (40000,)])
+            oracle.run(cls(params, lr=0.01, fused=True), params, oracle.grad_sequence([(70001,), (3, 5), (40000,)], 3))
+            results.append(params)
+    finally:
+        fused_cpu.use_threads(torch_openmp)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)

@@ -206,7 +206,10 @@ static void *work_share(void *arg) {
 static void (*gomp_parallel)(void (*)(void *), void *, unsigned, unsigned);
 static int (*omp_get_thread_num_)(void), (*omp_get_num_threads_)(void);
 
+/* Use the OpenMP runtime at ``path`` if it is loaded; NULL: use pthreads. */
 int fastoptim_use_openmp(const char *path) {
+    gomp_parallel = NULL;
+    if (!path) return 0;
     void *library = dlopen(path, RTLD_NOW | RTLD_NOLOAD);  /* only if already loaded */
     if (!library) return -1;
     gomp_parallel = (void (*)(void (*)(void *), void *, unsigned, unsigned))dlsym(library, "GOMP_parallel");

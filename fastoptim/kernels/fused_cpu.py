@@ -50,9 +50,17 @@ def _load():
     library.fastoptim_probe.argtypes = common + [ctypes.c_int32]
     library.fastoptim_probe.restype = ctypes.c_int
     library.fastoptim_use_openmp.argtypes = [ctypes.c_char_p]
-    openmp = _torch_openmp()
-    library.openmp = openmp if openmp and library.fastoptim_use_openmp(openmp.encode()) == 0 else None
+    library.openmp = None
     return library
+
+
+def use_threads(openmp):
+    """Run the kernels on the threads of the OpenMP runtime at path ``openmp`` (it must be loaded
+    already), or on pthreads with None. Returns the path in use."""
+    LIBRARY.openmp = openmp if openmp and LIBRARY.fastoptim_use_openmp(openmp.encode()) == 0 else None
+    if LIBRARY.openmp is None:
+        LIBRARY.fastoptim_use_openmp(None)
+    return LIBRARY.openmp
 
 
 def _torch_openmp():
@@ -63,11 +71,15 @@ def _torch_openmp():
             paths = {line.split()[-1] for line in maps if "/lib" in line}
     except OSError:
         return None
-    return next((p for p in sorted(paths) if Path(p).name.startswith(("libgomp", "libiomp", "libomp"))), None)
+    runtimes = [p for p in paths if Path(p).name.startswith(("libgomp", "libiomp", "libomp"))]
+    torch_lib = str(Path(torch.__file__).parent)  # prefer torch's own over another package's vendored copy
+    return min(runtimes, key=lambda p: (not p.startswith(torch_lib), p), default=None)
 
 
 LIBRARY = _load()
 AVAILABLE = LIBRARY is not None
+if AVAILABLE:
+    use_threads(_torch_openmp())
 
 
 def run(kernel, pointers, n_tensors, chunks, chunk_range, scalars, dtype, flags, n_threads):
