@@ -11,7 +11,8 @@ from fastoptim.kernels import fused_cpu
 
 def info(_args):
     print(f"fastoptim {fastoptim.__version__}")
-    print(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}, GPU {'yes' if torch.cuda.is_available() else 'no'})")
+    gpu = "yes" if torch.cuda.is_available() else "no"
+    print(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}, GPU {gpu})")
     print(f"threads {torch.get_num_threads()}")
     print(f"engines {', '.join(engines.AVAILABLE)}")
     if fused_cpu.AVAILABLE:

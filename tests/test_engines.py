@@ -1,7 +1,8 @@
 """Every engine against the loop engine, over drawn shapes, dtypes and options."""
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fastoptim
 import fastoptim.engines

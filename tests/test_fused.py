@@ -11,7 +11,8 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import fastoptim
 from fastoptim.bench.peers import timm_adan_class
@@ -92,7 +93,7 @@ def run_in_lockstep(cls, shapes, dtype, options, tensor_lr, steps=4):
     optimizers = {name: cls(params, **(options | {"lr": torch.tensor(options["lr"]) if tensor_lr else options["lr"]}),
                             **ENGINES[name]) for name, params in runs.items()}
     for grads in oracle.grad_sequence(shapes, steps):
-        for name, params in runs.items():
+        for params in runs.values():
             for param, grad in zip(params, grads):
                 param.grad = grad.to(dtype)
         with warnings.catch_warnings(record=True) as record:

@@ -29,7 +29,8 @@ def measure_step(step):
 def peak_extra_bytes(spec):
     """Run :func:`fastoptim.bench.run.step_in_subprocess` for ``spec`` in a fresh process."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    code = "import json,sys; from fastoptim.bench.run import step_in_subprocess as f; print(json.dumps(f(json.loads(sys.argv[1]))))"
+    code = ("import json, sys; from fastoptim.bench.run import step_in_subprocess as f; "
+            "print(json.dumps(f(json.loads(sys.argv[1]))))")
     out = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env=env, check=True,
                          capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
