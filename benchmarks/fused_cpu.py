@@ -39,7 +39,10 @@ def probe_stepper(params):
     tensors = {"param": params, "grad": [p.grad for p in params]}
     tensors |= {role: [torch.zeros_like(p) for p in params] for role in roles[2:]}
     table = PointerTable(tensors, roles)
-    return lambda: fused_cpu.probe(table.pointers, len(params), table.chunks, torch.get_num_threads())
+
+    def step():  # its use of ``tensors`` keeps the buffers the table points into alive
+        fused_cpu.probe(table.pointers, len(tensors["param"]), table.chunks, torch.get_num_threads())
+    return step
 
 
 def report(model, repeats, steps):

@@ -14,7 +14,7 @@ def info(_args):
     gpu = "yes" if torch.cuda.is_available() else "no"
     print(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}, GPU {gpu})")
     print(f"threads {torch.get_num_threads()}")
-    print(f"engines {', '.join(engines.AVAILABLE)}")
+    print(f"engines {', '.join(engines.ENGINES)}")
     if fused_cpu.AVAILABLE:
         print(f"fused CPU kernel built, threads from {fused_cpu.LIBRARY.openmp or 'pthreads (torch has no OpenMP)'}")
     else:

@@ -13,8 +13,10 @@ def global_grad_norm(grads):
     device = grads[0].device
     squares = []
     for bucket in buckets(grads):
-        norms = torch._foreach_norm([grads[i] for i in bucket], 2.0, dtype=torch.float32)
-        squares.append(torch.stack(norms).square().sum().to(device, non_blocking=True))
+        tensors = [grads[i] for i in bucket]
+        wide = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32  # never narrow float64
+        norms = torch._foreach_norm(tensors, 2.0, dtype=wide)
+        squares.append(torch.stack(norms).square().sum().to(device, torch.float32, non_blocking=True))
     return torch.stack(squares).sum().sqrt()
 
 

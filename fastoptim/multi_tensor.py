@@ -3,11 +3,10 @@
 A bucket holds one device and one dtype. A fused kernel reads a :class:`PointerTable`: the data
 pointers of every tensor by role, and a chunk plan that cuts all tensors into fixed-size chunks,
 so threads share the work of many small tensors as evenly as that of one large one. The table is
-built once and kept while the parameters' storages stay the same; only the gradients' pointers,
-which change whenever grads are set to None and recomputed, are refreshed every step.
+built once and kept while the params and states stay the same tensors with the same storage; only
+the gradients' pointers, which change whenever grads are set to None and recomputed, are
+refreshed every step.
 """
-import operator
-
 import numpy as np
 
 CHUNK_NUMEL = 1 << 15  # 128 KiB of fp32 per stream: large enough to amortise, small enough to balance
@@ -54,30 +53,17 @@ def data_pointers(tensors):
 
 class PointerTable:
     """The data pointers of a bucket's tensors, one row per role in ``roles`` order (a role the
-    bucket lacks is a row of zeros), and the chunk plan over them. It keeps the tensors it points
-    into alive, so a stale table can never point into freed memory."""
+    bucket lacks is a row of zeros), and the chunk plan over them. It does not keep the tensors
+    alive: its owner must, and must drop it when one of them changes (the optimizer's step work
+    does both, see ``GroupWork``). Grads are new every step, so their row is refreshed."""
 
     def __init__(self, tensors, roles):
         self.roles = roles
-        self.kept = {role: list(tensors[role]) for role in roles if role in tensors and role != "grad"}
-        self.param_pointers = data_pointers(tensors["param"])
-        self.param_strides = [p.stride() for p in tensors["param"]]
         self.pointers = np.zeros((len(roles), len(tensors["param"])), dtype=np.int64)
         for row, role in enumerate(roles):
             if role in tensors:
                 self.pointers[row] = data_pointers(tensors[role])
         self.chunks, self.first_chunk = chunk_plan([t.numel() for t in tensors["param"]])
-
-    def describes(self, tensors, roles):
-        """Whether this table is still right for ``tensors``: the same param and state tensors, and
-        the params' storages and layouts unchanged (``param.data = ...`` and ``to()`` keep the
-        object)."""
-        params = tensors["param"]
-        return (roles == self.roles and self.kept.keys() == {r for r in roles if r in tensors and r != "grad"}
-                and all(len(tensors[r]) == len(kept) and all(map(operator.is_, tensors[r], kept))
-                        for r, kept in self.kept.items())
-                and np.array_equal(data_pointers(params), self.param_pointers)
-                and [p.stride() for p in params] == self.param_strides)
 
     def refresh_grads(self, grad_pointers):
         self.pointers[self.roles.index("grad")] = grad_pointers

@@ -19,7 +19,7 @@ class Plan:
     shared by every parameter, or 1-d tensors with one entry per parameter (named in ``per_tensor``).
     The fused engines also read ``found_inf`` (GradScaler's, or None), ``stochastic_rounding``,
     ``warn_fallback`` (fused was asked for, not picked) and ``cache`` (a dict they keep their
-    pointer table in, owned by the optimizer, which empties it when states are replaced).
+    pointer table in, owned by the optimizer, which empties it when a param or state changes).
     """
 
     tensors: dict[str, list[Tensor]]
@@ -41,13 +41,16 @@ class Plan:
                     self.per_tensor, self.found_inf, self.stochastic_rounding, self.warn_fallback)
 
 
-AVAILABLE = {"loop": loop.run, "foreach": foreach.run, "fused-single": fused.run_single, "fused-multi": fused.run_multi}
+ENGINES = {"loop": loop.run, "foreach": foreach.run, "fused-single": fused.run_single, "fused-multi": fused.run_multi}
 FUSED = frozenset({"fused-single", "fused-multi"})
 
 
 def engine_name(foreach, fused):
     """The engine that a group's ``foreach``/``fused`` flags select, as the seeds choose them:
-    ``fused=True`` is multi-tensor unless ``foreach=False``; with both None, the fastest there is."""
+    ``fused=True`` is multi-tensor unless ``foreach=False``; with both None, the fastest there is.
+    A step traced by ``torch.compile`` takes foreach for the fused engines: a C call does not trace."""
+    if (fused or fused is None and foreach is None) and torch.compiler.is_compiling():
+        return "foreach"
     if fused:
         return "fused-single" if foreach is False else "fused-multi"
     if fused is None and foreach is None:

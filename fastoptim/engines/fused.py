@@ -9,10 +9,8 @@ Tensors the kernel cannot take run on the foreach engine instead, with one warni
 asked for: no build, a dtype other than fp32/bf16/fp16, a device other than the CPU, or a layout
 where param, grad and states are not dense with the same strides.
 """
-import operator
 import warnings
 
-import numpy as np
 import torch
 
 from ..kernels import fused_cpu
@@ -28,9 +26,14 @@ def _refusal(param, grad, states):
         return f"no fused kernel for {param.device.type} tensors yet"
     if param.dtype not in fused_cpu.DTYPES:
         return f"no fused kernel for {param.dtype}"
-    if not is_dense(param) or any(t.stride() != param.stride() for t in (grad, *states)):
+    if not is_dense(param) or not all(same_layout(t, param) for t in (grad, *states)):
         return "param, grad and states are not dense with the same strides"
     return None
+
+
+def same_layout(a, b):
+    """Whether tensors of one shape order their elements alike (a size-1 dim's stride is free)."""
+    return all(sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape) if n != 1)
 
 
 def _split(plan):
@@ -72,30 +75,26 @@ def _scalars(algorithm, plan):
 
 
 def _prepare(algorithm, plan):
-    """The indices the kernel takes, those left to foreach (and why), and the pointer table of the
-    taken ones: cached while the tensors, their storages and their layouts stay the same. The
-    grads' layouts are checked again whenever they are new tensors or have new storage."""
-    roles = fused_cpu.ROLES[algorithm.kernel]
-    params, grads = plan.tensors["param"], plan.tensors["grad"]
-    grad_pointers = data_pointers(grads)
-    cached = plan.cache.get("prepared")
-    same_grads = (cached is not None and len(cached.grads) == len(grads) and all(map(operator.is_, grads, cached.grads))
-                  and np.array_equal(grad_pointers, cached.grad_pointers))
-    if cached is None or not cached.whole.describes(plan.tensors, roles) or not (
-            same_grads or all(grads[i].stride() == params[i].stride() for i in cached.taken)):
-        cached = plan.cache["prepared"] = Prepared(plan, roles)
-    cached.grads, cached.grad_pointers = grads, grad_pointers
-    cached.table.refresh_grads(grad_pointers[cached.taken] if cached.left else grad_pointers)
-    return cached
+    """What the kernel takes of ``plan``, and its pointer table, cached in ``plan.cache`` (which the
+    optimizer empties whenever a param or state tensor changes) while the grads keep their layouts.
+    Only the grads' pointers are refreshed every step."""
+    grads = plan.tensors["grad"]
+    grad_strides = list(map(torch.Tensor.stride, grads))
+    prepared = plan.cache.get("prepared")
+    if prepared is None or grad_strides != prepared.grad_strides:
+        prepared = plan.cache["prepared"] = Prepared(plan, fused_cpu.ROLES[algorithm.kernel], grad_strides)
+    pointers = data_pointers(grads)
+    prepared.table.refresh_grads(pointers[prepared.taken] if prepared.left else pointers)
+    return prepared
 
 
 class Prepared:
-    """What the kernel takes of a plan, what it leaves to foreach and why, and the pointer tables."""
+    """What the kernel takes of a plan, what it leaves to foreach and why, and the pointer table."""
 
-    def __init__(self, plan, roles):
+    def __init__(self, plan, roles, grad_strides):
         self.taken, self.left, self.reason = _split(plan)
         self.table = PointerTable({role: [t[i] for i in self.taken] for role, t in plan.tensors.items()}, roles)
-        self.whole = PointerTable(plan.tensors, roles) if self.left else self.table  # to check the cache against
+        self.grad_strides = grad_strides
 
 
 def _run(algorithm, plan, per_tensor_calls):

@@ -71,35 +71,38 @@ class AdamW(FastOptimizer):
                 state[role] = torch.zeros_like(param, dtype=state_dtype(param))
         return state
 
-    def _prepare_states(self, states):
-        """Make every ``state['step']`` a view into one tensor of counts, so a step adds to them in
-        one op (2000 separate 0-d tensors cost milliseconds of dispatch)."""
+    def _prepare_states(self, params, group):
+        """The states, each ``state['step']`` made a view into one tensor of counts (the context),
+        so a step adds to them in one op: 2000 separate 0-d tensors cost milliseconds of dispatch."""
+        states, _ = super()._prepare_states(params, group)
         steps = [state["step"] for state in states]
         if torch.compiler.is_compiling():  # a traced step adds to each count; views would retrace
-            return None
+            return states, None
         base = steps[0]._base
         if base is None or base.shape != (len(steps),) or not all(
                 step._base is base and step.storage_offset() == i for i, step in enumerate(steps)):
             base = torch.stack(steps)
             for i, state in enumerate(states):
                 state["step"] = base[i]
-        return base
+        return states, base
 
     def _step_arguments(self, group, entry, grad_scale, increment):
         steps = entry.context  # one count per param, as torch keeps them
         if steps is None:
-            steps = [state["step"] for state in entry.states]
-            torch._foreach_add_(steps, increment)
-            t = torch.stack(steps).to(torch.float64)
-        else:
-            steps += increment
-            t = steps.to(torch.float64)  # 1 − β^t needs fp64
+            steps = torch.stack([state["step"] for state in entry.states])
+        t = steps.to(torch.float64) + increment  # 1 − β^t needs fp64
         beta1, beta2 = group["betas"]
         lr = group["lr"]
         args = dict(beta1=beta1, beta2=beta2, eps=group["eps"], lr=lr, weight_decay=group["weight_decay"],
                     grad_scale=grad_scale, step_size=(lr / (1 - beta1**t)).float(),
                     bias_correction2_sqrt=(1 - beta2**t).sqrt().float())
         return args, {"step_size", "bias_correction2_sqrt"}
+
+    def _count_step(self, group, entry, increment):
+        if entry.context is not None:
+            entry.context += increment
+        elif entry.params:
+            torch._foreach_add_([state["step"] for state in entry.states], increment)
 
     @staticmethod
     def kernel_scalars(args):

@@ -10,7 +10,8 @@ def adan_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, exp_avg_diff,
     """One Adan step; betas follow the official code's convention (1 − the paper's)::
 
         g      = grad · grad_scale           (the clip coefficient, negated to maximize; None: 1)
-        d      = w·(g − g_prev)              (w = pre_grad_weight: 0 at step 1, where g_prev = g; then 1)
+        d      = w·(g − g_prev)              (w = pre_grad_weight: 0 at a param's first step, where
+                                              official Adan sets g_prev = g; then 1)
         m      = β1·m + (1−β1)·g             exp_avg
         v      = β2·v + (1−β2)·d             exp_avg_diff
         n      = β3·n + (1−β3)·(g + β2·d)²   exp_avg_sq
@@ -114,19 +115,36 @@ class Adan(FastOptimizer):
                 state[role] = torch.zeros_like(param, dtype=state_dtype(param))
         return state
 
+    def _prepare_states(self, params, group):
+        """The states, and as ``context`` the weights of g − g_prev for the step that creates them:
+        0 for a param without ``neg_pre_grad`` (its first step, whenever it comes), 1 for the others."""
+        weights = [float("neg_pre_grad" in self.state.get(param, ())) for param in params]
+        states, _ = super()._prepare_states(params, group)
+        return states, torch.tensor(weights, device=params[0].device) if 0.0 in weights else None
+
     def _step_arguments(self, group, entry, grad_scale, increment):
-        if "step" not in group:
-            group["step"] = torch.zeros((), dtype=torch.float32, device=entry.params[0].device)
-        group["step"] += increment
-        t = group["step"].to(torch.float64)  # 1 − β^t in fp32 would lose digits; fp32 scalars keep ops fast
+        pre_grad_weight, entry.context = entry.context, None  # for one step: then every param has a g_prev
+        t = self._group_step(group).to(torch.float64) + increment  # 1 − β^t in fp32 would lose digits
         beta1, beta2, beta3 = group["betas"]
         lr = group["lr"]
         args = dict(beta1=beta1, beta2=beta2, beta3=beta3, eps=group["eps"], lr=lr,
                     weight_decay=group["weight_decay"], no_prox=group["no_prox"], grad_scale=grad_scale,
-                    pre_grad_weight=(t > 1).float(),
+                    pre_grad_weight=1.0 if pre_grad_weight is None else pre_grad_weight,
                     bias_correction3_sqrt=(1 - beta3**t).sqrt().float(), step_size=(lr / (1 - beta1**t)).float(),
                     diff_ratio=(beta2 * (1 - beta1**t) / (1 - beta2**t)).float())
-        return args, ()
+        return args, () if pre_grad_weight is None else {"pre_grad_weight"}
+
+    def _count_step(self, group, entry, increment):
+        """The step count is the group's, and it advances whether or not any param had a grad, as
+        in official Adan."""
+        self._group_step(group).add_(increment)
+
+    @staticmethod
+    def _group_step(group):
+        if "step" not in group:
+            device = group["params"][0].device if group["params"] else None
+            group["step"] = torch.zeros((), dtype=torch.float32, device=device)
+        return group["step"]
 
     @staticmethod
     def kernel_scalars(args):

@@ -3,6 +3,9 @@ engine dispatch and state-dict conversion. A subclass states its algorithm: hype
 layout, per-step scalars and ``update``, the math written once."""
 import math
 import operator
+from itertools import repeat
+from operator import attrgetter
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -17,8 +20,7 @@ def check_hyperparameters(group, n_betas):
     """Raise a ValueError that names the first invalid hyperparameter of ``group``."""
     lr = group["lr"]
     if isinstance(lr, Tensor):
-        if lr.numel() != 1 or not lr.is_floating_point():
-            raise ValueError(f"Invalid lr: a Tensor lr must be a floating-point scalar, got shape {tuple(lr.shape)}")
+        check_tensor_lr(lr)
         lr = lr.item()  # construction time only, never in step()
     for name, value in (("lr", lr), ("eps", group["eps"]), ("weight_decay", group["weight_decay"]),
                         ("max_grad_norm", group["max_grad_norm"])):
@@ -38,21 +40,70 @@ def check_hyperparameters(group, n_betas):
             raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be True or False)")
 
 
+def check_tensor_lr(lr, device=None):
+    """A Tensor lr must be a 0-d floating-point tensor on the params' device, where the kernels read it."""
+    if lr.dim() != 0 or not lr.is_floating_point():
+        raise ValueError(f"Invalid lr: a Tensor lr must be a 0-d floating-point tensor, got {lr.dtype} "
+                         f"of shape {tuple(lr.shape)}")
+    if device is not None and lr.device != device:
+        raise ValueError(f"Invalid lr: a Tensor lr must be on the params' device, {device}, not {lr.device}")
+
+
 def state_dtype(param):
     """States are fp32, whatever the param's dtype, except that a float64 param keeps float64
     states and math: rounding it through fp32 would change it."""
     return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
-class GroupWork:
-    """One group's step work: its params that have grads (validated against ``all_grads``, the
-    group's grads when it was built), their (device, dtype) buckets, their states, the tensors by
-    role, and what the optimizer's ``_prepare_states`` made of the states (``context``)."""
+class Signature(NamedTuple):
+    """What the step's caches of a list of tensors depend on."""
+    pointers: np.ndarray
+    shapes: list
+    strides: list
+    dtypes: list
+    devices: list
 
-    def __init__(self, roles, engine):
-        self.roles, self.engine = roles, engine
-        self.all_grads, self.params, self.buckets, self.grad_pointers = [], [], [], None
-        self.states = self.tensors = self.context = None
+    @classmethod
+    def of(cls, tensors):
+        return cls(data_pointers(tensors), *(list(map(get, tensors)) for get in (
+            attrgetter("shape"), Tensor.stride, attrgetter("dtype"), attrgetter("device"))))
+
+    def same(self, other):
+        return np.array_equal(self.pointers, other.pointers) and self[1:] == other[1:]
+
+
+class GroupWork:
+    """What a step of one group needs of its params that have grads: the params, their (device,
+    dtype) buckets, their states and state tensors by role, what ``_prepare_states`` made of the
+    states (``context``) and the engines' caches per bucket (the fused engine's pointer tables).
+
+    It is reused while the same params, with the same storage, layout and dtype, have grads, and its
+    states while the params' state dicts hold the very tensors it was built on (a user may clear
+    or replace them between steps). Checking that is most of what a step costs in Python. The
+    gradients are never kept: they are checked and listed afresh every step.
+    """
+
+    def __init__(self, roles, engine, params, signature=None):
+        self.roles, self.engine, self.params, self.signature = roles, engine, params, signature
+        self.buckets = buckets(params)
+        self.states = self.kept = self.tensors = self.context = None
+        self.bucket_caches = {}
+
+    def fits(self, roles, engine, params, signature):
+        return ((roles, engine) == (self.roles, self.engine) and len(params) == len(self.params)
+                and all(map(operator.is_, params, self.params)) and signature.same(self.signature))
+
+    def holds(self, states):
+        """Whether ``states`` (the params' state dicts now) are those this work was built on,
+        holding the same tensors under every key."""
+        return (self.states is not None and all(map(operator.is_, states, self.states))
+                and all(all(map(operator.is_, map(dict.get, states, repeat(key)), tensors))
+                        for key, tensors in self.kept.items()))
+
+    def use_states(self, states, context):
+        self.states, self.context, self.bucket_caches = states, context, {}
+        self.kept = {key: [state[key] for state in states] for key in states[0]}
+        self.tensors = {role: self.kept[role] for role in self.roles}
 
 
 class FastOptimizer(torch.optim.Optimizer):
@@ -70,13 +121,15 @@ class FastOptimizer(torch.optim.Optimizer):
             devices = {param.device for param in group["params"]}
             if len(devices) > 1:
                 raise ValueError(f"all params of a group must be on one device, got {sorted(map(str, devices))}")
+            if isinstance(group["lr"], Tensor) and devices:
+                check_tensor_lr(group["lr"], devices.pop())
         except Exception:
             self.param_groups.pop()
             raise
 
-    def _check_group(self, group):
+    def _check_group(self, group, max_grad_norm=None):
         check_hyperparameters(group, self.n_betas)
-        if group["max_grad_norm"] != self.defaults["max_grad_norm"]:
+        if group["max_grad_norm"] != (self.defaults["max_grad_norm"] if max_grad_norm is None else max_grad_norm):
             raise ValueError("Invalid max_grad_norm: it clips by the norm over all groups, "
                              "so set it in the constructor, not per group")
         engines.engine_name(group["foreach"], group["fused"])
@@ -95,96 +148,113 @@ class FastOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss."""
+        """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss.
+
+        Every group is checked before anything changes, so a step that raises changes nothing."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         caches = self.__dict__.setdefault("_engine_caches", {})
-        work = [(index, group, self._group_work(caches, index, group))  # validates every group first
-                for index, group in enumerate(self.param_groups)]
-        work = [(index, group, entry) for index, group, entry in work if entry.params]
-        if not work:
-            return loss
+        work = [(group, *self._group_work(caches, index, group)) for index, group in enumerate(self.param_groups)]
         amp_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-        if found_inf is not None and any(entry.engine not in engines.FUSED for _, _, entry in work):
-            if found_inf.item():  # the loop and foreach engines cannot skip without looking
+        # Only the fused engines skip an inf step on the device. The others look at found_inf, and
+        # so does a step that would create states: a skipped step must leave no trace.
+        if found_inf is not None and any(
+                entry.params and (entry.engine not in engines.FUSED or entry.states is None) for _, entry, _ in work):
+            if found_inf.item():
                 return loss
             found_inf = None
+        increment = 1 if found_inf is None else (found_inf == 0).float()  # a skipped step does not count
         inv_scale = None if amp_scale is None else amp_scale.double().reciprocal().float()
         max_norm = self.defaults["max_grad_norm"]
+        all_grads = [grad for _, _, grads in work for grad in grads]
         clip = None
-        if max_norm > 0:  # official Adan takes eps for the clip from the last group
-            grads = [param.grad for _, _, entry in work for param in entry.params]
-            clip = clip_coefficient(grads, max_norm, self.param_groups[-1]["eps"], inv_scale)
-        for index, group, entry in work:
-            self._step_group(caches, index, group, entry, self._grad_scale(group, clip, inv_scale), found_inf)
+        if max_norm > 0 and all_grads:  # official Adan takes eps for the clip from the last group
+            clip = clip_coefficient(all_grads, max_norm, self.param_groups[-1]["eps"], inv_scale)
+        for group, entry, grads in work:
+            if entry.params:
+                self._step_group(group, entry, grads, self._grad_scale(group, clip, inv_scale), found_inf, increment)
+            self._count_step(group, entry, increment)
         return loss
 
     def _group_work(self, caches, index, group):
-        """The group's params that have grads, validated, with their states and tensors by role.
-        While the grads are the very tensors of the last step, that step's work is reused; while
-        the same params have grads, their states and state lists are: checking 2000 tensors in
-        Python costs more than updating them."""
-        grads = [param.grad for param in group["params"]]
+        """The group's :class:`GroupWork` and its params' grads, all checked; nothing is changed."""
+        params = [param for param in group["params"] if param.grad is not None]
+        grads = [param.grad for param in params]
         roles = self._state_roles(group)
         engine = engines.engine_name(group["foreach"], group["fused"])
+        if isinstance(group["lr"], Tensor) and params:  # a scheduler or the user may have set it since
+            check_tensor_lr(group["lr"], params[0].device)
         if torch.compiler.is_compiling():  # traced once, so nothing to reuse; data pointers do not trace
-            entry = GroupWork(roles, engine)
-            entry.params = self._params_with_grad(group)
-            entry.buckets = buckets(entry.params)
-            return entry
-        entry = caches.get(("work", index))
-        if entry is None or (entry.roles, entry.engine) != (roles, engine):
-            entry = caches[("work", index)] = GroupWork(roles, engine)
-        # The same grad objects with the same storage (`grad.data = ...` and Module.to() keep the object).
-        if (len(entry.all_grads) == len(grads) and all(map(operator.is_, grads, entry.all_grads))
-                and np.array_equal(data_pointers([grad for grad in grads if grad is not None]), entry.grad_pointers)):
-            return entry
-        params = self._params_with_grad(group)
-        if len(params) != len(entry.params) or not all(map(operator.is_, params, entry.params)):
-            entry.params, entry.states = params, None
-        entry.all_grads, entry.buckets = grads, buckets(params)
-        entry.grad_pointers = data_pointers([param.grad for param in params])
-        if entry.states is not None:
-            entry.tensors = entry.tensors | {"grad": [param.grad for param in params]}
-        return entry
+            self._check_grads(params, grads)
+            return GroupWork(roles, engine, params), grads
+        signature = Signature.of(params)
+        entry = caches.get(index)
+        if entry is None or not entry.fits(roles, engine, params, signature):
+            entry = caches[index] = GroupWork(roles, engine, params, signature)
+        self._check_grads(params, grads, signature)
+        states = list(map(self.state.get, params))
+        if not entry.holds(states):
+            entry.states = None
+            for param, state in zip(params, states):
+                if state:
+                    self._check_state(param, state, group)
+        return entry, grads
 
-    def _params_with_grad(self, group):
-        params = [param for param in group["params"] if param.grad is not None]
+    def _check_grads(self, params, grads, signature=None):
+        """Raise if a gradient is sparse or does not match its parameter: the same shape, dtype and
+        device (one device for the whole group). The fast test runs over all of them at once."""
+        if signature is not None and (list(map(attrgetter("layout"), grads)).count(torch.strided) == len(grads)
+                and list(map(attrgetter("shape"), grads)) == signature.shapes
+                and list(map(attrgetter("dtype"), grads)) == signature.dtypes
+                and list(map(attrgetter("device"), grads)) == signature.devices
+                and len(set(signature.devices)) <= 1):
+            return
         name = type(self).__name__
-        for param in params:
-            grad = param.grad
+        for param, grad in zip(params, grads):
             if grad.layout != torch.strided:
                 raise RuntimeError(f"{name} does not support sparse gradients")
             if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
                 raise RuntimeError(
                     f"{name}: a gradient must match its parameter; got grad {grad.dtype} {tuple(grad.shape)} "
                     f"on {grad.device} for param {param.dtype} {tuple(param.shape)} on {param.device}")
-        if len({param.device for param in params}) > 1:
-            raise RuntimeError(f"{name}: all params of a group must be on one device")
-        return params
+        devices = {param.device for param in params}
+        if len(devices) > 1:
+            raise RuntimeError(f"{name}: all params of a group must be on one device, got {sorted(map(str, devices))}")
 
-    def _step_group(self, caches, index, group, entry, grad_scale, found_inf):
-        if entry.states is None:  # after validation of every group: now states may be created
-            entry.states = [self._ensure_state(param, group) for param in entry.params]
-            entry.context = self._prepare_states(entry.states)
-            entry.tensors = {"param": entry.params, "grad": [param.grad for param in entry.params]}
-            entry.tensors |= {role: [state[role] for state in entry.states] for role in entry.roles}
-        increment = 1 if found_inf is None else 1 - found_inf  # a skipped step does not count
+    def _check_state(self, param, state, group):
+        """Raise if a state tensor no longer fits its parameter (``param.data = ...`` after the state
+        was created, or an edited state): its shape, dtype and device must be what a fresh one has."""
+        for key, shape in self._expected_state(group, param).items():
+            value = state.get(key)
+            dtype = torch.float32 if key == "step" else state_dtype(param)
+            if value is not None and (value.shape != shape or value.dtype != dtype or value.device != param.device):
+                raise RuntimeError(
+                    f"{type(self).__name__}: state '{key}' is {value.dtype} {tuple(value.shape)} on {value.device}, "
+                    f"but its param ({param.dtype} {tuple(param.shape)} on {param.device}) needs {dtype} "
+                    f"{tuple(shape)}: was the param changed after its state was created? Convert the state, "
+                    "or clear it with optimizer.state[param].clear()")
+
+    def _step_group(self, group, entry, grads, grad_scale, found_inf, increment):
+        if entry.states is None:  # every group is checked by now: states may be created
+            entry.use_states(*self._prepare_states(entry.params, group))
         args, per_tensor = self._step_arguments(group, entry, grad_scale, increment)
-        plan = engines.Plan(entry.tensors, args, frozenset(per_tensor), found_inf, group["stochastic_rounding"],
-                            warn_fallback=group["fused"] is True)
-        for bucket in entry.buckets:
+        plan = engines.Plan(entry.tensors | {"param": entry.params, "grad": grads}, args, frozenset(per_tensor),
+                            found_inf, group["stochastic_rounding"], warn_fallback=group["fused"] is True)
+        for index, bucket in enumerate(entry.buckets):
             part = plan if len(bucket) == len(entry.params) else plan.subset(bucket)
-            first = entry.params[bucket[0]]
-            part.cache = caches.setdefault((index, first.device, first.dtype), {})
-            engines.AVAILABLE[entry.engine](self, part)
+            part.cache = entry.bucket_caches.setdefault(index, {})
+            engines.ENGINES[entry.engine](self, part)
 
-    def _prepare_states(self, states):
-        """Hook: arrange the states of a group's params with grads once (not every step); the
-        result is handed to ``_step_arguments`` as ``entry.context``."""
-        return None
+    def _prepare_states(self, params, group):
+        """The state dicts of a group's params with grads, with missing states created, and what
+        ``_step_arguments`` reads of them as ``entry.context``. Called when they change, not every step."""
+        return [self._ensure_state(param, group) for param in params], None
+
+    def _count_step(self, group, entry, increment):
+        """Hook: advance the step counts by ``increment`` (1, or 0 on a step GradScaler skipped),
+        after the update, for every group, whether or not its params had grads."""
 
     def _grad_scale(self, group, clip, inv_scale):
         """What the gradient is multiplied by: the clip coefficient, GradScaler's 1/scale, and −1
