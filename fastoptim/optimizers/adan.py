@@ -117,22 +117,24 @@ class Adan(FastOptimizer):
 
     def _prepare_states(self, params, group):
         """The states, and as ``context`` the weights of g − g_prev for the step that creates them:
-        0 for a param without ``neg_pre_grad`` (its first step, whenever it comes), 1 for the others."""
+        0 for a param without ``neg_pre_grad`` (its first step, whenever it comes), 1 for the others.
+        Official Adan sets g_prev = g when ``neg_pre_grad`` is missing or the step count is 1."""
         weights = [float("neg_pre_grad" in self.state.get(param, ())) for param in params]
         states, _ = super()._prepare_states(params, group)
         return states, torch.tensor(weights, device=params[0].device) if 0.0 in weights else None
 
     def _step_arguments(self, group, entry, grad_scale, increment):
-        pre_grad_weight, entry.context = entry.context, None  # for one step: then every param has a g_prev
+        first_step_weights, entry.context = entry.context, None  # for one step: then every param has a g_prev
         t = self._group_step(group).to(torch.float64) + increment  # 1 − β^t in fp32 would lose digits
+        pre_grad_weight = (t > 1).float() if first_step_weights is None else (t > 1).float() * first_step_weights
         beta1, beta2, beta3 = group["betas"]
         lr = group["lr"]
         args = dict(beta1=beta1, beta2=beta2, beta3=beta3, eps=group["eps"], lr=lr,
                     weight_decay=group["weight_decay"], no_prox=group["no_prox"], grad_scale=grad_scale,
-                    pre_grad_weight=1.0 if pre_grad_weight is None else pre_grad_weight,
+                    pre_grad_weight=pre_grad_weight,
                     bias_correction3_sqrt=(1 - beta3**t).sqrt().float(), step_size=(lr / (1 - beta1**t)).float(),
                     diff_ratio=(beta2 * (1 - beta1**t) / (1 - beta2**t)).float())
-        return args, () if pre_grad_weight is None else {"pre_grad_weight"}
+        return args, () if first_step_weights is None else {"pre_grad_weight"}
 
     def _count_step(self, group, entry, increment):
         """The step count is the group's, and it advances whether or not any param had a grad, as

@@ -273,8 +273,9 @@ class FastOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         """Load a state dict of this optimizer or of its peers' layout (see the class docstring).
 
-        Everything is checked before anything changes. The engine flags (``foreach``, ``fused``)
-        stay this optimizer's, so a state moves freely between engines. States are fp32 tensors on
+        Everything is checked before anything changes. The hyperparameters are the saved ones,
+        ``max_grad_norm`` included (the saved groups must agree on it), but the engine flags
+        (``foreach``, ``fused``) stay this optimizer's, so a state moves freely between engines. States are fp32 tensors on
         the parameter's device (float64 for a float64 parameter), whatever the saved dtype.
         """
         groups, saved_groups = self.param_groups, state_dict["param_groups"]
@@ -283,11 +284,18 @@ class FastOptimizer(torch.optim.Optimizer):
             raise ValueError("loaded state dict does not match the optimizer's parameter groups: "
                              f"{[len(s['params']) for s in saved_groups]} params saved, "
                              f"{[len(g['params']) for g in groups]} here")
+        # max_grad_norm is global: the saved one is taken, as torch takes the other hyperparameters
+        max_grad_norms = {saved.get("max_grad_norm", self.defaults["max_grad_norm"]) for saved in saved_groups}
+        if len(max_grad_norms) > 1:
+            raise ValueError(f"loaded param groups disagree on max_grad_norm ({sorted(max_grad_norms)}), "
+                             "which clips by the norm over all groups")
+        max_grad_norm = max_grad_norms.pop() if max_grad_norms else self.defaults["max_grad_norm"]
         new_groups, new_state, sources = [], {}, {}
         for index, (group, saved) in enumerate(zip(groups, saved_groups)):
-            merged = {**self.defaults, **saved, "foreach": group["foreach"], "fused": group["fused"]}
+            merged = {**self.defaults, "max_grad_norm": max_grad_norm, **saved,
+                      "foreach": group["foreach"], "fused": group["fused"]}
             try:
-                self._check_group(merged)
+                self._check_group(merged, max_grad_norm)
             except ValueError as error:
                 raise ValueError(f"loaded param group {index}: {error}. Is it a state dict of another "
                                  f"optimizer? {type(self).__name__} expects {self.n_betas} betas.") from None
@@ -312,6 +320,7 @@ class FastOptimizer(torch.optim.Optimizer):
                 new_state[saved_id], sources[param] = state, state
             new_groups.append(merged)
         super().load_state_dict({"state": new_state, "param_groups": new_groups})
+        self.defaults["max_grad_norm"] = max_grad_norm
         self._forget_engine_caches()
         for param, state in sources.items():  # torch casts states to the param's dtype; keep ours
             self.state[param].update(state)

@@ -1,0 +1,200 @@
+"""A step reuses what it learnt of the params, states and grads at the previous one (see
+``GroupWork``). Whatever a user changes between steps must be seen: a param's storage, shape or
+dtype, a state cleared or replaced, new grads. A change that cannot go on gets a clear error before
+anything is touched, and a step never keeps the grads alive past itself."""
+import gc
+import weakref
+
+import pytest
+import torch
+
+import fastoptim
+from fastoptim.bench.peers import timm_adan_class
+
+from . import oracle
+from .test_bad_input import assert_unchanged, snapshot
+
+OPTIMIZERS = [fastoptim.Adan, fastoptim.AdamW]
+ENGINES = {"loop": dict(foreach=False, fused=False), "foreach": dict(foreach=True, fused=False),
+           "fused-single": dict(foreach=False, fused=True), "fused-multi": dict(foreach=True, fused=True)}
+SHAPES = [(7,), (40000,), (5, 3)]  # one tensor crosses the kernel's chunk size
+
+
+def stepped(cls, flags, steps=2, **options):
+    params = oracle.make_params(SHAPES)
+    optimizer = cls(params, lr=0.01, weight_decay=0.02, **flags, **options)
+    oracle.run(optimizer, params, oracle.grad_sequence(SHAPES, steps))
+    return params, optimizer
+
+
+@pytest.mark.filterwarnings("ignore:fastoptim. fused=True, but no fused kernel for torch.float64")
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+@pytest.mark.parametrize("change", ["larger", "reshaped", "float64"])
+def test_a_param_changed_under_its_state_is_refused_before_anything_is_touched(cls, engine, change):
+    """``p.data = ...`` with another shape or dtype: the states no longer fit. Reading them with the
+    new param's size would write out of bounds in the kernel."""
+    params, optimizer = stepped(cls, ENGINES[engine])
+    new = {"larger": torch.zeros(80000), "reshaped": params[1].data.view(200, 200),
+           "float64": params[1].data.double()}[change]
+    params[1].data, value = new, new.clone()
+    for param in params:
+        param.grad = torch.ones_like(param)
+    before = snapshot(params, optimizer)
+    with pytest.raises(RuntimeError, match="was the param changed after its state was created"):
+        optimizer.step()
+    assert_unchanged(params, optimizer, before)
+    optimizer.state[params[1]].clear()  # the remedy the message names: the param starts afresh
+    optimizer.step()
+    assert not torch.equal(params[1].detach(), value)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_a_param_made_float64_beside_its_unchanged_grad_is_refused(cls, engine):
+    """The grad is the same object as at the last step, but no longer matches its param."""
+    params, optimizer = stepped(cls, ENGINES[engine])
+    params[0].data = params[0].data.double()
+    before = snapshot(params, optimizer)
+    with pytest.raises(RuntimeError, match="a gradient must match its parameter"):
+        optimizer.step()
+    assert_unchanged(params, optimizer, before)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_grad_whose_storage_is_swapped_for_a_smaller_one_is_refused(engine):
+    params, optimizer = stepped(fastoptim.AdamW, ENGINES[engine])
+    params[1].grad.data = torch.ones(10)
+    before = snapshot(params, optimizer)
+    with pytest.raises(RuntimeError, match="a gradient must match its parameter"):
+        optimizer.step()
+    assert_unchanged(params, optimizer, before)
+
+
+def clear_then_replace(optimizer, params, step):
+    """Between steps 3 and 4: clear one param's state; between 5 and 6: replace a moment."""
+    if step == 3:
+        optimizer.state[params[0]].clear()
+    if step == 5:
+        optimizer.state[params[2]]["exp_avg"] = torch.full_like(params[2], 0.5)
+
+
+def run_with_edits(optimizer, params, grads):
+    for step, step_grads in enumerate(grads):
+        clear_then_replace(optimizer, params, step)
+        oracle.run(optimizer, params, [step_grads])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_states_cleared_or_replaced_between_steps_are_used_as_timm_uses_them(engine):
+    params = oracle.make_params(SHAPES)
+    peer_params = [p.detach().clone().requires_grad_() for p in params]
+    grads = oracle.grad_sequence(SHAPES, 8)
+    run_with_edits(fastoptim.Adan(params, lr=0.01, weight_decay=0.02, **ENGINES[engine]), params, grads)
+    run_with_edits(timm_adan_class()(peer_params, lr=0.01, weight_decay=0.02), peer_params, grads)
+    assert oracle.relative_error(params, peer_params) < 1e-5
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_states_cleared_or_replaced_between_steps_are_used_as_torch_uses_them(engine):
+    params = oracle.make_params(SHAPES)
+    peer_params = [p.detach().clone().requires_grad_() for p in params]
+    grads = oracle.grad_sequence(SHAPES, 8)
+    run_with_edits(fastoptim.AdamW(params, lr=0.01, **ENGINES[engine]), params, grads)
+    run_with_edits(torch.optim.AdamW(peer_params, lr=0.01), peer_params, grads)
+    assert oracle.relative_error(params, peer_params) < 1e-5
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_a_step_keeps_no_grad_alive(cls, engine):
+    """After ``zero_grad()`` (set_to_none) the grads of the last step are freed: nothing in the
+    optimizer holds them, so memory for one more set of grads is never needed."""
+    params, optimizer = stepped(cls, ENGINES[engine])
+    grads = [weakref.ref(p.grad) for p in params]
+    optimizer.zero_grad()
+    gc.collect()
+    assert all(grad() is None for grad in grads)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_adan_starts_a_late_param_with_no_gradient_difference_as_timm_does(engine):
+    """Official Adan and timm set g_prev = g for a param's first step, whenever it comes (here, at
+    the group's third step), and count the steps of a group whose params have no grads."""
+    shapes = SHAPES + [(4,)]
+    params = oracle.make_params(shapes)
+    peer_params = [p.detach().clone().requires_grad_() for p in params]
+    options = dict(lr=0.01, weight_decay=0.02)
+    optimizers = []
+    for cls, flags, ps in ((fastoptim.Adan, ENGINES[engine], params), (timm_adan_class(), {}, peer_params)):
+        optimizers.append(cls([{"params": ps[:3]}, {"params": ps[3:]}], **options, **flags))
+    for step, grads in enumerate(oracle.grad_sequence(shapes, 6)):
+        for optimizer, ps in zip(optimizers, (params, peer_params)):
+            for i, (param, grad) in enumerate(zip(ps, grads)):
+                late = (i == 1 and step < 2) or (i == 3 and step < 4)  # group 2 has no grads for 4 steps
+                param.grad = None if late else grad.clone()
+            optimizer.step()
+    assert [float(g["step"]) for g in optimizers[0].param_groups] == [6, 6]
+    assert oracle.relative_error(params, peer_params) < 1e-5
+
+
+@pytest.mark.parametrize("engine", ["fused-single", "fused-multi"])
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_a_skipped_step_that_would_create_states_leaves_no_trace(cls, engine):
+    """A GradScaler-skipped step on which a param gets its first grad creates no state for it, so
+    the run equals one where that step never happened. found_inf is a sum over devices: 2 is a skip."""
+    runs = []
+    for skip in (True, False):
+        params = oracle.make_params(SHAPES)
+        optimizer = cls(params, lr=0.01, weight_decay=0.02, **ENGINES[engine])
+        for step, grads in enumerate(oracle.grad_sequence(SHAPES, 5)):
+            if step == 2 and not skip:
+                continue
+            for i, (param, grad) in enumerate(zip(params, grads)):
+                param.grad = None if i == 1 and step < 2 else grad.clone()
+            optimizer.grad_scale, optimizer.found_inf = torch.ones(()), torch.tensor(2.0 if step == 2 else 0.0)
+            optimizer.step()
+            if step == 2:
+                assert not optimizer.state.get(params[1])
+        runs.append(params)
+    assert oracle.relative_error(*runs) == 0
+
+
+@pytest.mark.filterwarnings("ignore:fastoptim. fused=True, but no fused kernel for torch.float64")
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_float64_params_clip_by_their_float64_norm(cls, engine):
+    params = oracle.make_params(dtype=torch.float64)
+    grads = oracle.grad_sequence(oracle.SHAPES, 5, scale=3.0)
+    reference = {fastoptim.Adan: oracle.adan, fastoptim.AdamW: oracle.adamw}[cls]
+    expected = reference(params, grads, lr=0.01, max_grad_norm=1.0)
+    optimizer = cls(params, lr=0.01, max_grad_norm=1.0, **ENGINES[engine])
+    oracle.run(optimizer, params, grads)
+    assert oracle.relative_error(params, expected) < 1e-6
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+@pytest.mark.parametrize("lr", [torch.tensor([0.01]), torch.tensor(0.01, device="meta"), torch.tensor(1)])
+def test_a_bad_tensor_lr_set_after_construction_is_refused_by_step(cls, lr):
+    params, optimizer = stepped(cls, {})
+    for param in params:
+        param.grad = torch.ones_like(param)
+    before = snapshot(params, optimizer)
+    optimizer.param_groups[0]["lr"] = lr
+    with pytest.raises(ValueError, match="Invalid lr: a Tensor lr must be"):
+        optimizer.step()
+    optimizer.param_groups[0]["lr"] = 0.01
+    assert_unchanged(params, optimizer, before)
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_load_state_dict_takes_the_saved_max_grad_norm(cls):
+    params, saved = stepped(cls, {}, max_grad_norm=0.5)
+    optimizer = cls(params, lr=0.01)
+    optimizer.load_state_dict(saved.state_dict())
+    assert optimizer.defaults["max_grad_norm"] == 0.5 == optimizer.param_groups[0]["max_grad_norm"]
+    state = saved.state_dict()
+    state["param_groups"].append(dict(state["param_groups"][0], max_grad_norm=1.0, params=[]))
+    other = cls([{"params": params}, {"params": []}], lr=0.01)
+    with pytest.raises(ValueError, match="disagree on max_grad_norm"):
+        other.load_state_dict(state)
