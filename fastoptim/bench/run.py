@@ -45,8 +45,9 @@ def steppers(params, names):
     table, shared = {}, {}
     for name in names:
         cls, flags = optimizers()[name]
-        optimizer = shared.setdefault(cls, build(params, cls, {}))
-        table[name] = with_flags(optimizer, flags)
+        if cls not in shared:
+            shared[cls] = build(params, cls, {})
+        table[name] = with_flags(shared[cls], flags)
     for step in table.values():
         step()  # allocate states outside the timing
     return table

@@ -9,6 +9,7 @@ Tensors the kernel cannot take run on the foreach engine instead, with one warni
 asked for: no build, a dtype other than fp32/bf16/fp16, a device other than the CPU, or a layout
 where param, grad and states are not dense with the same strides.
 """
+import operator
 import warnings
 
 import torch
@@ -79,10 +80,9 @@ def _prepare(algorithm, plan):
     optimizer empties whenever a param or state tensor changes) while the grads keep their layouts.
     Only the grads' pointers are refreshed every step."""
     grads = plan.tensors["grad"]
-    grad_strides = list(map(torch.Tensor.stride, grads))
     prepared = plan.cache.get("prepared")
-    if prepared is None or grad_strides != prepared.grad_strides:
-        prepared = plan.cache["prepared"] = Prepared(plan, fused_cpu.ROLES[algorithm.kernel], grad_strides)
+    if prepared is None or not all(map(operator.eq, map(torch.Tensor.stride, grads), prepared.grad_strides)):
+        prepared = plan.cache["prepared"] = Prepared(plan, fused_cpu.ROLES[algorithm.kernel])
     pointers = data_pointers(grads)
     prepared.table.refresh_grads(pointers[prepared.taken] if prepared.left else pointers)
     return prepared
@@ -91,10 +91,10 @@ def _prepare(algorithm, plan):
 class Prepared:
     """What the kernel takes of a plan, what it leaves to foreach and why, and the pointer table."""
 
-    def __init__(self, plan, roles, grad_strides):
+    def __init__(self, plan, roles):
         self.taken, self.left, self.reason = _split(plan)
         self.table = PointerTable({role: [t[i] for i in self.taken] for role, t in plan.tensors.items()}, roles)
-        self.grad_strides = grad_strides
+        self.grad_strides = [grad.stride() for grad in plan.tensors["grad"]]
 
 
 def _run(algorithm, plan, per_tensor_calls):

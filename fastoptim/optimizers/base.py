@@ -5,7 +5,6 @@ import math
 import operator
 from itertools import repeat
 from operator import attrgetter
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -55,21 +54,27 @@ def state_dtype(param):
     return torch.float64 if param.dtype == torch.float64 else torch.float32
 
 
-class Signature(NamedTuple):
-    """What the step's caches of a list of tensors depend on."""
-    pointers: np.ndarray
-    shapes: list
-    strides: list
-    dtypes: list
-    devices: list
+SHAPE, STRIDES, DTYPE, DEVICE = attrgetter("shape"), Tensor.stride, attrgetter("dtype"), attrgetter("device")
 
-    @classmethod
-    def of(cls, tensors):
-        return cls(data_pointers(tensors), *(list(map(get, tensors)) for get in (
-            attrgetter("shape"), Tensor.stride, attrgetter("dtype"), attrgetter("device"))))
 
-    def same(self, other):
-        return np.array_equal(self.pointers, other.pointers) and self[1:] == other[1:]
+class Signature:
+    """What the step's caches of a list of tensors depend on: their data pointers, shapes, strides,
+    dtypes and devices."""
+
+    def __init__(self, tensors):
+        self.pointers = data_pointers(tensors)
+        self.values = {get: list(map(get, tensors)) for get in (SHAPE, STRIDES, DTYPE, DEVICE)}
+        self.one_device = len(set(self.values[DEVICE])) <= 1
+
+    def matches(self, tensors, *getters):
+        """Whether ``tensors`` agree with this signature in what ``getters`` read. Compared one by
+        one, with no lists: thousands of new tuples per step would set off full runs of the
+        garbage collector, which cost several times what the checks do."""
+        return all(all(map(operator.eq, map(get, tensors), self.values[get])) for get in getters)
+
+    def describes(self, tensors):
+        return (len(tensors) == len(self.pointers) and np.array_equal(data_pointers(tensors), self.pointers)
+                and self.matches(tensors, SHAPE, STRIDES, DTYPE, DEVICE))
 
 
 class GroupWork:
@@ -89,9 +94,9 @@ class GroupWork:
         self.states = self.kept = self.tensors = self.context = None
         self.bucket_caches = {}
 
-    def fits(self, roles, engine, params, signature):
+    def fits(self, roles, engine, params):
         return ((roles, engine) == (self.roles, self.engine) and len(params) == len(self.params)
-                and all(map(operator.is_, params, self.params)) and signature.same(self.signature))
+                and all(map(operator.is_, params, self.params)) and self.signature.describes(params))
 
     def holds(self, states):
         """Whether ``states`` (the params' state dicts now) are those this work was built on,
@@ -189,11 +194,10 @@ class FastOptimizer(torch.optim.Optimizer):
         if torch.compiler.is_compiling():  # traced once, so nothing to reuse; data pointers do not trace
             self._check_grads(params, grads)
             return GroupWork(roles, engine, params), grads
-        signature = Signature.of(params)
         entry = caches.get(index)
-        if entry is None or not entry.fits(roles, engine, params, signature):
-            entry = caches[index] = GroupWork(roles, engine, params, signature)
-        self._check_grads(params, grads, signature)
+        if entry is None or not entry.fits(roles, engine, params):
+            entry = caches[index] = GroupWork(roles, engine, params, Signature(params))
+        self._check_grads(params, grads, entry.signature)
         states = list(map(self.state.get, params))
         if not entry.holds(states):
             entry.states = None
@@ -205,11 +209,9 @@ class FastOptimizer(torch.optim.Optimizer):
     def _check_grads(self, params, grads, signature=None):
         """Raise if a gradient is sparse or does not match its parameter: the same shape, dtype and
         device (one device for the whole group). The fast test runs over all of them at once."""
-        if signature is not None and (list(map(attrgetter("layout"), grads)).count(torch.strided) == len(grads)
-                and list(map(attrgetter("shape"), grads)) == signature.shapes
-                and list(map(attrgetter("dtype"), grads)) == signature.dtypes
-                and list(map(attrgetter("device"), grads)) == signature.devices
-                and len(set(signature.devices)) <= 1):
+        if (signature is not None and signature.one_device
+                and all(map(operator.is_, map(attrgetter("layout"), grads), repeat(torch.strided)))
+                and signature.matches(grads, SHAPE, DTYPE, DEVICE)):
             return
         name = type(self).__name__
         for param, grad in zip(params, grads):
