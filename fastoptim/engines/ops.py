@@ -3,6 +3,9 @@
 The same ``update`` function runs on one tensor at a time (``TENSOR_OPS``: Tensor methods) or on
 lists of tensors (``FOREACH_OPS``: ``torch._foreach_*``), so the math is stated once.
 """
+import operator
+from operator import attrgetter
+
 import torch
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)  # params whose math runs in an fp32 copy
@@ -18,8 +21,32 @@ def _tensor_maximum_(tensor, other):
     torch.maximum(tensor, other, out=tensor)
 
 
-TENSOR_OPS = Ops({name: getattr(torch.Tensor, name) for name in NAMES} | {"maximum_": _tensor_maximum_})
-FOREACH_OPS = Ops({name: getattr(torch, "_foreach_" + name) for name in NAMES + ("maximum_",)})
+def _tensor_add_squares_(moment, x, value):
+    """moment += value · the sum of x² over each subset. Under a subset-norm partition x is viewed
+    as (a, b, c) and moment as (a, 1, c) (see ``fastoptim.states.subset_norm``); a moment of x's
+    own shape has one subset per element."""
+    if moment.shape == x.shape:
+        moment.addcmul_(x, x, value=value)
+    else:  # the norm reduces in one pass, with no x-sized temporary
+        moment.add_(torch.linalg.vector_norm(x, dim=1, keepdim=True).square_(), alpha=value)
+
+
+def _foreach_add_squares_(moments, xs, value):
+    dense = list(map(operator.eq, map(attrgetter("shape"), moments), map(attrgetter("shape"), xs)))
+    if all(dense):
+        torch._foreach_addcmul_(moments, xs, xs, value=value)
+        return
+    torch._foreach_addcmul_([m for m, d in zip(moments, dense) if d], *[[x for x, d in zip(xs, dense) if d]] * 2,
+                            value=value)
+    for moment, x, is_dense in zip(moments, xs, dense):
+        if not is_dense:
+            _tensor_add_squares_(moment, x, value)
+
+
+TENSOR_OPS = Ops({name: getattr(torch.Tensor, name) for name in NAMES}
+                 | {"maximum_": _tensor_maximum_, "add_squares_": _tensor_add_squares_})
+FOREACH_OPS = Ops({name: getattr(torch, "_foreach_" + name) for name in NAMES + ("maximum_",)}
+                  | {"add_squares_": _foreach_add_squares_})
 
 
 def round_into(dst, src, stochastic):

@@ -1,7 +1,7 @@
 """AdamW (Loshchilov & Hutter), with the same signature, results and state dict as torch.optim.AdamW."""
 import torch
 
-from .base import FastOptimizer, state_dtype
+from .base import FastOptimizer
 
 
 def adamw_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, max_exp_avg_sq=None,
@@ -11,9 +11,11 @@ def adamw_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, max_exp_avg_
         g     = grad · grad_scale          (−1 to maximize, times the clip coefficient; None: 1)
         p     = p·(1 − lr·wd)
         m     = β1·m + (1−β1)·g            exp_avg
-        v     = β2·v + (1−β2)·g²           exp_avg_sq
+        v     = β2·v + (1−β2)·Σ_S g²       exp_avg_sq: one entry per subset S under ``sn``
+                                           (fastoptim.states.subset_norm), else per element
         v̂     = max(v̂, v) with amsgrad     max_exp_avg_sq
-        p     = p − step_size · m / (√v / √(1−β2^t) + eps),  step_size = lr/(1−β1^t)
+        p     = p − step_size · m / (√v̂ / √(1−β2^t) + eps),  step_size = lr/(1−β1^t), v̂ broadcast
+                                           over its subset (v̂ = v without amsgrad)
     """
     if grad_scale is not None:
         ops.copy_(scratch, grad)
@@ -23,7 +25,7 @@ def adamw_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, max_exp_avg_
         ops.mul_(param, 1 - lr * weight_decay)
     ops.lerp_(exp_avg, grad, 1 - beta1)
     ops.mul_(exp_avg_sq, beta2)
-    ops.addcmul_(exp_avg_sq, grad, grad, value=1 - beta2)
+    ops.add_squares_(exp_avg_sq, grad, value=1 - beta2)
     if max_exp_avg_sq is not None:
         ops.maximum_(max_exp_avg_sq, exp_avg_sq)
     ops.copy_(scratch, exp_avg_sq if max_exp_avg_sq is None else max_exp_avg_sq)
@@ -39,7 +41,9 @@ class AdamW(FastOptimizer):
 
     Beyond torch's arguments, ``max_grad_norm > 0`` clips every gradient by the global norm over all
     groups, as :class:`fastoptim.Adan` does, and ``stochastic_rounding=True`` rounds bf16 params
-    stochastically (see :class:`fastoptim.Adan`). ``foreach``/``fused`` choose the engine. State per
+    stochastically (see :class:`fastoptim.Adan`). ``foreach``/``fused`` choose the engine. ``sn=True``
+    (usually per group) keeps the second moments per subset of each param's elements, partitioned
+    by ``subset_size`` (see :class:`fastoptim.Adan` and fastoptim.states.subset_norm). State per
     parameter is torch's: ``step`` (0-d fp32 tensor), ``exp_avg``, ``exp_avg_sq`` and, with amsgrad,
     ``max_exp_avg_sq``, all fp32; torch AdamW state dicts load as they are.
     """
@@ -47,29 +51,28 @@ class AdamW(FastOptimizer):
     n_betas = 2
     update = staticmethod(adamw_update)
     optional_state = frozenset()
+    reduced_roles = ("exp_avg_sq", "max_exp_avg_sq")  # per subset under sn
     kernel = "adamw"
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, foreach=None, fused=None, max_grad_norm=0.0, stochastic_rounding=False):
+                 maximize=False, foreach=None, fused=None, max_grad_norm=0.0, stochastic_rounding=False,
+                 sn=False, subset_size=None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, fused=fused, max_grad_norm=max_grad_norm,
-                        stochastic_rounding=stochastic_rounding)
+                        stochastic_rounding=stochastic_rounding, sn=sn, subset_size=subset_size)
         super().__init__(params, defaults)
 
     def _state_roles(self, group):
         return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
 
-    def _expected_state(self, group, param):
-        return {"step": torch.Size([])} | {role: param.shape for role in self._state_roles(group)}
+    def _expected_state(self, group, param, state):
+        return {"step": torch.Size([])} | super()._expected_state(group, param, state)
 
     def _ensure_state(self, param, group):
         state = self.state[param]
-        if "step" not in state:
+        if "step" not in state:  # first, as torch orders its state
             state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-        for role in self._state_roles(group):
-            if role not in state:
-                state[role] = torch.zeros_like(param, dtype=state_dtype(param))
-        return state
+        return super()._ensure_state(param, group)
 
     def _prepare_states(self, params, group):
         """The states, each ``state['step']`` made a view into one tensor of counts (the context),

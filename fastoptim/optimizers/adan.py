@@ -1,7 +1,7 @@
 """Adan: Adaptive Nesterov Momentum (Xie et al., 2022), exactly as official sail-sg/Adan computes it."""
 import torch
 
-from .base import FastOptimizer, state_dtype
+from .base import FastOptimizer
 
 
 def adan_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_grad,
@@ -14,8 +14,10 @@ def adan_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, exp_avg_diff,
                                               official Adan sets g_prev = g; then 1)
         m      = β1·m + (1−β1)·g             exp_avg
         v      = β2·v + (1−β2)·d             exp_avg_diff
-        n      = β3·n + (1−β3)·(g + β2·d)²   exp_avg_sq
-        denom  = √n / √(1−β3^t) + eps
+        n      = β3·n + (1−β3)·Σ_S (g + β2·d)²   exp_avg_sq: one entry per subset S of the param's
+                                              elements under ``sn`` (see fastoptim.states.subset_norm),
+                                              else per element (S = {i})
+        denom  = √n / √(1−β3^t) + eps        (n broadcast over its subset)
         update = step_size·(m + diff_ratio·v)/denom,
                  step_size = lr/(1−β1^t), diff_ratio = β2·(1−β1^t)/(1−β2^t)
         p      = (p − update) / (1 + lr·wd)  proximal (default)
@@ -34,7 +36,7 @@ def adan_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, exp_avg_diff,
     ops.mul_(neg_pre_grad, beta2)
     ops.sub_(neg_pre_grad, scratch)  # g + β2·d
     ops.mul_(exp_avg_sq, beta3)
-    ops.addcmul_(exp_avg_sq, neg_pre_grad, neg_pre_grad, value=1 - beta3)
+    ops.add_squares_(exp_avg_sq, neg_pre_grad, value=1 - beta3)
     ops.copy_(neg_pre_grad, scratch)  # −g, for the next step
 
     ops.copy_(scratch, exp_avg_sq)
@@ -72,24 +74,30 @@ class Adan(FastOptimizer):
         stochastic_rounding: for bf16 params, round each updated value up or down at random, with
             the probability of its distance, instead of to nearest even: small updates then add
             up over steps instead of vanishing. No effect on other dtypes.
+        sn: (usually set per group) keep ``exp_avg_sq`` per subset of each param's elements, fed
+            with Σ_S (g + β2·d)² (subset-norm Adan): O(√d) entries for a d-element matrix.
+        subset_size: the partition under ``sn``: None for rows or columns of 2-D params (the other
+            shapes per element), k > 0 or -k for flattened subsets (see fastoptim.states.subset_norm).
 
     State: per parameter ``exp_avg``, ``exp_avg_sq``, ``exp_avg_diff`` and ``neg_pre_grad`` (fp32, the
-    official and timm keys); the step count is ``group['step']``, a 0-d fp32 tensor. State dicts of
+    official and timm keys; under ``sn``, ``exp_avg_sq`` has the partition's shape and the state
+    records the partition as ``reduce_dim`` or ``subset_size``); the step count is ``group['step']``, a 0-d fp32 tensor. State dicts of
     official Adan and timm's Adan (integer ``step``) load and resume on the same trajectory.
     """
 
     n_betas = 3
     update = staticmethod(adan_update)
     state_roles = ("exp_avg", "exp_avg_sq", "exp_avg_diff", "neg_pre_grad")
+    reduced_roles = ("exp_avg_sq",)  # per subset under sn
     optional_state = frozenset({"neg_pre_grad"})  # step 1 does not read it
     kernel = "adan"
 
     def __init__(self, params, lr=1e-3, betas=(0.98, 0.92, 0.99), eps=1e-8, weight_decay=0.0,
                  max_grad_norm=0.0, no_prox=False, foreach=None, fused=None, *, maximize=False,
-                 stochastic_rounding=False):
+                 stochastic_rounding=False, sn=False, subset_size=None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
                         no_prox=no_prox, foreach=foreach, fused=fused, maximize=maximize,
-                        stochastic_rounding=stochastic_rounding)
+                        stochastic_rounding=stochastic_rounding, sn=sn, subset_size=subset_size)
         super().__init__(params, defaults)
 
     @torch.no_grad()
@@ -104,16 +112,6 @@ class Adan(FastOptimizer):
 
     def _state_roles(self, group):
         return self.state_roles
-
-    def _expected_state(self, group, param):
-        return {role: param.shape for role in self.state_roles}
-
-    def _ensure_state(self, param, group):
-        state = self.state[param]
-        for role in self.state_roles:
-            if role not in state:
-                state[role] = torch.zeros_like(param, dtype=state_dtype(param))
-        return state
 
     def _prepare_states(self, params, group):
         """The states, and as ``context`` the weights of g − g_prev for the step that creates them:

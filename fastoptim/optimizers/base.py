@@ -13,6 +13,7 @@ from torch import Tensor
 from .. import engines
 from ..clip import clip_coefficient
 from ..multi_tensor import buckets, data_pointers
+from ..states import subset_norm
 
 
 def check_hyperparameters(group, n_betas):
@@ -34,9 +35,10 @@ def check_hyperparameters(group, n_betas):
     for flag in ("foreach", "fused"):
         if group[flag] not in (None, True, False):
             raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be None, True or False)")
-    for flag in ("maximize", "stochastic_rounding"):
+    for flag in ("maximize", "stochastic_rounding", "sn"):
         if not isinstance(group[flag], bool):
             raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be True or False)")
+    subset_norm.check_subset_size(group["subset_size"])
 
 
 def check_tensor_lr(lr, device=None):
@@ -105,10 +107,23 @@ class GroupWork:
                 and all(all(map(operator.is_, map(dict.get, states, repeat(key)), tensors))
                         for key, tensors in self.kept.items()))
 
-    def use_states(self, states, context):
+    def use_states(self, states, context, partitions, reduced_roles):
+        """Take the states (every role present), with the subset-norm partition of each param (None:
+        dense): the tensors of a partitioned param are handed to the engines in its (a, b, c) view."""
         self.states, self.context, self.bucket_caches = states, context, {}
-        self.kept = {key: [state[key] for state in states] for key in states[0]}
-        self.tensors = {role: self.kept[role] for role in self.roles}
+        self.kept = {key: list(map(dict.get, states, repeat(key))) for key in {key for state in states for key in state}}
+        self.partitions = partitions if any(partitions) else None
+        self.tensors = {"param": self.params} | {role: self.kept[role] for role in self.roles}
+        if self.partitions:
+            self.tensors = {role: [t if part is None else part.view_state(t) if role in reduced_roles
+                                   else part.view_param(t) for t, part in zip(tensors, partitions)]
+                            for role, tensors in self.tensors.items()}
+
+    def viewed(self, grads):
+        """This step's grads, in their params' views."""
+        if self.partitions is None:
+            return grads
+        return [grad if part is None else part.view_param(grad) for grad, part in zip(grads, self.partitions)]
 
 
 class FastOptimizer(torch.optim.Optimizer):
@@ -202,8 +217,7 @@ class FastOptimizer(torch.optim.Optimizer):
         if not entry.holds(states):
             entry.states = None
             for param, state in zip(params, states):
-                if state:
-                    self._check_state(param, state, group)
+                self._check_state(param, state or {}, group)
         return entry, grads
 
     def _check_grads(self, params, grads, signature=None):
@@ -227,9 +241,21 @@ class FastOptimizer(torch.optim.Optimizer):
 
     def _check_state(self, param, state, group):
         """Raise if a state tensor no longer fits its parameter (``param.data = ...`` after the state
-        was created, or an edited state): its shape, dtype and device must be what a fresh one has."""
-        for key, shape in self._expected_state(group, param).items():
+        was created, or an edited state): its shape, dtype and device must be what a fresh one has.
+        A flattened subset-norm partition needs a contiguous param."""
+        try:
+            subset_norm.check_record(param.shape, state)
+        except ValueError as error:
+            raise RuntimeError(f"{type(self).__name__}: {error}: was the param changed after its state was "
+                               "created? Clear its state with optimizer.state[param].clear()") from None
+        if subset_norm.needs_contiguous(self._partition(param, state, group)) and not param.is_contiguous():
+            raise ValueError(f"{type(self).__name__}: subset_size cuts a param into subsets in its row-major "
+                             f"order, which needs a contiguous param; got shape {tuple(param.shape)} with strides "
+                             f"{param.stride()}. Make it contiguous, or use subset_size=None (rows or columns)")
+        for key, shape in self._expected_state(group, param, state).items():
             value = state.get(key)
+            if shape is None:  # a partition record, checked above
+                continue
             dtype = torch.float32 if key == "step" else state_dtype(param)
             if value is not None and (value.shape != shape or value.dtype != dtype or value.device != param.device):
                 raise RuntimeError(
@@ -240,14 +266,44 @@ class FastOptimizer(torch.optim.Optimizer):
 
     def _step_group(self, group, entry, grads, grad_scale, found_inf, increment):
         if entry.states is None:  # every group is checked by now: states may be created
-            entry.use_states(*self._prepare_states(entry.params, group))
+            states, context = self._prepare_states(entry.params, group)
+            partitions = [subset_norm.from_record(p.shape, s) for p, s in zip(entry.params, states)]
+            entry.use_states(states, context, partitions, self.reduced_roles)
         args, per_tensor = self._step_arguments(group, entry, grad_scale, increment)
-        plan = engines.Plan(entry.tensors | {"param": entry.params, "grad": grads}, args, frozenset(per_tensor),
+        plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, args, frozenset(per_tensor),
                             found_inf, group["stochastic_rounding"], warn_fallback=group["fused"] is True)
         for index, bucket in enumerate(entry.buckets):
             part = plan if len(bucket) == len(entry.params) else plan.subset(bucket)
             part.cache = entry.bucket_caches.setdefault(index, {})
             engines.ENGINES[entry.engine](self, part)
+
+    def _partition(self, param, state, group):
+        """The subset-norm partition of a param: the one its state records; for a state without a
+        second moment yet, the group's (``sn``, ``subset_size``); None: a dense second moment."""
+        if any(key in state for key in (*subset_norm.RECORDS, *self.reduced_roles)):
+            return subset_norm.from_record(param.shape, state)
+        return subset_norm.from_options(param.shape, group["subset_size"]) if group["sn"] else None
+
+    def _ensure_state(self, param, group):
+        """The param's state with every role of the group present: missing ones are zeros, second
+        moments in the param's partition (recorded in the state when it is new)."""
+        state = self.state[param]
+        partition = self._partition(param, state, group)
+        if partition is not None:
+            state.update(partition.record)
+        for role in self._state_roles(group):
+            if role not in state:
+                state[role] = (torch.zeros_like(param, dtype=state_dtype(param)) if partition is None
+                               or role not in self.reduced_roles else
+                               torch.zeros(partition.state_shape, dtype=state_dtype(param), device=param.device))
+        return state
+
+    def _expected_state(self, group, param, state):
+        """Shape of each state tensor (None for a partition record) that a param's state must have."""
+        partition = self._partition(param, state, group)
+        return {key: None for key in subset_norm.RECORDS if key in state} | {
+            role: partition.state_shape if partition is not None and role in self.reduced_roles else param.shape
+            for role in self._state_roles(group)}
 
     def _prepare_states(self, params, group):
         """The state dicts of a group's params with grads, with missing states created, and what
@@ -307,12 +363,18 @@ class FastOptimizer(torch.optim.Optimizer):
                 if saved_id not in state_dict["state"]:
                     continue
                 state = self._convert_saved_state(dict(state_dict["state"][saved_id]), merged)
-                expected = self._expected_state(merged, param)
+                try:
+                    subset_norm.check_record(param.shape, state)
+                except ValueError as error:
+                    raise ValueError(f"state of parameter {saved_id}: {error}") from None
+                expected = self._expected_state(merged, param, state)
                 if set(state) - set(expected) or set(expected) - set(state) - self.optional_state:
                     raise ValueError(
                         f"state of parameter {saved_id} has keys {sorted(state)}, but {type(self).__name__} "
                         f"expects {sorted(expected)}: is it a state dict of another optimizer?")
                 for key in state:
+                    if expected[key] is None:  # a partition record: a Python int
+                        continue
                     shape, value = expected[key], torch.as_tensor(state[key])
                     if value.shape != shape:
                         raise ValueError(f"state '{key}' of parameter {saved_id} has shape {tuple(value.shape)}, "

@@ -1,0 +1,1 @@
+"""State representations beside the dense one: subset-norm second moments (``subset_norm``)."""
