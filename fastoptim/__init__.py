@@ -1,5 +1,5 @@
 """fastoptim: Adan, AdamW and friends whose step costs what the memory bus allows."""
-from .optimizers import AdamW, Adan
+from .optimizers import AdamW, AdamWSN, Adan, RMSPropSN
 
 __version__ = "0.1.0"
-__all__ = ["Adan", "AdamW", "__version__"]
+__all__ = ["Adan", "AdamW", "AdamWSN", "RMSPropSN", "__version__"]

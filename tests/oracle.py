@@ -28,9 +28,29 @@ def clip_factor(grads, max_grad_norm, eps):
     return min(1.0, max_grad_norm / (norm + eps)) if max_grad_norm > 0 else 1.0
 
 
+def subset_sums(x, subset_size):
+    """Each element of x replaced by the sum of its subset, under the seed's partitions: subset_size
+    None sums a 2-D tensor over its smaller dimension (rows when m >= n) and leaves other shapes
+    alone; k > 0 cuts the flattened tensor into runs of s, the largest divisor of numel up to k;
+    -k takes k' = int(√numel / k). A second moment kept expanded this way equals the reduced one."""
+    if subset_size is None:
+        if x.dim() != 2:
+            return x
+        return x.sum(1 if x.shape[0] >= x.shape[1] else 0, keepdim=True).expand_as(x)
+    n = x.numel()
+    k = subset_size if subset_size > 0 else max(1, int(math.sqrt(n) / -subset_size))
+    s = max(d for d in range(1, min(k, n) + 1) if n % d == 0)
+    return x.reshape(-1, s).sum(1, keepdim=True).expand(-1, s).reshape(x.shape)
+
+
+def second_moment_input(x, sn, subset_size):
+    return subset_sums(x, subset_size) if sn else x
+
+
 def adan(params, grads_per_step, lr, betas=(0.98, 0.92, 0.99), eps=1e-8, weight_decay=0.0, no_prox=False,
-         max_grad_norm=0.0, maximize=False, round_to=None):
-    """Algorithm 1 of the Adan paper in the official code's conventions, in float64."""
+         max_grad_norm=0.0, maximize=False, round_to=None, sn=False, subset_size=None):
+    """Algorithm 1 of the Adan paper in the official code's conventions, in float64 (with ``sn``,
+    the squared term summed over each subset)."""
     b1, b2, b3 = betas
     p = [x.detach().double() for x in params]
     m = [torch.zeros_like(x) for x in p]
@@ -46,7 +66,7 @@ def adan(params, grads_per_step, lr, betas=(0.98, 0.92, 0.99), eps=1e-8, weight_
             d = g - prev[i]
             m[i] = b1 * m[i] + (1 - b1) * g
             v[i] = b2 * v[i] + (1 - b2) * d
-            n[i] = b3 * n[i] + (1 - b3) * (g + b2 * d) ** 2
+            n[i] = b3 * n[i] + (1 - b3) * second_moment_input((g + b2 * d) ** 2, sn, subset_size)
             denom = n[i].sqrt() / math.sqrt(1 - b3**t) + eps
             update = lr / (1 - b1**t) * m[i] / denom + lr * b2 / (1 - b2**t) * v[i] / denom
             if no_prox:
@@ -60,7 +80,7 @@ def adan(params, grads_per_step, lr, betas=(0.98, 0.92, 0.99), eps=1e-8, weight_
 
 
 def adamw(params, grads_per_step, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False,
-          maximize=False, max_grad_norm=0.0, round_to=None):
+          maximize=False, max_grad_norm=0.0, round_to=None, sn=False, subset_size=None):
     """AdamW (Loshchilov & Hutter, Algorithm 2 as torch.optim.AdamW states it), in float64."""
     b1, b2 = betas
     p = [x.detach().double() for x in params]
@@ -74,12 +94,33 @@ def adamw(params, grads_per_step, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay
             g = g * c
             p[i] = p[i] * (1 - lr * weight_decay)
             m[i] = b1 * m[i] + (1 - b1) * g
-            v[i] = b2 * v[i] + (1 - b2) * g * g
+            v[i] = b2 * v[i] + (1 - b2) * second_moment_input(g * g, sn, subset_size)
             vmax[i] = torch.maximum(vmax[i], v[i])
             denom = (vmax[i] if amsgrad else v[i]).sqrt() / math.sqrt(1 - b2**t) + eps
             p[i] = p[i] - lr / (1 - b1**t) * m[i] / denom
             if round_to is not None:
                 p[i] = p[i].to(round_to).double()
+    return p
+
+
+def adamw_sn(params, grads_per_step, lr, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, subset_size=None,
+             correct_bias=True, sn=True, maximize=False, max_grad_norm=0.0):
+    """The seed's AdamwSN (Hugging Face's AdamW with a subset-norm second moment), in float64: eps
+    outside the bias correction, which goes into the step size, and weight decay after the update."""
+    b1, b2 = betas
+    p = [x.detach().double() for x in params]
+    m = [torch.zeros_like(x) for x in p]
+    v = [torch.zeros_like(x) for x in p]
+    for t, grads in enumerate(grads_per_step, 1):
+        grads = [g.double() for g in grads]
+        c = clip_factor(grads, max_grad_norm, eps) * (-1 if maximize else 1)
+        for i, g in enumerate(grads):
+            g = g * c
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * second_moment_input(g * g, sn, subset_size)
+            step = lr * math.sqrt(1 - b2**t) / (1 - b1**t) if correct_bias else lr
+            p[i] = p[i] - step * m[i] / (v[i].sqrt() + eps)
+            p[i] = p[i] - lr * weight_decay * p[i]
     return p
 
 

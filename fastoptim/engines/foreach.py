@@ -25,8 +25,10 @@ def slices(tensors, limit=CHUNK_NUMEL):
 
 
 def pieces(plan, limit=CHUNK_NUMEL):
-    """``plan`` with every tensor above ``limit`` elements cut into flat views of at most ``limit``
-    (when all its roles are contiguous tensors of its size; others stay whole)."""
+    """``plan`` with every tensor above ``limit`` elements cut into views of at most about
+    ``limit``: flat ones when all its roles are contiguous tensors of its size, else runs along
+    the first dimension when all its roles share it (a subset-norm view and its second moment).
+    Others stay whole."""
     owners, cut = [], {role: [] for role in plan.tensors}
     for i, param in enumerate(plan.tensors["param"]):
         group = [tensors[i] for tensors in plan.tensors.values()]
@@ -34,6 +36,11 @@ def pieces(plan, limit=CHUNK_NUMEL):
         if n > 1 and all(t.is_contiguous() and t.numel() == param.numel() for t in group):
             for role, tensors in plan.tensors.items():
                 cut[role] += tensors[i].view(-1).split(limit)
+        elif n > 1 and param.dim() and param.shape[0] > 1 and all(t.shape[:1] == param.shape[:1] for t in group):
+            rows = max(1, param.shape[0] * limit // param.numel())
+            for role, tensors in plan.tensors.items():
+                cut[role] += tensors[i].split(rows)
+            n = -(-param.shape[0] // rows)
         else:
             n = 1
             for role, tensors in plan.tensors.items():

@@ -23,6 +23,8 @@ def _refusal(param, grad, states):
     """Why the kernel cannot take this tensor, or None."""
     if not fused_cpu.AVAILABLE:
         return "the fused CPU kernel is not built (see the README's set-up)"
+    if any(state.shape != param.shape for state in states):
+        return "no fused kernel for subset-norm states yet"
     if param.device.type != "cpu":
         return f"no fused kernel for {param.device.type} tensors yet"
     if param.dtype not in fused_cpu.DTYPES:
@@ -98,6 +100,9 @@ class Prepared:
 
 
 def _run(algorithm, plan, per_tensor_calls):
+    if algorithm.kernel is None:
+        _fallback(algorithm, plan, f"no fused kernel for {type(algorithm).__name__} yet")
+        return
     prepared = _prepare(algorithm, plan)
     table = prepared.table
     if prepared.left:

@@ -36,17 +36,15 @@ def _foreach_add_squares_(moments, xs, value):
     if all(dense):
         torch._foreach_addcmul_(moments, xs, xs, value=value)
         return
-    torch._foreach_addcmul_([m for m, d in zip(moments, dense) if d], *[[x for x, d in zip(xs, dense) if d]] * 2,
-                            value=value)
-    for moment, x, is_dense in zip(moments, xs, dense):
-        if not is_dense:
-            _tensor_add_squares_(moment, x, value)
+    for moment, x in zip(moments, xs):  # the subset norms, one reduction per tensor
+        _tensor_add_squares_(moment, x, value)
 
 
 TENSOR_OPS = Ops({name: getattr(torch.Tensor, name) for name in NAMES}
-                 | {"maximum_": _tensor_maximum_, "add_squares_": _tensor_add_squares_})
+                 | {"maximum_": _tensor_maximum_, "add_squares_": _tensor_add_squares_, "empty_like": torch.empty_like})
 FOREACH_OPS = Ops({name: getattr(torch, "_foreach_" + name) for name in NAMES + ("maximum_",)}
-                  | {"add_squares_": _foreach_add_squares_})
+                  | {"add_squares_": _foreach_add_squares_,
+                     "empty_like": lambda tensors: [torch.empty_like(t) for t in tensors]})
 
 
 def round_into(dst, src, stochastic):

@@ -89,11 +89,16 @@ class AdamW(FastOptimizer):
                 state["step"] = base[i]
         return states, base
 
-    def _step_arguments(self, group, entry, grad_scale, increment):
+    @staticmethod
+    def _next_counts(entry, increment):
+        """This step's count of each param, float64 (1 − β^t needs it); ``_count_step`` stores them."""
         steps = entry.context  # one count per param, as torch keeps them
         if steps is None:
             steps = torch.stack([state["step"] for state in entry.states])
-        t = steps.to(torch.float64) + increment  # 1 − β^t needs fp64
+        return steps.to(torch.float64) + increment
+
+    def _step_arguments(self, group, entry, grad_scale, increment):
+        t = self._next_counts(entry, increment)
         beta1, beta2 = group["betas"]
         lr = group["lr"]
         args = dict(beta1=beta1, beta2=beta2, eps=group["eps"], lr=lr, weight_decay=group["weight_decay"],

@@ -56,11 +56,7 @@ class Partition:
 
 def largest_divisor(n, limit):
     """The largest divisor of n that is at most ``limit`` (n > 0, limit >= 1)."""
-    best = 1
-    for d in range(1, math.isqrt(n) + 1):
-        if n % d == 0:
-            best = max(best, *(x for x in (d, n // d) if x <= limit))
-    return best
+    return max(x for d in range(1, math.isqrt(n) + 1) if n % d == 0 for x in (d, n // d) if x <= limit)
 
 
 def check_subset_size(subset_size):

@@ -1,0 +1,96 @@
+"""AdamWSN and RMSPropSN: AdamW with a subset-norm second moment, as the seed's AdamwSN defines it."""
+import torch
+
+from .adamw import AdamW
+
+
+def adamw_sn_update(ops, *, param, grad, scratch, exp_avg=None, exp_avg_sq, beta1, beta2, eps, lr,
+                    weight_decay, grad_scale, step_size):
+    """One AdamWSN step, as the seed's AdamwSN computes it (the flavour of Hugging Face's AdamW)::
+
+        g = grad · grad_scale            (the clip coefficient, −1 to maximize; None: 1)
+        m = β1·m + (1−β1)·g              exp_avg; RMSPropSN (β1 = 0) keeps none and takes m = g
+        v = β2·v + (1−β2)·Σ_S g²         exp_avg_sq: one entry per subset S of the param's elements
+                                         in an ``sn`` group (fastoptim.states.subset_norm), else per element
+        p = p − step_size·m / (√v + eps)   v broadcast over its subset; step_size = lr·√(1−β2^t)/(1−β1^t)
+                                         with correct_bias, else lr
+        p = p − lr·wd·p                  after the update, as the seed's base AdamW
+    """
+    if grad_scale is not None:
+        ops.copy_(scratch, grad)
+        ops.mul_(scratch, grad_scale)
+        grad = scratch
+    if exp_avg is not None:
+        ops.lerp_(exp_avg, grad, 1 - beta1)
+    ops.mul_(exp_avg_sq, beta2)
+    ops.add_squares_(exp_avg_sq, grad, value=1 - beta2)
+    numerator = grad if exp_avg is None else exp_avg
+    # The denominator takes the scratch unless RMSProp's numerator, a scaled grad, holds it.
+    denominator = scratch if numerator is not scratch else ops.empty_like(exp_avg_sq)
+    ops.copy_(denominator, exp_avg_sq)
+    ops.sqrt_(denominator)
+    ops.add_(denominator, eps)
+    ops.div_(denominator, step_size)
+    ops.addcdiv_(param, numerator, denominator, value=-1)
+    if weight_decay:
+        ops.mul_(param, 1 - lr * weight_decay)
+
+
+class AdamWSN(AdamW):
+    """AdamW with a subset-norm second moment (see :func:`adamw_sn_update`), as the seed's AdamwSN.
+
+    Param groups opt in with ``'sn': True``, as in the seed's usage; the others get the same AdamW
+    with one second-moment entry per element. ``subset_size`` picks the partition (see
+    fastoptim.states.subset_norm): None, the default, sums 2-D params over their smaller dimension
+    and leaves other shapes per element; k > 0 cuts each flattened param into consecutive subsets
+    of the largest divisor of its size that is at most k; -k does that with k' = √numel / k.
+    ``betas=(0, β2)`` is RMSPropSN: no first moment is kept (see :class:`RMSPropSN`).
+
+    The seed's results need a learning rate about 10 times Adam's. ``sn`` (a constructor default
+    for every group), ``maximize``, ``max_grad_norm`` and ``stochastic_rounding`` work as in
+    :class:`fastoptim.Adan`; GradScaler too.
+
+    State per parameter: ``step`` (0-d fp32 tensor), ``exp_avg`` (unless β1 = 0), ``exp_avg_sq``
+    in the partition's shape, and the partition: ``reduce_dim`` (the seed's key, for rows or
+    columns) or ``subset_size``, so a resumed run keeps it. The seed's state dicts load.
+    """
+
+    n_betas = 2
+    update = staticmethod(adamw_sn_update)
+    reduced_roles = ("exp_avg_sq",)
+    kernel = None
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, subset_size=None,
+                 correct_bias=True, foreach=None, fused=None, *, sn=False, maximize=False, max_grad_norm=0.0,
+                 stochastic_rounding=False):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, subset_size=subset_size,
+                        correct_bias=correct_bias, foreach=foreach, fused=fused, sn=sn, maximize=maximize,
+                        max_grad_norm=max_grad_norm, stochastic_rounding=stochastic_rounding)
+        super(AdamW, self).__init__(params, defaults)
+
+    def _check_group(self, group, max_grad_norm=None):
+        super()._check_group(group, max_grad_norm)
+        if not isinstance(group["correct_bias"], bool):
+            raise ValueError(f"Invalid correct_bias: {group['correct_bias']!r} (must be True or False)")
+
+    def _state_roles(self, group):
+        return ("exp_avg_sq",) if group["betas"][0] == 0 else ("exp_avg", "exp_avg_sq")
+
+    def _step_arguments(self, group, entry, grad_scale, increment):
+        t = self._next_counts(entry, increment)
+        beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        step_size = (lr * (1 - beta2**t).sqrt() / (1 - beta1**t)) if group["correct_bias"] else lr + 0 * t
+        args = dict(beta1=beta1, beta2=beta2, eps=group["eps"], lr=lr, weight_decay=group["weight_decay"],
+                    grad_scale=grad_scale, step_size=step_size.float())
+        return args, {"step_size"}
+
+
+class RMSPropSN(AdamWSN):
+    """RMSProp with a subset-norm second moment: :class:`AdamWSN` with β1 = 0, which keeps no first
+    moment, so an ``sn`` matrix's whole state is O(√d)."""
+
+    def __init__(self, params, lr=1e-3, beta2=0.999, eps=1e-6, weight_decay=0.0, subset_size=None,
+                 correct_bias=True, foreach=None, fused=None, **options):
+        super().__init__(params, lr, (0.0, beta2), eps, weight_decay, subset_size, correct_bias, foreach, fused,
+                         **options)

@@ -1,0 +1,236 @@
+"""Subset-norm second moments: AdamWSN and RMSPropSN against a float64 re-statement of the seed's
+AdamwSN, ``sn`` on Adan and AdamW against their float64 equations, on every engine; state sizes,
+state dicts, and the inputs the partitions refuse."""
+import copy
+import math
+
+import pytest
+import torch
+
+import fastoptim
+
+from . import oracle
+from .test_bad_input import assert_unchanged, snapshot
+
+ENGINES = {"loop": dict(foreach=False, fused=False), "foreach": dict(foreach=True, fused=False),
+           "fused-single": dict(foreach=False, fused=True), "fused-multi": dict(foreach=True, fused=True)}
+# 2-D both ways round, sizes that 7 and 100 do not divide (91, 97 is prime), a 3-D tensor, a 1-D one.
+SHAPES = [(13, 7), (10, 30), (97,), (4, 5, 6), (64, 3), (1, 9)]
+SUBSET_SIZES = [None, -2, 100, 7]
+STEPS = 20
+
+pytestmark = pytest.mark.filterwarnings("ignore:fastoptim. fused=True, but no fused kernel")
+
+
+def expected_entries(shape, subset_size):
+    """Second-moment entries of a param of ``shape`` under the seed's partitions."""
+    numel = math.prod(shape)
+    if subset_size is None:
+        return max(shape) if len(shape) == 2 and min(shape) > 1 else numel
+    k = subset_size if subset_size > 0 else max(1, int(math.sqrt(numel) / -subset_size))
+    return numel // max(d for d in range(1, min(k, numel) + 1) if numel % d == 0)
+
+
+def sn_groups(params, sn=True):
+    return [{"params": params, "sn": sn}]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("subset_size", SUBSET_SIZES)
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.0, 0.99)])
+def test_adamwsn_matches_the_seeds_equations(engine, subset_size, betas):
+    params = oracle.make_params(SHAPES)
+    grads = oracle.grad_sequence(SHAPES, STEPS)
+    options = dict(lr=0.01, betas=betas, weight_decay=0.1, subset_size=subset_size)
+    expected = oracle.adamw_sn(params, grads, **options)
+    optimizer = fastoptim.AdamWSN(sn_groups(params), **options, **ENGINES[engine])
+    oracle.run(optimizer, params, grads)
+    assert oracle.relative_error(params, expected) < 2e-5
+    for param, shape in zip(params, SHAPES):
+        assert optimizer.state[param]["exp_avg_sq"].numel() == expected_entries(shape, subset_size)
+        assert ("exp_avg" in optimizer.state[param]) == (betas[0] != 0)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("options", [dict(correct_bias=False), dict(maximize=True, max_grad_norm=1.0)])
+def test_adamwsn_options_match_the_seeds_equations(engine, options):
+    params = oracle.make_params(SHAPES)
+    grads = oracle.grad_sequence(SHAPES, STEPS)
+    expected = oracle.adamw_sn(params, grads, lr=0.01, subset_size=7, **options)
+    oracle.run(fastoptim.AdamWSN(sn_groups(params), lr=0.01, subset_size=7, **options, **ENGINES[engine]),
+               params, grads)
+    assert oracle.relative_error(params, expected) < 2e-5
+
+
+def test_groups_without_sn_get_the_same_adamw_per_element():
+    params = oracle.make_params(SHAPES)
+    grads = oracle.grad_sequence(SHAPES, STEPS)
+    expected = oracle.adamw_sn(params[:3], [g[:3] for g in grads], lr=0.01) + oracle.adamw_sn(
+        params[3:], [g[3:] for g in grads], lr=0.01, sn=False)
+    optimizer = fastoptim.AdamWSN([{"params": params[:3], "sn": True}, {"params": params[3:]}], lr=0.01)
+    oracle.run(optimizer, params, grads)
+    assert oracle.relative_error(params, expected) < 2e-5
+    assert all(optimizer.state[p]["exp_avg_sq"].shape == p.shape for p in params[3:])
+
+
+def test_rmspropsn_keeps_no_first_moment():
+    params = oracle.make_params(SHAPES)
+    grads = oracle.grad_sequence(SHAPES, STEPS)
+    expected = oracle.adamw_sn(params, grads, lr=0.01, betas=(0.0, 0.99))
+    optimizer = fastoptim.RMSPropSN(sn_groups(params), lr=0.01, beta2=0.99)
+    oracle.run(optimizer, params, grads)
+    assert oracle.relative_error(params, expected) < 2e-5
+    assert all(set(state) <= {"step", "exp_avg_sq", "reduce_dim"} for state in optimizer.state.values())
+    state_bytes = sum(v.numel() for s in optimizer.state.values() for k, v in s.items() if k == "exp_avg_sq")
+    assert state_bytes == sum(expected_entries(shape, None) for shape in SHAPES)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("subset_size", SUBSET_SIZES)
+@pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW])
+def test_sn_on_adan_and_adamw_matches_their_equations_with_subset_sums(cls, engine, subset_size):
+    params = oracle.make_params(SHAPES)
+    grads = oracle.grad_sequence(SHAPES, STEPS)
+    options = dict(lr=0.01, weight_decay=0.02)
+    reference = {fastoptim.Adan: oracle.adan, fastoptim.AdamW: oracle.adamw}[cls]
+    expected = reference(params, grads, sn=True, subset_size=subset_size, **options)
+    optimizer = cls(sn_groups(params), subset_size=subset_size, **options, **ENGINES[engine])
+    oracle.run(optimizer, params, grads)
+    assert oracle.relative_error(params, expected) < 2e-5
+    for param, shape in zip(params, SHAPES):
+        assert optimizer.state[param]["exp_avg_sq"].numel() == expected_entries(shape, subset_size)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_amsgrad_keeps_its_maximum_per_subset(engine):
+    params = oracle.make_params(SHAPES)
+    grads = oracle.grad_sequence(SHAPES, STEPS)
+    expected = oracle.adamw(params, grads, lr=0.01, amsgrad=True, sn=True, subset_size=None)
+    optimizer = fastoptim.AdamW(params, lr=0.01, amsgrad=True, sn=True, **ENGINES[engine])
+    oracle.run(optimizer, params, grads)
+    assert oracle.relative_error(params, expected) < 2e-5
+    assert optimizer.state[params[0]]["max_exp_avg_sq"].shape == (13, 1)
+
+
+def regression_loss(sn, steps=300):
+    """A two-layer regression on fixed random data (noisy targets, more samples than the model can
+    fit); the loss after ``steps`` Adan steps, the optimizer and its two weight matrices."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = torch.randn(2048, 32, generator=generator)
+    targets = torch.sin(inputs @ torch.randn(32, 4, generator=generator)) + 0.1 * torch.randn(2048, 4, generator=generator)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+    weights = [model[0].weight, model[2].weight]
+    others = [p for p in model.parameters() if all(p is not w for w in weights)]
+    optimizer = fastoptim.Adan([{"params": weights, "sn": sn}, {"params": others}], lr=0.01)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+    return loss.item(), optimizer, weights
+
+
+def test_adan_sn_trains_a_regression_to_within_three_times_dense_adan():
+    dense_loss, _, _ = regression_loss(sn=False)
+    sn_loss, optimizer, weights = regression_loss(sn=True)
+    initial, _, _ = regression_loss(sn=False, steps=1)
+    assert sn_loss < initial / 2, "subset-norm Adan did not train"
+    assert sn_loss < 3 * dense_loss
+    for weight in weights:  # one entry per row of the larger dimension
+        assert optimizer.state[weight]["exp_avg_sq"].numel() == max(weight.shape)
+
+
+@pytest.mark.parametrize("cls, options", [(fastoptim.AdamWSN, dict(subset_size=7)),
+                                          (fastoptim.Adan, dict(subset_size=None)),
+                                          (fastoptim.AdamW, dict(subset_size=-1))])
+@pytest.mark.parametrize("source", ENGINES)
+@pytest.mark.parametrize("target", ENGINES)
+def test_state_dicts_move_between_engines_and_resume_exactly(cls, options, source, target):
+    grads = oracle.grad_sequence(SHAPES, 6)
+    params = oracle.make_params(SHAPES)
+    straight = cls(sn_groups(params), lr=0.01, **options, **ENGINES[target])
+    oracle.run(straight, params, grads)
+    resumed_params = oracle.make_params(SHAPES)
+    first = cls(sn_groups(resumed_params), lr=0.01, **options, **ENGINES[source])
+    oracle.run(first, resumed_params, grads[:3])
+    second = cls(sn_groups(resumed_params), lr=0.01, subset_size=3, **ENGINES[target])  # the saved partition wins
+    second.load_state_dict(copy.deepcopy(first.state_dict()))
+    oracle.run(second, resumed_params, grads[3:])
+    assert oracle.relative_error(resumed_params, params) < 1e-6
+    for a, b in zip(resumed_params, params):
+        assert second.state[a]["exp_avg_sq"].shape == straight.state[b]["exp_avg_sq"].shape
+
+
+def test_the_seeds_state_dict_loads():
+    """The seed's AdamwSN keeps an integer step and ``reduce_dim`` for 2-D params."""
+    params = oracle.make_params([(6, 4), (3, 8)])
+    seed_state = {"state": {0: {"step": 3, "reduce_dim": 0, "exp_avg": torch.ones(6, 4), "exp_avg_sq": torch.ones(6, 1)},
+                            1: {"step": 3, "reduce_dim": 1, "exp_avg": torch.ones(3, 8), "exp_avg_sq": torch.ones(1, 8)}},
+                  "param_groups": [{"params": [0, 1], "lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-6,
+                                    "weight_decay": 0.0, "correct_bias": True, "sn": True}]}
+    optimizer = fastoptim.AdamWSN(sn_groups(params), lr=0.01)
+    optimizer.load_state_dict(seed_state)
+    assert float(optimizer.state[params[0]]["step"]) == 3
+    assert optimizer.state[params[1]]["reduce_dim"] == 1
+    for param in params:
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    assert float(optimizer.state[params[0]]["step"]) == 4
+
+
+# --- what the partitions refuse ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("cls", [fastoptim.AdamWSN, fastoptim.Adan, fastoptim.AdamW])
+@pytest.mark.parametrize("name, value", [("subset_size", 0), ("subset_size", 2.5), ("subset_size", True),
+                                         ("sn", "yes")])
+def test_invalid_partition_options_are_refused(cls, name, value):
+    with pytest.raises(ValueError, match=f"Invalid {name}"):
+        cls(oracle.make_params(), **{name: value})
+    optimizer = cls(oracle.make_params(), lr=0.01)
+    with pytest.raises(ValueError, match=f"Invalid {name}"):
+        optimizer.add_param_group({"params": oracle.make_params(seed=3), name: value})
+    assert len(optimizer.param_groups) == 1
+
+
+def test_invalid_correct_bias_is_refused():
+    with pytest.raises(ValueError, match="Invalid correct_bias"):
+        fastoptim.AdamWSN(oracle.make_params(), correct_bias="no")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("subset_size", [None, 4])
+def test_an_empty_param_in_an_sn_group_keeps_an_empty_dense_state(engine, subset_size):
+    params = oracle.make_params([(0, 5), (6, 4)])
+    optimizer = fastoptim.AdamWSN(sn_groups(params), lr=0.01, subset_size=subset_size, **ENGINES[engine])
+    oracle.run(optimizer, params, oracle.grad_sequence([(0, 5), (6, 4)], 2))
+    state = optimizer.state[params[0]]
+    assert state["exp_avg_sq"].shape == (0, 5) and "reduce_dim" not in state and "subset_size" not in state
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_non_contiguous_param_on_a_flattened_partition_is_refused_before_anything_changes(engine):
+    params = oracle.make_params(SHAPES)
+    transposed = torch.nn.Parameter(torch.randn(8, 6).t())
+    optimizer = fastoptim.AdamWSN(sn_groups(params + [transposed]), lr=0.01, subset_size=4, **ENGINES[engine])
+    for param in params + [transposed]:
+        param.grad = torch.ones_like(param)
+    before = snapshot(params + [transposed], optimizer)
+    with pytest.raises(ValueError, match="needs a contiguous param"):
+        optimizer.step()
+    assert_unchanged(params + [transposed], optimizer, before)
+    rows = fastoptim.AdamWSN(sn_groups([transposed]), lr=0.01, **ENGINES[engine])  # columns keep any strides
+    rows.step()
+    assert rows.state[transposed]["exp_avg_sq"].shape == (1, 8)
+
+
+def test_a_state_dict_whose_partition_does_not_fit_is_refused():
+    params = oracle.make_params([(6, 4)])
+    optimizer = fastoptim.AdamWSN(sn_groups(params), lr=0.01, subset_size=8)
+    oracle.run(optimizer, params, oracle.grad_sequence([(6, 4)], 1))
+    saved = copy.deepcopy(optimizer.state_dict())
+    saved["state"][0]["subset_size"] = 5
+    other = fastoptim.AdamWSN(sn_groups(oracle.make_params([(6, 4)])), lr=0.01)
+    with pytest.raises(ValueError, match="subset_size 5 does not divide"):
+        other.load_state_dict(saved)
+    assert not other.state
