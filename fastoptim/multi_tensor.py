@@ -10,6 +10,7 @@ refreshed every step.
 import numpy as np
 
 CHUNK_NUMEL = 1 << 15  # 128 KiB of fp32 per stream: large enough to amortise, small enough to balance
+MIN_COLUMNS = 64  # a column chunk reads its rows in runs of at least 256 bytes of fp32
 
 
 def buckets(params):
@@ -33,18 +34,38 @@ def is_dense(tensor):
     return True
 
 
-def chunk_plan(numels, chunk_numel=CHUNK_NUMEL):
+def chunk_plan(numels, layouts=None, chunk_numel=CHUNK_NUMEL):
     """Rows (tensor, first element, element count, elements in all rows before) covering every
-    tensor in chunks of at most ``chunk_numel`` elements, and each tensor's first row (one more
-    entry than tensors). The running count lets a kernel give each thread an equal share."""
+    tensor in chunks of about ``chunk_numel`` elements, and each tensor's first row (one more entry
+    than tensors). The running count lets a kernel give each thread an equal share.
+
+    A subset-norm tensor with layout (b, c) (``layouts``, one row per tensor; (1, 1) is dense) is cut
+    into whole subsets: runs of rows of b elements when c is 1, else runs of columns, each b
+    elements of the count, at least ``MIN_COLUMNS`` wide so its rows are read in useful runs."""
     numels = np.asarray(numels, dtype=np.int64)
-    counts = -(-numels // chunk_numel)  # empty tensors get no chunk
+    if layouts is None:
+        layouts = np.ones((len(numels), 2), dtype=np.int64)
+    # A chunk holds whole units of b elements: elements (dense), subsets (rows) or columns.
+    unit, columns = layouts[:, 0], layouts[:, 1] > 1
+    units = numels // unit
+    per_chunk = np.maximum(chunk_numel // unit, np.where(columns, MIN_COLUMNS, 1))
+    counts = -(-units // per_chunk)  # empty tensors get no chunk
     first_chunk = np.concatenate([[0], np.cumsum(counts)])
     tensor = np.repeat(np.arange(len(numels)), counts)
-    start = (np.arange(first_chunk[-1]) - first_chunk[tensor]) * chunk_numel
-    count = np.minimum(chunk_numel, numels[tensor] - start)
+    start_unit = (np.arange(first_chunk[-1]) - first_chunk[tensor]) * per_chunk[tensor]
+    count = np.minimum(per_chunk[tensor], units[tensor] - start_unit) * unit[tensor]
+    start = start_unit * unit[tensor]
     before = np.cumsum(count) - count
     return np.ascontiguousarray(np.stack([tensor, start, count, before], axis=1), dtype=np.int64), first_chunk
+
+
+def subset_layouts(tensors):
+    """Each tensor's subset-norm layout (b, c), read from its (a, b, c) view beside a second moment of
+    another shape (see fastoptim.states.subset_norm); (1, 1) for a dense one. None when all are."""
+    states = [ts for role, ts in tensors.items() if role not in ("param", "grad")]
+    layouts = [(param.shape[1], param.shape[2]) if any(ts[i].shape != param.shape for ts in states) else (1, 1)
+               for i, param in enumerate(tensors["param"])]
+    return np.array(layouts, dtype=np.int64).reshape(-1, 2) if any(b > 1 for b, _ in layouts) else None
 
 
 def data_pointers(tensors):
@@ -63,7 +84,8 @@ class PointerTable:
         for row, role in enumerate(roles):
             if role in tensors:
                 self.pointers[row] = data_pointers(tensors[role])
-        self.chunks, self.first_chunk = chunk_plan([t.numel() for t in tensors["param"]])
+        self.layouts = subset_layouts(tensors)
+        self.chunks, self.first_chunk = chunk_plan([t.numel() for t in tensors["param"]], self.layouts)
 
     def refresh_grads(self, grad_pointers):
         self.pointers[self.roles.index("grad")] = grad_pointers

@@ -3,6 +3,7 @@ AdamwSN, ``sn`` on Adan and AdamW against their float64 equations, on every engi
 state dicts, and the inputs the partitions refuse."""
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -18,9 +19,6 @@ ENGINES = {"loop": dict(foreach=False, fused=False), "foreach": dict(foreach=Tru
 SHAPES = [(13, 7), (10, 30), (97,), (4, 5, 6), (64, 3), (1, 9)]
 SUBSET_SIZES = [None, -2, 100, 7]
 STEPS = 20
-
-pytestmark = pytest.mark.filterwarnings("ignore:fastoptim. fused=True, but no fused kernel")
-
 
 def expected_entries(shape, subset_size):
     """Second-moment entries of a param of ``shape`` under the seed's partitions."""
@@ -179,6 +177,34 @@ def test_the_seeds_state_dict_loads():
     assert float(optimizer.state[params[0]]["step"]) == 4
 
 
+@pytest.mark.parametrize("engine", ["fused-single", "fused-multi"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cls, options", [
+    (fastoptim.AdamWSN, dict(subset_size=None)), (fastoptim.RMSPropSN, dict(subset_size=7, max_grad_norm=0.5)),
+    (fastoptim.Adan, dict(subset_size=None, no_prox=True)), (fastoptim.Adan, dict(subset_size=-1)),
+    (fastoptim.AdamW, dict(subset_size=100, amsgrad=True, maximize=True))])
+def test_the_fused_kernel_takes_subset_norm_states_and_matches_the_loop_engine(cls, options, dtype, engine):
+    """Rows, columns (the (10, 30), (1, 9) params: one chunk of several column runs) and flattened
+    subsets, one of them longer than a kernel chunk, all in one kernel call with dense params."""
+    shapes = SHAPES + [(3, 40000), (70000, 2)]
+    runs = []
+    for flags in (ENGINES["loop"], ENGINES[engine]):
+        params = oracle.make_params(shapes, dtype)
+        optimizer = cls([{"params": params[:-1], "sn": True}, {"params": params[-1:]}], lr=0.01, weight_decay=0.02,
+                        **options, **flags)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a fallback warns
+            oracle.run(optimizer, params, oracle.grad_sequence(shapes, 4))
+        runs.append((params, optimizer))
+    (loop_params, loop), (params, fused) = runs
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    for a, b in zip(params, loop_params):
+        torch.testing.assert_close(a.detach().float(), b.detach().float(), **tolerance)
+        for key, value in loop.state[b].items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(fused.state[a][key], value, rtol=1e-4, atol=1e-6 * float(value.abs().max()))
+
+
 # --- what the partitions refuse ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("cls", [fastoptim.AdamWSN, fastoptim.Adan, fastoptim.AdamW])
@@ -208,6 +234,7 @@ def test_an_empty_param_in_an_sn_group_keeps_an_empty_dense_state(engine, subset
     assert state["exp_avg_sq"].shape == (0, 5) and "reduce_dim" not in state and "subset_size" not in state
 
 
+@pytest.mark.filterwarnings("ignore:fastoptim. fused=True, but a subset-norm param")
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_non_contiguous_param_on_a_flattened_partition_is_refused_before_anything_changes(engine):
     params = oracle.make_params(SHAPES)

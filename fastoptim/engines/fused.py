@@ -23,8 +23,10 @@ def _refusal(param, grad, states):
     """Why the kernel cannot take this tensor, or None."""
     if not fused_cpu.AVAILABLE:
         return "the fused CPU kernel is not built (see the README's set-up)"
-    if any(state.shape != param.shape for state in states):
-        return "no fused kernel for subset-norm states yet"
+    if any(state.shape != param.shape for state in states):  # a subset-norm view: walked in row-major order
+        if not all(t.is_contiguous() for t in (param, grad, *states)):
+            return "a subset-norm param, grad and states must be contiguous"
+        return None
     if param.device.type != "cpu":
         return f"no fused kernel for {param.device.type} tensors yet"
     if param.dtype not in fused_cpu.DTYPES:
@@ -111,11 +113,12 @@ def _run(algorithm, plan, per_tensor_calls):
             return
         plan = plan.subset(prepared.taken)
     scalars, _keep = _scalars(algorithm, plan)
-    flags = (fused_cpu.AMSGRAD if "max_exp_avg_sq" in plan.tensors else 0) | (
-        fused_cpu.STOCHASTIC_ROUNDING if plan.stochastic_rounding else 0)
+    flags = ((fused_cpu.AMSGRAD if "max_exp_avg_sq" in plan.tensors else 0)
+             | (fused_cpu.NO_FIRST_MOMENT if "exp_avg" not in plan.tensors else 0)
+             | (fused_cpu.STOCHASTIC_ROUNDING if plan.stochastic_rounding else 0))
     ranges = zip(table.first_chunk[:-1], table.first_chunk[1:]) if per_tensor_calls else [(0, len(table.chunks))]
     for chunk_range in ranges:
-        fused_cpu.run(algorithm.kernel, table.pointers, len(plan), table.chunks, chunk_range, scalars,
+        fused_cpu.run(algorithm.kernel, table.pointers, len(plan), table.chunks, chunk_range, table.layouts, scalars,
                       plan.tensors["param"][0].dtype, flags, torch.get_num_threads())
 
 

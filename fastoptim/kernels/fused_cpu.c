@@ -11,10 +11,19 @@
    threads spin for a while; threads of our own would fight them for the cores (measured: +2 ms on
    a 4 ms step). Without an OpenMP runtime in the process, plain pthreads do the work.
 
-   The per-element math restates fastoptim/optimizers/adan.py and adamw.py, the reference the tests
-   hold these kernels to; the comments name the reference's steps. Options that change the loop
-   (dtype, amsgrad, stochastic rounding) are compile-time constants of one kernel body, specialised
-   by always-inline; the rest (weight decay, prox, maximize, clipping) are scalars. */
+   The per-element math restates fastoptim/optimizers/adan.py, adamw.py and adamwsn.py, the
+   reference the tests hold these kernels to; the comments name the reference's steps. Each
+   algorithm's math is written once, as inline functions of one element; its kernel body walks them
+   over a dense tensor, or over the subsets of a subset-norm one. Options that change the loop
+   (dtype, amsgrad, no first moment, stochastic rounding) are compile-time constants of one kernel
+   body, specialised by always-inline; the rest (weight decay, prox, maximize, clipping) are scalars.
+
+   Subset-norm tensors (fastoptim/states/subset_norm.py) come with a layout (b, c): the param is an
+   (a, b, c) array whose second moment has one entry per subset [i, :, k]. Rows (c = 1): subsets of
+   b consecutive elements; a chunk holds whole subsets, and each subset takes two passes, the sum of
+   squares and the update, the second from cache. Columns (a = 1): a chunk is a run of the c
+   columns over all b rows, counted in elements (start and count are multiples of b); its second
+   moments are accumulated row by row, then it is updated. */
 #include <dlfcn.h>
 #include <math.h>
 #include <pthread.h>
@@ -22,7 +31,7 @@
 #include <string.h>
 
 enum { FP32, BF16, FP16 };
-enum { AMSGRAD = 1, STOCHASTIC_ROUNDING = 2 };  /* flags */
+enum { AMSGRAD = 1, STOCHASTIC_ROUNDING = 2, NO_FIRST_MOMENT = 4 };  /* flags */
 
 /* One scalar argument: a shared value (stride 0) or one value per tensor (stride 1). A pointer,
    not a value, so a tensor lr or clip coefficient is read here without a host sync in Python. */
@@ -35,8 +44,8 @@ enum { ADAN_BETA1 = COMMON_SCALARS, ADAN_BETA2, ADAN_BETA3, ADAN_ONE_MINUS_BETA1
        ADAN_ONE_MINUS_BETA3, ADAN_EPS, ADAN_PRE_GRAD_WEIGHT,
        ADAN_BIAS_CORRECTION3_SQRT, ADAN_STEP_SIZE, ADAN_DIFF_RATIO, ADAN_DECAY_MUL, ADAN_DECAY_DIV,
        ADAN_SCALARS };
-enum { ADAMW_ONE_MINUS_BETA1 = COMMON_SCALARS, ADAMW_BETA2, ADAMW_ONE_MINUS_BETA2, ADAMW_EPS, ADAMW_DECAY_MUL, ADAMW_STEP_SIZE,
-       ADAMW_BIAS_CORRECTION2_SQRT, ADAMW_SCALARS };
+enum { ADAMW_ONE_MINUS_BETA1 = COMMON_SCALARS, ADAMW_BETA2, ADAMW_ONE_MINUS_BETA2, ADAMW_EPS, ADAMW_DECAY_MUL,
+       ADAMW_DECAY_AFTER, ADAMW_STEP_SIZE, ADAMW_BIAS_CORRECTION2_SQRT, ADAMW_SCALARS };
 /* Rows of the pointer table, by kernel. */
 enum { PARAM, GRAD, EXP_AVG, EXP_AVG_SQ, EXP_AVG_DIFF, NEG_PRE_GRAD };
 enum { MAX_EXP_AVG_SQ = EXP_AVG_SQ + 1 };
@@ -47,7 +56,8 @@ typedef void (*ChunkFn)(const Work *, int64_t tensor, int64_t start, int64_t cou
 struct Work {
     const int64_t *pointers;   /* [role][tensor] data pointers */
     int64_t n_tensors;
-    const int64_t *chunks;     /* [chunk][4]: tensor, first element, element count, elements before it */
+    const int64_t *chunks;     /* [chunk][4]: tensor, first element (column), element (column) count, elements before it */
+    const int64_t *layouts;    /* [tensor][2]: subset-norm (b, c); NULL or (1, 1): dense */
     const Scalar *scalars;
     ChunkFn chunk;
 };
@@ -105,61 +115,171 @@ INLINE void store(void *base, int64_t i, float x, int dtype, int stochastic, uin
     }
 }
 
+/* A tensor's subset-norm layout: b (which = 0) and c (which = 1); (1, 1) when it is dense. */
+INLINE int64_t layout(const Work *w, int64_t t, int which) {
+    return w->layouts ? w->layouts[2 * t + which] : 1;
+}
+
+/* The sum over i in [begin, end) of a per-element expression: in several lanes, so it vectorises. */
+#define SIMD_SUM _Pragma("omp simd reduction(+:sum)")
+
+/* --- Adan ----------------------------------------------------------------------------------- */
+
+typedef struct {
+    float beta1, beta2, beta3, one_minus_beta1, one_minus_beta2, one_minus_beta3, eps, grad_scale;
+    float pre_grad_weight, inv_bias_correction3_sqrt, step_size, diff_ratio, decay_mul, inv_decay_div;
+} AdanScalars;
+
+/* Reciprocals once per tensor: one division per element is what the core can afford. */
+INLINE AdanScalars adan_scalars(const Work *w, int64_t t) {
+    return (AdanScalars){
+        scalar(w, ADAN_BETA1, t), scalar(w, ADAN_BETA2, t), scalar(w, ADAN_BETA3, t),
+        scalar(w, ADAN_ONE_MINUS_BETA1, t), scalar(w, ADAN_ONE_MINUS_BETA2, t), scalar(w, ADAN_ONE_MINUS_BETA3, t),
+        scalar(w, ADAN_EPS, t), scalar(w, GRAD_SCALE, t), scalar(w, ADAN_PRE_GRAD_WEIGHT, t),
+        1 / scalar(w, ADAN_BIAS_CORRECTION3_SQRT, t), scalar(w, ADAN_STEP_SIZE, t), scalar(w, ADAN_DIFF_RATIO, t),
+        scalar(w, ADAN_DECAY_MUL, t), 1 / scalar(w, ADAN_DECAY_DIV, t)};
+}
+
+typedef struct { float neg_g, d, u; } AdanTerms;
+
+INLINE AdanTerms adan_terms(const AdanScalars *s, float grad, float neg_pre_grad) {
+    const float neg_g = grad * -s->grad_scale;
+    const float d = (neg_pre_grad - neg_g) * s->pre_grad_weight;         /* g − g_prev (0 at a first step) */
+    return (AdanTerms){neg_g, d, d * s->beta2 - neg_g};                   /* u = g + β2·d */
+}
+
+/* step_size / denom, from exp_avg_sq (the element's or its subset's). */
+INLINE float adan_scale(const AdanScalars *s, float n) {
+    return s->step_size / (sqrtf(n) * s->inv_bias_correction3_sqrt + s->eps);
+}
+
+/* After exp_avg_sq: the moments m and v, g_prev, and the new value of param p. */
+INLINE float adan_apply(const AdanScalars *s, AdanTerms x, float *m, float *v, float *neg_pre_grad, float p,
+                        float scale) {
+    *m = *m * s->beta1 - x.neg_g * s->one_minus_beta1;
+    *v = *v * s->beta2 + x.d * s->one_minus_beta2;
+    *neg_pre_grad = x.neg_g;
+    p = p * s->decay_mul - *m * scale - *v * (scale * s->diff_ratio);    /* 1 − lr·wd with no_prox */
+    return p * s->inv_decay_div;                                          /* 1 + lr·wd: prox */
+}
+
 INLINE void adan_body(const Work *w, int64_t t, int64_t start, int64_t count, int dtype, int stochastic) {
-    const float beta1 = scalar(w, ADAN_BETA1, t), beta2 = scalar(w, ADAN_BETA2, t);
-    const float beta3 = scalar(w, ADAN_BETA3, t), eps = scalar(w, ADAN_EPS, t);
-    const float one_minus_beta1 = scalar(w, ADAN_ONE_MINUS_BETA1, t), one_minus_beta2 = scalar(w, ADAN_ONE_MINUS_BETA2, t);
-    const float one_minus_beta3 = scalar(w, ADAN_ONE_MINUS_BETA3, t);
-    const float grad_scale = scalar(w, GRAD_SCALE, t), pre_grad_weight = scalar(w, ADAN_PRE_GRAD_WEIGHT, t);
-    /* Reciprocals once per chunk: one division per element is what the core can afford. */
-    const float inv_bias_correction3_sqrt = 1 / scalar(w, ADAN_BIAS_CORRECTION3_SQRT, t);
-    const float step_size = scalar(w, ADAN_STEP_SIZE, t), diff_ratio = scalar(w, ADAN_DIFF_RATIO, t);
-    const float decay_mul = scalar(w, ADAN_DECAY_MUL, t), inv_decay_div = 1 / scalar(w, ADAN_DECAY_DIV, t);
+    const AdanScalars s = adan_scalars(w, t);
     const uint32_t seed = (uint32_t)scalar(w, SEED, t);
     void *param = row(w, PARAM, t);
     const void *grad = row(w, GRAD, t);
-    float *restrict m = (float *)row(w, EXP_AVG, t) + start;
-    float *restrict n = (float *)row(w, EXP_AVG_SQ, t) + start;
-    float *restrict v = (float *)row(w, EXP_AVG_DIFF, t) + start;
-    float *restrict neg_pre_grad = (float *)row(w, NEG_PRE_GRAD, t) + start;
-    IVDEP for (int64_t i = 0; i < count; i++) {
-        const float neg_g = load(grad, start + i, dtype) * -grad_scale;
-        const float d = (neg_pre_grad[i] - neg_g) * pre_grad_weight;      /* g − g_prev (0 at step 1) */
-        m[i] = m[i] * beta1 - neg_g * one_minus_beta1;
-        v[i] = v[i] * beta2 + d * one_minus_beta2;
-        const float u = d * beta2 - neg_g;                                 /* g + β2·d */
-        n[i] = n[i] * beta3 + u * u * one_minus_beta3;
-        neg_pre_grad[i] = neg_g;
-        const float scale = step_size / (sqrtf(n[i]) * inv_bias_correction3_sqrt + eps);
-        float p = load(param, start + i, dtype) * decay_mul;               /* 1 − lr·wd with no_prox */
-        p -= m[i] * scale;
-        p -= v[i] * (scale * diff_ratio);
-        store(param, start + i, p * inv_decay_div, dtype, stochastic, seed, t);  /* 1 + lr·wd: prox */
+    float *restrict m = row(w, EXP_AVG, t), *restrict n = row(w, EXP_AVG_SQ, t);
+    float *restrict v = row(w, EXP_AVG_DIFF, t), *restrict neg_pre_grad = row(w, NEG_PRE_GRAD, t);
+    const int64_t b = layout(w, t, 0), c = layout(w, t, 1);
+#define ADAN_UPDATE(i, x, scale) store(param, i, adan_apply(&s, x, &m[i], &v[i], &neg_pre_grad[i], \
+                                       load(param, i, dtype), scale), dtype, stochastic, seed, t)
+#define ADAN_TERMS(i) adan_terms(&s, load(grad, i, dtype), neg_pre_grad[i])
+    if (b == 1) {                                           /* dense: n = β3·n + (1−β3)·u² per element */
+        IVDEP for (int64_t i = start; i < start + count; i++) {
+            const AdanTerms x = ADAN_TERMS(i);
+            n[i] = n[i] * s.beta3 + x.u * x.u * s.one_minus_beta3;
+            ADAN_UPDATE(i, x, adan_scale(&s, n[i]));
+        }
+    } else if (c == 1) {                                    /* rows: subset k is elements [k·b, (k+1)·b) */
+        for (int64_t k = start / b; k < (start + count) / b; k++) {
+            float sum = 0;
+            SIMD_SUM for (int64_t i = k * b; i < (k + 1) * b; i++) {
+                const AdanTerms x = ADAN_TERMS(i);
+                sum += x.u * x.u;
+            }
+            n[k] = n[k] * s.beta3 + sum * s.one_minus_beta3;
+            const float scale = adan_scale(&s, n[k]);
+            IVDEP for (int64_t i = k * b; i < (k + 1) * b; i++) ADAN_UPDATE(i, ADAN_TERMS(i), scale);
+        }
+    } else {                                                /* columns: the chunk's elements / b of b rows */
+        const int64_t j0 = start / b, j1 = (start + count) / b;
+        IVDEP for (int64_t j = j0; j < j1; j++) n[j] *= s.beta3;
+        for (int64_t r = 0; r < b; r++)
+            IVDEP for (int64_t j = j0; j < j1; j++) {
+                const AdanTerms x = ADAN_TERMS(r * c + j);
+                n[j] += x.u * x.u * s.one_minus_beta3;
+            }
+        for (int64_t r = 0; r < b; r++)
+            IVDEP for (int64_t j = j0; j < j1; j++) ADAN_UPDATE(r * c + j, ADAN_TERMS(r * c + j), adan_scale(&s, n[j]));
     }
+#undef ADAN_TERMS
+#undef ADAN_UPDATE
+}
+
+/* --- AdamW, AdamWSN and RMSPropSN ------------------------------------------------------------- */
+
+typedef struct {
+    float one_minus_beta1, beta2, one_minus_beta2, eps, grad_scale, decay_mul, decay_after, step_size;
+    float inv_bias_correction2_sqrt;
+} AdamWScalars;
+
+INLINE AdamWScalars adamw_scalars(const Work *w, int64_t t) {
+    return (AdamWScalars){
+        scalar(w, ADAMW_ONE_MINUS_BETA1, t), scalar(w, ADAMW_BETA2, t), scalar(w, ADAMW_ONE_MINUS_BETA2, t),
+        scalar(w, ADAMW_EPS, t), scalar(w, GRAD_SCALE, t), scalar(w, ADAMW_DECAY_MUL, t),
+        scalar(w, ADAMW_DECAY_AFTER, t), scalar(w, ADAMW_STEP_SIZE, t),
+        1 / scalar(w, ADAMW_BIAS_CORRECTION2_SQRT, t)};
+}
+
+/* step_size / denom, from the second moment (the element's or its subset's; v̂ with amsgrad). */
+INLINE float adamw_scale(const AdamWScalars *s, float v) {
+    return s->step_size / (sqrtf(v) * s->inv_bias_correction2_sqrt + s->eps);
+}
+
+/* After the second moment: the first moment (the numerator; g itself without one) and the new
+   value of param p. Weight decay multiplies before the update (AdamW) or after it (AdamWSN). */
+INLINE float adamw_apply(const AdamWScalars *s, float g, float *m, float p, float scale, int first_moment) {
+    float numerator = g;
+    if (first_moment) {
+        *m += (g - *m) * s->one_minus_beta1;                              /* lerp */
+        numerator = *m;
+    }
+    return (p * s->decay_mul - numerator * scale) * s->decay_after;
 }
 
 INLINE void adamw_body(const Work *w, int64_t t, int64_t start, int64_t count, int dtype, int stochastic,
-                       int amsgrad) {
-    const float one_minus_beta1 = scalar(w, ADAMW_ONE_MINUS_BETA1, t), beta2 = scalar(w, ADAMW_BETA2, t);
-    const float one_minus_beta2 = scalar(w, ADAMW_ONE_MINUS_BETA2, t);
-    const float eps = scalar(w, ADAMW_EPS, t), grad_scale = scalar(w, GRAD_SCALE, t);
-    const float decay_mul = scalar(w, ADAMW_DECAY_MUL, t), step_size = scalar(w, ADAMW_STEP_SIZE, t);
-    const float inv_bias_correction2_sqrt = 1 / scalar(w, ADAMW_BIAS_CORRECTION2_SQRT, t);
+                       int amsgrad, int first_moment) {
+    const AdamWScalars s = adamw_scalars(w, t);
     const uint32_t seed = (uint32_t)scalar(w, SEED, t);
     void *param = row(w, PARAM, t);
     const void *grad = row(w, GRAD, t);
-    float *restrict m = (float *)row(w, EXP_AVG, t) + start;
-    float *restrict v = (float *)row(w, EXP_AVG_SQ, t) + start;
-    float *restrict v_max = amsgrad ? (float *)row(w, MAX_EXP_AVG_SQ, t) + start : v;
-    IVDEP for (int64_t i = 0; i < count; i++) {
-        const float g = load(grad, start + i, dtype) * grad_scale;
-        m[i] += (g - m[i]) * one_minus_beta1;                              /* lerp */
-        v[i] = v[i] * beta2 + g * g * one_minus_beta2;
-        if (amsgrad) v_max[i] = fmaxf(v_max[i], v[i]);
-        const float scale = step_size / (sqrtf(v_max[i]) * inv_bias_correction2_sqrt + eps);
-        const float p = load(param, start + i, dtype) * decay_mul - m[i] * scale;
-        store(param, start + i, p, dtype, stochastic, seed, t);
+    float *restrict m = row(w, EXP_AVG, t), *restrict v = row(w, EXP_AVG_SQ, t);
+    float *restrict v_max = amsgrad ? (float *)row(w, MAX_EXP_AVG_SQ, t) : v;
+    const int64_t b = layout(w, t, 0), c = layout(w, t, 1);
+#define ADAMW_UPDATE(i, g, scale) store(param, i, adamw_apply(&s, g, &m[i], load(param, i, dtype), scale, \
+                                        first_moment), dtype, stochastic, seed, t)
+#define ADAMW_GRAD(i) (load(grad, i, dtype) * s.grad_scale)
+    if (b == 1) {                                           /* dense: v = β2·v + (1−β2)·g² per element */
+        IVDEP for (int64_t i = start; i < start + count; i++) {
+            const float g = ADAMW_GRAD(i);
+            v[i] = v[i] * s.beta2 + g * g * s.one_minus_beta2;
+            if (amsgrad) v_max[i] = fmaxf(v_max[i], v[i]);
+            ADAMW_UPDATE(i, g, adamw_scale(&s, v_max[i]));
+        }
+    } else if (c == 1) {                                    /* rows: subset k is elements [k·b, (k+1)·b) */
+        for (int64_t k = start / b; k < (start + count) / b; k++) {
+            float sum = 0;
+            SIMD_SUM for (int64_t i = k * b; i < (k + 1) * b; i++) sum += ADAMW_GRAD(i) * ADAMW_GRAD(i);
+            v[k] = v[k] * s.beta2 + sum * s.one_minus_beta2;
+            if (amsgrad) v_max[k] = fmaxf(v_max[k], v[k]);
+            const float scale = adamw_scale(&s, v_max[k]);
+            IVDEP for (int64_t i = k * b; i < (k + 1) * b; i++) ADAMW_UPDATE(i, ADAMW_GRAD(i), scale);
+        }
+    } else {                                                /* columns: the chunk's elements / b of b rows */
+        const int64_t j0 = start / b, j1 = (start + count) / b;
+        IVDEP for (int64_t j = j0; j < j1; j++) v[j] *= s.beta2;
+        for (int64_t r = 0; r < b; r++)
+            IVDEP for (int64_t j = j0; j < j1; j++) {
+                const float g = ADAMW_GRAD(r * c + j);
+                v[j] += g * g * s.one_minus_beta2;
+            }
+        if (amsgrad)
+            for (int64_t j = j0; j < j1; j++) v_max[j] = fmaxf(v_max[j], v[j]);
+        for (int64_t r = 0; r < b; r++)
+            IVDEP for (int64_t j = j0; j < j1; j++) ADAMW_UPDATE(r * c + j, ADAMW_GRAD(r * c + j), adamw_scale(&s, v_max[j]));
     }
+#undef ADAMW_GRAD
+#undef ADAMW_UPDATE
 }
 
 /* The trivial-math twin of Adan's traffic (6 reads, 5 writes of fp32): the bandwidth it reaches
@@ -174,23 +294,21 @@ INLINE void probe_body(const Work *w, int64_t t, int64_t start, int64_t count) {
     }
 }
 
-/* The specialisations: one chunk function per (kernel, dtype, rounding[, amsgrad]). */
+/* The specialisations: one chunk function per (kernel, dtype, rounding[, amsgrad | no first moment]). */
 #define ADAN_CHUNK(NAME, DTYPE, SR) \
     VECTORISED static void NAME(const Work *w, int64_t t, int64_t s, int64_t c) { adan_body(w, t, s, c, DTYPE, SR); }
-#define ADAMW_CHUNK(NAME, DTYPE, SR, AMS) \
-    VECTORISED static void NAME(const Work *w, int64_t t, int64_t s, int64_t c) { adamw_body(w, t, s, c, DTYPE, SR, AMS); }
+#define ADAMW_CHUNK(NAME, DTYPE, SR, AMS, FIRST) VECTORISED static void NAME(const Work *w, int64_t t, int64_t s, \
+    int64_t c) { adamw_body(w, t, s, c, DTYPE, SR, AMS, FIRST); }
+#define ADAMW_CHUNKS(SUFFIX, AMS, FIRST) \
+    ADAMW_CHUNK(adamw_fp32##SUFFIX, FP32, 0, AMS, FIRST) ADAMW_CHUNK(adamw_bf16##SUFFIX, BF16, 0, AMS, FIRST) \
+    ADAMW_CHUNK(adamw_bf16_sr##SUFFIX, BF16, 1, AMS, FIRST) ADAMW_CHUNK(adamw_fp16##SUFFIX, FP16, 0, AMS, FIRST)
 ADAN_CHUNK(adan_fp32, FP32, 0)
 ADAN_CHUNK(adan_bf16, BF16, 0)
 ADAN_CHUNK(adan_bf16_sr, BF16, 1)
 ADAN_CHUNK(adan_fp16, FP16, 0)
-ADAMW_CHUNK(adamw_fp32, FP32, 0, 0)
-ADAMW_CHUNK(adamw_bf16, BF16, 0, 0)
-ADAMW_CHUNK(adamw_bf16_sr, BF16, 1, 0)
-ADAMW_CHUNK(adamw_fp16, FP16, 0, 0)
-ADAMW_CHUNK(adamw_fp32_ams, FP32, 0, 1)
-ADAMW_CHUNK(adamw_bf16_ams, BF16, 0, 1)
-ADAMW_CHUNK(adamw_bf16_sr_ams, BF16, 1, 1)
-ADAMW_CHUNK(adamw_fp16_ams, FP16, 0, 1)
+ADAMW_CHUNKS(, 0, 1)
+ADAMW_CHUNKS(_ams, 1, 1)
+ADAMW_CHUNKS(_rms, 0, 0)
 VECTORISED static void probe_fp32(const Work *w, int64_t t, int64_t s, int64_t c) { probe_body(w, t, s, c); }
 
 static void *work_share(void *arg) {
@@ -242,10 +360,12 @@ static int64_t chunk_at(const int64_t *chunks, int64_t begin, int64_t end, int64
 
 /* Runs chunks [chunk_begin, chunk_end) on up to n_threads threads (the caller is one of them). */
 static int run(ChunkFn chunk, const int64_t *pointers, int64_t n_tensors, const int64_t *chunks,
-               int64_t chunk_begin, int64_t chunk_end, const Scalar *scalars, int32_t n_threads) {
+               int64_t chunk_begin, int64_t chunk_end, const int64_t *layouts, const Scalar *scalars,
+               int32_t n_threads) {
     if (!chunk) return -1;
     if (scalars && scalars[FOUND_INF].values[0] != 0) return 0;  /* GradScaler found inf: skip */
-    const Work w = {.pointers = pointers, .n_tensors = n_tensors, .chunks = chunks, .scalars = scalars, .chunk = chunk};
+    const Work w = {.pointers = pointers, .n_tensors = n_tensors, .chunks = chunks, .layouts = layouts,
+                    .scalars = scalars, .chunk = chunk};
     int64_t n_chunks = chunk_end - chunk_begin, n = n_threads < n_chunks ? n_threads : n_chunks;
     if (n > MAX_THREADS) n = MAX_THREADS;
     if (n < 1) n = 1;
@@ -281,20 +401,23 @@ static ChunkFn pick(ChunkFn fp32, ChunkFn bf16, ChunkFn bf16_sr, ChunkFn fp16, i
 }
 
 int fastoptim_adan(const int64_t *pointers, int64_t n_tensors, const int64_t *chunks, int64_t chunk_begin,
-                   int64_t chunk_end, const Scalar *scalars, int32_t dtype, int32_t flags, int32_t n_threads) {
+                   int64_t chunk_end, const int64_t *layouts, const Scalar *scalars, int32_t dtype, int32_t flags,
+                   int32_t n_threads) {
     ChunkFn chunk = pick(adan_fp32, adan_bf16, adan_bf16_sr, adan_fp16, dtype, flags);
-    return run(chunk, pointers, n_tensors, chunks, chunk_begin, chunk_end, scalars, n_threads);
+    return run(chunk, pointers, n_tensors, chunks, chunk_begin, chunk_end, layouts, scalars, n_threads);
 }
 
 int fastoptim_adamw(const int64_t *pointers, int64_t n_tensors, const int64_t *chunks, int64_t chunk_begin,
-                    int64_t chunk_end, const Scalar *scalars, int32_t dtype, int32_t flags, int32_t n_threads) {
-    ChunkFn chunk = flags & AMSGRAD
-        ? pick(adamw_fp32_ams, adamw_bf16_ams, adamw_bf16_sr_ams, adamw_fp16_ams, dtype, flags)
-        : pick(adamw_fp32, adamw_bf16, adamw_bf16_sr, adamw_fp16, dtype, flags);
-    return run(chunk, pointers, n_tensors, chunks, chunk_begin, chunk_end, scalars, n_threads);
+                    int64_t chunk_end, const int64_t *layouts, const Scalar *scalars, int32_t dtype, int32_t flags,
+                    int32_t n_threads) {
+    ChunkFn chunk = flags & AMSGRAD ? pick(adamw_fp32_ams, adamw_bf16_ams, adamw_bf16_sr_ams, adamw_fp16_ams, dtype, flags)
+                  : flags & NO_FIRST_MOMENT ? pick(adamw_fp32_rms, adamw_bf16_rms, adamw_bf16_sr_rms, adamw_fp16_rms,
+                                                   dtype, flags)
+                  : pick(adamw_fp32, adamw_bf16, adamw_bf16_sr, adamw_fp16, dtype, flags);
+    return run(chunk, pointers, n_tensors, chunks, chunk_begin, chunk_end, layouts, scalars, n_threads);
 }
 
 int fastoptim_probe(const int64_t *pointers, int64_t n_tensors, const int64_t *chunks, int64_t chunk_begin,
                     int64_t chunk_end, int32_t n_threads) {
-    return run(probe_fp32, pointers, n_tensors, chunks, chunk_begin, chunk_end, NULL, n_threads);
+    return run(probe_fp32, pointers, n_tensors, chunks, chunk_begin, chunk_end, NULL, NULL, n_threads);
 }

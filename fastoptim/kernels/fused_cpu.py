@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-AMSGRAD, STOCHASTIC_ROUNDING = 1, 2
+AMSGRAD, STOCHASTIC_ROUNDING, NO_FIRST_MOMENT = 1, 2, 4
 
 COMMON_SCALARS = ("found_inf", "seed", "grad_scale")
 ROLES = {
@@ -23,8 +23,8 @@ SCALARS = {
     "adan": COMMON_SCALARS + ("beta1", "beta2", "beta3", "one_minus_beta1", "one_minus_beta2", "one_minus_beta3",
                               "eps", "pre_grad_weight", "bias_correction3_sqrt", "step_size", "diff_ratio",
                               "decay_mul", "decay_div"),
-    "adamw": COMMON_SCALARS + ("one_minus_beta1", "beta2", "one_minus_beta2", "eps", "decay_mul", "step_size",
-                               "bias_correction2_sqrt"),
+    "adamw": COMMON_SCALARS + ("one_minus_beta1", "beta2", "one_minus_beta2", "eps", "decay_mul", "decay_after",
+                               "step_size", "bias_correction2_sqrt"),
 }
 
 
@@ -45,7 +45,8 @@ def _load():
     common = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
     for name in ROLES:
         kernel = getattr(library, f"fastoptim_{name}")
-        kernel.argtypes = common + [ctypes.POINTER(Scalar), ctypes.c_int32, ctypes.c_int32, ctypes.c_int32]
+        kernel.argtypes = common + [ctypes.c_void_p, ctypes.POINTER(Scalar), ctypes.c_int32, ctypes.c_int32,
+                                    ctypes.c_int32]
         kernel.restype = ctypes.c_int
     library.fastoptim_probe.argtypes = common + [ctypes.c_int32]
     library.fastoptim_probe.restype = ctypes.c_int
@@ -82,11 +83,12 @@ if AVAILABLE:
     use_threads(_torch_openmp())
 
 
-def run(kernel, pointers, n_tensors, chunks, chunk_range, scalars, dtype, flags, n_threads):
-    """Run ``kernel`` ('adan' or 'adamw') over chunks ``chunk_range`` of the tables (numpy int64)."""
+def run(kernel, pointers, n_tensors, chunks, chunk_range, layouts, scalars, dtype, flags, n_threads):
+    """Run ``kernel`` ('adan' or 'adamw') over chunks ``chunk_range`` of the tables (numpy int64;
+    ``layouts``, the subset-norm (b, c) of each tensor, may be None when all are dense)."""
     status = getattr(LIBRARY, f"fastoptim_{kernel}")(
         pointers.ctypes.data, n_tensors, chunks.ctypes.data, chunk_range[0], chunk_range[1],
-        scalars, DTYPES[dtype], flags, n_threads)
+        None if layouts is None else layouts.ctypes.data, scalars, DTYPES[dtype], flags, n_threads)
     if status:
         raise RuntimeError(f"fused CPU kernel {kernel} refused dtype {dtype}")
 

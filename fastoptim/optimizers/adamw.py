@@ -118,4 +118,4 @@ class AdamW(FastOptimizer):
         return {name: args[name] for name in ("beta2", "eps", "step_size", "bias_correction2_sqrt")} | dict(
             one_minus_beta1=1 - args["beta1"], one_minus_beta2=1 - args["beta2"],
             grad_scale=1.0 if args["grad_scale"] is None else args["grad_scale"],
-            decay_mul=1 - args["lr"] * args["weight_decay"])
+            decay_mul=1 - args["lr"] * args["weight_decay"], decay_after=1.0)

@@ -58,7 +58,7 @@ class AdamWSN(AdamW):
     n_betas = 2
     update = staticmethod(adamw_sn_update)
     reduced_roles = ("exp_avg_sq",)
-    kernel = None
+    kernel = "adamw"  # its family: weight decay after the update, no bias correction inside the root
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, subset_size=None,
                  correct_bias=True, foreach=None, fused=None, *, sn=False, maximize=False, max_grad_norm=0.0,
@@ -84,6 +84,14 @@ class AdamWSN(AdamW):
         args = dict(beta1=beta1, beta2=beta2, eps=group["eps"], lr=lr, weight_decay=group["weight_decay"],
                     grad_scale=grad_scale, step_size=step_size.float())
         return args, {"step_size"}
+
+    @staticmethod
+    def kernel_scalars(args):
+        """``adamw_sn_update``'s arguments as the AdamW kernel family takes them."""
+        return dict(one_minus_beta1=1 - args["beta1"], beta2=args["beta2"], one_minus_beta2=1 - args["beta2"],
+                    eps=args["eps"], step_size=args["step_size"], bias_correction2_sqrt=1.0, decay_mul=1.0,
+                    decay_after=1 - args["lr"] * args["weight_decay"],
+                    grad_scale=1.0 if args["grad_scale"] is None else args["grad_scale"])
 
 
 class RMSPropSN(AdamWSN):
