@@ -23,9 +23,9 @@ PEERS = ["torch-adamw-foreach", "torch-adamw-fused"]
 
 def candidates(model):
     """Step functions of every engine and peer over one shared set of params (see bench.run.steppers)."""
-    params = run.model_params(model)
-    names = [name for name in run.optimizers() if name.startswith(("adan-", "adamw-"))] + PEERS
-    table = run.steppers(params, names)
+    params, linear = run.model_params(model)
+    names = [name for name in run.optimizers() if name not in PEERS] + PEERS
+    table, _ = run.steppers(params, linear, names)
     timm = timm_adan_class()(params, lr=1e-4, weight_decay=0.02, foreach=True)
     timm.step()
     table["timm-adan"] = timm.step
@@ -47,7 +47,7 @@ def probe_stepper(params):
 
 def report(model, repeats, steps):
     shapes = MODELS[model]()
-    numel = sum(torch.Size(s).numel() for s in shapes)
+    numel = sum(torch.Size(s).numel() for s, _ in shapes)
     table, params = candidates(model)
     table["probe (Adan traffic)"] = probe_stepper(params)
     seconds = run.time_steps(table, steps, repeats)
@@ -57,7 +57,7 @@ def report(model, repeats, steps):
     print("| step | ms | vs adan-foreach | vs torch-adamw-fused | of probe bandwidth |")
     print("|---|---|---|---|---|")
     for name, s in seconds.items():
-        bandwidth = f"{probe / s:.2f}" if name.startswith("adan-fused") or name.startswith("probe") else ""
+        bandwidth = f"{probe / s:.2f}" if name.startswith(("adan-fused", "probe")) else ""
         print(f"| {name} | {s * 1e3:.1f} | {seconds['adan-foreach'] / s:.2f}x | "
               f"{seconds['torch-adamw-fused'] / s:.2f}x | {bandwidth} |")
 

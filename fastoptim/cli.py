@@ -46,7 +46,8 @@ def main(argv=None):
     b.add_argument("--optimizers", nargs="+",
                    default=["torch-adamw-foreach", "torch-adamw-fused", "adamw-loop", "adamw-foreach",
                             "adamw-fused-single", "adamw-fused-multi", "adan-loop", "adan-foreach",
-                            "adan-fused-single", "adan-fused-multi"])
+                            "adan-fused-single", "adan-fused-multi", "adamwsn-foreach", "adamwsn-fused-multi",
+                            "adan-sn-foreach", "adan-sn-fused-multi"])
     b.add_argument("--steps", type=int, default=3)
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--threads", type=int, default=torch.get_num_threads())

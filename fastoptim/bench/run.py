@@ -14,48 +14,63 @@ ENGINES = {"loop": dict(foreach=False, fused=False), "foreach": dict(foreach=Tru
 
 
 def optimizers():
-    """Every optimizer the benchmark knows, by name: fastoptim's engines, then torch's peers."""
+    """Every optimizer the benchmark knows, by name, as (class, engine flags, subset-norm states on
+    the Linear weights): fastoptim's engines, then torch's peers."""
     table = {}
-    for cls in (fastoptim.Adan, fastoptim.AdamW):
+    for prefix, cls, sn in (("adan", fastoptim.Adan, False), ("adamw", fastoptim.AdamW, False),
+                            ("adan-sn", fastoptim.Adan, True), ("adamwsn", fastoptim.AdamWSN, True)):
         for engine, flags in ENGINES.items():
-            table[f"{cls.__name__.lower()}-{engine}"] = (cls, flags)
-    table["torch-adamw-foreach"] = (torch.optim.AdamW, dict(foreach=True, fused=None))
-    table["torch-adamw-fused"] = (torch.optim.AdamW, dict(foreach=None, fused=True))
+            table[f"{prefix}-{engine}"] = (cls, flags, sn)
+    table["torch-adamw-foreach"] = (torch.optim.AdamW, dict(foreach=True, fused=None), False)
+    table["torch-adamw-fused"] = (torch.optim.AdamW, dict(foreach=None, fused=True), False)
     return table
 
 
 def model_params(model, dtype=torch.float32, seed=0):
-    """Params with random grads in ``model``'s shapes."""
+    """Params with random grads in ``model``'s shapes, and whether each is a Linear weight."""
     generator = torch.Generator().manual_seed(seed)
-    params = []
-    for shape in MODELS[model]():
+    params, linear = [], []
+    for shape, is_linear in MODELS[model]():
         param = torch.nn.Parameter(torch.randn(shape, generator=generator, dtype=dtype) * 0.02)
         param.grad = torch.randn(shape, generator=generator, dtype=dtype) * 1e-3
         params.append(param)
-    return params
+        linear.append(is_linear)
+    return params, linear
 
 
-def build(params, cls, flags):
-    return cls(params, lr=1e-4, weight_decay=0.02, **flags)
+def build(params, linear, cls, flags, sn):
+    if not sn:
+        return cls(params, lr=1e-4, weight_decay=0.02, **flags)
+    groups = [{"params": [p for p, is_linear in zip(params, linear) if is_linear], "sn": True},
+              {"params": [p for p, is_linear in zip(params, linear) if not is_linear]}]
+    return cls(groups, lr=1e-4, weight_decay=0.02, **flags)
 
 
-def steppers(params, names):
-    """A step function per optimizer name. To fit in memory, all share ``params`` and their grads,
-    and the engines of one optimizer class share its states: each step sets its engine flags."""
-    table, shared = {}, {}
+def state_bytes(optimizer):
+    return sum(value.nbytes for state in optimizer.state.values() for value in state.values()
+               if isinstance(value, torch.Tensor))
+
+
+def steppers(params, linear, names):
+    """A step function per optimizer name, and the state bytes of each. To fit in memory, all share
+    ``params`` and their grads, and the engines of one optimizer share its states: each step sets
+    its engine flags."""
+    table, sizes, shared = {}, {}, {}
     for name in names:
-        cls, flags = optimizers()[name]
-        if cls not in shared:
-            shared[cls] = build(params, cls, {})
-        table[name] = with_flags(shared[cls], flags)
-    for step in table.values():
+        cls, flags, sn = optimizers()[name]
+        if (cls, sn) not in shared:
+            shared[cls, sn] = build(params, linear, cls, {}, sn)
+        table[name] = with_flags(shared[cls, sn], flags)
+    for name, step in table.items():
         step()  # allocate states outside the timing
-    return table
+        sizes[name] = state_bytes(shared[optimizers()[name][0], optimizers()[name][2]])
+    return table, sizes
 
 
 def with_flags(optimizer, flags):
     def step():
-        optimizer.param_groups[0].update(flags)
+        for group in optimizer.param_groups:
+            group.update(flags)
         optimizer.step()
     return step
 
@@ -63,8 +78,8 @@ def with_flags(optimizer, flags):
 def step_in_subprocess(spec):
     """In a measuring subprocess: warm up (state allocation), then the peak extra bytes of one step."""
     torch.set_num_threads(spec["threads"])
-    cls, flags = optimizers()[spec["optimizer"]]
-    optimizer = build(model_params(spec["model"]), cls, flags)
+    cls, flags, sn = optimizers()[spec["optimizer"]]
+    optimizer = build(*model_params(spec["model"]), cls, flags, sn)
     optimizer.step()
     return memory.measure_step(optimizer.step)
 
@@ -88,14 +103,15 @@ def main(models, names, steps, repeats, threads, measure_memory):
     print(f"fastoptim {fastoptim.__version__}, torch {torch.__version__}, {threads} threads, "
           f"{steps} steps x {repeats} interleaved repeats, fp32")
     for model in models:
-        numel = sum(torch.Size(shape).numel() for shape in MODELS[model]())
+        numel = sum(torch.Size(shape).numel() for shape, _ in MODELS[model]())
         print(f"\n{model}: {len(MODELS[model]())} tensors, {numel / 1e6:.1f}M params")
-        seconds = time_steps(steppers(model_params(model), names), steps, repeats)
+        table, sizes = steppers(*model_params(model), names)
+        seconds = time_steps(table, steps, repeats)
         base = seconds[names[0]]
-        print(f"| optimizer | ms/step | vs {names[0]} |" + (" peak extra MB |" if measure_memory else ""))
-        print("|---|---|---|" + ("---|" if measure_memory else ""))
+        print(f"| optimizer | ms/step | vs {names[0]} | state MiB |" + (" peak extra MiB |" if measure_memory else ""))
+        print("|---|---|---|---|" + ("---|" if measure_memory else ""))
         for name in names:
-            row = f"| {name} | {seconds[name] * 1e3:.1f} | {base / seconds[name]:.2f}x |"
+            row = f"| {name} | {seconds[name] * 1e3:.1f} | {base / seconds[name]:.2f}x | {sizes[name] / 2**20:.1f} |"
             if measure_memory:
                 extra = memory.peak_extra_bytes(dict(model=model, optimizer=name, threads=threads))
                 row += f" {extra / 2**20:.1f} |"

@@ -1,5 +1,4 @@
 """AdamWSN and RMSPropSN: AdamW with a subset-norm second moment, as the seed's AdamwSN defines it."""
-import torch
 
 from .adamw import AdamW
 
