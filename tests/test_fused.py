@@ -2,7 +2,6 @@
 per tensor) and multi-tensor (one call per bucket). Against the loop engine (hypothesis), timm's Adan,
 torch's AdamW and the float64 oracle (bf16/fp16 too); under GradScaler; every fallback; state dicts
 across engines; the pointer-table cache; stochastic rounding; and the zero peak memory of a step."""
-import json
 import math
 import os
 import subprocess
@@ -15,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastoptim
+from fastoptim.bench.memory import in_subprocess, measure_step
 from fastoptim.bench.peers import timm_adan_class
 from fastoptim.kernels import fused_cpu
 from fastoptim.multi_tensor import CHUNK_NUMEL
@@ -696,38 +696,31 @@ def test_stochastic_rounding_changes_nothing_but_bf16(cls, dtype, engine):
 
 # --- 9. peak extra memory of a fused step ----------------------------------------------------------
 
-MEMORY_SCRIPT = """
-import gc, json, sys, torch, fastoptim
-from fastoptim.bench.memory import measure_step
-engines = json.loads(sys.argv[1])
-peaks = {}
-for cls in (fastoptim.Adan, fastoptim.AdamW):
-    for name, flags in engines.items():
-        generator = torch.Generator().manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(n, generator=generator)) for n in (1 << 20, 1 << 20, (1 << 20) + 1)]
-        for param in params:
-            param.grad = torch.randn(param.shape, generator=generator)
-        optimizer = cls(params, lr=1e-3, weight_decay=0.02, **flags)
-        optimizer.step()  # creates the states
-        peaks[f"{cls.__name__} {name}"] = measure_step(optimizer.step)
-        del optimizer, params
-        gc.collect()
-print(json.dumps(peaks))
-"""
+def peaks_of_engines(engines):
+    """In a measuring subprocess: the peak extra bytes of one step of each optimizer and engine."""
+    peaks = {}
+    for cls in (fastoptim.Adan, fastoptim.AdamW):
+        for name, flags in engines.items():
+            generator = torch.Generator().manual_seed(0)
+            params = [torch.nn.Parameter(torch.randn(n, generator=generator))
+                      for n in (1 << 20, 1 << 20, (1 << 20) + 1)]
+            for param in params:
+                param.grad = torch.randn(param.shape, generator=generator)
+            optimizer = cls(params, lr=1e-3, weight_decay=0.02, **flags)
+            optimizer.step()  # creates the states
+            peaks[f"{cls.__name__} {name}"] = measure_step(optimizer.step)
+    return peaks
+
+
 MEMORY_BOUND = 1 << 20  # a param-sized fp32 temporary here is 4 MiB
 
 
 @pytest.fixture(scope="module")
 def peak_extra_bytes():
-    """Peak extra bytes of one step, measured as fastoptim.bench.memory does: in a fresh process with
-    MALLOC_MMAP_THRESHOLD_=65536, so that a freed temporary still shows in VmHWM."""
+    """Peak extra bytes of one step, measured as fastoptim bench does (see fastoptim.bench.memory)."""
     if not sys.platform.startswith("linux"):
         pytest.skip("reads /proc/self")
-    engines = {name: ENGINES[name] for name in ("foreach", *FUSED)}
-    out = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, json.dumps(engines)], capture_output=True, text=True,
-                         env=dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536"), timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return in_subprocess("tests.test_fused:peaks_of_engines", {name: ENGINES[name] for name in ("foreach", *FUSED)})
 
 
 @pytest.mark.parametrize("engine", FUSED)

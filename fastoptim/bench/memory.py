@@ -26,11 +26,14 @@ def measure_step(step):
     return (_status_kib("VmHWM") - _status_kib("VmRSS")) * 1024
 
 
-def peak_extra_bytes(spec):
-    """Run :func:`fastoptim.bench.run.step_in_subprocess` for ``spec`` in a fresh process."""
+def in_subprocess(target, spec):
+    """``target(spec)`` ("module:function", ``spec`` and its result JSON) in a fresh process set up
+    for measuring. A process that fails raises RuntimeError with the end of what it printed."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    code = ("import json, sys; from fastoptim.bench.run import step_in_subprocess as f; "
+    module, function = target.split(":")
+    code = (f"import json, sys; from {module} import {function} as f; "
             "print(json.dumps(f(json.loads(sys.argv[1]))))")
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env=env, check=True,
-                         capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"measuring process failed ({out.returncode}): {out.stderr.strip()[-500:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,18 +1,60 @@
-"""Peer optimizers that are not importable the ordinary way."""
+"""Peer optimizers, built the way the benchmark steps them. A peer that is not installed raises
+ImportError, which the benchmark reports as missing."""
 import importlib
 import importlib.util
 import sys
 import types
 from pathlib import Path
 
+import torch
+
 
 def timm_adan_class():
     """timm's Adan, loaded by file path: importing the timm package would import torchvision."""
     spec = importlib.util.find_spec("timm")
     if spec is None:
-        raise RuntimeError("timm's Adan is a peer; scripts/setup.sh installs it (pip install --no-deps timm)")
+        raise ImportError("timm's Adan is a peer; scripts/setup.sh installs it (pip install --no-deps timm)")
     if "_timm_optim" not in sys.modules:
         package = types.ModuleType("_timm_optim")
         package.__path__ = [str(Path(spec.submodule_search_locations[0]) / "optim")]
         sys.modules["_timm_optim"] = package
     return importlib.import_module("_timm_optim.adan").Adan
+
+
+def sn_groups(params, sn):
+    """Param groups as the seed's usage makes them: ``'sn': True`` on the chosen params."""
+    groups = [{"params": [p for p, s in zip(params, sn) if s], "sn": True},
+              {"params": [p for p, s in zip(params, sn) if not s]}]
+    return [group for group in groups if group["params"]]
+
+
+def torch_adam(params, _sn, **options):
+    return torch.optim.Adam(params, **options)
+
+
+def torch_adamw(params, _sn, **options):
+    return torch.optim.AdamW(params, **options)
+
+
+def timm_adan(params, _sn, **options):
+    return timm_adan_class()(params, foreach=True, **options)
+
+
+def pytorch_optimizer_adan(params, _sn, **options):
+    import pytorch_optimizer
+    return pytorch_optimizer.Adan(params, **options)
+
+
+def pytorch_optimizer_adamwsn(params, sn, **options):
+    import pytorch_optimizer
+    return pytorch_optimizer.AdamWSN(sn_groups(params, sn), **options)
+
+
+def bitsandbytes_adamw8bit(params, _sn, **options):
+    import bitsandbytes
+    return bitsandbytes.optim.AdamW8bit(params, **options)
+
+
+def torchao_adamw8bit(params, _sn, **options):
+    from torchao.optim import AdamW8bit
+    return AdamW8bit(params, **options)

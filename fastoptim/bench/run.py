@@ -1,118 +1,365 @@
-"""A small benchmark of optimizer steps: time per step (interleaved repeats, medians) and peak memory."""
+"""Optimizer steps on real model shapes: time (interleaved repeats, medians), persistent state, peak
+extra memory of a step, and achieved bandwidth against a probe measured in the same process.
+
+Optimizers of one family (the engines of one class, or torch's foreach and fused Adam) share one
+instance and its states: each step sets its engine flags first. Families are built while memory
+allows, and each round of families that fit is timed with its optimizers interleaved, so that the
+machine's drift hits all of them alike.
+"""
+import gc
+import math
 import statistics
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 import fastoptim
 
-from . import memory
-from .shapes import MODELS
+from . import memory, peers, report
+from .models import shapes, with_gradients
 
+HYPERPARAMETERS = dict(lr=1e-4, weight_decay=0.02)
 ENGINES = {"loop": dict(foreach=False, fused=False), "foreach": dict(foreach=True, fused=False),
            "fused-single": dict(foreach=False, fused=True), "fused-multi": dict(foreach=True, fused=True)}
+FASTOPTIM = {"adan": (fastoptim.Adan, False), "adamw": (fastoptim.AdamW, False), "adan-sn": (fastoptim.Adan, True),
+             "adamwsn": (fastoptim.AdamWSN, True)}  # family: class, subset-norm states on the Linear weights
+PROBE_NUMEL = 1 << 26  # per role: far beyond the caches, and 6 such fit beside a large model
+
+
+@dataclass(frozen=True)
+class Optimizer:
+    family: str  # the optimizers of a family share one instance
+    make: Callable  # (params, sn) -> a torch.optim.Optimizer; sn marks the params that get subset-norm states
+    flags: dict = field(default_factory=dict)  # set on every group before each step
+    compiled: bool = False  # its step runs through torch.compile
+
+
+def fastoptim_family(cls, sn):
+    def make(params, sn_mask):
+        return cls(peers.sn_groups(params, sn_mask) if sn else params, **HYPERPARAMETERS)
+    return make
 
 
 def optimizers():
-    """Every optimizer the benchmark knows, by name, as (class, engine flags, subset-norm states on
-    the Linear weights): fastoptim's engines, then torch's peers."""
+    """Every optimizer the benchmark knows, by name: fastoptim's engines, then the peers."""
     table = {}
-    for prefix, cls, sn in (("adan", fastoptim.Adan, False), ("adamw", fastoptim.AdamW, False),
-                            ("adan-sn", fastoptim.Adan, True), ("adamwsn", fastoptim.AdamWSN, True)):
+    for family, (cls, sn) in FASTOPTIM.items():
         for engine, flags in ENGINES.items():
-            table[f"{prefix}-{engine}"] = (cls, flags, sn)
-    table["torch-adamw-foreach"] = (torch.optim.AdamW, dict(foreach=True, fused=None), False)
-    table["torch-adamw-fused"] = (torch.optim.AdamW, dict(foreach=None, fused=True), False)
+            table[f"{family}-{engine}"] = Optimizer(family, fastoptim_family(cls, sn), flags)
+    table["adan-foreach-compiled"] = Optimizer("adan-compiled", fastoptim_family(fastoptim.Adan, False),
+                                               ENGINES["foreach"], compiled=True)
+    for name, make, options in (("torch-adam", peers.torch_adam, dict(lr=1e-4)),
+                                ("torch-adamw", peers.torch_adamw, HYPERPARAMETERS)):
+        table[f"{name}-foreach"] = Optimizer(name, lambda p, s, m=make, o=options: m(p, s, **o),
+                                             dict(foreach=True, fused=None))
+        table[f"{name}-fused"] = Optimizer(name, lambda p, s, m=make, o=options: m(p, s, **o),
+                                           dict(foreach=None, fused=True))
+    for name, make in (("timm-adan", peers.timm_adan), ("po-adan", peers.pytorch_optimizer_adan),
+                       ("po-adamwsn", peers.pytorch_optimizer_adamwsn),
+                       ("bnb-adamw8bit", peers.bitsandbytes_adamw8bit),
+                       ("torchao-adamw8bit", peers.torchao_adamw8bit)):
+        table[name] = Optimizer(name, lambda p, s, m=make: m(p, s, **HYPERPARAMETERS))
     return table
 
 
-def model_params(model, dtype=torch.float32, seed=0):
-    """Params with random grads in ``model``'s shapes, and whether each is a Linear weight."""
-    generator = torch.Generator().manual_seed(seed)
-    params, linear = [], []
-    for shape, is_linear in MODELS[model]():
-        param = torch.nn.Parameter(torch.randn(shape, generator=generator, dtype=dtype) * 0.02)
-        param.grad = torch.randn(shape, generator=generator, dtype=dtype) * 1e-3
-        params.append(param)
-        linear.append(is_linear)
-    return params, linear
-
-
-def build(params, linear, cls, flags, sn):
-    if not sn:
-        return cls(params, lr=1e-4, weight_decay=0.02, **flags)
-    groups = [{"params": [p for p, is_linear in zip(params, linear) if is_linear], "sn": True},
-              {"params": [p for p, is_linear in zip(params, linear) if not is_linear]}]
-    return cls(groups, lr=1e-4, weight_decay=0.02, **flags)
+def tensor_bytes(tensors):
+    """Bytes held, counting a tensor subclass (torchao's 8-bit states) by the tensors it wraps."""
+    total = 0
+    for tensor in tensors:
+        if hasattr(tensor, "__tensor_flatten__"):
+            names, _ = tensor.__tensor_flatten__()
+            total += tensor_bytes(getattr(tensor, name) for name in names)
+        else:
+            total += tensor.nbytes
+    return total
 
 
 def state_bytes(optimizer):
-    return sum(value.nbytes for state in optimizer.state.values() for value in state.values()
-               if isinstance(value, torch.Tensor))
+    return tensor_bytes(value for state in optimizer.state.values() for value in state.values()
+                        if isinstance(value, torch.Tensor))
 
 
-def steppers(params, linear, names):
-    """A step function per optimizer name, and the state bytes of each. To fit in memory, all share
-    ``params`` and their grads, and the engines of one optimizer share its states: each step sets
-    its engine flags."""
-    table, sizes, shared = {}, {}, {}
-    for name in names:
-        cls, flags, sn = optimizers()[name]
-        if (cls, sn) not in shared:
-            shared[cls, sn] = build(params, linear, cls, {}, sn)
-        table[name] = with_flags(shared[cls, sn], flags)
-    for name, step in table.items():
-        step()  # allocate states outside the timing
-        sizes[name] = state_bytes(shared[optimizers()[name][0], optimizers()[name][2]])
-    return table, sizes
+def stepper(optimizer, spec):
+    """A step function that sets ``spec``'s engine flags, then steps (compiled if asked)."""
+    step = torch.compile(optimizer.step) if spec.compiled else optimizer.step
 
-
-def with_flags(optimizer, flags):
-    def step():
+    def run():
         for group in optimizer.param_groups:
-            group.update(flags)
-        optimizer.step()
-    return step
+            group.update(spec.flags)
+        step()
+    return run
 
 
-def step_in_subprocess(spec):
-    """In a measuring subprocess: warm up (state allocation), then the peak extra bytes of one step."""
-    torch.set_num_threads(spec["threads"])
-    cls, flags, sn = optimizers()[spec["optimizer"]]
-    optimizer = build(*model_params(spec["model"]), cls, flags, sn)
-    optimizer.step()
-    return memory.measure_step(optimizer.step)
+def synchronize(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
 
 
-def time_steps(steps_by_name, steps, repeats):
-    """Median seconds per step of each step function; repeats are interleaved so drift hits all
-    alike, and each starts with an untimed step (the first after switching engines rebuilds caches)."""
+def free_bytes(device):
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+def probe(params, device):
+    """A step function with a known traffic and trivial math, and its bytes per call, over buffers
+    shaped like the first params (up to PROBE_NUMEL elements): the C probe (Adan's 6 reads and 5
+    writes of fp32) on the CPU when the kernel is built, else a copy. One flat buffer is not the
+    same: its streams alias in the caches and it measured 20-30% slower here."""
+    from fastoptim.kernels import fused_cpu
+    from fastoptim.multi_tensor import PointerTable
+
+    shapes, numel = [], 0
+    for param in params:
+        if shapes and numel + param.numel() > PROBE_NUMEL:
+            break
+        shapes.append(param.shape)
+        numel += param.numel()
+    if torch.device(device).type == "cpu" and fused_cpu.AVAILABLE:
+        roles = fused_cpu.ROLES["adan"]
+        buffers = {role: [torch.zeros(shape) for shape in shapes] for role in roles}
+        table = PointerTable(buffers, roles)
+
+        def step(buffers=buffers):  # keeps alive the buffers the table points into
+            fused_cpu.probe(table.pointers, len(shapes), table.chunks, torch.get_num_threads())
+        return step, 11 * 4 * numel
+    sources = [torch.zeros(shape, device=device) for shape in shapes]
+    targets = [torch.empty_like(source) for source in sources]
+    return lambda: torch._foreach_copy_(targets, sources), 2 * 4 * numel
+
+
+def time_steps(steps_by_name, steps, repeats, device="cpu", on_sample=None):
+    """Seconds per step of each step function, in ``repeats`` interleaved samples of ``steps`` steps,
+    each after an untimed step (the first after switching engines rebuilds caches). A step function
+    that raises is dropped from later repeats, and its error kept."""
     samples = {name: [] for name in steps_by_name}
+    errors = {}
     for _ in range(repeats):
         for name, step in steps_by_name.items():
-            step()
-            start = time.perf_counter()
-            for _ in range(steps):
-                step()
-            samples[name].append((time.perf_counter() - start) / steps)
-    return {name: statistics.median(times) for name, times in samples.items()}
+            if name not in errors:
+                try:
+                    step()
+                    synchronize(device)
+                    start = time.perf_counter()
+                    for _ in range(steps):
+                        step()
+                    synchronize(device)
+                    samples[name].append((time.perf_counter() - start) / steps)
+                except Exception as error:  # a peer that fails is reported, not fatal
+                    errors[name] = f"{type(error).__name__}: {error}"
+            if on_sample:
+                on_sample(name)
+    return samples, errors
 
 
-def main(models, names, steps, repeats, threads, measure_memory):
-    torch.set_num_threads(threads)
-    print(f"fastoptim {fastoptim.__version__}, torch {torch.__version__}, {threads} threads, "
-          f"{steps} steps x {repeats} interleaved repeats, fp32")
-    for model in models:
-        numel = sum(torch.Size(shape).numel() for shape, _ in MODELS[model]())
-        print(f"\n{model}: {len(MODELS[model]())} tensors, {numel / 1e6:.1f}M params")
-        table, sizes = steppers(*model_params(model), names)
-        seconds = time_steps(table, steps, repeats)
-        base = seconds[names[0]]
-        print(f"| optimizer | ms/step | vs {names[0]} | state MiB |" + (" peak extra MiB |" if measure_memory else ""))
-        print("|---|---|---|---|" + ("---|" if measure_memory else ""))
-        for name in names:
-            row = f"| {name} | {seconds[name] * 1e3:.1f} | {base / seconds[name]:.2f}x | {sizes[name] / 2**20:.1f} |"
-            if measure_memory:
-                extra = memory.peak_extra_bytes(dict(model=model, optimizer=name, threads=threads))
-                row += f" {extra / 2**20:.1f} |"
-            print(row, flush=True)
+def new_result(name):
+    return dict(optimizer=name, status="not run", message=None, ms_per_step=None, total_ms=None,
+                samples_ms=[], first_step_ms=None, state_bytes=None, peak_extra_bytes=None, peak_bytes=None,
+                traffic_bytes=None, gbps=None, of_probe=None, time_vs_baseline=None, peak_vs_baseline=None)
+
+
+def build_family(spec, params, sn, device):
+    """An optimizer of ``spec``'s family and its first step's seconds (state allocation, compile)."""
+    optimizer = spec.make(params, sn)
+    step = stepper(optimizer, spec)
+    start = time.perf_counter()
+    step()
+    synchronize(device)
+    return optimizer, time.perf_counter() - start
+
+
+def measure_model(entry, names, settings, progress):
+    """Everything the benchmark measures of model ``entry['model']``, filled into ``entry`` as it
+    goes, so that an interrupted run still reports what it has."""
+    known = optimizers()
+    model, device = entry["model"], settings["device"]
+    params, sn = with_gradients(model, DTYPES[settings["dtype"]], device, settings["gradients"] == "backward")
+    progress.advance(model, "built")
+    numel = sum(p.numel() for p in params)
+    results = {name: new_result(name) for name in names}
+    entry |= dict(status="ok", params=numel, tensors=len(params), param_bytes=tensor_bytes(params),
+                  grad_bytes=tensor_bytes(p.grad for p in params), optimizers=list(results.values()))
+    probe_step, probe_bytes = probe(params, device)
+    probe_samples = []
+    family_bytes = 4 * 4 * numel  # the most a family keeps: Adan's four fp32 states
+    pending, unbuilt = list(names), {}  # unbuilt: family -> (status, message)
+    while pending:
+        optimizers_by_family, table, sizes = {}, {"probe": probe_step}, {}
+        while pending:
+            name = pending[0]
+            spec = known[name]
+            if spec.family not in optimizers_by_family and spec.family not in unbuilt:
+                if optimizers_by_family and free_bytes(device) < 1.2 * family_bytes:
+                    break  # time this round, free its states, then go on
+                try:
+                    optimizers_by_family[spec.family] = build_family(spec, params, sn, device)
+                except ImportError as error:
+                    unbuilt[spec.family] = ("missing", str(error))
+                except Exception as error:
+                    unbuilt[spec.family] = ("failed", f"{type(error).__name__}: {error}")
+            pending.pop(0)
+            if spec.family in unbuilt:
+                results[name] |= dict(zip(("status", "message"), unbuilt[spec.family]))
+                progress.advance(model, name, settings["repeats"])
+                continue
+            optimizer, first = optimizers_by_family[spec.family]
+            if first is not None:  # the family's first step: state allocation, compilation
+                results[name]["first_step_ms"] = first * 1e3
+                optimizers_by_family[spec.family] = optimizer, None
+            table[name] = stepper(optimizer, spec)
+            sizes[name] = state_bytes(optimizer)
+        samples, errors = time_steps(table, settings["steps"], settings["repeats"], device,
+                                     on_sample=lambda name: name == "probe" or progress.advance(model, name))
+        probe_samples += samples.pop("probe")
+        for name, times in samples.items():
+            results[name] |= dict(samples_ms=[t * 1e3 for t in times], state_bytes=sizes[name])
+            results[name] |= dict(status="failed", message=errors[name]) if name in errors else dict(status="ok")
+        del optimizers_by_family, table
+        gc.collect()
+    entry["probe_gbps"] = probe_bytes / statistics.median(probe_samples) / 1e9 if probe_samples else None
+    measured = [name for name in names if results[name]["status"] == "ok"]
+    if settings["memory"]:
+        for name, extra in peak_extra(model, measured, settings, params, sn).items():
+            results[name]["peak_extra_bytes" if isinstance(extra, int) else "message"] = extra
+    progress.advance(model, "memory")
+    summarize(entry, settings)
+
+
+def peak_extra(model, names, settings, params, sn):
+    """Peak extra bytes of one step of each optimizer (or an error message). On the CPU, in a fresh
+    process per model (see fastoptim.bench.memory); on CUDA, from the allocator's peak counter."""
+    if not names:
+        return {}
+    if torch.device(settings["device"]).type == "cpu":
+        spec = dict(model=model, names=names, dtype=settings["dtype"], threads=settings["threads"])
+        try:
+            return memory.in_subprocess("fastoptim.bench.run:peak_extra_of_steps", spec)
+        except RuntimeError as error:
+            return {name: str(error) for name in names}
+    return {name: cuda_peak_extra(known_step(name, params, sn, settings["device"])) for name in names}
+
+
+def known_step(name, params, sn, device):
+    spec = optimizers()[name]
+    optimizer, _ = build_family(spec, params, sn, device)
+    return stepper(optimizer, spec)
+
+
+def cuda_peak_extra(step):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
+
+
+def peak_extra_of_steps(spec):
+    """In a measuring subprocess: for each optimizer in turn, a fresh instance, one step to allocate
+    its states, then the peak extra bytes of one more step. Params are built from the model's
+    shapes with random grads: the bytes a step adds do not depend on the values."""
+    torch.set_num_threads(spec["threads"])
+    dtype = DTYPES[spec["dtype"]]
+    params, sn = [], []
+    for shape, is_sn in shapes(spec["model"]):
+        param = torch.nn.Parameter(torch.empty(shape, dtype=dtype).uniform_(-0.02, 0.02))
+        param.grad = torch.empty(shape, dtype=dtype).uniform_(-1e-3, 1e-3)
+        params.append(param)
+        sn.append(is_sn)
+    extra = {}
+    for name in spec["names"]:
+        try:
+            extra[name] = memory.measure_step(known_step(name, params, sn, "cpu"))
+        except Exception as error:
+            extra[name] = f"{type(error).__name__}: {error}"
+        gc.collect()
+    return extra
+
+
+def summarize(entry, settings):
+    """Medians, totals, peaks, bandwidth and the ratios to the baseline, from the raw figures."""
+    steps, baseline = settings["steps"], settings["baseline"]
+    for result in entry["optimizers"]:
+        if result["samples_ms"]:
+            result["ms_per_step"] = statistics.median(result["samples_ms"])
+            result["total_ms"] = result["ms_per_step"] * steps
+        if result["state_bytes"] is not None:
+            result["traffic_bytes"] = 2 * entry["param_bytes"] + entry["grad_bytes"] + 2 * result["state_bytes"]
+            if result["peak_extra_bytes"] is not None:
+                result["peak_bytes"] = (entry["param_bytes"] + entry["grad_bytes"] + result["state_bytes"]
+                                        + result["peak_extra_bytes"])
+        if result["ms_per_step"] and result["traffic_bytes"]:
+            result["gbps"] = result["traffic_bytes"] / result["ms_per_step"] / 1e6
+            if entry.get("probe_gbps"):
+                result["of_probe"] = result["gbps"] / entry["probe_gbps"]
+    base = next((r for r in entry["optimizers"] if r["optimizer"] == baseline), None)
+    for result in entry["optimizers"]:
+        for key, ratio in (("ms_per_step", "time_vs_baseline"), ("peak_bytes", "peak_vs_baseline")):
+            if base and base[key] and result[key]:
+                result[ratio] = result[key] / base[key]
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class Progress:
+    """A progress bar over every (model, optimizer, repeat) sample, on stderr."""
+
+    def __init__(self, total):
+        from tqdm import tqdm
+        self.bar = tqdm(total=total, unit="sample", dynamic_ncols=True)
+
+    def advance(self, model, what, n=1):
+        self.bar.set_description(f"{model}: {what}", refresh=False)
+        self.bar.update(n)
+
+    def write(self, text):
+        self.bar.write(text)
+
+
+def memory_needed(model, settings):
+    """Bytes a model needs here: params and grads, the largest family's states (4 fp32 per
+    element), and the probe's buffers."""
+    numel = sum(math.prod(shape) for shape, _ in shapes(model))
+    element = DTYPES[settings["dtype"]].itemsize
+    return numel * (2 * element + 16) + 6 * 4 * min(numel, PROBE_NUMEL)
+
+
+def main(models, names, settings, out):
+    """Measure every model in turn, print its table, and write the reports to ``out``. Ctrl-C stops
+    the run and still writes what was measured."""
+    torch.set_num_threads(settings["threads"])
+    results = report.header(settings)
+    units = 2 + settings["repeats"] * len(names)  # build, samples, memory
+    progress = Progress(units * len(models))
+    print(report.title(results), flush=True)
+    try:
+        for model in models:
+            entry = dict(model=model, status="not run", message=None)
+            results["models"].append(entry)
+            need, free = memory_needed(model, settings), free_bytes(settings["device"])
+            if need > free:
+                entry |= dict(status="skipped", message=f"needs about {need / 2**30:.1f} GiB (params, grads, "
+                              f"the largest states, probe) and {free / 2**30:.1f} GiB is free")
+                progress.advance(model, "skipped", units)
+            else:
+                measure_model(entry, names, settings, progress)
+            progress.write(report.model_heading(entry))
+            if entry.get("optimizers"):
+                progress.write(report.model_table(entry, results) + "\n")
+    except KeyboardInterrupt:
+        results["interrupted"] = True
+        entry["status"] = "interrupted"
+        if entry.get("optimizers"):
+            summarize(entry, settings)
+    finally:
+        progress.bar.close()
+    text = report.write(results, out)
+    print(report.seeds_tables(results))
+    print(f"\nwrote {out}/results.json, results.md and bench.png")
+    if results["interrupted"]:
+        raise SystemExit(130)
+    return text

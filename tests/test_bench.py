@@ -1,0 +1,183 @@
+"""`fastoptim bench` end to end on a tiny model, its name checks, its JSON schema, its handling of
+missing peers, oversized models and Ctrl-C, and the memory method it relies on."""
+import json
+import sys
+
+import pytest
+import torch
+
+from fastoptim import cli
+from fastoptim.bench import memory, peers, run
+
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+TINY = ["--models", "gpt2-tiny", "--steps", "2", "--repeats", "2"]
+TOP_KEYS = {"schema", "fastoptim", "torch", "machine", "device", "dtype", "threads", "steps", "repeats", "baseline",
+            "gradients", "interrupted", "models"}
+MODEL_KEYS = {"model", "status", "message", "params", "tensors", "param_bytes", "grad_bytes", "optimizers",
+              "probe_gbps"}
+RESULT_KEYS = {"optimizer", "status", "message", "ms_per_step", "total_ms", "samples_ms", "first_step_ms",
+               "state_bytes", "peak_extra_bytes", "peak_bytes", "traffic_bytes", "gbps", "of_probe",
+               "time_vs_baseline", "peak_vs_baseline"}
+
+
+def bench(tmp_path, *args):
+    cli.main(["bench", *TINY, "--out", str(tmp_path), *args])
+    return json.loads((tmp_path / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    names = ["torch-adam-foreach", "adan-foreach", "adan-fused-multi", "adamwsn-fused-single"]
+    return out, bench(out, "--optimizers", *names), names
+
+
+def test_the_command_writes_the_table_json_and_plot_with_the_requested_rows(tiny_run, capsys):
+    out, results, names = tiny_run
+    (entry,) = results["models"]
+    assert entry["model"] == "gpt2-tiny" and entry["status"] == "ok"
+    assert [r["optimizer"] for r in entry["optimizers"]] == names
+    for r in entry["optimizers"]:
+        assert r["status"] == "ok", r
+        assert len(r["samples_ms"]) == 2 and r["ms_per_step"] > 0
+        assert r["total_ms"] == pytest.approx(2 * r["ms_per_step"])
+        assert r["state_bytes"] > 0 and r["peak_extra_bytes"] is not None and r["gbps"] > 0
+    assert entry["optimizers"][0]["time_vs_baseline"] == 1.0
+    text = (out / "results.md").read_text()
+    for name in names:
+        assert f"| {name} |" in text
+    assert "| gpt2-tiny |" in text  # the seeds' layout
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_figures_are_consistent(tiny_run):
+    _, results, _ = tiny_run
+    (entry,) = results["models"]
+    params = entry["param_bytes"]
+    states = {r["optimizer"]: r["state_bytes"] for r in entry["optimizers"]}
+    assert states["adan-foreach"] == states["adan-fused-multi"] == pytest.approx(4 * params, rel=0.01)
+    assert states["torch-adam-foreach"] == pytest.approx(2 * params, rel=0.01)
+    assert states["adamwsn-fused-single"] < 1.5 * params  # exp_avg, and a reduced exp_avg_sq
+    for r in entry["optimizers"]:
+        assert r["peak_bytes"] == params + entry["grad_bytes"] + r["state_bytes"] + r["peak_extra_bytes"]
+
+
+def test_the_json_schema_is_stable(tiny_run):
+    _, results, _ = tiny_run
+    assert results["schema"] == 1 and set(results) == TOP_KEYS
+    assert {"cpu", "cpus", "memory_bytes", "gpu", "system", "python"} <= set(results["machine"])
+    for entry in results["models"]:
+        assert set(entry) == MODEL_KEYS
+        for r in entry["optimizers"]:
+            assert set(r) == RESULT_KEYS
+
+
+def test_compare_shows_two_runs_side_by_side(tiny_run, capsys):
+    out, _, names = tiny_run
+    cli.main(["bench", "--compare", str(out / "results.json"), str(out / "results.json")])
+    text = capsys.readouterr().out
+    for name in names:
+        assert f"| gpt2-tiny | {name} |" in text
+    assert "| 1.00 |" in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--models", "gpt2-huge"], "unknown model gpt2-huge; valid: gpt2-h6-l6-d768"),
+    (["--models", "gpt2-tiny", "--optimizers", "adan-fastest"], "unknown optimizer adan-fastest; valid: adan-loop"),
+    (["--models", "gpt2-tiny", "--optimizers", "adan-loop", "--baseline", "adam"], "unknown optimizer adam"),
+])
+def test_unknown_names_are_refused_with_the_valid_ones(args, message):
+    with pytest.raises(SystemExit, match=message):
+        cli.main(["bench", *args])
+
+
+def test_list_prints_every_model_and_optimizer(capsys):
+    cli.main(["bench", "--list"])
+    text = capsys.readouterr().out
+    for name in ("gpt2-h16-l24-d2048", "resnet101", "vit-l", "swin-l", "convnext-l", "adan-fused-multi",
+                 "adamwsn-loop", "torch-adamw-fused", "timm-adan", "bnb-adamw8bit", "adan-foreach-compiled"):
+        assert name in text
+
+
+def test_a_missing_or_failing_peer_is_reported_not_dropped(tmp_path, monkeypatch):
+    def missing(*_args, **_options):
+        raise ImportError("No module named 'bitsandbytes'")
+
+    def failing(*_args, **_options):
+        raise RuntimeError("no CPU kernel")
+    monkeypatch.setattr(peers, "bitsandbytes_adamw8bit", missing)
+    monkeypatch.setattr(peers, "torchao_adamw8bit", failing)
+    results = bench(tmp_path, "--optimizers", "adamw-fused-multi", "bnb-adamw8bit", "torchao-adamw8bit",
+                    "--no-memory")
+    rows = {r["optimizer"]: r for r in results["models"][0]["optimizers"]}
+    assert rows["adamw-fused-multi"]["status"] == "ok"
+    assert rows["bnb-adamw8bit"]["status"] == "missing" and "bitsandbytes" in rows["bnb-adamw8bit"]["message"]
+    assert rows["torchao-adamw8bit"]["status"] == "failed" and "no CPU kernel" in rows["torchao-adamw8bit"]["message"]
+    text = (tmp_path / "results.md").read_text()
+    assert "| bnb-adamw8bit |" in text and "missing" in text
+
+
+def test_a_model_too_large_for_free_memory_is_skipped_before_it_is_built(tmp_path, monkeypatch):
+    monkeypatch.setattr(run, "free_bytes", lambda device: 1 << 20)
+    monkeypatch.setattr(run, "with_gradients", lambda *a, **k: pytest.fail("built a model that does not fit"))
+    results = bench(tmp_path, "--optimizers", "adan-foreach")
+    (entry,) = results["models"]
+    assert entry["status"] == "skipped" and "GiB is free" in entry["message"]
+
+
+def test_ctrl_c_writes_what_was_measured(tmp_path, monkeypatch):
+    measure = run.measure_model
+
+    def interrupted_on_the_second_model(entry, *args):
+        if entry["model"] == "llama-60m":
+            raise KeyboardInterrupt
+        measure(entry, *args)
+    monkeypatch.setattr(run, "measure_model", interrupted_on_the_second_model)
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["bench", *TINY, "--models", "gpt2-tiny", "llama-60m", "--optimizers", "adan-fused-multi",
+                  "--no-memory", "--out", str(tmp_path)])
+    assert stop.value.code == 130
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["interrupted"]
+    first, second = results["models"]
+    assert first["status"] == "ok" and first["optimizers"][0]["ms_per_step"] > 0
+    assert second["status"] == "interrupted"
+    assert "Interrupted" in (tmp_path / "results.md").read_text()
+
+
+# --- the memory method ------------------------------------------------------------------------------
+
+class Allocating(torch.optim.Optimizer):
+    """A deliberately wasteful SGD: ``p.grad * lr`` makes a param-sized temporary every step."""
+
+    def __init__(self, params):
+        super().__init__(params, dict(lr=1e-3))
+
+    @torch.no_grad()
+    def step(self):
+        for p in self.param_groups[0]["params"]:
+            p.sub_(p.grad * 1e-3)
+
+
+class InPlace(Allocating):
+    @torch.no_grad()
+    def step(self):
+        for p in self.param_groups[0]["params"]:
+            p.add_(p.grad, alpha=-1e-3)
+
+
+def peaks_of_toys(numel):
+    """In a measuring subprocess: the peak extra bytes of a step of each toy optimizer."""
+    param = torch.nn.Parameter(torch.zeros(numel))
+    param.grad = torch.ones(numel)
+    return {cls.__name__: memory.measure_step(cls([param]).step) for cls in (Allocating, InPlace)}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self")
+def test_the_memory_method_tells_an_allocating_step_from_an_in_place_one():
+    numel = 1 << 22  # 16 MiB of fp32
+    peaks = memory.in_subprocess("tests.test_bench:peaks_of_toys", numel)
+    assert peaks["Allocating"] >= 0.9 * 4 * numel  # the kernel's RSS counters lag by a few pages
+    assert peaks["InPlace"] < 4 * numel // 16
