@@ -41,13 +41,14 @@ def number(value, digits=1, scale=1.0):
 def model_table(entry, settings):
     """One model's table: a row per optimizer, every figure."""
     base, steps = settings["baseline"], settings["steps"]
-    columns = ["optimizer", "ms/step", f"{steps} steps (ms)", f"time vs {base}", "state MiB", "step extra MiB",
-               "peak MiB", f"peak vs {base}", "GB/s", "of probe", "status"]
+    columns = ["optimizer", "ms/step", f"{steps} steps (ms)", f"time vs {base}", "first step (ms)", "state MiB",
+               "step extra MiB", "peak MiB", f"peak vs {base}", "GB/s", "of probe", "status"]
     lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
     for r in entry["optimizers"]:
         status = r["status"] if not r["message"] else f"{r['status']}: {r['message'][:80]}"
         lines.append(f"| {r['optimizer']} | {number(r['ms_per_step'])} | {number(r['total_ms'], 0)} | "
-                     f"{number(r['time_vs_baseline'], 2)} | {number(r['state_bytes'], 1, MIB)} | "
+                     f"{number(r['time_vs_baseline'], 2)} | {number(r['first_step_ms'], 0)} | "
+                     f"{number(r['state_bytes'], 1, MIB)} | "
                      f"{number(r['peak_extra_bytes'], 1, MIB)} | {number(r['peak_bytes'], 0, MIB)} | "
                      f"{number(r['peak_vs_baseline'], 3)} | {number(r['gbps'])} | {number(r['of_probe'], 2)} | "
                      f"{status} |")
@@ -79,7 +80,7 @@ def seeds_tables(results):
             for r in entry["optimizers"]:
                 share = f" ({100 * r[ratio]:.1f}%)" if r[ratio] is not None else ""
                 cells.append(number(r[value], digits, scale) + share if r[value] is not None else r["status"])
-            lines.append(f"| {entry['model']} | {entry['params'] / 1e6:.0f} | " + " | ".join(cells) + " |")
+            lines.append(f"| {entry['model']} | {entry['params'] / 1e6:.3g} | " + " | ".join(cells) + " |")
         return "\n".join(lines)
 
     return "\n\n".join([

@@ -6,6 +6,7 @@ instance and its states: each step sets its engine flags first. Families are bui
 allows, and each round of families that fit is timed with its optimizers interleaved, so that the
 machine's drift hits all of them alike.
 """
+import functools
 import gc
 import math
 import statistics
@@ -171,10 +172,41 @@ def build_family(spec, params, sn, device):
     return optimizer, time.perf_counter() - start
 
 
+def next_round(pending, unbuilt, params, sn, results, settings, advance):
+    """Step functions for the next optimizers of ``pending`` (taken from it) whose families fit in
+    memory together, and their state bytes. A family whose build fails is recorded in ``unbuilt``
+    (family: status, message) and its optimizers' results say so."""
+    known, device = optimizers(), settings["device"]
+    family_bytes = 4 * 4 * sum(p.numel() for p in params)  # the most a family keeps: Adan's four fp32 states
+    built, table, sizes = {}, {}, {}
+    while pending:
+        spec = known[pending[0]]
+        if spec.family not in built and spec.family not in unbuilt:
+            if built and free_bytes(device) < 1.2 * family_bytes:
+                break  # the rest go in a later round, once this one's states are freed
+            try:
+                built[spec.family] = build_family(spec, params, sn, device)
+            except ImportError as error:
+                unbuilt[spec.family] = ("missing", str(error))
+            except Exception as error:  # a peer that fails is reported, not fatal
+                unbuilt[spec.family] = ("failed", f"{type(error).__name__}: {error}")
+        name = pending.pop(0)
+        if spec.family in unbuilt:
+            results[name] |= dict(zip(("status", "message"), unbuilt[spec.family]))
+            advance(name, settings["repeats"])
+            continue
+        optimizer, first = built[spec.family]
+        if first is not None:  # the family's first step: state allocation, compilation
+            results[name]["first_step_ms"] = first * 1e3
+            built[spec.family] = optimizer, None
+        table[name] = stepper(optimizer, spec)
+        sizes[name] = state_bytes(optimizer)
+    return table, sizes
+
+
 def measure_model(entry, names, settings, progress):
     """Everything the benchmark measures of model ``entry['model']``, filled into ``entry`` as it
     goes, so that an interrupted run still reports what it has."""
-    known = optimizers()
     model, device = entry["model"], settings["device"]
     params, sn = with_gradients(model, DTYPES[settings["dtype"]], device, settings["gradients"] == "backward")
     progress.advance(model, "built")
@@ -184,40 +216,17 @@ def measure_model(entry, names, settings, progress):
                   grad_bytes=tensor_bytes(p.grad for p in params), optimizers=list(results.values()))
     probe_step, probe_bytes = probe(params, device)
     probe_samples = []
-    family_bytes = 4 * 4 * numel  # the most a family keeps: Adan's four fp32 states
-    pending, unbuilt = list(names), {}  # unbuilt: family -> (status, message)
+    pending, unbuilt, advance = list(names), {}, functools.partial(progress.advance, model)
     while pending:
-        optimizers_by_family, table, sizes = {}, {"probe": probe_step}, {}
-        while pending:
-            name = pending[0]
-            spec = known[name]
-            if spec.family not in optimizers_by_family and spec.family not in unbuilt:
-                if optimizers_by_family and free_bytes(device) < 1.2 * family_bytes:
-                    break  # time this round, free its states, then go on
-                try:
-                    optimizers_by_family[spec.family] = build_family(spec, params, sn, device)
-                except ImportError as error:
-                    unbuilt[spec.family] = ("missing", str(error))
-                except Exception as error:
-                    unbuilt[spec.family] = ("failed", f"{type(error).__name__}: {error}")
-            pending.pop(0)
-            if spec.family in unbuilt:
-                results[name] |= dict(zip(("status", "message"), unbuilt[spec.family]))
-                progress.advance(model, name, settings["repeats"])
-                continue
-            optimizer, first = optimizers_by_family[spec.family]
-            if first is not None:  # the family's first step: state allocation, compilation
-                results[name]["first_step_ms"] = first * 1e3
-                optimizers_by_family[spec.family] = optimizer, None
-            table[name] = stepper(optimizer, spec)
-            sizes[name] = state_bytes(optimizer)
+        table, sizes = next_round(pending, unbuilt, params, sn, results, settings, advance)
+        table["probe"] = probe_step
         samples, errors = time_steps(table, settings["steps"], settings["repeats"], device,
-                                     on_sample=lambda name: name == "probe" or progress.advance(model, name))
+                                     on_sample=lambda name: name == "probe" or advance(name))
         probe_samples += samples.pop("probe")
         for name, times in samples.items():
             results[name] |= dict(samples_ms=[t * 1e3 for t in times], state_bytes=sizes[name])
             results[name] |= dict(status="failed", message=errors[name]) if name in errors else dict(status="ok")
-        del optimizers_by_family, table
+        del table  # and with it this round's optimizers and states
         gc.collect()
     entry["probe_gbps"] = probe_bytes / statistics.median(probe_samples) / 1e9 if probe_samples else None
     measured = [name for name in names if results[name]["status"] == "ok"]
