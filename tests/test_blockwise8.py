@@ -1,0 +1,71 @@
+"""The 8-bit blockwise quantizer (fastoptim.states.blockwise8) against its documented error."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastoptim.states.blockwise8 import BLOCK, SIGNED, UNSIGNED, dequantize, n_blocks, quantize
+
+# The documented bound: |x| / 16 in the normal range, else half the smallest step times the absmax.
+SMALLEST_HALF_STEP = {"signed": 2.0**-18, "unsigned": 2.0**-34}
+TABLES = {"signed": SIGNED, "unsigned": UNSIGNED}
+
+finite = st.floats(width=32, allow_nan=False, allow_infinity=False, allow_subnormal=True)
+magnitudes = st.sampled_from([0.0, 1.4e-45, 1e-40, 1e-30, 1e-8, 1e-3, 1.0, 1e3, 1e20, 3.4e38])
+values = st.one_of(finite, magnitudes, magnitudes.map(lambda x: -x))
+
+
+def check_round_trip(x, kind):
+    indices, absmax = quantize(x, TABLES[kind])
+    assert indices.dtype == torch.uint8 and indices.shape == x.shape
+    assert absmax.dtype == torch.float32 and absmax.shape == (n_blocks(x.numel()),)
+    back = dequantize(indices, absmax, TABLES[kind])
+    assert back.dtype == torch.float32 and back.shape == x.shape
+    block_absmax = absmax.repeat_interleave(BLOCK)[:x.numel()].view(x.shape).double()
+    x64, error = x.double(), (back.double() - x.double()).abs()
+    bound = torch.maximum(x64.abs() / 16, block_absmax * SMALLEST_HALF_STEP[kind]) + 1e-6 * x64.abs()
+    assert (error <= bound).all(), (x64[error > bound], back[error > bound])
+    return indices, absmax, back
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(values, min_size=1, max_size=3 * BLOCK + 7), st.sampled_from(["signed", "unsigned"]))
+def test_round_trips_stay_within_the_documented_error(elements, kind):
+    x = torch.tensor(elements, dtype=torch.float32)
+    if kind == "unsigned":
+        x = x.abs()
+    check_round_trip(x, kind)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(1, 5000), st.floats(1e-12, 1e12), st.integers(0, 2**31))
+def test_gaussian_states_of_any_shape_round_trip_and_requantize_to_the_same_indices(numel, scale, seed):
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * scale
+    for kind, tensor in (("signed", x.view(1, -1)), ("unsigned", x.square().view(-1, 1))):
+        indices, absmax, back = check_round_trip(tensor, kind)
+        again, again_absmax = quantize(back, TABLES[kind])  # a state moved or resumed stays bit-exact
+        assert torch.equal(again, indices) and torch.equal(again_absmax, absmax)
+
+
+@pytest.mark.parametrize("kind", ["signed", "unsigned"])
+def test_each_blocks_largest_element_and_zeros_come_back_exact(kind):
+    x = torch.randn(5 * BLOCK + 3, generator=torch.Generator().manual_seed(0)) * 10
+    x = x.abs() if kind == "unsigned" else x
+    x[::7] = 0
+    indices, absmax, back = check_round_trip(x, kind)
+    blocks = torch.nn.functional.pad(x, (0, -x.numel() % BLOCK)).view(-1, BLOCK)
+    largest = blocks.abs().argmax(dim=1) + torch.arange(len(blocks)) * BLOCK
+    assert torch.equal(back[largest], x[largest])
+    assert (back[::7] == 0).all()
+    assert torch.equal(quantize(torch.zeros(300), TABLES[kind])[1], torch.zeros(2))
+
+
+def test_the_code_tables():
+    for table, size, low in ((SIGNED, 255, -1.0), (UNSIGNED, 256, 0.0)):
+        assert table.dtype == torch.float32 and table.numel() == size
+        assert (table[1:] > table[:-1]).all()
+        assert table[0] == low and table[-1] == 1.0 and (table == 0).sum() == 1
+    assert SIGNED[127] == 0 and torch.equal(SIGNED[:127], -SIGNED[128:].flip(0))  # symmetric about 0
+    # 1/8 between neighbours across the normal range, so rounding errs by at most 1/16
+    for normal in (SIGNED[SIGNED > 2.0**-14], UNSIGNED[UNSIGNED > 2.0**-30]):
+        assert ((normal[1:] - normal[:-1]) / normal[:-1]).max() <= 1 / 8 + 1e-6
