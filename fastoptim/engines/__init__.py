@@ -20,6 +20,8 @@ class Plan:
     The fused engines also read ``found_inf`` (GradScaler's, or None), ``stochastic_rounding``,
     ``warn_fallback`` (fused was asked for, not picked) and ``cache`` (a dict they keep their
     pointer table in, owned by the optimizer, which empties it when a param or state changes).
+    A state role may hold bf16 or 8-bit (uint8 codes) tensors under ``state_bits``; ``absmax`` holds
+    the block maxima of the 8-bit ones.
     """
 
     tensors: dict[str, list[Tensor]]
@@ -29,6 +31,7 @@ class Plan:
     stochastic_rounding: bool = False
     warn_fallback: bool = False
     cache: dict = field(default_factory=dict)
+    absmax: dict = field(default_factory=dict)  # role: the block maxima of each 8-bit state (None for others)
 
     def __len__(self):
         return len(self.tensors["param"])
@@ -38,7 +41,8 @@ class Plan:
         index = torch.tensor(indices, device=self.tensors["param"][0].device)
         return Plan({role: [tensors[i] for i in indices] for role, tensors in self.tensors.items()},
                     {k: v[index] if k in self.per_tensor else v for k, v in self.args.items()},
-                    self.per_tensor, self.found_inf, self.stochastic_rounding, self.warn_fallback)
+                    self.per_tensor, self.found_inf, self.stochastic_rounding, self.warn_fallback,
+                    absmax={role: [values[i] for i in indices] for role, values in self.absmax.items()})
 
 
 ENGINES = {"loop": loop.run, "foreach": foreach.run, "fused-single": fused.run_single, "fused-multi": fused.run_multi}

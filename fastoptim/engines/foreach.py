@@ -5,8 +5,12 @@ of that size first. So the one scratch buffer the math needs (and, for bf16 or f
 copies of param and grad) never exceeds it, however large the model: official Adan's foreach path
 holds two temporaries the size of all parameters.
 """
+from itertools import repeat
+
 import torch
 
+from ..states import blockwise8
+from . import lowbit
 from .ops import FOREACH_OPS, LOW_PRECISION, round_into
 
 CHUNK_NUMEL = 1 << 22
@@ -29,28 +33,36 @@ def pieces(plan, limit=CHUNK_NUMEL):
     ``limit``: flat ones when all its roles are contiguous tensors of its size, else runs along
     the first dimension when all its roles share it (a subset-norm view and its second moment).
     Others stay whole."""
-    owners, cut = [], {role: [] for role in plan.tensors}
+    owners, cut, cut_absmax = [], {role: [] for role in plan.tensors}, {role: [] for role in plan.absmax}
     for i, param in enumerate(plan.tensors["param"]):
         group = [tensors[i] for tensors in plan.tensors.values()]
+        eight_bit = any(values[i] is not None for values in plan.absmax.values())
         n = -(-param.numel() // limit)
         if n > 1 and all(t.is_contiguous() and t.numel() == param.numel() for t in group):
             for role, tensors in plan.tensors.items():
                 cut[role] += tensors[i].view(-1).split(limit)
-        elif n > 1 and param.dim() and param.shape[0] > 1 and all(t.shape[:1] == param.shape[:1] for t in group):
+            for role, values in plan.absmax.items():  # limit is a whole number of 8-bit blocks
+                cut_absmax[role] += [None] * n if values[i] is None else values[i].split(limit // blockwise8.BLOCK)
+        elif (n > 1 and not eight_bit and param.dim() and param.shape[0] > 1
+              and all(t.shape[:1] == param.shape[:1] for t in group)):
             rows = max(1, param.shape[0] * limit // param.numel())
             for role, tensors in plan.tensors.items():
                 cut[role] += tensors[i].split(rows)
             n = -(-param.shape[0] // rows)
+            for role, values in plan.absmax.items():
+                cut_absmax[role] += [None] * n
         else:
             n = 1
             for role, tensors in plan.tensors.items():
                 cut[role].append(tensors[i])
+            for role, values in plan.absmax.items():
+                cut_absmax[role].append(values[i])
         owners += [i] * n
     if len(owners) == len(plan):
         return plan
     index = torch.tensor(owners, device=plan.tensors["param"][0].device)
     args = {k: v[index] if k in plan.per_tensor else v for k, v in plan.args.items()}
-    return type(plan)(cut, args, plan.per_tensor, stochastic_rounding=plan.stochastic_rounding)
+    return type(plan)(cut, args, plan.per_tensor, stochastic_rounding=plan.stochastic_rounding, absmax=cut_absmax)
 
 
 def run(algorithm, plan):
@@ -62,12 +74,21 @@ def run(algorithm, plan):
         if low_precision:  # buckets share one dtype; the math is fp32
             tensors["param"] = [p.float() for p in params]
             tensors["grad"] = [g.float() for g in tensors["grad"]]
+        absmax = {role: values[part] for role, values in plan.absmax.items()}
+        stored = {role: tensors[role] for role in lowbit.low_bit_roles(tensors)}
+        for role, states in stored.items():  # under state_bits=8, small tensors keep fp32 states
+            tensors[role] = [lowbit.widen(role, s, a) if s.dtype in lowbit.LOW_BIT else s
+                             for s, a in zip(states, absmax.get(role, repeat(None)))]
         args = {
             name: list(value[part].unbind()) if name in plan.per_tensor else value
             for name, value in plan.args.items()
         }
         scratch = [torch.empty_like(p) for p in tensors["param"]]
         algorithm.update(FOREACH_OPS, scratch=scratch, **tensors, **args)
+        for role, states in stored.items():
+            for state, a, value in zip(states, absmax.get(role, repeat(None)), tensors[role]):
+                if state.dtype in lowbit.LOW_BIT:
+                    lowbit.store(role, state, a, value)
         if low_precision and plan.stochastic_rounding:
             for param, result in zip(params, tensors["param"]):
                 round_into(param, result, stochastic=True)

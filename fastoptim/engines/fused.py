@@ -23,6 +23,8 @@ def _refusal(param, grad, states):
     """Why the kernel cannot take this tensor, or None."""
     if not fused_cpu.AVAILABLE:
         return "the fused CPU kernel is not built (see the README's set-up)"
+    if any(state.dtype in (torch.bfloat16, torch.uint8) for state in states):
+        return "no fused kernel for bf16 or 8-bit states yet"
     if any(state.shape != param.shape for state in states):  # a subset-norm view: walked in row-major order
         if not all(t.is_contiguous() for t in (param, grad, *states)):
             return "a subset-norm param, grad and states must be contiguous"

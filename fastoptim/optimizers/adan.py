@@ -90,14 +90,17 @@ class Adan(FastOptimizer):
     state_roles = ("exp_avg", "exp_avg_sq", "exp_avg_diff", "neg_pre_grad")
     reduced_roles = ("exp_avg_sq",)  # per subset under sn
     optional_state = frozenset({"neg_pre_grad"})  # step 1 does not read it
+    # g_prev is subtracted from g: 8-bit codes would put their 1/16 error into every difference
+    half_roles = ("neg_pre_grad",)
     kernel = "adan"
 
     def __init__(self, params, lr=1e-3, betas=(0.98, 0.92, 0.99), eps=1e-8, weight_decay=0.0,
                  max_grad_norm=0.0, no_prox=False, foreach=None, fused=None, *, maximize=False,
-                 stochastic_rounding=False, sn=False, subset_size=None):
+                 stochastic_rounding=False, sn=False, subset_size=None, state_bits=32):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
                         no_prox=no_prox, foreach=foreach, fused=fused, maximize=maximize,
-                        stochastic_rounding=stochastic_rounding, sn=sn, subset_size=subset_size)
+                        stochastic_rounding=stochastic_rounding, sn=sn, subset_size=subset_size,
+                        state_bits=state_bits)
         super().__init__(params, defaults)
 
     @torch.no_grad()

@@ -13,7 +13,7 @@ from torch import Tensor
 from .. import engines
 from ..clip import clip_coefficient
 from ..multi_tensor import buckets, data_pointers
-from ..states import subset_norm
+from ..states import blockwise8, subset_norm
 
 
 def check_hyperparameters(group, n_betas):
@@ -39,6 +39,9 @@ def check_hyperparameters(group, n_betas):
         if not isinstance(group[flag], bool):
             raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be True or False)")
     subset_norm.check_subset_size(group["subset_size"])
+    if group["state_bits"] not in (8, 16, 32) or isinstance(group["state_bits"], bool):
+        raise ValueError(f"Invalid state_bits: {group['state_bits']!r} (must be 32, 16 for bf16 states or 8 for "
+                         "8-bit blockwise states)")
 
 
 def check_tensor_lr(lr, device=None):
@@ -50,10 +53,46 @@ def check_tensor_lr(lr, device=None):
         raise ValueError(f"Invalid lr: a Tensor lr must be on the params' device, {device}, not {lr.device}")
 
 
-def state_dtype(param):
-    """States are fp32, whatever the param's dtype, except that a float64 param keeps float64
-    states and math: rounding it through fp32 would change it."""
-    return torch.float64 if param.dtype == torch.float64 else torch.float32
+def state_dtype(param, role=None, state_bits=32, reduced=False, half_roles=()):
+    """The dtype a state of ``param`` is kept in. States are fp32 whatever the param's dtype, except:
+    a float64 param keeps float64 states and math (rounding it through fp32 would change it);
+    ``state_bits=16`` keeps bf16 states; ``state_bits=8`` keeps 8-bit blockwise ones (uint8 codes,
+    see fastoptim.states.blockwise8) for params of at least MIN_NUMEL elements, and bf16 ones for
+    ``half_roles``. A subset-norm second moment (``reduced``) stays fp32: it is small."""
+    if param.dtype == torch.float64:
+        return torch.float64
+    if reduced or state_bits == 32 or role == "step":
+        return torch.float32
+    if state_bits == 16 or role in half_roles:
+        return torch.bfloat16
+    return torch.uint8 if param.numel() >= blockwise8.MIN_NUMEL else torch.float32
+
+
+def new_state(param, shape, dtype, role):
+    """A zero state (and its block maxima for an 8-bit one, under ``{role}_absmax``)."""
+    if dtype != torch.uint8:
+        return {role: torch.zeros_like(param, dtype=dtype) if shape == param.shape
+                else torch.zeros(shape, dtype=dtype, device=param.device)}
+    codes, absmax = blockwise8.quantize(torch.zeros(shape, device=param.device), blockwise8.codes_for(role))
+    return {role: codes, role + ABSMAX: absmax}
+
+
+def convert_state(state, role, dtype):
+    """``state[role]`` (and its block maxima) in ``dtype``, from whatever format it was saved in."""
+    value = torch.as_tensor(state[role])
+    absmax = state.get(role + ABSMAX)
+    if value.dtype == torch.uint8:
+        if absmax is None:
+            raise ValueError(f"state '{role}' holds 8-bit codes without its '{role}{ABSMAX}'")
+        value = blockwise8.dequantize(value, torch.as_tensor(absmax).float(), blockwise8.codes_for(role))
+    converted = {key: value for key, value in state.items() if key != role + ABSMAX}
+    if dtype == torch.uint8:
+        codes, absmax = blockwise8.quantize(value.float(), blockwise8.codes_for(role))
+        return converted | {role: codes, role + ABSMAX: absmax}
+    return converted | {role: value}
+
+
+ABSMAX = "_absmax"  # the key suffix of an 8-bit state's block maxima
 
 
 SHAPE, STRIDES, DTYPE, DEVICE = attrgetter("shape"), Tensor.stride, attrgetter("dtype"), attrgetter("device")
@@ -114,6 +153,7 @@ class GroupWork:
         self.kept = {key: list(map(dict.get, states, repeat(key))) for key in {key for state in states for key in state}}
         self.partitions = partitions if any(partitions) else None
         self.tensors = {"param": self.params} | {role: self.kept[role] for role in self.roles}
+        self.absmax = {role: self.kept[role + ABSMAX] for role in self.roles if role + ABSMAX in self.kept}
         if self.partitions:
             self.tensors = {role: [t if part is None else part.view_state(t) if role in reduced_roles
                                    else part.view_param(t) for t, part in zip(tensors, partitions)]
@@ -128,6 +168,7 @@ class GroupWork:
 
 class FastOptimizer(torch.optim.Optimizer):
     n_betas: int
+    half_roles = ()  # roles kept in bf16, not 8-bit, under state_bits=8
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
@@ -252,11 +293,11 @@ class FastOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}: subset_size cuts a param into subsets in its row-major "
                              f"order, which needs a contiguous param; got shape {tuple(param.shape)} with strides "
                              f"{param.stride()}. Make it contiguous, or use subset_size=None (rows or columns)")
-        for key, shape in self._expected_state(group, param, state).items():
+        for key, expected in self._expected_state(group, param, state).items():
             value = state.get(key)
-            if shape is None:  # a partition record, checked above
+            if expected is None:  # a partition record, checked above
                 continue
-            dtype = torch.float32 if key == "step" else state_dtype(param)
+            shape, dtype = expected
             if value is not None and (value.shape != shape or value.dtype != dtype or value.device != param.device):
                 raise RuntimeError(
                     f"{type(self).__name__}: state '{key}' is {value.dtype} {tuple(value.shape)} on {value.device}, "
@@ -271,7 +312,8 @@ class FastOptimizer(torch.optim.Optimizer):
             entry.use_states(states, context, partitions, self.reduced_roles)
         args, per_tensor = self._step_arguments(group, entry, grad_scale, increment)
         plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, args, frozenset(per_tensor),
-                            found_inf, group["stochastic_rounding"], warn_fallback=group["fused"] is True)
+                            found_inf, group["stochastic_rounding"], warn_fallback=group["fused"] is True,
+                            absmax=entry.absmax)
         for index, bucket in enumerate(entry.buckets):
             part = plan if len(bucket) == len(entry.params) else plan.subset(bucket)
             part.cache = entry.bucket_caches.setdefault(index, {})
@@ -285,25 +327,30 @@ class FastOptimizer(torch.optim.Optimizer):
         return subset_norm.from_options(param.shape, group["subset_size"]) if group["sn"] else None
 
     def _ensure_state(self, param, group):
-        """The param's state with every role of the group present: missing ones are zeros, second
-        moments in the param's partition (recorded in the state when it is new)."""
+        """The param's state with every role of the group present: missing ones are zeros in their
+        format, second moments in the param's partition (recorded in the state when it is new)."""
         state = self.state[param]
         partition = self._partition(param, state, group)
         if partition is not None:
             state.update(partition.record)
-        for role in self._state_roles(group):
-            if role not in state:
-                state[role] = (torch.zeros_like(param, dtype=state_dtype(param)) if partition is None
-                               or role not in self.reduced_roles else
-                               torch.zeros(partition.state_shape, dtype=state_dtype(param), device=param.device))
+        for key, expected in self._expected_state(group, param, state).items():
+            if expected is not None and key not in state and not key.endswith(ABSMAX):
+                state.update(new_state(param, *expected, key))
         return state
 
     def _expected_state(self, group, param, state):
-        """Shape of each state tensor (None for a partition record) that a param's state must have."""
+        """The (shape, dtype) of each state tensor that a param's state must have (None for a
+        partition record), the block maxima of 8-bit ones included."""
         partition = self._partition(param, state, group)
-        return {key: None for key in subset_norm.RECORDS if key in state} | {
-            role: partition.state_shape if partition is not None and role in self.reduced_roles else param.shape
-            for role in self._state_roles(group)}
+        expected = {key: None for key in subset_norm.RECORDS if key in state}
+        for role in self._state_roles(group):
+            reduced = partition is not None and role in self.reduced_roles
+            shape = partition.state_shape if reduced else param.shape
+            dtype = state_dtype(param, role, group["state_bits"], reduced, self.half_roles)
+            expected[role] = (shape, dtype)
+            if dtype == torch.uint8:
+                expected[role + ABSMAX] = (torch.Size([blockwise8.n_blocks(shape.numel())]), torch.float32)
+        return expected
 
     def _prepare_states(self, params, group):
         """The state dicts of a group's params with grads, with missing states created, and what
@@ -368,6 +415,12 @@ class FastOptimizer(torch.optim.Optimizer):
                 except ValueError as error:
                     raise ValueError(f"state of parameter {saved_id}: {error}") from None
                 expected = self._expected_state(merged, param, state)
+                for key in set(state) & set(expected):  # into this optimizer's formats (state_bits)
+                    if expected[key] is not None and not key.endswith(ABSMAX):
+                        try:
+                            state = convert_state(state, key, expected[key][1])
+                        except (ValueError, RuntimeError) as error:
+                            raise ValueError(f"state of parameter {saved_id}: {error}") from None
                 if set(state) - set(expected) or set(expected) - set(state) - self.optional_state:
                     raise ValueError(
                         f"state of parameter {saved_id} has keys {sorted(state)}, but {type(self).__name__} "
@@ -375,11 +428,10 @@ class FastOptimizer(torch.optim.Optimizer):
                 for key in state:
                     if expected[key] is None:  # a partition record: a Python int
                         continue
-                    shape, value = expected[key], torch.as_tensor(state[key])
+                    (shape, dtype), value = expected[key], torch.as_tensor(state[key])
                     if value.shape != shape:
                         raise ValueError(f"state '{key}' of parameter {saved_id} has shape {tuple(value.shape)}, "
                                          f"expected {tuple(shape)}")
-                    dtype = torch.float32 if key == "step" else state_dtype(param)  # counts are fp32, as torch's
                     state[key] = value.to(device=param.device, dtype=dtype, copy=True)
                 new_state[saved_id], sources[param] = state, state
             new_groups.append(merged)

@@ -43,6 +43,12 @@ SIGNED = signed_codes()
 UNSIGNED = minifloat_magnitudes(5, 3).float()
 
 
+def codes_for(role):
+    """The table of a state role: unsigned for second moments (``exp_avg_sq``, ``max_exp_avg_sq``),
+    signed for the rest."""
+    return UNSIGNED if role.endswith("exp_avg_sq") else SIGNED
+
+
 def blocks_of(tensor):
     """The tensor's elements in row-major order as (blocks, BLOCK), the last block padded with zeros."""
     flat = tensor.reshape(-1)
