@@ -39,7 +39,7 @@ def check_hyperparameters(group, n_betas):
         if not isinstance(group[flag], bool):
             raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be True or False)")
     subset_norm.check_subset_size(group["subset_size"])
-    if group["state_bits"] not in (8, 16, 32) or isinstance(group["state_bits"], bool):
+    if type(group["state_bits"]) is not int or group["state_bits"] not in (8, 16, 32):
         raise ValueError(f"Invalid state_bits: {group['state_bits']!r} (must be 32, 16 for bf16 states or 8 for "
                          "8-bit blockwise states)")
 
@@ -132,7 +132,7 @@ class GroupWork:
     def __init__(self, roles, engine, params, signature=None):
         self.roles, self.engine, self.params, self.signature = roles, engine, params, signature
         self.buckets = buckets(params)
-        self.states = self.kept = self.tensors = self.context = None
+        self.states = self.kept = self.tensors = self.context = self.state_bits = None
         self.bucket_caches = {}
 
     def fits(self, roles, engine, params):
@@ -255,7 +255,7 @@ class FastOptimizer(torch.optim.Optimizer):
             entry = caches[index] = GroupWork(roles, engine, params, Signature(params))
         self._check_grads(params, grads, entry.signature)
         states = list(map(self.state.get, params))
-        if not entry.holds(states):
+        if not entry.holds(states) or entry.state_bits != group["state_bits"]:
             entry.states = None
             for param, state in zip(params, states):
                 self._check_state(param, state or {}, group)
@@ -302,14 +302,15 @@ class FastOptimizer(torch.optim.Optimizer):
                 raise RuntimeError(
                     f"{type(self).__name__}: state '{key}' is {value.dtype} {tuple(value.shape)} on {value.device}, "
                     f"but its param ({param.dtype} {tuple(param.shape)} on {param.device}) needs {dtype} "
-                    f"{tuple(shape)}: was the param changed after its state was created? Convert the state, "
-                    "or clear it with optimizer.state[param].clear()")
+                    f"{tuple(shape)}: was the param (or state_bits) changed after its state was created? Convert "
+                    "the state (a state dict round trip does), or clear it with optimizer.state[param].clear()")
 
     def _step_group(self, group, entry, grads, grad_scale, found_inf, increment):
         if entry.states is None:  # every group is checked by now: states may be created
             states, context = self._prepare_states(entry.params, group)
             partitions = [subset_norm.from_record(p.shape, s) for p, s in zip(entry.params, states)]
             entry.use_states(states, context, partitions, self.reduced_roles)
+            entry.state_bits = group["state_bits"]  # the states' format: checked again if the option changes
         args, per_tensor = self._step_arguments(group, entry, grad_scale, increment)
         plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, args, frozenset(per_tensor),
                             found_inf, group["stochastic_rounding"], warn_fallback=group["fused"] is True,
@@ -380,8 +381,9 @@ class FastOptimizer(torch.optim.Optimizer):
 
         Everything is checked before anything changes. The hyperparameters are the saved ones,
         ``max_grad_norm`` included (the saved groups must agree on it), but the engine flags
-        (``foreach``, ``fused``) stay this optimizer's, so a state moves freely between engines. States are fp32 tensors on
-        the parameter's device (float64 for a float64 parameter), whatever the saved dtype.
+        (``foreach``, ``fused``) and ``state_bits`` stay this optimizer's: a state moves freely between
+        engines, and is converted to this optimizer's state format (quantized, or dequantized). States
+        are on the parameter's device (float64 for a float64 parameter), whatever the saved device.
         """
         groups, saved_groups = self.param_groups, state_dict["param_groups"]
         if len(groups) != len(saved_groups) or any(
@@ -398,7 +400,7 @@ class FastOptimizer(torch.optim.Optimizer):
         new_groups, new_state, sources = [], {}, {}
         for index, (group, saved) in enumerate(zip(groups, saved_groups)):
             merged = {**self.defaults, "max_grad_norm": max_grad_norm, **saved,
-                      "foreach": group["foreach"], "fused": group["fused"]}
+                      **{key: group[key] for key in ("foreach", "fused", "state_bits")}}
             try:
                 self._check_group(merged, max_grad_norm)
             except ValueError as error:

@@ -1,0 +1,219 @@
+"""``state_bits``: bf16 and 8-bit blockwise states on every engine, against the fp32 optimizer whose
+states are rounded the same way after each step; their bytes, state dicts and training parity."""
+import copy
+import glob
+import os
+import warnings
+
+import pytest
+import torch
+
+import fastoptim
+from fastoptim.states import blockwise8
+
+from .test_fused import ENGINES
+
+CLASSES = [fastoptim.Adan, fastoptim.AdamW, fastoptim.AdamWSN]
+SHAPES = [(96, 80), (50,), (4096,), (3, 2000)]  # (50,) stays fp32 under 8 bits: below MIN_NUMEL
+
+
+def make(cls, state_bits, engine="loop", shapes=SHAPES, seed=0, **options):
+    generator = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in shapes]
+    groups = [{"params": params[:1], "sn": cls is fastoptim.AdamWSN}, {"params": params[1:]}]
+    return params, cls(groups, lr=1e-2, weight_decay=0.1, state_bits=state_bits, **ENGINES[engine], **options)
+
+
+def set_grads(params, step):
+    generator = torch.Generator().manual_seed(1000 + step)
+    for param in params:
+        param.grad = torch.randn(param.shape, generator=generator)
+
+
+def rounded_like(value, stored, role):
+    """What a state of fp32 ``value`` is after being stored like ``stored`` (a low-bit state)."""
+    if stored.dtype == torch.uint8:
+        codes = blockwise8.codes_for(role)
+        return blockwise8.dequantize(*blockwise8.quantize(value, codes), codes)
+    return value.to(stored.dtype).float() if stored.dtype == torch.bfloat16 else value
+
+
+def dense_states(optimizer, param):
+    """The param's states as fp32 values, 8-bit ones dequantized."""
+    state = optimizer.state[param]
+    return {key: blockwise8.dequantize(value, state[key + "_absmax"], blockwise8.codes_for(key))
+            if value.dtype == torch.uint8 else value.float()
+            for key, value in state.items() if isinstance(value, torch.Tensor) and not key.endswith("_absmax")}
+
+
+def run(params, optimizer, steps, first=0):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fused engine hands low-bit states to foreach, and says so
+        for step in range(first, first + steps):
+            set_grads(params, step)
+            optimizer.step()
+
+
+@pytest.mark.parametrize("state_bits", [16, 8])
+@pytest.mark.parametrize("cls", CLASSES)
+def test_the_loop_engine_is_the_fp32_optimizer_with_its_states_rounded_after_each_step(cls, state_bits):
+    params, optimizer = make(cls, state_bits)
+    reference_params, reference = make(cls, 32)
+    for step in range(6):
+        run(params, optimizer, 1, step)
+        run(reference_params, reference, 1, step)
+        for param, reference_param in zip(params, reference_params):
+            stored, state = optimizer.state[param], reference.state[reference_param]
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dtype == torch.float32 and value.dim():
+                    state[key] = rounded_like(value, stored[key], key)
+            torch.testing.assert_close(param, reference_param, rtol=0, atol=0)
+    low_bit = {value.dtype for param in params for value in optimizer.state[param].values()
+               if isinstance(value, torch.Tensor)}
+    assert (torch.uint8 if state_bits == 8 else torch.bfloat16) in low_bit
+
+
+@pytest.mark.parametrize("engine", ["foreach", "fused-single", "fused-multi"])
+@pytest.mark.parametrize("state_bits", [16, 8])
+@pytest.mark.parametrize("cls", CLASSES)
+def test_every_engine_matches_the_loop_engine(cls, state_bits, engine):
+    # one tensor that the foreach engine cuts into pieces, where the fused engines hand it over
+    shapes = SHAPES + [((1 << 22) + 4096 + 17,)] if engine != "fused-single" else SHAPES
+    params, optimizer = make(cls, state_bits, engine, shapes)
+    loop_params, loop = make(cls, state_bits, "loop", shapes)
+    run(params, optimizer, 4)
+    run(loop_params, loop, 4)
+    for param, loop_param in zip(params, loop_params):
+        torch.testing.assert_close(param, loop_param, rtol=1e-5, atol=1e-6)
+        states, loop_states = dense_states(optimizer, param), dense_states(loop, loop_param)
+        for key, value in states.items():  # an fp32 difference may tip a value into the next code
+            assert value.dtype == loop_states[key].dtype
+            assert ((value - loop_states[key]).abs() <= value.abs().maximum(loop_states[key].abs()) / 8
+                    + 1e-6).all(), key
+
+
+@pytest.mark.parametrize("cls, bits, ceiling", [(fastoptim.AdamW, 8, 0.27), (fastoptim.AdamWSN, 8, 0.27),
+                                                (fastoptim.Adan, 8, 0.32), (fastoptim.Adan, 16, 0.5),
+                                                (fastoptim.AdamW, 16, 0.5)])
+def test_state_bytes_of_large_tensors(cls, bits, ceiling):
+    shapes = [(256, 1024)]
+    params, low = make(cls, bits, shapes=shapes)
+    full_params, full = make(cls, 32, shapes=shapes)
+    for ps, optimizer in ((params, low), (full_params, full)):
+        run(ps, optimizer, 1)
+
+    def state_bytes(optimizer, param):
+        return sum(v.nbytes for k, v in optimizer.state[param].items() if isinstance(v, torch.Tensor) and k != "step")
+    ratio = state_bytes(low, params[0]) / state_bytes(full, full_params[0])
+    assert ratio <= ceiling
+
+
+def test_small_params_and_subset_norm_moments_stay_fp32():
+    params, optimizer = make(fastoptim.AdamWSN, 8, shapes=[(512, 64), (4095,)])
+    run(params, optimizer, 1)
+    sn_state, small_state = optimizer.state[params[0]], optimizer.state[params[1]]
+    assert sn_state["exp_avg"].dtype == torch.uint8 and sn_state["exp_avg_sq"].dtype == torch.float32
+    assert sn_state["exp_avg_sq"].shape == (512, 1) and "exp_avg_sq_absmax" not in sn_state
+    assert all(v.dtype == torch.float32 for v in small_state.values())
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_an_8_bit_run_resumes_bit_exactly_from_its_state_dict(cls):
+    params, optimizer = make(cls, 8)
+    run(params, optimizer, 3)
+    saved_params, saved = copy.deepcopy(params), copy.deepcopy(optimizer.state_dict())
+    run(params, optimizer, 3, first=3)
+    resumed_params, resumed = make(cls, 8, "foreach")
+    with torch.no_grad():
+        for p, q in zip(resumed_params, saved_params):
+            p.copy_(q)
+    resumed.load_state_dict(saved)
+    run(resumed_params, resumed, 3, first=3)
+    for param, resumed_param in zip(params, resumed_params):
+        torch.testing.assert_close(param, resumed_param, rtol=0, atol=0)
+        for key, value in optimizer.state[param].items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(resumed.state[resumed_param][key]))
+
+
+@pytest.mark.parametrize("cls", CLASSES)
+def test_state_dicts_convert_between_formats(cls):
+    params, full = make(cls, 32)
+    run(params, full, 2)
+    params8, eight = make(cls, 8)
+    eight.load_state_dict(full.state_dict())  # quantized
+    params16, sixteen = make(cls, 16)
+    sixteen.load_state_dict(eight.state_dict())
+    params32, back = make(cls, 32)
+    back.load_state_dict(eight.state_dict())  # dequantized
+    for param, p8, p16, p32 in zip(params, params8, params16, params32):
+        for key, value in dense_states(full, param).items():
+            expected = rounded_like(value, eight.state[p8][key], key)
+            torch.testing.assert_close(dense_states(eight, p8)[key], expected, rtol=0, atol=0)
+            torch.testing.assert_close(dense_states(back, p32)[key], expected, rtol=0, atol=0)
+            assert back.state[p32][key].dtype == torch.float32
+        if param.numel() >= blockwise8.MIN_NUMEL:
+            assert eight.state[p8]["exp_avg"].dtype == torch.uint8
+        assert sixteen.state[p16]["exp_avg"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("value", [4, 0, 64, "8", True, 8.0])
+def test_invalid_state_bits_are_refused(value):
+    with pytest.raises(ValueError, match="Invalid state_bits"):
+        fastoptim.AdamW([torch.nn.Parameter(torch.zeros(3))], state_bits=value)
+
+
+def test_codes_without_their_block_maxima_are_refused_before_anything_changes():
+    params, optimizer = make(fastoptim.AdamW, 8)
+    run(params, optimizer, 1)
+    saved = optimizer.state_dict()
+    before = copy.deepcopy(optimizer.state_dict())
+    broken = copy.deepcopy(saved)
+    del broken["state"][0]["exp_avg_absmax"]
+    with pytest.raises(ValueError, match="without its 'exp_avg_absmax'"):
+        optimizer.load_state_dict(broken)
+    after = optimizer.state_dict()
+    for key, value in before["state"][0].items():
+        assert torch.equal(torch.as_tensor(value), torch.as_tensor(after["state"][0][key]))
+
+
+def test_changing_state_bits_under_existing_states_is_a_clear_error():
+    params, optimizer = make(fastoptim.Adan, 32)
+    run(params, optimizer, 1)
+    optimizer.param_groups[1]["state_bits"] = 8
+    with pytest.raises(RuntimeError, match="state_bits"):
+        run(params, optimizer, 1, first=1)
+
+
+# --- training parity ----------------------------------------------------------------------------
+
+def stdlib_text(limit=400_000):
+    """Python's own standard-library sources: real code text on every machine."""
+    paths = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))
+    return "".join(open(path, encoding="utf-8", errors="replace").read() for path in paths)[:limit]
+
+
+def train_character_model(cls, state_bits, steps=200):
+    """A 3-character-context MLP language model; the mean loss of its last 50 steps."""
+    data = torch.tensor([min(ord(c), 127) for c in stdlib_text()])
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(128, 32), torch.nn.Flatten(), torch.nn.Linear(96, 256),
+                                torch.nn.Tanh(), torch.nn.Linear(256, 128))
+    optimizer = cls(model.parameters(), lr=3e-3, weight_decay=0.01, state_bits=state_bits)
+    generator, losses = torch.Generator().manual_seed(1), []
+    for _ in range(steps):
+        start = torch.randint(0, len(data) - 4, (256,), generator=generator)
+        context = torch.stack([data[start + k] for k in range(3)], dim=1)
+        loss = torch.nn.functional.cross_entropy(model(context), data[start + 3])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert optimizer.state[model[2].weight]["exp_avg"].dtype == (torch.uint8 if state_bits == 8 else torch.float32)
+    return sum(losses[-50:]) / 50
+
+
+@pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW])
+def test_8_bit_states_train_as_well_as_32_bit(cls):
+    full, eight = train_character_model(cls, 32), train_character_model(cls, 8)
+    assert full < 3.0  # it learned something: uniform over 128 characters is 4.85
+    assert abs(eight - full) / full < 0.02, (eight, full)
