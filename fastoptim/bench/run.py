@@ -6,6 +6,7 @@ instance and its states: each step sets its engine flags first. Families are bui
 allows, and each round of families that fit is timed with its optimizers interleaved, so that the
 machine's drift hits all of them alike.
 """
+import ctypes
 import functools
 import gc
 import math
@@ -24,8 +25,10 @@ from .models import shapes, with_gradients
 HYPERPARAMETERS = dict(lr=1e-4, weight_decay=0.02)
 ENGINES = {"loop": dict(foreach=False, fused=False), "foreach": dict(foreach=True, fused=False),
            "fused-single": dict(foreach=False, fused=True), "fused-multi": dict(foreach=True, fused=True)}
-FASTOPTIM = {"adan": (fastoptim.Adan, False), "adamw": (fastoptim.AdamW, False), "adan-sn": (fastoptim.Adan, True),
-             "adamwsn": (fastoptim.AdamWSN, True)}  # family: class, subset-norm states on the Linear weights
+# family: class, subset-norm states on the Linear weights, state_bits
+FASTOPTIM = {"adan": (fastoptim.Adan, False, 32), "adamw": (fastoptim.AdamW, False, 32),
+             "adan-sn": (fastoptim.Adan, True, 32), "adamwsn": (fastoptim.AdamWSN, True, 32),
+             "adan-8bit": (fastoptim.Adan, False, 8), "adamw-8bit": (fastoptim.AdamW, False, 8)}
 PROBE_NUMEL = 1 << 26  # per role: far beyond the caches, and 6 such fit beside a large model
 
 
@@ -37,18 +40,18 @@ class Optimizer:
     compiled: bool = False  # its step runs through torch.compile
 
 
-def fastoptim_family(cls, sn):
+def fastoptim_family(cls, sn, state_bits=32):
     def make(params, sn_mask):
-        return cls(peers.sn_groups(params, sn_mask) if sn else params, **HYPERPARAMETERS)
+        return cls(peers.sn_groups(params, sn_mask) if sn else params, state_bits=state_bits, **HYPERPARAMETERS)
     return make
 
 
 def optimizers():
     """Every optimizer the benchmark knows, by name: fastoptim's engines, then the peers."""
     table = {}
-    for family, (cls, sn) in FASTOPTIM.items():
+    for family, options in FASTOPTIM.items():
         for engine, flags in ENGINES.items():
-            table[f"{family}-{engine}"] = Optimizer(family, fastoptim_family(cls, sn), flags)
+            table[f"{family}-{engine}"] = Optimizer(family, fastoptim_family(*options), flags)
     table["adan-foreach-compiled"] = Optimizer("adan-compiled", fastoptim_family(fastoptim.Adan, False),
                                                ENGINES["foreach"], compiled=True)
     for name, make, options in (("torch-adam", peers.torch_adam, dict(lr=1e-4)),
@@ -91,6 +94,17 @@ def stepper(optimizer, spec):
             group.update(spec.flags)
         step()
     return run
+
+
+def release_memory():
+    """Free what is unreachable and hand freed heap memory back to the system. glibc keeps freed
+    blocks under 32 MiB in its heap, where MemAvailable does not count them: without the trim, the
+    states of earlier models looked like used memory, and later models were skipped or starved."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def synchronize(device):
@@ -227,7 +241,7 @@ def measure_model(entry, names, settings, progress):
             results[name] |= dict(samples_ms=[t * 1e3 for t in times], state_bytes=sizes[name])
             results[name] |= dict(status="failed", message=errors[name]) if name in errors else dict(status="ok")
         del table  # and with it this round's optimizers and states
-        gc.collect()
+        release_memory()
     entry["probe_gbps"] = probe_bytes / statistics.median(probe_samples) / 1e9 if probe_samples else None
     measured = [name for name in names if results[name]["status"] == "ok"]
     if settings["memory"]:
@@ -356,6 +370,7 @@ def main(models, names, settings, out):
                 progress.advance(model, "skipped", units)
             else:
                 measure_model(entry, names, settings, progress)
+                release_memory()  # the model's params and grads
             progress.write(report.model_heading(entry))
             if entry.get("optimizers"):
                 progress.write(report.model_table(entry, results) + "\n")

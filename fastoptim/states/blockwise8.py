@@ -49,20 +49,20 @@ def codes_for(role):
     return UNSIGNED if role.endswith("exp_avg_sq") else SIGNED
 
 
-def blocks_of(tensor):
-    """The tensor's elements in row-major order as (blocks, BLOCK), the last block padded with zeros."""
+def blocks_of(tensor, block=BLOCK):
+    """The tensor's elements in row-major order as (blocks, block), the last block padded with zeros."""
     flat = tensor.reshape(-1)
-    return torch.nn.functional.pad(flat, (0, -flat.numel() % BLOCK)).view(-1, BLOCK)
+    return torch.nn.functional.pad(flat, (0, -flat.numel() % block)).view(-1, block)
 
 
 def n_blocks(numel):
     return -(-numel // BLOCK)
 
 
-def quantize(tensor, codes):
+def quantize(tensor, codes, block=BLOCK):
     """(indices, absmax): uint8 indices of the nearest codes in ``tensor``'s shape, and the fp32
     absolute maximum of each block."""
-    blocks = blocks_of(tensor.float())
+    blocks = blocks_of(tensor.float(), block)
     absmax = blocks.abs().amax(dim=1)
     scaled = blocks / torch.where(absmax > 0, absmax, 1)[:, None]
     codes = codes.to(tensor.device)
@@ -71,7 +71,7 @@ def quantize(tensor, codes):
     return indices.view(-1)[:tensor.numel()].view(tensor.shape), absmax
 
 
-def dequantize(indices, absmax, codes):
+def dequantize(indices, absmax, codes, block=BLOCK):
     """The fp32 tensor that ``indices`` and ``absmax`` stand for (see :func:`quantize`)."""
-    values = blocks_of(codes.to(indices.device)[indices.long()]) * absmax[:, None]
+    values = blocks_of(codes.to(indices.device)[indices.long()], block) * absmax[:, None]
     return values.view(-1)[:indices.numel()].view(indices.shape)

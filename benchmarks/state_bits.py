@@ -1,0 +1,57 @@
+"""The choices behind 8-bit states (fastoptim.states.blockwise8), measured.
+
+1. Block size: the error that quantization adds to an AdamW update direction m/√v, on the states of a
+   GPT-2 (gpt2-tiny's shapes scaled up: real gradients of one backward pass, then 20 AdamW steps),
+   against the bytes of the block maxima.
+2. Adan's previous gradient: the final loss of the character model of tests/test_state_bits.py
+   when g_prev is 8-bit, bf16 (the default) or when all states are fp32.
+Usage, from the repository root: .venv/bin/python benchmarks/state_bits.py
+"""
+import torch
+
+import fastoptim
+from fastoptim.bench.models import with_gradients
+from fastoptim.states import blockwise8
+from tests.test_state_bits import train_character_model
+
+
+def adamw_states(model="gpt2-124m", steps=5):
+    params, _ = with_gradients(model)
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+    for _ in range(steps):
+        optimizer.step()
+        for p in params:
+            p.grad.mul_(0.9).add_(torch.randn_like(p.grad), alpha=p.grad.std().item() * 0.5)
+    large = [p for p in params if p.numel() >= blockwise8.MIN_NUMEL]
+    return [(optimizer.state[p]["exp_avg"], optimizer.state[p]["exp_avg_sq"]) for p in large]
+
+
+def direction_error(states, block):
+    """Relative error of m/(√v + eps), over all elements, with both states quantized."""
+    num = den = 0.0
+    for m, v in states:
+        m8 = blockwise8.dequantize(*blockwise8.quantize(m, blockwise8.SIGNED, block), blockwise8.SIGNED, block)
+        v8 = blockwise8.dequantize(*blockwise8.quantize(v, blockwise8.UNSIGNED, block), blockwise8.UNSIGNED, block)
+        exact, rounded = m / (v.sqrt() + 1e-8), m8 / (v8.sqrt() + 1e-8)
+        num += (rounded - exact).square().sum().item()
+        den += exact.square().sum().item()
+    return (num / den) ** 0.5
+
+
+class AdanAll8Bit(fastoptim.Adan):
+    half_roles = ()  # g_prev 8-bit too
+
+
+def main():
+    states = adamw_states()
+    print("| block | rel. error of m/√v | absmax bytes per element |\n|---|---|---|")
+    for block in (32, 64, 128, 256, 512, 1024, 4096):
+        print(f"| {block} | {direction_error(states, block):.4f} | {4 / block:.4f} |", flush=True)
+    print("\n| Adan states | final loss (mean of last 50 steps) |\n|---|---|")
+    for name, cls, bits in (("fp32", fastoptim.Adan, 32), ("8-bit, g_prev bf16", fastoptim.Adan, 8),
+                            ("8-bit, g_prev 8-bit", AdanAll8Bit, 8)):
+        print(f"| {name} | {train_character_model(cls, bits):.4f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
