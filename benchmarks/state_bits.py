@@ -5,7 +5,7 @@
    against the bytes of the block maxima.
 2. Adan's previous gradient: the final loss of the character model of tests/test_state_bits.py
    when g_prev is 8-bit, bf16 (the default) or when all states are fp32.
-Usage, from the repository root: .venv/bin/python benchmarks/state_bits.py
+Usage, from the repository root: .venv/bin/python -m benchmarks.state_bits
 """
 import torch
 
