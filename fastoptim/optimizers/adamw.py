@@ -45,7 +45,8 @@ class AdamW(FastOptimizer):
     (usually per group) keeps the second moments per subset of each param's elements, partitioned
     by ``subset_size`` (see :class:`fastoptim.Adan` and fastoptim.states.subset_norm). State per
     parameter is torch's: ``step`` (0-d fp32 tensor), ``exp_avg``, ``exp_avg_sq`` and, with amsgrad,
-    ``max_exp_avg_sq``, all fp32; torch AdamW state dicts load as they are.
+    ``max_exp_avg_sq``, all fp32; torch AdamW state dicts load as they are. ``state_bits`` 16 or 8
+    keeps the moments in bf16 or 8-bit blockwise codes (see :class:`fastoptim.Adan`).
     """
 
     n_betas = 2

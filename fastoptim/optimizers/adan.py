@@ -78,6 +78,10 @@ class Adan(FastOptimizer):
             with Σ_S (g + β2·d)² (subset-norm Adan): O(√d) entries for a d-element matrix.
         subset_size: the partition under ``sn``: None for rows or columns of 2-D params (the other
             shapes per element), k > 0 or -k for flattened subsets (see fastoptim.states.subset_norm).
+        state_bits: 32 (fp32 states), 16 (bf16) or 8: 8-bit blockwise ``exp_avg``, ``exp_avg_sq`` and
+            ``exp_avg_diff`` (uint8 codes beside ``{key}_absmax``, see fastoptim.states.blockwise8)
+            and a bf16 ``neg_pre_grad``, for params of 4096+ elements; a subset-norm ``exp_avg_sq``
+            stays fp32. State dicts convert between formats on load.
 
     State: per parameter ``exp_avg``, ``exp_avg_sq``, ``exp_avg_diff`` and ``neg_pre_grad`` (fp32, the
     official and timm keys; under ``sn``, ``exp_avg_sq`` has the partition's shape and the state
