@@ -34,21 +34,28 @@ def is_dense(tensor):
     return True
 
 
-def chunk_plan(numels, layouts=None, chunk_numel=CHUNK_NUMEL):
+def chunk_plan(numels, layouts=None, chunk_numel=CHUNK_NUMEL, blocks=None):
     """Rows (tensor, first element, element count, elements in all rows before) covering every
     tensor in chunks of about ``chunk_numel`` elements, and each tensor's first row (one more entry
     than tensors). The running count lets a kernel give each thread an equal share.
 
     A subset-norm tensor with layout (b, c) (``layouts``, one row per tensor; (1, 1) is dense) is cut
     into whole subsets: runs of rows of b elements when c is 1, else runs of columns, each b
-    elements of the count, at least ``MIN_COLUMNS`` wide so its rows are read in useful runs."""
+    elements of the count, at least ``MIN_COLUMNS`` wide so its rows are read in useful runs.
+
+    ``blocks`` (one per tensor; None: all 1) makes a tensor's chunks hold whole blocks of that many
+    row-major elements, as its 8-bit states need: runs of blocks, runs of whole subsets of a whole
+    number of blocks, or all columns (the rows of a column run are not whole blocks)."""
     numels = np.asarray(numels, dtype=np.int64)
     if layouts is None:
         layouts = np.ones((len(numels), 2), dtype=np.int64)
+    blocks = np.ones(len(numels), dtype=np.int64) if blocks is None else np.asarray(blocks, dtype=np.int64)
     # A chunk holds whole units of b elements: elements (dense), subsets (rows) or columns.
     unit, columns = layouts[:, 0], layouts[:, 1] > 1
     units = numels // unit
     per_chunk = np.maximum(chunk_numel // unit, np.where(columns, MIN_COLUMNS, 1))
+    whole_blocks = blocks // np.gcd(unit, blocks)  # units per block boundary
+    per_chunk = np.where(columns & (blocks > 1), np.maximum(units, 1), -(-per_chunk // whole_blocks) * whole_blocks)
     counts = -(-units // per_chunk)  # empty tensors get no chunk
     first_chunk = np.concatenate([[0], np.cumsum(counts)])
     tensor = np.repeat(np.arange(len(numels)), counts)
@@ -61,31 +68,41 @@ def chunk_plan(numels, layouts=None, chunk_numel=CHUNK_NUMEL):
 
 def subset_layouts(tensors):
     """Each tensor's subset-norm layout (b, c), read from its (a, b, c) view beside a second moment of
-    another shape (see fastoptim.states.subset_norm); (1, 1) for a dense one. None when all are."""
-    states = [ts for role, ts in tensors.items() if role not in ("param", "grad")]
+    another shape (see fastoptim.states.subset_norm); (1, 1) for a dense one."""
+    states = [ts for role, ts in tensors.items() if role not in ("param", "grad") and not role.endswith("_absmax")]
     layouts = [(param.shape[1], param.shape[2]) if any(ts[i].shape != param.shape for ts in states) else (1, 1)
                for i, param in enumerate(tensors["param"])]
-    return np.array(layouts, dtype=np.int64).reshape(-1, 2) if any(b > 1 for b, _ in layouts) else None
+    return np.array(layouts, dtype=np.int64).reshape(-1, 2)
 
 
 def data_pointers(tensors):
-    return np.fromiter((t.data_ptr() for t in tensors), dtype=np.int64, count=len(tensors))
+    """The tensors' data pointers (0 for None)."""
+    return np.fromiter((0 if t is None else t.data_ptr() for t in tensors), dtype=np.int64, count=len(tensors))
 
 
 class PointerTable:
     """The data pointers of a bucket's tensors, one row per role in ``roles`` order (a role the
-    bucket lacks is a row of zeros), and the chunk plan over them. It does not keep the tensors
-    alive: its owner must, and must drop it when one of them changes (the optimizer's step work
-    does both, see ``GroupWork``). Grads are new every step, so their row is refreshed."""
+    bucket lacks is a row of zeros, and so is a None entry), and the chunk plan over them. It does
+    not keep the tensors alive: its owner must, and must drop it when one of them changes (the
+    optimizer's step work does both, see ``GroupWork``). Grads are new every step, so their row is
+    refreshed.
 
-    def __init__(self, tensors, roles):
+    ``layouts`` holds each tensor's subset-norm (b, c) and its ``state_formats`` entry (a kernel's
+    code for the format of its states; None: all 0), or is None when all of it is (1, 1, 0).
+    ``blocks`` is passed on to :func:`chunk_plan`."""
+
+    def __init__(self, tensors, roles, state_formats=None, blocks=None):
         self.roles = roles
         self.pointers = np.zeros((len(roles), len(tensors["param"])), dtype=np.int64)
         for row, role in enumerate(roles):
             if role in tensors:
                 self.pointers[row] = data_pointers(tensors[role])
-        self.layouts = subset_layouts(tensors)
-        self.chunks, self.first_chunk = chunk_plan([t.numel() for t in tensors["param"]], self.layouts)
+        subsets = subset_layouts(tensors)
+        formats = np.zeros(len(subsets), dtype=np.int64) if state_formats is None else np.asarray(state_formats)
+        self.layouts = np.ascontiguousarray(np.column_stack([subsets, formats]), dtype=np.int64)
+        if not (subsets > 1).any() and not formats.any():
+            self.layouts = None
+        self.chunks, self.first_chunk = chunk_plan([t.numel() for t in tensors["param"]], subsets, blocks=blocks)
 
     def refresh_grads(self, grad_pointers):
         self.pointers[self.roles.index("grad")] = grad_pointers

@@ -4,6 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fastoptim.kernels import fused_cpu
 from fastoptim.states.blockwise8 import BLOCK, SIGNED, UNSIGNED, dequantize, n_blocks, quantize
 
 # The documented bound: |x| / 16 in the normal range, else half the smallest step times the absmax.
@@ -61,11 +62,53 @@ def test_each_blocks_largest_element_and_zeros_come_back_exact(kind):
 
 
 def test_the_code_tables():
-    for table, size, low in ((SIGNED, 255, -1.0), (UNSIGNED, 256, 0.0)):
+    for codes, size, low in ((SIGNED, 255, -1.0), (UNSIGNED, 256, 0.0)):
+        table = codes.values
         assert table.dtype == torch.float32 and table.numel() == size
         assert (table[1:] > table[:-1]).all()
-        assert table[0] == low and table[-1] == 1.0 and (table == 0).sum() == 1
-    assert SIGNED[127] == 0 and torch.equal(SIGNED[:127], -SIGNED[128:].flip(0))  # symmetric about 0
+        assert table[0] == low and table[-1] == 1.0 and (table == 0).sum() == 1 and table[codes.zero] == 0
+    assert SIGNED.zero == 127 and torch.equal(SIGNED.values[:127], -SIGNED.values[128:].flip(0))  # symmetric
     # 1/8 between neighbours across the normal range, so rounding errs by at most 1/16
-    for normal in (SIGNED[SIGNED > 2.0**-14], UNSIGNED[UNSIGNED > 2.0**-30]):
+    for normal in (SIGNED.values[SIGNED.values > 2.0**-14], UNSIGNED.values[UNSIGNED.values > 2.0**-30]):
         assert ((normal[1:] - normal[:-1]) / normal[:-1]).max() <= 1 / 8 + 1e-6
+
+
+def test_a_tie_goes_to_the_smaller_magnitude():
+    for codes in (SIGNED, UNSIGNED):
+        for sign in (1, -1) if codes.signed else (1,):
+            between = torch.arange(len(codes.midpoints))  # midpoint j lies between magnitudes j and j + 1
+            near = codes.midpoints / codes.top
+            for x in (torch.nextafter(near, torch.tensor(0.0)), near, torch.nextafter(near, torch.tensor(2.0))):
+                t = x * codes.top  # what the quantizer compares with the midpoints
+                magnitude = (quantize(torch.cat([torch.ones(1), sign * x]), codes)[0][1:].long() - codes.zero).abs()
+                assert torch.equal(magnitude, torch.where(t > codes.midpoints, between + 1, between))
+            assert (near * codes.top == codes.midpoints).float().mean() > 0.5  # most are ties
+
+
+needs_kernel = pytest.mark.skipif(not fused_cpu.AVAILABLE, reason="the fused CPU kernel is not built")
+
+
+@needs_kernel
+@settings(max_examples=100, deadline=None)
+@given(st.lists(values, min_size=1, max_size=3 * BLOCK + 7), st.sampled_from(["signed", "unsigned"]))
+def test_the_kernels_quantizer_is_the_reference_bit_for_bit(elements, kind):
+    codes = TABLES[kind]
+    x = torch.tensor(elements, dtype=torch.float32)
+    x = x.abs() if kind == "unsigned" else x
+    indices, absmax = quantize(x, codes)
+    kernel_indices, kernel_absmax = fused_cpu.quantize(x, codes)
+    assert torch.equal(kernel_indices, indices) and torch.equal(kernel_absmax, absmax)
+    assert torch.equal(fused_cpu.dequantize(indices, absmax, codes), dequantize(indices, absmax, codes))
+
+
+@needs_kernel
+def test_the_kernels_codes_and_ties_are_the_reference_s():
+    for codes in (SIGNED, UNSIGNED):
+        every_code = torch.arange(len(codes.values), dtype=torch.uint8)
+        assert torch.equal(fused_cpu.dequantize(every_code, torch.ones(1), codes), codes.values)
+        near = codes.midpoints / codes.top  # ties, and their neighbours, in blocks of absmax 1
+        x = torch.cat([near, torch.nextafter(near, torch.tensor(0.0)), torch.nextafter(near, torch.tensor(2.0))])
+        rows = torch.nn.functional.pad(x, (0, -len(x) % (BLOCK - 1))).view(-1, BLOCK - 1)
+        x = torch.cat([torch.ones(len(rows), 1), rows], 1)
+        for signed_x in (x, -x) if codes.signed else (x,):
+            assert torch.equal(fused_cpu.quantize(signed_x.reshape(-1), codes)[0], quantize(signed_x.reshape(-1), codes)[0])

@@ -134,9 +134,9 @@ def probe(params, device):
         shapes.append(param.shape)
         numel += param.numel()
     if torch.device(device).type == "cpu" and fused_cpu.AVAILABLE:
-        roles = fused_cpu.ROLES["adan"]
-        buffers = {role: [torch.zeros(shape) for shape in shapes] for role in roles}
-        table = PointerTable(buffers, roles)
+        buffers = {role: [torch.zeros(shape) for shape in shapes]
+                   for role in ("param", "grad") + fused_cpu.STATE_ROLES["adan"]}
+        table = PointerTable(buffers, fused_cpu.ROLES["adan"])
 
         def step(buffers=buffers):  # keeps alive the buffers the table points into
             fused_cpu.probe(table.pointers, len(shapes), table.chunks, torch.get_num_threads())

@@ -5,9 +5,13 @@ tensor, parallel over fixed-size chunks across all of them. Single-tensor (``for
 call per tensor, as the seeds' FusedAdan does. Both read the pointer table and chunk plan cached in
 ``plan.cache``; only the gradients' row is refreshed each step.
 
+States may be fp32, bf16 or 8-bit (``state_bits``): the kernel dequantizes, updates and
+requantizes each 256-element block in one pass.
+
 Tensors the kernel cannot take run on the foreach engine instead, with one warning when fused was
-asked for: no build, a dtype other than fp32/bf16/fp16, a device other than the CPU, or a layout
-where param, grad and states are not dense with the same strides.
+asked for: no build, a dtype other than fp32/bf16/fp16, a device other than the CPU, a layout
+where param, grad and states are not dense with the same strides, or 8-bit states of a param
+that is not contiguous (the codes are in row-major order).
 """
 import operator
 import warnings
@@ -16,15 +20,35 @@ import torch
 
 from ..kernels import fused_cpu
 from ..multi_tensor import PointerTable, data_pointers, is_dense
+from ..states import blockwise8
 from . import foreach
 
 
+def state_format(param, states):
+    """The format of a tensor's states (``states``: role to tensor) as the kernel names it, when
+    they follow its rule (one dtype, except Adan's neg_pre_grad in bf16 beside 8-bit codes and a
+    subset-norm second moment in fp32), else None."""
+    full = {role: state.dtype for role, state in states.items() if state.shape == param.shape}
+    pre_grad = full.pop("neg_pre_grad", None)
+    dtypes = set(full.values())
+    dtype = dtypes.pop() if len(dtypes) == 1 else pre_grad or torch.float32 if not dtypes else None
+    if dtype not in fused_cpu.STATE_FORMATS or pre_grad not in (None, torch.bfloat16 if dtype == torch.uint8 else dtype):
+        return None
+    if any(state.dtype != torch.float32 for state in states.values() if state.shape != param.shape):
+        return None
+    return fused_cpu.STATE_FORMATS[dtype]
+
+
 def _refusal(param, grad, states):
-    """Why the kernel cannot take this tensor, or None."""
+    """Why the kernel cannot take this tensor (``states``: role to tensor), or None."""
     if not fused_cpu.AVAILABLE:
         return "the fused CPU kernel is not built (see the README's set-up)"
-    if any(state.dtype in (torch.bfloat16, torch.uint8) for state in states):
-        return "no fused kernel for bf16 or 8-bit states yet"
+    if state_format(param, states) is None:
+        return "its states mix formats in a way the kernel does not know"
+    if any(state.dtype == torch.uint8 for state in states.values()) and not all(
+            t.is_contiguous() for t in (param, grad, *states.values())):
+        return "8-bit states need a contiguous param and grad"
+    states = list(states.values())
     if any(state.shape != param.shape for state in states):  # a subset-norm view: walked in row-major order
         if not all(t.is_contiguous() for t in (param, grad, *states)):
             return "a subset-norm param, grad and states must be contiguous"
@@ -48,7 +72,7 @@ def _split(plan):
     state_roles = [role for role in plan.tensors if role not in ("param", "grad")]
     taken, left, reason = [], [], None
     for i, (param, grad) in enumerate(zip(plan.tensors["param"], plan.tensors["grad"])):
-        why = _refusal(param, grad, [plan.tensors[role][i] for role in state_roles])
+        why = _refusal(param, grad, {role: plan.tensors[role][i] for role in state_roles})
         (left if why else taken).append(i)
         reason = reason or why
     return taken, left, reason
@@ -99,7 +123,13 @@ class Prepared:
 
     def __init__(self, plan, roles):
         self.taken, self.left, self.reason = _split(plan)
-        self.table = PointerTable({role: [t[i] for i in self.taken] for role, t in plan.tensors.items()}, roles)
+        tensors = {role: [t[i] for i in self.taken] for role, t in plan.tensors.items()}
+        tensors |= {role + "_absmax": [values[i] for i in self.taken] for role, values in plan.absmax.items()}
+        state_roles = [role for role in plan.tensors if role not in ("param", "grad")]
+        formats = [state_format(param, {role: tensors[role][k] for role in state_roles})
+                   for k, param in enumerate(tensors["param"])]
+        blocks = [blockwise8.BLOCK if f == fused_cpu.STATE_FORMATS[torch.uint8] else 1 for f in formats]
+        self.table = PointerTable(tensors, roles, formats, blocks)
         self.grad_strides = [grad.stride() for grad in plan.tensors["grad"]]
 
 

@@ -18,19 +18,23 @@
    (dtype, amsgrad, no first moment, stochastic rounding) are compile-time constants of one kernel
    body, specialised by always-inline; the rest (weight decay, prox, maximize, clipping) are scalars.
 
-   Subset-norm tensors (fastoptim/states/subset_norm.py) come with a layout (b, c): the param is an
-   (a, b, c) array whose second moment has one entry per subset [i, :, k]. Rows (c = 1): subsets of
-   b consecutive elements; a chunk holds whole subsets, and each subset takes two passes, the sum of
-   squares and the update, the second from cache. Columns (a = 1): a chunk is a run of the c
-   columns over all b rows, counted in elements (start and count are multiples of b); its second
-   moments are accumulated row by row, then it is updated. */
+   Each tensor comes with a layout (b, c, states) (NULL for the table: (1, 1, FP32) for all).
+   - (b, c): subset-norm tensors (fastoptim/states/subset_norm.py) are (a, b, c) arrays whose second
+     moment has one entry per subset [i, :, k]; (1, 1) is dense. Rows (c = 1): subsets of b
+     consecutive elements, and a chunk holds whole subsets. Columns (a = 1): a chunk is a run of the
+     c columns over all b rows, counted in elements (start and count are multiples of b). A chunk
+     first sums its subsets' squares into their second moments, then updates its elements, reading
+     them again from cache.
+   - states: the format of the param-shaped states, FP32, BF16 or Q8 (8-bit blockwise, below).
+     A subset-norm second moment is fp32 in every format, and Adan's g_prev is bf16 under Q8, as
+     fastoptim.optimizers.base.state_dtype keeps them. */
 #include <dlfcn.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
-enum { FP32, BF16, FP16 };
+enum { FP32, BF16, FP16, Q8 };  /* element formats: params take the first three */
 enum { AMSGRAD = 1, STOCHASTIC_ROUNDING = 2, NO_FIRST_MOMENT = 4 };  /* flags */
 
 /* One scalar argument: a shared value (stride 0) or one value per tensor (stride 1). A pointer,
@@ -46,9 +50,10 @@ enum { ADAN_BETA1 = COMMON_SCALARS, ADAN_BETA2, ADAN_BETA3, ADAN_ONE_MINUS_BETA1
        ADAN_SCALARS };
 enum { ADAMW_ONE_MINUS_BETA1 = COMMON_SCALARS, ADAMW_BETA2, ADAMW_ONE_MINUS_BETA2, ADAMW_EPS, ADAMW_DECAY_MUL,
        ADAMW_DECAY_AFTER, ADAMW_STEP_SIZE, ADAMW_BIAS_CORRECTION2_SQRT, ADAMW_SCALARS };
-/* Rows of the pointer table, by kernel. */
-enum { PARAM, GRAD, EXP_AVG, EXP_AVG_SQ, EXP_AVG_DIFF, NEG_PRE_GRAD };
-enum { MAX_EXP_AVG_SQ = EXP_AVG_SQ + 1 };
+/* Rows of the pointer table, by kernel: param, grad, the states, then each state's block maxima
+   (rows of zeros where a state is not 8-bit). */
+enum { PARAM, GRAD, EXP_AVG, EXP_AVG_SQ, EXP_AVG_DIFF, NEG_PRE_GRAD, ADAN_ROWS };
+enum { MAX_EXP_AVG_SQ = EXP_AVG_SQ + 1, ADAMW_ROWS };
 
 typedef struct Work Work;
 typedef void (*ChunkFn)(const Work *, int64_t tensor, int64_t start, int64_t count);
@@ -57,7 +62,7 @@ struct Work {
     const int64_t *pointers;   /* [role][tensor] data pointers */
     int64_t n_tensors;
     const int64_t *chunks;     /* [chunk][4]: tensor, first element (column), element (column) count, elements before it */
-    const int64_t *layouts;    /* [tensor][2]: subset-norm (b, c); NULL or (1, 1): dense */
+    const int64_t *layouts;    /* [tensor][3]: subset-norm (b, c) and the states' format; NULL: (1, 1, FP32) */
     const Scalar *scalars;
     ChunkFn chunk;
 };
@@ -115,13 +120,133 @@ INLINE void store(void *base, int64_t i, float x, int dtype, int stochastic, uin
     }
 }
 
-/* A tensor's subset-norm layout: b (which = 0) and c (which = 1); (1, 1) when it is dense. */
+enum { SUBSET_ROWS, SUBSET_COLUMNS, STATES };  /* the columns of the layout table */
+
 INLINE int64_t layout(const Work *w, int64_t t, int which) {
-    return w->layouts ? w->layouts[2 * t + which] : 1;
+    return w->layouts ? w->layouts[3 * t + which] : which == STATES ? FP32 : 1;
 }
+
+/* max(a, b) as a compare and select that vectorises (fmaxf is a libm call), NaN when b is NaN. */
+INLINE float larger(float a, float b) { return a > b ? a : b; }
 
 /* The sum over i in [begin, end) of a per-element expression: in several lanes, so it vectorises. */
 #define SIMD_SUM _Pragma("omp simd reduction(+:sum)")
+
+/* --- States in fp32, bf16 or 8 bits ----------------------------------------------------------
+
+   8-bit states follow fastoptim/states/blockwise8.py: blocks of BLOCK elements in row-major order,
+   one fp32 absmax each, and per element the index of a code: a mini-float with 3 mantissa bits
+   (SIGNED: a sign and 4 exponent bits, zero at index 127; UNSIGNED: 5 exponent bits) divided by its
+   largest, TOP. Every chunk starts on a block (the chunk plan makes sure), so each thread owns its
+   blocks. It dequantizes a block's states into buffers on its stack, updates them there, and
+   requantizes them: no dequantized copy of a state exists beyond those buffers. With fp32 or bf16
+   states, a whole run is one block and the states are updated where they are. */
+#define BLOCK 256
+#define TOP 1.875f
+enum { SIGNED = 4, UNSIGNED = 5 };  /* the code tables, by their exponent bits */
+
+/* Magnitude k of a table, as the mini-float's value (exact in fp32). */
+INLINE float minifloat(int32_t k, int exponent_bits) {
+    const int32_t bias = (1 << exponent_bits) - 1, bits = ((k >> 3) + 127 - bias) << 23 | (k & 7) << 20;
+    float normal;
+    memcpy(&normal, &bits, sizeof normal);
+    return k < 8 ? (float)k * ldexpf(1, -2 - bias) : normal;  /* subnormals: k/8 · 2^(1 − bias) */
+}
+
+INLINE float dequantize(uint8_t index, float absmax, int table) {
+    const int32_t k = table == SIGNED ? index - 127 : index;
+    const float code = minifloat(k < 0 ? -k : k, table) / TOP;
+    return (k < 0 ? -code : code) * absmax;
+}
+
+/* The index of the code nearest to y = x / absmax: the mini-float nearest to |y|·TOP, rounded from
+   its fp32 bits (a tie goes to the smaller magnitude, as the reference's midpoints decide it). */
+INLINE uint8_t quantize(float y, int table) {
+    const int32_t bias = (1 << table) - 1, last = table == SIGNED ? 127 : 255;
+    const float t = fabsf(y) * TOP;
+    int32_t bits;
+    memcpy(&bits, &t, sizeof bits);
+    const int32_t normal = ((bits + (1 << 19) - 1) >> 20) - ((127 - bias) << 3);
+    const int32_t subnormal = (int32_t)ceilf(t * ldexpf(1, 2 + bias) - 0.5f);
+    int32_t k = t < ldexpf(1, 1 - bias) ? subnormal : normal;
+    k = k > last ? last : k;
+    return (uint8_t)(table == SIGNED ? (y < 0 ? 127 - k : 127 + k) : k);
+}
+
+/* n (at most BLOCK) values into their codes and their block's absmax. */
+INLINE void quantize_block(const float *restrict values, int64_t n, uint8_t *restrict codes, float *absmax, int table) {
+    float top = 0;
+    _Pragma("omp simd reduction(max:top)") for (int64_t k = 0; k < n; k++) top = larger(top, fabsf(values[k]));
+    const float divisor = top > 0 ? top : 1;
+    IVDEP for (int64_t k = 0; k < n; k++) codes[k] = quantize(values[k] / divisor, table);
+    *absmax = top;
+}
+
+INLINE void dequantize_block(const uint8_t *restrict codes, float absmax, int64_t n, float *restrict values, int table) {
+    IVDEP for (int64_t k = 0; k < n; k++) values[k] = dequantize(codes[k], absmax, table);
+}
+
+/* The kernels' quantizer and dequantizer over n elements, for the tests to hold them to the
+   reference. */
+VECTORISED int fastoptim_quantize(const float *values, int64_t n, int32_t table, uint8_t *codes, float *absmax) {
+    for (int64_t i = 0; i < n; i += BLOCK)
+        quantize_block(values + i, n - i < BLOCK ? n - i : BLOCK, codes + i, absmax + i / BLOCK, table);
+    return 0;
+}
+
+VECTORISED int fastoptim_dequantize(const uint8_t *codes, const float *absmax, int64_t n, int32_t table, float *values) {
+    for (int64_t i = 0; i < n; i += BLOCK)
+        dequantize_block(codes + i, absmax[i / BLOCK], n - i < BLOCK ? n - i : BLOCK, values + i, table);
+    return 0;
+}
+
+/* One state of one tensor, in format FP32, BF16 or Q8 (the format is a compile-time argument of
+   the functions below, so each kernel body is specialised for it). */
+typedef struct {
+    void *data;
+    float *absmax;        /* Q8: one per block; NULL for a state without blocks (absent, or fp32) */
+    int table;            /* Q8: SIGNED or UNSIGNED */
+    float *block;         /* Q8: the values of the block being updated */
+    int64_t first;        /* Q8: that block's first element */
+} State;
+
+INLINE State state(const Work *w, int role, int rows, int64_t t, int table, float *block) {
+    return (State){row(w, role, t), row(w, rows + role - EXP_AVG, t), table, block, 0};
+}
+
+INLINE float get(const State *s, int64_t i, int format) {
+    return format == Q8 ? s->block[i - s->first] : load(s->data, i, format);
+}
+
+INLINE void put(State *s, int64_t i, float x, int format) {
+    if (format == Q8) s->block[i - s->first] = x;
+    else store(s->data, i, x, format, 0, 0, 0);
+}
+
+/* The end of the block that starts at i, in a run that ends at end. */
+INLINE int64_t block_end(int64_t i, int64_t end, int format) {
+    return format == Q8 && i / BLOCK * BLOCK + BLOCK < end ? i / BLOCK * BLOCK + BLOCK : end;
+}
+
+/* Blocks start on multiples of BLOCK. */
+INLINE void open_block(State *s, int64_t i, int64_t end, int format) {
+    s->first = i;
+    if (format == Q8 && s->absmax)
+        dequantize_block((const uint8_t *)s->data + i, s->absmax[i / BLOCK], end - i, s->block, s->table);
+}
+
+INLINE void close_block(State *s, int64_t i, int64_t end, int format) {
+    if (format == Q8 && s->absmax)
+        quantize_block(s->block, end - i, (uint8_t *)s->data + i, &s->absmax[i / BLOCK], s->table);
+}
+
+/* Runs the code after the states over [from, to) block by block (it reads the block as [i0, i1)),
+   opening the three states before each block and closing them after it. */
+#define FOR_BLOCKS(from, to, format, s1, s2, s3, ...) for (int64_t i0 = (from), i1, end_ = (to); i0 < end_; i0 = i1) { \
+        i1 = block_end(i0, end_, format);                                                              \
+        open_block(s1, i0, i1, format), open_block(s2, i0, i1, format), open_block(s3, i0, i1, format);            \
+        __VA_ARGS__                                                                                    \
+        close_block(s1, i0, i1, format), close_block(s2, i0, i1, format), close_block(s3, i0, i1, format); }
 
 /* --- Adan ----------------------------------------------------------------------------------- */
 
@@ -153,57 +278,80 @@ INLINE float adan_scale(const AdanScalars *s, float n) {
     return s->step_size / (sqrtf(n) * s->inv_bias_correction3_sqrt + s->eps);
 }
 
-/* After exp_avg_sq: the moments m and v, g_prev, and the new value of param p. */
-INLINE float adan_apply(const AdanScalars *s, AdanTerms x, float *m, float *v, float *neg_pre_grad, float p,
-                        float scale) {
+/* After exp_avg_sq: the moments m and v, and the new value of param p. */
+INLINE float adan_apply(const AdanScalars *s, AdanTerms x, float *m, float *v, float p, float scale) {
     *m = *m * s->beta1 - x.neg_g * s->one_minus_beta1;
     *v = *v * s->beta2 + x.d * s->one_minus_beta2;
-    *neg_pre_grad = x.neg_g;
     p = p * s->decay_mul - *m * scale - *v * (scale * s->diff_ratio);    /* 1 − lr·wd with no_prox */
     return p * s->inv_decay_div;                                          /* 1 + lr·wd: prox */
 }
 
-INLINE void adan_body(const Work *w, int64_t t, int64_t start, int64_t count, int dtype, int stochastic) {
+/* ``states``: the format of the param-shaped states (see the top of the file). */
+INLINE void adan_body(const Work *w, int64_t t, int64_t start, int64_t count, int dtype, int stochastic, int states) {
     const AdanScalars s = adan_scalars(w, t);
     const uint32_t seed = (uint32_t)scalar(w, SEED, t);
     void *param = row(w, PARAM, t);
     const void *grad = row(w, GRAD, t);
-    float *restrict m = row(w, EXP_AVG, t), *restrict n = row(w, EXP_AVG_SQ, t);
-    float *restrict v = row(w, EXP_AVG_DIFF, t), *restrict neg_pre_grad = row(w, NEG_PRE_GRAD, t);
-    const int64_t b = layout(w, t, 0), c = layout(w, t, 1);
-#define ADAN_UPDATE(i, x, scale) store(param, i, adan_apply(&s, x, &m[i], &v[i], &neg_pre_grad[i], \
-                                       load(param, i, dtype), scale), dtype, stochastic, seed, t)
-#define ADAN_TERMS(i) adan_terms(&s, load(grad, i, dtype), neg_pre_grad[i])
+    float m_block[BLOCK], v_block[BLOCK], n_block[BLOCK];
+    State m = state(w, EXP_AVG, ADAN_ROWS, t, SIGNED, m_block);
+    State v = state(w, EXP_AVG_DIFF, ADAN_ROWS, t, SIGNED, v_block);
+    State n = state(w, EXP_AVG_SQ, ADAN_ROWS, t, UNSIGNED, n_block);
+    void *neg_pre_grad = row(w, NEG_PRE_GRAD, t);
+    const int pre_grad_format = states == Q8 ? BF16 : states;
+    const int64_t b = layout(w, t, SUBSET_ROWS), c = layout(w, t, SUBSET_COLUMNS), end = start + count;
+#define ADAN_TERMS(i) adan_terms(&s, load(grad, i, dtype), load(neg_pre_grad, i, pre_grad_format))
+#define ADAN_UPDATE(i, x, scale) do {                                                                 \
+        float m_i = get(&m, i, states), v_i = get(&v, i, states);                                     \
+        const float p = adan_apply(&s, x, &m_i, &v_i, load(param, i, dtype), scale);                  \
+        put(&m, i, m_i, states), put(&v, i, v_i, states);                                              \
+        store(neg_pre_grad, i, x.neg_g, pre_grad_format, 0, 0, 0);                                     \
+        store(param, i, p, dtype, stochastic, seed, t);                                               \
+    } while (0)
+#define ADAN_BLOCKS(from, to, ...) FOR_BLOCKS(from, to, states, &m, &v, &n, __VA_ARGS__)
     if (b == 1) {                                           /* dense: n = β3·n + (1−β3)·u² per element */
-        IVDEP for (int64_t i = start; i < start + count; i++) {
+        ADAN_BLOCKS(start, end, IVDEP for (int64_t i = i0; i < i1; i++) {
             const AdanTerms x = ADAN_TERMS(i);
-            n[i] = n[i] * s.beta3 + x.u * x.u * s.one_minus_beta3;
-            ADAN_UPDATE(i, x, adan_scale(&s, n[i]));
-        }
-    } else if (c == 1) {                                    /* rows: subset k is elements [k·b, (k+1)·b) */
-        for (int64_t k = start / b; k < (start + count) / b; k++) {
+            const float n_i = get(&n, i, states) * s.beta3 + x.u * x.u * s.one_minus_beta3;
+            put(&n, i, n_i, states);
+            ADAN_UPDATE(i, x, adan_scale(&s, n_i));
+        })
+        return;
+    }
+    float *restrict reduced = n.data;                       /* fp32, one per subset */
+    if (c == 1) {                                           /* rows: subset k is elements [k·b, (k+1)·b) */
+        for (int64_t k = start / b; k < end / b; k++) {
             float sum = 0;
             SIMD_SUM for (int64_t i = k * b; i < (k + 1) * b; i++) {
                 const AdanTerms x = ADAN_TERMS(i);
                 sum += x.u * x.u;
             }
-            n[k] = n[k] * s.beta3 + sum * s.one_minus_beta3;
-            const float scale = adan_scale(&s, n[k]);
-            IVDEP for (int64_t i = k * b; i < (k + 1) * b; i++) ADAN_UPDATE(i, ADAN_TERMS(i), scale);
+            reduced[k] = reduced[k] * s.beta3 + sum * s.one_minus_beta3;
         }
-    } else {                                                /* columns: the chunk's elements / b of b rows */
-        const int64_t j0 = start / b, j1 = (start + count) / b;
-        IVDEP for (int64_t j = j0; j < j1; j++) n[j] *= s.beta3;
-        for (int64_t r = 0; r < b; r++)
-            IVDEP for (int64_t j = j0; j < j1; j++) {
-                const AdanTerms x = ADAN_TERMS(r * c + j);
-                n[j] += x.u * x.u * s.one_minus_beta3;
-            }
-        for (int64_t r = 0; r < b; r++)
-            IVDEP for (int64_t j = j0; j < j1; j++) ADAN_UPDATE(r * c + j, ADAN_TERMS(r * c + j), adan_scale(&s, n[j]));
+        ADAN_BLOCKS(start, end, for (int64_t k = i0 / b; k * b < i1; k++) {
+            const float scale = adan_scale(&s, reduced[k]);
+            const int64_t from = k * b > i0 ? k * b : i0, to = (k + 1) * b < i1 ? (k + 1) * b : i1;
+            IVDEP for (int64_t i = from; i < to; i++) ADAN_UPDATE(i, ADAN_TERMS(i), scale);
+        })
+        return;
     }
-#undef ADAN_TERMS
+    /* columns: the chunk's elements / b of b rows; under Q8 all c of them (the chunk plan makes
+       sure), so the rows make one run of whole blocks */
+    const int64_t j0 = start / b, j1 = end / b;
+    IVDEP for (int64_t j = j0; j < j1; j++) reduced[j] *= s.beta3;
+    for (int64_t r = 0; r < b; r++)
+        IVDEP for (int64_t j = j0; j < j1; j++) {
+            const AdanTerms x = ADAN_TERMS(r * c + j);
+            reduced[j] += x.u * x.u * s.one_minus_beta3;
+        }
+    for (int64_t r = 0; r < (states == Q8 ? 1 : b); r++)
+        ADAN_BLOCKS(states == Q8 ? 0 : r * c + j0, states == Q8 ? b * c : r * c + j1,
+                   for (int64_t row = i0 / c; row * c < i1; row++) {
+            const int64_t from = row * c > i0 ? row * c : i0, to = (row + 1) * c < i1 ? (row + 1) * c : i1;
+            IVDEP for (int64_t i = from; i < to; i++) ADAN_UPDATE(i, ADAN_TERMS(i), adan_scale(&s, reduced[i - row * c]));
+        })
+#undef ADAN_BLOCKS
 #undef ADAN_UPDATE
+#undef ADAN_TERMS
 }
 
 /* --- AdamW, AdamWSN and RMSPropSN ------------------------------------------------------------- */
@@ -238,48 +386,72 @@ INLINE float adamw_apply(const AdamWScalars *s, float g, float *m, float p, floa
 }
 
 INLINE void adamw_body(const Work *w, int64_t t, int64_t start, int64_t count, int dtype, int stochastic,
-                       int amsgrad, int first_moment) {
+                       int amsgrad, int first_moment, int states) {
     const AdamWScalars s = adamw_scalars(w, t);
     const uint32_t seed = (uint32_t)scalar(w, SEED, t);
     void *param = row(w, PARAM, t);
     const void *grad = row(w, GRAD, t);
-    float *restrict m = row(w, EXP_AVG, t), *restrict v = row(w, EXP_AVG_SQ, t);
-    float *restrict v_max = amsgrad ? (float *)row(w, MAX_EXP_AVG_SQ, t) : v;
-    const int64_t b = layout(w, t, 0), c = layout(w, t, 1);
-#define ADAMW_UPDATE(i, g, scale) store(param, i, adamw_apply(&s, g, &m[i], load(param, i, dtype), scale, \
-                                        first_moment), dtype, stochastic, seed, t)
+    float m_block[BLOCK], v_block[BLOCK], v_max_block[BLOCK];
+    State m = state(w, EXP_AVG, ADAMW_ROWS, t, SIGNED, m_block);
+    State v = state(w, EXP_AVG_SQ, ADAMW_ROWS, t, UNSIGNED, v_block);
+    State v_max = amsgrad ? state(w, MAX_EXP_AVG_SQ, ADAMW_ROWS, t, UNSIGNED, v_max_block) : (State){0};
+    const int64_t b = layout(w, t, SUBSET_ROWS), c = layout(w, t, SUBSET_COLUMNS), end = start + count;
 #define ADAMW_GRAD(i) (load(grad, i, dtype) * s.grad_scale)
+#define ADAMW_UPDATE(i, g, scale) do {                                                                \
+        float m_i = first_moment ? get(&m, i, states) : 0;                                           \
+        const float p = adamw_apply(&s, g, &m_i, load(param, i, dtype), scale, first_moment);          \
+        if (first_moment) put(&m, i, m_i, states);                                                    \
+        store(param, i, p, dtype, stochastic, seed, t);                                               \
+    } while (0)
+#define ADAMW_BLOCKS(from, to, ...) FOR_BLOCKS(from, to, states, &m, &v, &v_max, __VA_ARGS__)
     if (b == 1) {                                           /* dense: v = β2·v + (1−β2)·g² per element */
-        IVDEP for (int64_t i = start; i < start + count; i++) {
+        ADAMW_BLOCKS(start, end, IVDEP for (int64_t i = i0; i < i1; i++) {
             const float g = ADAMW_GRAD(i);
-            v[i] = v[i] * s.beta2 + g * g * s.one_minus_beta2;
-            if (amsgrad) v_max[i] = fmaxf(v_max[i], v[i]);
-            ADAMW_UPDATE(i, g, adamw_scale(&s, v_max[i]));
-        }
-    } else if (c == 1) {                                    /* rows: subset k is elements [k·b, (k+1)·b) */
-        for (int64_t k = start / b; k < (start + count) / b; k++) {
+            float v_i = get(&v, i, states) * s.beta2 + g * g * s.one_minus_beta2;
+            put(&v, i, v_i, states);
+            if (amsgrad) {
+                v_i = larger(get(&v_max, i, states), v_i);
+                put(&v_max, i, v_i, states);
+            }
+            ADAMW_UPDATE(i, g, adamw_scale(&s, v_i));
+        })
+        return;
+    }
+    float *reduced = v.data, *reduced_max = amsgrad ? v_max.data : v.data;  /* fp32, one per subset */
+    if (c == 1) {                                           /* rows: subset k is elements [k·b, (k+1)·b) */
+        for (int64_t k = start / b; k < end / b; k++) {
             float sum = 0;
             SIMD_SUM for (int64_t i = k * b; i < (k + 1) * b; i++) sum += ADAMW_GRAD(i) * ADAMW_GRAD(i);
-            v[k] = v[k] * s.beta2 + sum * s.one_minus_beta2;
-            if (amsgrad) v_max[k] = fmaxf(v_max[k], v[k]);
-            const float scale = adamw_scale(&s, v_max[k]);
-            IVDEP for (int64_t i = k * b; i < (k + 1) * b; i++) ADAMW_UPDATE(i, ADAMW_GRAD(i), scale);
+            reduced[k] = reduced[k] * s.beta2 + sum * s.one_minus_beta2;
+            if (amsgrad) reduced_max[k] = larger(reduced_max[k], reduced[k]);
         }
-    } else {                                                /* columns: the chunk's elements / b of b rows */
-        const int64_t j0 = start / b, j1 = (start + count) / b;
-        IVDEP for (int64_t j = j0; j < j1; j++) v[j] *= s.beta2;
-        for (int64_t r = 0; r < b; r++)
-            IVDEP for (int64_t j = j0; j < j1; j++) {
-                const float g = ADAMW_GRAD(r * c + j);
-                v[j] += g * g * s.one_minus_beta2;
-            }
-        if (amsgrad)
-            for (int64_t j = j0; j < j1; j++) v_max[j] = fmaxf(v_max[j], v[j]);
-        for (int64_t r = 0; r < b; r++)
-            IVDEP for (int64_t j = j0; j < j1; j++) ADAMW_UPDATE(r * c + j, ADAMW_GRAD(r * c + j), adamw_scale(&s, v_max[j]));
+        ADAMW_BLOCKS(start, end, for (int64_t k = i0 / b; k * b < i1; k++) {
+            const float scale = adamw_scale(&s, reduced_max[k]);
+            const int64_t from = k * b > i0 ? k * b : i0, to = (k + 1) * b < i1 ? (k + 1) * b : i1;
+            IVDEP for (int64_t i = from; i < to; i++) ADAMW_UPDATE(i, ADAMW_GRAD(i), scale);
+        })
+        return;
     }
-#undef ADAMW_GRAD
+    /* columns: as Adan's */
+    const int64_t j0 = start / b, j1 = end / b;
+    IVDEP for (int64_t j = j0; j < j1; j++) reduced[j] *= s.beta2;
+    for (int64_t r = 0; r < b; r++)
+        IVDEP for (int64_t j = j0; j < j1; j++) {
+            const float g = ADAMW_GRAD(r * c + j);
+            reduced[j] += g * g * s.one_minus_beta2;
+        }
+    if (amsgrad)
+        for (int64_t j = j0; j < j1; j++) reduced_max[j] = larger(reduced_max[j], reduced[j]);
+    for (int64_t r = 0; r < (states == Q8 ? 1 : b); r++)
+        ADAMW_BLOCKS(states == Q8 ? 0 : r * c + j0, states == Q8 ? b * c : r * c + j1,
+                     for (int64_t row = i0 / c; row * c < i1; row++) {
+            const int64_t from = row * c > i0 ? row * c : i0, to = (row + 1) * c < i1 ? (row + 1) * c : i1;
+            IVDEP for (int64_t i = from; i < to; i++)
+                ADAMW_UPDATE(i, ADAMW_GRAD(i), adamw_scale(&s, reduced_max[i - row * c]));
+        })
+#undef ADAMW_BLOCKS
 #undef ADAMW_UPDATE
+#undef ADAMW_GRAD
 }
 
 /* The trivial-math twin of Adan's traffic (6 reads, 5 writes of fp32): the bandwidth it reaches
@@ -294,11 +466,16 @@ INLINE void probe_body(const Work *w, int64_t t, int64_t start, int64_t count) {
     }
 }
 
-/* The specialisations: one chunk function per (kernel, dtype, rounding[, amsgrad | no first moment]). */
-#define ADAN_CHUNK(NAME, DTYPE, SR) \
-    VECTORISED static void NAME(const Work *w, int64_t t, int64_t s, int64_t c) { adan_body(w, t, s, c, DTYPE, SR); }
+/* The specialisations: one chunk function per (kernel, dtype, rounding[, amsgrad | no first moment]),
+   which picks the body for the tensor's state format. */
+#define BY_STATES(w, t, BODY, ...) switch (layout(w, t, STATES)) {                                      \
+        case BF16: BODY(__VA_ARGS__, BF16); break;                                                      \
+        case Q8: BODY(__VA_ARGS__, Q8); break;                                                          \
+        default: BODY(__VA_ARGS__, FP32); }
+#define ADAN_CHUNK(NAME, DTYPE, SR) VECTORISED static void NAME(const Work *w, int64_t t, int64_t s, int64_t c) { \
+    BY_STATES(w, t, adan_body, w, t, s, c, DTYPE, SR) }
 #define ADAMW_CHUNK(NAME, DTYPE, SR, AMS, FIRST) VECTORISED static void NAME(const Work *w, int64_t t, int64_t s, \
-    int64_t c) { adamw_body(w, t, s, c, DTYPE, SR, AMS, FIRST); }
+    int64_t c) { BY_STATES(w, t, adamw_body, w, t, s, c, DTYPE, SR, AMS, FIRST) }
 #define ADAMW_CHUNKS(SUFFIX, AMS, FIRST) \
     ADAMW_CHUNK(adamw_fp32##SUFFIX, FP32, 0, AMS, FIRST) ADAMW_CHUNK(adamw_bf16##SUFFIX, BF16, 0, AMS, FIRST) \
     ADAMW_CHUNK(adamw_bf16_sr##SUFFIX, BF16, 1, AMS, FIRST) ADAMW_CHUNK(adamw_fp16##SUFFIX, FP16, 0, AMS, FIRST)

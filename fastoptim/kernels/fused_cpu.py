@@ -1,8 +1,11 @@
 """ctypes binding of the fused CPU kernels in ``fused_cpu.c``.
 
-Each kernel takes a pointer table (one row of data pointers per role, in ``ROLES`` order), a chunk
-table, and its scalars in ``SCALARS`` order: the names mirror the C enums. ctypes releases the GIL
-for the call. The kernels run on the threads of the OpenMP runtime torch has loaded, when there is
+Each kernel takes a pointer table (one row of data pointers per role, in ``ROLES`` order: param,
+grad, the states, then the block maxima of 8-bit ones), a chunk table, a layout table (each
+tensor's subset-norm (b, c) and its states' format, ``STATE_FORMATS``) and its scalars in
+``SCALARS`` order: the names mirror the C enums. ctypes releases the GIL for the call. The kernels'
+8-bit codes restate fastoptim.states.blockwise8's; ``quantize`` and ``dequantize`` expose them to
+the tests. The kernels run on the threads of the OpenMP runtime torch has loaded, when there is
 one (``LIBRARY.openmp`` is its path), else on pthreads.
 """
 import ctypes
@@ -11,14 +14,19 @@ from pathlib import Path
 
 import torch
 
+from ..states import blockwise8
+
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+STATE_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 3}  # the C enum's FP32, BF16 and Q8
 AMSGRAD, STOCHASTIC_ROUNDING, NO_FIRST_MOMENT = 1, 2, 4
 
 COMMON_SCALARS = ("found_inf", "seed", "grad_scale")
-ROLES = {
-    "adan": ("param", "grad", "exp_avg", "exp_avg_sq", "exp_avg_diff", "neg_pre_grad"),
-    "adamw": ("param", "grad", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+STATE_ROLES = {
+    "adan": ("exp_avg", "exp_avg_sq", "exp_avg_diff", "neg_pre_grad"),
+    "adamw": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
 }
+ROLES = {kernel: ("param", "grad") + roles + tuple(role + "_absmax" for role in roles)
+         for kernel, roles in STATE_ROLES.items()}
 SCALARS = {
     "adan": COMMON_SCALARS + ("beta1", "beta2", "beta3", "one_minus_beta1", "one_minus_beta2", "one_minus_beta3",
                               "eps", "pre_grad_weight", "bias_correction3_sqrt", "step_size", "diff_ratio",
@@ -51,6 +59,10 @@ def _load():
     library.fastoptim_probe.argtypes = common + [ctypes.c_int32]
     library.fastoptim_probe.restype = ctypes.c_int
     library.fastoptim_use_openmp.argtypes = [ctypes.c_char_p]
+    library.fastoptim_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p,
+                                           ctypes.c_void_p]
+    library.fastoptim_dequantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32,
+                                             ctypes.c_void_p]
     library.openmp = None
     return library
 
@@ -85,7 +97,8 @@ if AVAILABLE:
 
 def run(kernel, pointers, n_tensors, chunks, chunk_range, layouts, scalars, dtype, flags, n_threads):
     """Run ``kernel`` ('adan' or 'adamw') over chunks ``chunk_range`` of the tables (numpy int64;
-    ``layouts``, the subset-norm (b, c) of each tensor, may be None when all are dense)."""
+    ``layouts``, each tensor's subset-norm (b, c) and state format, may be None when all are dense
+    with fp32 states)."""
     status = getattr(LIBRARY, f"fastoptim_{kernel}")(
         pointers.ctypes.data, n_tensors, chunks.ctypes.data, chunk_range[0], chunk_range[1],
         None if layouts is None else layouts.ctypes.data, scalars, DTYPES[dtype], flags, n_threads)
@@ -96,3 +109,24 @@ def run(kernel, pointers, n_tensors, chunks, chunk_range, layouts, scalars, dtyp
 def probe(pointers, n_tensors, chunks, n_threads):
     """The bandwidth probe: Adan's traffic (6 fp32 reads, 5 writes per element) with trivial math."""
     LIBRARY.fastoptim_probe(pointers.ctypes.data, n_tensors, chunks.ctypes.data, 0, len(chunks), n_threads)
+
+
+def _table(codes):
+    return blockwise8.SIGNED_EXPONENT_BITS if codes.signed else blockwise8.UNSIGNED_EXPONENT_BITS
+
+
+def quantize(values, codes):
+    """The kernels' quantizer on a contiguous fp32 CPU tensor: (uint8 codes, absmax), as
+    ``blockwise8.quantize(values, codes)`` computes them."""
+    indices = torch.empty(values.shape, dtype=torch.uint8)
+    absmax = torch.empty(blockwise8.n_blocks(values.numel()))
+    LIBRARY.fastoptim_quantize(values.data_ptr(), values.numel(), _table(codes), indices.data_ptr(), absmax.data_ptr())
+    return indices, absmax
+
+
+def dequantize(indices, absmax, codes):
+    """The kernels' dequantizer, as ``blockwise8.dequantize(indices, absmax, codes)`` computes it."""
+    values = torch.empty(indices.shape)
+    LIBRARY.fastoptim_dequantize(indices.data_ptr(), absmax.data_ptr(), indices.numel(), _table(codes),
+                                 values.data_ptr())
+    return values

@@ -57,15 +57,17 @@ def state_dtype(param, role=None, state_bits=32, reduced=False, half_roles=()):
     """The dtype a state of ``param`` is kept in. States are fp32 whatever the param's dtype, except:
     a float64 param keeps float64 states and math (rounding it through fp32 would change it);
     ``state_bits=16`` keeps bf16 states; ``state_bits=8`` keeps 8-bit blockwise ones (uint8 codes,
-    see fastoptim.states.blockwise8) for params of at least MIN_NUMEL elements, and bf16 ones for
-    ``half_roles``. A subset-norm second moment (``reduced``) stays fp32: it is small."""
+    see fastoptim.states.blockwise8), and bf16 ones for ``half_roles``, for params of at least
+    MIN_NUMEL elements. A subset-norm second moment (``reduced``) stays fp32: it is small."""
     if param.dtype == torch.float64:
         return torch.float64
     if reduced or state_bits == 32 or role == "step":
         return torch.float32
-    if state_bits == 16 or role in half_roles:
+    if state_bits == 16:
         return torch.bfloat16
-    return torch.uint8 if param.numel() >= blockwise8.MIN_NUMEL else torch.float32
+    if param.numel() < blockwise8.MIN_NUMEL:
+        return torch.float32
+    return torch.bfloat16 if role in half_roles else torch.uint8
 
 
 def new_state(param, shape, dtype, role):

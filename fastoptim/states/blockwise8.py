@@ -11,36 +11,56 @@ The code tables are 8-bit mini-floats, so their relative precision is the same a
 - ``UNSIGNED`` (second moments, which square the gradient's range): 5 exponent and 3 mantissa bits.
   That is 256 values in [0, 1]: 0, and about 2^-34 to 1.
 
-Rounding is to the nearest code (a tie goes to the smaller one). Its error on an element x of a
+Rounding is to the nearest code (a tie goes to the smaller magnitude). Its error on an element x of a
 block whose absolute maximum is A is at most the larger of:
 - |x| / 16, in the codes' normal range;
 - half the table's smallest step times A, below it: A * 2^-18 for signed, A * 2^-34 for unsigned.
 
 A block's largest element comes back exact. Non-finite values are not representable.
 """
+from dataclasses import dataclass
+
 import torch
 
 BLOCK = 256
 MIN_NUMEL = 4096  # smaller tensors keep 32-bit states: their absmax and bookkeeping would outweigh them
 
 
-def minifloat_magnitudes(exponent_bits, mantissa_bits):
+def minifloats(exponent_bits, mantissa_bits=3):
     """The non-negative values of a mini-float with these field widths (subnormals included, no
-    infinities), divided by the largest so that they end at 1, ascending."""
+    infinities), ascending, as fp32 (they are exact in it). Its largest is 2 - 2^-mantissa_bits."""
     steps, bias = 1 << mantissa_bits, (1 << exponent_bits) - 1
     values = [fraction / steps * 2.0 ** (1 - bias) for fraction in range(steps)]  # subnormals, and 0
     values += [(1 + fraction / steps) * 2.0 ** (exponent - bias)
                for exponent in range(1, 1 << exponent_bits) for fraction in range(steps)]
-    return torch.tensor(values, dtype=torch.float64) / values[-1]
+    return torch.tensor(values, dtype=torch.float32)
 
 
-def signed_codes():
-    magnitudes = minifloat_magnitudes(4, 3)
-    return torch.cat([-magnitudes[1:].flip(0), magnitudes]).float()
+@dataclass(frozen=True)
+class Codes:
+    """A code table. Index i stands for ``values[i] * absmax``; ``values`` are the mini-float's values
+    divided by its largest (``top``), so they end at 1, and mirrored around index ``zero`` when
+    ``signed``. ``midpoints`` lie between consecutive mini-float magnitudes (exact in fp32)."""
+    values: torch.Tensor
+    midpoints: torch.Tensor
+    top: float
+    zero: int
+    signed: bool
 
 
-SIGNED = signed_codes()
-UNSIGNED = minifloat_magnitudes(5, 3).float()
+def code_table(exponent_bits, signed):
+    magnitudes = minifloats(exponent_bits)
+    top = magnitudes[-1]
+    values = magnitudes / top  # fp32 division, as the C kernels dequantize
+    if signed:
+        values = torch.cat([-values[1:].flip(0), values])
+    return Codes(values, (magnitudes[1:] + magnitudes[:-1]) / 2, top.item(), len(magnitudes) - 1 if signed else 0,
+                 signed)
+
+
+SIGNED_EXPONENT_BITS, UNSIGNED_EXPONENT_BITS = 4, 5  # both with 3 mantissa bits, as fused_cpu.c assumes
+SIGNED = code_table(SIGNED_EXPONENT_BITS, signed=True)
+UNSIGNED = code_table(UNSIGNED_EXPONENT_BITS, signed=False)
 
 
 def codes_for(role):
@@ -61,17 +81,17 @@ def n_blocks(numel):
 
 def quantize(tensor, codes, block=BLOCK):
     """(indices, absmax): uint8 indices of the nearest codes in ``tensor``'s shape, and the fp32
-    absolute maximum of each block."""
+    absolute maximum of each block. The nearest code to ``x / absmax`` is found on the mini-float's
+    own scale, ``|x / absmax| * top``, whose midpoints are exact; a tie goes to the smaller magnitude."""
     blocks = blocks_of(tensor.float(), block)
     absmax = blocks.abs().amax(dim=1)
     scaled = blocks / torch.where(absmax > 0, absmax, 1)[:, None]
-    codes = codes.to(tensor.device)
-    midpoints = (codes[1:] + codes[:-1]) / 2
-    indices = torch.bucketize(scaled, midpoints).to(torch.uint8)
-    return indices.view(-1)[:tensor.numel()].view(tensor.shape), absmax
+    magnitude = torch.bucketize(scaled.abs() * codes.top, codes.midpoints.to(tensor.device))
+    indices = codes.zero + torch.where(scaled < 0, -magnitude, magnitude)
+    return indices.to(torch.uint8).view(-1)[:tensor.numel()].view(tensor.shape), absmax
 
 
 def dequantize(indices, absmax, codes, block=BLOCK):
     """The fp32 tensor that ``indices`` and ``absmax`` stand for (see :func:`quantize`)."""
-    values = blocks_of(codes.to(indices.device)[indices.long()], block) * absmax[:, None]
+    values = blocks_of(codes.values.to(indices.device)[indices.long()], block) * absmax[:, None]
     return values.view(-1)[:indices.numel()].view(indices.shape)
