@@ -155,7 +155,7 @@ INLINE float minifloat(int32_t k, int exponent_bits) {
 
 INLINE float dequantize(uint8_t index, float absmax, int table) {
     const int32_t k = table == SIGNED ? index - 127 : index;
-    const float code = minifloat(k < 0 ? -k : k, table) / TOP;
+    const float code = minifloat(k < 0 ? -k : k, table) * (1 / TOP);  /* a product: no division */
     return (k < 0 ? -code : code) * absmax;
 }
 

@@ -51,7 +51,7 @@ class Codes:
 def code_table(exponent_bits, signed):
     magnitudes = minifloats(exponent_bits)
     top = magnitudes[-1]
-    values = magnitudes / top  # fp32 division, as the C kernels dequantize
+    values = magnitudes * (1 / top)  # by a reciprocal, as the C kernels dequantize: it ends at 1 exactly
     if signed:
         values = torch.cat([-values[1:].flip(0), values])
     return Codes(values, (magnitudes[1:] + magnitudes[:-1]) / 2, top.item(), len(magnitudes) - 1 if signed else 0,
