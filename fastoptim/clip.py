@@ -1,29 +1,85 @@
-"""Global gradient-norm clipping whose coefficient stays a tensor (no host sync)."""
+"""Gradient norms and clipping with no host sync: the norm and the clip factor stay tensors.
+
+On CPU tensors that the fused kernel takes (fp32, bf16 or fp16, dense), the norm is one call per
+dtype that reads every grad once, parallel over chunks across all of them, and the scaling is one
+more. Elsewhere ``torch._foreach_norm`` and ``torch._foreach_mul_`` do the same work.
+"""
+import math
+
 import torch
 
-from .multi_tensor import buckets
+from .kernels import fused_cpu
+from .multi_tensor import PointerTable, buckets, is_dense
 
 
-def global_grad_norm(grads):
-    """The 2-norm over every tensor in ``grads``, as an fp32 0-d tensor on the first grad's device.
+def _kernel_takes(grads):
+    return fused_cpu.AVAILABLE and all(
+        type(g) is torch.Tensor and g.device.type == "cpu" and g.dtype in fused_cpu.DTYPES
+        and (g.is_contiguous() or is_dense(g))
+        for g in grads)
 
-    ``torch._foreach_norm`` reduces each tensor without a copy of it; only the per-tensor norms
-    (one scalar each) are stacked.
-    """
-    device = grads[0].device
-    squares = []
+
+def _grad_tables(grads):
+    """(dtype, pointer table with the grads in its first row) per bucket of ``grads``."""
+    return [(grads[b[0]].dtype, PointerTable({"param": [grads[i] for i in b]}, ("param",))) for b in buckets(grads)]
+
+
+def grad_norm(grads, norm_type=2.0, tables=None):
+    """The ``norm_type``-norm (2 or inf) over every tensor in ``grads``, as an fp32 0-d tensor on the
+    first grad's device. ``tables``: the grads' pointer tables, when the caller has them."""
+    inf = norm_type == math.inf
+    if tables is None and _kernel_takes(grads):
+        tables = _grad_tables(grads)
+    if tables:
+        partials = torch.cat([torch.zeros(1, dtype=torch.float64)] + [
+            fused_cpu.grad_norm_partials(table, dtype, inf, torch.get_num_threads()) for dtype, table in tables])
+        return (partials.max() if inf else partials.sum().sqrt()).float()
+    device, parts = grads[0].device, []
     for bucket in buckets(grads):
         tensors = [grads[i] for i in bucket]
         wide = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32  # never narrow float64
-        norms = torch._foreach_norm(tensors, 2.0, dtype=wide)
-        squares.append(torch.stack(norms).square().sum().to(device, torch.float32, non_blocking=True))
-    return torch.stack(squares).sum().sqrt()
+        norms = torch.stack(torch._foreach_norm(tensors, norm_type, dtype=wide))
+        parts.append((norms.max() if inf else norms.square().sum()).to(device, torch.float32, non_blocking=True))
+    parts = torch.stack(parts)
+    return parts.max() if inf else parts.sum().sqrt()
 
 
 def clip_coefficient(grads, max_norm, eps, inv_scale=None):
     """``min(1, max_norm / (norm + eps))``, the factor official Adan scales every gradient by.
     ``inv_scale`` (GradScaler's 1/scale, a tensor) unscales the norm of still-scaled grads."""
-    norm = global_grad_norm(grads)
+    norm = grad_norm(grads)
     if inv_scale is not None:
         norm = norm * inv_scale
     return (max_norm / (norm + eps)).clamp(max=1.0)
+
+
+def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    """``torch.nn.utils.clip_grad_norm_``, with the same arguments and results: scales the grads of
+    ``parameters`` (a tensor or an iterable of them) in place by ``min(1, max_norm / (norm + 1e-6))``
+    and returns the total norm (fp32).
+
+    Norm types 2 and inf on plain tensors take the fused kernel (CPU) or foreach; ``foreach=False``,
+    other norm types and DTensors (FSDP2, where torch's norm is global over the mesh) take torch's own.
+    """
+    parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    max_norm, norm_type = float(max_norm), float(norm_type)
+    if not max_norm >= 0:
+        raise ValueError(f"max_norm must be a non-negative number, not {max_norm}")
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if norm_type not in (2.0, math.inf) or foreach is False or any(type(g) is not torch.Tensor for g in grads):
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+    if not grads:
+        return torch.tensor(0.0)
+    tables = _grad_tables(grads) if _kernel_takes(grads) else []
+    norm = grad_norm(grads, norm_type, tables)
+    if error_if_nonfinite and not torch.isfinite(norm):  # a host sync, as in torch: only when asked for
+        raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {norm.item()}, so it "
+                           "cannot be clipped; with error_if_nonfinite=False the grads are scaled by it anyway")
+    factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    if tables:
+        for dtype, table in tables:
+            fused_cpu.scale_grads(table, dtype, factor, torch.get_num_threads())
+    else:
+        for bucket in buckets(grads):
+            torch._foreach_mul_([grads[i] for i in bucket], factor.to(grads[bucket[0]].device))
+    return norm

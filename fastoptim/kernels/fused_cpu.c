@@ -56,7 +56,7 @@ enum { PARAM, GRAD, EXP_AVG, EXP_AVG_SQ, EXP_AVG_DIFF, NEG_PRE_GRAD, ADAN_ROWS }
 enum { MAX_EXP_AVG_SQ = EXP_AVG_SQ + 1, ADAMW_ROWS };
 
 typedef struct Work Work;
-typedef void (*ChunkFn)(const Work *, int64_t tensor, int64_t start, int64_t count);
+typedef void (*ChunkFn)(const Work *, int64_t chunk);  /* a row of the chunk table */
 
 struct Work {
     const int64_t *pointers;   /* [role][tensor] data pointers */
@@ -65,6 +65,7 @@ struct Work {
     const int64_t *layouts;    /* [tensor][3]: subset-norm (b, c) and the states' format; NULL: (1, 1, FP32) */
     const Scalar *scalars;
     ChunkFn chunk;
+    void *extra;               /* the norm kernel's partial per chunk (double); the scale kernel's factor (float) */
 };
 
 typedef struct { const Work *work; int64_t chunk_begin, chunk_end; } Share;
@@ -466,16 +467,47 @@ INLINE void probe_body(const Work *w, int64_t t, int64_t start, int64_t count) {
     }
 }
 
+/* --- Gradient norms and clipping (fastoptim/clip.py) ------------------------------------------
+   Row 0 of the pointer table holds the grads. The norm kernel writes one partial per chunk, in
+   double: the sum of squares, or the largest magnitude (inf); Python reduces the partials in chunk
+   order, so the norm does not depend on the thread count. The scale kernel multiplies every grad
+   by one factor, read from its fp32 tensor. */
+INLINE void norm_body(const Work *w, int64_t k, int64_t t, int64_t start, int64_t count, int dtype, int inf) {
+    const void *grad = row(w, 0, t);
+    double *partial = (double *)w->extra + k;
+    if (inf) {
+        float top = 0;
+        int nan = 0;  /* the compare and select of larger() would drop a NaN, which must show in the norm */
+        _Pragma("omp simd reduction(max:top) reduction(|:nan)") for (int64_t i = start; i < start + count; i++) {
+            const float x = load(grad, i, dtype);
+            top = larger(top, fabsf(x));
+            nan |= x != x;
+        }
+        *partial = nan ? NAN : top;
+    } else {
+        double sum = 0;
+        SIMD_SUM for (int64_t i = start; i < start + count; i++) sum += (double)load(grad, i, dtype) * load(grad, i, dtype);
+        *partial = sum;
+    }
+}
+
+INLINE void scale_body(const Work *w, int64_t t, int64_t start, int64_t count, int dtype) {
+    void *grad = row(w, 0, t);
+    const float factor = *(const float *)w->extra;
+    IVDEP for (int64_t i = start; i < start + count; i++) store(grad, i, load(grad, i, dtype) * factor, dtype, 0, 0, 0);
+}
+
 /* The specialisations: one chunk function per (kernel, dtype, rounding[, amsgrad | no first moment]),
    which picks the body for the tensor's state format. */
 #define BY_STATES(w, t, BODY, ...) switch (layout(w, t, STATES)) {                                      \
         case BF16: BODY(__VA_ARGS__, BF16); break;                                                      \
         case Q8: BODY(__VA_ARGS__, Q8); break;                                                          \
         default: BODY(__VA_ARGS__, FP32); }
-#define ADAN_CHUNK(NAME, DTYPE, SR) VECTORISED static void NAME(const Work *w, int64_t t, int64_t s, int64_t c) { \
-    BY_STATES(w, t, adan_body, w, t, s, c, DTYPE, SR) }
-#define ADAMW_CHUNK(NAME, DTYPE, SR, AMS, FIRST) VECTORISED static void NAME(const Work *w, int64_t t, int64_t s, \
-    int64_t c) { BY_STATES(w, t, adamw_body, w, t, s, c, DTYPE, SR, AMS, FIRST) }
+#define CHUNK(k) const int64_t t = w->chunks[4 * k], s = w->chunks[4 * k + 1], c = w->chunks[4 * k + 2]
+#define ADAN_CHUNK(NAME, DTYPE, SR) VECTORISED static void NAME(const Work *w, int64_t k) { \
+    CHUNK(k); BY_STATES(w, t, adan_body, w, t, s, c, DTYPE, SR) }
+#define ADAMW_CHUNK(NAME, DTYPE, SR, AMS, FIRST) VECTORISED static void NAME(const Work *w, int64_t k) { \
+    CHUNK(k); BY_STATES(w, t, adamw_body, w, t, s, c, DTYPE, SR, AMS, FIRST) }
 #define ADAMW_CHUNKS(SUFFIX, AMS, FIRST) \
     ADAMW_CHUNK(adamw_fp32##SUFFIX, FP32, 0, AMS, FIRST) ADAMW_CHUNK(adamw_bf16##SUFFIX, BF16, 0, AMS, FIRST) \
     ADAMW_CHUNK(adamw_bf16_sr##SUFFIX, BF16, 1, AMS, FIRST) ADAMW_CHUNK(adamw_fp16##SUFFIX, FP16, 0, AMS, FIRST)
@@ -486,13 +518,20 @@ ADAN_CHUNK(adan_fp16, FP16, 0)
 ADAMW_CHUNKS(, 0, 1)
 ADAMW_CHUNKS(_ams, 1, 1)
 ADAMW_CHUNKS(_rms, 0, 0)
-VECTORISED static void probe_fp32(const Work *w, int64_t t, int64_t s, int64_t c) { probe_body(w, t, s, c); }
+VECTORISED static void probe_fp32(const Work *w, int64_t k) { CHUNK(k); probe_body(w, t, s, c); }
+#define CLIP_CHUNKS(NAME, DTYPE) \
+    VECTORISED static void norm2_##NAME(const Work *w, int64_t k) { CHUNK(k); norm_body(w, k, t, s, c, DTYPE, 0); } \
+    VECTORISED static void norm_inf_##NAME(const Work *w, int64_t k) { CHUNK(k); norm_body(w, k, t, s, c, DTYPE, 1); } \
+    VECTORISED static void scale_##NAME(const Work *w, int64_t k) { CHUNK(k); scale_body(w, t, s, c, DTYPE); }
+CLIP_CHUNKS(fp32, FP32)
+CLIP_CHUNKS(bf16, BF16)
+CLIP_CHUNKS(fp16, FP16)
 
 static void *work_share(void *arg) {
     const Share *s = arg;
     const Work *w = s->work;
     for (int64_t k = s->chunk_begin; k < s->chunk_end; k++)
-        w->chunk(w, w->chunks[4 * k], w->chunks[4 * k + 1], w->chunks[4 * k + 2]);
+        w->chunk(w, k);
     return NULL;
 }
 
@@ -538,11 +577,11 @@ static int64_t chunk_at(const int64_t *chunks, int64_t begin, int64_t end, int64
 /* Runs chunks [chunk_begin, chunk_end) on up to n_threads threads (the caller is one of them). */
 static int run(ChunkFn chunk, const int64_t *pointers, int64_t n_tensors, const int64_t *chunks,
                int64_t chunk_begin, int64_t chunk_end, const int64_t *layouts, const Scalar *scalars,
-               int32_t n_threads) {
+               void *extra, int32_t n_threads) {
     if (!chunk) return -1;
     if (scalars && scalars[FOUND_INF].values[0] != 0) return 0;  /* GradScaler found inf: skip */
     const Work w = {.pointers = pointers, .n_tensors = n_tensors, .chunks = chunks, .layouts = layouts,
-                    .scalars = scalars, .chunk = chunk};
+                    .scalars = scalars, .chunk = chunk, .extra = extra};
     int64_t n_chunks = chunk_end - chunk_begin, n = n_threads < n_chunks ? n_threads : n_chunks;
     if (n > MAX_THREADS) n = MAX_THREADS;
     if (n < 1) n = 1;
@@ -581,7 +620,7 @@ int fastoptim_adan(const int64_t *pointers, int64_t n_tensors, const int64_t *ch
                    int64_t chunk_end, const int64_t *layouts, const Scalar *scalars, int32_t dtype, int32_t flags,
                    int32_t n_threads) {
     ChunkFn chunk = pick(adan_fp32, adan_bf16, adan_bf16_sr, adan_fp16, dtype, flags);
-    return run(chunk, pointers, n_tensors, chunks, chunk_begin, chunk_end, layouts, scalars, n_threads);
+    return run(chunk, pointers, n_tensors, chunks, chunk_begin, chunk_end, layouts, scalars, NULL, n_threads);
 }
 
 int fastoptim_adamw(const int64_t *pointers, int64_t n_tensors, const int64_t *chunks, int64_t chunk_begin,
@@ -591,10 +630,25 @@ int fastoptim_adamw(const int64_t *pointers, int64_t n_tensors, const int64_t *c
                   : flags & NO_FIRST_MOMENT ? pick(adamw_fp32_rms, adamw_bf16_rms, adamw_bf16_sr_rms, adamw_fp16_rms,
                                                    dtype, flags)
                   : pick(adamw_fp32, adamw_bf16, adamw_bf16_sr, adamw_fp16, dtype, flags);
-    return run(chunk, pointers, n_tensors, chunks, chunk_begin, chunk_end, layouts, scalars, n_threads);
+    return run(chunk, pointers, n_tensors, chunks, chunk_begin, chunk_end, layouts, scalars, NULL, n_threads);
 }
 
 int fastoptim_probe(const int64_t *pointers, int64_t n_tensors, const int64_t *chunks, int64_t chunk_begin,
                     int64_t chunk_end, int32_t n_threads) {
-    return run(probe_fp32, pointers, n_tensors, chunks, chunk_begin, chunk_end, NULL, NULL, n_threads);
+    return run(probe_fp32, pointers, n_tensors, chunks, chunk_begin, chunk_end, NULL, NULL, NULL, n_threads);
+}
+
+
+/* ``inf``: the largest magnitude, else the sum of squares, of each chunk into partials[chunk]. */
+int fastoptim_grad_norm(const int64_t *pointers, int64_t n_tensors, const int64_t *chunks, int64_t n_chunks,
+                        int32_t dtype, int32_t inf, double *partials, int32_t n_threads) {
+    ChunkFn chunk = inf ? pick(norm_inf_fp32, norm_inf_bf16, norm_inf_bf16, norm_inf_fp16, dtype, 0)
+                        : pick(norm2_fp32, norm2_bf16, norm2_bf16, norm2_fp16, dtype, 0);
+    return run(chunk, pointers, n_tensors, chunks, 0, n_chunks, NULL, NULL, partials, n_threads);
+}
+
+int fastoptim_scale_grads(const int64_t *pointers, int64_t n_tensors, const int64_t *chunks, int64_t n_chunks,
+                          int32_t dtype, const float *factor, int32_t n_threads) {
+    ChunkFn chunk = pick(scale_fp32, scale_bf16, scale_bf16, scale_fp16, dtype, 0);
+    return run(chunk, pointers, n_tensors, chunks, 0, n_chunks, NULL, NULL, (void *)factor, n_threads);
 }

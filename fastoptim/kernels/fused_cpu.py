@@ -59,6 +59,9 @@ def _load():
     library.fastoptim_probe.argtypes = common + [ctypes.c_int32]
     library.fastoptim_probe.restype = ctypes.c_int
     library.fastoptim_use_openmp.argtypes = [ctypes.c_char_p]
+    library.fastoptim_grad_norm.argtypes = common[:4] + [ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p,
+                                                         ctypes.c_int32]
+    library.fastoptim_scale_grads.argtypes = common[:4] + [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32]
     library.fastoptim_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p,
                                            ctypes.c_void_p]
     library.fastoptim_dequantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32,
@@ -113,6 +116,21 @@ def probe(pointers, n_tensors, chunks, n_threads):
 
 def _table(codes):
     return blockwise8.SIGNED_EXPONENT_BITS if codes.signed else blockwise8.UNSIGNED_EXPONENT_BITS
+
+
+def grad_norm_partials(table, dtype, inf, n_threads):
+    """Per chunk of ``table`` (a PointerTable with the grads in its first row): the sum of squares,
+    or with ``inf`` the largest magnitude, as a float64 tensor."""
+    partials = torch.empty(len(table.chunks), dtype=torch.float64)
+    LIBRARY.fastoptim_grad_norm(table.pointers.ctypes.data, table.pointers.shape[1], table.chunks.ctypes.data,
+                                len(table.chunks), DTYPES[dtype], int(inf), partials.data_ptr(), n_threads)
+    return partials
+
+
+def scale_grads(table, dtype, factor, n_threads):
+    """Multiplies the grads of ``table`` by ``factor`` (a 0-d fp32 tensor, read in C: no host sync)."""
+    LIBRARY.fastoptim_scale_grads(table.pointers.ctypes.data, table.pointers.shape[1], table.chunks.ctypes.data,
+                                  len(table.chunks), DTYPES[dtype], factor.data_ptr(), n_threads)
 
 
 def quantize(values, codes):
