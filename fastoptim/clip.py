@@ -13,7 +13,8 @@ from .multi_tensor import PointerTable, buckets, is_dense
 
 
 def _kernel_takes(grads):
-    return fused_cpu.AVAILABLE and all(
+    """Whether the C kernel can take ``grads`` (not while torch.compile traces: a C call does not trace)."""
+    return fused_cpu.AVAILABLE and not torch.compiler.is_compiling() and all(
         type(g) is torch.Tensor and g.device.type == "cpu" and g.dtype in fused_cpu.DTYPES
         and (g.is_contiguous() or is_dense(g))
         for g in grads)

@@ -75,8 +75,9 @@ def new_state(param, shape, dtype, role):
     if dtype != torch.uint8:
         return {role: torch.zeros_like(param, dtype=dtype) if shape == param.shape
                 else torch.zeros(shape, dtype=dtype, device=param.device)}
-    codes, absmax = blockwise8.quantize(torch.zeros(shape, device=param.device), blockwise8.codes_for(role))
-    return {role: codes, role + ABSMAX: absmax}
+    zero = blockwise8.codes_for(role).zero  # what quantizing zeros gives, without the work
+    return {role: torch.full(shape, zero, dtype=torch.uint8, device=param.device),
+            role + ABSMAX: torch.zeros(blockwise8.n_blocks(math.prod(shape)), device=param.device)}
 
 
 def convert_state(state, role, dtype):
