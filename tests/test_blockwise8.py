@@ -110,5 +110,5 @@ def test_the_kernels_codes_and_ties_are_the_reference_s():
         x = torch.cat([near, torch.nextafter(near, torch.tensor(0.0)), torch.nextafter(near, torch.tensor(2.0))])
         rows = torch.nn.functional.pad(x, (0, -len(x) % (BLOCK - 1))).view(-1, BLOCK - 1)
         x = torch.cat([torch.ones(len(rows), 1), rows], 1)
-        for signed_x in (x, -x) if codes.signed else (x,):
-            assert torch.equal(fused_cpu.quantize(signed_x.reshape(-1), codes)[0], quantize(signed_x.reshape(-1), codes)[0])
+        for signed_x in (x.reshape(-1), -x.reshape(-1)) if codes.signed else (x.reshape(-1),):
+            assert torch.equal(fused_cpu.quantize(signed_x, codes)[0], quantize(signed_x, codes)[0])

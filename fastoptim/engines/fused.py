@@ -31,8 +31,11 @@ def state_format(param, states):
     full = {role: state.dtype for role, state in states.items() if state.shape == param.shape}
     pre_grad = full.pop("neg_pre_grad", None)
     dtypes = set(full.values())
-    dtype = dtypes.pop() if len(dtypes) == 1 else pre_grad or torch.float32 if not dtypes else None
-    if dtype not in fused_cpu.STATE_FORMATS or pre_grad not in (None, torch.bfloat16 if dtype == torch.uint8 else dtype):
+    if len(dtypes) > 1:
+        return None
+    dtype = dtypes.pop() if dtypes else pre_grad or torch.float32  # only g_prev, or no param-shaped state
+    expected_pre_grad = torch.bfloat16 if dtype == torch.uint8 else dtype
+    if dtype not in fused_cpu.STATE_FORMATS or pre_grad not in (None, expected_pre_grad):
         return None
     if any(state.dtype != torch.float32 for state in states.values() if state.shape != param.shape):
         return None
