@@ -1,4 +1,4 @@
-"""The ``fastoptim`` command: ``info`` and ``bench``."""
+"""The ``fastoptim`` command: ``info``, ``bench`` and ``train``."""
 import argparse
 import importlib.util
 
@@ -7,6 +7,7 @@ import torch
 import fastoptim
 from fastoptim import engines
 from fastoptim.kernels import fused_cpu
+from fastoptim.train import loop as training
 
 
 def info(_args):
@@ -24,9 +25,10 @@ def info(_args):
 
 QUICK_MODELS = ["gpt2-h12-l6-d768", "resnet50"]
 # The 8-bit peers are GPU optimizers: on the CPU a step costs them 5-10x torch's foreach Adam, which
-# alone would take the quick default past its 3 minutes; name them to run them.
-# 8-bit states run on foreach until their fused kernel lands: too slow for the quick default's budget
+# alone would take the quick default past its 3 minutes; name them to run them. Our own 8-bit states
+# join on the fused engine only: their loop and foreach engines are references, not contenders.
 QUICK_FAMILIES = ["adan", "adamw", "adan-sn", "adamwsn"]
+QUICK_EXTRAS = ["adan-8bit-fused-multi", "adamw-8bit-fused-multi"]
 QUICK_PEERS = ["torch-adam-foreach", "torch-adam-fused", "torch-adamw-fused", "timm-adan", "po-adamwsn"]
 
 
@@ -42,7 +44,7 @@ def bench(args):
         print(report.compare(*args.compare))
         return
     engines_of_fastoptim = [name for name, spec in known.items() if spec.family in QUICK_FAMILIES and not spec.compiled]
-    names = list(args.optimizers or QUICK_PEERS + engines_of_fastoptim)
+    names = list(args.optimizers or QUICK_PEERS + engines_of_fastoptim + QUICK_EXTRAS)
     baseline = args.baseline or names[0]
     for kind, chosen, valid in (("model", args.models, models.MODELS), ("optimizer", [*names, baseline], known)):
         unknown = list(dict.fromkeys(name for name in chosen if name not in valid))
@@ -56,6 +58,29 @@ def bench(args):
                     repeats=args.repeats, baseline=baseline, memory=not args.no_memory,
                     gradients="random" if args.random_grads else "backward")
     run.main(args.models, names, settings, args.out)
+
+
+def train(args):
+    # The options that define a run default to None here, so that the ones given can be told apart.
+    given = {key: getattr(args, key) for key in training.DEFAULTS if getattr(args, key) is not None}
+    if args.resume:
+        if given or args.out:
+            options = ", ".join("--" + key.replace("_", "-") for key in [*given, *(["out"] if args.out else [])])
+            raise SystemExit(f"--resume continues the run in its folder with the settings it was started with; "
+                             f"drop {options}")
+        training.resume(args.resume, args.stop_after)
+        return
+    unknown = [name for name in given.get("optimizers", []) if name not in training.RECIPES]
+    if unknown:
+        raise SystemExit(f"unknown optimizer {', '.join(unknown)}; valid: {', '.join(training.RECIPES)}")
+    training.main(training.DEFAULTS | given, args.out or "train-out", args.stop_after)
+
+
+def positive(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
 
 
 def main(argv=None):
@@ -80,6 +105,32 @@ def main(argv=None):
     b.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="show two runs side by side")
     b.add_argument("--list", action="store_true", help="list model and optimizer names")
     b.set_defaults(func=bench)
+    defaults = training.DEFAULTS
+    t = commands.add_parser("train", help="train a small GPT-2 on the standard library's sources with each optimizer",
+                            description="Each optimizer trains the same GPT-2 from the same initial weights on the "
+                                        "same batches of Python's standard-library sources: validation loss "
+                                        "curves, optimizer time and state bytes. The default takes about 8 "
+                                        "minutes on an idle 2-core machine.")
+    t.add_argument("--optimizers", nargs="+", help=f"default: {' '.join(training.RECIPES)}; the first is the "
+                                                   "reference whose final validation loss the others race to")
+    t.add_argument("--steps", type=positive, help=f"training steps of each run (default {defaults['steps']})")
+    t.add_argument("--lr-sweep", action="store_true", default=None,
+                   help=f"a run per optimizer at each of {', '.join(f'{f:g}' for f in training.LR_SWEEP)} times its "
+                        "recommended lr; the best is reported")
+    t.add_argument("--model-size", choices=training.model.SIZES,
+                   help=f"default {defaults['model_size']}; tiny for smoke tests")
+    t.add_argument("--batch-size", type=positive, help=f"windows per step (default {defaults['batch_size']})")
+    t.add_argument("--eval-every", type=positive, help=f"steps between validations (default {defaults['eval_every']})")
+    t.add_argument("--checkpoint-every", type=positive,
+                   help=f"steps between checkpoints (default {defaults['checkpoint_every']}; also at the end)")
+    t.add_argument("--seed", type=int, help=f"of the initial weights and the batches (default {defaults['seed']})")
+    t.add_argument("--threads", type=positive, help=f"torch threads (default {defaults['threads']})")
+    t.add_argument("--out", help="folder for results.json, results.md, curves.png and checkpoints/ "
+                                 "(default train-out)")
+    t.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoints, bit-identically")
+    t.add_argument("--stop-after", type=positive, metavar="STEP",
+                   help="stop each run after this step, checkpointed; continue with --resume")
+    t.set_defaults(func=train)
     args = parser.parse_args(argv)
     args.func(args)
 

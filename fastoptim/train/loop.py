@@ -1,0 +1,168 @@
+"""The runs of `fastoptim train`: each optimizer trains the same GPT-2 from the same initial weights on
+the same batches in the same order, with warmup, cosine decay and gradient clipping; validation loss
+every few steps, and checkpoints from which a run resumes bit-identically."""
+import json
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+import fastoptim
+from fastoptim.bench.models import params_and_sn
+from fastoptim.bench.peers import sn_groups
+from fastoptim.bench.run import state_bytes
+
+from . import data, model, report
+
+
+@dataclass(frozen=True)
+class Recipe:
+    cls: type
+    lr: float  # the recommended peak learning rate
+    weight_decay: float
+    sn: bool = False  # subset-norm second moments on the Linear (GPT-2's Conv1D) weights
+    options: dict = field(default_factory=dict)
+
+    def make(self, module, lr):
+        params, sn = params_and_sn(module)
+        return self.cls(sn_groups(params, sn) if self.sn else params, lr=lr, weight_decay=self.weight_decay,
+                        fused=True, **self.options)
+
+
+RECIPES = {
+    # nanoGPT's baby character-level GPT (config/train_shakespeare_char.py): lr 1e-3, weight decay 0.1
+    "adamw": Recipe(torch.optim.AdamW, 1e-3, 0.1),
+    # Adan's README: a peak lr 5-10x Adam's (the low end here), and weight decay 0.02 in all its experiments
+    "adan": Recipe(fastoptim.Adan, 5e-3, 0.02),
+    # the subset-norm seed: an lr about 10x Adam's; its LLaMA runs use no weight decay
+    "adamwsn": Recipe(fastoptim.AdamWSN, 1e-2, 0.0, sn=True),
+    # no published recipe: Adan's, with the subset-norm seed's 10x for a subset-norm second moment
+    "adan-sn": Recipe(fastoptim.Adan, 5e-2, 0.02, sn=True),
+    # Adan's recipe: 8-bit states are meant to change nothing else
+    "adan-8bit": Recipe(fastoptim.Adan, 5e-3, 0.02, options={"state_bits": 8}),
+}
+LR_SWEEP = (0.5, 1.0, 2.0)  # --lr-sweep: these multiples of each recommended lr
+WARMUP = 0.1  # linear warmup over this share of the steps, as the subset-norm seed's runs
+MIN_LR = 0.1  # the cosine decays to this share of the peak lr, as nanoGPT's
+MAX_GRAD_NORM = 1.0  # the subset-norm seed's --grad_clipping and nanoGPT's grad_clip
+VALIDATION_BATCH = 64  # windows per forward pass of validation: few calls, small activations
+# The settings of a run; they are saved in its folder, and --resume takes them from there.
+DEFAULTS = {"optimizers": list(RECIPES), "steps": 400, "lr_sweep": False, "model_size": "small", "batch_size": 16,
+            "eval_every": 25, "checkpoint_every": 100, "seed": 0, "threads": torch.get_num_threads()}
+
+
+def lr_factor(step, warmup, steps):
+    """The share of the peak lr at ``step``: linear warmup, then cosine decay to MIN_LR at ``steps``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return MIN_LR + (1 - MIN_LR) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def learning_rates(name, sweep):
+    return [RECIPES[name].lr * factor for factor in LR_SWEEP] if sweep else [RECIPES[name].lr]
+
+
+@torch.no_grad()
+def validation_loss(module, windows):
+    module.eval()
+    losses = [module(input_ids=batch, labels=batch).loss for batch in windows.split(VALIDATION_BATCH)]
+    module.train()
+    return torch.stack(losses).mean().item()
+
+
+def save(path, module, optimizer, scheduler, generator, run):
+    checkpoint = {"model": module.state_dict(), "optimizer": optimizer.state_dict(),
+                  "scheduler": scheduler.state_dict(), "generator": generator.get_state(),
+                  "rng": torch.get_rng_state(), "run": run}
+    partial = path.with_suffix(".partial")
+    torch.save(checkpoint, partial)
+    partial.replace(path)  # an interrupted save leaves the previous checkpoint whole
+
+
+def train_run(name, lr, settings, corpus, path, resume, stop_after, bar):
+    """One optimizer at one lr, from its checkpoint at ``path`` if ``resume``, up to ``settings['steps']``
+    or to step ``stop_after``: its losses, timings and state bytes."""
+    steps, batch_size = settings["steps"], settings["batch_size"]
+    context = model.SIZES[settings["model_size"]]["context"]
+    module = model.build(settings["model_size"], settings["seed"])
+    optimizer = RECIPES[name].make(module, lr)
+    warmup = max(1, round(WARMUP * steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, warmup, steps))
+    generator = torch.Generator().manual_seed(settings["seed"])  # every run sees the same batches
+    if resume and path.exists():
+        checkpoint = torch.load(path)
+        module.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        scheduler.load_state_dict(checkpoint["scheduler"])
+        generator.set_state(checkpoint["generator"])
+        torch.set_rng_state(checkpoint["rng"])
+        run = checkpoint["run"]
+    else:
+        run = {"optimizer": name, "lr": lr, "step": 0, "train_loss": [], "eval_steps": [0],
+               "val_loss": [validation_loss(module, corpus.validation)], "step_seconds": 0.0,
+               "optimizer_seconds": 0.0}
+    bar.set_description(f"{name} lr {lr:g}", refresh=False)
+    bar.update(run["step"])
+    last = steps if stop_after is None else min(stop_after, steps)
+    while run["step"] < last:
+        batch = data.train_batch(corpus.train, batch_size, context, generator)
+        start = time.perf_counter()
+        loss = module(input_ids=batch, labels=batch).loss
+        loss.backward()
+        fastoptim.clip_grad_norm_(module.parameters(), MAX_GRAD_NORM)
+        optimizer_start = time.perf_counter()
+        optimizer.step()
+        run["optimizer_seconds"] += time.perf_counter() - optimizer_start
+        optimizer.zero_grad()
+        scheduler.step()
+        run["step_seconds"] += time.perf_counter() - start
+        run["step"] += 1
+        run["train_loss"].append(loss.item())
+        if run["step"] % settings["eval_every"] == 0 or run["step"] == steps:
+            run["eval_steps"].append(run["step"])
+            run["val_loss"].append(validation_loss(module, corpus.validation))
+        if run["step"] % settings["checkpoint_every"] == 0 or run["step"] == last:
+            save(path, module, optimizer, scheduler, generator, run)
+        bar.set_postfix(loss=f"{run['train_loss'][-1]:.3f}", refresh=False)
+        bar.update()
+    run["state_bytes"] = state_bytes(optimizer)
+    return run
+
+
+def main(settings, out, stop_after=None, resume=False):
+    """Every run of ``settings`` into folder ``out`` (continuing its checkpoints if ``resume``), then the
+    reports; returns the markdown, or None when ``stop_after`` stopped the runs first."""
+    from tqdm import tqdm
+
+    out = Path(out)
+    checkpoints = out / "checkpoints"
+    if not resume:  # a new run: no checkpoint of an earlier one may be taken for its own
+        shutil.rmtree(checkpoints, ignore_errors=True)
+        checkpoints.mkdir(parents=True)
+        (out / "settings.json").write_text(json.dumps(settings, indent=1))
+    torch.set_num_threads(settings["threads"])
+    corpus = data.load(model.SIZES[settings["model_size"]]["context"])
+    plan = [(name, lr) for name in settings["optimizers"] for lr in learning_rates(name, settings["lr_sweep"])]
+    with tqdm(total=len(plan) * settings["steps"], unit="step", dynamic_ncols=True) as bar:
+        runs = [train_run(name, lr, settings, corpus, checkpoints / f"{name}-lr{lr:g}.pt", resume, stop_after, bar)
+                for name, lr in plan]
+    if any(run["step"] < settings["steps"] for run in runs):
+        print(f"stopped after step {stop_after}; continue with: fastoptim train --resume {out}")
+        return None
+    params = sum(p.numel() for p in model.build(settings["model_size"], settings["seed"]).parameters())
+    text = report.write(report.results(settings, params, corpus.summary, runs), out)
+    print(text)
+    print(f"wrote {out}/results.json, results.md and curves.png")
+    return text
+
+
+def resume(out, stop_after=None):
+    """Continue the runs in folder ``out`` with the settings they were started with."""
+    path = Path(out) / "settings.json"
+    if not path.exists():
+        raise SystemExit(f"--resume {out}: no settings.json there, so no `fastoptim train` run to continue")
+    return main(json.loads(path.read_text()), out, stop_after, resume=True)

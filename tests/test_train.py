@@ -1,0 +1,76 @@
+"""`fastoptim train` end to end on the tiny GPT-2: its reports, a resumed run equal to an uninterrupted
+one, the train/validation split, and its name checks."""
+import json
+import random
+
+import pytest
+
+from fastoptim import cli
+from fastoptim.train import data, loop
+
+pytest.importorskip("transformers")
+pytest.importorskip("matplotlib")
+
+TINY = ["--model-size", "tiny", "--steps", "6", "--batch-size", "4", "--eval-every", "2"]
+ROW_KEYS = {"optimizer", "lr", "final_val_loss", "step_reaching_reference", "optimizer_share", "ms_per_step",
+            "state_bytes", "val_loss_by_lr"}
+
+
+def train(out, *args):
+    cli.main(["train", *TINY, "--out", str(out), *args])
+    return json.loads((out / "results.json").read_text())
+
+
+def test_the_command_writes_the_table_curves_and_json_with_the_requested_rows(tmp_path, capsys):
+    names = ["adan", "adamw", "adan-8bit"]
+    results = train(tmp_path, "--optimizers", *names, "--lr-sweep")
+    assert results["schema"] == 1 and results["settings"]["optimizers"] == names and results["reference"] == "adan"
+    assert [row["optimizer"] for row in results["rows"]] == names
+    assert len(results["runs"]) == 3 * len(names)
+    for row in results["rows"]:
+        assert set(row) == ROW_KEYS
+        swept = [run for run in results["runs"] if run["optimizer"] == row["optimizer"]]
+        assert [run["lr"] for run in swept] == [loop.RECIPES[row["optimizer"]].lr * f for f in loop.LR_SWEEP]
+        assert row["final_val_loss"] == min(run["final_val_loss"] for run in swept)  # the best lr is reported
+        assert 0 < row["optimizer_share"] < 1 and row["state_bytes"] > 0
+    for run in results["runs"]:
+        assert run["eval_steps"] == [0, 2, 4, 6] and len(run["val_loss"]) == 4 and len(run["train_loss"]) == 6
+    text = (tmp_path / "results.md").read_text()
+    assert text in capsys.readouterr().out
+    for name in names:
+        assert f"| {name} |" in text
+    assert "step reaching adan's" in text and "final val loss by lr" in text
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_resumed_run_has_exactly_the_losses_of_an_uninterrupted_one(tmp_path):
+    every = ["--optimizers", *loop.RECIPES, "--checkpoint-every", "4"]
+    uninterrupted = train(tmp_path / "whole", *every)
+    cli.main(["train", *TINY, *every, "--out", str(tmp_path / "parts"), "--stop-after", "3"])
+    assert not (tmp_path / "parts" / "results.json").exists()
+    cli.main(["train", "--resume", str(tmp_path / "parts")])
+    resumed = json.loads((tmp_path / "parts" / "results.json").read_text())
+    for whole, parts in zip(uninterrupted["runs"], resumed["runs"], strict=True):
+        assert whole["train_loss"] == parts["train_loss"] and whole["val_loss"] == parts["val_loss"]
+        assert whole["state_bytes"] == parts["state_bytes"]
+
+
+def test_the_split_is_by_file_deterministic_and_disjoint():
+    paths = data.stdlib_files()
+    train, validation = data.split(paths)
+    assert sorted(train + validation) == paths and not set(train) & set(validation)
+    assert 0.05 < len(validation) / len(paths) < 0.2
+    shuffled = random.Random(0).sample(paths, len(paths))  # a file's split depends on its name only
+    assert [sorted(part) for part in data.split(shuffled)] == [train, validation]
+    # CRC-32 of the name, pinned: the same split on every machine, process and Python version
+    assert [data.is_validation(name) for name in ("random.py", "shutil.py", "os.py", "ast.py")] == [True, True,
+                                                                                                     False, False]
+
+
+def test_unknown_optimizers_and_options_beside_resume_are_refused_with_the_valid_choices(tmp_path):
+    with pytest.raises(SystemExit, match="unknown optimizer adam, sgd; valid: adamw, adan, adamwsn"):
+        cli.main(["train", "--optimizers", "adamw", "adam", "sgd"])
+    with pytest.raises(SystemExit, match="drop --steps"):
+        cli.main(["train", "--resume", str(tmp_path), "--steps", "3"])
+    with pytest.raises(SystemExit, match="no settings.json"):
+        cli.main(["train", "--resume", str(tmp_path)])
