@@ -46,6 +46,10 @@ def _refusal(param, grad, states):
     """Why the kernel cannot take this tensor (``states``: role to tensor), or None."""
     if not fused_cpu.AVAILABLE:
         return "the fused CPU kernel is not built (see the README's set-up)"
+    if param.device.type != "cpu":
+        return f"no fused kernel for {param.device.type} tensors yet"
+    if param.dtype not in fused_cpu.DTYPES:
+        return f"no fused kernel for {param.dtype}"
     if state_format(param, states) is None:
         return "its states mix formats in a way the kernel does not know"
     if any(state.dtype == torch.uint8 for state in states.values()) and not all(
@@ -56,10 +60,6 @@ def _refusal(param, grad, states):
         if not all(t.is_contiguous() for t in (param, grad, *states)):
             return "a subset-norm param, grad and states must be contiguous"
         return None
-    if param.device.type != "cpu":
-        return f"no fused kernel for {param.device.type} tensors yet"
-    if param.dtype not in fused_cpu.DTYPES:
-        return f"no fused kernel for {param.dtype}"
     if not is_dense(param) or not all(same_layout(t, param) for t in (grad, *states)):
         return "param, grad and states are not dense with the same strides"
     return None
