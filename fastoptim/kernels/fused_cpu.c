@@ -249,6 +249,13 @@ INLINE void close_block(State *s, int64_t i, int64_t end, int format) {
         __VA_ARGS__                                                                                    \
         close_block(s1, i0, i1, format), close_block(s2, i0, i1, format), close_block(s3, i0, i1, format); }
 
+/* Inside FOR_BLOCKS: runs the code after ``index`` over the block cut at multiples of ``size`` (a
+   subset of rows, or a row of columns), the ``index``-th piece read as [from, to). */
+#define FOR_RUNS(size, index, ...) for (int64_t index = i0 / (size); index * (size) < i1; index++) {      \
+        const int64_t from = index * (size) > i0 ? index * (size) : i0;                                 \
+        const int64_t to = (index + 1) * (size) < i1 ? (index + 1) * (size) : i1;                       \
+        __VA_ARGS__ }
+
 /* --- Adan ----------------------------------------------------------------------------------- */
 
 typedef struct {
@@ -328,11 +335,10 @@ INLINE void adan_body(const Work *w, int64_t t, int64_t start, int64_t count, in
             }
             reduced[k] = reduced[k] * s.beta3 + sum * s.one_minus_beta3;
         }
-        ADAN_BLOCKS(start, end, for (int64_t k = i0 / b; k * b < i1; k++) {
+        ADAN_BLOCKS(start, end, FOR_RUNS(b, k,
             const float scale = adan_scale(&s, reduced[k]);
-            const int64_t from = k * b > i0 ? k * b : i0, to = (k + 1) * b < i1 ? (k + 1) * b : i1;
             IVDEP for (int64_t i = from; i < to; i++) ADAN_UPDATE(i, ADAN_TERMS(i), scale);
-        })
+        ))
         return;
     }
     /* columns: the chunk's elements / b of b rows; under Q8 all c of them (the chunk plan makes
@@ -346,10 +352,9 @@ INLINE void adan_body(const Work *w, int64_t t, int64_t start, int64_t count, in
         }
     for (int64_t r = 0; r < (states == Q8 ? 1 : b); r++)
         ADAN_BLOCKS(states == Q8 ? 0 : r * c + j0, states == Q8 ? b * c : r * c + j1,
-                   for (int64_t row = i0 / c; row * c < i1; row++) {
-            const int64_t from = row * c > i0 ? row * c : i0, to = (row + 1) * c < i1 ? (row + 1) * c : i1;
+                   FOR_RUNS(c, row,
             IVDEP for (int64_t i = from; i < to; i++) ADAN_UPDATE(i, ADAN_TERMS(i), adan_scale(&s, reduced[i - row * c]));
-        })
+        ))
 #undef ADAN_BLOCKS
 #undef ADAN_UPDATE
 #undef ADAN_TERMS
@@ -426,11 +431,10 @@ INLINE void adamw_body(const Work *w, int64_t t, int64_t start, int64_t count, i
             reduced[k] = reduced[k] * s.beta2 + sum * s.one_minus_beta2;
             if (amsgrad) reduced_max[k] = larger(reduced_max[k], reduced[k]);
         }
-        ADAMW_BLOCKS(start, end, for (int64_t k = i0 / b; k * b < i1; k++) {
+        ADAMW_BLOCKS(start, end, FOR_RUNS(b, k,
             const float scale = adamw_scale(&s, reduced_max[k]);
-            const int64_t from = k * b > i0 ? k * b : i0, to = (k + 1) * b < i1 ? (k + 1) * b : i1;
             IVDEP for (int64_t i = from; i < to; i++) ADAMW_UPDATE(i, ADAMW_GRAD(i), scale);
-        })
+        ))
         return;
     }
     /* columns: as Adan's */
@@ -445,11 +449,10 @@ INLINE void adamw_body(const Work *w, int64_t t, int64_t start, int64_t count, i
         for (int64_t j = j0; j < j1; j++) reduced_max[j] = larger(reduced_max[j], reduced[j]);
     for (int64_t r = 0; r < (states == Q8 ? 1 : b); r++)
         ADAMW_BLOCKS(states == Q8 ? 0 : r * c + j0, states == Q8 ? b * c : r * c + j1,
-                     for (int64_t row = i0 / c; row * c < i1; row++) {
-            const int64_t from = row * c > i0 ? row * c : i0, to = (row + 1) * c < i1 ? (row + 1) * c : i1;
+                     FOR_RUNS(c, row,
             IVDEP for (int64_t i = from; i < to; i++)
                 ADAMW_UPDATE(i, ADAMW_GRAD(i), adamw_scale(&s, reduced_max[i - row * c]));
-        })
+        ))
 #undef ADAMW_BLOCKS
 #undef ADAMW_UPDATE
 #undef ADAMW_GRAD
