@@ -27,7 +27,8 @@ def _grad_tables(grads):
 
 def grad_norm(grads, norm_type=2.0, tables=None):
     """The ``norm_type``-norm (2 or inf) over every tensor in ``grads``, as an fp32 0-d tensor on the
-    first grad's device. ``tables``: the grads' pointer tables, when the caller has them."""
+    first grad's device. ``tables``: the caller's decision, ``_grad_tables(grads)`` for the kernel or
+    an empty list for foreach; None decides here."""
     inf = norm_type == math.inf
     if tables is None and _kernel_takes(grads):
         tables = _grad_tables(grads)

@@ -42,15 +42,16 @@ def state_format(param, states):
     return fused_cpu.STATE_FORMATS[dtype]
 
 
-def _refusal(param, grad, states):
-    """Why the kernel cannot take this tensor (``states``: role to tensor), or None."""
+def _refusal(param, grad, states, states_format):
+    """Why the kernel cannot take this tensor (``states``: role to tensor, ``states_format``:
+    their state_format), or None."""
     if not fused_cpu.AVAILABLE:
         return "the fused CPU kernel is not built (see the README's set-up)"
     if param.device.type != "cpu":
         return f"no fused kernel for {param.device.type} tensors yet"
     if param.dtype not in fused_cpu.DTYPES:
         return f"no fused kernel for {param.dtype}"
-    if state_format(param, states) is None:
+    if states_format is None:
         return "its states mix formats in a way the kernel does not know"
     if any(state.dtype == torch.uint8 for state in states.values()) and not all(
             t.is_contiguous() for t in (param, grad, *states.values())):
@@ -71,14 +72,21 @@ def same_layout(a, b):
 
 
 def _split(plan):
-    """Indices the kernel takes, and those left to the foreach engine with the first reason."""
+    """Indices the kernel takes with their states' formats, and those left to the foreach engine
+    with the first reason."""
     state_roles = [role for role in plan.tensors if role not in ("param", "grad")]
-    taken, left, reason = [], [], None
+    taken, formats, left, reason = [], [], [], None
     for i, (param, grad) in enumerate(zip(plan.tensors["param"], plan.tensors["grad"])):
-        why = _refusal(param, grad, {role: plan.tensors[role][i] for role in state_roles})
-        (left if why else taken).append(i)
-        reason = reason or why
-    return taken, left, reason
+        states = {role: plan.tensors[role][i] for role in state_roles}
+        states_format = state_format(param, states)
+        why = _refusal(param, grad, states, states_format)
+        if why:
+            left.append(i)
+            reason = reason or why
+        else:
+            taken.append(i)
+            formats.append(states_format)
+    return taken, formats, left, reason
 
 
 def _fallback(algorithm, plan, reason):
@@ -125,12 +133,9 @@ class Prepared:
     """What the kernel takes of a plan, what it leaves to foreach and why, and the pointer table."""
 
     def __init__(self, plan, roles):
-        self.taken, self.left, self.reason = _split(plan)
+        self.taken, formats, self.left, self.reason = _split(plan)
         tensors = {role: [t[i] for i in self.taken] for role, t in plan.tensors.items()}
         tensors |= {role + "_absmax": [values[i] for i in self.taken] for role, values in plan.absmax.items()}
-        state_roles = [role for role in plan.tensors if role not in ("param", "grad")]
-        formats = [state_format(param, {role: tensors[role][k] for role in state_roles})
-                   for k, param in enumerate(tensors["param"])]
         blocks = [blockwise8.BLOCK if f == fused_cpu.STATE_FORMATS[torch.uint8] else 1 for f in formats]
         self.table = PointerTable(tensors, roles, formats, blocks)
         self.grad_strides = [grad.stride() for grad in plan.tensors["grad"]]
