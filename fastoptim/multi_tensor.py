@@ -8,6 +8,7 @@ the gradients' pointers, which change whenever grads are set to None and recompu
 refreshed every step.
 """
 import numpy as np
+import torch
 
 CHUNK_NUMEL = 1 << 15  # 128 KiB of fp32 per stream: large enough to amortise, small enough to balance
 MIN_COLUMNS = 64  # a column chunk reads its rows in runs of at least 256 bytes of fp32
@@ -103,6 +104,29 @@ class PointerTable:
         if not (subsets > 1).any() and not formats.any():
             self.layouts = None
         self.chunks, self.first_chunk = chunk_plan([t.numel() for t in tensors["param"]], subsets, blocks=blocks)
+        self.subsets = subsets
+        self.on_device = None  # (pointers, work) as sent to the device, and the device tensors
 
     def refresh_grads(self, grad_pointers):
         self.pointers[self.roles.index("grad")] = grad_pointers
+
+    def device_tables(self, device):
+        """The pointer table and a work table for the Triton kernels, as int64 tensors on ``device``.
+        A work row is a chunk: tensor, first element, element count, subset-norm (b, c), and whether
+        all the tensor's streams are 16-byte aligned (so full tiles may use 128-bit accesses). They
+        are sent once, and again only when a pointer (a new grad's) or an alignment changed."""
+        aligned = (self.pointers % 16 == 0).all(axis=0)
+        tensor = self.chunks[:, 0]
+        work = np.column_stack([self.chunks[:, :3], self.subsets[tensor], aligned[tensor]]).astype(np.int64)
+        sent = self.on_device
+        if sent is None or sent[2].device != torch.device(device):
+            self.on_device = (self.pointers.copy(), work, torch.tensor(self.pointers, device=device),
+                              torch.tensor(work, device=device))
+        else:
+            if not np.array_equal(sent[0], self.pointers):
+                sent[0][:] = self.pointers
+                sent[2].copy_(torch.from_numpy(self.pointers))
+            if not np.array_equal(sent[1], work):
+                sent[1][:] = work
+                sent[3].copy_(torch.from_numpy(work))
+        return self.on_device[2], self.on_device[3]

@@ -8,6 +8,7 @@ from torch import Tensor
 
 from ..kernels import fused_cpu
 from . import foreach, fused, loop
+from . import fused as fused_engine  # the flag `fused` shadows the module below
 
 
 @dataclass
@@ -52,11 +53,14 @@ FUSED = frozenset({"fused-single", "fused-multi"})
 def engine_name(foreach, fused):
     """The engine that a group's ``foreach``/``fused`` flags select, as the seeds choose them:
     ``fused=True`` is multi-tensor unless ``foreach=False``; with both None, the fastest there is.
-    A step traced by ``torch.compile`` takes foreach for the fused engines: a C call does not trace."""
+    A step traced by ``torch.compile`` takes foreach for the fused engines: a C call does not trace.
+    Raises a ValueError for a FASTOPTIM_FUSED_BACKEND that names no backend, before any step."""
+    if fused or fused is None and foreach is None:
+        fused_engine.forced_backend()
     if (fused or fused is None and foreach is None) and torch.compiler.is_compiling():
         return "foreach"
     if fused:
         return "fused-single" if foreach is False else "fused-multi"
     if fused is None and foreach is None:
-        return "fused-multi" if fused_cpu.AVAILABLE else "foreach"
+        return "fused-multi" if fused_cpu.AVAILABLE or fused_engine.fused_triton else "foreach"
     return "loop" if foreach is False else "foreach"

@@ -1,19 +1,25 @@
-"""The fused CPU engine (``fused=True``): the C kernel of ``fastoptim/kernels/fused_cpu.c``.
+"""The fused engines (``fused=True``): the C kernel of ``fastoptim/kernels/fused_cpu.c`` for CPU
+tensors, the Triton kernels of ``fastoptim/kernels/fused_triton.py`` for CUDA ones
+(``FASTOPTIM_FUSED_BACKEND=cpu|triton`` forces one; Triton takes CPU tensors in its interpreter,
+``TRITON_INTERPRET=1``, which is how the tests run it without a GPU).
 
 Multi-tensor (``foreach=True``, the default with ``fused=True``): one call per bucket updates every
 tensor, parallel over fixed-size chunks across all of them. Single-tensor (``foreach=False``): one
-call per tensor, as the seeds' FusedAdan does. Both read the pointer table and chunk plan cached in
-``plan.cache``; only the gradients' row is refreshed each step.
+call (or launch) per tensor, as the seeds' FusedAdan does. Both read the pointer table and chunk plan
+cached in ``plan.cache``; only the gradients' row is refreshed each step (and sent to the device only
+when a grad moved).
 
-States may be fp32, bf16 or 8-bit (``state_bits``): the kernel dequantizes, updates and
-requantizes each 256-element block in one pass.
+States may be fp32, bf16 or 8-bit (``state_bits``): the C kernel dequantizes, updates and
+requantizes each 256-element block in one pass; the Triton kernels take fp32 and bf16 states.
 
 Tensors the kernel cannot take run on the foreach engine instead, with one warning when fused was
-asked for: no build, a dtype other than fp32/bf16/fp16, a device other than the CPU, a layout
+asked for: no build (or no Triton), a dtype other than fp32/bf16/fp16, a device the backend does not
+run on, a layout
 where param, grad and states are not dense with the same strides, or 8-bit states of a param
 that is not contiguous (the codes are in row-major order).
 """
 import operator
+import os
 import warnings
 
 import torch
@@ -22,6 +28,26 @@ from ..kernels import fused_cpu
 from ..multi_tensor import PointerTable, data_pointers, is_dense
 from ..states import blockwise8
 from . import foreach
+
+try:
+    from ..kernels import fused_triton
+except ImportError:  # Triton is an optional extra: pip install fastoptim[triton]
+    fused_triton = None
+
+BACKENDS = ("cpu", "triton")
+
+
+def forced_backend():
+    """The kernel family ``FASTOPTIM_FUSED_BACKEND`` forces, or None."""
+    forced = os.environ.get("FASTOPTIM_FUSED_BACKEND") or None
+    if forced not in (None, *BACKENDS):
+        raise ValueError(f"FASTOPTIM_FUSED_BACKEND={forced!r}: expected one of {BACKENDS}")
+    return forced
+
+
+def backend(device):
+    """The kernel family for tensors on ``device``: Triton on CUDA, C elsewhere, unless forced."""
+    return forced_backend() or ("triton" if device.type == "cuda" else "cpu")
 
 
 def state_format(param, states):
@@ -42,13 +68,31 @@ def state_format(param, states):
     return fused_cpu.STATE_FORMATS[dtype]
 
 
-def _refusal(param, grad, states, states_format):
-    """Why the kernel cannot take this tensor (``states``: role to tensor, ``states_format``:
-    their state_format), or None."""
-    if not fused_cpu.AVAILABLE:
-        return "the fused CPU kernel is not built (see the README's set-up)"
-    if param.device.type != "cpu":
-        return f"no fused kernel for {param.device.type} tensors yet"
+def _backend_refusal(kind, param, states_format):
+    """Why backend ``kind`` cannot run this tensor at all, or None."""
+    if kind == "cpu":
+        if not fused_cpu.AVAILABLE:
+            return "the fused CPU kernel is not built (see the README's set-up)"
+        if param.device.type != "cpu":
+            return f"no fused kernel for {param.device.type} tensors yet"
+        return None
+    if fused_triton is None:
+        return "Triton is not installed (pip install fastoptim[triton])"
+    if param.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return "Triton runs CPU tensors only in its interpreter (TRITON_INTERPRET=1)"
+    if param.device.type not in ("cpu", "cuda"):
+        return f"no Triton kernel for {param.device.type} tensors"
+    if states_format == fused_cpu.STATE_FORMATS[torch.uint8]:
+        return "8-bit states have no Triton kernel yet"
+    return None
+
+
+def _refusal(kind, param, grad, states, states_format):
+    """Why backend ``kind``'s kernel cannot take this tensor (``states``: role to tensor,
+    ``states_format``: their state_format), or None."""
+    why = _backend_refusal(kind, param, states_format)
+    if why:
+        return why
     if param.dtype not in fused_cpu.DTYPES:
         return f"no fused kernel for {param.dtype}"
     if states_format is None:
@@ -71,15 +115,15 @@ def same_layout(a, b):
     return all(sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape) if n != 1)
 
 
-def _split(plan):
-    """Indices the kernel takes with their states' formats, and those left to the foreach engine
-    with the first reason."""
+def _split(plan, kind):
+    """Indices backend ``kind``'s kernel takes with their states' formats, and those left to the
+    foreach engine with the first reason."""
     state_roles = [role for role in plan.tensors if role not in ("param", "grad")]
     taken, formats, left, reason = [], [], [], None
     for i, (param, grad) in enumerate(zip(plan.tensors["param"], plan.tensors["grad"])):
         states = {role: plan.tensors[role][i] for role in state_roles}
         states_format = state_format(param, states)
-        why = _refusal(param, grad, states, states_format)
+        why = _refusal(kind, param, grad, states, states_format)
         if why:
             left.append(i)
             reason = reason or why
@@ -97,12 +141,17 @@ def _fallback(algorithm, plan, reason):
     foreach.run(algorithm, plan)
 
 
-def _scalars(algorithm, plan):
-    """The kernel's scalars as a ctypes array of (pointer, stride), and the tensors it points into."""
+def _scalar_values(algorithm, plan):
+    """The kernel's scalars, name to value: a Python number, a 0-d tensor, or a 1-d tensor with one
+    value per tensor (``plan.per_tensor``)."""
     values = algorithm.kernel_scalars(plan.args)
-    values |= dict(found_inf=0.0 if plan.found_inf is None else plan.found_inf,
-                   seed=torch.randint(1 << 24, ()) if plan.stochastic_rounding else 0.0)
-    names = fused_cpu.SCALARS[algorithm.kernel]
+    return values | dict(found_inf=0.0 if plan.found_inf is None else plan.found_inf,
+                         seed=int(torch.randint(1 << 24, ())) if plan.stochastic_rounding else 0)
+
+
+def _cpu_scalars(algorithm, plan):
+    """The C kernel's scalars as a ctypes array of (pointer, stride), and the tensors it points into."""
+    values, names = _scalar_values(algorithm, plan), fused_cpu.SCALARS[algorithm.kernel]
     numbers = torch.tensor([0.0 if isinstance(values[n], torch.Tensor) else float(values[n]) for n in names])
     keep, array = [numbers], (fused_cpu.Scalar * len(names))()
     for i, name in enumerate(names):
@@ -116,28 +165,55 @@ def _scalars(algorithm, plan):
     return array, keep
 
 
-def _prepare(algorithm, plan):
-    """What the kernel takes of ``plan``, and its pointer table, cached in ``plan.cache`` (which the
-    optimizer empties whenever a param or state tensor changes) while the grads keep their layouts.
-    Only the grads' pointers are refreshed every step."""
+def _device_scalars(algorithm, plan, device):
+    """The Triton kernels' scalars: an fp32 tensor on ``device`` with one row per tensor when one
+    of them is per tensor, else one shared row. The numbers travel in one copy; tensor values (a
+    tensor lr, the clip coefficient, found_inf) stay on the device."""
+    values, names = _scalar_values(algorithm, plan), fused_cpu.SCALARS[algorithm.kernel]
+    rows = len(plan) if any(name in plan.per_tensor for name in names) else 1
+    numbers = torch.tensor([0.0 if isinstance(values[n], torch.Tensor) else float(values[n]) for n in names])
+    numbers = numbers.to(device, non_blocking=True)
+    return torch.stack([values[n].to(device, torch.float32).expand(rows) if isinstance(values[n], torch.Tensor)
+                        else numbers[i].expand(rows) for i, n in enumerate(names)], dim=1)
+
+
+def _prepare(algorithm, plan, kind):
+    """What backend ``kind``'s kernel takes of ``plan``, and its pointer tables, cached in
+    ``plan.cache`` (which the optimizer empties whenever a param or state tensor changes) while
+    the grads keep their layouts. Only the grads' pointers are refreshed every step."""
     grads = plan.tensors["grad"]
     prepared = plan.cache.get("prepared")
-    if prepared is None or not all(map(operator.eq, map(torch.Tensor.stride, grads), prepared.grad_strides)):
-        prepared = plan.cache["prepared"] = Prepared(plan, fused_cpu.ROLES[algorithm.kernel])
+    if (prepared is None or prepared.kind != kind
+            or not all(map(operator.eq, map(torch.Tensor.stride, grads), prepared.grad_strides))):
+        prepared = plan.cache["prepared"] = Prepared(plan, kind, fused_cpu.ROLES[algorithm.kernel])
     pointers = data_pointers(grads)
-    prepared.table.refresh_grads(pointers[prepared.taken] if prepared.left else pointers)
+    for indices, table, _ in prepared.tables:
+        table.refresh_grads(pointers[indices])
     return prepared
 
 
 class Prepared:
-    """What the kernel takes of a plan, what it leaves to foreach and why, and the pointer table."""
+    """What backend ``kind``'s kernel takes of a plan (``taken``), what it leaves to foreach and why,
+    and the pointer tables: (indices in the plan, table, state dtype). The C kernel reads each
+    tensor's state format from its one table; a Triton kernel is compiled for one state dtype, so
+    it gets a table per format (in practice a group's states share one)."""
 
-    def __init__(self, plan, roles):
-        self.taken, formats, self.left, self.reason = _split(plan)
-        tensors = {role: [t[i] for i in self.taken] for role, t in plan.tensors.items()}
-        tensors |= {role + "_absmax": [values[i] for i in self.taken] for role, values in plan.absmax.items()}
-        blocks = [blockwise8.BLOCK if f == fused_cpu.STATE_FORMATS[torch.uint8] else 1 for f in formats]
-        self.table = PointerTable(tensors, roles, formats, blocks)
+    def __init__(self, plan, kind, roles):
+        self.kind = kind
+        self.taken, formats, self.left, self.reason = _split(plan, kind)
+        by_format = {None: self.taken} if kind == "cpu" and self.taken else {}
+        if kind == "triton":
+            for i, f in zip(self.taken, formats):
+                by_format.setdefault(f, []).append(i)
+        dtypes = {code: dtype for dtype, code in fused_cpu.STATE_FORMATS.items()}
+        self.tables = []
+        for state_format, indices in by_format.items():
+            tensors = {role: [t[i] for i in indices] for role, t in plan.tensors.items()}
+            tensors |= {role + "_absmax": [values[i] for i in indices] for role, values in plan.absmax.items()}
+            table_formats = formats if state_format is None else None
+            blocks = None if state_format is not None else [
+                blockwise8.BLOCK if f == fused_cpu.STATE_FORMATS[torch.uint8] else 1 for f in formats]
+            self.tables.append((indices, PointerTable(tensors, roles, table_formats, blocks), dtypes.get(state_format)))
         self.grad_strides = [grad.stride() for grad in plan.tensors["grad"]]
 
 
@@ -145,21 +221,30 @@ def _run(algorithm, plan, per_tensor_calls):
     if algorithm.kernel is None:
         _fallback(algorithm, plan, f"no fused kernel for {type(algorithm).__name__} yet")
         return
-    prepared = _prepare(algorithm, plan)
-    table = prepared.table
+    kind = backend(plan.tensors["param"][0].device)
+    prepared = _prepare(algorithm, plan, kind)
     if prepared.left:
         _fallback(algorithm, plan.subset(prepared.left), prepared.reason)
-        if not prepared.taken:
-            return
-        plan = plan.subset(prepared.taken)
-    scalars, _keep = _scalars(algorithm, plan)
-    flags = ((fused_cpu.AMSGRAD if "max_exp_avg_sq" in plan.tensors else 0)
-             | (fused_cpu.NO_FIRST_MOMENT if "exp_avg" not in plan.tensors else 0)
-             | (fused_cpu.STOCHASTIC_ROUNDING if plan.stochastic_rounding else 0))
-    ranges = zip(table.first_chunk[:-1], table.first_chunk[1:]) if per_tensor_calls else [(0, len(table.chunks))]
-    for chunk_range in ranges:
-        fused_cpu.run(algorithm.kernel, table.pointers, len(plan), table.chunks, chunk_range, table.layouts, scalars,
-                      plan.tensors["param"][0].dtype, flags, torch.get_num_threads())
+    amsgrad, first_moment = "max_exp_avg_sq" in plan.tensors, "exp_avg" in plan.tensors
+    for indices, table, state_dtype in prepared.tables:
+        part = plan if len(indices) == len(plan) else plan.subset(indices)
+        ranges = zip(table.first_chunk[:-1], table.first_chunk[1:]) if per_tensor_calls else [(0, len(table.chunks))]
+        dtype = plan.tensors["param"][0].dtype
+        if kind == "cpu":
+            scalars, _keep = _cpu_scalars(algorithm, part)
+            flags = ((fused_cpu.AMSGRAD if amsgrad else 0) | (0 if first_moment else fused_cpu.NO_FIRST_MOMENT)
+                     | (fused_cpu.STOCHASTIC_ROUNDING if part.stochastic_rounding else 0))
+            for chunk_range in ranges:
+                fused_cpu.run(algorithm.kernel, table.pointers, len(part), table.chunks, chunk_range, table.layouts,
+                              scalars, dtype, flags, torch.get_num_threads())
+            continue
+        device = plan.tensors["param"][0].device
+        pointers, work = table.device_tables(device)
+        scalars = _device_scalars(algorithm, part, device)
+        for first, last in ranges:
+            fused_triton.launch(algorithm.kernel, pointers, len(part), work[first:last], scalars, dtype, state_dtype,
+                                stochastic=part.stochastic_rounding, subsets=bool((table.subsets > 1).any()),
+                                amsgrad=amsgrad, first_moment=first_moment)
 
 
 def run_multi(algorithm, plan):
