@@ -25,12 +25,13 @@ import triton.language as tl
 
 from .fused_cpu import SCALARS
 
-WORK_COLUMNS = 6
-TENSOR, START, COUNT, SUBSET_ROWS, SUBSET_COLUMNS, ALIGNED = (tl.constexpr(i) for i in range(WORK_COLUMNS))
+WORK_COLUMNS = tl.constexpr(6)
+TENSOR, START, COUNT, SUBSET_ROWS, SUBSET_COLUMNS, ALIGNED = (tl.constexpr(i) for i in range(6))
 PARAM, GRAD, EXP_AVG, EXP_AVG_SQ, EXP_AVG_DIFF, NEG_PRE_GRAD = (tl.constexpr(i) for i in range(6))
 MAX_EXP_AVG_SQ = EXP_AVG_DIFF  # AdamW's third state takes the row Adan's exp_avg_diff has
 
 BLOCK = tl.constexpr(1024)  # elements per tile of a dense chunk
+NUM_WARPS = 8  # 4 fp32 per thread and stream: one 128-bit access each (86 registers on sm_90, against 145 with 4 warps)
 SUBSET_TILE, MEMBER_TILE = tl.constexpr(16), tl.constexpr(64)  # a subset-norm tile: subsets × their elements
 N_ADAN, N_ADAMW = tl.constexpr(len(SCALARS["adan"])), tl.constexpr(len(SCALARS["adamw"]))
 
@@ -92,6 +93,15 @@ def _store_param(pointer, index, value, mask, seed, t, STOCHASTIC: tl.constexpr)
     _store(pointer, index, value, mask)
 
 
+@triton.jit
+def _subset_tile(subsets, last, j, b, c):
+    """Index and mask of members [j, j + MEMBER_TILE) of each of ``subsets`` (those below ``last``):
+    b consecutive elements per subset (rows, c = 1), or one per row of c (columns)."""
+    members = j + tl.arange(0, MEMBER_TILE)
+    index = subsets[:, None] * tl.where(c == 1, b, 1) + members[None, :] * c
+    return index, (subsets < last)[:, None] & (members < b)[None, :]
+
+
 # --- Adan -------------------------------------------------------------------------------------
 
 @triton.jit
@@ -134,6 +144,28 @@ def _adan_dense_tile(param, grad, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_gra
 
 
 @triton.jit
+def _adan_subset_chunk(param, grad, exp_avg, reduced, exp_avg_diff, neg_pre_grad, start, count, b, c, S, seed, t,
+                       STOCHASTIC: tl.constexpr):
+    """Subsets [start/b, (start + count)/b): their sums of squares into ``reduced``, then their elements."""
+    last = (start + count) // b
+    for first in range(start // b, last, SUBSET_TILE):
+        subsets = first + tl.arange(0, SUBSET_TILE)
+        sums = tl.zeros((SUBSET_TILE,), tl.float32)
+        for j in range(0, b, MEMBER_TILE):
+            index, mask = _subset_tile(subsets, last, j, b, c)
+            neg_g, d, u = _adan_terms(grad, neg_pre_grad, index, mask, S)
+            sums += tl.sum(tl.where(mask, u * u, 0.0), axis=1)
+        n = _load(reduced, subsets, subsets < last) * tl.load(S + ADAN_BETA3) + sums * tl.load(S + ADAN_ONE_MINUS_BETA3)
+        _store(reduced, subsets, n, subsets < last)
+        scale = _adan_scale(n, S)[:, None]
+        for j in range(0, b, MEMBER_TILE):
+            index, mask = _subset_tile(subsets, last, j, b, c)
+            neg_g, d, u = _adan_terms(grad, neg_pre_grad, index, mask, S)
+            _adan_apply(param, exp_avg, exp_avg_diff, neg_pre_grad, index, mask, neg_g, d, scale, S, seed, t,
+                        STOCHASTIC)
+
+
+@triton.jit
 def adan_kernel(pointers, n_tensors, work, scalars, scalar_stride, PARAM_TYPE: tl.constexpr,
                 STATE_TYPE: tl.constexpr, STOCHASTIC: tl.constexpr, SUBSETS: tl.constexpr):
     """One chunk of Adan (``fastoptim.optimizers.adan.adan_update``) per program. SUBSETS: the
@@ -149,42 +181,25 @@ def adan_kernel(pointers, n_tensors, work, scalars, scalar_stride, PARAM_TYPE: t
         exp_avg = _pointer(pointers, n_tensors, EXP_AVG, t, STATE_TYPE)
         exp_avg_diff = _pointer(pointers, n_tensors, EXP_AVG_DIFF, t, STATE_TYPE)
         neg_pre_grad = _pointer(pointers, n_tensors, NEG_PRE_GRAD, t, STATE_TYPE)
-        if not SUBSETS or b == 1:
-            exp_avg_sq = _pointer(pointers, n_tensors, EXP_AVG_SQ, t, STATE_TYPE)
-            full = tl.where(tl.load(row + ALIGNED) != 0, count // BLOCK, 0)
-            for tile in range(0, full):  # 16-byte aligned streams, no mask: 128-bit accesses
-                index = tl.multiple_of(start + tile * BLOCK, BLOCK) + tl.arange(0, BLOCK)
-                _adan_dense_tile(tl.multiple_of(param, 16), tl.multiple_of(grad, 16), tl.multiple_of(exp_avg, 16),
-                                 tl.multiple_of(exp_avg_sq, 16), tl.multiple_of(exp_avg_diff, 16),
-                                 tl.multiple_of(neg_pre_grad, 16), index, None, S, seed, t, STOCHASTIC)
-            for offset in range(full * BLOCK, count, BLOCK):
-                index = start + offset + tl.arange(0, BLOCK)
-                _adan_dense_tile(param, grad, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_grad, index,
-                                 index < start + count, S, seed, t, STOCHASTIC)
-        else:
-            exp_avg_sq = _pointer(pointers, n_tensors, EXP_AVG_SQ, t, tl.float32)  # one fp32 per subset
-            step = tl.where(c == 1, b, 1)  # elements from one subset to the next: rows, or columns
-            for first in range(start // b, (start + count) // b, SUBSET_TILE):
-                subsets = first + tl.arange(0, SUBSET_TILE)
-                in_chunk = subsets < (start + count) // b
-                sums = tl.zeros((SUBSET_TILE,), tl.float32)
-                for j in range(0, b, MEMBER_TILE):
-                    members = j + tl.arange(0, MEMBER_TILE)
-                    index = subsets[:, None] * step + members[None, :] * c
-                    mask = in_chunk[:, None] & (members < b)[None, :]
-                    neg_g, d, u = _adan_terms(grad, neg_pre_grad, index, mask, S)
-                    sums += tl.sum(tl.where(mask, u * u, 0.0), axis=1)
-                n = (_load(exp_avg_sq, subsets, in_chunk) * tl.load(S + ADAN_BETA3)
-                     + sums * tl.load(S + ADAN_ONE_MINUS_BETA3))
-                _store(exp_avg_sq, subsets, n, in_chunk)
-                scale = _adan_scale(n, S)[:, None]
-                for j in range(0, b, MEMBER_TILE):
-                    members = j + tl.arange(0, MEMBER_TILE)
-                    index = subsets[:, None] * step + members[None, :] * c
-                    mask = in_chunk[:, None] & (members < b)[None, :]
-                    neg_g, d, u = _adan_terms(grad, neg_pre_grad, index, mask, S)
-                    _adan_apply(param, exp_avg, exp_avg_diff, neg_pre_grad, index, mask, neg_g, d, scale, S, seed,
-                                t, STOCHASTIC)
+        exp_avg_sq = _pointer(pointers, n_tensors, EXP_AVG_SQ, t, STATE_TYPE)
+        if SUBSETS:
+            if b != 1:
+                reduced = _pointer(pointers, n_tensors, EXP_AVG_SQ, t, tl.float32)  # one fp32 per subset
+                _adan_subset_chunk(param, grad, exp_avg, reduced, exp_avg_diff, neg_pre_grad, start, count, b, c, S,
+                                   seed, t, STOCHASTIC)
+        # A dense chunk: full tiles of 16-byte aligned streams with no mask (128-bit accesses; the
+        # hints must be given here, where the pointers are loaded), then the rest with a mask.
+        dense = tl.where(b == 1, count, 0)
+        full = tl.where(tl.load(row + ALIGNED) != 0, dense // BLOCK * BLOCK, 0)
+        for offset in range(0, full, BLOCK):
+            index = tl.multiple_of(start + offset, BLOCK) + tl.arange(0, BLOCK)
+            _adan_dense_tile(tl.multiple_of(param, 16), tl.multiple_of(grad, 16), tl.multiple_of(exp_avg, 16),
+                             tl.multiple_of(exp_avg_sq, 16), tl.multiple_of(exp_avg_diff, 16),
+                             tl.multiple_of(neg_pre_grad, 16), index, None, S, seed, t, STOCHASTIC)
+        for offset in range(full, dense, BLOCK):
+            index = start + offset + tl.arange(0, BLOCK)
+            _adan_dense_tile(param, grad, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_grad, index,
+                             index < start + dense, S, seed, t, STOCHASTIC)
 
 
 # --- AdamW, AdamWSN and RMSPropSN -------------------------------------------------------------
@@ -229,6 +244,30 @@ def _adamw_dense_tile(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, index, m
 
 
 @triton.jit
+def _adamw_subset_chunk(param, grad, exp_avg, reduced, reduced_max, start, count, b, c, S, seed, t,
+                        AMSGRAD: tl.constexpr, FIRST_MOMENT: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """As ``_adan_subset_chunk``."""
+    last = (start + count) // b
+    for first in range(start // b, last, SUBSET_TILE):
+        subsets = first + tl.arange(0, SUBSET_TILE)
+        sums = tl.zeros((SUBSET_TILE,), tl.float32)
+        for j in range(0, b, MEMBER_TILE):
+            index, mask = _subset_tile(subsets, last, j, b, c)
+            g = _adamw_grad(grad, index, mask, S)
+            sums += tl.sum(tl.where(mask, g * g, 0.0), axis=1)
+        v = _load(reduced, subsets, subsets < last) * tl.load(S + ADAMW_BETA2) + sums * tl.load(S + ADAMW_ONE_MINUS_BETA2)
+        _store(reduced, subsets, v, subsets < last)
+        if AMSGRAD:
+            v = tl.maximum(_load(reduced_max, subsets, subsets < last), v)
+            _store(reduced_max, subsets, v, subsets < last)
+        scale = _adamw_scale(v, S)[:, None]
+        for j in range(0, b, MEMBER_TILE):
+            index, mask = _subset_tile(subsets, last, j, b, c)
+            _adamw_apply(param, exp_avg, index, mask, _adamw_grad(grad, index, mask, S), scale, S, seed, t, FIRST_MOMENT,
+                         STOCHASTIC)
+
+
+@triton.jit
 def adamw_kernel(pointers, n_tensors, work, scalars, scalar_stride, PARAM_TYPE: tl.constexpr,
                  STATE_TYPE: tl.constexpr, STOCHASTIC: tl.constexpr, SUBSETS: tl.constexpr,
                  AMSGRAD: tl.constexpr, FIRST_MOMENT: tl.constexpr):
@@ -243,60 +282,54 @@ def adamw_kernel(pointers, n_tensors, work, scalars, scalar_stride, PARAM_TYPE: 
         param = _pointer(pointers, n_tensors, PARAM, t, PARAM_TYPE)
         grad = _pointer(pointers, n_tensors, GRAD, t, PARAM_TYPE)
         exp_avg = _pointer(pointers, n_tensors, EXP_AVG, t, STATE_TYPE)
-        if not SUBSETS or b == 1:
-            exp_avg_sq = _pointer(pointers, n_tensors, EXP_AVG_SQ, t, STATE_TYPE)
-            max_exp_avg_sq = _pointer(pointers, n_tensors, MAX_EXP_AVG_SQ, t, STATE_TYPE)
-            full = tl.where(tl.load(row + ALIGNED) != 0, count // BLOCK, 0)
-            for tile in range(0, full):
-                index = tl.multiple_of(start + tile * BLOCK, BLOCK) + tl.arange(0, BLOCK)
-                _adamw_dense_tile(tl.multiple_of(param, 16), tl.multiple_of(grad, 16), tl.multiple_of(exp_avg, 16),
-                                  tl.multiple_of(exp_avg_sq, 16), tl.multiple_of(max_exp_avg_sq, 16), index, None,
-                                  S, seed, t, AMSGRAD, FIRST_MOMENT, STOCHASTIC)
-            for offset in range(full * BLOCK, count, BLOCK):
-                index = start + offset + tl.arange(0, BLOCK)
-                _adamw_dense_tile(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, index, index < start + count,
-                                  S, seed, t, AMSGRAD, FIRST_MOMENT, STOCHASTIC)
-        else:
-            exp_avg_sq = _pointer(pointers, n_tensors, EXP_AVG_SQ, t, tl.float32)
-            max_exp_avg_sq = _pointer(pointers, n_tensors, MAX_EXP_AVG_SQ, t, tl.float32)
-            step = tl.where(c == 1, b, 1)
-            for first in range(start // b, (start + count) // b, SUBSET_TILE):
-                subsets = first + tl.arange(0, SUBSET_TILE)
-                in_chunk = subsets < (start + count) // b
-                sums = tl.zeros((SUBSET_TILE,), tl.float32)
-                for j in range(0, b, MEMBER_TILE):
-                    members = j + tl.arange(0, MEMBER_TILE)
-                    index = subsets[:, None] * step + members[None, :] * c
-                    mask = in_chunk[:, None] & (members < b)[None, :]
-                    g = _adamw_grad(grad, index, mask, S)
-                    sums += tl.sum(tl.where(mask, g * g, 0.0), axis=1)
-                v = (_load(exp_avg_sq, subsets, in_chunk) * tl.load(S + ADAMW_BETA2)
-                     + sums * tl.load(S + ADAMW_ONE_MINUS_BETA2))
-                _store(exp_avg_sq, subsets, v, in_chunk)
-                if AMSGRAD:
-                    v = tl.maximum(_load(max_exp_avg_sq, subsets, in_chunk), v)
-                    _store(max_exp_avg_sq, subsets, v, in_chunk)
-                scale = _adamw_scale(v, S)[:, None]
-                for j in range(0, b, MEMBER_TILE):
-                    members = j + tl.arange(0, MEMBER_TILE)
-                    index = subsets[:, None] * step + members[None, :] * c
-                    mask = in_chunk[:, None] & (members < b)[None, :]
-                    _adamw_apply(param, exp_avg, index, mask, _adamw_grad(grad, index, mask, S), scale, S, seed, t,
-                                 FIRST_MOMENT, STOCHASTIC)
-
+        exp_avg_sq = _pointer(pointers, n_tensors, EXP_AVG_SQ, t, STATE_TYPE)
+        max_exp_avg_sq = _pointer(pointers, n_tensors, MAX_EXP_AVG_SQ, t, STATE_TYPE)
+        if SUBSETS:
+            if b != 1:
+                reduced = _pointer(pointers, n_tensors, EXP_AVG_SQ, t, tl.float32)
+                reduced_max = _pointer(pointers, n_tensors, MAX_EXP_AVG_SQ, t, tl.float32)
+                _adamw_subset_chunk(param, grad, exp_avg, reduced, reduced_max, start, count, b, c, S, seed, t,
+                                    AMSGRAD, FIRST_MOMENT, STOCHASTIC)
+        dense = tl.where(b == 1, count, 0)  # as adan_kernel's
+        full = tl.where(tl.load(row + ALIGNED) != 0, dense // BLOCK * BLOCK, 0)
+        for offset in range(0, full, BLOCK):
+            index = tl.multiple_of(start + offset, BLOCK) + tl.arange(0, BLOCK)
+            _adamw_dense_tile(tl.multiple_of(param, 16), tl.multiple_of(grad, 16), tl.multiple_of(exp_avg, 16),
+                              tl.multiple_of(exp_avg_sq, 16), tl.multiple_of(max_exp_avg_sq, 16), index, None, S, seed,
+                              t, AMSGRAD, FIRST_MOMENT, STOCHASTIC)
+        for offset in range(full, dense, BLOCK):
+            index = start + offset + tl.arange(0, BLOCK)
+            _adamw_dense_tile(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, index, index < start + dense, S, seed,
+                              t, AMSGRAD, FIRST_MOMENT, STOCHASTIC)
 
 TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+KERNELS = {"adan": adan_kernel, "adamw": adamw_kernel}
 
 
-def launch(kernel, pointers, n_tensors, work, scalars, param_dtype, state_dtype, *, stochastic, subsets,
+def _options(kernel, param_dtype, state_dtype, stochastic, subsets, amsgrad, first_moment):
+    """The compile-time arguments of a kernel variant."""
+    options = dict(PARAM_TYPE=TYPES[param_dtype], STATE_TYPE=TYPES[state_dtype], STOCHASTIC=stochastic,
+                   SUBSETS=subsets)
+    return options | (dict(AMSGRAD=amsgrad, FIRST_MOMENT=first_moment) if kernel == "adamw" else {})
+
+
+def launch(kernel, pointers, n_tensors, work, scalars, param_dtype, state_dtype, *, stochastic=False, subsets=False,
            amsgrad=False, first_moment=True):
     """Run ``kernel`` ('adan' or 'adamw') with one program per row of ``work`` (device tensors, see
     the module docstring); ``scalars`` holds one row per tensor, or one shared row."""
-    options = dict(PARAM_TYPE=TYPES[param_dtype], STATE_TYPE=TYPES[state_dtype], STOCHASTIC=stochastic,
-                   SUBSETS=subsets)
-    if kernel == "adamw":
-        options |= dict(AMSGRAD=amsgrad, FIRST_MOMENT=first_moment)
-    KERNELS[kernel][(len(work),)](pointers, n_tensors, work, scalars, int(scalars.shape[0] > 1), **options)
+    options = _options(kernel, param_dtype, state_dtype, stochastic, subsets, amsgrad, first_moment)
+    KERNELS[kernel][(len(work),)](pointers, n_tensors, work, scalars, int(scalars.shape[0] > 1), **options,
+                                  num_warps=NUM_WARPS)
 
 
-KERNELS = {"adan": adan_kernel, "adamw": adamw_kernel}
+def compile_for(capability, kernel, param_dtype, state_dtype, *, stochastic=False, subsets=False, amsgrad=False,
+                first_moment=True):
+    """Compile a kernel variant ahead of time for a CUDA GPU of compute ``capability`` (80: A100,
+    90: H100), with no GPU present: its ``asm`` holds the PTX and the cubin."""
+    from triton.backends.compiler import GPUTarget
+
+    options = _options(kernel, param_dtype, state_dtype, stochastic, subsets, amsgrad, first_moment)
+    signature = dict(pointers="*i64", n_tensors="i32", work="*i64", scalars="*fp32", scalar_stride="i32")
+    source = triton.compiler.ASTSource(fn=KERNELS[kernel], signature=signature | dict.fromkeys(options, "constexpr"),
+                                       constexprs=options)
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=NUM_WARPS))
