@@ -66,7 +66,17 @@ def _load(pointer, index, mask):
 
 
 @triton.jit
+def _round_bf16(value, add):
+    """``value`` rounded to bf16 by adding ``add`` to its low 16 bits and dropping them (NaN kept)."""
+    rounded = ((value.to(tl.uint32, bitcast=True) + add) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return tl.where(value != value, value, rounded)
+
+
+@triton.jit
 def _store(pointer, index, value, mask):
+    """fp32 into the pointer's dtype, to nearest even (by hand for bf16: Triton's interpreter truncates)."""
+    if pointer.dtype.element_ty == tl.bfloat16:
+        value = _round_bf16(value, 0x7FFF + ((value.to(tl.uint32, bitcast=True) >> 16) & 1))
     tl.store(pointer + index, value.to(pointer.dtype.element_ty), mask=mask)
 
 
@@ -84,12 +94,10 @@ def _random_bits(seed, t, index):
 
 @triton.jit
 def _store_param(pointer, index, value, mask, seed, t, STOCHASTIC: tl.constexpr):
-    """fp32 math back to the param's dtype: to nearest even, or for bf16 with STOCHASTIC, up with
+    """The param's fp32 result into its dtype: to nearest even, or for bf16 with STOCHASTIC, up with
     probability equal to the dropped fraction, with the C kernels' random bits."""
     if STOCHASTIC and pointer.dtype.element_ty == tl.bfloat16:
-        bits = value.to(tl.uint32, bitcast=True) + (_random_bits(seed, t, index) >> 16)
-        rounded = (bits & 0xFFFF0000).to(tl.float32, bitcast=True)
-        value = tl.where(value != value, value, rounded)
+        value = _round_bf16(value, _random_bits(seed, t, index) >> 16)  # exact in bf16: _store keeps it
     _store(pointer, index, value, mask)
 
 
@@ -255,7 +263,8 @@ def _adamw_subset_chunk(param, grad, exp_avg, reduced, reduced_max, start, count
             index, mask = _subset_tile(subsets, last, j, b, c)
             g = _adamw_grad(grad, index, mask, S)
             sums += tl.sum(tl.where(mask, g * g, 0.0), axis=1)
-        v = _load(reduced, subsets, subsets < last) * tl.load(S + ADAMW_BETA2) + sums * tl.load(S + ADAMW_ONE_MINUS_BETA2)
+        v = (_load(reduced, subsets, subsets < last) * tl.load(S + ADAMW_BETA2)
+             + sums * tl.load(S + ADAMW_ONE_MINUS_BETA2))
         _store(reduced, subsets, v, subsets < last)
         if AMSGRAD:
             v = tl.maximum(_load(reduced_max, subsets, subsets < last), v)
@@ -263,8 +272,8 @@ def _adamw_subset_chunk(param, grad, exp_avg, reduced, reduced_max, start, count
         scale = _adamw_scale(v, S)[:, None]
         for j in range(0, b, MEMBER_TILE):
             index, mask = _subset_tile(subsets, last, j, b, c)
-            _adamw_apply(param, exp_avg, index, mask, _adamw_grad(grad, index, mask, S), scale, S, seed, t, FIRST_MOMENT,
-                         STOCHASTIC)
+            g = _adamw_grad(grad, index, mask, S)
+            _adamw_apply(param, exp_avg, index, mask, g, scale, S, seed, t, FIRST_MOMENT, STOCHASTIC)
 
 
 @triton.jit

@@ -1,0 +1,294 @@
+"""The fused Triton engine, against the loop engine. Without a GPU its kernels run on CPU tensors in
+Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py), with ``FASTOPTIM_FUSED_BACKEND=triton``;
+with one they also run on CUDA tensors. Sizes stay small: the interpreter runs each program in numpy.
+Tiles are 1024 elements, so sizes like 2500 have full tiles and a masked tail."""
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fastoptim
+from fastoptim.engines import fused as fused_engine
+
+from . import oracle
+from .test_fused import EXACT_BETAS, FUSED, LOOP, assert_params_match_loop, clone, fallback_warnings
+
+triton = pytest.importorskip("triton", reason="Triton is an optional extra: pip install fastoptim[triton]")
+fused_triton = fused_engine.fused_triton
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(autouse=True)
+def triton_backend(monkeypatch):
+    monkeypatch.setenv("FASTOPTIM_FUSED_BACKEND", "triton")
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The kernel launches of the test, as (kernel, number of tensors, programs)."""
+    calls, real = [], fused_triton.launch
+
+    def counting(kernel, pointers, n_tensors, work, *args, **kwargs):
+        calls.append((kernel, n_tensors, len(work)))
+        real(kernel, pointers, n_tensors, work, *args, **kwargs)
+
+    monkeypatch.setattr(fused_triton, "launch", counting)
+    return calls
+
+
+def steps_in_lockstep(make, shapes, dtype, device, engines, steps=3, grads=None):
+    """Params and optimizers (``make(params, engine)``) per engine, stepped on the same grads; after
+    each step the params of every engine are compared with the loop engine's, then set to them."""
+    initial = [p.to(device) for p in oracle.make_params(shapes, dtype)]
+    runs = {name: clone(initial) for name in ("loop", *engines)}
+    optimizers = {name: make(params, name) for name, params in runs.items()}
+    for step_grads in grads or oracle.grad_sequence(shapes, steps):
+        for params in runs.values():
+            for param, grad in zip(params, step_grads):
+                param.grad = grad.to(device, dtype)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            for optimizer in optimizers.values():
+                optimizer.step()
+        assert not fallback_warnings(record), [str(w.message) for w in record]
+        for name in engines:
+            assert_params_match_loop([p.cpu() for p in runs[name]], [p.cpu() for p in runs["loop"]], dtype)
+            with torch.no_grad():
+                for param, expected in zip(runs[name], runs["loop"]):
+                    param.copy_(expected)
+    return runs, optimizers
+
+
+def assert_states_match(optimizers, engines):
+    expected = optimizers["loop"].state_dict()["state"]
+    for name in engines:
+        state = optimizers[name].state_dict()["state"]
+        for key, roles in expected.items():
+            for role, value in roles.items():
+                if torch.is_tensor(value):
+                    scale = float(value.abs().max()) if value.numel() else 0.0
+                    torch.testing.assert_close(state[key][role].cpu().float(), value.cpu().float(),
+                                               rtol=1e-2 if value.dtype == torch.bfloat16 else 1e-5,
+                                               atol=1e-6 * scale + 1e-30)
+
+
+# --- against the loop engine, over drawn shapes, dtypes and options ----------------------------
+
+CONFIGS = {
+    "adan": (fastoptim.Adan, st.fixed_dictionaries(dict(
+        betas=st.sampled_from(EXACT_BETAS[fastoptim.Adan]), no_prox=st.booleans(),
+        weight_decay=st.sampled_from([0.0, 0.05]), max_grad_norm=st.sampled_from([0.0, 0.5]), maximize=st.booleans(),
+        sn=st.booleans(), state_bits=st.sampled_from([32, 16])))),
+    "adamw": (fastoptim.AdamW, st.fixed_dictionaries(dict(
+        betas=st.sampled_from(EXACT_BETAS[fastoptim.AdamW]), amsgrad=st.booleans(),
+        weight_decay=st.sampled_from([0.0, 0.05]), max_grad_norm=st.sampled_from([0.0, 0.5]), maximize=st.booleans(),
+        sn=st.booleans(), state_bits=st.sampled_from([32, 16])))),
+    "adamwsn": (fastoptim.AdamWSN, st.fixed_dictionaries(dict(
+        betas=st.sampled_from(EXACT_BETAS[fastoptim.AdamW]), weight_decay=st.sampled_from([0.0, 0.05]),
+        subset_size=st.sampled_from([None, 64, -1]), state_bits=st.sampled_from([32, 16])))),
+    "rmspropsn": (fastoptim.RMSPropSN, st.fixed_dictionaries(dict(
+        beta2=st.sampled_from([0.75, 1 - 2**-7]), weight_decay=st.sampled_from([0.0, 0.05]),
+        subset_size=st.sampled_from([None, 64]), state_bits=st.sampled_from([32, 16])))),
+}
+# Rows and columns of subset-norm partitions, tensors of one tile, of full tiles and a masked tail, empty ones.
+shapes = st.lists(st.sampled_from([(7,), (5, 3), (40, 70), (70, 40), (3, 900), (2500,), (1024,), (0, 4), (33, 33)]),
+                  min_size=1, max_size=4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("config", CONFIGS)
+@settings(max_examples=6, deadline=None)
+@given(data=st.data(), shapes=shapes, dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       tensor_lr=st.booleans())
+def test_every_optimizer_and_option_matches_the_loop_engine(config, device, data, shapes, dtype, tensor_lr):
+    cls, options = CONFIGS[config]
+    options = data.draw(options)
+    lr = torch.tensor(0.01, device=device) if tensor_lr else 0.01
+    engines = FUSED | {"loop": LOOP}
+    _, optimizers = steps_in_lockstep(lambda params, engine: cls(params, lr=lr, **options, **engines[engine]),
+                                      shapes, dtype, device, FUSED)
+    assert_states_match(optimizers, FUSED)
+
+
+# --- launches, buckets and the cached tables ----------------------------------------------------
+
+def test_one_launch_per_bucket_whatever_the_tensor_count(launches):
+    """150 tensors (torch's multi_tensor_apply would launch twice or more for them, over its 4 KB
+    of arguments) in two dtypes: one launch per bucket per step multi-tensor, one per tensor single."""
+    shapes = [(3 + i % 5, 7) for i in range(150)]
+    make = FUSED | {"loop": LOOP}
+    for engine in ("fused-multi", "fused-single"):
+        launches.clear()
+        initial = oracle.make_params(shapes[:100]) + oracle.make_params(shapes[100:], torch.bfloat16)
+        runs = {name: clone(initial) for name in ("loop", engine)}
+        optimizers = {name: fastoptim.Adan(params, lr=0.01, **make[name]) for name, params in runs.items()}
+        oracle.run(optimizers["loop"], runs["loop"], oracle.grad_sequence(shapes, 2))
+        oracle.run(optimizers[engine], runs[engine], oracle.grad_sequence(shapes, 2))
+        tensors = [n for _, n, _ in launches]
+        assert tensors == ([100, 50] * 2 if engine == "fused-multi" else ([100] * 100 + [50] * 50) * 2)
+        for actual, expected in zip(runs[engine], runs["loop"]):
+            assert_params_match_loop([actual], [expected], actual.dtype)
+
+
+def test_the_tables_are_sent_once_and_again_only_when_a_grad_moves(monkeypatch):
+    params = oracle.make_params([(2500,), (40, 70)])
+    optimizer = fastoptim.AdamW(params, lr=0.01, **FUSED["fused-multi"])
+    sent = []
+    real_tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: sent.append(1) or real_tensor(*a, **k))
+    grads = [torch.randn_like(p) for p in params]
+    for step in range(3):  # the same grad tensors every step: nothing to send after the first
+        for p, g in zip(params, grads):
+            p.grad = g
+        optimizer.step()
+        table = next(iter(optimizer._engine_caches[0].bucket_caches[0]["prepared"].tables))[1]
+        if step == 0:
+            first_tables = table.on_device[2:]
+    assert table.on_device[2] is first_tables[0] and table.on_device[3] is first_tables[1]
+    pointers_before = table.on_device[2].clone()
+    params[1].grad = torch.randn_like(params[1])  # a new grad: its pointer is sent, in place
+    optimizer.step()
+    assert table.on_device[2] is first_tables[0]
+    assert not torch.equal(table.on_device[2], pointers_before)
+    assert int(table.on_device[2][1, 1]) == params[1].grad.data_ptr()
+
+
+@pytest.mark.parametrize("change", ["grads re-allocated", "param storage replaced", "state dict loaded",
+                                    "unaligned grad"])
+def test_the_cache_follows_every_change(change):
+    """After each change the engine still matches the loop engine: new grads every step, a param
+    whose storage was replaced, states replaced by load_state_dict, and a grad that is a view at
+    an odd offset (its chunks take the masked path)."""
+    shapes = [(2500,), (40, 70), (7,)]
+    grads = oracle.grad_sequence(shapes, 4)
+    initial = oracle.make_params(shapes)
+    runs = {name: clone(initial) for name in ("loop", "fused-multi")}
+    optimizers = {name: fastoptim.Adan(params, lr=0.01, weight_decay=0.02, **(FUSED | {"loop": LOOP})[name])
+                  for name, params in runs.items()}
+    saved = None
+    for step, step_grads in enumerate(grads):
+        for name, params in runs.items():
+            if step == 2 and change == "param storage replaced":
+                params[0].data = params[0].data.clone()
+            if step == 2 and change == "state dict loaded":
+                optimizers[name].load_state_dict(saved)
+            for param, grad in zip(params, step_grads):
+                if change == "unaligned grad":
+                    buffer = torch.empty(grad.numel() + 1)
+                    param.grad = buffer[1:].view(grad.shape).copy_(grad)
+                else:
+                    param.grad = grad.clone()
+            optimizers[name].step()
+        if step == 0:
+            saved = optimizers["loop"].state_dict()
+        assert_params_match_loop(runs["fused-multi"], runs["loop"], torch.float32)
+
+
+def test_unaligned_streams_take_the_masked_path():
+    """A param at an odd offset in its storage is dense but not 16-byte aligned: its work rows say so."""
+    storage = torch.zeros(2501)
+    param = torch.nn.Parameter(storage[1:])
+    with torch.no_grad():
+        param.copy_(torch.randn(2500))
+    reference = param.detach().clone().requires_grad_()
+    optimizer = fastoptim.AdamW([param], lr=0.01, **FUSED["fused-multi"])
+    loop = fastoptim.AdamW([reference], lr=0.01, **LOOP)
+    grad = torch.randn(2500)
+    param.grad, reference.grad = grad.clone(), grad.clone()
+    optimizer.step()
+    loop.step()
+    table = optimizer._engine_caches[0].bucket_caches[0]["prepared"].tables[0][1]
+    assert not table.on_device[1][:, 5].any()
+    assert_params_match_loop([param], [reference], torch.float32)
+    assert storage[0] == 0
+
+
+# --- GradScaler, stochastic rounding, fallbacks and errors -----------------------------------
+
+@pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW])
+def test_grad_scale_and_found_inf_are_read_in_the_kernel(cls, launches):
+    """GradScaler's attributes: the scale divides the grads inside the kernel, and a found inf
+    skips the step on the device (the kernel still launches: no host sync decides it)."""
+    shapes = [(2500,), (40, 70)]
+    params, reference = oracle.make_params(shapes), oracle.make_params(shapes)
+    optimizer = cls(params, lr=0.01, max_grad_norm=0.5, **FUSED["fused-multi"])
+    unscaled = cls(reference, lr=0.01, max_grad_norm=0.5, **LOOP)
+    for step, grads in enumerate(oracle.grad_sequence(shapes, 3)):
+        inf = step == 1
+        optimizer.grad_scale = torch.tensor(1024.0)
+        optimizer.found_inf = torch.tensor(float(inf))
+        for param, ref, grad in zip(params, reference, grads):
+            param.grad, ref.grad = grad * 1024, grad.clone()
+        optimizer.step()
+        if not inf:
+            unscaled.step()
+        assert_params_match_loop(params, reference, torch.float32)
+    assert len(launches) == 3
+
+
+def test_stochastic_rounding_draws_the_c_kernels_random_bits():
+    """bf16 params, stochastic rounding: the Triton kernel rounds with the same counter-based random
+    bits as the C kernel, so the two agree wherever their fp32 results do (they may differ in the
+    last bit, by the C kernel's fused multiply-adds)."""
+    shapes = [(2500,), (40, 70)]
+    results = {}
+    for backend in ("cpu", "triton"):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("FASTOPTIM_FUSED_BACKEND", backend)
+            torch.manual_seed(0)
+            params = oracle.make_params(shapes, torch.bfloat16)
+            optimizer = fastoptim.AdamW(params, lr=1e-3, stochastic_rounding=True, **FUSED["fused-multi"])
+            oracle.run(optimizer, params, oracle.grad_sequence(shapes, 3))
+            results[backend] = torch.cat([p.detach().flatten() for p in params])
+    nearest = oracle.make_params(shapes, torch.bfloat16)
+    oracle.run(fastoptim.AdamW(nearest, lr=1e-3, **FUSED["fused-multi"]), nearest, oracle.grad_sequence(shapes, 3))
+    nearest = torch.cat([p.detach().flatten() for p in nearest])
+    same = (results["cpu"] == results["triton"]).float().mean()
+    assert same > 0.99, f"only {same:.3f} of the elements agree"
+    assert (results["triton"] != nearest).float().mean() > 0.05  # it does round stochastically
+
+
+def test_8_bit_states_fall_back_with_the_reason():
+    params = oracle.make_params([(5000,)])
+    optimizer = fastoptim.Adan(params, lr=0.01, state_bits=8, **FUSED["fused-multi"])
+    params[0].grad = torch.randn(5000)
+    with pytest.warns(UserWarning, match="8-bit states have no Triton kernel yet"):
+        optimizer.step()
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    params = oracle.make_params([(50,)])
+    optimizer = fastoptim.AdamW(params, lr=0.01, **FUSED["fused-multi"])
+    params[0].grad = torch.randn(50)
+    with pytest.warns(UserWarning, match="only in its interpreter"):
+        optimizer.step()
+
+
+def test_an_unknown_backend_is_refused_before_anything_changes(monkeypatch):
+    params = oracle.make_params([(50,)])
+    before = params[0].detach().clone()
+    monkeypatch.setenv("FASTOPTIM_FUSED_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="FASTOPTIM_FUSED_BACKEND='cuda': expected one of"):
+        fastoptim.Adan(params, lr=0.01, fused=True)
+    monkeypatch.setenv("FASTOPTIM_FUSED_BACKEND", "triton")
+    optimizer = fastoptim.Adan([{"params": params}], lr=0.01, fused=True)
+    params[0].grad = torch.randn(50)
+    monkeypatch.setenv("FASTOPTIM_FUSED_BACKEND", "gpu")
+    with pytest.raises(ValueError, match="FASTOPTIM_FUSED_BACKEND='gpu'"):
+        optimizer.step()
+    assert torch.equal(params[0].detach(), before) and not optimizer.state
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_cuda_step_picks_triton_by_itself(monkeypatch, launches):
+    monkeypatch.delenv("FASTOPTIM_FUSED_BACKEND")
+    params = [p.cuda() for p in oracle.make_params([(2500,)])]
+    params = [torch.nn.Parameter(p) for p in params]
+    optimizer = fastoptim.Adan(params, lr=0.01)
+    params[0].grad = torch.randn_like(params[0])
+    optimizer.step()
+    assert launches and not math.isnan(float(params[0].sum()))
