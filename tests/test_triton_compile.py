@@ -1,0 +1,51 @@
+"""The Triton kernels compiled ahead of time for A100 (sm_80) and H100 (sm_90), with no GPU: what
+only the compiler sees. Every checked variant compiles, spills nothing, and in fp32 reads and
+writes each stream of a full tile with 128-bit accesses. The compiling runs in a subprocess without
+the interpreter, which the rest of the tests run the kernels in."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="Triton is an optional extra: pip install fastoptim[triton]")
+
+from benchmarks.triton_kernels import checked_variants, variant_name  # noqa: E402
+
+VARIANTS = {variant_name(kernel, param, state, **flags): (kernel, param, state, flags)
+            for kernel, param, state, flags in checked_variants()}
+
+
+@pytest.fixture(scope="module")
+def reports():
+    """(variant, capability): what compile_report read of it."""
+    environment = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "benchmarks.triton_kernels", "--json"], capture_output=True, text=True,
+                         env=environment, cwd=Path(__file__).parent.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    return {(line.pop("variant"), line.pop("capability")): line for line in lines}
+
+
+def streams(kernel, flags):
+    """(streams read, streams written) by a dense tile: param, grad and the param-shaped states."""
+    if kernel == "adan":
+        return 6, 5  # param, grad, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_grad; grad is not written
+    states = 1 + flags["first_moment"] + flags["amsgrad"]
+    return 2 + states, 1 + states
+
+
+@pytest.mark.parametrize("capability", [80, 90])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_the_kernel_compiles_without_spills_and_with_128_bit_accesses(reports, variant, capability):
+    kernel, param, state, flags = VARIANTS[variant]
+    report = reports[variant, capability]
+    assert report["reg"] > 0
+    # LOCAL counts spilled registers; STACK may hold a call frame of the slow paths of IEEE division
+    # and square root (8 bytes in one variant), which the hot loop does not touch.
+    assert report["local"] == report["local_accesses"] == 0, report
+    if param == state == "fp32":
+        reads, writes = streams(kernel, flags)
+        assert report["loads_128"] >= reads and report["stores_128"] >= writes, report
