@@ -30,6 +30,13 @@ QUICK_MODELS = ["gpt2-h12-l6-d768", "resnet50"]
 QUICK_FAMILIES = ["adan", "adamw", "adan-sn", "adamwsn"]
 QUICK_EXTRAS = ["adan-8bit-fused-multi", "adamw-8bit-fused-multi"]
 QUICK_PEERS = ["torch-adam-foreach", "torch-adam-fused", "torch-adamw-fused", "timm-adan", "po-adamwsn"]
+# --device cuda: the seed's FusedAdan tables (its GPT-2 grid and vision models), 200 steps per repeat,
+# against torch's Adam/AdamW, timm's Adan and a torch.compile'd Adan; fastoptim's fused engines run Triton.
+GPU_PEERS = ["torch-adam-foreach", "torch-adam-fused", "torch-adamw-foreach", "torch-adamw-fused", "timm-adan",
+             "adan-foreach-compiled"]
+GPU_OURS = ["adan-foreach", "adan-fused-single", "adan-fused-multi", "adamw-fused-multi", "adan-sn-fused-multi",
+            "adamwsn-fused-multi"]
+GPU_STEPS = 200
 
 
 def bench(args):
@@ -43,8 +50,11 @@ def bench(args):
     if args.compare:
         print(report.compare(*args.compare))
         return
+    gpu = args.device == "cuda"
     engines_of_fastoptim = [name for name, spec in known.items() if spec.family in QUICK_FAMILIES and not spec.compiled]
-    names = list(args.optimizers or QUICK_PEERS + engines_of_fastoptim + QUICK_EXTRAS)
+    names = list(args.optimizers or (GPU_PEERS + GPU_OURS if gpu else QUICK_PEERS + engines_of_fastoptim + QUICK_EXTRAS))
+    args.models = args.models or (models.SEED_MODELS if gpu else QUICK_MODELS)
+    args.steps = args.steps or (GPU_STEPS if gpu else 1)
     baseline = args.baseline or names[0]
     for kind, chosen, valid in (("model", args.models, models.MODELS), ("optimizer", [*names, baseline], known)):
         unknown = list(dict.fromkeys(name for name in chosen if name not in valid))
@@ -90,11 +100,13 @@ def main(argv=None):
     b = commands.add_parser("bench", help="time and memory of optimizer steps on real model shapes, against peers",
                             description="With no arguments: a quick default (two models, every fastoptim engine, "
                                         "the installed peers) that takes a few minutes on 2 cores.")
-    b.add_argument("--models", nargs="+", default=QUICK_MODELS, help="model names (see --list)")
+    b.add_argument("--models", nargs="+", help=f"model names (see --list); default: {' '.join(QUICK_MODELS)}, or "
+                                               "with --device cuda the seed's GPT-2 grid and vision models")
     b.add_argument("--optimizers", nargs="+", help="optimizer names (see --list); default: the peers, then "
-                                                   "every fastoptim engine")
+                                                   "every fastoptim engine (with --device cuda: the seed's peers "
+                                                   "and the fused engines)")
     b.add_argument("--baseline", help="the optimizer the ratios are to (default: the first, torch-adam-foreach)")
-    b.add_argument("--steps", type=int, default=1, help="timed steps per repeat")
+    b.add_argument("--steps", type=int, help=f"timed steps per repeat (default 1, {GPU_STEPS} with --device cuda)")
     b.add_argument("--repeats", type=int, default=3, help="interleaved repeats; the median is reported")
     b.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="params and grads")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu")

@@ -17,6 +17,6 @@ else
         exit 1
     fi
 fi
-"${pip[@]}" -e ".[test,bench,peers]"
+"${pip[@]}" -e ".[test,bench,peers,triton]"
 # timm's Adan is a test peer, loaded by file path: timm's package imports torchvision, so no deps.
 "${pip[@]}" --no-deps "timm>=1.0"

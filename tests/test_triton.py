@@ -2,6 +2,7 @@
 Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py), with ``FASTOPTIM_FUSED_BACKEND=triton``;
 with one they also run on CUDA tensors. Sizes stay small: the interpreter runs each program in numpy.
 Tiles are 1024 elements, so sizes like 2500 have full tiles and a masked tail."""
+import json
 import math
 import warnings
 
@@ -11,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastoptim
+from fastoptim import cli
 from fastoptim.engines import fused as fused_engine
 
 from . import oracle
@@ -292,3 +294,14 @@ def test_a_cuda_step_picks_triton_by_itself(monkeypatch, launches):
     params[0].grad = torch.randn_like(params[0])
     optimizer.step()
     assert launches and not math.isnan(float(params[0].sum()))
+
+
+def test_the_gpu_benchmark_runs_its_fused_engines_in_the_interpreter(tmp_path, launches):
+    """The code path of ``fastoptim bench --device cuda`` for fastoptim's engines, on a tiny model's CPU
+    tensors in the interpreter: what only a GPU adds is CUDA's clock and memory counters."""
+    cli.main(["bench", "--models", "gpt2-tiny", "--optimizers", *cli.GPU_OURS, "--steps", "1", "--repeats", "1",
+              "--no-memory", "--random-grads", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "results.json").read_text())["models"][0]["optimizers"]
+    assert [row["optimizer"] for row in rows] == cli.GPU_OURS
+    assert all(row["status"] == "ok" for row in rows), rows
+    assert {kernel for kernel, _, _ in launches} == {"adan", "adamw"}

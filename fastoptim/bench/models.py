@@ -96,6 +96,9 @@ MODELS |= {
                          depths=[3, 3, 27, 3]),
     "small-tensors": Model(SmallTensors, lambda: dict(scale=torch.tensor(1.0))),
 }
+# The seed's FusedAdan tables: its GPT-2 grid, then its vision models.
+SEED_MODELS = [f"gpt2-h{h}-l{layer}-d{d}" for h, layer, d in GPT2_GRID] + [
+    "resnet50", "resnet101", "vit-b", "vit-l", "swin-b", "swin-l", "convnext-b", "convnext-l"]
 
 
 def quiet_transformers():
