@@ -20,7 +20,8 @@ import triton
 
 from fastoptim.kernels import fused_triton
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "8-bit": torch.uint8}
+PARAMS = ("fp32", "bf16", "fp16")
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
@@ -30,7 +31,7 @@ def variant_name(kernel, param, state, **flags):
 
 def all_variants():
     """Every variant the engine can launch: (kernel, param dtype, state dtype, flags)."""
-    for kernel, param, state in itertools.product(fused_triton.KERNELS, DTYPES, ("fp32", "bf16")):
+    for kernel, param, state in itertools.product(fused_triton.KERNELS, PARAMS, ("fp32", "bf16", "8-bit")):
         extra = [("amsgrad", "first_moment")] if kernel == "adamw" else [()]
         for names in extra:
             for values in itertools.product((False, True), repeat=2 + len(names)):
@@ -45,7 +46,7 @@ def checked_variants():
     dense one too), every flag on in some of them, plus the dense-only fp32 ones that reach 128-bit
     accesses most simply."""
     for kernel, (i, (param, state)) in itertools.product(fused_triton.KERNELS, enumerate(
-            itertools.product(DTYPES, ("fp32", "bf16")))):
+            itertools.product(PARAMS, ("fp32", "bf16", "8-bit")))):
         flags = dict(stochastic=param == "bf16", subsets=True)
         if kernel == "adamw":
             flags |= dict(amsgrad=i % 2 == 0, first_moment=i % 3 != 2)

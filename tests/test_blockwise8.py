@@ -85,30 +85,40 @@ def test_a_tie_goes_to_the_smaller_magnitude():
             assert (near * codes.top == codes.midpoints).float().mean() > 0.5  # most are ties
 
 
-needs_kernel = pytest.mark.skipif(not fused_cpu.AVAILABLE, reason="the fused CPU kernel is not built")
+def kernel_functions(kernel):
+    """The (quantize, dequantize) of the C kernel or the Triton kernels (in Triton's interpreter without a GPU)."""
+    if kernel == "c":
+        if not fused_cpu.AVAILABLE:
+            pytest.skip("the fused CPU kernel is not built")
+        return fused_cpu.quantize, fused_cpu.dequantize
+    fused_triton = pytest.importorskip("fastoptim.kernels.fused_triton")
+    return (lambda x, codes: fused_triton.quantize(x, codes.signed),
+            lambda indices, absmax, codes: fused_triton.dequantize(indices, absmax, codes.signed))
 
 
-@needs_kernel
+@pytest.mark.parametrize("kernel", ["c", "triton"])
 @settings(max_examples=100, deadline=None)
 @given(st.lists(values, min_size=1, max_size=3 * BLOCK + 7), st.sampled_from(["signed", "unsigned"]))
-def test_the_kernels_quantizer_is_the_reference_bit_for_bit(elements, kind):
+def test_the_kernels_quantizer_is_the_reference_bit_for_bit(kernel, elements, kind):
+    kernel_quantize, kernel_dequantize = kernel_functions(kernel)
     codes = TABLES[kind]
     x = torch.tensor(elements, dtype=torch.float32)
     x = x.abs() if kind == "unsigned" else x
     indices, absmax = quantize(x, codes)
-    kernel_indices, kernel_absmax = fused_cpu.quantize(x, codes)
+    kernel_indices, kernel_absmax = kernel_quantize(x, codes)
     assert torch.equal(kernel_indices, indices) and torch.equal(kernel_absmax, absmax)
-    assert torch.equal(fused_cpu.dequantize(indices, absmax, codes), dequantize(indices, absmax, codes))
+    assert torch.equal(kernel_dequantize(indices, absmax, codes), dequantize(indices, absmax, codes))
 
 
-@needs_kernel
-def test_the_kernels_codes_and_ties_are_the_reference_s():
+@pytest.mark.parametrize("kernel", ["c", "triton"])
+def test_the_kernels_codes_and_ties_are_the_reference_s(kernel):
+    kernel_quantize, kernel_dequantize = kernel_functions(kernel)
     for codes in (SIGNED, UNSIGNED):
         every_code = torch.arange(len(codes.values), dtype=torch.uint8)
-        assert torch.equal(fused_cpu.dequantize(every_code, torch.ones(1), codes), codes.values)
+        assert torch.equal(kernel_dequantize(every_code, torch.ones(1), codes), codes.values)
         near = codes.midpoints / codes.top  # ties, and their neighbours, in blocks of absmax 1
         x = torch.cat([near, torch.nextafter(near, torch.tensor(0.0)), torch.nextafter(near, torch.tensor(2.0))])
         rows = torch.nn.functional.pad(x, (0, -len(x) % (BLOCK - 1))).view(-1, BLOCK - 1)
         x = torch.cat([torch.ones(len(rows), 1), rows], 1)
         for signed_x in (x.reshape(-1), -x.reshape(-1)) if codes.signed else (x.reshape(-1),):
-            assert torch.equal(fused_cpu.quantize(signed_x, codes)[0], quantize(signed_x, codes)[0])
+            assert torch.equal(kernel_quantize(signed_x, codes)[0], quantize(signed_x, codes)[0])

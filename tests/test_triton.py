@@ -16,6 +16,7 @@ from fastoptim import cli
 from fastoptim.engines import fused as fused_engine
 
 from . import oracle
+from . import test_state_bits as state_bits
 from .test_fused import EXACT_BETAS, FUSED, LOOP, assert_params_match_loop, clone, fallback_warnings
 
 triton = pytest.importorskip("triton", reason="Triton is an optional extra: pip install fastoptim[triton]")
@@ -253,12 +254,25 @@ def test_stochastic_rounding_draws_the_c_kernels_random_bits():
     assert (results["triton"] != nearest).float().mean() > 0.05  # it does round stochastically
 
 
-def test_8_bit_states_fall_back_with_the_reason():
-    params = oracle.make_params([(5000,)])
-    optimizer = fastoptim.Adan(params, lr=0.01, state_bits=8, **FUSED["fused-multi"])
-    params[0].grad = torch.randn(5000)
-    with pytest.warns(UserWarning, match="8-bit states have no Triton kernel yet"):
-        optimizer.step()
+@pytest.mark.parametrize("engine", FUSED)
+@pytest.mark.parametrize("cls, options", [(cls, {}) for cls in state_bits.CLASSES + [fastoptim.RMSPropSN]]
+                         + [(fastoptim.AdamW, {"amsgrad": True})])
+def test_8_bit_states_match_the_loop_engine(cls, options, engine):
+    """8-bit moments dequantized, updated and requantized per 256-element block inside the kernel:
+    dense params, subset-norm rows (96, 80) and columns (3, 2000) with their fp32 second moments,
+    and a small param whose states stay fp32, all in one launch."""
+    params, optimizer = state_bits.make(cls, 8, engine, **options)
+    loop_params, loop = state_bits.make(cls, 8, "loop", **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to foreach would warn
+        state_bits.run(params, optimizer, 3)
+    state_bits.run(loop_params, loop, 3)
+    for param, loop_param in zip(params, loop_params):
+        torch.testing.assert_close(param, loop_param, rtol=1e-5, atol=1e-6)
+        states, loop_states = state_bits.dense_states(optimizer, param), state_bits.dense_states(loop, loop_param)
+        for key, value in states.items():
+            assert optimizer.state[param][key].dtype == loop.state[loop_param][key].dtype
+            torch.testing.assert_close(value, loop_states[key], rtol=1e-5, atol=1e-6 * float(value.abs().max()))
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):

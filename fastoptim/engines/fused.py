@@ -10,7 +10,7 @@ cached in ``plan.cache``; only the gradients' row is refreshed each step (and se
 when a grad moved).
 
 States may be fp32, bf16 or 8-bit (``state_bits``): the C kernel dequantizes, updates and
-requantizes each 256-element block in one pass; the Triton kernels take fp32 and bf16 states.
+requantizes each 256-element block in one pass, and so do the Triton kernels.
 
 Tensors the kernel cannot take run on the foreach engine instead, with one warning when fused was
 asked for: no build (or no Triton), a dtype other than fp32/bf16/fp16, a device the backend does not
@@ -82,8 +82,6 @@ def _backend_refusal(kind, param, states_format):
         return "Triton runs CPU tensors only in its interpreter (TRITON_INTERPRET=1)"
     if param.device.type not in ("cpu", "cuda"):
         return f"no Triton kernel for {param.device.type} tensors"
-    if states_format == fused_cpu.STATE_FORMATS[torch.uint8]:
-        return "8-bit states have no Triton kernel yet"
     return None
 
 
@@ -211,8 +209,8 @@ class Prepared:
             tensors = {role: [t[i] for i in indices] for role, t in plan.tensors.items()}
             tensors |= {role + "_absmax": [values[i] for i in indices] for role, values in plan.absmax.items()}
             table_formats = formats if state_format is None else None
-            blocks = None if state_format is not None else [
-                blockwise8.BLOCK if f == fused_cpu.STATE_FORMATS[torch.uint8] else 1 for f in formats]
+            blocks = [blockwise8.BLOCK if f == fused_cpu.STATE_FORMATS[torch.uint8] else 1
+                      for f in (formats if state_format is None else [state_format] * len(indices))]
             self.tables.append((indices, PointerTable(tensors, roles, table_formats, blocks), dtypes.get(state_format)))
         self.grad_strides = [grad.stride() for grad in plan.tensors["grad"]]
 

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..states import blockwise8
 from .fused_cpu import SCALARS
 
 WORK_COLUMNS = tl.constexpr(6)
@@ -34,6 +35,10 @@ BLOCK = tl.constexpr(1024)  # elements per tile of a dense chunk
 NUM_WARPS = 8  # 4 fp32 per thread and stream: one 128-bit access each (86 registers on sm_90, against 145 with 4 warps)
 SUBSET_TILE, MEMBER_TILE = tl.constexpr(16), tl.constexpr(32)  # subsets × members: 512 elements, 2 per thread
 N_ADAN, N_ADAMW = tl.constexpr(len(SCALARS["adan"])), tl.constexpr(len(SCALARS["adamw"]))
+# The first row of the states' block maxima: after param, grad and the states (fused_cpu.ROLES)
+ADAN_ABSMAX, ADAMW_ABSMAX = tl.constexpr(6), tl.constexpr(5)
+BLOCK8 = tl.constexpr(blockwise8.BLOCK)
+TOP, INVERSE_TOP = tl.constexpr(1.875), tl.constexpr(1 / 1.875)  # the mini-floats' largest: codes are x/TOP
 
 
 def _scalar_indices(kernel, *names):
@@ -110,13 +115,75 @@ def _subset_tile(subsets, last, j, b, c):
     return index, (subsets < last)[:, None] & (members < b)[None, :]
 
 
-# --- Adan -------------------------------------------------------------------------------------
+# --- 8-bit blockwise states (fastoptim/states/blockwise8.py, as fused_cpu.c restates it) ----------
+# A block of BLOCK8 elements is one tile: its codes are dequantized, updated and requantized in
+# registers with its new absmax. The code of a value is the index of the mini-float (3 mantissa bits,
+# 4 exponent bits signed, centred on index 127, or 5 unsigned) nearest to |x/absmax|·1.875, found from
+# its fp32 bits; a tie goes to the smaller magnitude.
 
 @triton.jit
-def _adan_terms(grad, neg_pre_grad, index, mask, S):
-    neg_g = _load(grad, index, mask) * -tl.load(S + ADAN_GRAD_SCALE)
-    d = (_load(neg_pre_grad, index, mask) - neg_g) * tl.load(S + ADAN_PRE_GRAD_WEIGHT)  # g − g_prev
+def _dequantize(codes, absmax, SIGNED: tl.constexpr):
+    bias: tl.constexpr = 15 if SIGNED else 31  # 2^bits − 1: blockwise8's 4 exponent bits signed, 5 unsigned
+    subnormal_step: tl.constexpr = 2.0 ** (-2 - bias)  # mini-float k < 8 is k·2^(−2 − bias)
+    k = codes.to(tl.int32) - 127 if SIGNED else codes.to(tl.int32)
+    magnitude = tl.abs(k)
+    normal = ((((magnitude >> 3) + 127 - bias) << 23) | ((magnitude & 7) << 20)).to(tl.float32, bitcast=True)
+    code = tl.where(magnitude < 8, magnitude.to(tl.float32) * subnormal_step, normal) * INVERSE_TOP
+    return tl.where(k < 0, -code, code) * absmax
+
+
+@triton.jit
+def _quantize(y, SIGNED: tl.constexpr):
+    bias: tl.constexpr = 15 if SIGNED else 31
+    smallest_normal: tl.constexpr = 2.0 ** (1 - bias)
+    t = tl.abs(y) * TOP
+    normal = ((t.to(tl.int32, bitcast=True) + (1 << 19) - 1) >> 20) - ((127 - bias) << 3)
+    subnormal = tl.ceil(tl.minimum(t, smallest_normal) * (2.0 ** (2 + bias)) - 0.5).to(tl.int32)
+    k = tl.minimum(tl.where(t < smallest_normal, subnormal, normal), 127 if SIGNED else 255)
+    return (tl.where(y < 0, 127 - k, 127 + k) if SIGNED else k).to(tl.uint8)
+
+
+@triton.jit
+def _load_q8(codes, absmax, block, index, mask, SIGNED: tl.constexpr):
+    return _dequantize(tl.load(codes + index, mask=mask), tl.load(absmax + block), SIGNED)
+
+
+@triton.jit
+def _store_q8(codes, absmax, block, index, mask, values, SIGNED: tl.constexpr):
+    top = tl.max(tl.where(mask, tl.abs(values), 0.0), axis=0)
+    tl.store(codes + index, _quantize(tl.div_rn(values, tl.where(top > 0, top, 1.0)), SIGNED), mask=mask)
+    tl.store(absmax + block, top)
+
+
+@triton.jit
+def _blocks_kernel(values, codes, absmax, n, SIGNED: tl.constexpr, QUANTIZE: tl.constexpr):
+    """The quantizer (QUANTIZE) or the dequantizer alone, one block per program, for the tests."""
+    block = tl.program_id(0)
+    index = block * BLOCK8 + tl.arange(0, BLOCK8)
+    if QUANTIZE:
+        _store_q8(codes, absmax, block, index, index < n, tl.load(values + index, mask=index < n), SIGNED)
+    else:
+        tl.store(values + index, _load_q8(codes, absmax, block, index, index < n, SIGNED), mask=index < n)
+
+
+@triton.jit
+def _subset_of(index, b, c):
+    """The subset-norm entry of element ``index``: its row (c = 1) or its column."""
+    return tl.where(c == 1, index // b, index % c)
+
+
+# --- Adan: the math on values, then its walks over memory ------------------------------------
+
+@triton.jit
+def _adan_terms(grad, neg_pre_grad, S):
+    neg_g = grad * -tl.load(S + ADAN_GRAD_SCALE)
+    d = (neg_pre_grad - neg_g) * tl.load(S + ADAN_PRE_GRAD_WEIGHT)  # g − g_prev (0 at a first step)
     return neg_g, d, d * tl.load(S + ADAN_BETA2) - neg_g  # u = g + β2·d
+
+
+@triton.jit
+def _adan_second_moment(n, u_squared, S):
+    return n * tl.load(S + ADAN_BETA3) + u_squared * tl.load(S + ADAN_ONE_MINUS_BETA3)
 
 
 @triton.jit
@@ -127,14 +194,22 @@ def _adan_scale(n, S):
 
 
 @triton.jit
-def _adan_apply(param, exp_avg, exp_avg_diff, neg_pre_grad, index, mask, neg_g, d, scale, S, seed, t,
-                STOCHASTIC: tl.constexpr):
-    """After exp_avg_sq: the moments, g_prev and the param."""
-    m = _load(exp_avg, index, mask) * tl.load(S + ADAN_BETA1) - neg_g * tl.load(S + ADAN_ONE_MINUS_BETA1)
-    v = _load(exp_avg_diff, index, mask) * tl.load(S + ADAN_BETA2) + d * tl.load(S + ADAN_ONE_MINUS_BETA2)
-    p = (_load(param, index, mask) * tl.load(S + ADAN_DECAY_MUL) - m * scale
-         - v * (scale * tl.load(S + ADAN_DIFF_RATIO)))
-    p = p * (1 / tl.load(S + ADAN_DECAY_DIV))
+def _adan_apply(p, m, v, neg_g, d, scale, S):
+    """After exp_avg_sq: the new moments m, v and param p."""
+    m = m * tl.load(S + ADAN_BETA1) - neg_g * tl.load(S + ADAN_ONE_MINUS_BETA1)
+    v = v * tl.load(S + ADAN_BETA2) + d * tl.load(S + ADAN_ONE_MINUS_BETA2)
+    p = p * tl.load(S + ADAN_DECAY_MUL) - m * scale - v * (scale * tl.load(S + ADAN_DIFF_RATIO))  # no_prox: 1 − lr·wd
+    return m, v, p * (1 / tl.load(S + ADAN_DECAY_DIV))  # prox: 1 + lr·wd
+
+
+@triton.jit
+def _adan_dense_tile(param, grad, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_grad, index, mask, S, seed, t,
+                     STOCHASTIC: tl.constexpr):
+    neg_g, d, u = _adan_terms(_load(grad, index, mask), _load(neg_pre_grad, index, mask), S)
+    n = _adan_second_moment(_load(exp_avg_sq, index, mask), u * u, S)
+    m, v, p = _adan_apply(_load(param, index, mask), _load(exp_avg, index, mask), _load(exp_avg_diff, index, mask),
+                          neg_g, d, _adan_scale(n, S), S)
+    _store(exp_avg_sq, index, n, mask)
     _store(exp_avg, index, m, mask)
     _store(exp_avg_diff, index, v, mask)
     _store(neg_pre_grad, index, neg_g, mask)
@@ -142,42 +217,67 @@ def _adan_apply(param, exp_avg, exp_avg_diff, neg_pre_grad, index, mask, neg_g, 
 
 
 @triton.jit
-def _adan_dense_tile(param, grad, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_grad, index, mask, S, seed, t,
-                     STOCHASTIC: tl.constexpr):
-    neg_g, d, u = _adan_terms(grad, neg_pre_grad, index, mask, S)
-    n = _load(exp_avg_sq, index, mask) * tl.load(S + ADAN_BETA3) + u * u * tl.load(S + ADAN_ONE_MINUS_BETA3)
-    _store(exp_avg_sq, index, n, mask)
-    _adan_apply(param, exp_avg, exp_avg_diff, neg_pre_grad, index, mask, neg_g, d, _adan_scale(n, S), S, seed, t,
-                STOCHASTIC)
+def _adan_q8_block(param, grad, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_grad, absmax_m, absmax_n, absmax_v, first,
+                   end, reduced, b, c, S, seed, t, STOCHASTIC: tl.constexpr):
+    """One block [first, first + BLOCK8) ∩ [.., end) with 8-bit moments. Its second moment is the
+    subset-norm ``reduced`` (updated already) when the tensor has subsets (b > 1), else the 8-bit
+    ``exp_avg_sq``."""
+    index = first + tl.arange(0, BLOCK8)
+    mask, block = index < end, first // BLOCK8
+    neg_g, d, u = _adan_terms(_load(grad, index, mask), _load(neg_pre_grad, index, mask), S)
+    if b != 1:
+        scale = _adan_scale(tl.load(reduced + _subset_of(index, b, c), mask=mask, other=0.0), S)
+    else:
+        n = _adan_second_moment(_load_q8(exp_avg_sq, absmax_n, block, index, mask, False), u * u, S)
+        _store_q8(exp_avg_sq, absmax_n, block, index, mask, n, False)
+        scale = _adan_scale(n, S)
+    m, v, p = _adan_apply(_load(param, index, mask), _load_q8(exp_avg, absmax_m, block, index, mask, True),
+                          _load_q8(exp_avg_diff, absmax_v, block, index, mask, True), neg_g, d, scale, S)
+    _store_q8(exp_avg, absmax_m, block, index, mask, m, True)
+    _store_q8(exp_avg_diff, absmax_v, block, index, mask, v, True)
+    _store(neg_pre_grad, index, neg_g, mask)
+    _store_param(param, index, p, mask, seed, t, STOCHASTIC)
 
 
 @triton.jit
-def _adan_subset_chunk(param, grad, exp_avg, reduced, exp_avg_diff, neg_pre_grad, start, count, b, c, S, seed, t,
-                       STOCHASTIC: tl.constexpr):
-    """Subsets [start/b, (start + count)/b): their sums of squares into ``reduced``, then their elements."""
+def _adan_subset_sums(grad, neg_pre_grad, reduced, start, count, b, c, S):
+    """The second moments of subsets [start/b, (start + count)/b), from their sums of squares."""
     last = (start + count) // b
     for first in range(start // b, last, SUBSET_TILE):
         subsets = first + tl.arange(0, SUBSET_TILE)
         sums = tl.zeros((SUBSET_TILE,), tl.float32)
         for j in range(0, b, MEMBER_TILE):
             index, mask = _subset_tile(subsets, last, j, b, c)
-            neg_g, d, u = _adan_terms(grad, neg_pre_grad, index, mask, S)
+            neg_g, d, u = _adan_terms(_load(grad, index, mask), _load(neg_pre_grad, index, mask), S)
             sums += tl.sum(tl.where(mask, u * u, 0.0), axis=1)
-        n = _load(reduced, subsets, subsets < last) * tl.load(S + ADAN_BETA3) + sums * tl.load(S + ADAN_ONE_MINUS_BETA3)
-        _store(reduced, subsets, n, subsets < last)
-        scale = _adan_scale(n, S)[:, None]
+        _store(reduced, subsets, _adan_second_moment(_load(reduced, subsets, subsets < last), sums, S), subsets < last)
+
+
+@triton.jit
+def _adan_subset_updates(param, grad, exp_avg, reduced, exp_avg_diff, neg_pre_grad, start, count, b, c, S, seed, t,
+                         STOCHASTIC: tl.constexpr):
+    """After ``_adan_subset_sums``: the elements of the chunk's subsets."""
+    last = (start + count) // b
+    for first in range(start // b, last, SUBSET_TILE):
+        subsets = first + tl.arange(0, SUBSET_TILE)
+        scale = _adan_scale(_load(reduced, subsets, subsets < last), S)[:, None]
         for j in range(0, b, MEMBER_TILE):
             index, mask = _subset_tile(subsets, last, j, b, c)
-            neg_g, d, u = _adan_terms(grad, neg_pre_grad, index, mask, S)
-            _adan_apply(param, exp_avg, exp_avg_diff, neg_pre_grad, index, mask, neg_g, d, scale, S, seed, t,
-                        STOCHASTIC)
+            neg_g, d, u = _adan_terms(_load(grad, index, mask), _load(neg_pre_grad, index, mask), S)
+            m, v, p = _adan_apply(_load(param, index, mask), _load(exp_avg, index, mask),
+                                  _load(exp_avg_diff, index, mask), neg_g, d, scale, S)
+            _store(exp_avg, index, m, mask)
+            _store(exp_avg_diff, index, v, mask)
+            _store(neg_pre_grad, index, neg_g, mask)
+            _store_param(param, index, p, mask, seed, t, STOCHASTIC)
 
 
 @triton.jit
 def adan_kernel(pointers, n_tensors, work, scalars, scalar_stride, PARAM_TYPE: tl.constexpr,
                 STATE_TYPE: tl.constexpr, STOCHASTIC: tl.constexpr, SUBSETS: tl.constexpr):
     """One chunk of Adan (``fastoptim.optimizers.adan.adan_update``) per program. SUBSETS: the
-    bucket holds subset-norm tensors (compiles their path)."""
+    bucket holds subset-norm tensors (compiles their path). STATE_TYPE uint8: 8-bit moments, with
+    g_prev in bf16."""
     row = work + tl.program_id(0) * WORK_COLUMNS
     t, start, count = tl.load(row + TENSOR), tl.load(row + START), tl.load(row + COUNT)
     b, c = tl.load(row + SUBSET_ROWS), tl.load(row + SUBSET_COLUMNS)
@@ -187,34 +287,52 @@ def adan_kernel(pointers, n_tensors, work, scalars, scalar_stride, PARAM_TYPE: t
         param = _pointer(pointers, n_tensors, PARAM, t, PARAM_TYPE)
         grad = _pointer(pointers, n_tensors, GRAD, t, PARAM_TYPE)
         exp_avg = _pointer(pointers, n_tensors, EXP_AVG, t, STATE_TYPE)
-        exp_avg_diff = _pointer(pointers, n_tensors, EXP_AVG_DIFF, t, STATE_TYPE)
-        neg_pre_grad = _pointer(pointers, n_tensors, NEG_PRE_GRAD, t, STATE_TYPE)
         exp_avg_sq = _pointer(pointers, n_tensors, EXP_AVG_SQ, t, STATE_TYPE)
-        if SUBSETS:
-            if b != 1:
-                reduced = _pointer(pointers, n_tensors, EXP_AVG_SQ, t, tl.float32)  # one fp32 per subset
-                _adan_subset_chunk(param, grad, exp_avg, reduced, exp_avg_diff, neg_pre_grad, start, count, b, c, S,
-                                   seed, t, STOCHASTIC)
-        # A dense chunk: full tiles of 16-byte aligned streams with no mask (128-bit accesses; the
-        # hints must be given here, where the pointers are loaded), then the rest with a mask.
-        dense = tl.where(b == 1, count, 0)
-        full = tl.where(tl.load(row + ALIGNED) != 0, dense // BLOCK * BLOCK, 0)
-        for offset in range(0, full, BLOCK):
-            index = tl.multiple_of(start + offset, BLOCK) + tl.arange(0, BLOCK)
-            _adan_dense_tile(tl.multiple_of(param, 16), tl.multiple_of(grad, 16), tl.multiple_of(exp_avg, 16),
-                             tl.multiple_of(exp_avg_sq, 16), tl.multiple_of(exp_avg_diff, 16),
-                             tl.multiple_of(neg_pre_grad, 16), index, None, S, seed, t, STOCHASTIC)
-        for offset in range(full, dense, BLOCK):
-            index = start + offset + tl.arange(0, BLOCK)
-            _adan_dense_tile(param, grad, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_grad, index,
-                             index < start + dense, S, seed, t, STOCHASTIC)
+        exp_avg_diff = _pointer(pointers, n_tensors, EXP_AVG_DIFF, t, STATE_TYPE)
+        reduced = _pointer(pointers, n_tensors, EXP_AVG_SQ, t, tl.float32)  # one fp32 per subset under sn
+        if STATE_TYPE == tl.uint8:
+            neg_pre_grad = _pointer(pointers, n_tensors, NEG_PRE_GRAD, t, tl.bfloat16)
+            absmax_m = _pointer(pointers, n_tensors, ADAN_ABSMAX + 0, t, tl.float32)
+            absmax_n = _pointer(pointers, n_tensors, ADAN_ABSMAX + 1, t, tl.float32)
+            absmax_v = _pointer(pointers, n_tensors, ADAN_ABSMAX + 2, t, tl.float32)
+            if SUBSETS:
+                if b != 1:
+                    _adan_subset_sums(grad, neg_pre_grad, reduced, start, count, b, c, S)
+            for first in range(start, start + count, BLOCK8):  # the chunk plan cuts 8-bit chunks at blocks
+                _adan_q8_block(param, grad, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_grad, absmax_m, absmax_n,
+                               absmax_v, first, start + count, reduced, b, c, S, seed, t, STOCHASTIC)
+        else:
+            neg_pre_grad = _pointer(pointers, n_tensors, NEG_PRE_GRAD, t, STATE_TYPE)
+            if SUBSETS:
+                if b != 1:
+                    _adan_subset_sums(grad, neg_pre_grad, reduced, start, count, b, c, S)
+                    _adan_subset_updates(param, grad, exp_avg, reduced, exp_avg_diff, neg_pre_grad, start, count, b,
+                                         c, S, seed, t, STOCHASTIC)
+            # A dense chunk: full tiles of 16-byte aligned streams with no mask (128-bit accesses; the
+            # hints must be given here, where the pointers are loaded), then the rest with a mask.
+            dense = tl.where(b == 1, count, 0)
+            full = tl.where(tl.load(row + ALIGNED) != 0, dense // BLOCK * BLOCK, 0)
+            for offset in range(0, full, BLOCK):
+                index = tl.multiple_of(start + offset, BLOCK) + tl.arange(0, BLOCK)
+                _adan_dense_tile(tl.multiple_of(param, 16), tl.multiple_of(grad, 16), tl.multiple_of(exp_avg, 16),
+                                 tl.multiple_of(exp_avg_sq, 16), tl.multiple_of(exp_avg_diff, 16),
+                                 tl.multiple_of(neg_pre_grad, 16), index, None, S, seed, t, STOCHASTIC)
+            for offset in range(full, dense, BLOCK):
+                index = start + offset + tl.arange(0, BLOCK)
+                _adan_dense_tile(param, grad, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_grad, index,
+                                 index < start + dense, S, seed, t, STOCHASTIC)
 
 
-# --- AdamW, AdamWSN and RMSPropSN -------------------------------------------------------------
+# --- AdamW, AdamWSN and RMSPropSN --------------------------------------------------------------
 
 @triton.jit
 def _adamw_grad(grad, index, mask, S):
     return _load(grad, index, mask) * tl.load(S + ADAMW_GRAD_SCALE)
+
+
+@triton.jit
+def _adamw_second_moment(v, g_squared, S):
+    return v * tl.load(S + ADAMW_BETA2) + g_squared * tl.load(S + ADAMW_ONE_MINUS_BETA2)
 
 
 @triton.jit
@@ -225,36 +343,60 @@ def _adamw_scale(v, S):
 
 
 @triton.jit
-def _adamw_apply(param, exp_avg, index, mask, g, scale, S, seed, t, FIRST_MOMENT: tl.constexpr,
-                 STOCHASTIC: tl.constexpr):
-    """After the second moment: the first moment (g itself without one) and the param. Weight
-    decay multiplies before the update (AdamW) or after it (AdamWSN)."""
-    numerator = g
-    if FIRST_MOMENT:
-        m = _load(exp_avg, index, mask)
-        m += (g - m) * tl.load(S + ADAMW_ONE_MINUS_BETA1)  # lerp
-        _store(exp_avg, index, m, mask)
-        numerator = m
-    p = (_load(param, index, mask) * tl.load(S + ADAMW_DECAY_MUL) - numerator * scale) * tl.load(S + ADAMW_DECAY_AFTER)
-    _store_param(param, index, p, mask, seed, t, STOCHASTIC)
+def _adamw_first_moment(m, g, S):
+    return m + (g - m) * tl.load(S + ADAMW_ONE_MINUS_BETA1)  # lerp
+
+
+@triton.jit
+def _adamw_param(p, numerator, scale, S):
+    """Weight decay multiplies before the update (AdamW) or after it (AdamWSN)."""
+    return (p * tl.load(S + ADAMW_DECAY_MUL) - numerator * scale) * tl.load(S + ADAMW_DECAY_AFTER)
 
 
 @triton.jit
 def _adamw_dense_tile(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, index, mask, S, seed, t,
                       AMSGRAD: tl.constexpr, FIRST_MOMENT: tl.constexpr, STOCHASTIC: tl.constexpr):
     g = _adamw_grad(grad, index, mask, S)
-    v = _load(exp_avg_sq, index, mask) * tl.load(S + ADAMW_BETA2) + g * g * tl.load(S + ADAMW_ONE_MINUS_BETA2)
+    v = _adamw_second_moment(_load(exp_avg_sq, index, mask), g * g, S)
     _store(exp_avg_sq, index, v, mask)
     if AMSGRAD:
         v = tl.maximum(_load(max_exp_avg_sq, index, mask), v)
         _store(max_exp_avg_sq, index, v, mask)
-    _adamw_apply(param, exp_avg, index, mask, g, _adamw_scale(v, S), S, seed, t, FIRST_MOMENT, STOCHASTIC)
+    numerator = g
+    if FIRST_MOMENT:
+        numerator = _adamw_first_moment(_load(exp_avg, index, mask), g, S)
+        _store(exp_avg, index, numerator, mask)
+    _store_param(param, index, _adamw_param(_load(param, index, mask), numerator, _adamw_scale(v, S), S), mask, seed,
+                 t, STOCHASTIC)
 
 
 @triton.jit
-def _adamw_subset_chunk(param, grad, exp_avg, reduced, reduced_max, start, count, b, c, S, seed, t,
-                        AMSGRAD: tl.constexpr, FIRST_MOMENT: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """As ``_adan_subset_chunk``."""
+def _adamw_q8_block(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, absmax_m, absmax_v, absmax_v_max, first, end,
+                    reduced_max, b, c, S, seed, t, AMSGRAD: tl.constexpr, FIRST_MOMENT: tl.constexpr,
+                    STOCHASTIC: tl.constexpr):
+    """As ``_adan_q8_block``; with subsets it reads the (updated) subset-norm ``reduced_max``."""
+    index = first + tl.arange(0, BLOCK8)
+    mask, block = index < end, first // BLOCK8
+    g = _adamw_grad(grad, index, mask, S)
+    if b != 1:
+        v = tl.load(reduced_max + _subset_of(index, b, c), mask=mask, other=0.0)
+    else:
+        v = _adamw_second_moment(_load_q8(exp_avg_sq, absmax_v, block, index, mask, False), g * g, S)
+        _store_q8(exp_avg_sq, absmax_v, block, index, mask, v, False)
+        if AMSGRAD:
+            v = tl.maximum(_load_q8(max_exp_avg_sq, absmax_v_max, block, index, mask, False), v)
+            _store_q8(max_exp_avg_sq, absmax_v_max, block, index, mask, v, False)
+    numerator = g
+    if FIRST_MOMENT:
+        numerator = _adamw_first_moment(_load_q8(exp_avg, absmax_m, block, index, mask, True), g, S)
+        _store_q8(exp_avg, absmax_m, block, index, mask, numerator, True)
+    _store_param(param, index, _adamw_param(_load(param, index, mask), numerator, _adamw_scale(v, S), S), mask, seed,
+                 t, STOCHASTIC)
+
+
+@triton.jit
+def _adamw_subset_sums(grad, reduced, reduced_max, start, count, b, c, S, AMSGRAD: tl.constexpr):
+    """As ``_adan_subset_sums``, with amsgrad's maximum."""
     last = (start + count) // b
     for first in range(start // b, last, SUBSET_TILE):
         subsets = first + tl.arange(0, SUBSET_TILE)
@@ -263,17 +405,28 @@ def _adamw_subset_chunk(param, grad, exp_avg, reduced, reduced_max, start, count
             index, mask = _subset_tile(subsets, last, j, b, c)
             g = _adamw_grad(grad, index, mask, S)
             sums += tl.sum(tl.where(mask, g * g, 0.0), axis=1)
-        v = (_load(reduced, subsets, subsets < last) * tl.load(S + ADAMW_BETA2)
-             + sums * tl.load(S + ADAMW_ONE_MINUS_BETA2))
+        v = _adamw_second_moment(_load(reduced, subsets, subsets < last), sums, S)
         _store(reduced, subsets, v, subsets < last)
         if AMSGRAD:
-            v = tl.maximum(_load(reduced_max, subsets, subsets < last), v)
-            _store(reduced_max, subsets, v, subsets < last)
-        scale = _adamw_scale(v, S)[:, None]
+            _store(reduced_max, subsets, tl.maximum(_load(reduced_max, subsets, subsets < last), v), subsets < last)
+
+
+@triton.jit
+def _adamw_subset_updates(param, grad, exp_avg, reduced_max, start, count, b, c, S, seed, t,
+                          FIRST_MOMENT: tl.constexpr, STOCHASTIC: tl.constexpr):
+    last = (start + count) // b
+    for first in range(start // b, last, SUBSET_TILE):
+        subsets = first + tl.arange(0, SUBSET_TILE)
+        scale = _adamw_scale(_load(reduced_max, subsets, subsets < last), S)[:, None]
         for j in range(0, b, MEMBER_TILE):
             index, mask = _subset_tile(subsets, last, j, b, c)
             g = _adamw_grad(grad, index, mask, S)
-            _adamw_apply(param, exp_avg, index, mask, g, scale, S, seed, t, FIRST_MOMENT, STOCHASTIC)
+            numerator = g
+            if FIRST_MOMENT:
+                numerator = _adamw_first_moment(_load(exp_avg, index, mask), g, S)
+                _store(exp_avg, index, numerator, mask)
+            _store_param(param, index, _adamw_param(_load(param, index, mask), numerator, scale, S), mask, seed, t,
+                         STOCHASTIC)
 
 
 @triton.jit
@@ -293,25 +446,38 @@ def adamw_kernel(pointers, n_tensors, work, scalars, scalar_stride, PARAM_TYPE: 
         exp_avg = _pointer(pointers, n_tensors, EXP_AVG, t, STATE_TYPE)
         exp_avg_sq = _pointer(pointers, n_tensors, EXP_AVG_SQ, t, STATE_TYPE)
         max_exp_avg_sq = _pointer(pointers, n_tensors, MAX_EXP_AVG_SQ, t, STATE_TYPE)
+        reduced = _pointer(pointers, n_tensors, EXP_AVG_SQ, t, tl.float32)
+        reduced_max = _pointer(pointers, n_tensors, MAX_EXP_AVG_SQ if AMSGRAD else EXP_AVG_SQ, t, tl.float32)
         if SUBSETS:
             if b != 1:
-                reduced = _pointer(pointers, n_tensors, EXP_AVG_SQ, t, tl.float32)
-                reduced_max = _pointer(pointers, n_tensors, MAX_EXP_AVG_SQ, t, tl.float32)
-                _adamw_subset_chunk(param, grad, exp_avg, reduced, reduced_max, start, count, b, c, S, seed, t,
-                                    AMSGRAD, FIRST_MOMENT, STOCHASTIC)
-        dense = tl.where(b == 1, count, 0)  # as adan_kernel's
-        full = tl.where(tl.load(row + ALIGNED) != 0, dense // BLOCK * BLOCK, 0)
-        for offset in range(0, full, BLOCK):
-            index = tl.multiple_of(start + offset, BLOCK) + tl.arange(0, BLOCK)
-            _adamw_dense_tile(tl.multiple_of(param, 16), tl.multiple_of(grad, 16), tl.multiple_of(exp_avg, 16),
-                              tl.multiple_of(exp_avg_sq, 16), tl.multiple_of(max_exp_avg_sq, 16), index, None, S, seed,
-                              t, AMSGRAD, FIRST_MOMENT, STOCHASTIC)
-        for offset in range(full, dense, BLOCK):
-            index = start + offset + tl.arange(0, BLOCK)
-            _adamw_dense_tile(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, index, index < start + dense, S, seed,
-                              t, AMSGRAD, FIRST_MOMENT, STOCHASTIC)
+                _adamw_subset_sums(grad, reduced, reduced_max, start, count, b, c, S, AMSGRAD)
+        if STATE_TYPE == tl.uint8:
+            absmax_m = _pointer(pointers, n_tensors, ADAMW_ABSMAX + 0, t, tl.float32)
+            absmax_v = _pointer(pointers, n_tensors, ADAMW_ABSMAX + 1, t, tl.float32)
+            absmax_v_max = _pointer(pointers, n_tensors, ADAMW_ABSMAX + 2, t, tl.float32)
+            for first in range(start, start + count, BLOCK8):
+                _adamw_q8_block(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, absmax_m, absmax_v, absmax_v_max,
+                                first, start + count, reduced_max, b, c, S, seed, t, AMSGRAD, FIRST_MOMENT,
+                                STOCHASTIC)
+        else:
+            if SUBSETS:
+                if b != 1:
+                    _adamw_subset_updates(param, grad, exp_avg, reduced_max, start, count, b, c, S, seed, t,
+                                          FIRST_MOMENT, STOCHASTIC)
+            dense = tl.where(b == 1, count, 0)  # as adan_kernel's
+            full = tl.where(tl.load(row + ALIGNED) != 0, dense // BLOCK * BLOCK, 0)
+            for offset in range(0, full, BLOCK):
+                index = tl.multiple_of(start + offset, BLOCK) + tl.arange(0, BLOCK)
+                _adamw_dense_tile(tl.multiple_of(param, 16), tl.multiple_of(grad, 16), tl.multiple_of(exp_avg, 16),
+                                  tl.multiple_of(exp_avg_sq, 16), tl.multiple_of(max_exp_avg_sq, 16), index, None, S,
+                                  seed, t, AMSGRAD, FIRST_MOMENT, STOCHASTIC)
+            for offset in range(full, dense, BLOCK):
+                index = start + offset + tl.arange(0, BLOCK)
+                _adamw_dense_tile(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, index, index < start + dense, S,
+                                  seed, t, AMSGRAD, FIRST_MOMENT, STOCHASTIC)
 
-TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.uint8: tl.uint8}
 KERNELS = {"adan": adan_kernel, "adamw": adamw_kernel}
 
 
@@ -342,3 +508,19 @@ def compile_for(capability, kernel, param_dtype, state_dtype, *, stochastic=Fals
     source = triton.compiler.ASTSource(fn=KERNELS[kernel], signature=signature | dict.fromkeys(options, "constexpr"),
                                        constexprs=options)
     return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=NUM_WARPS))
+
+
+def quantize(values, signed):
+    """The kernels' quantizer on a contiguous fp32 tensor: (uint8 codes, absmax), as
+    ``blockwise8.quantize`` computes them."""
+    codes = torch.empty(values.shape, dtype=torch.uint8, device=values.device)
+    absmax = torch.empty(blockwise8.n_blocks(values.numel()), device=values.device)
+    _blocks_kernel[(len(absmax),)](values, codes, absmax, values.numel(), SIGNED=signed, QUANTIZE=True)
+    return codes, absmax
+
+
+def dequantize(codes, absmax, signed):
+    """The kernels' dequantizer, as ``blockwise8.dequantize`` computes it."""
+    values = torch.empty(codes.shape, device=codes.device)
+    _blocks_kernel[(len(absmax),)](values, codes, absmax, codes.numel(), SIGNED=signed, QUANTIZE=False)
+    return values
