@@ -62,11 +62,11 @@ class AdamWSN(AdamW):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, subset_size=None,
                  correct_bias=True, foreach=None, fused=None, *, sn=False, maximize=False, max_grad_norm=0.0,
-                 stochastic_rounding=False, state_bits=32):
+                 stochastic_rounding=False, state_bits=32, shard_group=None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, subset_size=subset_size,
                         correct_bias=correct_bias, foreach=foreach, fused=fused, sn=sn, maximize=maximize,
                         max_grad_norm=max_grad_norm, stochastic_rounding=stochastic_rounding, state_bits=state_bits)
-        super(AdamW, self).__init__(params, defaults)
+        super(AdamW, self).__init__(params, defaults, shard_group)
 
     def _check_group(self, group, max_grad_norm=None):
         super()._check_group(group, max_grad_norm)

@@ -100,12 +100,12 @@ class Adan(FastOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.98, 0.92, 0.99), eps=1e-8, weight_decay=0.0,
                  max_grad_norm=0.0, no_prox=False, foreach=None, fused=None, *, maximize=False,
-                 stochastic_rounding=False, sn=False, subset_size=None, state_bits=32):
+                 stochastic_rounding=False, sn=False, subset_size=None, state_bits=32, shard_group=None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
                         no_prox=no_prox, foreach=foreach, fused=fused, maximize=maximize,
                         stochastic_rounding=stochastic_rounding, sn=sn, subset_size=subset_size,
                         state_bits=state_bits)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, shard_group)
 
     @torch.no_grad()
     def restart_opt(self):
