@@ -64,7 +64,8 @@ class Net(torch.nn.Module):
         super().__init__()
         generator = torch.Generator().manual_seed(0)
         for name, shape in SHAPES.items():
-            self.register_parameter(name, torch.nn.Parameter(torch.randn(shape, generator=generator) / shape[-1] ** 0.5))
+            initial = torch.randn(shape, generator=generator) / shape[-1] ** 0.5
+            self.register_parameter(name, torch.nn.Parameter(initial))
 
     def forward(self, x):
         h = torch.tanh(x @ self.w1.T + self.b1)
@@ -149,12 +150,25 @@ def distributed_run(settings, rank):
     return model.module if settings["mode"] != "fsdp" else model, optimizer
 
 
+def checkpointed(model, optimizer):
+    """What a DCP checkpoint holds of them (states created if missing), in the layout to save or fill."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    return {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+
+
+def restore(model, optimizer, checkpoint):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict as dcp_state
+    state = checkpointed(model, optimizer)
+    dcp.load(state, checkpoint_id=checkpoint)
+    dcp_state.set_model_state_dict(model, state["model"])
+    dcp_state.set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
 def checkpoint_run(settings, rank, directory):
     """Save after half the steps, go on; load into a new model and optimizer, go on: the two must
     agree exactly. The checkpoint is left for the single-process test."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
     from torch.distributed.fsdp import fully_shard
 
     def build():
@@ -165,14 +179,10 @@ def checkpoint_run(settings, rank, directory):
     model, optimizer = build()
     rank = fed(settings, rank)
     train(model, optimizer, STEPS // 2, rank)
-    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)},
-             checkpoint_id=directory)
+    dcp.save(checkpointed(model, optimizer), checkpoint_id=directory)
     train(model, optimizer, STEPS // 2, rank, first=STEPS // 2)
     resumed, resumed_optimizer = build()
-    state = {"model": get_model_state_dict(resumed), "optim": get_optimizer_state_dict(resumed, resumed_optimizer)}
-    dcp.load(state, checkpoint_id=directory)
-    set_model_state_dict(resumed, state["model"])
-    set_optimizer_state_dict(resumed, resumed_optimizer, state["optim"])
+    restore(resumed, resumed_optimizer, directory)
     train(resumed, resumed_optimizer, STEPS // 2, rank, first=STEPS // 2)
     return max(float((a - b).abs().max()) for a, b in zip(full_params(model), full_params(resumed)))
 
@@ -218,10 +228,11 @@ def worker(rank, directory):
 def runs(tmp_path_factory):
     """The workers' results by case and rank, and their directory (checkpoints)."""
     directory = tmp_path_factory.mktemp("distributed")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
-    workers = [subprocess.Popen([sys.executable, "-m", "tests.test_distributed", str(rank), str(directory)],
-                                cwd=Path(__file__).parents[1], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    root = Path(__file__).parents[1]
+    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
+    workers = [subprocess.Popen([sys.executable, "-m", "tests.test_distributed", str(rank), str(directory)], cwd=root,
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
                for rank in range(WORLD)]
     outputs = []
     for process in workers:
@@ -231,7 +242,8 @@ def runs(tmp_path_factory):
             for other in workers:
                 other.kill()
             outputs.append(process.communicate()[0].decode())
-    results = [json.loads(p.read_text()) if p.exists() else {} for p in (directory / f"rank{r}.json" for r in range(WORLD))]
+    files = [directory / f"rank{rank}.json" for rank in range(WORLD)]
+    results = [json.loads(file.read_text()) if file.exists() else {} for file in files]
     return results, directory, outputs
 
 
@@ -293,17 +305,10 @@ def test_a_dcp_checkpoint_of_two_ranks_resumes_in_one_process(runs, name):
 
 
 def resume_in_one_process(settings, checkpoint):
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
-
     model = Net()
     optimizer = make_optimizer(settings, param_groups(model, settings["sn"]))
     template = make_optimizer(settings, param_groups(model, settings["sn"]), state_bits=32)
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, template)}
-    dcp.load(state, checkpoint_id=checkpoint)
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, template, state["optim"])
+    restore(model, template, checkpoint)
     optimizer.load_state_dict(template.state_dict())
     train(model, optimizer, STEPS // 2, first=STEPS // 2)
     assert oracle.relative_error(full_params(model), one_process(settings)) < 1e-5

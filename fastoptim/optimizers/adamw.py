@@ -46,7 +46,8 @@ class AdamW(FastOptimizer):
     by ``subset_size`` (see :class:`fastoptim.Adan` and fastoptim.states.subset_norm). State per
     parameter is torch's: ``step`` (0-d fp32 tensor), ``exp_avg``, ``exp_avg_sq`` and, with amsgrad,
     ``max_exp_avg_sq``, all fp32; torch AdamW state dicts load as they are. ``state_bits`` 16 or 8
-    keeps the moments in bf16 or 8-bit blockwise codes (see :class:`fastoptim.Adan`).
+    keeps the moments in bf16 or 8-bit blockwise codes, and ``shard_group`` makes the clipping norm
+    global under ZeroRedundancyOptimizer (see :class:`fastoptim.Adan`).
     """
 
     n_betas = 2

@@ -47,7 +47,7 @@ class AdamWSN(AdamW):
 
     The seed's results need a learning rate about 10 times Adam's. ``sn`` (a constructor default
     for every group), ``maximize``, ``max_grad_norm`` and ``stochastic_rounding`` work as in
-    :class:`fastoptim.Adan`; GradScaler too. ``state_bits`` 16 or 8 keeps ``exp_avg`` in bf16 or
+    :class:`fastoptim.Adan`; GradScaler and ``shard_group`` too. ``state_bits`` 16 or 8 keeps ``exp_avg`` in bf16 or
     8-bit blockwise codes; the subset-norm ``exp_avg_sq`` stays fp32.
 
     State per parameter: ``step`` (0-d fp32 tensor), ``exp_avg`` (unless β1 = 0), ``exp_avg_sq``

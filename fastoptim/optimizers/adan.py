@@ -82,6 +82,9 @@ class Adan(FastOptimizer):
             ``exp_avg_diff`` (uint8 codes beside ``{key}_absmax``, see fastoptim.states.blockwise8)
             and a bf16 ``neg_pre_grad``, for params of 4096+ elements; a subset-norm ``exp_avg_sq``
             stays fp32. State dicts convert between formats on load.
+        shard_group: the process group whose ranks' params, together, are the model's (each rank a
+            partition, as under ZeroRedundancyOptimizer): the clipping norm is summed over it. Not
+            needed for FSDP2's DTensor params, which reduce over their mesh (see fastoptim.distributed).
 
     State: per parameter ``exp_avg``, ``exp_avg_sq``, ``exp_avg_diff`` and ``neg_pre_grad`` (fp32, the
     official and timm keys; under ``sn``, ``exp_avg_sq`` has the partition's shape and the state

@@ -191,7 +191,7 @@ class FastOptimizer(torch.optim.Optimizer):
     def __init__(self, params, defaults, shard_group):
         """``shard_group``: the process group whose ranks' params, together, are the model's, each
         once (ZeroRedundancyOptimizer's partition); global reductions run over it. Not a group
-        option: ZeroRedundancyOptimizer consumes ``process_group``, and groups are saved in state dicts."""
+        option: ZeroRedundancyOptimizer consumes ``process_group``, and param groups go into state dicts."""
         distributed.check_shard_group(shard_group)
         self.shard_group = shard_group
         super().__init__(params, defaults)
@@ -258,8 +258,9 @@ class FastOptimizer(torch.optim.Optimizer):
         caches = self.__dict__.setdefault("_engine_caches", {})
         work = [(group, *self._group_work(caches, index, group)) for index, group in enumerate(self.param_groups)]
         amp_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-        # Only the fused engines skip an inf step on the device. The others look at found_inf, and
-        # so does a step that would create states: a skipped step must leave no trace.
+        # Only the fused engines skip an inf step on the device. The others (the loop engine of
+        # subsets that span shards included) look at found_inf, and so does a step that would
+        # create states: a skipped step must leave no trace.
         if found_inf is not None and any(
                 entry.params and (entry.engine not in engines.FUSED or entry.states is None
                                   or any(reduce for _, reduce in entry.buckets)) for _, entry, _ in work):
