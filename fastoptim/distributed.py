@@ -15,14 +15,18 @@ subsets) or replicated (columns: every rank holds, and updates alike, all the co
 block maxima of 8-bit states are plain tensors over the local shard's blocks, which other world
 sizes cut elsewhere; so ``state_dict()`` hands out the 8-bit states of DTensor params dequantized.
 """
+import sys
+
 import torch
 import torch.distributed as dist
 
-if dist.is_available():
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor import zeros as dtensor_zeros
-else:  # no DTensor can exist
-    DTensor = ()
+# torch.distributed.tensor is imported where a DTensor is at hand, never before: it adds about a
+# second to `import fastoptim`, and until it is loaded no DTensor can exist.
+
+
+def is_dtensor(tensor):
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def check_shard_group(shard_group):
@@ -34,9 +38,10 @@ def check_shard_group(shard_group):
 def reduction_group(params, shard_group):
     """The group that the global reductions of an optimizer over ``params`` run over: ``shard_group``
     for plain params, the device mesh's group for DTensor params; None: no other rank takes part."""
-    sharded = [param for param in params if isinstance(param, DTensor)]
+    sharded = [param for param in params if is_dtensor(param)]
     if not sharded:
         return shard_group
+    from torch.distributed.tensor import Shard
     if len(sharded) != len(params):
         raise ValueError("an optimizer's params must be all DTensors (FSDP2) or all plain tensors, not a mix")
     if shard_group is not None:
@@ -52,27 +57,29 @@ def reduction_group(params, shard_group):
 
 def local(tensor):
     """The local shard of a DTensor (a view, under no_grad); any other tensor, or None, as it is."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def like(local_tensor, dtensor):
     """``local_tensor`` as this rank's shard of a DTensor placed as ``dtensor``, of its global shape."""
+    from torch.distributed.tensor import DTensor
     return DTensor.from_local(local_tensor, dtensor.device_mesh, dtensor.placements, shape=dtensor.shape,
                               stride=dtensor.stride())
 
 
 def spans_shards(param, partition):
     """Whether a subset of ``partition`` holds elements of several ranks: columns of a DTensor param."""
-    return isinstance(param, DTensor) and partition.record.get("reduce_dim") == 1
+    return is_dtensor(param) and partition.record.get("reduce_dim") == 1
 
 
 def reduced_zeros(param, partition, dtype):
     """A zero subset-norm second moment of ``param``: for a DTensor param, a DTensor replicated when
     its subsets span the shards, else sharded on dim 0 as the param is."""
-    if not isinstance(param, DTensor):
+    if not is_dtensor(param):
         return torch.zeros(partition.state_shape, dtype=dtype, device=param.device)
+    from torch.distributed.tensor import Replicate, Shard, zeros
     placement = Replicate() if spans_shards(param, partition) else Shard(0)
-    return dtensor_zeros(*partition.state_shape, dtype=dtype, device_mesh=param.device_mesh, placements=[placement])
+    return zeros(*partition.state_shape, dtype=dtype, device_mesh=param.device_mesh, placements=[placement])
 
 
 def shard_sizes(n, world):

@@ -87,7 +87,7 @@ def convert_state(state, role, dtype):
     """``state[role]`` (and its block maxima) in ``dtype``, from whatever format it was saved in; a
     DTensor's local shard is converted (its block maxima are the shard's)."""
     value = torch.as_tensor(state[role])
-    if isinstance(value, distributed.DTensor):
+    if distributed.is_dtensor(value):
         converted = convert_state(state | {role: value.to_local()}, role, dtype)
         return converted | {role: distributed.like(converted[role], value)}
     absmax = state.get(role + ABSMAX)
@@ -227,7 +227,7 @@ class FastOptimizer(torch.optim.Optimizer):
         params are DTensors, whose local shards the engines update."""
         params = [param for group in self.param_groups for param in group["params"]]
         self._reduce_group = distributed.reduction_group(params, self.shard_group)
-        self._sharded = any(isinstance(param, distributed.DTensor) for param in params)
+        self._sharded = any(distributed.is_dtensor(param) for param in params)
 
     def __getstate__(self):  # a copy keeps shard_group, or fails loudly where a group cannot be copied
         return super().__getstate__() | {"shard_group": self.shard_group}
@@ -336,7 +336,7 @@ class FastOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"{type(self).__name__}: {error}: was the param changed after its state was "
                                "created? Clear its state with optimizer.state[param].clear()") from None
         partition = self._partition(param, state, group)
-        if isinstance(param, distributed.DTensor) and subset_norm.needs_contiguous(partition):
+        if distributed.is_dtensor(param) and subset_norm.needs_contiguous(partition):
             distributed.check_flattened(param, partition)
         if subset_norm.needs_contiguous(partition) and not distributed.local(param).is_contiguous():
             raise ValueError(f"{type(self).__name__}: subset_size cuts a param into subsets in its row-major "
@@ -499,8 +499,8 @@ class FastOptimizer(torch.optim.Optimizer):
                     if value.shape != shape:
                         raise ValueError(f"state '{key}' of parameter {saved_id} has shape {tuple(value.shape)}, "
                                          f"expected {tuple(shape)}")
-                    if (key in self._state_roles(merged) and isinstance(param, distributed.DTensor)
-                            and not isinstance(value, distributed.DTensor)):
+                    if (key in self._state_roles(merged) and distributed.is_dtensor(param)
+                            and not distributed.is_dtensor(value)):
                         raise ValueError(f"state '{key}' of parameter {saved_id} is a plain tensor, but its param "
                                          "is a DTensor: load sharded states through torch.distributed.checkpoint "
                                          "(see the README)")
