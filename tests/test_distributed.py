@@ -220,6 +220,20 @@ def worker(rank, directory):
         optimizer = fastoptim.AdamWSN(model.parameters(), sn=True, subset_size=32)
         train(model, optimizer, 1, rank)
     record("flattened-straddling", straddling)
+
+    def refusals():
+        """The messages of the params that DTensor params cannot go with."""
+        model = Net()
+        torch.distributed.fsdp.fully_shard(model)
+        messages = []
+        for params, options in (([*model.parameters()], dict(shard_group=dist.group.WORLD)),
+                                ([*model.parameters(), torch.nn.Parameter(torch.zeros(3))], {})):
+            try:
+                fastoptim.Adan(params, **options)
+            except ValueError as error:
+                messages.append(str(error))
+        return messages
+    record("refusals", refusals)
     dist.destroy_process_group()
     os._exit(0)  # gloo's threads can abort at interpreter exit
 
@@ -282,6 +296,12 @@ def test_flattened_subsets_that_straddle_shards_are_refused(runs):
     results, _, _ = runs
     for ranks in results:
         assert "ValueError" in ranks["flattened-straddling"] and "straddle" in ranks["flattened-straddling"]
+
+
+def test_dtensor_params_with_shard_group_or_plain_params_are_refused(runs):
+    for messages in result(runs, "refusals"):
+        assert len(messages) == 2
+        assert "leave shard_group unset" in messages[0] and "not a mix" in messages[1]
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
