@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from . import distributed
 from .kernels import fused_cpu
 from .multi_tensor import PointerTable, buckets, is_dense
 
@@ -25,31 +26,40 @@ def _grad_tables(grads):
     return [(grads[b[0]].dtype, PointerTable({"param": [grads[i] for i in b]}, ("param",))) for b in buckets(grads)]
 
 
-def grad_norm(grads, norm_type=2.0, tables=None):
+def grad_norm(grads, norm_type=2.0, tables=None, group=None):
     """The ``norm_type``-norm (2 or inf) over every tensor in ``grads``, as an fp32 0-d tensor on the
     first grad's device. ``tables``: the caller's decision, ``_grad_tables(grads)`` for the kernel or
-    an empty list for foreach; None decides here."""
+    an empty list for foreach; None decides here. ``group``: a process group whose ranks hold the
+    rest of the grads (each exactly once); the norm is then theirs all together, and every rank of
+    it must call this, with grads or none."""
     inf = norm_type == math.inf
     if tables is None and _kernel_takes(grads):
         tables = _grad_tables(grads)
     if tables:
         partials = torch.cat([torch.zeros(1, dtype=torch.float64)] + [
             fused_cpu.grad_norm_partials(table, dtype, inf, torch.get_num_threads()) for dtype, table in tables])
-        return (partials.max() if inf else partials.sum().sqrt()).float()
-    device, parts = grads[0].device, []
-    for bucket in buckets(grads):
-        tensors = [grads[i] for i in bucket]
-        wide = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32  # never narrow float64
-        norms = torch.stack(torch._foreach_norm(tensors, norm_type, dtype=wide))
-        parts.append((norms.max() if inf else norms.square().sum()).to(device, torch.float32, non_blocking=True))
-    parts = torch.stack(parts)
-    return parts.max() if inf else parts.sum().sqrt()
+        total = partials.max() if inf else partials.sum()  # of squares for norm 2
+    elif grads:
+        device, parts = grads[0].device, []
+        for bucket in buckets(grads):
+            tensors = [grads[i] for i in bucket]
+            wide = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32  # never narrow float64
+            norms = torch.stack(torch._foreach_norm(tensors, norm_type, dtype=wide))
+            parts.append((norms.max() if inf else norms.square().sum()).to(device, torch.float32, non_blocking=True))
+        parts = torch.stack(parts)
+        total = parts.max() if inf else parts.sum()
+    else:
+        total = torch.zeros((), dtype=torch.float64)
+    if group is not None:  # one dtype on every rank, whichever way each one reduced
+        total = distributed.sum_over(total.double(), group, "max" if inf else "sum")
+    return (total if inf else total.sqrt()).float()
 
 
-def clip_coefficient(grads, max_norm, eps, inv_scale=None):
+def clip_coefficient(grads, max_norm, eps, inv_scale=None, group=None):
     """``min(1, max_norm / (norm + eps))``, the factor official Adan scales every gradient by.
-    ``inv_scale`` (GradScaler's 1/scale, a tensor) unscales the norm of still-scaled grads."""
-    norm = grad_norm(grads)
+    ``inv_scale`` (GradScaler's 1/scale, a tensor) unscales the norm of still-scaled grads; ``group``
+    (see :func:`grad_norm`) makes the norm global."""
+    norm = grad_norm(grads, group=group)
     if inv_scale is not None:
         norm = norm * inv_scale
     return (max_norm / (norm + eps)).clamp(max=1.0)

@@ -1,6 +1,7 @@
 """How a step executes. Every engine runs an optimizer's math (its ``update``, written once in
 ``fastoptim/optimizers``, or the fused kernel that restates it) over a :class:`Plan`; engines differ
 only in how they walk the tensors."""
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -22,7 +23,8 @@ class Plan:
     ``warn_fallback`` (fused was asked for, not picked) and ``cache`` (a dict they keep their
     pointer table in, owned by the optimizer, which empties it when a param or state changes).
     A state role may hold bf16 or 8-bit (uint8 codes) tensors under ``state_bits``; ``absmax`` holds
-    the block maxima of the 8-bit ones.
+    the block maxima of the 8-bit ones. ``sum_group``: the process group over which the loop engine
+    all-reduces subset sums (subsets that span FSDP2 shards), or None.
     """
 
     tensors: dict[str, list[Tensor]]
@@ -33,6 +35,7 @@ class Plan:
     warn_fallback: bool = False
     cache: dict = field(default_factory=dict)
     absmax: dict = field(default_factory=dict)  # role: the block maxima of each 8-bit state (None for others)
+    sum_group: object = None
 
     def __len__(self):
         return len(self.tensors["param"])
@@ -48,6 +51,18 @@ class Plan:
 
 ENGINES = {"loop": loop.run, "foreach": foreach.run, "fused-single": fused.run_single, "fused-multi": fused.run_multi}
 FUSED = frozenset({"fused-single", "fused-multi"})
+
+
+def run_summing_over(algorithm, plan, group):
+    """Params whose subsets span FSDP2 shards (columns of a matrix with fewer rows than columns): the
+    loop engine, which all-reduces each param's subset sums over ``group`` before they enter the
+    second moment. One update per param, so every rank makes the same all-reduces in the same order;
+    the fused kernels sum subsets inside themselves, and foreach may cut a param into pieces."""
+    if plan.warn_fallback:
+        warnings.warn("fastoptim: fused=True, but subset-norm sums that span FSDP2 shards are all-reduced between "
+                      "ranks, which the kernel cannot do; those tensors take the loop engine", stacklevel=4)
+    plan.sum_group = group
+    loop.run(algorithm, plan)
 
 
 def engine_name(foreach, fused):

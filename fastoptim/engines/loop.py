@@ -2,10 +2,11 @@
 import torch
 
 from . import lowbit
-from .ops import LOW_PRECISION, TENSOR_OPS, round_into
+from .ops import LOW_PRECISION, TENSOR_OPS, round_into, summing_over
 
 
 def run(algorithm, plan):
+    ops = TENSOR_OPS if plan.sum_group is None else summing_over(plan.sum_group)
     for i in range(len(plan)):
         tensors = {role: tensors[i] for role, tensors in plan.tensors.items()}
         param = tensors["param"]
@@ -16,7 +17,7 @@ def run(algorithm, plan):
         for role, state in stored.items():
             tensors[role] = lowbit.widen(role, state, absmax.get(role))
         args = {name: value[i] if name in plan.per_tensor else value for name, value in plan.args.items()}
-        algorithm.update(TENSOR_OPS, scratch=torch.empty_like(tensors["param"]), **tensors, **args)
+        algorithm.update(ops, scratch=torch.empty_like(tensors["param"]), **tensors, **args)
         for role, state in stored.items():
             lowbit.store(role, state, absmax.get(role), tensors[role])
         if tensors["param"] is not param:

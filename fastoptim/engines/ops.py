@@ -8,6 +8,8 @@ from operator import attrgetter
 
 import torch
 
+from .. import distributed
+
 LOW_PRECISION = (torch.bfloat16, torch.float16)  # params whose math runs in an fp32 copy
 NAMES = ("add_", "addcdiv_", "addcmul_", "copy_", "div_", "lerp_", "mul_", "reciprocal_", "sqrt_", "sub_")
 
@@ -45,6 +47,15 @@ TENSOR_OPS = Ops({name: getattr(torch.Tensor, name) for name in NAMES}
 FOREACH_OPS = Ops({name: getattr(torch, "_foreach_" + name) for name in NAMES + ("maximum_",)}
                   | {"add_squares_": _foreach_add_squares_,
                      "empty_like": lambda tensors: [torch.empty_like(t) for t in tensors]})
+
+
+def summing_over(group):
+    """``TENSOR_OPS`` whose subset sums are all-reduced over ``group`` before they are added: for
+    subsets whose elements several ranks hold (each adds its part of the sum)."""
+    def add_squares_(moment, x, value):
+        sums = torch.linalg.vector_norm(x, dim=1, keepdim=True).square_()
+        moment.add_(distributed.sum_over(sums, group), alpha=value)
+    return Ops(vars(TENSOR_OPS) | {"add_squares_": add_squares_})
 
 
 def round_into(dst, src, stochastic):

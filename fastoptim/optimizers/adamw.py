@@ -46,7 +46,8 @@ class AdamW(FastOptimizer):
     by ``subset_size`` (see :class:`fastoptim.Adan` and fastoptim.states.subset_norm). State per
     parameter is torch's: ``step`` (0-d fp32 tensor), ``exp_avg``, ``exp_avg_sq`` and, with amsgrad,
     ``max_exp_avg_sq``, all fp32; torch AdamW state dicts load as they are. ``state_bits`` 16 or 8
-    keeps the moments in bf16 or 8-bit blockwise codes (see :class:`fastoptim.Adan`).
+    keeps the moments in bf16 or 8-bit blockwise codes, and ``shard_group`` makes the clipping norm
+    global under ZeroRedundancyOptimizer (see :class:`fastoptim.Adan`).
     """
 
     n_betas = 2
@@ -57,12 +58,12 @@ class AdamW(FastOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, fused=None, max_grad_norm=0.0, stochastic_rounding=False,
-                 sn=False, subset_size=None, state_bits=32):
+                 sn=False, subset_size=None, state_bits=32, shard_group=None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, fused=fused, max_grad_norm=max_grad_norm,
                         stochastic_rounding=stochastic_rounding, sn=sn, subset_size=subset_size,
                         state_bits=state_bits)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, shard_group)
 
     def _state_roles(self, group):
         return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")

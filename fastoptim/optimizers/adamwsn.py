@@ -47,7 +47,7 @@ class AdamWSN(AdamW):
 
     The seed's results need a learning rate about 10 times Adam's. ``sn`` (a constructor default
     for every group), ``maximize``, ``max_grad_norm`` and ``stochastic_rounding`` work as in
-    :class:`fastoptim.Adan`; GradScaler too. ``state_bits`` 16 or 8 keeps ``exp_avg`` in bf16 or
+    :class:`fastoptim.Adan`; GradScaler and ``shard_group`` too. ``state_bits`` 16 or 8 keeps ``exp_avg`` in bf16 or
     8-bit blockwise codes; the subset-norm ``exp_avg_sq`` stays fp32.
 
     State per parameter: ``step`` (0-d fp32 tensor), ``exp_avg`` (unless β1 = 0), ``exp_avg_sq``
@@ -62,11 +62,11 @@ class AdamWSN(AdamW):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, subset_size=None,
                  correct_bias=True, foreach=None, fused=None, *, sn=False, maximize=False, max_grad_norm=0.0,
-                 stochastic_rounding=False, state_bits=32):
+                 stochastic_rounding=False, state_bits=32, shard_group=None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, subset_size=subset_size,
                         correct_bias=correct_bias, foreach=foreach, fused=fused, sn=sn, maximize=maximize,
                         max_grad_norm=max_grad_norm, stochastic_rounding=stochastic_rounding, state_bits=state_bits)
-        super(AdamW, self).__init__(params, defaults)
+        super(AdamW, self).__init__(params, defaults, shard_group)
 
     def _check_group(self, group, max_grad_norm=None):
         super()._check_group(group, max_grad_norm)

@@ -82,6 +82,9 @@ class Adan(FastOptimizer):
             ``exp_avg_diff`` (uint8 codes beside ``{key}_absmax``, see fastoptim.states.blockwise8)
             and a bf16 ``neg_pre_grad``, for params of 4096+ elements; a subset-norm ``exp_avg_sq``
             stays fp32. State dicts convert between formats on load.
+        shard_group: the process group whose ranks' params, together, are the model's (each rank a
+            partition, as under ZeroRedundancyOptimizer): the clipping norm is summed over it. Not
+            needed for FSDP2's DTensor params, which reduce over their mesh (see fastoptim.distributed).
 
     State: per parameter ``exp_avg``, ``exp_avg_sq``, ``exp_avg_diff`` and ``neg_pre_grad`` (fp32, the
     official and timm keys; under ``sn``, ``exp_avg_sq`` has the partition's shape and the state
@@ -100,12 +103,12 @@ class Adan(FastOptimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.98, 0.92, 0.99), eps=1e-8, weight_decay=0.0,
                  max_grad_norm=0.0, no_prox=False, foreach=None, fused=None, *, maximize=False,
-                 stochastic_rounding=False, sn=False, subset_size=None, state_bits=32):
+                 stochastic_rounding=False, sn=False, subset_size=None, state_bits=32, shard_group=None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
                         no_prox=no_prox, foreach=foreach, fused=fused, maximize=maximize,
                         stochastic_rounding=stochastic_rounding, sn=sn, subset_size=subset_size,
                         state_bits=state_bits)
-        super().__init__(params, defaults)
+        super().__init__(params, defaults, shard_group)
 
     @torch.no_grad()
     def restart_opt(self):

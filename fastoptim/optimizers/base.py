@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .. import engines
+from .. import distributed, engines
 from ..clip import clip_coefficient
 from ..multi_tensor import buckets, data_pointers
 from ..states import blockwise8, subset_norm
@@ -70,19 +70,26 @@ def state_dtype(param, role=None, state_bits=32, reduced=False, half_roles=()):
     return torch.bfloat16 if role in half_roles else torch.uint8
 
 
-def new_state(param, shape, dtype, role):
-    """A zero state (and its block maxima for an 8-bit one, under ``{role}_absmax``)."""
+def new_state(param, shape, dtype, role, partition):
+    """A zero state (and its block maxima for an 8-bit one, under ``{role}_absmax``): param-shaped,
+    or a second moment in ``partition``'s shape. DTensor params get DTensor states (see
+    fastoptim.distributed), and 8-bit ones block maxima over their local shard."""
+    if shape != param.shape:
+        return {role: distributed.reduced_zeros(param, partition, dtype)}
     if dtype != torch.uint8:
-        return {role: torch.zeros_like(param, dtype=dtype) if shape == param.shape
-                else torch.zeros(shape, dtype=dtype, device=param.device)}
+        return {role: torch.zeros_like(param, dtype=dtype)}
     zero = blockwise8.codes_for(role).zero  # what quantizing zeros gives, without the work
-    return {role: torch.full(shape, zero, dtype=torch.uint8, device=param.device),
-            role + ABSMAX: torch.zeros(blockwise8.n_blocks(math.prod(shape)), device=param.device)}
+    return {role: torch.full_like(param, zero, dtype=torch.uint8),
+            role + ABSMAX: torch.zeros(blockwise8.n_blocks(distributed.local(param).numel()), device=param.device)}
 
 
 def convert_state(state, role, dtype):
-    """``state[role]`` (and its block maxima) in ``dtype``, from whatever format it was saved in."""
+    """``state[role]`` (and its block maxima) in ``dtype``, from whatever format it was saved in; a
+    DTensor's local shard is converted (its block maxima are the shard's)."""
     value = torch.as_tensor(state[role])
+    if distributed.is_dtensor(value):
+        converted = convert_state(state | {role: value.to_local()}, role, dtype)
+        return converted | {role: distributed.like(converted[role], value)}
     absmax = state.get(role + ABSMAX)
     if value.dtype == torch.uint8:
         if absmax is None:
@@ -132,15 +139,16 @@ class GroupWork:
     gradients are never kept: they are checked and listed afresh every step.
     """
 
-    def __init__(self, roles, engine, params, signature=None):
+    def __init__(self, roles, engine, params, local_params, signature=None):
         self.roles, self.engine, self.params, self.signature = roles, engine, params, signature
-        self.buckets = buckets(params)
+        self.local_params = local_params  # what the engines update: the params, or DTensors' local shards
+        self.buckets = [(bucket, None) for bucket in buckets(params)]
         self.states = self.kept = self.tensors = self.context = self.state_bits = None
         self.bucket_caches = {}
 
-    def fits(self, roles, engine, params):
+    def fits(self, roles, engine, params, local_params):
         return ((roles, engine) == (self.roles, self.engine) and len(params) == len(self.params)
-                and all(map(operator.is_, params, self.params)) and self.signature.describes(params))
+                and all(map(operator.is_, params, self.params)) and self.signature.describes(local_params))
 
     def holds(self, states):
         """Whether ``states`` (the params' state dicts now) are those this work was built on,
@@ -149,14 +157,21 @@ class GroupWork:
                 and all(all(map(operator.is_, map(dict.get, states, repeat(key)), tensors))
                         for key, tensors in self.kept.items()))
 
-    def use_states(self, states, context, partitions, reduced_roles):
+    def use_states(self, states, context, partitions, reduced_roles, group):
         """Take the states (every role present), with the subset-norm partition of each param (None:
-        dense): the tensors of a partitioned param are handed to the engines in its (a, b, c) view."""
+        dense): the tensors of a partitioned param are handed to the engines in its (a, b, c) view.
+        Params whose subsets span FSDP2 shards get buckets of their own, which sum over ``group``."""
         self.states, self.context, self.bucket_caches = states, context, {}
         self.kept = {key: list(map(dict.get, states, repeat(key))) for key in {key for state in states for key in state}}
         self.partitions = partitions if any(partitions) else None
-        self.tensors = {"param": self.params} | {role: self.kept[role] for role in self.roles}
+        self.tensors = {"param": self.local_params} | {role: list(map(distributed.local, self.kept[role]))
+                                                       for role in self.roles}
         self.absmax = {role: self.kept[role + ABSMAX] for role in self.roles if role + ABSMAX in self.kept}
+        spanning = {i for i, (param, part) in enumerate(zip(self.params, partitions))
+                    if part is not None and distributed.spans_shards(param, part)}
+        self.buckets = [(part, reduce) for bucket in buckets(self.params)
+                        for part, reduce in (([i for i in bucket if i not in spanning], None),
+                                             ([i for i in bucket if i in spanning], group)) if part]
         if self.partitions:
             self.tensors = {role: [t if part is None else part.view_state(t) if role in reduced_roles
                                    else part.view_param(t) for t, part in zip(tensors, partitions)]
@@ -173,6 +188,14 @@ class FastOptimizer(torch.optim.Optimizer):
     n_betas: int
     half_roles = ()  # roles kept in bf16, not 8-bit, under state_bits=8
 
+    def __init__(self, params, defaults, shard_group):
+        """``shard_group``: the process group whose ranks' params, together, are the model's, each
+        once (ZeroRedundancyOptimizer's partition); global reductions run over it. Not a group
+        option: ZeroRedundancyOptimizer consumes ``process_group``, and param groups go into state dicts."""
+        distributed.check_shard_group(shard_group)
+        self.shard_group = shard_group
+        super().__init__(params, defaults)
+
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
@@ -187,6 +210,7 @@ class FastOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"all params of a group must be on one device, got {sorted(map(str, devices))}")
             if isinstance(group["lr"], Tensor) and devices:
                 check_tensor_lr(group["lr"], devices.pop())
+            self._find_reduce_group()
         except Exception:
             self.param_groups.pop()
             raise
@@ -198,11 +222,23 @@ class FastOptimizer(torch.optim.Optimizer):
                              "so set it in the constructor, not per group")
         engines.engine_name(group["foreach"], group["fused"])
 
+    def _find_reduce_group(self):
+        """The group of this optimizer's global reductions (see fastoptim.distributed), and whether its
+        params are DTensors, whose local shards the engines update."""
+        params = [param for group in self.param_groups for param in group["params"]]
+        self._reduce_group = distributed.reduction_group(params, self.shard_group)
+        self._sharded = any(distributed.is_dtensor(param) for param in params)
+
+    def __getstate__(self):  # a copy keeps shard_group, or fails loudly where a group cannot be copied
+        return super().__getstate__() | {"shard_group": self.shard_group}
+
     def __setstate__(self, state):
         super().__setstate__(state)
+        self.__dict__.setdefault("shard_group", None)
         for group in self.param_groups:
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
+        self._find_reduce_group()
 
     # --- step -----------------------------------------------------------------------------------
 
@@ -222,10 +258,12 @@ class FastOptimizer(torch.optim.Optimizer):
         caches = self.__dict__.setdefault("_engine_caches", {})
         work = [(group, *self._group_work(caches, index, group)) for index, group in enumerate(self.param_groups)]
         amp_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-        # Only the fused engines skip an inf step on the device. The others look at found_inf, and
-        # so does a step that would create states: a skipped step must leave no trace.
+        # Only the fused engines skip an inf step on the device. The others (the loop engine of
+        # subsets that span shards included) look at found_inf, and so does a step that would
+        # create states: a skipped step must leave no trace.
         if found_inf is not None and any(
-                entry.params and (entry.engine not in engines.FUSED or entry.states is None) for _, entry, _ in work):
+                entry.params and (entry.engine not in engines.FUSED or entry.states is None
+                                  or any(reduce for _, reduce in entry.buckets)) for _, entry, _ in work):
             if found_inf.item():
                 return loss
             found_inf = None
@@ -234,8 +272,9 @@ class FastOptimizer(torch.optim.Optimizer):
         max_norm = self.defaults["max_grad_norm"]
         all_grads = [grad for _, _, grads in work for grad in grads]
         clip = None
-        if max_norm > 0 and all_grads:  # official Adan takes eps for the clip from the last group
-            clip = clip_coefficient(all_grads, max_norm, self.param_groups[-1]["eps"], inv_scale)
+        if max_norm > 0 and (all_grads or self._reduce_group is not None):  # each rank joins the reduction
+            # official Adan takes eps for the clip from the last group
+            clip = clip_coefficient(all_grads, max_norm, self.param_groups[-1]["eps"], inv_scale, self._reduce_group)
         for group, entry, grads in work:
             if entry.params:
                 self._step_group(group, entry, grads, self._grad_scale(group, clip, inv_scale), found_inf, increment)
@@ -243,20 +282,24 @@ class FastOptimizer(torch.optim.Optimizer):
         return loss
 
     def _group_work(self, caches, index, group):
-        """The group's :class:`GroupWork` and its params' grads, all checked; nothing is changed."""
+        """The group's :class:`GroupWork` and its params' grads (local shards of DTensors), all
+        checked; nothing is changed."""
         params = [param for param in group["params"] if param.grad is not None]
         grads = [param.grad for param in params]
+        local_params = params
+        if self._sharded:
+            local_params, grads = list(map(distributed.local, params)), list(map(distributed.local, grads))
         roles = self._state_roles(group)
         engine = engines.engine_name(group["foreach"], group["fused"])
         if isinstance(group["lr"], Tensor) and params:  # a scheduler or the user may have set it since
             check_tensor_lr(group["lr"], params[0].device)
         if torch.compiler.is_compiling():  # traced once, so nothing to reuse; data pointers do not trace
-            self._check_grads(params, grads)
-            return GroupWork(roles, engine, params), grads
+            self._check_grads(local_params, grads)
+            return GroupWork(roles, engine, params, local_params), grads
         entry = caches.get(index)
-        if entry is None or not entry.fits(roles, engine, params):
-            entry = caches[index] = GroupWork(roles, engine, params, Signature(params))
-        self._check_grads(params, grads, entry.signature)
+        if entry is None or not entry.fits(roles, engine, params, local_params):
+            entry = caches[index] = GroupWork(roles, engine, params, local_params, Signature(local_params))
+        self._check_grads(local_params, grads, entry.signature)
         states = list(map(self.state.get, params))
         if not entry.holds(states) or entry.state_bits != group["state_bits"]:
             entry.states = None
@@ -292,7 +335,10 @@ class FastOptimizer(torch.optim.Optimizer):
         except ValueError as error:
             raise RuntimeError(f"{type(self).__name__}: {error}: was the param changed after its state was "
                                "created? Clear its state with optimizer.state[param].clear()") from None
-        if subset_norm.needs_contiguous(self._partition(param, state, group)) and not param.is_contiguous():
+        partition = self._partition(param, state, group)
+        if distributed.is_dtensor(param) and subset_norm.needs_contiguous(partition):
+            distributed.check_flattened(param, partition)
+        if subset_norm.needs_contiguous(partition) and not distributed.local(param).is_contiguous():
             raise ValueError(f"{type(self).__name__}: subset_size cuts a param into subsets in its row-major "
                              f"order, which needs a contiguous param; got shape {tuple(param.shape)} with strides "
                              f"{param.stride()}. Make it contiguous, or use subset_size=None (rows or columns)")
@@ -312,16 +358,19 @@ class FastOptimizer(torch.optim.Optimizer):
         if entry.states is None:  # every group is checked by now: states may be created
             states, context = self._prepare_states(entry.params, group)
             partitions = [subset_norm.from_record(p.shape, s) for p, s in zip(entry.params, states)]
-            entry.use_states(states, context, partitions, self.reduced_roles)
+            entry.use_states(states, context, partitions, self.reduced_roles, self._reduce_group)
             entry.state_bits = group["state_bits"]  # the states' format: checked again if the option changes
         args, per_tensor = self._step_arguments(group, entry, grad_scale, increment)
         plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, args, frozenset(per_tensor),
                             found_inf, group["stochastic_rounding"], warn_fallback=group["fused"] is True,
                             absmax=entry.absmax)
-        for index, bucket in enumerate(entry.buckets):
+        for index, (bucket, reduce_group) in enumerate(entry.buckets):
             part = plan if len(bucket) == len(entry.params) else plan.subset(bucket)
             part.cache = entry.bucket_caches.setdefault(index, {})
-            engines.ENGINES[entry.engine](self, part)
+            if reduce_group is None:
+                engines.ENGINES[entry.engine](self, part)
+            else:
+                engines.run_summing_over(self, part, reduce_group)
 
     def _partition(self, param, state, group):
         """The subset-norm partition of a param: the one its state records; for a state without a
@@ -339,7 +388,7 @@ class FastOptimizer(torch.optim.Optimizer):
             state.update(partition.record)
         for key, expected in self._expected_state(group, param, state).items():
             if expected is not None and key not in state and not key.endswith(ABSMAX):
-                state.update(new_state(param, *expected, key))
+                state.update(new_state(param, *expected, key, partition))
         return state
 
     def _expected_state(self, group, param, state):
@@ -352,8 +401,9 @@ class FastOptimizer(torch.optim.Optimizer):
             shape = partition.state_shape if reduced else param.shape
             dtype = state_dtype(param, role, group["state_bits"], reduced, self.half_roles)
             expected[role] = (shape, dtype)
-            if dtype == torch.uint8:
-                expected[role + ABSMAX] = (torch.Size([blockwise8.n_blocks(shape.numel())]), torch.float32)
+            if dtype == torch.uint8:  # param-shaped: its blocks are the local shard's
+                expected[role + ABSMAX] = (torch.Size([blockwise8.n_blocks(distributed.local(param).numel())]),
+                                           torch.float32)
         return expected
 
     def _prepare_states(self, params, group):
@@ -378,6 +428,18 @@ class FastOptimizer(torch.optim.Optimizer):
         self.__dict__.pop("_engine_caches", None)
 
     # --- state dicts ----------------------------------------------------------------------------
+
+    def state_dict(self):
+        """torch's, except that the 8-bit states of DTensor params come dequantized, as fp32 DTensors:
+        their blocks are per local shard, so only their values can be resharded. Loading quantizes
+        them again, into the very codes and block maxima on the same shards."""
+        state_dict = super().state_dict()
+        if self._sharded:
+            for key, state in state_dict["state"].items():
+                for role in [role for role in state if role + ABSMAX in state]:
+                    state = convert_state(state, role, torch.float32)
+                state_dict["state"][key] = state
+        return state_dict
 
     def load_state_dict(self, state_dict):
         """Load a state dict of this optimizer or of its peers' layout (see the class docstring).
@@ -437,6 +499,11 @@ class FastOptimizer(torch.optim.Optimizer):
                     if value.shape != shape:
                         raise ValueError(f"state '{key}' of parameter {saved_id} has shape {tuple(value.shape)}, "
                                          f"expected {tuple(shape)}")
+                    if (key in self._state_roles(merged) and distributed.is_dtensor(param)
+                            and not distributed.is_dtensor(value)):
+                        raise ValueError(f"state '{key}' of parameter {saved_id} is a plain tensor, but its param "
+                                         "is a DTensor: load sharded states through torch.distributed.checkpoint "
+                                         "(see the README)")
                     state[key] = value.to(device=param.device, dtype=dtype, copy=True)
                 new_state[saved_id], sources[param] = state, state
             new_groups.append(merged)

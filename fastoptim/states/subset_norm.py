@@ -16,9 +16,10 @@ the second moment has shape (a, c) and is read as (a, 1, c), broadcast over its 
   √numel elements, so about √numel entries. (The seed's README says -1 means half the hidden
   size, while its code takes √numel; we follow the code.)
 
-A flattened partition cuts the param in its row-major order, so it needs a contiguous param. With
-FSDP2's dim-0 sharding, a row partition (m >= n) never straddles a shard; a flattened partition is
-taken over each rank's local shard.
+A flattened partition cuts the param in its row-major order, so it needs a contiguous param. Under
+FSDP2's dim-0 sharding (see fastoptim.distributed), the partition is the one of the whole param,
+as in one process. A row partition (m >= n) never straddles a shard; a column partition does, and
+its sums are all-reduced; flattened subsets must fall within shards.
 
 The state records the partition (``reduce_dim`` or ``subset_size``, Python ints), so a resumed run
 keeps it whatever the group's options are then. A param with no record has a dense second moment.
@@ -43,10 +44,11 @@ class Partition:
         return torch.Size((self.a, self.c))
 
     def view_param(self, tensor):
-        """A param-shaped tensor as (a, b, c): a row or column partition keeps any strides."""
+        """A param-shaped tensor, or its local shard, as (a, b, c): a row or column partition keeps any
+        strides."""
         if "reduce_dim" in self.record:
             return tensor.unsqueeze(2 if self.record["reduce_dim"] == 0 else 0)
-        return tensor.view(self.a, self.b, self.c)
+        return tensor.view(-1, self.b, self.c)
 
     @staticmethod
     def view_state(tensor):
