@@ -172,6 +172,21 @@ def _subset_of(index, b, c):
     return tl.where(c == 1, index // b, index % c)
 
 
+# --- the math both families share, with scalars named by their index in a row -----------------
+
+@triton.jit
+def _moving_average(old, new, S, BETA: tl.constexpr, ONE_MINUS_BETA: tl.constexpr):
+    return old * tl.load(S + BETA) + new * tl.load(S + ONE_MINUS_BETA)
+
+
+@triton.jit
+def _step_scale(second_moment, S, STEP_SIZE: tl.constexpr, BIAS_CORRECTION_SQRT: tl.constexpr, EPS: tl.constexpr):
+    """step_size / (√second_moment / bias_correction_sqrt + eps): a reciprocal per tile, as the C
+    kernels take one per tensor, and one IEEE division per element."""
+    inverse = 1 / tl.load(S + BIAS_CORRECTION_SQRT)
+    return tl.div_rn(tl.load(S + STEP_SIZE), tl.sqrt_rn(second_moment) * inverse + tl.load(S + EPS))
+
+
 # --- Adan: the math on values, then its walks over memory ------------------------------------
 
 @triton.jit
@@ -183,14 +198,13 @@ def _adan_terms(grad, neg_pre_grad, S):
 
 @triton.jit
 def _adan_second_moment(n, u_squared, S):
-    return n * tl.load(S + ADAN_BETA3) + u_squared * tl.load(S + ADAN_ONE_MINUS_BETA3)
+    return _moving_average(n, u_squared, S, ADAN_BETA3, ADAN_ONE_MINUS_BETA3)
 
 
 @triton.jit
 def _adan_scale(n, S):
     """step_size / denom, from exp_avg_sq (the element's or its subset's)."""
-    inv_bias_correction3_sqrt = 1 / tl.load(S + ADAN_BIAS_CORRECTION3_SQRT)
-    return tl.div_rn(tl.load(S + ADAN_STEP_SIZE), tl.sqrt_rn(n) * inv_bias_correction3_sqrt + tl.load(S + ADAN_EPS))
+    return _step_scale(n, S, ADAN_STEP_SIZE, ADAN_BIAS_CORRECTION3_SQRT, ADAN_EPS)
 
 
 @triton.jit
@@ -332,14 +346,13 @@ def _adamw_grad(grad, index, mask, S):
 
 @triton.jit
 def _adamw_second_moment(v, g_squared, S):
-    return v * tl.load(S + ADAMW_BETA2) + g_squared * tl.load(S + ADAMW_ONE_MINUS_BETA2)
+    return _moving_average(v, g_squared, S, ADAMW_BETA2, ADAMW_ONE_MINUS_BETA2)
 
 
 @triton.jit
 def _adamw_scale(v, S):
     """step_size / denom, from the second moment (the element's or its subset's; v̂ with amsgrad)."""
-    inv_bias_correction2_sqrt = 1 / tl.load(S + ADAMW_BIAS_CORRECTION2_SQRT)
-    return tl.div_rn(tl.load(S + ADAMW_STEP_SIZE), tl.sqrt_rn(v) * inv_bias_correction2_sqrt + tl.load(S + ADAMW_EPS))
+    return _step_scale(v, S, ADAMW_STEP_SIZE, ADAMW_BIAS_CORRECTION2_SQRT, ADAMW_EPS)
 
 
 @triton.jit
