@@ -52,7 +52,8 @@ def bench(args):
         return
     gpu = args.device == "cuda"
     engines_of_fastoptim = [name for name, spec in known.items() if spec.family in QUICK_FAMILIES and not spec.compiled]
-    names = list(args.optimizers or (GPU_PEERS + GPU_OURS if gpu else QUICK_PEERS + engines_of_fastoptim + QUICK_EXTRAS))
+    quick = QUICK_PEERS + engines_of_fastoptim + QUICK_EXTRAS
+    names = list(args.optimizers or (GPU_PEERS + GPU_OURS if gpu else quick))
     args.models = args.models or (models.SEED_MODELS if gpu else QUICK_MODELS)
     args.steps = args.steps or (GPU_STEPS if gpu else 1)
     baseline = args.baseline or names[0]

@@ -106,6 +106,7 @@ class PointerTable:
         self.chunks, self.first_chunk = chunk_plan([t.numel() for t in tensors["param"]], subsets, blocks=blocks)
         self.subsets = subsets
         self.on_device = None  # (pointers, work) as sent to the device, and the device tensors
+        self.numbers = None  # the Triton engine's plain scalars as sent to the device: (values, tensor)
 
     def refresh_grads(self, grad_pointers):
         self.pointers[self.roles.index("grad")] = grad_pointers

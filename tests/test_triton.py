@@ -319,3 +319,52 @@ def test_the_gpu_benchmark_runs_its_fused_engines_in_the_interpreter(tmp_path, l
     assert [row["optimizer"] for row in rows] == cli.GPU_OURS
     assert all(row["status"] == "ok" for row in rows), rows
     assert {kernel for kernel, _, _ in launches} == {"adan", "adamw"}
+
+
+def test_a_step_sends_nothing_to_the_device_once_warmed_up(monkeypatch):
+    """What lets a step be captured in a CUDA graph: after the first step, the same grads and
+    scalars send nothing (no pointer table, no numbers); tensor values stay tensors."""
+    params = oracle.make_params([(2500,), (40, 70)])
+    optimizer = fastoptim.Adan(params, lr=torch.tensor(0.01), max_grad_norm=0.5, **FUSED["fused-multi"])
+    grads = [torch.randn_like(p) for p in params]
+    for param, grad in zip(params, grads):
+        param.grad = grad
+    optimizer.step()
+    sent, real_tensor = [], torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: sent.append(a) or real_tensor(*a, **k))
+    for _ in range(2):
+        optimizer.step()
+    assert not sent
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW])
+def test_a_cuda_graph_replays_the_step(cls):
+    """Warm up on a side stream, capture one step, replay it on new grads: the eager run's result."""
+    shapes = [(2500,), (40, 70)]
+    params = [torch.nn.Parameter(p.cuda()) for p in oracle.make_params(shapes)]
+    eager = [torch.nn.Parameter(p.cuda()) for p in oracle.make_params(shapes)]
+    options = dict(lr=torch.tensor(0.01, device="cuda"), max_grad_norm=0.5)
+    optimizer, reference = cls(params, **options, **FUSED["fused-multi"]), cls(eager, **options, **LOOP)
+    grads = oracle.grad_sequence(shapes, 6)
+    static = [g.cuda() for g in grads[0]]
+    for param, grad in zip(params, static):
+        param.grad = grad
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for step_grads in grads[:3]:
+            for grad, new in zip(static, step_grads):
+                grad.copy_(new)
+            optimizer.step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        optimizer.step()
+    for step_grads in grads[3:]:
+        for grad, new in zip(static, step_grads):
+            grad.copy_(new)
+        graph.replay()
+    oracle.run(reference, eager, [[g.cuda() for g in step] for step in grads])
+    assert_params_match_loop([p.cpu() for p in params], [p.cpu() for p in eager], torch.float32)
+

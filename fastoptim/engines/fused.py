@@ -139,17 +139,17 @@ def _fallback(algorithm, plan, reason):
     foreach.run(algorithm, plan)
 
 
-def _scalar_values(algorithm, plan):
+def _scalar_values(algorithm, plan, device):
     """The kernel's scalars, name to value: a Python number, a 0-d tensor, or a 1-d tensor with one
-    value per tensor (``plan.per_tensor``)."""
+    value per tensor (``plan.per_tensor``). The seed of stochastic rounding is drawn on ``device``."""
+    seed = torch.randint(1 << 24, (), device=device) if plan.stochastic_rounding else 0
     values = algorithm.kernel_scalars(plan.args)
-    return values | dict(found_inf=0.0 if plan.found_inf is None else plan.found_inf,
-                         seed=int(torch.randint(1 << 24, ())) if plan.stochastic_rounding else 0)
+    return values | dict(found_inf=0.0 if plan.found_inf is None else plan.found_inf, seed=seed)
 
 
 def _cpu_scalars(algorithm, plan):
     """The C kernel's scalars as a ctypes array of (pointer, stride), and the tensors it points into."""
-    values, names = _scalar_values(algorithm, plan), fused_cpu.SCALARS[algorithm.kernel]
+    values, names = _scalar_values(algorithm, plan, "cpu"), fused_cpu.SCALARS[algorithm.kernel]
     numbers = torch.tensor([0.0 if isinstance(values[n], torch.Tensor) else float(values[n]) for n in names])
     keep, array = [numbers], (fused_cpu.Scalar * len(names))()
     for i, name in enumerate(names):
@@ -163,16 +163,19 @@ def _cpu_scalars(algorithm, plan):
     return array, keep
 
 
-def _device_scalars(algorithm, plan, device):
+def _device_scalars(algorithm, plan, table, device):
     """The Triton kernels' scalars: an fp32 tensor on ``device`` with one row per tensor when one
-    of them is per tensor, else one shared row. The numbers travel in one copy; tensor values (a
-    tensor lr, the clip coefficient, found_inf) stay on the device."""
-    values, names = _scalar_values(algorithm, plan), fused_cpu.SCALARS[algorithm.kernel]
+    of them is per tensor, else one shared row. Tensor values (a tensor lr, the clip coefficient,
+    found_inf, the step's bias corrections, the seed of stochastic rounding) never leave the device;
+    the plain numbers are sent once and kept with ``table`` while they stay the same. So a step sends
+    nothing to the device and waits for nothing: it can be captured in a CUDA graph once warmed up."""
+    values, names = _scalar_values(algorithm, plan, device), fused_cpu.SCALARS[algorithm.kernel]
     rows = len(plan) if any(name in plan.per_tensor for name in names) else 1
-    numbers = torch.tensor([0.0 if isinstance(values[n], torch.Tensor) else float(values[n]) for n in names])
-    numbers = numbers.to(device, non_blocking=True)
+    numbers = tuple(0.0 if isinstance(values[n], torch.Tensor) else float(values[n]) for n in names)
+    if table.numbers is None or table.numbers[0] != numbers:
+        table.numbers = numbers, torch.tensor(numbers, device=device)
     return torch.stack([values[n].to(device, torch.float32).expand(rows) if isinstance(values[n], torch.Tensor)
-                        else numbers[i].expand(rows) for i, n in enumerate(names)], dim=1)
+                        else table.numbers[1][i].expand(rows) for i, n in enumerate(names)], dim=1)
 
 
 def _prepare(algorithm, plan, kind):
@@ -238,7 +241,7 @@ def _run(algorithm, plan, per_tensor_calls):
             continue
         device = plan.tensors["param"][0].device
         pointers, work = table.device_tables(device)
-        scalars = _device_scalars(algorithm, part, device)
+        scalars = _device_scalars(algorithm, part, table, device)
         for first, last in ranges:
             fused_triton.launch(algorithm.kernel, pointers, len(part), work[first:last], scalars, dtype, state_dtype,
                                 stochastic=part.stochastic_rounding, subsets=bool((table.subsets > 1).any()),
