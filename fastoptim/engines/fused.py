@@ -14,9 +14,8 @@ requantizes each 256-element block in one pass, and so do the Triton kernels.
 
 Tensors the kernel cannot take run on the foreach engine instead, with one warning when fused was
 asked for: no build (or no Triton), a dtype other than fp32/bf16/fp16, a device the backend does not
-run on, a layout
-where param, grad and states are not dense with the same strides, or 8-bit states of a param
-that is not contiguous (the codes are in row-major order).
+run on, a layout where param, grad and states are not dense with the same strides, or 8-bit states
+of a param that is not contiguous (the codes are in row-major order).
 """
 import operator
 import os
@@ -68,7 +67,7 @@ def state_format(param, states):
     return fused_cpu.STATE_FORMATS[dtype]
 
 
-def _backend_refusal(kind, param, states_format):
+def _backend_refusal(kind, param):
     """Why backend ``kind`` cannot run this tensor at all, or None."""
     if kind == "cpu":
         if not fused_cpu.AVAILABLE:
@@ -88,7 +87,7 @@ def _backend_refusal(kind, param, states_format):
 def _refusal(kind, param, grad, states, states_format):
     """Why backend ``kind``'s kernel cannot take this tensor (``states``: role to tensor,
     ``states_format``: their state_format), or None."""
-    why = _backend_refusal(kind, param, states_format)
+    why = _backend_refusal(kind, param)
     if why:
         return why
     if param.dtype not in fused_cpu.DTYPES:
@@ -202,18 +201,16 @@ class Prepared:
     def __init__(self, plan, kind, roles):
         self.kind = kind
         self.taken, formats, self.left, self.reason = _split(plan, kind)
-        by_format = {None: self.taken} if kind == "cpu" and self.taken else {}
-        if kind == "triton":
-            for i, f in zip(self.taken, formats):
-                by_format.setdefault(f, []).append(i)
+        groups = {}  # positions in taken, by table
+        for position, state_format in enumerate(formats):
+            groups.setdefault(state_format if kind == "triton" else None, []).append(position)
         dtypes = {code: dtype for dtype, code in fused_cpu.STATE_FORMATS.items()}
         self.tables = []
-        for state_format, indices in by_format.items():
+        for state_format, positions in groups.items():
+            indices, table_formats = [self.taken[k] for k in positions], [formats[k] for k in positions]
             tensors = {role: [t[i] for i in indices] for role, t in plan.tensors.items()}
             tensors |= {role + "_absmax": [values[i] for i in indices] for role, values in plan.absmax.items()}
-            table_formats = formats if state_format is None else None
-            blocks = [blockwise8.BLOCK if f == fused_cpu.STATE_FORMATS[torch.uint8] else 1
-                      for f in (formats if state_format is None else [state_format] * len(indices))]
+            blocks = [blockwise8.BLOCK if f == fused_cpu.STATE_FORMATS[torch.uint8] else 1 for f in table_formats]
             self.tables.append((indices, PointerTable(tensors, roles, table_formats, blocks), dtypes.get(state_format)))
         self.grad_strides = [grad.stride() for grad in plan.tensors["grad"]]
 
@@ -227,10 +224,10 @@ def _run(algorithm, plan, per_tensor_calls):
     if prepared.left:
         _fallback(algorithm, plan.subset(prepared.left), prepared.reason)
     amsgrad, first_moment = "max_exp_avg_sq" in plan.tensors, "exp_avg" in plan.tensors
+    device, dtype = plan.tensors["param"][0].device, plan.tensors["param"][0].dtype
     for indices, table, state_dtype in prepared.tables:
         part = plan if len(indices) == len(plan) else plan.subset(indices)
         ranges = zip(table.first_chunk[:-1], table.first_chunk[1:]) if per_tensor_calls else [(0, len(table.chunks))]
-        dtype = plan.tensors["param"][0].dtype
         if kind == "cpu":
             scalars, _keep = _cpu_scalars(algorithm, part)
             flags = ((fused_cpu.AMSGRAD if amsgrad else 0) | (0 if first_moment else fused_cpu.NO_FIRST_MOMENT)
@@ -239,7 +236,6 @@ def _run(algorithm, plan, per_tensor_calls):
                 fused_cpu.run(algorithm.kernel, table.pointers, len(part), table.chunks, chunk_range, table.layouts,
                               scalars, dtype, flags, torch.get_num_threads())
             continue
-        device = plan.tensors["param"][0].device
         pointers, work = table.device_tables(device)
         scalars = _device_scalars(algorithm, part, table, device)
         for first, last in ranges:
