@@ -29,6 +29,7 @@
      A subset-norm second moment is fp32 in every format, and Adan's g_prev is bf16 under Q8, as
      fastoptim.optimizers.base.state_dtype keeps them. */
 #include <dlfcn.h>
+#include <immintrin.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -136,55 +137,130 @@ INLINE float larger(float a, float b) { return a > b ? a : b; }
 /* --- States in fp32, bf16 or 8 bits ----------------------------------------------------------
 
    8-bit states follow fastoptim/states/blockwise8.py: blocks of BLOCK elements in row-major order,
-   one fp32 absmax each, and per element the index of a code: a mini-float with 3 mantissa bits
-   (SIGNED: a sign and 4 exponent bits, zero at index 127; UNSIGNED: 5 exponent bits) divided by its
-   largest, TOP. Every chunk starts on a block (the chunk plan makes sure), so each thread owns its
-   blocks. It dequantizes a block's states into buffers on its stack, updates them there, and
-   requantizes them: no dequantized copy of a state exists beyond those buffers. With fp32 or bf16
-   states, a whole run is one block and the states are updated where they are. */
-#define BLOCK 256
-#define TOP 1.875f
-enum { SIGNED = 4, UNSIGNED = 5 };  /* the code tables, by their exponent bits */
+   one fp32 absmax each, and per element the index of a code: an fp16 number with 3 mantissa bits
+   (magnitude k has the fp16 bits k << 7; SIGNED: k up to 127 with a sign, zero at index 127;
+   UNSIGNED: k up to 247) divided by its table's largest, top. Every chunk starts on a block (the
+   chunk plan makes sure), so each thread owns its blocks. It dequantizes a block's states into
+   buffers on its stack, updates them there, and requantizes them: no dequantized copy of a state
+   exists beyond those buffers. With fp32 or bf16 states, a whole run is one block and the states
+   are updated where they are.
 
-/* Magnitude k of a table, as the mini-float's value (exact in fp32). */
-INLINE float minifloat(int32_t k, int exponent_bits) {
-    const int32_t bias = (1 << exponent_bits) - 1, bits = ((k >> 3) + 127 - bias) << 23 | (k & 7) << 20;
+   Converting is most of an 8-bit step's work, and GCC does not vectorise fp16 conversions, so the
+   block functions come twice: with AVX2 and F16C's conversions, 8 elements an instruction, where
+   the CPU has them, and portable C that finds the same codes from fp32 bits. */
+#define BLOCK 256
+enum { UNSIGNED, SIGNED };  /* the code tables */
+
+INLINE float table_top(int table) { return table == SIGNED ? 1.875f : 61440.f; }
+INLINE int32_t last(int table) { return table == SIGNED ? 127 : 247; }
+
+/* Magnitude k as fp32 (exact): fp16's bits moved into fp32's, its exponent rebased from fp16's
+   bias (15) to fp32's (127); below 8, an fp16 subnormal, k·2^-17. */
+INLINE float magnitude(int32_t k) {
+    const int32_t bits = (k << 20) + ((127 - 15) << 23);
     float normal;
     memcpy(&normal, &bits, sizeof normal);
-    return k < 8 ? (float)k * ldexpf(1, -2 - bias) : normal;  /* subnormals: k/8 · 2^(1 − bias) */
+    return k < 8 ? (float)k * 0x1p-17f : normal;
 }
 
 INLINE float dequantize(uint8_t index, float absmax, int table) {
     const int32_t k = table == SIGNED ? index - 127 : index;
-    const float code = minifloat(k < 0 ? -k : k, table) * (1 / TOP);  /* a product: no division */
+    const float code = magnitude(k < 0 ? -k : k) * (1 / table_top(table));  /* a product: no division */
     return (k < 0 ? -code : code) * absmax;
 }
 
-/* The index of the code nearest to y = x / absmax: the mini-float nearest to |y|·TOP, rounded from
-   its fp32 bits (a tie goes to the smaller magnitude, as the reference's midpoints decide it). */
-INLINE uint8_t quantize(float y, int table) {
-    const int32_t bias = (1 << table) - 1, last = table == SIGNED ? 127 : 255;
-    const float t = fabsf(y) * TOP;
+/* The index of the magnitude nearest to t = |x|·scale, a tie going up: from t's fp32 bits, rounding
+   away the 20 bits below fp16's 3 and rebasing the exponent; below fp16's normal range (2^-14), by
+   rounding t·2^17 to a whole number. */
+INLINE uint8_t quantize(float x, float scale, int table) {
+    const float t = fabsf(x) * scale, steps = (t < 0x1p-14f ? t : 0x1p-14f) * 0x1p17f, whole = floorf(steps);
     int32_t bits;
     memcpy(&bits, &t, sizeof bits);
-    const int32_t normal = ((bits + (1 << 19) - 1) >> 20) - ((127 - bias) << 3);
-    const int32_t subnormal = (int32_t)ceilf(t * ldexpf(1, 2 + bias) - 0.5f);
-    int32_t k = t < ldexpf(1, 1 - bias) ? subnormal : normal;
-    k = k > last ? last : k;
-    return (uint8_t)(table == SIGNED ? (y < 0 ? 127 - k : 127 + k) : k);
+    const int32_t normal = ((bits + (1 << 19)) >> 20) - ((127 - 15) << 3);
+    const int32_t subnormal = (int32_t)whole + (steps - whole >= 0.5f);
+    int32_t k = t < 0x1p-14f ? subnormal : normal;
+    k = k > last(table) ? last(table) : k;
+    return (uint8_t)(table == SIGNED ? (x < 0 ? 127 - k : 127 + k) : k);
 }
+
+/* A block's scale, top / absmax; where that is not finite, 0, and the block is stored as zeros. */
+INLINE float block_scale(float *absmax, int table) {
+    const float scale = table_top(table) / *absmax;
+    if (scale <= 0x1.fffffep127f) return scale;
+    *absmax = 0;
+    return 0;
+}
+
+#define F16C __attribute__((target("avx2,f16c")))
+
+/* quantize() on 32 elements at a time: truncating t to fp16 and rounding that half up finds the
+   nearest magnitude of t itself (no tie of t is lost, since the midpoints are fp16 numbers). */
+F16C static void quantize_block_f16c(const float *restrict values, int64_t n, uint8_t *restrict codes, float scale,
+                                     int table) {
+    const __m256 scale8 = _mm256_set1_ps(scale);
+    const __m256i magnitude = _mm256_set1_epi16(0x7fff), half = _mm256_set1_epi16(64);
+    const __m256i largest = _mm256_set1_epi16((int16_t)last(table)), zero = _mm256_set1_epi16(127);
+    int64_t k = 0;
+    for (; k + 32 <= n; k += 32) {
+        __m256i index[2];
+        for (int h = 0; h < 2; h++) {  /* 16 elements as fp16, then their magnitudes' indices */
+            const float *x = values + k + 16 * h;
+            const __m256i t = _mm256_set_m128i(
+                _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(x + 8), scale8), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC),
+                _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(x), scale8), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC));
+            const __m256i m = _mm256_srli_epi16(_mm256_add_epi16(_mm256_and_si256(t, magnitude), half), 7);
+            index[h] = _mm256_min_epu16(m, largest);
+            if (table == SIGNED) index[h] = _mm256_add_epi16(_mm256_sign_epi16(index[h], t), zero);
+        }
+        /* packus interleaves the two halves' 128-bit lanes; the permute puts them back in order */
+        _mm256_storeu_si256((__m256i *)(codes + k), _mm256_permute4x64_epi64(_mm256_packus_epi16(index[0], index[1]), 0xd8));
+    }
+    for (; k < n; k++) codes[k] = quantize(values[k], scale, table);
+}
+
+F16C static void dequantize_block_f16c(const uint8_t *restrict codes, float absmax, int64_t n, float *restrict values,
+                                       int table) {
+    const __m256 absmax8 = _mm256_set1_ps(absmax), inverse_top = _mm256_set1_ps(1 / table_top(table));
+    const __m128i zero = _mm_set1_epi16(127), sign = _mm_set1_epi16(INT16_MIN);
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) {
+        __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(codes + k)));  /* fp16 bits */
+        if (table == SIGNED) {
+            h = _mm_sub_epi16(h, zero);
+            h = _mm_or_si128(_mm_slli_epi16(_mm_abs_epi16(h), 7), _mm_and_si128(h, sign));
+        } else {
+            h = _mm_slli_epi16(h, 7);
+        }
+        _mm256_storeu_ps(values + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtph_ps(h), inverse_top), absmax8));
+    }
+    for (; k < n; k++) values[k] = dequantize(codes[k], absmax, table);
+}
+
+/* Whether the block functions take the F16C path: the CPU's answer, which the tests can turn off to
+   hold the portable path to the reference too. */
+static int use_f16c;
+
+int fastoptim_use_f16c(int32_t enable) {
+    __builtin_cpu_init();
+    use_f16c = enable && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    return use_f16c;
+}
+
+__attribute__((constructor)) static void pick_f16c(void) { fastoptim_use_f16c(1); }
 
 /* n (at most BLOCK) values into their codes and their block's absmax. */
 INLINE void quantize_block(const float *restrict values, int64_t n, uint8_t *restrict codes, float *absmax, int table) {
     float top = 0;
     _Pragma("omp simd reduction(max:top)") for (int64_t k = 0; k < n; k++) top = larger(top, fabsf(values[k]));
-    const float divisor = top > 0 ? top : 1;
-    IVDEP for (int64_t k = 0; k < n; k++) codes[k] = quantize(values[k] / divisor, table);
+    const float scale = block_scale(&top, table);
+    if (use_f16c) quantize_block_f16c(values, n, codes, scale, table);
+    else IVDEP for (int64_t k = 0; k < n; k++) codes[k] = quantize(values[k], scale, table);
     *absmax = top;
 }
 
 INLINE void dequantize_block(const uint8_t *restrict codes, float absmax, int64_t n, float *restrict values, int table) {
-    IVDEP for (int64_t k = 0; k < n; k++) values[k] = dequantize(codes[k], absmax, table);
+    if (use_f16c) dequantize_block_f16c(codes, absmax, n, values, table);
+    else IVDEP for (int64_t k = 0; k < n; k++) values[k] = dequantize(codes[k], absmax, table);
 }
 
 /* The kernels' quantizer and dequantizer over n elements, for the tests to hold them to the

@@ -66,6 +66,7 @@ def _load():
                                            ctypes.c_void_p]
     library.fastoptim_dequantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32,
                                              ctypes.c_void_p]
+    library.fastoptim_use_f16c.argtypes = [ctypes.c_int32]
     library.openmp = None
     return library
 
@@ -77,6 +78,12 @@ def use_threads(openmp):
     if LIBRARY.openmp is None:
         LIBRARY.fastoptim_use_openmp(None)
     return LIBRARY.openmp
+
+
+def use_f16c(enable):
+    """Convert 8-bit codes with AVX2 and F16C where the CPU has them (the default), or, with False, in
+    portable C, as CPUs without them do. Returns whether F16C is in use."""
+    return bool(LIBRARY.fastoptim_use_f16c(int(enable)))
 
 
 def _torch_openmp():
@@ -115,7 +122,7 @@ def probe(pointers, n_tensors, chunks, n_threads):
 
 
 def _table(codes):
-    return blockwise8.SIGNED_EXPONENT_BITS if codes.signed else blockwise8.UNSIGNED_EXPONENT_BITS
+    return int(codes.signed)  # the C enum's UNSIGNED and SIGNED
 
 
 def grad_norm_partials(table, dtype, inf, n_threads):

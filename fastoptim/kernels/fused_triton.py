@@ -38,7 +38,9 @@ N_ADAN, N_ADAMW = tl.constexpr(len(SCALARS["adan"])), tl.constexpr(len(SCALARS["
 # The first row of the states' block maxima: after param, grad and the states (fused_cpu.ROLES)
 ADAN_ABSMAX, ADAMW_ABSMAX = tl.constexpr(6), tl.constexpr(5)
 BLOCK8 = tl.constexpr(blockwise8.BLOCK)
-TOP, INVERSE_TOP = tl.constexpr(1.875), tl.constexpr(1 / 1.875)  # the mini-floats' largest: codes are x/TOP
+# The largest magnitude of each code table (blockwise8.SIGNED.top, UNSIGNED.top): codes are magnitudes / top
+SIGNED_TOP, UNSIGNED_TOP = tl.constexpr(blockwise8.SIGNED.top), tl.constexpr(blockwise8.UNSIGNED.top)
+FLOAT32_MAX = tl.constexpr(torch.finfo(torch.float32).max)
 
 
 def _scalar_indices(kernel, *names):
@@ -117,30 +119,30 @@ def _subset_tile(subsets, last, j, b, c):
 
 # --- 8-bit blockwise states (fastoptim/states/blockwise8.py, as fused_cpu.c restates it) ----------
 # A block of BLOCK8 elements is one tile: its codes are dequantized, updated and requantized in
-# registers with its new absmax. The code of a value is the index of the mini-float (3 mantissa bits,
-# 4 exponent bits signed, centred on index 127, or 5 unsigned) nearest to |x/absmax|·1.875, found from
-# its fp32 bits; a tie goes to the smaller magnitude.
+# registers with its new absmax. Magnitude k of a code is the fp16 number with bits k << 7 (SIGNED:
+# up to 127, centred on index 127; UNSIGNED: up to 247), and quantizing finds the magnitude nearest
+# to t = |x|·top/absmax, a tie going up, as the C kernel's portable path does. (Triton's interpreter
+# converts fp32 below fp16's range to fp16 wrongly, so the rounding is done on fp32 bits.)
 
 @triton.jit
 def _dequantize(codes, absmax, SIGNED: tl.constexpr):
-    bias: tl.constexpr = 15 if SIGNED else 31  # 2^bits − 1: blockwise8's 4 exponent bits signed, 5 unsigned
-    subnormal_step: tl.constexpr = 2.0 ** (-2 - bias)  # mini-float k < 8 is k·2^(−2 − bias)
     k = codes.to(tl.int32) - 127 if SIGNED else codes.to(tl.int32)
-    magnitude = tl.abs(k)
-    normal = ((((magnitude >> 3) + 127 - bias) << 23) | ((magnitude & 7) << 20)).to(tl.float32, bitcast=True)
-    code = tl.where(magnitude < 8, magnitude.to(tl.float32) * subnormal_step, normal) * INVERSE_TOP
+    magnitude = (tl.abs(k) * 128).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    code = magnitude * (1 / SIGNED_TOP if SIGNED else 1 / UNSIGNED_TOP)
     return tl.where(k < 0, -code, code) * absmax
 
 
 @triton.jit
-def _quantize(y, SIGNED: tl.constexpr):
-    bias: tl.constexpr = 15 if SIGNED else 31
-    smallest_normal: tl.constexpr = 2.0 ** (1 - bias)
-    t = tl.abs(y) * TOP
-    normal = ((t.to(tl.int32, bitcast=True) + (1 << 19) - 1) >> 20) - ((127 - bias) << 3)
-    subnormal = tl.ceil(tl.minimum(t, smallest_normal) * (2.0 ** (2 + bias)) - 0.5).to(tl.int32)
-    k = tl.minimum(tl.where(t < smallest_normal, subnormal, normal), 127 if SIGNED else 255)
-    return (tl.where(y < 0, 127 - k, 127 + k) if SIGNED else k).to(tl.uint8)
+def _quantize(t, SIGNED: tl.constexpr):
+    """The codes of t = x·top/absmax, from |t|'s fp32 bits: rounding away the 20 bits below fp16's 3
+    mantissa bits and rebasing the exponent; below fp16's normal range, rounding |t|·2^17 whole."""
+    magnitude = tl.abs(t)
+    normal = ((magnitude.to(tl.int32, bitcast=True) + (1 << 19)) >> 20) - ((127 - 15) << 3)
+    steps = tl.minimum(magnitude, 2.0**-14) * 2.0**17
+    whole = tl.floor(steps)
+    subnormal = whole.to(tl.int32) + (steps - whole >= 0.5).to(tl.int32)
+    k = tl.minimum(tl.where(magnitude < 2.0**-14, subnormal, normal), 127 if SIGNED else 247)
+    return (tl.where(t < 0, 127 - k, 127 + k) if SIGNED else k).to(tl.uint8)
 
 
 @triton.jit
@@ -151,8 +153,10 @@ def _load_q8(codes, absmax, block, index, mask, SIGNED: tl.constexpr):
 @triton.jit
 def _store_q8(codes, absmax, block, index, mask, values, SIGNED: tl.constexpr):
     top = tl.max(tl.where(mask, tl.abs(values), 0.0), axis=0)
-    tl.store(codes + index, _quantize(tl.div_rn(values, tl.where(top > 0, top, 1.0)), SIGNED), mask=mask)
-    tl.store(absmax + block, top)
+    scale = tl.div_rn(SIGNED_TOP if SIGNED else UNSIGNED_TOP, tl.where(top > 0, top, 1.0))
+    stored = (top > 0) & (scale <= FLOAT32_MAX)  # else the block is stored as zeros
+    tl.store(codes + index, _quantize(values * tl.where(stored, scale, 0.0), SIGNED), mask=mask)
+    tl.store(absmax + block, tl.where(stored, top, 0.0))
 
 
 @triton.jit

@@ -2,21 +2,26 @@
 element.
 
 A state tensor is cut, in its row-major order, into blocks of ``BLOCK`` elements. Each block keeps
-its absolute maximum as one fp32 number, and each element keeps the index (uint8) of the code nearest
-to ``element / absmax`` in a fixed table of non-linear codes. The index stands for ``code * absmax``.
+its absolute maximum A as one fp32 number, and each element keeps the index (uint8) of the code
+nearest to ``element / A`` in a fixed table of non-linear codes. The index stands for ``code * A``.
 
-The code tables are 8-bit mini-floats, so their relative precision is the same across their range:
-- ``SIGNED`` (momenta, differences): a sign bit and a mini-float with 4 exponent and 3 mantissa
-  bits. That is 255 values in [-1, 1]: 0, and magnitudes from about 2^-18 to 1.
-- ``UNSIGNED`` (second moments, which square the gradient's range): 5 exponent and 3 mantissa bits.
-  That is 256 values in [0, 1]: 0, and about 2^-34 to 1.
+The codes are the fp16 numbers with 3 mantissa bits (the low 7 of fp16's 10 are zero), divided by
+the largest of their table (``top``). So their relative precision is the same across their range, and
+magnitude k is the fp16 number whose bits are ``k << 7``: the kernels convert with fp16 instructions.
+- ``SIGNED`` (momenta, differences): magnitudes k = 0..127, fp16's exponents up to 2^0 (top 1.875),
+  with a sign, centred on index 127. That is 255 values in [-1, 1]: 0, and magnitudes from about
+  2^-18 to 1.
+- ``UNSIGNED`` (second moments, which square the gradient's range): all 248 finite ones, k = 0..247
+  (top 61440). That is 248 values in [0, 1]: 0, and about 2^-33 to 1. Indices 248..255 are unused.
 
-Rounding is to the nearest code (a tie goes to the smaller magnitude). Its error on an element x of a
-block whose absolute maximum is A is at most the larger of:
+Quantizing multiplies by the block's ``scale = top / A`` (fp32), and rounds ``t = |x| * scale`` to the
+nearest magnitude; a tie goes to the larger. Its error on an element x is at most the larger of:
 - |x| / 16, in the codes' normal range;
-- half the table's smallest step times A, below it: A * 2^-18 for signed, A * 2^-34 for unsigned.
+- half the table's smallest step times A, below it: A * 2^-18 for signed, A * 2^-33 for unsigned.
 
-A block's largest element comes back exact. Non-finite values are not representable.
+A block whose scale is not finite (A is 0, or below top / 3.4e38: 5.5e-39 signed, 1.8e-34 unsigned)
+is stored as zeros, with absmax 0. A block's largest element comes back exact, and so do zeros.
+Non-finite values are not representable.
 """
 from dataclasses import dataclass
 
@@ -26,21 +31,16 @@ BLOCK = 256
 MIN_NUMEL = 4096  # smaller tensors keep 32-bit states: their absmax and bookkeeping would outweigh them
 
 
-def minifloats(exponent_bits, mantissa_bits=3):
-    """The non-negative values of a mini-float with these field widths (subnormals included, no
-    infinities), ascending, as fp32 (they are exact in it). Its largest is 2 - 2^-mantissa_bits."""
-    steps, bias = 1 << mantissa_bits, (1 << exponent_bits) - 1
-    values = [fraction / steps * 2.0 ** (1 - bias) for fraction in range(steps)]  # subnormals, and 0
-    values += [(1 + fraction / steps) * 2.0 ** (exponent - bias)
-               for exponent in range(1, 1 << exponent_bits) for fraction in range(steps)]
-    return torch.tensor(values, dtype=torch.float32)
+def fp16_codes(count):
+    """The first ``count`` non-negative fp16 numbers with 3 mantissa bits, ascending, as fp32 (exact)."""
+    return (torch.arange(count, dtype=torch.int16) << 7).view(torch.float16).float()
 
 
 @dataclass(frozen=True)
 class Codes:
-    """A code table. Index i stands for ``values[i] * absmax``; ``values`` are the mini-float's values
-    divided by its largest (``top``), so they end at 1, and mirrored around index ``zero`` when
-    ``signed``. ``midpoints`` lie between consecutive mini-float magnitudes (exact in fp32)."""
+    """A code table. Index i stands for ``values[i] * absmax``; ``values`` are the magnitudes divided by
+    their largest (``top``), so they end at 1, and mirrored around index ``zero`` when ``signed``.
+    ``midpoints`` lie between consecutive magnitudes (exact in fp32)."""
     values: torch.Tensor
     midpoints: torch.Tensor
     top: float
@@ -48,19 +48,17 @@ class Codes:
     signed: bool
 
 
-def code_table(exponent_bits, signed):
-    magnitudes = minifloats(exponent_bits)
+def code_table(count, signed):
+    magnitudes = fp16_codes(count)
     top = magnitudes[-1]
-    values = magnitudes * (1 / top)  # by a reciprocal, as the C kernels dequantize: it ends at 1 exactly
+    values = magnitudes * (1 / top)  # by a reciprocal, as the kernels dequantize: it ends at 1 exactly
     if signed:
         values = torch.cat([-values[1:].flip(0), values])
-    return Codes(values, (magnitudes[1:] + magnitudes[:-1]) / 2, top.item(), len(magnitudes) - 1 if signed else 0,
-                 signed)
+    return Codes(values, (magnitudes[1:] + magnitudes[:-1]) / 2, top.item(), count - 1 if signed else 0, signed)
 
 
-SIGNED_EXPONENT_BITS, UNSIGNED_EXPONENT_BITS = 4, 5  # both with 3 mantissa bits, as fused_cpu.c assumes
-SIGNED = code_table(SIGNED_EXPONENT_BITS, signed=True)
-UNSIGNED = code_table(UNSIGNED_EXPONENT_BITS, signed=False)
+SIGNED = code_table(128, signed=True)
+UNSIGNED = code_table(248, signed=False)
 
 
 def codes_for(role):
@@ -81,13 +79,16 @@ def n_blocks(numel):
 
 def quantize(tensor, codes, block=BLOCK):
     """(indices, absmax): uint8 indices of the nearest codes in ``tensor``'s shape, and the fp32
-    absolute maximum of each block. The nearest code to ``x / absmax`` is found on the mini-float's
-    own scale, ``|x / absmax| * top``, whose midpoints are exact; a tie goes to the smaller magnitude."""
+    absolute maximum of each block. The nearest magnitude is found for ``t = |x| * (top / absmax)``,
+    against midpoints that are exact; a tie goes to the larger magnitude."""
     blocks = blocks_of(tensor.float(), block)
     absmax = blocks.abs().amax(dim=1)
-    scaled = blocks / torch.where(absmax > 0, absmax, 1)[:, None]
-    magnitude = torch.bucketize(scaled.abs() * codes.top, codes.midpoints.to(tensor.device))
-    indices = codes.zero + torch.where(scaled < 0, -magnitude, magnitude)
+    scale = codes.top / absmax
+    stored = scale.isfinite()  # the other blocks are stored as zeros
+    absmax, scale = torch.where(stored, absmax, 0), torch.where(stored, scale, 0)
+    t = blocks.abs() * scale[:, None]
+    magnitude = torch.bucketize(t, codes.midpoints.to(tensor.device), right=True)
+    indices = codes.zero + torch.where(blocks < 0, -magnitude, magnitude)
     return indices.to(torch.uint8).view(-1)[:tensor.numel()].view(tensor.shape), absmax
 
 
