@@ -29,6 +29,7 @@
      A subset-norm second moment is fp32 in every format, and Adan's g_prev is bf16 under Q8, as
      fastoptim.optimizers.base.state_dtype keeps them. */
 #include <dlfcn.h>
+#include <float.h>
 #include <immintrin.h>
 #include <math.h>
 #include <pthread.h>
@@ -186,7 +187,7 @@ INLINE uint8_t quantize(float x, float scale, int table) {
 /* A block's scale, top / absmax; where that is not finite, 0, and the block is stored as zeros. */
 INLINE float block_scale(float *absmax, int table) {
     const float scale = table_top(table) / *absmax;
-    if (scale <= 0x1.fffffep127f) return scale;
+    if (scale <= FLT_MAX) return scale;
     *absmax = 0;
     return 0;
 }
@@ -198,7 +199,7 @@ INLINE float block_scale(float *absmax, int table) {
 F16C static void quantize_block_f16c(const float *restrict values, int64_t n, uint8_t *restrict codes, float scale,
                                      int table) {
     const __m256 scale8 = _mm256_set1_ps(scale);
-    const __m256i magnitude = _mm256_set1_epi16(0x7fff), half = _mm256_set1_epi16(64);
+    const __m256i no_sign = _mm256_set1_epi16(0x7fff), half = _mm256_set1_epi16(64);
     const __m256i largest = _mm256_set1_epi16((int16_t)last(table)), zero = _mm256_set1_epi16(127);
     int64_t k = 0;
     for (; k + 32 <= n; k += 32) {
@@ -208,7 +209,7 @@ F16C static void quantize_block_f16c(const float *restrict values, int64_t n, ui
             const __m256i t = _mm256_set_m128i(
                 _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(x + 8), scale8), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC),
                 _mm256_cvtps_ph(_mm256_mul_ps(_mm256_loadu_ps(x), scale8), _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC));
-            const __m256i m = _mm256_srli_epi16(_mm256_add_epi16(_mm256_and_si256(t, magnitude), half), 7);
+            const __m256i m = _mm256_srli_epi16(_mm256_add_epi16(_mm256_and_si256(t, no_sign), half), 7);
             index[h] = _mm256_min_epu16(m, largest);
             if (table == SIGNED) index[h] = _mm256_add_epi16(_mm256_sign_epi16(index[h], t), zero);
         }
