@@ -133,6 +133,25 @@ def test_the_kernels_quantizer_is_the_reference_bit_for_bit(kernel, elements, ki
 
 
 @pytest.mark.parametrize("kernel", ["c", "c-portable", "triton"])
+@pytest.mark.parametrize("kind", ["signed", "unsigned"])
+def test_a_block_with_a_nan_is_stored_as_zeros_by_the_kernels_as_by_the_reference(kernel, kind):
+    """Wherever the NaN lies in its block (a compare-and-select maximum drops all but a last one)."""
+    kernel_quantize, kernel_dequantize = kernel_functions(kernel)
+    codes = TABLES[kind]
+    x = torch.randn(3 * BLOCK + 5, generator=torch.Generator().manual_seed(1))
+    x = x.abs() if kind == "unsigned" else x
+    nan = torch.tensor([3, BLOCK + 40, BLOCK + 41, 3 * BLOCK - 1, 3 * BLOCK + 2])
+    x[nan] = float("nan")
+    indices, absmax = quantize(x, codes)
+    assert torch.equal(absmax, torch.zeros(4))  # every block holds a NaN
+    kernel_indices, kernel_absmax = kernel_quantize(x, codes)
+    assert torch.equal(kernel_absmax, absmax)
+    finite = ~x.isnan()  # the NaNs' own indices decode to zero too, whichever they are
+    assert torch.equal(kernel_indices[finite], indices[finite])
+    assert torch.equal(kernel_dequantize(kernel_indices, kernel_absmax, codes), torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("kernel", ["c", "c-portable", "triton"])
 def test_the_kernels_codes_and_ties_are_the_reference_s(kernel):
     kernel_quantize, kernel_dequantize = kernel_functions(kernel)
     for codes in (SIGNED, UNSIGNED):

@@ -152,7 +152,9 @@ def _load_q8(codes, absmax, block, index, mask, SIGNED: tl.constexpr):
 
 @triton.jit
 def _store_q8(codes, absmax, block, index, mask, values, SIGNED: tl.constexpr):
-    top = tl.max(tl.where(mask, tl.abs(values), 0.0), axis=0)
+    # the largest |x| bits as integers: the absmax, or NaN if there is one (tl.max would drop it)
+    magnitude_bits = values.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    top = tl.max(tl.where(mask, magnitude_bits, 0), axis=0).to(tl.float32, bitcast=True)
     scale = tl.div_rn(SIGNED_TOP if SIGNED else UNSIGNED_TOP, tl.where(top > 0, top, 1.0))
     stored = (top > 0) & (scale <= FLOAT32_MAX)  # else the block is stored as zeros
     tl.store(codes + index, _quantize(values * tl.where(stored, scale, 0.0), SIGNED), mask=mask)
