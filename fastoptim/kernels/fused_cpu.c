@@ -246,6 +246,12 @@ INLINE int32_t magnitude_bits(float x) {
     return bits & INT32_MAX;
 }
 
+INLINE float from_bits(int32_t bits) {
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
 INLINE int32_t larger_bits(int32_t a, int32_t b) { return a > b ? a : b; }
 
 /* magnitude_bits' maximum over n values, in four running maxima: with one, each max waits for the
@@ -287,8 +293,7 @@ INLINE void quantize_block(const float *restrict values, int64_t n, uint8_t *res
         _Pragma("omp simd reduction(max:top_bits)")
         for (int64_t k = 0; k < n; k++) top_bits = larger_bits(top_bits, magnitude_bits(values[k]));
     }
-    float top;  /* NaN makes the block's scale NaN: it is stored as zeros, as in the reference */
-    memcpy(&top, &top_bits, sizeof top);
+    float top = from_bits(top_bits);  /* NaN makes the block's scale NaN: it is stored as zeros, as in the reference */
     const float scale = block_scale(&top, table);
     if (use_f16c) quantize_block_f16c(values, n, codes, scale, table);
     else IVDEP for (int64_t k = 0; k < n; k++) codes[k] = quantize(values[k], scale, table);
@@ -602,14 +607,11 @@ INLINE void norm_body(const Work *w, int64_t k, int64_t t, int64_t start, int64_
     const void *grad = row(w, 0, t);
     double *partial = (double *)w->extra + k;
     if (inf) {
-        float top = 0;
-        int nan = 0;  /* the compare and select of larger() would drop a NaN, which must show in the norm */
-        _Pragma("omp simd reduction(max:top) reduction(|:nan)") for (int64_t i = start; i < start + count; i++) {
-            const float x = load(grad, i, dtype);
-            top = larger(top, fabsf(x));
-            nan |= x != x;
-        }
-        *partial = nan ? NAN : top;
+        int32_t top_bits = 0;  /* as the 8-bit absmax, so that a NaN shows in the norm */
+        _Pragma("omp simd reduction(max:top_bits)")
+        for (int64_t i = start; i < start + count; i++)
+            top_bits = larger_bits(top_bits, magnitude_bits(load(grad, i, dtype)));
+        *partial = from_bits(top_bits);
     } else {
         double sum = 0;
         SIMD_SUM for (int64_t i = start; i < start + count; i++) sum += (double)load(grad, i, dtype) * load(grad, i, dtype);
