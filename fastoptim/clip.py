@@ -27,12 +27,13 @@ def _grad_tables(grads):
 
 
 def grad_norm(grads, norm_type=2.0, tables=None, group=None):
-    """The ``norm_type``-norm (2 or inf) over every tensor in ``grads``, as an fp32 0-d tensor on the
-    first grad's device. ``tables``: the caller's decision, ``_grad_tables(grads)`` for the kernel or
+    """The ``norm_type``-norm (2 or inf) over every tensor in ``grads``, as a 0-d tensor on the first
+    grad's device: float64 where a grad is float64 (as torch's), else fp32. ``tables``: the caller's decision, ``_grad_tables(grads)`` for the kernel or
     an empty list for foreach; None decides here. ``group``: a process group whose ranks hold the
     rest of the grads (each exactly once); the norm is then theirs all together, and every rank of
     it must call this, with grads or none."""
     inf = norm_type == math.inf
+    wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     if tables is None and _kernel_takes(grads):
         tables = _grad_tables(grads)
     if tables:
@@ -43,16 +44,15 @@ def grad_norm(grads, norm_type=2.0, tables=None, group=None):
         device, parts = grads[0].device, []
         for bucket in buckets(grads):
             tensors = [grads[i] for i in bucket]
-            wide = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32  # never narrow float64
             norms = torch.stack(torch._foreach_norm(tensors, norm_type, dtype=wide))
-            parts.append((norms.max() if inf else norms.square().sum()).to(device, torch.float32, non_blocking=True))
+            parts.append((norms.max() if inf else norms.square().sum()).to(device, wide, non_blocking=True))
         parts = torch.stack(parts)
         total = parts.max() if inf else parts.sum()
     else:
         total = torch.zeros((), dtype=torch.float64)
     if group is not None:  # one dtype on every rank, whichever way each one reduced
         total = distributed.sum_over(total.double(), group, "max" if inf else "sum")
-    return (total if inf else total.sqrt()).float()
+    return (total if inf else total.sqrt()).to(wide)
 
 
 def clip_coefficient(grads, max_norm, eps, inv_scale=None, group=None):

@@ -174,7 +174,7 @@ def test_float64_params_clip_by_their_float64_norm(cls, engine):
 
 
 @pytest.mark.parametrize("cls", OPTIMIZERS)
-@pytest.mark.parametrize("lr", [torch.tensor([0.01]), torch.tensor(0.01, device="meta"), torch.tensor(1)])
+@pytest.mark.parametrize("lr", [torch.tensor([0.01, 0.02]), torch.tensor(0.01, device="meta"), torch.tensor(1)])
 def test_a_bad_tensor_lr_set_after_construction_is_refused_by_step(cls, lr):
     params, optimizer = stepped(cls, {})
     for param in params:

@@ -6,10 +6,12 @@ tensor's subset-norm (b, c) and its states' format, ``STATE_FORMATS``) and its s
 ``SCALARS`` order: the names mirror the C enums. ctypes releases the GIL for the call. The kernels'
 8-bit codes restate fastoptim.states.blockwise8's; ``quantize`` and ``dequantize`` expose them to
 the tests. The kernels run on the threads of the OpenMP runtime torch has loaded, when there is
-one (``LIBRARY.openmp`` is its path), else on pthreads.
+one (``LIBRARY.openmp`` is its path), else on pthreads. The environment variable
+``FASTOPTIM_FUSED_CPU_LIBRARY`` names a build to load instead of the packaged one (the sanitizer test's).
 """
 import ctypes
 import importlib.machinery
+import os
 from pathlib import Path
 
 import torch
@@ -42,9 +44,13 @@ class Scalar(ctypes.Structure):
 
 
 def _load():
-    folder = Path(__file__).parent
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = folder / f"_fused_cpu{suffix}"
+    paths = [Path(__file__).parent / f"_fused_cpu{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
+    override = os.environ.get("FASTOPTIM_FUSED_CPU_LIBRARY")
+    if override:
+        if not Path(override).is_file():
+            raise FileNotFoundError(f"FASTOPTIM_FUSED_CPU_LIBRARY names no file: {override}")
+        paths = [Path(override).absolute()]  # dlopen would search the library path for a bare name
+    for path in paths:
         if path.exists():
             library = ctypes.CDLL(str(path))
             break

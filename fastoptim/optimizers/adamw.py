@@ -1,7 +1,7 @@
 """AdamW (Loshchilov & Hutter), with the same signature, results and state dict as torch.optim.AdamW."""
 import torch
 
-from .base import FastOptimizer
+from .base import FastOptimizer, group_lr
 
 
 def adamw_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, max_exp_avg_sq=None,
@@ -52,21 +52,35 @@ class AdamW(FastOptimizer):
 
     n_betas = 2
     update = staticmethod(adamw_update)
+    state_roles = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
     optional_state = frozenset()
     reduced_roles = ("exp_avg_sq", "max_exp_avg_sq")  # per subset under sn
     kernel = "adamw"
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, foreach=None, fused=None, max_grad_norm=0.0, stochastic_rounding=False,
-                 sn=False, subset_size=None, state_bits=32, shard_group=None):
+                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
+                 max_grad_norm=0.0, stochastic_rounding=False, sn=False, subset_size=None, state_bits=32,
+                 shard_group=None):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
-                        foreach=foreach, fused=fused, max_grad_norm=max_grad_norm,
-                        stochastic_rounding=stochastic_rounding, sn=sn, subset_size=subset_size,
-                        state_bits=state_bits)
+                        foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
+                        max_grad_norm=max_grad_norm, stochastic_rounding=stochastic_rounding, sn=sn,
+                        subset_size=subset_size, state_bits=state_bits)
         super().__init__(params, defaults, shard_group)
 
+    def _check_group(self, group, max_grad_norm=None):
+        super()._check_group(group, max_grad_norm)
+        if not isinstance(group["amsgrad"], bool):
+            raise ValueError(f"Invalid amsgrad: {group['amsgrad']!r} (must be True or False)")
+        if group["capturable"] is not False:
+            raise ValueError(f"Invalid capturable: {group['capturable']!r}: fastoptim keeps step counts and "
+                             "a tensor lr on the params' device and its fused step needs no host sync, but "
+                             "it does not offer torch's capturable mode; pass capturable=False")
+        if group["differentiable"] is not False:
+            raise ValueError(f"Invalid differentiable: {group['differentiable']!r}: fastoptim's step runs "
+                             "without autograd and updates in place; pass differentiable=False")
+
     def _state_roles(self, group):
-        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
+        return self.state_roles if group["amsgrad"] else self.state_roles[:2]
 
     def _expected_state(self, group, param, state):
         return {"step": (torch.Size([]), torch.float32)} | super()._expected_state(group, param, state)
@@ -103,10 +117,10 @@ class AdamW(FastOptimizer):
     def _step_arguments(self, group, entry, grad_scale, increment):
         t = self._next_counts(entry, increment)
         beta1, beta2 = group["betas"]
-        lr = group["lr"]
+        lr, wide = group_lr(group), entry.scalar_dtype
         args = dict(beta1=beta1, beta2=beta2, eps=group["eps"], lr=lr, weight_decay=group["weight_decay"],
-                    grad_scale=grad_scale, step_size=(lr / (1 - beta1**t)).float(),
-                    bias_correction2_sqrt=(1 - beta2**t).sqrt().float())
+                    grad_scale=grad_scale, step_size=(lr / (1 - beta1**t)).to(wide),
+                    bias_correction2_sqrt=(1 - beta2**t).sqrt().to(wide))
         return args, {"step_size", "bias_correction2_sqrt"}
 
     def _count_step(self, group, entry, increment):

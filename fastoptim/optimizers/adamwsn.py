@@ -1,6 +1,7 @@
 """AdamWSN and RMSPropSN: AdamW with a subset-norm second moment, as the seed's AdamwSN defines it."""
 
 from .adamw import AdamW
+from .base import FastOptimizer, group_lr
 
 
 def adamw_sn_update(ops, *, param, grad, scratch, exp_avg=None, exp_avg_sq, beta1, beta2, eps, lr,
@@ -57,6 +58,7 @@ class AdamWSN(AdamW):
 
     n_betas = 2
     update = staticmethod(adamw_sn_update)
+    state_roles = ("exp_avg", "exp_avg_sq")
     reduced_roles = ("exp_avg_sq",)
     kernel = "adamw"  # its family: weight decay after the update, no bias correction inside the root
 
@@ -66,23 +68,23 @@ class AdamWSN(AdamW):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, subset_size=subset_size,
                         correct_bias=correct_bias, foreach=foreach, fused=fused, sn=sn, maximize=maximize,
                         max_grad_norm=max_grad_norm, stochastic_rounding=stochastic_rounding, state_bits=state_bits)
-        super(AdamW, self).__init__(params, defaults, shard_group)
+        FastOptimizer.__init__(self, params, defaults, shard_group)
 
     def _check_group(self, group, max_grad_norm=None):
-        super()._check_group(group, max_grad_norm)
+        FastOptimizer._check_group(self, group, max_grad_norm)  # AdamW's adds its torch options, not taken here
         if not isinstance(group["correct_bias"], bool):
             raise ValueError(f"Invalid correct_bias: {group['correct_bias']!r} (must be True or False)")
 
     def _state_roles(self, group):
-        return ("exp_avg_sq",) if group["betas"][0] == 0 else ("exp_avg", "exp_avg_sq")
+        return self.state_roles[1:] if group["betas"][0] == 0 else self.state_roles
 
     def _step_arguments(self, group, entry, grad_scale, increment):
         t = self._next_counts(entry, increment)
         beta1, beta2 = group["betas"]
-        lr = group["lr"]
+        lr = group_lr(group)
         step_size = (lr * (1 - beta2**t).sqrt() / (1 - beta1**t)) if group["correct_bias"] else lr + 0 * t
         args = dict(beta1=beta1, beta2=beta2, eps=group["eps"], lr=lr, weight_decay=group["weight_decay"],
-                    grad_scale=grad_scale, step_size=step_size.float())
+                    grad_scale=grad_scale, step_size=step_size.to(entry.scalar_dtype))
         return args, {"step_size"}
 
     @staticmethod

@@ -1,7 +1,7 @@
 """Adan: Adaptive Nesterov Momentum (Xie et al., 2022), exactly as official sail-sg/Adan computes it."""
 import torch
 
-from .base import FastOptimizer
+from .base import FastOptimizer, group_lr
 
 
 def adan_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_grad,
@@ -114,7 +114,7 @@ class Adan(FastOptimizer):
     def restart_opt(self):
         """Restart as the official code does: step 0, zero moments, and the next gradient is g_prev."""
         for group in self.param_groups:
-            group["step"] = torch.zeros((), dtype=torch.float32, device=group["params"][0].device)
+            group["step"] = torch.zeros_like(self._group_step(group))
             for param in group["params"]:
                 if param.requires_grad:
                     self.state[param].clear()
@@ -136,12 +136,12 @@ class Adan(FastOptimizer):
         t = self._group_step(group).to(torch.float64) + increment  # 1 − β^t in fp32 would lose digits
         pre_grad_weight = (t > 1).float() if first_step_weights is None else (t > 1).float() * first_step_weights
         beta1, beta2, beta3 = group["betas"]
-        lr = group["lr"]
+        lr, wide = group_lr(group), entry.scalar_dtype
         args = dict(beta1=beta1, beta2=beta2, beta3=beta3, eps=group["eps"], lr=lr,
                     weight_decay=group["weight_decay"], no_prox=group["no_prox"], grad_scale=grad_scale,
                     pre_grad_weight=pre_grad_weight,
-                    bias_correction3_sqrt=(1 - beta3**t).sqrt().float(), step_size=(lr / (1 - beta1**t)).float(),
-                    diff_ratio=(beta2 * (1 - beta1**t) / (1 - beta2**t)).float())
+                    bias_correction3_sqrt=(1 - beta3**t).sqrt().to(wide), step_size=(lr / (1 - beta1**t)).to(wide),
+                    diff_ratio=(beta2 * (1 - beta1**t) / (1 - beta2**t)).to(wide))
         return args, () if first_step_weights is None else {"pre_grad_weight"}
 
     def _count_step(self, group, entry, increment):
@@ -167,7 +167,15 @@ class Adan(FastOptimizer):
             grad_scale=1.0 if args["grad_scale"] is None else args["grad_scale"],
             decay_mul=1 - decay if args["no_prox"] else 1.0, decay_div=1.0 if args["no_prox"] else 1 + decay)
 
-    def _convert_saved_group(self, group, device):
-        if "step" in group:  # official and timm keep an integer
-            group["step"] = torch.as_tensor(group["step"], dtype=torch.float32).to(device, copy=True)
+    def _convert_saved_group(self, group):
+        if "step" not in group:
+            return
+        step = group["step"]  # official and timm keep an integer
+        if isinstance(step, bool) or not isinstance(step, (int, float, torch.Tensor)) or torch.as_tensor(step).dim():
+            raise ValueError(f"Invalid step: {step!r} (must be a number or a 0-d tensor)")
+        step = torch.as_tensor(step, dtype=torch.float32)
+        if not (step >= 0 and step == step.floor() and step.isfinite()):
+            raise ValueError(f"Invalid step: {step.item()!r} (must be a whole number >= 0)")
+        device = group["params"][0].device if group["params"] else None
+        group["step"] = step.to(device=device, copy=True)
 

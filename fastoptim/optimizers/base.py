@@ -3,6 +3,8 @@ engine dispatch and state-dict conversion. A subclass states its algorithm: hype
 layout, per-step scalars and ``update``, the math written once."""
 import math
 import operator
+from collections import defaultdict
+from copy import deepcopy
 from itertools import repeat
 from operator import attrgetter
 
@@ -14,6 +16,19 @@ from .. import distributed, engines
 from ..clip import clip_coefficient
 from ..multi_tensor import buckets, data_pointers
 from ..states import blockwise8, subset_norm
+
+
+def normalize_betas(group):
+    """Take one-element tensor betas as the numbers they hold (as torch.optim accepts them): the
+    step's math reads betas as numbers, so a tensor beta is read once, when its group is added or
+    loaded, and later changes to it in place are not followed."""
+    betas = group["betas"]
+    if isinstance(betas, (tuple, list)) and any(isinstance(beta, Tensor) for beta in betas):
+        for i, beta in enumerate(betas):
+            if isinstance(beta, Tensor) and (beta.numel() != 1 or not beta.is_floating_point()):
+                raise ValueError(f"Invalid betas[{i}]: a Tensor beta must hold one floating-point number, got "
+                                 f"{beta.dtype} of shape {tuple(beta.shape)}")
+        group["betas"] = tuple(beta.item() if isinstance(beta, Tensor) else beta for beta in betas)
 
 
 def check_hyperparameters(group, n_betas):
@@ -45,9 +60,10 @@ def check_hyperparameters(group, n_betas):
 
 
 def check_tensor_lr(lr, device=None):
-    """A Tensor lr must be a 0-d floating-point tensor on the params' device, where the kernels read it."""
-    if lr.dim() != 0 or not lr.is_floating_point():
-        raise ValueError(f"Invalid lr: a Tensor lr must be a 0-d floating-point tensor, got {lr.dtype} "
+    """A Tensor lr must hold one floating-point number (any shape, as torch.optim accepts) on the
+    params' device, where the kernels read it."""
+    if lr.numel() != 1 or not lr.is_floating_point():
+        raise ValueError(f"Invalid lr: a Tensor lr must be a one-element floating-point tensor, got {lr.dtype} "
                          f"of shape {tuple(lr.shape)}")
     if device is not None and lr.device != device:
         raise ValueError(f"Invalid lr: a Tensor lr must be on the params' device, {device}, not {lr.device}")
@@ -103,18 +119,56 @@ def convert_state(state, role, dtype):
 
 
 ABSMAX = "_absmax"  # the key suffix of an 8-bit state's block maxima
+# Options that say how a step runs, not what it computes: a loaded state dict leaves them as they are.
+EXECUTION_OPTIONS = ("foreach", "fused", "state_bits", "capturable", "differentiable")
+
+
+def group_lr(group):
+    """The group's lr as the step reads it: a number, or a 0-d view of a one-element tensor (which
+    a scheduler may change in place)."""
+    lr = group["lr"]
+    return lr.view(()) if isinstance(lr, Tensor) else lr
+
+
+def overlaps_itself(tensor):
+    """Whether two elements of ``tensor`` may share memory (an expanded, stride-0 view, say): its
+    dimensions, ordered by stride, must each step past everything the smaller ones reach."""
+    reach = 0
+    for stride, size in sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape) if n > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
+def check_params(params, name):
+    """Refuse a param listed twice or one that overlaps itself: an update would be applied twice to
+    the same memory (from two threads, in the fused engines)."""
+    if len(set(map(id, params))) != len(params):
+        raise ValueError(f"{name}: a parameter appears twice in its param group; list each parameter once")
+    for param in params:
+        if overlaps_itself(distributed.local(param)):
+            raise ValueError(f"{name}: a parameter of shape {tuple(param.shape)} with strides {param.stride()} "
+                             "overlaps itself (an expanded view?), so its elements cannot be updated one by "
+                             "one; optimize a tensor that owns its memory (.clone())")
 
 
 SHAPE, STRIDES, DTYPE, DEVICE = attrgetter("shape"), Tensor.stride, attrgetter("dtype"), attrgetter("device")
+LAYOUT = (Tensor.data_ptr, SHAPE, STRIDES, DTYPE, DEVICE)
 
 
 class Signature:
-    """What the step's caches of a list of tensors depend on: their data pointers, shapes, strides,
-    dtypes and devices."""
+    """The cache rule, in one place. A cache built on a list of tensors (the step's work, the fused
+    engines' pointer tables) stays valid while the list holds the same tensor objects, and each
+    still has the same data pointer, shape, strides, dtype and device: a tensor can keep its
+    identity and get new storage in place (``share_memory_()``, ``param.data = ...``, ``set_``).
+    ``owners`` are the objects whose identity counts, ``tensors`` (default: the owners) those whose
+    layout does: a DTensor owns its local shard."""
 
-    def __init__(self, tensors):
-        self.pointers = data_pointers(tensors)
-        self.values = {get: list(map(get, tensors)) for get in (SHAPE, STRIDES, DTYPE, DEVICE)}
+    def __init__(self, owners, tensors=None):
+        tensors = owners if tensors is None else tensors
+        self.owners, self.n = list(owners), len(tensors)
+        self.values = {get: list(map(get, tensors)) for get in LAYOUT}
         self.one_device = len(set(self.values[DEVICE])) <= 1
 
     def matches(self, tensors, *getters):
@@ -123,9 +177,10 @@ class Signature:
         garbage collector, which cost several times what the checks do."""
         return all(all(map(operator.eq, map(get, tensors), self.values[get])) for get in getters)
 
-    def describes(self, tensors):
-        return (len(tensors) == len(self.pointers) and np.array_equal(data_pointers(tensors), self.pointers)
-                and self.matches(tensors, SHAPE, STRIDES, DTYPE, DEVICE))
+    def describes(self, owners, tensors=None):
+        tensors = owners if tensors is None else tensors
+        return (len(owners) == len(self.owners) and len(tensors) == self.n
+                and all(map(operator.is_, owners, self.owners)) and self.matches(tensors, *LAYOUT))
 
 
 class GroupWork:
@@ -133,29 +188,37 @@ class GroupWork:
     dtype) buckets, their states and state tensors by role, what ``_prepare_states`` made of the
     states (``context``) and the engines' caches per bucket (the fused engine's pointer tables).
 
-    It is reused while the same params, with the same storage, layout and dtype, have grads, and its
-    states while the params' state dicts hold the very tensors it was built on (a user may clear
-    or replace them between steps). Checking that is most of what a step costs in Python. The
-    gradients are never kept: they are checked and listed afresh every step.
+    It is reused while the params and their states pass :class:`Signature`'s rule: the same params
+    have grads, the params' state dicts hold the very tensors it was built on under every key (a
+    user may clear or replace them between steps), and none of them has moved to new storage or
+    changed its layout. Checking that is most of what a step costs in Python. The gradients are
+    never kept: they are checked and listed afresh every step.
     """
 
     def __init__(self, roles, engine, params, local_params, signature=None):
         self.roles, self.engine, self.params, self.signature = roles, engine, params, signature
         self.local_params = local_params  # what the engines update: the params, or DTensors' local shards
+        # the per-tensor scalars (step sizes, bias corrections): float64 where a param's math is float64
+        self.scalar_dtype = torch.float64 if any(p.dtype == torch.float64 for p in local_params) else torch.float32
         self.buckets = [(bucket, None) for bucket in buckets(params)]
-        self.states = self.kept = self.tensors = self.context = self.state_bits = None
+        self.states = self.kept = self.tensors = self.context = self.state_bits = self.state_signature = None
         self.bucket_caches = {}
 
     def fits(self, roles, engine, params, local_params):
-        return ((roles, engine) == (self.roles, self.engine) and len(params) == len(self.params)
-                and all(map(operator.is_, params, self.params)) and self.signature.describes(local_params))
+        return (roles, engine) == (self.roles, self.engine) and self.signature.describes(params, local_params)
 
     def holds(self, states):
         """Whether ``states`` (the params' state dicts now) are those this work was built on,
-        holding the same tensors under every key."""
+        holding the same tensors under every key, each where and as it was."""
         return (self.states is not None and all(map(operator.is_, states, self.states))
                 and all(all(map(operator.is_, map(dict.get, states, repeat(key)), tensors))
-                        for key, tensors in self.kept.items()))
+                        for key, tensors in self.kept.items())
+                and self.state_signature.describes(*self._state_tensors()))
+
+    def _state_tensors(self):
+        """The state tensors this work was built on (owners), and their local shards."""
+        owners = [t for tensors in self.kept.values() for t in tensors if isinstance(t, Tensor)]
+        return owners, list(map(distributed.local, owners)) if any(map(distributed.is_dtensor, owners)) else owners
 
     def use_states(self, states, context, partitions, reduced_roles, group):
         """Take the states (every role present), with the subset-norm partition of each param (None:
@@ -163,6 +226,8 @@ class GroupWork:
         Params whose subsets span FSDP2 shards get buckets of their own, which sum over ``group``."""
         self.states, self.context, self.bucket_caches = states, context, {}
         self.kept = {key: list(map(dict.get, states, repeat(key))) for key in {key for state in states for key in state}}
+        if self.signature is not None:  # a cached entry (not one traced by torch.compile, which reuses nothing)
+            self.state_signature = Signature(*self._state_tensors())
         self.partitions = partitions if any(partitions) else None
         self.tensors = {"param": self.local_params} | {role: list(map(distributed.local, self.kept[role]))
                                                        for role in self.roles}
@@ -186,21 +251,31 @@ class GroupWork:
 
 class FastOptimizer(torch.optim.Optimizer):
     n_betas: int
+    state_roles: tuple  # every state role of the algorithm, whichever its options use
     half_roles = ()  # roles kept in bf16, not 8-bit, under state_bits=8
 
     def __init__(self, params, defaults, shard_group):
         """``shard_group``: the process group whose ranks' params, together, are the model's, each
         once (ZeroRedundancyOptimizer's partition); global reductions run over it. Not a group
-        option: ZeroRedundancyOptimizer consumes ``process_group``, and param groups go into state dicts."""
+        option: ZeroRedundancyOptimizer consumes ``process_group``, and param groups go into state dicts.
+
+        The hyperparameters are checked before the params, as torch.optim checks them."""
+        normalize_betas(defaults)
+        self._check_group(defaults, defaults["max_grad_norm"])
         distributed.check_shard_group(shard_group)
         self.shard_group = shard_group
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
+        params = param_group["params"]
+        if not isinstance(params, (Tensor, set)):  # torch refuses a set; a generator is read once, here
+            param_group["params"] = list(params)
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
+            normalize_betas(group)
             self._check_group(group)
+            check_params(group["params"], type(self).__name__)
             for param in group["params"]:
                 if param.is_complex():
                     raise ValueError(f"{type(self).__name__} does not support complex parameters; "
@@ -233,11 +308,11 @@ class FastOptimizer(torch.optim.Optimizer):
         return super().__getstate__() | {"shard_group": self.shard_group}
 
     def __setstate__(self, state):
+        declared = "differentiable" in self.__dict__.get("defaults", state.get("defaults", {}))
         super().__setstate__(state)
+        if not declared:  # torch adds it to defaults; an optimizer that does not take it keeps it out of its groups
+            self.defaults.pop("differentiable", None)
         self.__dict__.setdefault("shard_group", None)
-        for group in self.param_groups:
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)
         self._find_reduce_group()
 
     # --- step -----------------------------------------------------------------------------------
@@ -298,7 +373,8 @@ class FastOptimizer(torch.optim.Optimizer):
             return GroupWork(roles, engine, params, local_params), grads
         entry = caches.get(index)
         if entry is None or not entry.fits(roles, engine, params, local_params):
-            entry = caches[index] = GroupWork(roles, engine, params, local_params, Signature(local_params))
+            check_params(params, type(self).__name__)  # a param's storage may have changed since it was added
+            entry = caches[index] = GroupWork(roles, engine, params, local_params, Signature(params, local_params))
         self._check_grads(local_params, grads, entry.signature)
         states = list(map(self.state.get, params))
         if not entry.holds(states) or entry.state_bits != group["state_bits"]:
@@ -444,13 +520,21 @@ class FastOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict):
         """Load a state dict of this optimizer or of its peers' layout (see the class docstring).
 
-        Everything is checked before anything changes. The hyperparameters are the saved ones,
-        ``max_grad_norm`` included (the saved groups must agree on it), but the engine flags
-        (``foreach``, ``fused``) and ``state_bits`` stay this optimizer's: a state moves freely between
-        engines, and is converted to this optimizer's state format (quantized, or dequantized). States
-        are on the parameter's device (float64 for a float64 parameter), whatever the saved device.
+        As in torch, the load pre-hooks see the dict first (and may replace it), and the post-hooks
+        run last. Everything is checked before anything changes. The hyperparameters are the saved
+        ones, ``max_grad_norm`` included (the saved groups must agree on it), but the execution
+        options (``foreach``, ``fused``, ``state_bits``, and AdamW's ``capturable`` and
+        ``differentiable``) stay this optimizer's: a state moves freely between engines, and is
+        converted to this optimizer's state format (quantized, or dequantized). States are on the
+        parameter's device (float64 for a float64 parameter), whatever the saved device. A state of
+        this algorithm that the saved options leave unused (``max_exp_avg_sq`` after amsgrad was
+        turned off) is kept as it was saved, as torch keeps it.
         """
-        groups, saved_groups = self.param_groups, state_dict["param_groups"]
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            state_dict = state_dict if result is None else result
+        groups, saved_groups = self.param_groups, deepcopy(state_dict["param_groups"])
         if len(groups) != len(saved_groups) or any(
                 len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
             raise ValueError("loaded state dict does not match the optimizer's parameter groups: "
@@ -462,60 +546,65 @@ class FastOptimizer(torch.optim.Optimizer):
             raise ValueError(f"loaded param groups disagree on max_grad_norm ({sorted(max_grad_norms)}), "
                              "which clips by the norm over all groups")
         max_grad_norm = max_grad_norms.pop() if max_grad_norms else self.defaults["max_grad_norm"]
-        new_groups, new_state, sources = [], {}, {}
+        own_options = [key for key in EXECUTION_OPTIONS if key in self.defaults]
+        new_groups, new_state = [], {}
         for index, (group, saved) in enumerate(zip(groups, saved_groups)):
             merged = {**self.defaults, "max_grad_norm": max_grad_norm, **saved,
-                      **{key: group[key] for key in ("foreach", "fused", "state_bits")}}
+                      **{key: group[key] for key in own_options}, "params": group["params"]}
+            if "param_names" in group and "param_names" not in saved:
+                merged["param_names"] = group["param_names"]
             try:
+                normalize_betas(merged)
                 self._check_group(merged, max_grad_norm)
+                self._convert_saved_group(merged)
             except ValueError as error:
                 raise ValueError(f"loaded param group {index}: {error}. Is it a state dict of another "
                                  f"optimizer? {type(self).__name__} expects {self.n_betas} betas.") from None
-            device = group["params"][0].device
-            self._convert_saved_group(merged, device)
             for saved_id, param in zip(saved["params"], group["params"]):
-                if saved_id not in state_dict["state"]:
-                    continue
-                state = self._convert_saved_state(dict(state_dict["state"][saved_id]), merged)
-                try:
-                    subset_norm.check_record(param.shape, state)
-                except ValueError as error:
-                    raise ValueError(f"state of parameter {saved_id}: {error}") from None
-                expected = self._expected_state(merged, param, state)
-                for key in set(state) & set(expected):  # into this optimizer's formats (state_bits)
-                    if expected[key] is not None and not key.endswith(ABSMAX):
-                        try:
-                            state = convert_state(state, key, expected[key][1])
-                        except (ValueError, RuntimeError) as error:
-                            raise ValueError(f"state of parameter {saved_id}: {error}") from None
-                if set(state) - set(expected) or set(expected) - set(state) - self.optional_state:
-                    raise ValueError(
-                        f"state of parameter {saved_id} has keys {sorted(state)}, but {type(self).__name__} "
-                        f"expects {sorted(expected)}: is it a state dict of another optimizer?")
-                for key in state:
-                    if expected[key] is None:  # a partition record: a Python int
-                        continue
-                    (shape, dtype), value = expected[key], torch.as_tensor(state[key])
-                    if value.shape != shape:
-                        raise ValueError(f"state '{key}' of parameter {saved_id} has shape {tuple(value.shape)}, "
-                                         f"expected {tuple(shape)}")
-                    if (key in self._state_roles(merged) and distributed.is_dtensor(param)
-                            and not distributed.is_dtensor(value)):
-                        raise ValueError(f"state '{key}' of parameter {saved_id} is a plain tensor, but its param "
-                                         "is a DTensor: load sharded states through torch.distributed.checkpoint "
-                                         "(see the README)")
-                    state[key] = value.to(device=param.device, dtype=dtype, copy=True)
-                new_state[saved_id], sources[param] = state, state
+                if saved_id in state_dict["state"]:
+                    new_state[param] = self._load_state(dict(state_dict["state"][saved_id]), merged, param, saved_id)
             new_groups.append(merged)
-        super().load_state_dict({"state": new_state, "param_groups": new_groups})
+        self.__setstate__({"state": defaultdict(dict, new_state), "param_groups": new_groups})
         self.defaults["max_grad_norm"] = max_grad_norm
         self._forget_engine_caches()
-        for param, state in sources.items():  # torch casts states to the param's dtype; keep ours
-            self.state[param].update(state)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
-    def _convert_saved_group(self, group, device):
-        """Bring a saved param group into this optimizer's layout, in place."""
-
-    def _convert_saved_state(self, state, group):
-        """Bring one saved per-parameter state into this optimizer's layout."""
+    def _load_state(self, state, group, param, saved_id):
+        """One saved per-parameter state, checked and converted into this optimizer's formats, on
+        ``param``'s device."""
+        try:
+            subset_norm.check_record(param.shape, state)
+        except ValueError as error:
+            raise ValueError(f"state of parameter {saved_id}: {error}") from None
+        expected = self._expected_state(group, param, state)
+        for key in set(state) & set(expected):  # into this optimizer's formats (state_bits)
+            if expected[key] is not None and not key.endswith(ABSMAX):
+                try:
+                    state = convert_state(state, key, expected[key][1])
+                except (ValueError, RuntimeError) as error:
+                    raise ValueError(f"state of parameter {saved_id}: {error}") from None
+        unused = {key for role in self.state_roles for key in (role, role + ABSMAX)} - set(expected)
+        if set(state) - set(expected) - unused or set(expected) - set(state) - self.optional_state:
+            raise ValueError(
+                f"state of parameter {saved_id} has keys {sorted(state)}, but {type(self).__name__} "
+                f"expects {sorted(expected)}: is it a state dict of another optimizer?")
+        for key in state:
+            if key not in expected:  # a state the saved options leave unused: kept as saved
+                state[key] = torch.as_tensor(state[key]).to(param.device, copy=True)
+                continue
+            if expected[key] is None:  # a partition record: a Python int
+                continue
+            (shape, dtype), value = expected[key], torch.as_tensor(state[key])
+            if value.shape != shape:
+                raise ValueError(f"state '{key}' of parameter {saved_id} has shape {tuple(value.shape)}, "
+                                 f"expected {tuple(shape)}")
+            if key in self._state_roles(group) and distributed.is_dtensor(param) and not distributed.is_dtensor(value):
+                raise ValueError(f"state '{key}' of parameter {saved_id} is a plain tensor, but its param "
+                                 "is a DTensor: load sharded states through torch.distributed.checkpoint "
+                                 "(see the README)")
+            state[key] = value.to(device=param.device, dtype=dtype, copy=True)
         return state
+
+    def _convert_saved_group(self, group):
+        """Bring a saved param group into this optimizer's layout, in place; a ValueError if it cannot."""
