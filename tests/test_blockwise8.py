@@ -132,23 +132,59 @@ def test_the_kernels_quantizer_is_the_reference_bit_for_bit(kernel, elements, ki
     assert torch.equal(kernel_dequantize(indices, absmax, codes), dequantize(indices, absmax, codes))
 
 
+def test_non_finite_elements_keep_codes_of_their_own_and_leave_their_blocks_finite_values_alone():
+    """One inf or NaN costs its own element only: the block's absmax and codes are its finite
+    elements', as if the bad element were 0, and the bad element decodes to itself (a signed
+    state's ±inf to NaN: see fastoptim.states.blockwise8)."""
+    x = torch.randn(3 * BLOCK + 5, generator=torch.Generator().manual_seed(1))
+    bad = torch.tensor([3, BLOCK + 40, BLOCK + 41, 3 * BLOCK - 1, 3 * BLOCK + 2])
+    for kind, bad_values in (("signed", [float("nan"), float("inf"), -float("inf"), 1e30, -3.4e38]),
+                             ("unsigned", [float("nan"), float("inf"), float("inf"), 1e30, float("nan")])):
+        codes, y = TABLES[kind], x.abs() if kind == "unsigned" else x.clone()
+        y[bad[:3]] = torch.tensor(bad_values[:3])  # three non-finite elements among finite ones
+        y[2 * BLOCK:3 * BLOCK] = float("nan")  # a block with nothing finite
+        y[3 * BLOCK:] = 0
+        y[3 * BLOCK + 2] = float("inf")  # a block of zeros and an inf
+        finite = y.isfinite()
+        indices, absmax = quantize(y, codes)
+        alone = quantize(torch.where(finite, y, 0), codes)
+        assert torch.equal(absmax, alone[1]) and torch.equal(indices[finite], alone[0][finite])
+        back = dequantize(indices, absmax, codes)
+        expected = y if kind == "unsigned" else torch.where(finite, y, float("nan"))
+        torch.testing.assert_close(back[~finite], expected[~finite], rtol=0, atol=0, equal_nan=True)
+        assert back[finite].isfinite().all()
+        assert absmax[2] == 0 and absmax[3] == 0  # nothing finite but zeros
+
+
+non_finite = st.sampled_from([float("nan"), float("inf"), -float("inf")])
+
+
 @pytest.mark.parametrize("kernel", ["c", "c-portable", "triton"])
-@pytest.mark.parametrize("kind", ["signed", "unsigned"])
-def test_a_block_with_a_nan_is_stored_as_zeros_by_the_kernels_as_by_the_reference(kernel, kind):
-    """Wherever the NaN lies in its block (a compare-and-select maximum drops all but a last one)."""
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.one_of(values, non_finite), min_size=1, max_size=2 * BLOCK + 7), st.sampled_from(["signed", "unsigned"]))
+def test_the_kernels_store_non_finite_elements_as_the_reference_does(kernel, elements, kind):
     kernel_quantize, kernel_dequantize = kernel_functions(kernel)
     codes = TABLES[kind]
-    x = torch.randn(3 * BLOCK + 5, generator=torch.Generator().manual_seed(1))
+    x = torch.tensor(elements, dtype=torch.float32)
     x = x.abs() if kind == "unsigned" else x
-    nan = torch.tensor([3, BLOCK + 40, BLOCK + 41, 3 * BLOCK - 1, 3 * BLOCK + 2])
-    x[nan] = float("nan")
     indices, absmax = quantize(x, codes)
-    assert torch.equal(absmax, torch.zeros(4))  # every block holds a NaN
     kernel_indices, kernel_absmax = kernel_quantize(x, codes)
-    assert torch.equal(kernel_absmax, absmax)
-    finite = ~x.isnan()  # the NaNs' own indices decode to zero too, whichever they are
-    assert torch.equal(kernel_indices[finite], indices[finite])
-    assert torch.equal(kernel_dequantize(kernel_indices, kernel_absmax, codes), torch.zeros_like(x))
+    assert torch.equal(kernel_indices, indices) and torch.equal(kernel_absmax, absmax)
+    torch.testing.assert_close(kernel_dequantize(indices, absmax, codes), dequantize(indices, absmax, codes),
+                               rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("kernel", ["c", "c-portable", "triton"])
+def test_every_index_decodes_as_the_reference_decodes_it(kernel):
+    """The 256 indices, codes and not, in blocks of absmax 0 and 3: a non-finite value ignores it."""
+    _, kernel_dequantize = kernel_functions(kernel)
+    every_index = torch.arange(256, dtype=torch.uint8).repeat(2)
+    absmax = torch.tensor([0.0, 3.0])
+    for codes in (SIGNED, UNSIGNED):
+        expected = dequantize(every_index, absmax, codes)
+        torch.testing.assert_close(kernel_dequantize(every_index, absmax, codes), expected, rtol=0, atol=0,
+                                   equal_nan=True)
+        assert expected[codes.inf_index].isnan() if codes.signed else expected[codes.inf_index] == float("inf")
 
 
 @pytest.mark.parametrize("kernel", ["c", "c-portable", "triton"])

@@ -149,12 +149,18 @@ INLINE float larger(float a, float b) { return a > b ? a : b; }
 
    Converting is most of an 8-bit step's work, and GCC does not vectorise fp16 conversions, so the
    block functions come twice: with AVX2 and F16C's conversions, 8 elements an instruction, where
-   the CPU has them, and portable C that finds the same codes from fp32 bits. */
+   the CPU has them, and portable C that finds the same codes from fp32 bits.
+
+   A non-finite element keeps an index of its own that decodes to itself (UNSIGNED: +inf at 248,
+   NaN at 255; SIGNED: NaN at 255, for ±inf too), and the block's absmax is its finite elements'.
+   Such blocks are rare: the vectorised quantizer leaves them to the portable one. */
 #define BLOCK 256
 enum { UNSIGNED, SIGNED, BF16_VALUES };  /* the code tables; or no table: Adan's g_prev, bf16 */
 
 INLINE float table_top(int table) { return table == SIGNED ? 1.875f : 61440.f; }
 INLINE int32_t last(int table) { return table == SIGNED ? 127 : 247; }
+enum { UNSIGNED_INF_INDEX = 248, NAN_INDEX = 255 };
+#define INF_BITS 0x7f800000  /* +inf's bits: |x|'s bits are at least these where x is not finite */
 
 /* Magnitude k as fp32 (exact): fp16's bits moved into fp32's, its exponent rebased from fp16's
    bias (15) to fp32's (127); below 8, an fp16 subnormal, k·2^-17. */
@@ -166,6 +172,8 @@ INLINE float magnitude(int32_t k) {
 }
 
 INLINE float dequantize(uint8_t index, float absmax, int table) {
+    if (index > (table == SIGNED ? 254 : last(table)))  /* not a code: a non-finite value */
+        return table == UNSIGNED && index == UNSIGNED_INF_INDEX ? INFINITY : NAN;
     const int32_t k = table == SIGNED ? index - 127 : index;
     const float code = magnitude(k < 0 ? -k : k) * (1 / table_top(table));  /* a product: no division */
     return (k < 0 ? -code : code) * absmax;
@@ -175,6 +183,7 @@ INLINE float dequantize(uint8_t index, float absmax, int table) {
    away the 20 bits below fp16's 3 and rebasing the exponent; below fp16's normal range (2^-14), by
    rounding t·2^17 to a whole number. */
 INLINE uint8_t quantize(float x, float scale, int table) {
+    if (!isfinite(x)) return table == UNSIGNED && x > 0 ? UNSIGNED_INF_INDEX : NAN_INDEX;
     const float t = fabsf(x) * scale, steps = (t < 0x1p-14f ? t : 0x1p-14f) * 0x1p17f, whole = floorf(steps);
     int32_t bits;
     memcpy(&bits, &t, sizeof bits);
@@ -223,17 +232,24 @@ F16C static void quantize_block_f16c(const float *restrict values, int64_t n, ui
 F16C static void dequantize_block_f16c(const uint8_t *restrict codes, float absmax, int64_t n, float *restrict values,
                                        int table) {
     const __m256 absmax8 = _mm256_set1_ps(absmax), inverse_top = _mm256_set1_ps(1 / table_top(table));
-    const __m128i zero = _mm_set1_epi16(127), sign = _mm_set1_epi16(INT16_MIN);
+    const __m256 no_sign = _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MAX)), inf = _mm256_set1_ps(INFINITY);
+    const __m128i zero = _mm_set1_epi16(127), sign = _mm_set1_epi16(INT16_MIN), nan_index = _mm_set1_epi16(NAN_INDEX);
+    const __m128i fp16_nan = _mm_set1_epi16(0x7e00);
     int64_t k = 0;
     for (; k + 8 <= n; k += 8) {
-        __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(codes + k)));  /* fp16 bits */
+        const __m128i index = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(codes + k)));
+        __m128i h;  /* fp16 bits: UNSIGNED's indices past its codes are fp16's +inf and NaNs already */
         if (table == SIGNED) {
-            h = _mm_sub_epi16(h, zero);
+            h = _mm_sub_epi16(index, zero);
             h = _mm_or_si128(_mm_slli_epi16(_mm_abs_epi16(h), 7), _mm_and_si128(h, sign));
+            h = _mm_blendv_epi8(h, fp16_nan, _mm_cmpeq_epi16(index, nan_index));
         } else {
-            h = _mm_slli_epi16(h, 7);
+            h = _mm_slli_epi16(index, 7);
         }
-        _mm256_storeu_ps(values + k, _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtph_ps(h), inverse_top), absmax8));
+        const __m256 decoded = _mm256_cvtph_ps(h);
+        const __m256 finite = _mm256_cmp_ps(_mm256_and_ps(decoded, no_sign), inf, _CMP_LT_OQ);
+        _mm256_storeu_ps(values + k, _mm256_blendv_ps(decoded, _mm256_mul_ps(_mm256_mul_ps(decoded, inverse_top), absmax8),
+                                                      finite));
     }
     for (; k < n; k++) values[k] = dequantize(codes[k], absmax, table);
 }
@@ -285,17 +301,25 @@ int fastoptim_use_f16c(int32_t enable) {
 
 __attribute__((constructor)) static void pick_f16c(void) { fastoptim_use_f16c(1); }
 
+/* The largest of magnitude_bits over n values, or over their finite ones only. */
+INLINE int32_t absmax_bits(const float *restrict values, int64_t n, int finite_only) {
+    int32_t top_bits = 0;
+    _Pragma("omp simd reduction(max:top_bits)")
+    for (int64_t k = 0; k < n; k++) {
+        const int32_t bits = magnitude_bits(values[k]);
+        top_bits = larger_bits(top_bits, finite_only && bits >= INF_BITS ? 0 : bits);
+    }
+    return top_bits;
+}
+
 /* n (at most BLOCK) values into their codes and their block's absmax. */
 INLINE void quantize_block(const float *restrict values, int64_t n, uint8_t *restrict codes, float *absmax, int table) {
-    int32_t top_bits = 0;
-    if (use_f16c) top_bits = absmax_bits_f16c(values, n);
-    else {
-        _Pragma("omp simd reduction(max:top_bits)")
-        for (int64_t k = 0; k < n; k++) top_bits = larger_bits(top_bits, magnitude_bits(values[k]));
-    }
-    float top = from_bits(top_bits);  /* NaN makes the block's scale NaN: it is stored as zeros, as in the reference */
+    int32_t top_bits = use_f16c ? absmax_bits_f16c(values, n) : absmax_bits(values, n, 0);
+    const int finite = top_bits < INF_BITS;  /* else the block holds an inf or a NaN */
+    if (!finite) top_bits = absmax_bits(values, n, 1);
+    float top = from_bits(top_bits);
     const float scale = block_scale(&top, table);
-    if (use_f16c) quantize_block_f16c(values, n, codes, scale, table);
+    if (use_f16c && finite) quantize_block_f16c(values, n, codes, scale, table);
     else IVDEP for (int64_t k = 0; k < n; k++) codes[k] = quantize(values[k], scale, table);
     *absmax = top;
 }
@@ -445,7 +469,7 @@ INLINE void adan_body(const Work *w, int64_t t, int64_t start, int64_t count, in
     if (b == 1) {                                           /* dense: n = β3·n + (1−β3)·u² per element */
         ADAN_BLOCKS(start, end, IVDEP for (int64_t i = i0; i < i1; i++) {
             const AdanTerms x = ADAN_TERMS(i);
-            const float n_i = get(&n, i, states) * s.beta3 + x.u * x.u * s.one_minus_beta3;
+            const float n_i = get(&n, i, states) * s.beta3 + s.one_minus_beta3 * x.u * x.u;  /* as torch's addcmul: later overflow */
             put(&n, i, n_i, states);
             ADAN_UPDATE(i, x, adan_scale(&s, n_i));
         })
@@ -541,7 +565,7 @@ INLINE void adamw_body(const Work *w, int64_t t, int64_t start, int64_t count, i
     if (b == 1) {                                           /* dense: v = β2·v + (1−β2)·g² per element */
         ADAMW_BLOCKS(start, end, IVDEP for (int64_t i = i0; i < i1; i++) {
             const float g = ADAMW_GRAD(i);
-            float v_i = get(&v, i, states) * s.beta2 + g * g * s.one_minus_beta2;
+            float v_i = get(&v, i, states) * s.beta2 + s.one_minus_beta2 * g * g;  /* as torch's addcmul: later overflow */
             put(&v, i, v_i, states);
             if (amsgrad) {
                 v_i = larger(get(&v_max, i, states), v_i);

@@ -40,6 +40,9 @@ ADAN_ABSMAX, ADAMW_ABSMAX = tl.constexpr(6), tl.constexpr(5)
 BLOCK8 = tl.constexpr(blockwise8.BLOCK)
 # The largest magnitude of each code table (blockwise8.SIGNED.top, UNSIGNED.top): codes are magnitudes / top
 SIGNED_TOP, UNSIGNED_TOP = tl.constexpr(blockwise8.SIGNED.top), tl.constexpr(blockwise8.UNSIGNED.top)
+# The indices of non-finite values, which decode to themselves (see blockwise8's docstring)
+NAN_INDEX, UNSIGNED_INF_INDEX = tl.constexpr(blockwise8.NAN_INDEX), tl.constexpr(blockwise8.UNSIGNED.inf_index)
+INF_BITS = tl.constexpr(0x7F800000)  # +inf's bits: |x|'s bits are at least these where x is not finite
 FLOAT32_MAX = tl.constexpr(torch.finfo(torch.float32).max)
 
 
@@ -122,14 +125,20 @@ def _subset_tile(subsets, last, j, b, c):
 # registers with its new absmax. Magnitude k of a code is the fp16 number with bits k << 7 (SIGNED:
 # up to 127, centred on index 127; UNSIGNED: up to 247), and quantizing finds the magnitude nearest
 # to t = |x|·top/absmax, a tie going up, as the C kernel's portable path does. (Triton's interpreter
-# converts fp32 below fp16's range to fp16 wrongly, so the rounding is done on fp32 bits.)
+# converts fp32 below fp16's range to fp16 wrongly, so the rounding is done on fp32 bits.) Non-finite
+# values keep indices of their own, which decode to themselves: UNSIGNED's past its codes are fp16's
+# +inf and NaNs already.
 
 @triton.jit
 def _dequantize(codes, absmax, SIGNED: tl.constexpr):
     k = codes.to(tl.int32) - 127 if SIGNED else codes.to(tl.int32)
     magnitude = (tl.abs(k) * 128).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    if SIGNED:
+        magnitude = tl.where(codes == NAN_INDEX, INF_BITS + 1, magnitude.to(tl.int32, bitcast=True)).to(
+            tl.float32, bitcast=True)
     code = magnitude * (1 / SIGNED_TOP if SIGNED else 1 / UNSIGNED_TOP)
-    return tl.where(k < 0, -code, code) * absmax
+    value = tl.where(k < 0, -code, code) * absmax
+    return tl.where(tl.abs(magnitude) < float("inf"), value, magnitude)
 
 
 @triton.jit
@@ -152,12 +161,18 @@ def _load_q8(codes, absmax, block, index, mask, SIGNED: tl.constexpr):
 
 @triton.jit
 def _store_q8(codes, absmax, block, index, mask, values, SIGNED: tl.constexpr):
-    # the largest |x| bits as integers: the absmax, or NaN if there is one (tl.max would drop it)
+    # the largest |x| of the finite elements, from their bits as integers
     magnitude_bits = values.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    top = tl.max(tl.where(mask, magnitude_bits, 0), axis=0).to(tl.float32, bitcast=True)
+    finite = magnitude_bits < INF_BITS
+    top = tl.max(tl.where(mask & finite, magnitude_bits, 0), axis=0).to(tl.float32, bitcast=True)
     scale = tl.div_rn(SIGNED_TOP if SIGNED else UNSIGNED_TOP, tl.where(top > 0, top, 1.0))
     stored = (top > 0) & (scale <= FLOAT32_MAX)  # else the block is stored as zeros
-    tl.store(codes + index, _quantize(values * tl.where(stored, scale, 0.0), SIGNED), mask=mask)
+    indices = _quantize(tl.where(finite, values, 0.0) * tl.where(stored, scale, 0.0), SIGNED)
+    if SIGNED:
+        indices = tl.where(finite, indices, NAN_INDEX)
+    else:
+        indices = tl.where(finite, indices, tl.where(values == float("inf"), UNSIGNED_INF_INDEX, NAN_INDEX))
+    tl.store(codes + index, indices, mask=mask)
     tl.store(absmax + block, tl.where(stored, top, 0.0))
 
 

@@ -3,6 +3,7 @@ engine dispatch and state-dict conversion. A subclass states its algorithm: hype
 layout, per-step scalars and ``update``, the math written once."""
 import math
 import operator
+import warnings
 from collections import defaultdict
 from copy import deepcopy
 from itertools import repeat
@@ -270,7 +271,9 @@ class FastOptimizer(torch.optim.Optimizer):
         params = param_group["params"]
         if not isinstance(params, (Tensor, set)):  # torch refuses a set; a generator is read once, here
             param_group["params"] = list(params)
-        super().add_param_group(param_group)
+        with warnings.catch_warnings():  # torch warns of a duplicate param, which check_params refuses
+            warnings.filterwarnings("ignore", "optimizer contains a parameter group with duplicate parameters")
+            super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
             normalize_betas(group)

@@ -21,7 +21,14 @@ nearest magnitude; a tie goes to the larger. Its error on an element x is at mos
 
 A block whose scale is not finite (A is 0, or below top / 3.4e38: 5.5e-39 signed, 1.8e-34 unsigned)
 is stored as zeros, with absmax 0. A block's largest element comes back exact, and so do zeros.
-Non-finite values are not representable.
+
+Non-finite values stay inside their element, as they do in an fp32 state. A block's absmax is that of
+its finite elements, which are stored as above, and a non-finite element gets an index of its own that
+is not a code and decodes to itself, with no absmax: ``UNSIGNED`` keeps +inf at index 248 (fp16's
++inf, 248 << 7) and NaN at 255; ``SIGNED`` keeps NaN at 255, which ±inf is stored as too. A second
+moment reaches +inf from a finite gradient (g² overflows), where the fp32 step then freezes the
+element (m / √inf = 0), and so does the 8-bit step. A momentum or a difference overflows only where
+the second moment does too, and the fp32 step makes the param NaN (inf / inf): so does NaN.
 """
 from dataclasses import dataclass
 
@@ -36,16 +43,22 @@ def fp16_codes(count):
     return (torch.arange(count, dtype=torch.int16) << 7).view(torch.float16).float()
 
 
+NAN_INDEX = 255  # the index of NaN in both tables (and of ±inf in the signed one)
+
+
 @dataclass(frozen=True)
 class Codes:
     """A code table. Index i stands for ``values[i] * absmax``; ``values`` are the magnitudes divided by
     their largest (``top``), so they end at 1, and mirrored around index ``zero`` when ``signed``.
-    ``midpoints`` lie between consecutive magnitudes (exact in fp32)."""
+    ``midpoints`` lie between consecutive magnitudes (exact in fp32). ``decoded`` maps every index to
+    its value before the absmax: ``values``, then the non-finite ones (NaN but at ``inf_index``)."""
     values: torch.Tensor
     midpoints: torch.Tensor
     top: float
     zero: int
     signed: bool
+    inf_index: int
+    decoded: torch.Tensor
 
 
 def code_table(count, signed):
@@ -54,7 +67,12 @@ def code_table(count, signed):
     values = magnitudes * (1 / top)  # by a reciprocal, as the kernels dequantize: it ends at 1 exactly
     if signed:
         values = torch.cat([-values[1:].flip(0), values])
-    return Codes(values, (magnitudes[1:] + magnitudes[:-1]) / 2, top.item(), count - 1 if signed else 0, signed)
+    inf_index = NAN_INDEX if signed else count
+    decoded = torch.cat([values, torch.full((256 - len(values),), float("nan"))])
+    if not signed:
+        decoded[inf_index] = float("inf")
+    return Codes(values, (magnitudes[1:] + magnitudes[:-1]) / 2, top.item(), count - 1 if signed else 0, signed,
+                 inf_index, decoded)
 
 
 SIGNED = code_table(128, signed=True)
@@ -79,20 +97,25 @@ def n_blocks(numel):
 
 def quantize(tensor, codes, block=BLOCK):
     """(indices, absmax): uint8 indices of the nearest codes in ``tensor``'s shape, and the fp32
-    absolute maximum of each block. The nearest magnitude is found for ``t = |x| * (top / absmax)``,
-    against midpoints that are exact; a tie goes to the larger magnitude."""
+    absolute maximum of each block's finite elements. The nearest magnitude is found for
+    ``t = |x| * (top / absmax)``, against midpoints that are exact; a tie goes to the larger
+    magnitude. Non-finite elements get their own indices (see the module's docstring)."""
     blocks = blocks_of(tensor.float(), block)
-    absmax = blocks.abs().amax(dim=1)
+    finite = blocks.isfinite()
+    magnitudes = torch.where(finite, blocks.abs(), 0)
+    absmax = magnitudes.amax(dim=1)
     scale = codes.top / absmax
     stored = scale.isfinite()  # the other blocks are stored as zeros
     absmax, scale = torch.where(stored, absmax, 0), torch.where(stored, scale, 0)
-    t = blocks.abs() * scale[:, None]
+    t = magnitudes * scale[:, None]
     magnitude = torch.bucketize(t, codes.midpoints.to(tensor.device), right=True)
     indices = codes.zero + torch.where(blocks < 0, -magnitude, magnitude)
+    indices = torch.where(finite, indices, torch.where(blocks == float("inf"), codes.inf_index, NAN_INDEX))
     return indices.to(torch.uint8).view(-1)[:tensor.numel()].view(tensor.shape), absmax
 
 
 def dequantize(indices, absmax, codes, block=BLOCK):
     """The fp32 tensor that ``indices`` and ``absmax`` stand for (see :func:`quantize`)."""
-    values = blocks_of(codes.values.to(indices.device)[indices.long()], block) * absmax[:, None]
+    decoded = blocks_of(codes.decoded.to(indices.device)[indices.long()], block)
+    values = torch.where(decoded.isfinite(), decoded * absmax[:, None], decoded)
     return values.view(-1)[:indices.numel()].view(indices.shape)
