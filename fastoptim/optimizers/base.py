@@ -173,10 +173,11 @@ class Signature:
         self.one_device = len(set(self.values[DEVICE])) <= 1
 
     def matches(self, tensors, *getters):
-        """Whether ``tensors`` agree with this signature in what ``getters`` read. Compared one by
-        one, with no lists: thousands of new tuples per step would set off full runs of the
-        garbage collector, which cost several times what the checks do."""
-        return all(all(map(operator.eq, map(get, tensors), self.values[get])) for get in getters)
+        """Whether ``tensors`` agree with this signature in what ``getters`` read. Shapes and
+        strides are compared one by one, with no lists: thousands of new tuples per step would set
+        off full runs of the garbage collector, which cost several times what the checks do."""
+        return all(all(map(operator.eq, map(get, tensors), self.values[get])) if get in (SHAPE, STRIDES)
+                   else list(map(get, tensors)) == self.values[get] for get in getters)
 
     def describes(self, owners, tensors=None):
         tensors = owners if tensors is None else tensors
@@ -199,6 +200,7 @@ class GroupWork:
     def __init__(self, roles, engine, params, local_params, signature=None):
         self.roles, self.engine, self.params, self.signature = roles, engine, params, signature
         self.local_params = local_params  # what the engines update: the params, or DTensors' local shards
+        self.sharded = local_params is not params
         # the per-tensor scalars (step sizes, bias corrections): float64 where a param's math is float64
         self.scalar_dtype = torch.float64 if any(p.dtype == torch.float64 for p in local_params) else torch.float32
         self.buckets = [(bucket, None) for bucket in buckets(params)]
@@ -214,12 +216,11 @@ class GroupWork:
         return (self.states is not None and all(map(operator.is_, states, self.states))
                 and all(all(map(operator.is_, map(dict.get, states, repeat(key)), tensors))
                         for key, tensors in self.kept.items())
-                and self.state_signature.describes(*self._state_tensors()))
+                and self.state_signature.matches(self._local_states(), *LAYOUT))
 
-    def _state_tensors(self):
-        """The state tensors this work was built on (owners), and their local shards."""
-        owners = [t for tensors in self.kept.values() for t in tensors if isinstance(t, Tensor)]
-        return owners, list(map(distributed.local, owners)) if any(map(distributed.is_dtensor, owners)) else owners
+    def _local_states(self):
+        """The state tensors this work was built on (their local shards where the params are DTensors)."""
+        return list(map(distributed.local, self.state_owners)) if self.sharded else self.state_owners
 
     def use_states(self, states, context, partitions, reduced_roles, group):
         """Take the states (every role present), with the subset-norm partition of each param (None:
@@ -227,8 +228,9 @@ class GroupWork:
         Params whose subsets span FSDP2 shards get buckets of their own, which sum over ``group``."""
         self.states, self.context, self.bucket_caches = states, context, {}
         self.kept = {key: list(map(dict.get, states, repeat(key))) for key in {key for state in states for key in state}}
+        self.state_owners = [t for tensors in self.kept.values() for t in tensors if isinstance(t, Tensor)]
         if self.signature is not None:  # a cached entry (not one traced by torch.compile, which reuses nothing)
-            self.state_signature = Signature(*self._state_tensors())
+            self.state_signature = Signature(self.state_owners, self._local_states())
         self.partitions = partitions if any(partitions) else None
         self.tensors = {"param": self.local_params} | {role: list(map(distributed.local, self.kept[role]))
                                                        for role in self.roles}
