@@ -9,13 +9,12 @@ from copy import deepcopy
 from itertools import repeat
 from operator import attrgetter
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from .. import distributed, engines
 from ..clip import clip_coefficient
-from ..multi_tensor import buckets, data_pointers
+from ..multi_tensor import buckets
 from ..states import blockwise8, subset_norm
 
 
