@@ -77,7 +77,9 @@ typedef struct { const Work *work; int64_t chunk_begin, chunk_end; } Share;
 #define INLINE static inline __attribute__((always_inline))
 /* Each chunk function is compiled for x86-64-v4 (AVX-512), x86-64-v3 (AVX2, FMA, F16C) and baseline
    x86-64; the loader picks by the CPU's features (an "arch=<model>" clone would miss AMD CPUs). */
+#ifndef VECTORISED  /* the sanitizer build (tests/test_sanitizers.py) defines it empty: one copy each */
 #define VECTORISED __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#endif
 
 INLINE void *row(const Work *w, int role, int64_t tensor) {
     return (void *)(intptr_t)w->pointers[role * w->n_tensors + tensor];
