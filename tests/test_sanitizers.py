@@ -29,7 +29,9 @@ SANITIZE = ["-O1", "-g", "-fno-var-tracking", "-fno-omit-frame-pointer", "-fsani
 # read from /proc; the loop and foreach engines' variants, which never call the kernel; and the
 # 8-bit training runs (a minute and more under ASan, for kernel paths the other tests cover).
 DESELECT = ["triton", "allocates_nothing", "foreach_scratch", "loop]", "foreach]", "train_as_well"]
+# With the states-moved test, whose cache bug wrote into freed memory: ASan reported it (heap-use-after-free).
 SELECTION = ["tests/test_fused.py", "tests/test_blockwise8.py", "tests/test_clip.py", "tests/test_state_bits.py",
+             "tests/test_adversarial.py::test_states_moved_to_new_storage_in_place_are_seen_by_the_step_cache",
              "-k", " and ".join(f"not {name}" for name in DESELECT)]
 REPORTS = ("ERROR: AddressSanitizer", "runtime error:")
 
