@@ -249,9 +249,10 @@ F16C static void dequantize_block_f16c(const uint8_t *restrict codes, float absm
             h = _mm_slli_epi16(index, 7);
         }
         const __m256 decoded = _mm256_cvtph_ps(h);
-        const __m256 finite = _mm256_cmp_ps(_mm256_and_ps(decoded, no_sign), inf, _CMP_LT_OQ);
-        _mm256_storeu_ps(values + k, _mm256_blendv_ps(decoded, _mm256_mul_ps(_mm256_mul_ps(decoded, inverse_top), absmax8),
-                                                      finite));
+        __m256 value = _mm256_mul_ps(_mm256_mul_ps(decoded, inverse_top), absmax8);  /* a NaN stays NaN */
+        if (table == UNSIGNED && absmax == 0)  /* +inf times an absmax of 0 would not stay +inf */
+            value = _mm256_blendv_ps(decoded, value, _mm256_cmp_ps(_mm256_and_ps(decoded, no_sign), inf, _CMP_LT_OQ));
+        _mm256_storeu_ps(values + k, value);
     }
     for (; k < n; k++) values[k] = dequantize(codes[k], absmax, table);
 }
