@@ -145,6 +145,23 @@ def test_one_bad_gradient_element_harms_no_other_param_at_any_state_bits(cls, ba
     assert results[8, "loop"][300].isnan() == results[16, "loop"][300].isnan()
 
 
+@pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW])
+@pytest.mark.parametrize("bad", [1e20, float("inf")])
+def test_the_triton_kernels_keep_a_bad_gradient_element_as_the_loop_engine_does(cls, bad, monkeypatch):
+    pytest.importorskip("fastoptim.kernels.fused_triton")
+    monkeypatch.setenv("FASTOPTIM_FUSED_BACKEND", "triton")  # on CPU tensors in Triton's interpreter
+    grads = oracle.grad_sequence([(4096,)], 3)
+    grads[1][0][300] = bad
+    for state_bits in (32, 8):
+        results = []
+        for engine in ("loop", "fused-multi"):
+            params, optimizer = make(cls, engine, state_bits, shapes=[(4096,)])
+            oracle.run(optimizer, params, grads)
+            results.append(params[0].detach())
+        assert results[1][torch.arange(4096) != 300].isfinite().all()
+        torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
 # --- 4. float64 params ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("engine", ENGINES)

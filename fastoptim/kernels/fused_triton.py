@@ -201,6 +201,13 @@ def _moving_average(old, new, S, BETA: tl.constexpr, ONE_MINUS_BETA: tl.constexp
 
 
 @triton.jit
+def _moving_average_of_squares(old, x, S, BETA: tl.constexpr, ONE_MINUS_BETA: tl.constexpr):
+    """β·old + (1−β)·x·x in torch's addcmul order, as the C kernel: (1−β)·x first, so that a large x
+    overflows no sooner than the loop engine's."""
+    return old * tl.load(S + BETA) + tl.load(S + ONE_MINUS_BETA) * x * x
+
+
+@triton.jit
 def _step_scale(second_moment, S, STEP_SIZE: tl.constexpr, BIAS_CORRECTION_SQRT: tl.constexpr, EPS: tl.constexpr):
     """step_size / (√second_moment / bias_correction_sqrt + eps): a reciprocal per tile, as the C
     kernels take one per tensor, and one IEEE division per element."""
@@ -241,7 +248,7 @@ def _adan_apply(p, m, v, neg_g, d, scale, S):
 def _adan_dense_tile(param, grad, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_grad, index, mask, S, seed, t,
                      STOCHASTIC: tl.constexpr):
     neg_g, d, u = _adan_terms(_load(grad, index, mask), _load(neg_pre_grad, index, mask), S)
-    n = _adan_second_moment(_load(exp_avg_sq, index, mask), u * u, S)
+    n = _moving_average_of_squares(_load(exp_avg_sq, index, mask), u, S, ADAN_BETA3, ADAN_ONE_MINUS_BETA3)
     m, v, p = _adan_apply(_load(param, index, mask), _load(exp_avg, index, mask), _load(exp_avg_diff, index, mask),
                           neg_g, d, _adan_scale(n, S), S)
     _store(exp_avg_sq, index, n, mask)
@@ -263,7 +270,8 @@ def _adan_q8_block(param, grad, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_grad,
     if b != 1:
         scale = _adan_scale(tl.load(reduced + _subset_of(index, b, c), mask=mask, other=0.0), S)
     else:
-        n = _adan_second_moment(_load_q8(exp_avg_sq, absmax_n, block, index, mask, False), u * u, S)
+        n = _moving_average_of_squares(_load_q8(exp_avg_sq, absmax_n, block, index, mask, False), u, S, ADAN_BETA3,
+                                       ADAN_ONE_MINUS_BETA3)
         _store_q8(exp_avg_sq, absmax_n, block, index, mask, n, False)
         scale = _adan_scale(n, S)
     m, v, p = _adan_apply(_load(param, index, mask), _load_q8(exp_avg, absmax_m, block, index, mask, True),
@@ -391,7 +399,7 @@ def _adamw_param(p, numerator, scale, S):
 def _adamw_dense_tile(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, index, mask, S, seed, t,
                       AMSGRAD: tl.constexpr, FIRST_MOMENT: tl.constexpr, STOCHASTIC: tl.constexpr):
     g = _adamw_grad(grad, index, mask, S)
-    v = _adamw_second_moment(_load(exp_avg_sq, index, mask), g * g, S)
+    v = _moving_average_of_squares(_load(exp_avg_sq, index, mask), g, S, ADAMW_BETA2, ADAMW_ONE_MINUS_BETA2)
     _store(exp_avg_sq, index, v, mask)
     if AMSGRAD:
         v = tl.maximum(_load(max_exp_avg_sq, index, mask), v)
@@ -415,7 +423,8 @@ def _adamw_q8_block(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, absmax_m, 
     if b != 1:
         v = tl.load(reduced_max + _subset_of(index, b, c), mask=mask, other=0.0)
     else:
-        v = _adamw_second_moment(_load_q8(exp_avg_sq, absmax_v, block, index, mask, False), g * g, S)
+        v = _moving_average_of_squares(_load_q8(exp_avg_sq, absmax_v, block, index, mask, False), g, S, ADAMW_BETA2,
+                                       ADAMW_ONE_MINUS_BETA2)
         _store_q8(exp_avg_sq, absmax_v, block, index, mask, v, False)
         if AMSGRAD:
             v = tl.maximum(_load_q8(max_exp_avg_sq, absmax_v_max, block, index, mask, False), v)
