@@ -199,3 +199,13 @@ def test_the_kernels_codes_and_ties_are_the_reference_s(kernel):
         x = torch.cat([torch.ones(len(rows), 1), rows], 1)
         for signed_x in (x.reshape(-1), -x.reshape(-1)) if codes.signed else (x.reshape(-1),):
             assert torch.equal(kernel_quantize(signed_x, codes)[0], quantize(signed_x, codes)[0])
+
+
+@pytest.mark.parametrize("kernel", ["c", "c-portable", "triton"])
+def test_the_scale_is_a_correctly_rounded_division_in_the_kernels_as_in_the_reference(kernel):
+    """top / 1.2 rounds below 1.5625, a tie of the signed magnitudes; reciprocal · top, which torch
+    computes for a number divided by a tensor, rounds onto it and once picked the other code."""
+    kernel_quantize, _ = kernel_functions(kernel)
+    x = torch.tensor([1.2, 1.0])
+    assert torch.equal(quantize(x, SIGNED)[0], kernel_quantize(x, SIGNED)[0])
+    assert quantize(x, SIGNED)[0][1] == SIGNED.zero + 124  # magnitude 1.5, index 251

@@ -104,7 +104,7 @@ def quantize(tensor, codes, block=BLOCK):
     finite = blocks.isfinite()
     magnitudes = torch.where(finite, blocks.abs(), 0)
     absmax = magnitudes.amax(dim=1)
-    scale = codes.top / absmax
+    scale = absmax.new_tensor(codes.top) / absmax  # a division: torch takes number / tensor as reciprocal · number
     stored = scale.isfinite()  # the other blocks are stored as zeros
     absmax, scale = torch.where(stored, absmax, 0), torch.where(stored, scale, 0)
     t = magnitudes * scale[:, None]
