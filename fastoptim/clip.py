@@ -28,10 +28,10 @@ def _grad_tables(grads):
 
 def grad_norm(grads, norm_type=2.0, tables=None, group=None):
     """The ``norm_type``-norm (2 or inf) over every tensor in ``grads``, as a 0-d tensor on the first
-    grad's device: float64 where a grad is float64 (as torch's), else fp32. ``tables``: the caller's decision, ``_grad_tables(grads)`` for the kernel or
-    an empty list for foreach; None decides here. ``group``: a process group whose ranks hold the
-    rest of the grads (each exactly once); the norm is then theirs all together, and every rank of
-    it must call this, with grads or none."""
+    grad's device: float64 where a grad is float64 (as torch's), else fp32. ``tables``: the caller's
+    decision, ``_grad_tables(grads)`` for the kernel or an empty list for foreach; None decides here.
+    ``group``: a process group whose ranks hold the rest of the grads (each exactly once); the norm
+    is then theirs all together, and every rank of it must call this, with grads or none."""
     inf = norm_type == math.inf
     wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     if tables is None and _kernel_takes(grads):

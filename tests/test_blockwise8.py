@@ -161,7 +161,8 @@ non_finite = st.sampled_from([float("nan"), float("inf"), -float("inf")])
 
 @pytest.mark.parametrize("kernel", ["c", "c-portable", "triton"])
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.one_of(values, non_finite), min_size=1, max_size=2 * BLOCK + 7), st.sampled_from(["signed", "unsigned"]))
+@given(st.lists(st.one_of(values, non_finite), min_size=1, max_size=2 * BLOCK + 7),
+       st.sampled_from(["signed", "unsigned"]))
 def test_the_kernels_store_non_finite_elements_as_the_reference_does(kernel, elements, kind):
     kernel_quantize, kernel_dequantize = kernel_functions(kernel)
     codes = TABLES[kind]

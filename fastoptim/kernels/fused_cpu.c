@@ -174,7 +174,7 @@ INLINE float magnitude(int32_t k) {
 }
 
 INLINE float dequantize(uint8_t index, float absmax, int table) {
-    if (index > (table == SIGNED ? 254 : last(table)))  /* not a code: a non-finite value */
+    if (index > (table == SIGNED ? 127 + last(table) : last(table)))  /* not a code: a non-finite value */
         return table == UNSIGNED && index == UNSIGNED_INF_INDEX ? INFINITY : NAN;
     const int32_t k = table == SIGNED ? index - 127 : index;
     const float code = magnitude(k < 0 ? -k : k) * (1 / table_top(table));  /* a product: no division */
@@ -472,7 +472,8 @@ INLINE void adan_body(const Work *w, int64_t t, int64_t start, int64_t count, in
     if (b == 1) {                                           /* dense: n = β3·n + (1−β3)·u² per element */
         ADAN_BLOCKS(start, end, IVDEP for (int64_t i = i0; i < i1; i++) {
             const AdanTerms x = ADAN_TERMS(i);
-            const float n_i = get(&n, i, states) * s.beta3 + s.one_minus_beta3 * x.u * x.u;  /* as torch's addcmul: later overflow */
+            /* (1−β3)·u·u as torch's addcmul orders it: u² alone overflows sooner */
+            const float n_i = get(&n, i, states) * s.beta3 + s.one_minus_beta3 * x.u * x.u;
             put(&n, i, n_i, states);
             ADAN_UPDATE(i, x, adan_scale(&s, n_i));
         })
@@ -568,7 +569,7 @@ INLINE void adamw_body(const Work *w, int64_t t, int64_t start, int64_t count, i
     if (b == 1) {                                           /* dense: v = β2·v + (1−β2)·g² per element */
         ADAMW_BLOCKS(start, end, IVDEP for (int64_t i = i0; i < i1; i++) {
             const float g = ADAMW_GRAD(i);
-            float v_i = get(&v, i, states) * s.beta2 + s.one_minus_beta2 * g * g;  /* as torch's addcmul: later overflow */
+            float v_i = get(&v, i, states) * s.beta2 + s.one_minus_beta2 * g * g;  /* addcmul's order, as Adan's */
             put(&v, i, v_i, states);
             if (amsgrad) {
                 v_i = larger(get(&v_max, i, states), v_i);
