@@ -74,7 +74,8 @@ def test_foreach_matches_loop_across_slices_and_pieces_of_large_tensors(monkeypa
     monkeypatch.setattr(foreach, "CHUNK_NUMEL", 16)
     shapes = [(7,), (5, 3), (40,), (2, 2), (3,), (6, 7)]  # (40,) and (6, 7) are cut into flat views
     params = oracle.make_params(shapes, dtype)
-    plan = fastoptim.engines.Plan({"param": params, "grad": params}, {"x": torch.arange(6.0)}, frozenset({"x"}))
+    plan = fastoptim.engines.Plan({"param": params, "grad": params}, update=None, spec=None,
+                                  args={"x": torch.arange(6.0)}, per_tensor=frozenset({"x"}))
     cut = foreach.pieces(plan, 16)
     assert [t.numel() for t in cut.tensors["param"]] == [7, 15, 16, 16, 8, 4, 3, 16, 16, 10]
     assert cut.args["x"].tolist() == [0, 1, 2, 2, 2, 3, 4, 5, 5, 5]

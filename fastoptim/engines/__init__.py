@@ -2,12 +2,14 @@
 ``fastoptim/optimizers``, or the fused kernel that restates it) over a :class:`Plan`; engines differ
 only in how they walk the tensors."""
 import warnings
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
 from ..kernels import fused_cpu
+from ..specs import KernelSpec
 from . import foreach, fused, loop
 from . import fused as fused_engine  # the flag `fused` shadows the module below
 
@@ -17,6 +19,8 @@ class Plan:
     """One bucket (one device and dtype) of one group's step.
 
     ``tensors`` maps a role (``param``, ``grad``, ``exp_avg``, ...) to one tensor per parameter.
+    ``update``, ``spec``, ``kernel_scalars`` and ``flags`` are the algorithm's (see
+    ``FastOptimizer``): an engine runs the math of the plan, and never sees the optimizer.
     ``args`` holds the rest of ``update``'s keyword arguments: Python numbers and bools, 0-d tensors
     shared by every parameter, or 1-d tensors with one entry per parameter (named in ``per_tensor``).
     The fused engines also read ``found_inf`` (GradScaler's, or None), ``stochastic_rounding``,
@@ -28,6 +32,10 @@ class Plan:
     """
 
     tensors: dict[str, list[Tensor]]
+    update: Callable  # the algorithm's math, ``update(ops, scratch=..., **tensors, **args)``
+    spec: KernelSpec  # what its fused kernels take
+    kernel_scalars: Callable | None = None  # ``args`` as the fused kernels take them (None: no kernel)
+    flags: dict = field(default_factory=dict)  # the spec's feature flags
     args: dict = field(default_factory=dict)
     per_tensor: frozenset = frozenset()
     found_inf: Tensor | None = None
@@ -42,18 +50,24 @@ class Plan:
 
     def subset(self, indices):
         """The plan restricted to tensors ``indices`` (with a cache of its own)."""
-        index = torch.tensor(indices, device=self.tensors["param"][0].device)
-        return Plan({role: [tensors[i] for i in indices] for role, tensors in self.tensors.items()},
-                    {k: v[index] if k in self.per_tensor else v for k, v in self.args.items()},
-                    self.per_tensor, self.found_inf, self.stochastic_rounding, self.warn_fallback,
-                    absmax={role: [values[i] for i in indices] for role, values in self.absmax.items()})
+        return self.cut(indices)
+
+    def cut(self, owners, tensors=None, absmax=None):
+        """A plan (with a cache of its own) whose i-th tensor is tensor ``owners[i]`` of this one, or
+        a piece of it: ``tensors`` and ``absmax`` then hold the pieces by role."""
+        if tensors is None:
+            tensors = {role: [values[i] for i in owners] for role, values in self.tensors.items()}
+            absmax = {role: [values[i] for i in owners] for role, values in self.absmax.items()}
+        index = torch.tensor(owners, device=self.tensors["param"][0].device)
+        return replace(self, tensors=tensors, absmax=absmax, cache={}, sum_group=None,
+                       args={k: v[index] if k in self.per_tensor else v for k, v in self.args.items()})
 
 
 ENGINES = {"loop": loop.run, "foreach": foreach.run, "fused-single": fused.run_single, "fused-multi": fused.run_multi}
 FUSED = frozenset({"fused-single", "fused-multi"})
 
 
-def run_summing_over(algorithm, plan, group):
+def run_summing_over(plan, group):
     """Params whose subsets span FSDP2 shards (columns of a matrix with fewer rows than columns): the
     loop engine, which all-reduces each param's subset sums over ``group`` before they enter the
     second moment. One update per param, so every rank makes the same all-reduces in the same order;
@@ -62,7 +76,7 @@ def run_summing_over(algorithm, plan, group):
         warnings.warn("fastoptim: fused=True, but subset-norm sums that span FSDP2 shards are all-reduced between "
                       "ranks, which the kernel cannot do; those tensors take the loop engine", stacklevel=4)
     plan.sum_group = group
-    loop.run(algorithm, plan)
+    loop.run(plan)
 
 
 def engine_name(foreach, fused):

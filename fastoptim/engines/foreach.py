@@ -60,12 +60,10 @@ def pieces(plan, limit=CHUNK_NUMEL):
         owners += [i] * n
     if len(owners) == len(plan):
         return plan
-    index = torch.tensor(owners, device=plan.tensors["param"][0].device)
-    args = {k: v[index] if k in plan.per_tensor else v for k, v in plan.args.items()}
-    return type(plan)(cut, args, plan.per_tensor, stochastic_rounding=plan.stochastic_rounding, absmax=cut_absmax)
+    return plan.cut(owners, cut, cut_absmax)
 
 
-def run(algorithm, plan):
+def run(plan):
     plan = pieces(plan, CHUNK_NUMEL)
     for part in slices(plan.tensors["param"], CHUNK_NUMEL):
         tensors = {role: tensors[part] for role, tensors in plan.tensors.items()}
@@ -84,7 +82,7 @@ def run(algorithm, plan):
             for name, value in plan.args.items()
         }
         scratch = [torch.empty_like(p) for p in tensors["param"]]
-        algorithm.update(FOREACH_OPS, scratch=scratch, **tensors, **args)
+        plan.update(FOREACH_OPS, scratch=scratch, **tensors, **args)
         for role, states in stored.items():
             for state, a, value in zip(states, absmax.get(role, repeat(None)), tensors[role]):
                 if state.dtype in lowbit.LOW_BIT:

@@ -30,7 +30,9 @@ from . import foreach
 
 try:
     from ..kernels import fused_triton
-except ImportError:  # Triton is an optional extra: pip install fastoptim[triton]
+except ModuleNotFoundError as error:  # Triton is an optional extra: pip install fastoptim[triton]
+    if error.name != "triton":
+        raise
     fused_triton = None
 
 BACKENDS = ("cpu", "triton")
@@ -49,12 +51,14 @@ def backend(device):
     return forced_backend() or ("triton" if device.type == "cuda" else "cpu")
 
 
-def state_format(param, states):
+def state_format(param, states, half_roles):
     """The format of a tensor's states (``states``: role to tensor) as the kernel names it, when
-    they follow its rule (one dtype, except Adan's neg_pre_grad in bf16 beside 8-bit codes and a
+    they follow its rule (one dtype, except ``half_roles`` in bf16 beside 8-bit codes and a
     subset-norm second moment in fp32), else None."""
     full = {role: state.dtype for role, state in states.items() if state.shape == param.shape}
-    pre_grad = full.pop("neg_pre_grad", None)
+    pre_grad = None
+    for role in half_roles:
+        pre_grad = full.pop(role, pre_grad)
     dtypes = set(full.values())
     if len(dtypes) > 1:
         return None
@@ -119,7 +123,7 @@ def _split(plan, kind):
     taken, formats, left, reason = [], [], [], None
     for i, (param, grad) in enumerate(zip(plan.tensors["param"], plan.tensors["grad"])):
         states = {role: plan.tensors[role][i] for role in state_roles}
-        states_format = state_format(param, states)
+        states_format = state_format(param, states, plan.spec.half)
         why = _refusal(kind, param, grad, states, states_format)
         if why:
             left.append(i)
@@ -130,25 +134,25 @@ def _split(plan, kind):
     return taken, formats, left, reason
 
 
-def _fallback(algorithm, plan, reason):
+def _fallback(plan, reason):
     if plan.warn_fallback:
         warnings.warn(f"fastoptim: fused=True, but {reason}; those tensors take the foreach engine", stacklevel=4)
     if plan.found_inf is not None and plan.found_inf.item():  # the foreach engine cannot skip without a sync
         return
-    foreach.run(algorithm, plan)
+    foreach.run(plan)
 
 
-def _scalar_values(algorithm, plan, device):
+def _scalar_values(plan, device):
     """The kernel's scalars, name to value: a Python number, a 0-d tensor, or a 1-d tensor with one
     value per tensor (``plan.per_tensor``). The seed of stochastic rounding is drawn on ``device``."""
     seed = torch.randint(1 << 24, (), device=device) if plan.stochastic_rounding else 0
-    values = algorithm.kernel_scalars(plan.args)
+    values = plan.kernel_scalars(plan.args)
     return values | dict(found_inf=0.0 if plan.found_inf is None else plan.found_inf, seed=seed)
 
 
-def _cpu_scalars(algorithm, plan):
+def _cpu_scalars(plan):
     """The C kernel's scalars as a ctypes array of (pointer, stride), and the tensors it points into."""
-    values, names = _scalar_values(algorithm, plan, "cpu"), fused_cpu.SCALARS[algorithm.kernel]
+    values, names = _scalar_values(plan, "cpu"), plan.spec.all_scalars
     numbers = torch.tensor([0.0 if isinstance(values[n], torch.Tensor) else float(values[n]) for n in names])
     keep, array = [numbers], (fused_cpu.Scalar * len(names))()
     for i, name in enumerate(names):
@@ -162,13 +166,13 @@ def _cpu_scalars(algorithm, plan):
     return array, keep
 
 
-def _device_scalars(algorithm, plan, table, device):
+def _device_scalars(plan, table, device):
     """The Triton kernels' scalars: an fp32 tensor on ``device`` with one row per tensor when one
     of them is per tensor, else one shared row. Tensor values (a tensor lr, the clip coefficient,
     found_inf, the step's bias corrections, the seed of stochastic rounding) never leave the device;
     the plain numbers are sent once and kept with ``table`` while they stay the same. So a step sends
     nothing to the device and waits for nothing: it can be captured in a CUDA graph once warmed up."""
-    values, names = _scalar_values(algorithm, plan, device), fused_cpu.SCALARS[algorithm.kernel]
+    values, names = _scalar_values(plan, device), plan.spec.all_scalars
     rows = len(plan) if any(name in plan.per_tensor for name in names) else 1
     numbers = tuple(0.0 if isinstance(values[n], torch.Tensor) else float(values[n]) for n in names)
     if table.numbers is None or table.numbers[0] != numbers:
@@ -177,7 +181,7 @@ def _device_scalars(algorithm, plan, table, device):
                         else table.numbers[1][i].expand(rows) for i, n in enumerate(names)], dim=1)
 
 
-def _prepare(algorithm, plan, kind):
+def _prepare(plan, kind):
     """What backend ``kind``'s kernel takes of ``plan``, and its pointer tables, cached in
     ``plan.cache`` (which the optimizer empties whenever a param or state tensor changes) while
     the grads keep their layouts. Only the grads' pointers are refreshed every step."""
@@ -185,7 +189,7 @@ def _prepare(algorithm, plan, kind):
     prepared = plan.cache.get("prepared")
     if (prepared is None or prepared.kind != kind
             or not all(map(operator.eq, map(torch.Tensor.stride, grads), prepared.grad_strides))):
-        prepared = plan.cache["prepared"] = Prepared(plan, kind, fused_cpu.ROLES[algorithm.kernel])
+        prepared = plan.cache["prepared"] = Prepared(plan, kind, plan.spec.rows)
     pointers = data_pointers(grads)
     for indices, table, _ in prepared.tables:
         table.refresh_grads(pointers[indices])
@@ -215,38 +219,36 @@ class Prepared:
         self.grad_strides = [grad.stride() for grad in plan.tensors["grad"]]
 
 
-def _run(algorithm, plan, per_tensor_calls):
-    if algorithm.kernel is None:
-        _fallback(algorithm, plan, f"no fused kernel for {type(algorithm).__name__} yet")
+def _run(plan, per_tensor_calls):
+    if plan.kernel_scalars is None:
+        _fallback(plan, f"no fused kernel for {plan.spec.name} yet")
         return
     kind = backend(plan.tensors["param"][0].device)
-    prepared = _prepare(algorithm, plan, kind)
+    prepared = _prepare(plan, kind)
     if prepared.left:
-        _fallback(algorithm, plan.subset(prepared.left), prepared.reason)
-    amsgrad, first_moment = "max_exp_avg_sq" in plan.tensors, "exp_avg" in plan.tensors
+        _fallback(plan.subset(prepared.left), prepared.reason)
     device, dtype = plan.tensors["param"][0].device, plan.tensors["param"][0].dtype
     for indices, table, state_dtype in prepared.tables:
         part = plan if len(indices) == len(plan) else plan.subset(indices)
         ranges = zip(table.first_chunk[:-1], table.first_chunk[1:]) if per_tensor_calls else [(0, len(table.chunks))]
         if kind == "cpu":
-            scalars, _keep = _cpu_scalars(algorithm, part)
-            flags = ((fused_cpu.AMSGRAD if amsgrad else 0) | (0 if first_moment else fused_cpu.NO_FIRST_MOMENT)
-                     | (fused_cpu.STOCHASTIC_ROUNDING if part.stochastic_rounding else 0))
+            scalars, _keep = _cpu_scalars(part)
+            flags = plan.spec.flag_bits(plan.flags, part.stochastic_rounding)
             for chunk_range in ranges:
-                fused_cpu.run(algorithm.kernel, table.pointers, len(part), table.chunks, chunk_range, table.layouts,
+                fused_cpu.run(plan.spec, table.pointers, len(part), table.chunks, chunk_range, table.layouts,
                               scalars, dtype, flags, torch.get_num_threads())
             continue
         pointers, work = table.device_tables(device)
-        scalars = _device_scalars(algorithm, part, table, device)
+        scalars = _device_scalars(part, table, device)
         for first, last in ranges:
-            fused_triton.launch(algorithm.kernel, pointers, len(part), work[first:last], scalars, dtype, state_dtype,
+            fused_triton.launch(plan.spec, pointers, len(part), work[first:last], scalars, dtype, state_dtype,
                                 stochastic=part.stochastic_rounding, subsets=bool((table.subsets > 1).any()),
-                                amsgrad=amsgrad, first_moment=first_moment)
+                                flags=plan.flags)
 
 
-def run_multi(algorithm, plan):
-    _run(algorithm, plan, per_tensor_calls=False)
+def run_multi(plan):
+    _run(plan, per_tensor_calls=False)
 
 
-def run_single(algorithm, plan):
-    _run(algorithm, plan, per_tensor_calls=True)
+def run_single(plan):
+    _run(plan, per_tensor_calls=True)

@@ -5,7 +5,7 @@ from . import lowbit
 from .ops import LOW_PRECISION, TENSOR_OPS, round_into, summing_over
 
 
-def run(algorithm, plan):
+def run(plan):
     ops = TENSOR_OPS if plan.sum_group is None else summing_over(plan.sum_group)
     for i in range(len(plan)):
         tensors = {role: tensors[i] for role, tensors in plan.tensors.items()}
@@ -17,7 +17,7 @@ def run(algorithm, plan):
         for role, state in stored.items():
             tensors[role] = lowbit.widen(role, state, absmax.get(role))
         args = {name: value[i] if name in plan.per_tensor else value for name, value in plan.args.items()}
-        algorithm.update(ops, scratch=torch.empty_like(tensors["param"]), **tensors, **args)
+        plan.update(ops, scratch=torch.empty_like(tensors["param"]), **tensors, **args)
         for role, state in stored.items():
             lowbit.store(role, state, absmax.get(role), tensors[role])
         if tensors["param"] is not param:

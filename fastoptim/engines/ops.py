@@ -11,7 +11,7 @@ import torch
 from .. import distributed
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)  # params whose math runs in an fp32 copy
-NAMES = ("add_", "addcdiv_", "addcmul_", "copy_", "div_", "lerp_", "mul_", "reciprocal_", "sqrt_", "sub_")
+NAMES = ("add_", "addcdiv_", "addcmul_", "copy_", "div_", "lerp_", "mul_", "reciprocal_", "sign_", "sqrt_", "sub_")
 
 
 class Ops:

@@ -37,7 +37,7 @@
 #include <string.h>
 
 enum { FP32, BF16, FP16, Q8 };  /* element formats: params take the first three */
-enum { AMSGRAD = 1, STOCHASTIC_ROUNDING = 2, NO_FIRST_MOMENT = 4 };  /* flags */
+enum { STOCHASTIC_ROUNDING = 1, AMSGRAD = 2, FIRST_MOMENT = 4 };  /* flags */
 
 /* One scalar argument: a shared value (stride 0) or one value per tensor (stride 1). A pointer,
    not a value, so a tensor lr or clip coefficient is read here without a host sync in Python. */
@@ -783,7 +783,7 @@ int fastoptim_adamw(const int64_t *pointers, int64_t n_tensors, const int64_t *c
                     int64_t chunk_end, const int64_t *layouts, const Scalar *scalars, int32_t dtype, int32_t flags,
                     int32_t n_threads) {
     ChunkFn chunk = flags & AMSGRAD ? pick(adamw_fp32_ams, adamw_bf16_ams, adamw_bf16_sr_ams, adamw_fp16_ams, dtype, flags)
-                  : flags & NO_FIRST_MOMENT ? pick(adamw_fp32_rms, adamw_bf16_rms, adamw_bf16_sr_rms, adamw_fp16_rms,
+                  : !(flags & FIRST_MOMENT) ? pick(adamw_fp32_rms, adamw_bf16_rms, adamw_bf16_sr_rms, adamw_fp16_rms,
                                                    dtype, flags)
                   : pick(adamw_fp32, adamw_bf16, adamw_bf16_sr, adamw_fp16, dtype, flags);
     return run(chunk, pointers, n_tensors, chunks, chunk_begin, chunk_end, layouts, scalars, NULL, n_threads);

@@ -1,11 +1,11 @@
 """ctypes binding of the fused CPU kernels in ``fused_cpu.c``.
 
-Each kernel takes a pointer table (one row of data pointers per role, in ``ROLES`` order: param,
-grad, the states, then the block maxima of 8-bit ones), a chunk table, a layout table (each
-tensor's subset-norm (b, c) and its states' format, ``STATE_FORMATS``) and its scalars in
-``SCALARS`` order: the names mirror the C enums. ctypes releases the GIL for the call. The kernels'
-8-bit codes restate fastoptim.states.blockwise8's; ``quantize`` and ``dequantize`` expose them to
-the tests. The kernels run on the threads of the OpenMP runtime torch has loaded, when there is
+Each kernel (``fastoptim_<spec name>``) takes a pointer table (one row of data pointers per role,
+in its spec's ``rows`` order), a chunk table, a layout table (each tensor's subset-norm (b, c) and
+its states' format, ``STATE_FORMATS``), its scalars in its spec's ``all_scalars`` order and its
+flag bits (see fastoptim.specs; the C enums are generated from the specs). ctypes releases the GIL
+for the call. The kernels' 8-bit codes restate fastoptim.states.blockwise8's; ``quantize`` and
+``dequantize`` expose them to the tests. The kernels run on the threads of the OpenMP runtime torch has loaded, when there is
 one (``LIBRARY.openmp`` is its path), else on pthreads. The environment variable
 ``FASTOPTIM_FUSED_CPU_LIBRARY`` names a build to load instead of the packaged one (the sanitizer test's).
 """
@@ -20,22 +20,9 @@ from ..states import blockwise8
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 STATE_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 3}  # the C enum's FP32, BF16 and Q8
-AMSGRAD, STOCHASTIC_ROUNDING, NO_FIRST_MOMENT = 1, 2, 4
 
-COMMON_SCALARS = ("found_inf", "seed", "grad_scale")
-STATE_ROLES = {
-    "adan": ("exp_avg", "exp_avg_sq", "exp_avg_diff", "neg_pre_grad"),
-    "adamw": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
-}
-ROLES = {kernel: ("param", "grad") + roles + tuple(role + "_absmax" for role in roles)
-         for kernel, roles in STATE_ROLES.items()}
-SCALARS = {
-    "adan": COMMON_SCALARS + ("beta1", "beta2", "beta3", "one_minus_beta1", "one_minus_beta2", "one_minus_beta3",
-                              "eps", "pre_grad_weight", "bias_correction3_sqrt", "step_size", "diff_ratio",
-                              "decay_mul", "decay_div"),
-    "adamw": COMMON_SCALARS + ("one_minus_beta1", "beta2", "one_minus_beta2", "eps", "decay_mul", "decay_after",
-                               "step_size", "bias_correction2_sqrt"),
-}
+# pointers, tensor count, chunks, first chunk, end chunk: every kernel's first arguments
+TABLE_ARGUMENTS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
 
 
 class Scalar(ctypes.Structure):
@@ -56,18 +43,12 @@ def _load():
             break
     else:
         return None
-    common = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-    for name in ROLES:
-        kernel = getattr(library, f"fastoptim_{name}")
-        kernel.argtypes = common + [ctypes.c_void_p, ctypes.POINTER(Scalar), ctypes.c_int32, ctypes.c_int32,
-                                    ctypes.c_int32]
-        kernel.restype = ctypes.c_int
-    library.fastoptim_probe.argtypes = common + [ctypes.c_int32]
+    library.fastoptim_probe.argtypes = TABLE_ARGUMENTS + [ctypes.c_int32]
     library.fastoptim_probe.restype = ctypes.c_int
     library.fastoptim_use_openmp.argtypes = [ctypes.c_char_p]
-    library.fastoptim_grad_norm.argtypes = common[:4] + [ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p,
+    library.fastoptim_grad_norm.argtypes = TABLE_ARGUMENTS[:4] + [ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p,
                                                          ctypes.c_int32]
-    library.fastoptim_scale_grads.argtypes = common[:4] + [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32]
+    library.fastoptim_scale_grads.argtypes = TABLE_ARGUMENTS[:4] + [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32]
     library.fastoptim_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p,
                                            ctypes.c_void_p]
     library.fastoptim_dequantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32,
@@ -111,15 +92,25 @@ if AVAILABLE:
     use_threads(_torch_openmp())
 
 
-def run(kernel, pointers, n_tensors, chunks, chunk_range, layouts, scalars, dtype, flags, n_threads):
-    """Run ``kernel`` ('adan' or 'adamw') over chunks ``chunk_range`` of the tables (numpy int64;
-    ``layouts``, each tensor's subset-norm (b, c) and state format, may be None when all are dense
-    with fp32 states)."""
-    status = getattr(LIBRARY, f"fastoptim_{kernel}")(
+def kernel(spec):
+    """The C entry point of a kernel spec's family, ``fastoptim_<spec.name>``."""
+    function = getattr(LIBRARY, f"fastoptim_{spec.name}")
+    if function.argtypes is None:  # first use: declare its arguments
+        function.argtypes = TABLE_ARGUMENTS + [ctypes.c_void_p, ctypes.POINTER(Scalar), ctypes.c_int32,
+                                               ctypes.c_int32, ctypes.c_int32]
+        function.restype = ctypes.c_int
+    return function
+
+
+def run(spec, pointers, n_tensors, chunks, chunk_range, layouts, scalars, dtype, flags, n_threads):
+    """Run ``spec``'s kernel over chunks ``chunk_range`` of the tables (numpy int64; ``layouts``,
+    each tensor's subset-norm (b, c) and state format, may be None when all are dense with fp32
+    states); ``flags``: ``spec.flag_bits(...)``."""
+    status = kernel(spec)(
         pointers.ctypes.data, n_tensors, chunks.ctypes.data, chunk_range[0], chunk_range[1],
         None if layouts is None else layouts.ctypes.data, scalars, DTYPES[dtype], flags, n_threads)
     if status:
-        raise RuntimeError(f"fused CPU kernel {kernel} refused dtype {dtype}")
+        raise RuntimeError(f"fused CPU kernel {spec.name} refused dtype {dtype}")
 
 
 def probe(pointers, n_tensors, chunks, n_threads):

@@ -24,7 +24,13 @@ import triton
 import triton.language as tl
 
 from ..states import blockwise8
-from .fused_cpu import SCALARS
+SCALARS = {  # TEMPORARY, until the kernels read their specs
+    "adan": ("found_inf", "seed", "grad_scale", "beta1", "beta2", "beta3", "one_minus_beta1", "one_minus_beta2",
+             "one_minus_beta3", "eps", "pre_grad_weight", "bias_correction3_sqrt", "step_size", "diff_ratio",
+             "decay_mul", "decay_div"),
+    "adamw": ("found_inf", "seed", "grad_scale", "one_minus_beta1", "beta2", "one_minus_beta2", "eps", "decay_mul",
+              "decay_after", "step_size", "bias_correction2_sqrt"),
+}
 
 WORK_COLUMNS = tl.constexpr(6)
 TENSOR, START, COUNT, SUBSET_ROWS, SUBSET_COLUMNS, ALIGNED = (tl.constexpr(i) for i in range(6))
@@ -531,8 +537,9 @@ def _options(kernel, param_dtype, state_dtype, stochastic, subsets, amsgrad, fir
     return options | (dict(AMSGRAD=amsgrad, FIRST_MOMENT=first_moment) if kernel == "adamw" else {})
 
 
-def launch(kernel, pointers, n_tensors, work, scalars, param_dtype, state_dtype, *, stochastic=False, subsets=False,
-           amsgrad=False, first_moment=True):
+def launch(spec, pointers, n_tensors, work, scalars, param_dtype, state_dtype, *, stochastic=False, subsets=False,
+           flags):
+    kernel, amsgrad, first_moment = spec.name, flags.get("amsgrad", False), flags.get("first_moment", True)
     """Run ``kernel`` ('adan' or 'adamw') with one program per row of ``work`` (device tensors, see
     the module docstring); ``scalars`` holds one row per tensor, or one shared row."""
     options = _options(kernel, param_dtype, state_dtype, stochastic, subsets, amsgrad, first_moment)

@@ -1,7 +1,16 @@
 """AdamW (Loshchilov & Hutter), with the same signature, results and state dict as torch.optim.AdamW."""
 import torch
 
+from ..specs import KernelSpec, Role
 from .base import FastOptimizer, group_lr
+
+SPEC = KernelSpec(  # AdamW's family: AdamWSN and RMSPropSN take it too
+    "adamw",
+    roles=(Role("exp_avg", when="first_moment"), Role("exp_avg_sq", signed=False, reduced=True),
+           Role("max_exp_avg_sq", signed=False, reduced=True, when="amsgrad")),
+    scalars=("one_minus_beta1", "beta2", "one_minus_beta2", "eps", "decay_mul", "decay_after", "step_size",
+             "bias_correction2_sqrt"),
+    flags=("amsgrad", "first_moment"))
 
 
 def adamw_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, max_exp_avg_sq=None,
@@ -52,10 +61,7 @@ class AdamW(FastOptimizer):
 
     n_betas = 2
     update = staticmethod(adamw_update)
-    state_roles = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-    optional_state = frozenset()
-    reduced_roles = ("exp_avg_sq", "max_exp_avg_sq")  # per subset under sn
-    kernel = "adamw"
+    spec = SPEC
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
@@ -79,8 +85,9 @@ class AdamW(FastOptimizer):
             raise ValueError(f"Invalid differentiable: {group['differentiable']!r}: fastoptim's step runs "
                              "without autograd and updates in place; pass differentiable=False")
 
-    def _state_roles(self, group):
-        return self.state_roles if group["amsgrad"] else self.state_roles[:2]
+    @staticmethod
+    def kernel_flags(group):
+        return dict(amsgrad=group["amsgrad"], first_moment=True)
 
     def _expected_state(self, group, param, state):
         return {"step": (torch.Size([]), torch.float32)} | super()._expected_state(group, param, state)

@@ -58,9 +58,6 @@ class AdamWSN(AdamW):
 
     n_betas = 2
     update = staticmethod(adamw_sn_update)
-    state_roles = ("exp_avg", "exp_avg_sq")
-    reduced_roles = ("exp_avg_sq",)
-    kernel = "adamw"  # its family: weight decay after the update, no bias correction inside the root
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, subset_size=None,
                  correct_bias=True, foreach=None, fused=None, *, sn=False, maximize=False, max_grad_norm=0.0,
@@ -75,8 +72,10 @@ class AdamWSN(AdamW):
         if not isinstance(group["correct_bias"], bool):
             raise ValueError(f"Invalid correct_bias: {group['correct_bias']!r} (must be True or False)")
 
-    def _state_roles(self, group):
-        return self.state_roles[1:] if group["betas"][0] == 0 else self.state_roles
+    @staticmethod
+    def kernel_flags(group):
+        """AdamW's kernel family: weight decay after the update, no bias correction inside the root."""
+        return dict(amsgrad=False, first_moment=group["betas"][0] != 0)
 
     def _step_arguments(self, group, entry, grad_scale, increment):
         t = self._next_counts(entry, increment)

@@ -1,7 +1,17 @@
 """Adan: Adaptive Nesterov Momentum (Xie et al., 2022), exactly as official sail-sg/Adan computes it."""
 import torch
 
+from ..specs import KernelSpec, Role
 from .base import FastOptimizer, group_lr
+
+SPEC = KernelSpec(
+    "adan",
+    roles=(Role("exp_avg"), Role("exp_avg_sq", signed=False, reduced=True), Role("exp_avg_diff"),
+           # g_prev is subtracted from g: 8-bit codes would put their 1/16 error into every difference;
+           # step 1 does not read it
+           Role("neg_pre_grad", half=True, optional=True)),
+    scalars=("beta1", "beta2", "beta3", "one_minus_beta1", "one_minus_beta2", "one_minus_beta3", "eps",
+             "pre_grad_weight", "bias_correction3_sqrt", "step_size", "diff_ratio", "decay_mul", "decay_div"))
 
 
 def adan_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_grad,
@@ -94,12 +104,7 @@ class Adan(FastOptimizer):
 
     n_betas = 3
     update = staticmethod(adan_update)
-    state_roles = ("exp_avg", "exp_avg_sq", "exp_avg_diff", "neg_pre_grad")
-    reduced_roles = ("exp_avg_sq",)  # per subset under sn
-    optional_state = frozenset({"neg_pre_grad"})  # step 1 does not read it
-    # g_prev is subtracted from g: 8-bit codes would put their 1/16 error into every difference
-    half_roles = ("neg_pre_grad",)
-    kernel = "adan"
+    spec = SPEC
 
     def __init__(self, params, lr=1e-3, betas=(0.98, 0.92, 0.99), eps=1e-8, weight_decay=0.0,
                  max_grad_norm=0.0, no_prox=False, foreach=None, fused=None, *, maximize=False,
@@ -119,9 +124,6 @@ class Adan(FastOptimizer):
                 if param.requires_grad:
                     self.state[param].clear()
         self._forget_engine_caches()
-
-    def _state_roles(self, group):
-        return self.state_roles
 
     def _prepare_states(self, params, group):
         """The states, and as ``context`` the weights of g − g_prev for the step that creates them:

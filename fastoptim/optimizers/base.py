@@ -15,6 +15,7 @@ from torch import Tensor
 from .. import distributed, engines
 from ..clip import clip_coefficient
 from ..multi_tensor import buckets
+from ..specs import KernelSpec
 from ..states import blockwise8, subset_norm
 
 
@@ -37,8 +38,8 @@ def check_hyperparameters(group, n_betas):
     if isinstance(lr, Tensor):
         check_tensor_lr(lr)
         lr = lr.item()  # construction time only, never in step()
-    for name, value in (("lr", lr), ("eps", group["eps"]), ("weight_decay", group["weight_decay"]),
-                        ("max_grad_norm", group["max_grad_norm"])):
+    for name, value in (("lr", lr), *((name, group[name]) for name in ("eps", "weight_decay", "max_grad_norm")
+                                      if name in group)):  # an algorithm may take no eps (Lion)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value < math.inf):
             raise ValueError(f"Invalid {name}: {value!r} (must be a finite number >= 0)")
     betas = group["betas"]
@@ -51,9 +52,9 @@ def check_hyperparameters(group, n_betas):
         if group[flag] not in (None, True, False):
             raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be None, True or False)")
     for flag in ("maximize", "stochastic_rounding", "sn"):
-        if not isinstance(group[flag], bool):
+        if not isinstance(group.get(flag, False), bool):
             raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be True or False)")
-    subset_norm.check_subset_size(group["subset_size"])
+    subset_norm.check_subset_size(group.get("subset_size"))
     if type(group["state_bits"]) is not int or group["state_bits"] not in (8, 16, 32):
         raise ValueError(f"Invalid state_bits: {group['state_bits']!r} (must be 32, 16 for bf16 states or 8 for "
                          "8-bit blockwise states)")
@@ -253,8 +254,7 @@ class GroupWork:
 
 class FastOptimizer(torch.optim.Optimizer):
     n_betas: int
-    state_roles: tuple  # every state role of the algorithm, whichever its options use
-    half_roles = ()  # roles kept in bf16, not 8-bit, under state_bits=8
+    spec: KernelSpec  # its state roles, and what its fused kernels take
 
     def __init__(self, params, defaults, shard_group):
         """``shard_group``: the process group whose ranks' params, together, are the model's, each
@@ -296,6 +296,8 @@ class FastOptimizer(torch.optim.Optimizer):
 
     def _check_group(self, group, max_grad_norm=None):
         check_hyperparameters(group, self.n_betas)
+        if group.get("sn") and not self.spec.reduced:
+            raise ValueError(f"Invalid sn: {type(self).__name__} keeps no second moment, so sn does not apply")
         if group["max_grad_norm"] != (self.defaults["max_grad_norm"] if max_grad_norm is None else max_grad_norm):
             raise ValueError("Invalid max_grad_norm: it clips by the norm over all groups, "
                              "so set it in the constructor, not per group")
@@ -352,8 +354,8 @@ class FastOptimizer(torch.optim.Optimizer):
         all_grads = [grad for _, _, grads in work for grad in grads]
         clip = None
         if max_norm > 0 and (all_grads or self._reduce_group is not None):  # each rank joins the reduction
-            # official Adan takes eps for the clip from the last group
-            clip = clip_coefficient(all_grads, max_norm, self.param_groups[-1]["eps"], inv_scale, self._reduce_group)
+            # official Adan takes eps for the clip from the last group; without one, torch's clip_grad_norm_'s
+            clip = clip_coefficient(all_grads, max_norm, self.param_groups[-1].get("eps", 1e-6), inv_scale, self._reduce_group)
         for group, entry, grads in work:
             if entry.params:
                 self._step_group(group, entry, grads, self._grad_scale(group, clip, inv_scale), found_inf, increment)
@@ -368,7 +370,7 @@ class FastOptimizer(torch.optim.Optimizer):
         local_params = params
         if self._sharded:
             local_params, grads = list(map(distributed.local, params)), list(map(distributed.local, grads))
-        roles = self._state_roles(group)
+        roles = self.spec.kept(self.kernel_flags(group))
         engine = engines.engine_name(group["foreach"], group["fused"])
         if isinstance(group["lr"], Tensor) and params:  # a scheduler or the user may have set it since
             check_tensor_lr(group["lr"], params[0].device)
@@ -438,26 +440,27 @@ class FastOptimizer(torch.optim.Optimizer):
         if entry.states is None:  # every group is checked by now: states may be created
             states, context = self._prepare_states(entry.params, group)
             partitions = [subset_norm.from_record(p.shape, s) for p, s in zip(entry.params, states)]
-            entry.use_states(states, context, partitions, self.reduced_roles, self._reduce_group)
+            entry.use_states(states, context, partitions, self.spec.reduced, self._reduce_group)
             entry.state_bits = group["state_bits"]  # the states' format: checked again if the option changes
         args, per_tensor = self._step_arguments(group, entry, grad_scale, increment)
-        plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, args, frozenset(per_tensor),
+        plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, self.update, self.spec,
+                            getattr(self, "kernel_scalars", None), self.kernel_flags(group), args, frozenset(per_tensor),
                             found_inf, group["stochastic_rounding"], warn_fallback=group["fused"] is True,
                             absmax=entry.absmax)
         for index, (bucket, reduce_group) in enumerate(entry.buckets):
             part = plan if len(bucket) == len(entry.params) else plan.subset(bucket)
             part.cache = entry.bucket_caches.setdefault(index, {})
             if reduce_group is None:
-                engines.ENGINES[entry.engine](self, part)
+                engines.ENGINES[entry.engine](part)
             else:
-                engines.run_summing_over(self, part, reduce_group)
+                engines.run_summing_over(part, reduce_group)
 
     def _partition(self, param, state, group):
         """The subset-norm partition of a param: the one its state records; for a state without a
         second moment yet, the group's (``sn``, ``subset_size``); None: a dense second moment."""
-        if any(key in state for key in (*subset_norm.RECORDS, *self.reduced_roles)):
+        if any(key in state for key in (*subset_norm.RECORDS, *self.spec.reduced)):
             return subset_norm.from_record(param.shape, state)
-        return subset_norm.from_options(param.shape, group["subset_size"]) if group["sn"] else None
+        return subset_norm.from_options(param.shape, group.get("subset_size")) if group.get("sn") else None
 
     def _ensure_state(self, param, group):
         """The param's state with every role of the group present: missing ones are zeros in their
@@ -476,10 +479,10 @@ class FastOptimizer(torch.optim.Optimizer):
         partition record), the block maxima of 8-bit ones included."""
         partition = self._partition(param, state, group)
         expected = {key: None for key in subset_norm.RECORDS if key in state}
-        for role in self._state_roles(group):
-            reduced = partition is not None and role in self.reduced_roles
+        for role in self.spec.kept(self.kernel_flags(group)):
+            reduced = partition is not None and role in self.spec.reduced
             shape = partition.state_shape if reduced else param.shape
-            dtype = state_dtype(param, role, group["state_bits"], reduced, self.half_roles)
+            dtype = state_dtype(param, role, group["state_bits"], reduced, self.spec.half)
             expected[role] = (shape, dtype)
             if dtype == torch.uint8:  # param-shaped: its blocks are the local shard's
                 expected[role + ABSMAX] = (torch.Size([blockwise8.n_blocks(distributed.local(param).numel())]),
@@ -490,6 +493,11 @@ class FastOptimizer(torch.optim.Optimizer):
         """The state dicts of a group's params with grads, with missing states created, and what
         ``_step_arguments`` reads of them as ``entry.context``. Called when they change, not every step."""
         return [self._ensure_state(param, group) for param in params], None
+
+    @staticmethod
+    def kernel_flags(group):
+        """Hook: the spec's feature flags (name: bool) that ``group``'s options set."""
+        return {}
 
     def _count_step(self, group, entry, increment):
         """Hook: advance the step counts by ``increment`` (1, or 0 on a step GradScaler skipped),
@@ -588,8 +596,8 @@ class FastOptimizer(torch.optim.Optimizer):
                     state = convert_state(state, key, expected[key][1])
                 except (ValueError, RuntimeError) as error:
                     raise ValueError(f"state of parameter {saved_id}: {error}") from None
-        unused = {key for role in self.state_roles for key in (role, role + ABSMAX)} - set(expected)
-        if set(state) - set(expected) - unused or set(expected) - set(state) - self.optional_state:
+        unused = {key for role in self.spec.states for key in (role, role + ABSMAX)} - set(expected)
+        if set(state) - set(expected) - unused or set(expected) - set(state) - self.spec.optional:
             raise ValueError(
                 f"state of parameter {saved_id} has keys {sorted(state)}, but {type(self).__name__} "
                 f"expects {sorted(expected)}: is it a state dict of another optimizer?")
@@ -603,7 +611,7 @@ class FastOptimizer(torch.optim.Optimizer):
             if value.shape != shape:
                 raise ValueError(f"state '{key}' of parameter {saved_id} has shape {tuple(value.shape)}, "
                                  f"expected {tuple(shape)}")
-            if key in self._state_roles(group) and distributed.is_dtensor(param) and not distributed.is_dtensor(value):
+            if key in self.spec.kept(self.kernel_flags(group)) and distributed.is_dtensor(param) and not distributed.is_dtensor(value):
                 raise ValueError(f"state '{key}' of parameter {saved_id} is a plain tensor, but its param "
                                  "is a DTensor: load sharded states through torch.distributed.checkpoint "
                                  "(see the README)")

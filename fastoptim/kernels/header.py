@@ -1,0 +1,62 @@
+"""Generates ``fused_cpu_specs.h``, the C kernel's view of the kernel specs (fastoptim.specs): for
+each spec, its pointer-table rows, its scalars, its flag bits and its states' properties, as enums
+and macros named after it. ``python -m fastoptim.kernels.header`` rewrites the header; a test fails
+when the committed one differs, so a reordered spec cannot compile silently into the old layout."""
+from pathlib import Path
+
+from .. import optimizers
+from ..specs import COMMON_SCALARS, STOCHASTIC_ROUNDING
+
+PATH = Path(__file__).with_name("fused_cpu_specs.h")
+
+
+def all_specs():
+    """Every kernel spec of the package's optimizers, in their order, each once."""
+    return tuple(dict.fromkeys(getattr(optimizers, name).spec for name in optimizers.__all__))
+
+
+def _enum(names, first=None):
+    names = [name.upper() for name in names]
+    if first is not None:
+        names[0] += f" = {first}"
+    return "enum { " + ", ".join(names) + " };"
+
+
+def _spec(spec):
+    prefix = spec.name.upper() + "_"
+    states = [prefix + name for name in spec.states]
+    tables = ["BF16_VALUES" if role.half else "SIGNED" if role.signed else "UNSIGNED" for role in spec.roles]
+    needs = [f"{prefix}{role.when.upper()}" if role.when else "0" for role in spec.roles]
+    lines = [
+        f"/* {spec.name}: rows param, grad, {', '.join(spec.states)}, then each state's block maxima */",
+        _enum(states + [prefix + "states_end"], "FIRST_STATE"),
+        f"enum {{ {prefix}STATES = {len(spec.states)}, {prefix}ROWS = 2 + 2 * {len(spec.states)} }};",
+        _enum([prefix + name for name in spec.scalars] + [prefix + "scalars"], "COMMON_SCALARS"),
+    ]
+    if spec.flags:
+        lines.append("enum { " + ", ".join(f"{prefix}{flag.upper()} = {1 << (i + 1)}"
+                                           for i, flag in enumerate(spec.flags)) + " };")
+    lines += [
+        f"/* per state, in row order: its 8-bit code table, whether it is per subset under sn, the flag it needs */",
+        f"#define {prefix}TABLES {{{', '.join(tables)}}}",
+        f"#define {prefix}REDUCED {{{', '.join(str(int(role.reduced)) for role in spec.roles)}}}",
+        f"#define {prefix}NEEDS {{{', '.join(needs)}}}",
+    ]
+    return "\n".join(lines)
+
+
+def c_header(specs):
+    kernels = " ".join(f"X({spec.name}, {spec.name.upper()})" for spec in specs)
+    return "\n\n".join([
+        "/* Generated from the kernel specs (fastoptim/specs.py, each optimizer's SPEC) by\n"
+        "   `python -m fastoptim.kernels.header`: do not edit. tests/test_specs.py checks it. */",
+        "enum { PARAM, GRAD, FIRST_STATE };  /* the first rows of every pointer table */",
+        _enum(COMMON_SCALARS + ("common_scalars",)) + "  /* every kernel's first scalars */",
+        f"enum {{ STOCHASTIC_ROUNDING = {STOCHASTIC_ROUNDING} }};  /* every kernel's first flag bit */",
+        *map(_spec, specs),
+        f"/* X(name, NAME) for every kernel spec */\n#define FOR_EACH_KERNEL(X) {kernels}",
+    ]) + "\n"
+
+
+if __name__ == "__main__":
+    PATH.write_text(c_header(all_specs()))

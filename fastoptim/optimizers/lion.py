@@ -1,0 +1,67 @@
+"""Lion: EvoLved Sign Momentum (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms")."""
+from ..specs import KernelSpec, Role
+from .base import FastOptimizer, group_lr
+
+SPEC = KernelSpec("lion", roles=(Role("exp_avg"),),
+                  scalars=("beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "lr", "decay_mul"))
+
+
+def lion_update(ops, *, param, grad, scratch, exp_avg, beta1, beta2, lr, weight_decay, grad_scale):
+    """One Lion step, as the paper's Program 1 and timm's Lion compute it::
+
+        g = grad · grad_scale            (the clip coefficient, −1 to maximize; None: 1)
+        p = p·(1 − lr·wd)                decoupled weight decay
+        p = p − lr·sign(β1·m + (1−β1)·g)
+        m = β2·m + (1−β2)·g              exp_avg
+    """
+    if grad_scale is not None:  # the scaled grad is read twice, and the scratch holds the interpolation
+        scaled = ops.empty_like(param)
+        ops.copy_(scaled, grad)
+        ops.mul_(scaled, grad_scale)
+        grad = scaled
+    if weight_decay:
+        ops.mul_(param, 1 - lr * weight_decay)
+    ops.copy_(scratch, exp_avg)
+    ops.mul_(scratch, beta1)
+    ops.add_(scratch, grad, alpha=1 - beta1)
+    ops.sign_(scratch)
+    ops.mul_(scratch, lr)
+    ops.sub_(param, scratch)
+    ops.mul_(exp_avg, beta2)
+    ops.add_(exp_avg, grad, alpha=1 - beta2)
+
+
+class Lion(FastOptimizer):
+    """Lion (see :func:`lion_update`): one momentum state, and an update of the same size ``lr`` for
+    every element, so ``lr`` is usually 3–10 times smaller than AdamW's and ``weight_decay`` as many
+    times larger.
+
+    ``maximize``, ``max_grad_norm``, ``stochastic_rounding``, ``foreach``/``fused``, ``state_bits``
+    (16 or 8: ``exp_avg`` in bf16 or 8-bit blockwise codes) and ``shard_group`` work as in
+    :class:`fastoptim.Adan`, and so does GradScaler. ``sn`` does not apply: Lion keeps no second
+    moment. State per parameter: ``exp_avg``, as timm's Lion, whose state dicts load.
+    """
+
+    n_betas = 2
+    spec = SPEC
+    update = staticmethod(lion_update)
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False, foreach=None,
+                 fused=None, max_grad_norm=0.0, stochastic_rounding=False, state_bits=32, shard_group=None):
+        defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize, foreach=foreach,
+                        fused=fused, max_grad_norm=max_grad_norm, stochastic_rounding=stochastic_rounding,
+                        state_bits=state_bits)
+        super().__init__(params, defaults, shard_group)
+
+    def _step_arguments(self, group, entry, grad_scale, increment):
+        beta1, beta2 = group["betas"]
+        args = dict(beta1=beta1, beta2=beta2, lr=group_lr(group), weight_decay=group["weight_decay"],
+                    grad_scale=grad_scale)
+        return args, ()
+
+    @staticmethod
+    def kernel_scalars(args):
+        """``lion_update``'s arguments as the fused kernels take them."""
+        return dict(beta1=args["beta1"], one_minus_beta1=1 - args["beta1"], beta2=args["beta2"],
+                    one_minus_beta2=1 - args["beta2"], lr=args["lr"], decay_mul=1 - args["lr"] * args["weight_decay"],
+                    grad_scale=1.0 if args["grad_scale"] is None else args["grad_scale"])

@@ -1,0 +1,90 @@
+"""What a fused kernel of an algorithm takes, declared once, beside the algorithm's math (each
+optimizer's ``SPEC``). The engines, the C binding, the Triton kernels and the state-dict code read a
+:class:`KernelSpec`; the C kernel's enums are generated from the specs (``fastoptim.kernels.header``),
+and a test fails when the committed header differs from what they generate.
+
+A kernel takes one pointer table: a row of data pointers per role, in :attr:`KernelSpec.rows`
+order (param, grad, each state, then each state's block maxima under 8-bit states), and one row of
+fp32 scalars per tensor (or one shared row) in :attr:`KernelSpec.all_scalars` order. Its feature
+flags are compile-time switches: bit 0 is stochastic rounding, bit i + 1 the spec's i-th flag.
+"""
+from dataclasses import dataclass
+
+COMMON_SCALARS = ("found_inf", "seed", "grad_scale")  # every kernel's first scalars, in this order
+ABSMAX = "_absmax"  # the suffix of an 8-bit state's block maxima, as a role and as a state-dict key
+STOCHASTIC_ROUNDING = 1  # the flag bit every kernel has
+
+
+@dataclass(frozen=True)
+class Role:
+    """A state of an algorithm.
+
+    ``signed``: its 8-bit code table (a moment of either sign) or the unsigned one (a second moment).
+    ``reduced``: kept per subset under ``sn`` (fastoptim.states.subset_norm), so fp32 and small.
+    ``half``: kept in bf16, not 8-bit codes, under ``state_bits=8``.
+    ``when``: the feature flag without which the algorithm keeps no such state (None: always kept).
+    ``optional``: a saved state may lack it (the first step does not read it).
+    """
+
+    name: str
+    signed: bool = True
+    reduced: bool = False
+    half: bool = False
+    when: str | None = None
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """A kernel family: its state roles, its own scalars (after ``COMMON_SCALARS``) and its feature
+    flags. Several optimizers may share one (AdamW, AdamWSN and RMSPropSN)."""
+
+    name: str
+    roles: tuple[Role, ...]
+    scalars: tuple[str, ...]
+    flags: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        names = [role.name for role in self.roles]
+        if len(set(names)) != len(names) or len(set(self.all_scalars)) != len(self.all_scalars):
+            raise ValueError(f"kernel spec {self.name!r}: a role or scalar is declared twice")
+        for role in self.roles:
+            if role.when is not None and role.when not in self.flags:
+                raise ValueError(f"kernel spec {self.name!r}: role {role.name!r} depends on an undeclared flag")
+
+    @property
+    def states(self):
+        """The state roles' names, in row order."""
+        return tuple(role.name for role in self.roles)
+
+    @property
+    def rows(self):
+        return ("param", "grad") + self.states + tuple(name + ABSMAX for name in self.states)
+
+    @property
+    def all_scalars(self):
+        return COMMON_SCALARS + self.scalars
+
+    @property
+    def reduced(self):
+        return tuple(role.name for role in self.roles if role.reduced)
+
+    @property
+    def half(self):
+        return tuple(role.name for role in self.roles if role.half)
+
+    @property
+    def optional(self):
+        return frozenset(role.name for role in self.roles if role.optional)
+
+    def role(self, name):
+        return self.roles[self.states.index(name)]
+
+    def kept(self, flags):
+        """The state roles an algorithm keeps with feature ``flags`` (flag name: bool)."""
+        return tuple(role.name for role in self.roles if role.when is None or flags[role.when])
+
+    def flag_bits(self, flags, stochastic_rounding=False):
+        """``flags`` as the kernels take them (see the module docstring)."""
+        bits = STOCHASTIC_ROUNDING if stochastic_rounding else 0
+        return bits | sum(1 << (i + 1) for i, flag in enumerate(self.flags) if flags[flag])
