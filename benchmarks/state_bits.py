@@ -9,6 +9,7 @@
    bench-out/state_bits_parity.png.
 Usage, from the repository root: .venv/bin/python -m benchmarks.state_bits
 """
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -43,7 +44,7 @@ def direction_error(states, block):
 
 
 class AdanAll8Bit(fastoptim.Adan):
-    half_roles = ()  # g_prev 8-bit too
+    spec = replace(fastoptim.Adan.spec, roles=tuple(replace(role, half=False) for role in fastoptim.Adan.spec.roles))
 
 
 def main():

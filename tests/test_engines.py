@@ -71,7 +71,7 @@ def test_foreach_slices_bound_the_scratch_and_cover_every_tensor():
 @pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_foreach_matches_loop_across_slices_and_pieces_of_large_tensors(monkeypatch, cls, dtype):
-    monkeypatch.setattr(foreach, "CHUNK_NUMEL", 16)
+    monkeypatch.setattr(foreach, "SLICE_NUMEL", 16)
     shapes = [(7,), (5, 3), (40,), (2, 2), (3,), (6, 7)]  # (40,) and (6, 7) are cut into flat views
     params = oracle.make_params(shapes, dtype)
     plan = fastoptim.engines.Plan({"param": params, "grad": params}, update=None, spec=None,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fastoptim
-from fastoptim.states import blockwise8
+from fastoptim.states import blockwise8, formats
 
 from .test_fused import ENGINES
 
@@ -32,10 +32,11 @@ def set_grads(params, step):
         param.grad = torch.randn(param.shape, generator=generator)
 
 
-def rounded_like(value, stored, role):
-    """What a state of fp32 ``value`` is after being stored like ``stored`` (a low-bit state)."""
+def rounded_like(value, stored, spec, key):
+    """What a state of fp32 ``value`` is after being stored like ``stored`` (a low-bit state of
+    role ``key`` of kernel spec ``spec``)."""
     if stored.dtype == torch.uint8:
-        codes = blockwise8.codes_for(role)
+        codes = formats.Q8.codes(spec.role(key))
         return blockwise8.dequantize(*blockwise8.quantize(value, codes), codes)
     return value.to(stored.dtype).float() if stored.dtype == torch.bfloat16 else value
 
@@ -43,7 +44,7 @@ def rounded_like(value, stored, role):
 def dense_states(optimizer, param):
     """The param's states as fp32 values, 8-bit ones dequantized."""
     state = optimizer.state[param]
-    return {key: blockwise8.dequantize(value, state[key + "_absmax"], blockwise8.codes_for(key))
+    return {key: blockwise8.dequantize(value, state[key + "_absmax"], formats.Q8.codes(optimizer.spec.role(key)))
             if value.dtype == torch.uint8 else value.float()
             for key, value in state.items() if isinstance(value, torch.Tensor) and not key.endswith("_absmax")}
 
@@ -68,7 +69,7 @@ def test_the_loop_engine_is_the_fp32_optimizer_with_its_states_rounded_after_eac
             stored, state = optimizer.state[param], reference.state[reference_param]
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dtype == torch.float32 and value.dim():
-                    state[key] = rounded_like(value, stored[key], key)
+                    state[key] = rounded_like(value, stored[key], optimizer.spec, key)
             torch.testing.assert_close(param, reference_param, rtol=0, atol=0)
     low_bit = {value.dtype for param in params for value in optimizer.state[param].values()
                if isinstance(value, torch.Tensor)}
@@ -166,7 +167,7 @@ def test_state_dicts_convert_between_formats(cls):
     back.load_state_dict(eight.state_dict())  # dequantized
     for param, p8, p16, p32 in zip(params, params8, params16, params32):
         for key, value in dense_states(full, param).items():
-            expected = rounded_like(value, eight.state[p8][key], key)
+            expected = rounded_like(value, eight.state[p8][key], eight.spec, key)
             torch.testing.assert_close(dense_states(eight, p8)[key], expected, rtol=0, atol=0)
             torch.testing.assert_close(dense_states(back, p32)[key], expected, rtol=0, atol=0)
             assert back.state[p32][key].dtype == torch.float32

@@ -8,10 +8,8 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from ..kernels import fused_cpu
 from ..specs import KernelSpec
-from . import foreach, fused, loop
-from . import fused as fused_engine  # the flag `fused` shadows the module below
+from . import backends, foreach, fused, loop
 
 
 @dataclass
@@ -85,11 +83,11 @@ def engine_name(foreach, fused):
     A step traced by ``torch.compile`` takes foreach for the fused engines: a C call does not trace.
     Raises a ValueError for a FASTOPTIM_FUSED_BACKEND that names no backend, before any step."""
     if fused or fused is None and foreach is None:
-        fused_engine.forced_backend()
+        backends.forced()
     if (fused or fused is None and foreach is None) and torch.compiler.is_compiling():
         return "foreach"
     if fused:
         return "fused-single" if foreach is False else "fused-multi"
     if fused is None and foreach is None:
-        return "fused-multi" if fused_cpu.AVAILABLE or fused_engine.fused_triton else "foreach"
+        return "fused-multi" if backends.any_available() else "foreach"
     return "loop" if foreach is False else "foreach"

@@ -1,22 +1,20 @@
 """The foreach engine (``foreach=True, fused=False``): ``torch._foreach_*`` over slices of a bucket.
 
-A slice holds at most ``CHUNK_NUMEL`` elements: a larger contiguous tensor is cut into flat views
+A slice holds at most ``SLICE_NUMEL`` elements: a larger contiguous tensor is cut into flat views
 of that size first. So the one scratch buffer the math needs (and, for bf16 or fp16 params, the fp32
 copies of param and grad) never exceeds it, however large the model: official Adan's foreach path
 holds two temporaries the size of all parameters.
 """
-from itertools import repeat
-
 import torch
 
-from ..states import blockwise8
+from ..states import formats
 from . import lowbit
 from .ops import FOREACH_OPS, LOW_PRECISION, round_into
 
-CHUNK_NUMEL = 1 << 22
+SLICE_NUMEL = 1 << 22
 
 
-def slices(tensors, limit=CHUNK_NUMEL):
+def slices(tensors, limit=SLICE_NUMEL):
     """Consecutive ``slice`` objects over ``tensors`` whose element counts sum to at most ``limit``."""
     start, total = 0, 0
     for i, tensor in enumerate(tensors):
@@ -28,7 +26,7 @@ def slices(tensors, limit=CHUNK_NUMEL):
         yield slice(start, len(tensors))
 
 
-def pieces(plan, limit=CHUNK_NUMEL):
+def pieces(plan, limit=SLICE_NUMEL):
     """``plan`` with every tensor above ``limit`` elements cut into views of at most about
     ``limit``: flat ones when all its roles are contiguous tensors of its size, else runs along
     the first dimension when all its roles share it (a subset-norm view and its second moment).
@@ -42,7 +40,7 @@ def pieces(plan, limit=CHUNK_NUMEL):
             for role, tensors in plan.tensors.items():
                 cut[role] += tensors[i].view(-1).split(limit)
             for role, values in plan.absmax.items():  # limit is a whole number of 8-bit blocks
-                cut_absmax[role] += [None] * n if values[i] is None else values[i].split(limit // blockwise8.BLOCK)
+                cut_absmax[role] += [None] * n if values[i] is None else values[i].split(limit // formats.Q8.block)
         elif (n > 1 and not eight_bit and param.dim() and param.shape[0] > 1
               and all(t.shape[:1] == param.shape[:1] for t in group)):
             rows = max(1, param.shape[0] * limit // param.numel())
@@ -64,29 +62,22 @@ def pieces(plan, limit=CHUNK_NUMEL):
 
 
 def run(plan):
-    plan = pieces(plan, CHUNK_NUMEL)
-    for part in slices(plan.tensors["param"], CHUNK_NUMEL):
+    plan = pieces(plan, SLICE_NUMEL)
+    for part in slices(plan.tensors["param"], SLICE_NUMEL):
         tensors = {role: tensors[part] for role, tensors in plan.tensors.items()}
         params = tensors["param"]
         low_precision = params[0].dtype in LOW_PRECISION
         if low_precision:  # buckets share one dtype; the math is fp32
             tensors["param"] = [p.float() for p in params]
             tensors["grad"] = [g.float() for g in tensors["grad"]]
-        absmax = {role: values[part] for role, values in plan.absmax.items()}
-        stored = {role: tensors[role] for role in lowbit.low_bit_roles(tensors)}
-        for role, states in stored.items():  # under state_bits=8, small tensors keep fp32 states
-            tensors[role] = [lowbit.widen(role, s, a) if s.dtype in lowbit.LOW_BIT else s
-                             for s, a in zip(states, absmax.get(role, repeat(None)))]
+        stored = lowbit.widen(plan.spec, tensors, {role: values[part] for role, values in plan.absmax.items()})
         args = {
             name: list(value[part].unbind()) if name in plan.per_tensor else value
             for name, value in plan.args.items()
         }
         scratch = [torch.empty_like(p) for p in tensors["param"]]
         plan.update(FOREACH_OPS, scratch=scratch, **tensors, **args)
-        for role, states in stored.items():
-            for state, a, value in zip(states, absmax.get(role, repeat(None)), tensors[role]):
-                if state.dtype in lowbit.LOW_BIT:
-                    lowbit.store(role, state, a, value)
+        lowbit.store(plan.spec, tensors, stored)
         if low_precision and plan.stochastic_rounding:
             for param, result in zip(params, tensors["param"]):
                 round_into(param, result, stochastic=True)

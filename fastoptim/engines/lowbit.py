@@ -1,31 +1,29 @@
 """Low-bit states on the loop and foreach engines: the math runs on fp32 working copies of one
-piece of the states at a time, which are then stored back. bf16 is rounded to nearest even, and
-8-bit is requantized block by block (see fastoptim.states.blockwise8)."""
-import torch
-
-from ..states import blockwise8
-
-LOW_BIT = (torch.bfloat16, torch.uint8)
+piece of the states at a time, which their formats then store back (bf16 to nearest even, 8-bit
+requantized block by block; see fastoptim.states.formats)."""
+from ..specs import ABSMAX
+from ..states import formats
 
 
-def widen(role, state, absmax):
-    """An fp32 working copy of a low-bit state (``absmax``: its block maxima when it is 8-bit)."""
-    if state.dtype == torch.uint8:
-        return blockwise8.dequantize(state, absmax, blockwise8.codes_for(role))
-    return state.float()
+def widen(spec, tensors, absmax):
+    """Replace the low-bit states among ``tensors`` (role: list of tensors; ``absmax``: role: the
+    8-bit ones' block maxima) by fp32 working copies, in place; returns what :func:`store` needs."""
+    stored = []
+    for role in spec.states:
+        if role not in tensors:
+            continue
+        copies = list(tensors[role])
+        for k, state in enumerate(tensors[role]):
+            state_format = formats.of(state)
+            if state_format is not None and state_format.low_bit:  # small tensors keep fp32 under state_bits=8
+                companions = {ABSMAX: absmax[role][k]} if role in absmax else {}
+                copies[k] = state_format.widen(spec.role(role), state, companions)
+                stored.append((role, k, state_format, state, companions))
+        tensors[role] = copies
+    return stored
 
 
-def store(role, state, absmax, value):
-    """Write the working copy ``value`` back into the low-bit ``state`` (and its block maxima)."""
-    if state.dtype == torch.uint8:
-        codes, block_max = blockwise8.quantize(value, blockwise8.codes_for(role))
-        state.copy_(codes)
-        absmax.copy_(block_max)
-    else:
-        state.copy_(value)
-
-
-def low_bit_roles(tensors):
-    """The state roles among ``tensors`` (role: list of tensors) where some tensor is low-bit."""
-    return [role for role, ts in tensors.items()
-            if role not in ("param", "grad") and any(t.dtype in LOW_BIT for t in ts)]
+def store(spec, tensors, stored):
+    """Write the working copies in ``tensors`` back into the states :func:`widen` replaced."""
+    for role, k, state_format, state, companions in stored:
+        state_format.store(spec.role(role), state, companions, tensors[role][k])

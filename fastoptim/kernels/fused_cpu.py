@@ -2,12 +2,14 @@
 
 Each kernel (``fastoptim_<spec name>``) takes a pointer table (one row of data pointers per role,
 in its spec's ``rows`` order), a chunk table, a layout table (each tensor's subset-norm (b, c) and
-its states' format, ``STATE_FORMATS``), its scalars in its spec's ``all_scalars`` order and its
-flag bits (see fastoptim.specs; the C enums are generated from the specs). ctypes releases the GIL
-for the call. The kernels' 8-bit codes restate fastoptim.states.blockwise8's; ``quantize`` and
-``dequantize`` expose them to the tests. The kernels run on the threads of the OpenMP runtime torch has loaded, when there is
-one (``LIBRARY.openmp`` is its path), else on pthreads. The environment variable
-``FASTOPTIM_FUSED_CPU_LIBRARY`` names a build to load instead of the packaged one (the sanitizer test's).
+its states' ``kernel_code``, see fastoptim.states.formats), its scalars in its spec's
+``all_scalars`` order and its flag bits (see fastoptim.specs; the C enums are generated from the
+specs). ctypes releases the GIL for the call. The kernels' 8-bit codes restate
+fastoptim.states.blockwise8's; ``quantize`` and ``dequantize`` expose them to the tests. The
+kernels run on the threads of the OpenMP runtime torch has loaded, when there is one
+(``LIBRARY.openmp`` is its path), else on pthreads. The environment variable
+``FASTOPTIM_FUSED_CPU_LIBRARY`` names a build to load instead of the packaged one (the sanitizer
+test's).
 """
 import ctypes
 import importlib.machinery
@@ -19,7 +21,6 @@ import torch
 from ..states import blockwise8
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-STATE_FORMATS = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 3}  # the C enum's FP32, BF16 and Q8
 
 # pointers, tensor count, chunks, first chunk, end chunk: every kernel's first arguments
 TABLE_ARGUMENTS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]

@@ -1,11 +1,8 @@
-"""What every fastoptim optimizer shares: the torch.optim contract, input validation, bucketing,
-engine dispatch and state-dict conversion. A subclass states its algorithm: hyperparameters, state
-layout, per-step scalars and ``update``, the math written once."""
-import math
+"""The contract every fastoptim optimizer keeps: torch.optim's (param groups, ``step``, state
+dicts, hooks), with every input checked before anything changes, and one step path for all
+algorithms. A subclass states its algorithm, and nothing else, through the hooks below."""
 import operator
 import warnings
-from collections import defaultdict
-from copy import deepcopy
 from itertools import repeat
 from operator import attrgetter
 
@@ -14,114 +11,11 @@ from torch import Tensor
 
 from .. import distributed, engines
 from ..clip import clip_coefficient
-from ..multi_tensor import buckets
-from ..specs import KernelSpec
-from ..states import blockwise8, subset_norm
-
-
-def normalize_betas(group):
-    """Take one-element tensor betas as the numbers they hold (as torch.optim accepts them): the
-    step's math reads betas as numbers, so a tensor beta is read once, when its group is added or
-    loaded, and later changes to it in place are not followed."""
-    betas = group["betas"]
-    if isinstance(betas, (tuple, list)) and any(isinstance(beta, Tensor) for beta in betas):
-        for i, beta in enumerate(betas):
-            if isinstance(beta, Tensor) and (beta.numel() != 1 or not beta.is_floating_point()):
-                raise ValueError(f"Invalid betas[{i}]: a Tensor beta must hold one floating-point number, got "
-                                 f"{beta.dtype} of shape {tuple(beta.shape)}")
-        group["betas"] = tuple(beta.item() if isinstance(beta, Tensor) else beta for beta in betas)
-
-
-def check_hyperparameters(group, n_betas):
-    """Raise a ValueError that names the first invalid hyperparameter of ``group``."""
-    lr = group["lr"]
-    if isinstance(lr, Tensor):
-        check_tensor_lr(lr)
-        lr = lr.item()  # construction time only, never in step()
-    for name, value in (("lr", lr), *((name, group[name]) for name in ("eps", "weight_decay", "max_grad_norm")
-                                      if name in group)):  # an algorithm may take no eps (Lion)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value < math.inf):
-            raise ValueError(f"Invalid {name}: {value!r} (must be a finite number >= 0)")
-    betas = group["betas"]
-    if not isinstance(betas, (tuple, list)) or len(betas) != n_betas:
-        raise ValueError(f"Invalid betas: {betas!r} (expected {n_betas} numbers)")
-    for i, beta in enumerate(betas):
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
-            raise ValueError(f"Invalid betas[{i}]: {beta!r} (must be in [0, 1))")
-    for flag in ("foreach", "fused"):
-        if group[flag] not in (None, True, False):
-            raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be None, True or False)")
-    for flag in ("maximize", "stochastic_rounding", "sn"):
-        if not isinstance(group.get(flag, False), bool):
-            raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be True or False)")
-    subset_norm.check_subset_size(group.get("subset_size"))
-    if type(group["state_bits"]) is not int or group["state_bits"] not in (8, 16, 32):
-        raise ValueError(f"Invalid state_bits: {group['state_bits']!r} (must be 32, 16 for bf16 states or 8 for "
-                         "8-bit blockwise states)")
-
-
-def check_tensor_lr(lr, device=None):
-    """A Tensor lr must hold one floating-point number (any shape, as torch.optim accepts) on the
-    params' device, where the kernels read it."""
-    if lr.numel() != 1 or not lr.is_floating_point():
-        raise ValueError(f"Invalid lr: a Tensor lr must be a one-element floating-point tensor, got {lr.dtype} "
-                         f"of shape {tuple(lr.shape)}")
-    if device is not None and lr.device != device:
-        raise ValueError(f"Invalid lr: a Tensor lr must be on the params' device, {device}, not {lr.device}")
-
-
-def state_dtype(param, role=None, state_bits=32, reduced=False, half_roles=()):
-    """The dtype a state of ``param`` is kept in. States are fp32 whatever the param's dtype, except:
-    a float64 param keeps float64 states and math (rounding it through fp32 would change it);
-    ``state_bits=16`` keeps bf16 states; ``state_bits=8`` keeps 8-bit blockwise ones (uint8 codes,
-    see fastoptim.states.blockwise8), and bf16 ones for ``half_roles``, for params of at least
-    MIN_NUMEL elements. A subset-norm second moment (``reduced``) stays fp32: it is small."""
-    if param.dtype == torch.float64:
-        return torch.float64
-    if reduced or state_bits == 32 or role == "step":
-        return torch.float32
-    if state_bits == 16:
-        return torch.bfloat16
-    if param.numel() < blockwise8.MIN_NUMEL:
-        return torch.float32
-    return torch.bfloat16 if role in half_roles else torch.uint8
-
-
-def new_state(param, shape, dtype, role, partition):
-    """A zero state (and its block maxima for an 8-bit one, under ``{role}_absmax``): param-shaped,
-    or a second moment in ``partition``'s shape. DTensor params get DTensor states (see
-    fastoptim.distributed), and 8-bit ones block maxima over their local shard."""
-    if shape != param.shape:
-        return {role: distributed.reduced_zeros(param, partition, dtype)}
-    if dtype != torch.uint8:
-        return {role: torch.zeros_like(param, dtype=dtype)}
-    zero = blockwise8.codes_for(role).zero  # what quantizing zeros gives, without the work
-    return {role: torch.full_like(param, zero, dtype=torch.uint8),
-            role + ABSMAX: torch.zeros(blockwise8.n_blocks(distributed.local(param).numel()), device=param.device)}
-
-
-def convert_state(state, role, dtype):
-    """``state[role]`` (and its block maxima) in ``dtype``, from whatever format it was saved in; a
-    DTensor's local shard is converted (its block maxima are the shard's)."""
-    value = torch.as_tensor(state[role])
-    if distributed.is_dtensor(value):
-        converted = convert_state(state | {role: value.to_local()}, role, dtype)
-        return converted | {role: distributed.like(converted[role], value)}
-    absmax = state.get(role + ABSMAX)
-    if value.dtype == torch.uint8:
-        if absmax is None:
-            raise ValueError(f"state '{role}' holds 8-bit codes without its '{role}{ABSMAX}'")
-        value = blockwise8.dequantize(value, torch.as_tensor(absmax).float(), blockwise8.codes_for(role))
-    converted = {key: value for key, value in state.items() if key != role + ABSMAX}
-    if dtype == torch.uint8:
-        codes, absmax = blockwise8.quantize(value.float(), blockwise8.codes_for(role))
-        return converted | {role: codes, role + ABSMAX: absmax}
-    return converted | {role: value}
-
-
-ABSMAX = "_absmax"  # the key suffix of an 8-bit state's block maxima
-# Options that say how a step runs, not what it computes: a loaded state dict leaves them as they are.
-EXECUTION_OPTIONS = ("foreach", "fused", "state_bits", "capturable", "differentiable")
+from ..specs import ABSMAX, KernelSpec
+from ..states import formats, subset_norm
+from ..step_cache import DEVICE, DTYPE, SHAPE, GroupWork, Signature
+from .checks import check_hyperparameters, check_params, check_tensor_lr, normalize_betas
+from .state_dict import StateDicts
 
 
 def group_lr(group):
@@ -131,130 +25,25 @@ def group_lr(group):
     return lr.view(()) if isinstance(lr, Tensor) else lr
 
 
-def overlaps_itself(tensor):
-    """Whether two elements of ``tensor`` may share memory (an expanded, stride-0 view, say): its
-    dimensions, ordered by stride, must each step past everything the smaller ones reach."""
-    reach = 0
-    for stride, size in sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape) if n > 1):
-        if stride <= reach:
-            return True
-        reach += stride * (size - 1)
-    return False
+class FastOptimizer(StateDicts, torch.optim.Optimizer):
+    """The base of every fastoptim optimizer. An algorithm provides:
 
-
-def check_params(params, name):
-    """Refuse a param listed twice or one that overlaps itself: an update would be applied twice to
-    the same memory (from two threads, in the fused engines)."""
-    if len(set(map(id, params))) != len(params):
-        raise ValueError(f"{name}: a parameter appears twice in its param group; list each parameter once")
-    for param in params:
-        if overlaps_itself(distributed.local(param)):
-            raise ValueError(f"{name}: a parameter of shape {tuple(param.shape)} with strides {param.stride()} "
-                             "overlaps itself (an expanded view?), so its elements cannot be updated one by "
-                             "one; optimize a tensor that owns its memory (.clone())")
-
-
-SHAPE, STRIDES, DTYPE, DEVICE = attrgetter("shape"), Tensor.stride, attrgetter("dtype"), attrgetter("device")
-LAYOUT = (Tensor.data_ptr, SHAPE, STRIDES, DTYPE, DEVICE)
-
-
-class Signature:
-    """The cache rule, in one place. A cache built on a list of tensors (the step's work, the fused
-    engines' pointer tables) stays valid while the list holds the same tensor objects, and each
-    still has the same data pointer, shape, strides, dtype and device: a tensor can keep its
-    identity and get new storage in place (``share_memory_()``, ``param.data = ...``, ``set_``).
-    ``owners`` are the objects whose identity counts, ``tensors`` (default: the owners) those whose
-    layout does: a DTensor owns its local shard."""
-
-    def __init__(self, owners, tensors=None):
-        tensors = owners if tensors is None else tensors
-        self.owners, self.n = list(owners), len(tensors)
-        self.values = {get: list(map(get, tensors)) for get in LAYOUT}
-        self.one_device = len(set(self.values[DEVICE])) <= 1
-
-    def matches(self, tensors, *getters):
-        """Whether ``tensors`` agree with this signature in what ``getters`` read. Shapes and
-        strides are compared one by one, with no lists: thousands of new tuples per step would set
-        off full runs of the garbage collector, which cost several times what the checks do."""
-        return all(all(map(operator.eq, map(get, tensors), self.values[get])) if get in (SHAPE, STRIDES)
-                   else list(map(get, tensors)) == self.values[get] for get in getters)
-
-    def describes(self, owners, tensors=None):
-        tensors = owners if tensors is None else tensors
-        return (len(owners) == len(self.owners) and len(tensors) == self.n
-                and all(map(operator.is_, owners, self.owners)) and self.matches(tensors, *LAYOUT))
-
-
-class GroupWork:
-    """What a step of one group needs of its params that have grads: the params, their (device,
-    dtype) buckets, their states and state tensors by role, what ``_prepare_states`` made of the
-    states (``context``) and the engines' caches per bucket (the fused engine's pointer tables).
-
-    It is reused while the params and their states pass :class:`Signature`'s rule: the same params
-    have grads, the params' state dicts hold the very tensors it was built on under every key (a
-    user may clear or replace them between steps), and none of them has moved to new storage or
-    changed its layout. Checking that is most of what a step costs in Python. The gradients are
-    never kept: they are checked and listed afresh every step.
+    - ``spec``: its :class:`fastoptim.specs.KernelSpec` (state roles, kernel scalars and flags);
+      ``n_betas``: how many betas it takes.
+    - ``update(ops, *, param, grad, scratch, <states>, <args>)``: its math, written once in the
+      ``ops`` vocabulary (fastoptim.engines.ops), which the loop and foreach engines run.
+    - ``_step_arguments(group, entry, grad_scale, increment)``: ``update``'s arguments for this
+      step, and the names of those that hold one value per param.
+    - ``kernel_scalars(args)``: those arguments as its fused kernels take them (by the spec's
+      scalar names); an algorithm without one runs its fused engines on foreach.
+    - ``kernel_flags(group)``: the spec's feature flags that a group's options set (default none).
+    - optionally ``_check_group`` (its own options), ``_prepare_states`` and ``_count_step`` (where
+      it keeps its step counts), ``_convert_saved_group`` (its peers' saved groups).
+    Its ``__init__`` collects its hyperparameters into ``defaults`` and calls this one's.
     """
 
-    def __init__(self, roles, engine, params, local_params, signature=None):
-        self.roles, self.engine, self.params, self.signature = roles, engine, params, signature
-        self.local_params = local_params  # what the engines update: the params, or DTensors' local shards
-        self.sharded = local_params is not params
-        # the per-tensor scalars (step sizes, bias corrections): float64 where a param's math is float64
-        self.scalar_dtype = torch.float64 if any(p.dtype == torch.float64 for p in local_params) else torch.float32
-        self.buckets = [(bucket, None) for bucket in buckets(params)]
-        self.states = self.kept = self.tensors = self.context = self.state_bits = self.state_signature = None
-        self.bucket_caches = {}
-
-    def fits(self, roles, engine, params, local_params):
-        return (roles, engine) == (self.roles, self.engine) and self.signature.describes(params, local_params)
-
-    def holds(self, states):
-        """Whether ``states`` (the params' state dicts now) are those this work was built on,
-        holding the same tensors under every key, each where and as it was."""
-        return (self.states is not None and all(map(operator.is_, states, self.states))
-                and all(all(map(operator.is_, map(dict.get, states, repeat(key)), tensors))
-                        for key, tensors in self.kept.items())
-                and self.state_signature.matches(self._local_states(), *LAYOUT))
-
-    def _local_states(self):
-        """The state tensors this work was built on (their local shards where the params are DTensors)."""
-        return list(map(distributed.local, self.state_owners)) if self.sharded else self.state_owners
-
-    def use_states(self, states, context, partitions, reduced_roles, group):
-        """Take the states (every role present), with the subset-norm partition of each param (None:
-        dense): the tensors of a partitioned param are handed to the engines in its (a, b, c) view.
-        Params whose subsets span FSDP2 shards get buckets of their own, which sum over ``group``."""
-        self.states, self.context, self.bucket_caches = states, context, {}
-        self.kept = {key: list(map(dict.get, states, repeat(key))) for key in {key for state in states for key in state}}
-        self.state_owners = [t for tensors in self.kept.values() for t in tensors if isinstance(t, Tensor)]
-        if self.signature is not None:  # a cached entry (not one traced by torch.compile, which reuses nothing)
-            self.state_signature = Signature(self.state_owners, self._local_states())
-        self.partitions = partitions if any(partitions) else None
-        self.tensors = {"param": self.local_params} | {role: list(map(distributed.local, self.kept[role]))
-                                                       for role in self.roles}
-        self.absmax = {role: self.kept[role + ABSMAX] for role in self.roles if role + ABSMAX in self.kept}
-        spanning = {i for i, (param, part) in enumerate(zip(self.params, partitions))
-                    if part is not None and distributed.spans_shards(param, part)}
-        self.buckets = [(part, reduce) for bucket in buckets(self.params)
-                        for part, reduce in (([i for i in bucket if i not in spanning], None),
-                                             ([i for i in bucket if i in spanning], group)) if part]
-        if self.partitions:
-            self.tensors = {role: [t if part is None else part.view_state(t) if role in reduced_roles
-                                   else part.view_param(t) for t, part in zip(tensors, partitions)]
-                            for role, tensors in self.tensors.items()}
-
-    def viewed(self, grads):
-        """This step's grads, in their params' views."""
-        if self.partitions is None:
-            return grads
-        return [grad if part is None else part.view_param(grad) for grad, part in zip(grads, self.partitions)]
-
-
-class FastOptimizer(torch.optim.Optimizer):
     n_betas: int
-    spec: KernelSpec  # its state roles, and what its fused kernels take
+    spec: KernelSpec
 
     def __init__(self, params, defaults, shard_group):
         """``shard_group``: the process group whose ranks' params, together, are the model's, each
@@ -424,11 +213,8 @@ class FastOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}: subset_size cuts a param into subsets in its row-major "
                              f"order, which needs a contiguous param; got shape {tuple(param.shape)} with strides "
                              f"{param.stride()}. Make it contiguous, or use subset_size=None (rows or columns)")
-        for key, expected in self._expected_state(group, param, state).items():
+        for key, (shape, dtype) in self._expected_state(group, param, state).items():
             value = state.get(key)
-            if expected is None:  # a partition record, checked above
-                continue
-            shape, dtype = expected
             if value is not None and (value.shape != shape or value.dtype != dtype or value.device != param.device):
                 raise RuntimeError(
                     f"{type(self).__name__}: state '{key}' is {value.dtype} {tuple(value.shape)} on {value.device}, "
@@ -462,31 +248,32 @@ class FastOptimizer(torch.optim.Optimizer):
             return subset_norm.from_record(param.shape, state)
         return subset_norm.from_options(param.shape, group.get("subset_size")) if group.get("sn") else None
 
+    def _formats(self, group, param, state):
+        """The format of each state role of ``param`` that ``group``'s options keep (see
+        fastoptim.states.formats), and its subset-norm partition (None: dense)."""
+        partition = self._partition(param, state, group)
+        return {role: formats.for_state(param, self.spec.role(role), group["state_bits"], partition)
+                for role in self.spec.kept(self.kernel_flags(group))}, partition
+
     def _ensure_state(self, param, group):
         """The param's state with every role of the group present: missing ones are zeros in their
         format, second moments in the param's partition (recorded in the state when it is new)."""
         state = self.state[param]
-        partition = self._partition(param, state, group)
+        states_formats, partition = self._formats(group, param, state)
         if partition is not None:
             state.update(partition.record)
-        for key, expected in self._expected_state(group, param, state).items():
-            if expected is not None and key not in state and not key.endswith(ABSMAX):
-                state.update(new_state(param, *expected, key, partition))
+        for role, state_format in states_formats.items():
+            if role not in state:
+                state.update(state_format.zeros(param, self.spec.role(role), partition))
         return state
 
     def _expected_state(self, group, param, state):
-        """The (shape, dtype) of each state tensor that a param's state must have (None for a
-        partition record), the block maxima of 8-bit ones included."""
-        partition = self._partition(param, state, group)
-        expected = {key: None for key in subset_norm.RECORDS if key in state}
-        for role in self.spec.kept(self.kernel_flags(group)):
-            reduced = partition is not None and role in self.spec.reduced
-            shape = partition.state_shape if reduced else param.shape
-            dtype = state_dtype(param, role, group["state_bits"], reduced, self.spec.half)
-            expected[role] = (shape, dtype)
-            if dtype == torch.uint8:  # param-shaped: its blocks are the local shard's
-                expected[role + ABSMAX] = (torch.Size([blockwise8.n_blocks(distributed.local(param).numel())]),
-                                           torch.float32)
+        """The (shape, dtype) of each state tensor that a param's state must have, companions
+        (an 8-bit state's block maxima) included."""
+        states_formats, partition = self._formats(group, param, state)
+        expected = {}
+        for role, state_format in states_formats.items():
+            expected |= state_format.expected(param, self.spec.role(role), partition)
         return expected
 
     def _prepare_states(self, params, group):
@@ -516,107 +303,3 @@ class FastOptimizer(torch.optim.Optimizer):
         self.__dict__.pop("_engine_caches", None)
 
     # --- state dicts ----------------------------------------------------------------------------
-
-    def state_dict(self):
-        """torch's, except that the 8-bit states of DTensor params come dequantized, as fp32 DTensors:
-        their blocks are per local shard, so only their values can be resharded. Loading quantizes
-        them again, into the very codes and block maxima on the same shards."""
-        state_dict = super().state_dict()
-        if self._sharded:
-            for key, state in state_dict["state"].items():
-                for role in [role for role in state if role + ABSMAX in state]:
-                    state = convert_state(state, role, torch.float32)
-                state_dict["state"][key] = state
-        return state_dict
-
-    def load_state_dict(self, state_dict):
-        """Load a state dict of this optimizer or of its peers' layout (see the class docstring).
-
-        As in torch, the load pre-hooks see the dict first (and may replace it), and the post-hooks
-        run last. Everything is checked before anything changes. The hyperparameters are the saved
-        ones, ``max_grad_norm`` included (the saved groups must agree on it), but the execution
-        options (``foreach``, ``fused``, ``state_bits``, and AdamW's ``capturable`` and
-        ``differentiable``) stay this optimizer's: a state moves freely between engines, and is
-        converted to this optimizer's state format (quantized, or dequantized). States are on the
-        parameter's device (float64 for a float64 parameter), whatever the saved device. A state of
-        this algorithm that the saved options leave unused (``max_exp_avg_sq`` after amsgrad was
-        turned off) is kept as it was saved, as torch keeps it.
-        """
-        state_dict = state_dict.copy()
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            state_dict = state_dict if result is None else result
-        groups, saved_groups = self.param_groups, deepcopy(state_dict["param_groups"])
-        if len(groups) != len(saved_groups) or any(
-                len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
-            raise ValueError("loaded state dict does not match the optimizer's parameter groups: "
-                             f"{[len(s['params']) for s in saved_groups]} params saved, "
-                             f"{[len(g['params']) for g in groups]} here")
-        # max_grad_norm is global: the saved one is taken, as torch takes the other hyperparameters
-        max_grad_norms = {saved.get("max_grad_norm", self.defaults["max_grad_norm"]) for saved in saved_groups}
-        if len(max_grad_norms) > 1:
-            raise ValueError(f"loaded param groups disagree on max_grad_norm ({sorted(max_grad_norms)}), "
-                             "which clips by the norm over all groups")
-        max_grad_norm = max_grad_norms.pop() if max_grad_norms else self.defaults["max_grad_norm"]
-        own_options = [key for key in EXECUTION_OPTIONS if key in self.defaults]
-        new_groups, new_state = [], {}
-        for index, (group, saved) in enumerate(zip(groups, saved_groups)):
-            merged = {**self.defaults, "max_grad_norm": max_grad_norm, **saved,
-                      **{key: group[key] for key in own_options}, "params": group["params"]}
-            if "param_names" in group and "param_names" not in saved:
-                merged["param_names"] = group["param_names"]
-            try:
-                normalize_betas(merged)
-                self._check_group(merged, max_grad_norm)
-                self._convert_saved_group(merged)
-            except ValueError as error:
-                raise ValueError(f"loaded param group {index}: {error}. Is it a state dict of another "
-                                 f"optimizer? {type(self).__name__} expects {self.n_betas} betas.") from None
-            for saved_id, param in zip(saved["params"], group["params"]):
-                if saved_id in state_dict["state"]:
-                    new_state[param] = self._load_state(dict(state_dict["state"][saved_id]), merged, param, saved_id)
-            new_groups.append(merged)
-        self.__setstate__({"state": defaultdict(dict, new_state), "param_groups": new_groups})
-        self.defaults["max_grad_norm"] = max_grad_norm
-        self._forget_engine_caches()
-        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
-            post_hook(self)
-
-    def _load_state(self, state, group, param, saved_id):
-        """One saved per-parameter state, checked and converted into this optimizer's formats, on
-        ``param``'s device."""
-        try:
-            subset_norm.check_record(param.shape, state)
-        except ValueError as error:
-            raise ValueError(f"state of parameter {saved_id}: {error}") from None
-        expected = self._expected_state(group, param, state)
-        for key in set(state) & set(expected):  # into this optimizer's formats (state_bits)
-            if expected[key] is not None and not key.endswith(ABSMAX):
-                try:
-                    state = convert_state(state, key, expected[key][1])
-                except (ValueError, RuntimeError) as error:
-                    raise ValueError(f"state of parameter {saved_id}: {error}") from None
-        unused = {key for role in self.spec.states for key in (role, role + ABSMAX)} - set(expected)
-        if set(state) - set(expected) - unused or set(expected) - set(state) - self.spec.optional:
-            raise ValueError(
-                f"state of parameter {saved_id} has keys {sorted(state)}, but {type(self).__name__} "
-                f"expects {sorted(expected)}: is it a state dict of another optimizer?")
-        for key in state:
-            if key not in expected:  # a state the saved options leave unused: kept as saved
-                state[key] = torch.as_tensor(state[key]).to(param.device, copy=True)
-                continue
-            if expected[key] is None:  # a partition record: a Python int
-                continue
-            (shape, dtype), value = expected[key], torch.as_tensor(state[key])
-            if value.shape != shape:
-                raise ValueError(f"state '{key}' of parameter {saved_id} has shape {tuple(value.shape)}, "
-                                 f"expected {tuple(shape)}")
-            if key in self.spec.kept(self.kernel_flags(group)) and distributed.is_dtensor(param) and not distributed.is_dtensor(value):
-                raise ValueError(f"state '{key}' of parameter {saved_id} is a plain tensor, but its param "
-                                 "is a DTensor: load sharded states through torch.distributed.checkpoint "
-                                 "(see the README)")
-            state[key] = value.to(device=param.device, dtype=dtype, copy=True)
-        return state
-
-    def _convert_saved_group(self, group):
-        """Bring a saved param group into this optimizer's layout, in place; a ValueError if it cannot."""

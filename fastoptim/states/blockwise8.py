@@ -79,12 +79,6 @@ SIGNED = code_table(128, signed=True)
 UNSIGNED = code_table(248, signed=False)
 
 
-def codes_for(role):
-    """The table of a state role: unsigned for second moments (``exp_avg_sq``, ``max_exp_avg_sq``),
-    signed for the rest."""
-    return UNSIGNED if role.endswith("exp_avg_sq") else SIGNED
-
-
 def blocks_of(tensor, block=BLOCK):
     """The tensor's elements in row-major order as (blocks, block), the last block padded with zeros."""
     flat = tensor.reshape(-1)

@@ -1,0 +1,31 @@
+"""The fused engines' backends, one module each, chosen by the params' device type. A backend
+declares ``NAME``, ``DEVICE_TYPES`` (the device types it is picked for), ``SPLITS_FORMATS`` (its
+kernels are compiled for one state format, so each format gets a table of its own),
+``refusal(param)`` (why it cannot run a tensor at all, or None: availability included) and
+``run(part, table, ranges, state_format)`` (build what its kernel takes from the cached pointer
+table and launch it over chunk ``ranges``). A new backend is one more module in ``BACKENDS``.
+``FASTOPTIM_FUSED_BACKEND=<name>`` forces one, for debugging and tests."""
+import os
+
+from . import cpu, triton
+
+BACKENDS = {backend.NAME: backend for backend in (cpu, triton)}
+
+
+def forced():
+    """The backend ``FASTOPTIM_FUSED_BACKEND`` forces, or None; a ValueError for an unknown name."""
+    name = os.environ.get("FASTOPTIM_FUSED_BACKEND") or None
+    if name not in (None, *BACKENDS):
+        raise ValueError(f"FASTOPTIM_FUSED_BACKEND={name!r}: expected one of {tuple(BACKENDS)}")
+    return name and BACKENDS[name]
+
+
+def for_device(device):
+    """The backend for tensors on ``device``: the forced one, else the first that runs its type
+    (the C kernel takes what no other does, and refuses it with its reason)."""
+    return forced() or next((b for b in BACKENDS.values() if device.type in b.DEVICE_TYPES), cpu)
+
+
+def any_available():
+    """Whether some backend can run at all here (fused=None then picks the fused engines)."""
+    return cpu.AVAILABLE or triton.AVAILABLE

@@ -1,0 +1,43 @@
+"""The fused CPU backend: the C kernel of ``fastoptim/kernels/fused_cpu.c``, one call per table
+(or per tensor, single-tensor), on torch's threads."""
+import torch
+
+from ...kernels import fused_cpu
+
+NAME = "cpu"
+DEVICE_TYPES = ("cpu",)
+SPLITS_FORMATS = False  # the C kernel reads each tensor's state format from its layout row
+AVAILABLE = fused_cpu.AVAILABLE
+
+
+def refusal(param):
+    if not AVAILABLE:
+        return "the fused CPU kernel is not built (see the README's set-up)"
+    if param.device.type != "cpu":
+        return f"no fused kernel for {param.device.type} tensors yet"
+    return None
+
+
+def scalars(values, names, per_tensor):
+    """The C kernel's scalars (``values``: name to number or tensor) as a ctypes array of (pointer,
+    stride), in ``names`` order, and the tensors it points into."""
+    numbers = torch.tensor([0.0 if isinstance(values[n], torch.Tensor) else float(values[n]) for n in names])
+    keep, array = [numbers], (fused_cpu.Scalar * len(names))()
+    for i, name in enumerate(names):
+        value = values[name]
+        if isinstance(value, torch.Tensor):
+            value = value.detach().to(torch.float32).contiguous()
+            keep.append(value)
+            array[i] = fused_cpu.Scalar(value.data_ptr(), 1 if name in per_tensor else 0)
+        else:
+            array[i] = fused_cpu.Scalar(numbers.data_ptr() + 4 * i, 0)
+    return array, keep
+
+
+def run(part, table, ranges, state_format, values):
+    array, _keep = scalars(values, part.spec.all_scalars, part.per_tensor)
+    flags = part.spec.flag_bits(part.flags, part.stochastic_rounding)
+    dtype = part.tensors["param"][0].dtype
+    for chunk_range in ranges:
+        fused_cpu.run(part.spec, table.pointers, len(part), table.chunks, chunk_range, table.layouts, array, dtype,
+                      flags, torch.get_num_threads())

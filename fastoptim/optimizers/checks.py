@@ -1,0 +1,83 @@
+"""The checks of a fastoptim optimizer's inputs: hyperparameters, a tensor lr or betas, and params.
+Each raises a ValueError that names the first invalid input, before anything changes."""
+import math
+
+from torch import Tensor
+
+from .. import distributed
+from ..states import subset_norm
+
+
+def normalize_betas(group):
+    """Take one-element tensor betas as the numbers they hold (as torch.optim accepts them): the
+    step's math reads betas as numbers, so a tensor beta is read once, when its group is added or
+    loaded, and later changes to it in place are not followed."""
+    betas = group["betas"]
+    if isinstance(betas, (tuple, list)) and any(isinstance(beta, Tensor) for beta in betas):
+        for i, beta in enumerate(betas):
+            if isinstance(beta, Tensor) and (beta.numel() != 1 or not beta.is_floating_point()):
+                raise ValueError(f"Invalid betas[{i}]: a Tensor beta must hold one floating-point number, got "
+                                 f"{beta.dtype} of shape {tuple(beta.shape)}")
+        group["betas"] = tuple(beta.item() if isinstance(beta, Tensor) else beta for beta in betas)
+
+
+def check_hyperparameters(group, n_betas):
+    """Raise a ValueError that names the first invalid hyperparameter of ``group``."""
+    lr = group["lr"]
+    if isinstance(lr, Tensor):
+        check_tensor_lr(lr)
+        lr = lr.item()  # construction time only, never in step()
+    for name, value in (("lr", lr), *((name, group[name]) for name in ("eps", "weight_decay", "max_grad_norm")
+                                      if name in group)):  # an algorithm may take no eps (Lion)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value < math.inf):
+            raise ValueError(f"Invalid {name}: {value!r} (must be a finite number >= 0)")
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != n_betas:
+        raise ValueError(f"Invalid betas: {betas!r} (expected {n_betas} numbers)")
+    for i, beta in enumerate(betas):
+        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid betas[{i}]: {beta!r} (must be in [0, 1))")
+    for flag in ("foreach", "fused"):
+        if group[flag] not in (None, True, False):
+            raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be None, True or False)")
+    for flag in ("maximize", "stochastic_rounding", "sn"):
+        if not isinstance(group.get(flag, False), bool):
+            raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be True or False)")
+    subset_norm.check_subset_size(group.get("subset_size"))
+    if type(group["state_bits"]) is not int or group["state_bits"] not in (8, 16, 32):
+        raise ValueError(f"Invalid state_bits: {group['state_bits']!r} (must be 32, 16 for bf16 states or 8 for "
+                         "8-bit blockwise states)")
+
+
+def check_tensor_lr(lr, device=None):
+    """A Tensor lr must hold one floating-point number (any shape, as torch.optim accepts) on the
+    params' device, where the kernels read it."""
+    if lr.numel() != 1 or not lr.is_floating_point():
+        raise ValueError(f"Invalid lr: a Tensor lr must be a one-element floating-point tensor, got {lr.dtype} "
+                         f"of shape {tuple(lr.shape)}")
+    if device is not None and lr.device != device:
+        raise ValueError(f"Invalid lr: a Tensor lr must be on the params' device, {device}, not {lr.device}")
+
+
+
+def overlaps_itself(tensor):
+    """Whether two elements of ``tensor`` may share memory (an expanded, stride-0 view, say): its
+    dimensions, ordered by stride, must each step past everything the smaller ones reach."""
+    reach = 0
+    for stride, size in sorted((s, n) for s, n in zip(tensor.stride(), tensor.shape) if n > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
+def check_params(params, name):
+    """Refuse a param listed twice or one that overlaps itself: an update would be applied twice to
+    the same memory (from two threads, in the fused engines)."""
+    if len(set(map(id, params))) != len(params):
+        raise ValueError(f"{name}: a parameter appears twice in its param group; list each parameter once")
+    for param in params:
+        if overlaps_itself(distributed.local(param)):
+            raise ValueError(f"{name}: a parameter of shape {tuple(param.shape)} with strides {param.stride()} "
+                             "overlaps itself (an expanded view?), so its elements cannot be updated one by "
+                             "one; optimize a tensor that owns its memory (.clone())")

@@ -1,0 +1,122 @@
+"""State dicts of fastoptim optimizers: what :class:`FastOptimizer` saves and how it loads its own
+and its peers' (official Adan, timm, torch.optim.AdamW, the seed's AdamwSN), converting each state
+into this optimizer's format."""
+from collections import defaultdict
+from copy import deepcopy
+
+import torch
+
+from .. import distributed
+from ..specs import ABSMAX
+from ..states import formats, subset_norm
+from .checks import normalize_betas
+
+# Options that say how a step runs, not what it computes: a loaded state dict leaves them as they are.
+EXECUTION_OPTIONS = ("foreach", "fused", "state_bits", "capturable", "differentiable")
+
+
+class StateDicts:
+    """The state-dict half of :class:`fastoptim.optimizers.base.FastOptimizer`."""
+
+    def state_dict(self):
+        """torch's, except that the 8-bit states of DTensor params come dequantized, as fp32 DTensors:
+        their blocks are per local shard, so only their values can be resharded. Loading quantizes
+        them again, into the very codes and block maxima on the same shards."""
+        state_dict = super().state_dict()
+        if self._sharded:
+            for key, state in state_dict["state"].items():
+                for role in [role for role in state if role + ABSMAX in state]:
+                    state = formats.convert(state, self.spec.role(role), formats.FP32)
+                state_dict["state"][key] = state
+        return state_dict
+
+    def load_state_dict(self, state_dict):
+        """Load a state dict of this optimizer or of its peers' layout (see the class docstring).
+
+        As in torch, the load pre-hooks see the dict first (and may replace it), and the post-hooks
+        run last. Everything is checked before anything changes. The hyperparameters are the saved
+        ones, ``max_grad_norm`` included (the saved groups must agree on it), but the execution
+        options (``foreach``, ``fused``, ``state_bits``, and AdamW's ``capturable`` and
+        ``differentiable``) stay this optimizer's: a state moves freely between engines, and is
+        converted to this optimizer's state format (quantized, or dequantized). States are on the
+        parameter's device (float64 for a float64 parameter), whatever the saved device. A state of
+        this algorithm that the saved options leave unused (``max_exp_avg_sq`` after amsgrad was
+        turned off) is kept as it was saved, as torch keeps it.
+        """
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            state_dict = state_dict if result is None else result
+        groups, saved_groups = self.param_groups, deepcopy(state_dict["param_groups"])
+        if len(groups) != len(saved_groups) or any(
+                len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved_groups)):
+            raise ValueError("loaded state dict does not match the optimizer's parameter groups: "
+                             f"{[len(s['params']) for s in saved_groups]} params saved, "
+                             f"{[len(g['params']) for g in groups]} here")
+        # max_grad_norm is global: the saved one is taken, as torch takes the other hyperparameters
+        max_grad_norms = {saved.get("max_grad_norm", self.defaults["max_grad_norm"]) for saved in saved_groups}
+        if len(max_grad_norms) > 1:
+            raise ValueError(f"loaded param groups disagree on max_grad_norm ({sorted(max_grad_norms)}), "
+                             "which clips by the norm over all groups")
+        max_grad_norm = max_grad_norms.pop() if max_grad_norms else self.defaults["max_grad_norm"]
+        own_options = [key for key in EXECUTION_OPTIONS if key in self.defaults]
+        new_groups, new_state = [], {}
+        for index, (group, saved) in enumerate(zip(groups, saved_groups)):
+            merged = {**self.defaults, "max_grad_norm": max_grad_norm, **saved,
+                      **{key: group[key] for key in own_options}, "params": group["params"]}
+            if "param_names" in group and "param_names" not in saved:
+                merged["param_names"] = group["param_names"]
+            try:
+                normalize_betas(merged)
+                self._check_group(merged, max_grad_norm)
+                self._convert_saved_group(merged)
+            except ValueError as error:
+                raise ValueError(f"loaded param group {index}: {error}. Is it a state dict of another "
+                                 f"optimizer? {type(self).__name__} expects {self.n_betas} betas.") from None
+            for saved_id, param in zip(saved["params"], group["params"]):
+                if saved_id in state_dict["state"]:
+                    new_state[param] = self._load_state(dict(state_dict["state"][saved_id]), merged, param, saved_id)
+            new_groups.append(merged)
+        self.__setstate__({"state": defaultdict(dict, new_state), "param_groups": new_groups})
+        self.defaults["max_grad_norm"] = max_grad_norm
+        self._forget_engine_caches()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_state(self, state, group, param, saved_id):
+        """One saved per-parameter state, checked and converted into this optimizer's formats, on
+        ``param``'s device."""
+        try:
+            subset_norm.check_record(param.shape, state)
+        except ValueError as error:
+            raise ValueError(f"state of parameter {saved_id}: {error}") from None
+        for role, state_format in self._formats(group, param, state)[0].items():  # into this optimizer's formats
+            if role in state:
+                try:
+                    state = formats.convert(state, self.spec.role(role), state_format)
+                except (ValueError, RuntimeError) as error:
+                    raise ValueError(f"state of parameter {saved_id}: {error}") from None
+        expected = self._expected_state(group, param, state)
+        records = {key for key in subset_norm.RECORDS if key in state}  # the partition: Python ints
+        unused = {key for role in self.spec.states for key in (role, role + ABSMAX)} - set(expected)
+        if set(state) - set(expected) - records - unused or set(expected) - set(state) - self.spec.optional:
+            raise ValueError(
+                f"state of parameter {saved_id} has keys {sorted(state)}, but {type(self).__name__} "
+                f"expects {sorted(expected)}: is it a state dict of another optimizer?")
+        for key in [key for key in state if key not in records]:
+            if key not in expected:  # a state the saved options leave unused: kept as saved
+                state[key] = torch.as_tensor(state[key]).to(param.device, copy=True)
+                continue
+            (shape, dtype), value = expected[key], torch.as_tensor(state[key])
+            if value.shape != shape:
+                raise ValueError(f"state '{key}' of parameter {saved_id} has shape {tuple(value.shape)}, "
+                                 f"expected {tuple(shape)}")
+            if key in self.spec.states and distributed.is_dtensor(param) and not distributed.is_dtensor(value):
+                raise ValueError(f"state '{key}' of parameter {saved_id} is a plain tensor, but its param "
+                                 "is a DTensor: load sharded states through torch.distributed.checkpoint "
+                                 "(see the README)")
+            state[key] = value.to(device=param.device, dtype=dtype, copy=True)
+        return state
+
+    def _convert_saved_group(self, group):
+        """Bring a saved param group into this optimizer's layout, in place; a ValueError if it cannot."""

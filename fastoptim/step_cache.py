@@ -1,0 +1,111 @@
+"""The step cache: what a step of one param group needs of its params and states, built once and
+reused while they pass the cache rule (:class:`Signature`, the one place it is stated). Beside it,
+``multi_tensor`` builds the fused kernels' pointer tables, which the cache keeps per bucket."""
+import operator
+from itertools import repeat
+from operator import attrgetter
+
+import torch
+from torch import Tensor
+
+from . import distributed
+from .multi_tensor import buckets
+from .specs import ABSMAX
+
+
+SHAPE, STRIDES, DTYPE, DEVICE = attrgetter("shape"), Tensor.stride, attrgetter("dtype"), attrgetter("device")
+LAYOUT = (Tensor.data_ptr, SHAPE, STRIDES, DTYPE, DEVICE)
+
+
+class Signature:
+    """The cache rule, in one place. A cache built on a list of tensors (the step's work, the fused
+    engines' pointer tables) stays valid while the list holds the same tensor objects, and each
+    still has the same data pointer, shape, strides, dtype and device: a tensor can keep its
+    identity and get new storage in place (``share_memory_()``, ``param.data = ...``, ``set_``).
+    ``owners`` are the objects whose identity counts, ``tensors`` (default: the owners) those whose
+    layout does: a DTensor owns its local shard."""
+
+    def __init__(self, owners, tensors=None):
+        tensors = owners if tensors is None else tensors
+        self.owners, self.n = list(owners), len(tensors)
+        self.values = {get: list(map(get, tensors)) for get in LAYOUT}
+        self.one_device = len(set(self.values[DEVICE])) <= 1
+
+    def matches(self, tensors, *getters):
+        """Whether ``tensors`` agree with this signature in what ``getters`` read. Shapes and
+        strides are compared one by one, with no lists: thousands of new tuples per step would set
+        off full runs of the garbage collector, which cost several times what the checks do."""
+        return all(all(map(operator.eq, map(get, tensors), self.values[get])) if get in (SHAPE, STRIDES)
+                   else list(map(get, tensors)) == self.values[get] for get in getters)
+
+    def describes(self, owners, tensors=None):
+        tensors = owners if tensors is None else tensors
+        return (len(owners) == len(self.owners) and len(tensors) == self.n
+                and all(map(operator.is_, owners, self.owners)) and self.matches(tensors, *LAYOUT))
+
+
+class GroupWork:
+    """What a step of one group needs of its params that have grads: the params, their (device,
+    dtype) buckets, their states and state tensors by role, what ``_prepare_states`` made of the
+    states (``context``) and the engines' caches per bucket (the fused engine's pointer tables).
+
+    It is reused while the params and their states pass :class:`Signature`'s rule: the same params
+    have grads, the params' state dicts hold the very tensors it was built on under every key (a
+    user may clear or replace them between steps), and none of them has moved to new storage or
+    changed its layout. Checking that is most of what a step costs in Python. The gradients are
+    never kept: they are checked and listed afresh every step.
+    """
+
+    def __init__(self, roles, engine, params, local_params, signature=None):
+        self.roles, self.engine, self.params, self.signature = roles, engine, params, signature
+        self.local_params = local_params  # what the engines update: the params, or DTensors' local shards
+        self.sharded = local_params is not params
+        # the per-tensor scalars (step sizes, bias corrections): float64 where a param's math is float64
+        self.scalar_dtype = torch.float64 if any(p.dtype == torch.float64 for p in local_params) else torch.float32
+        self.buckets = [(bucket, None) for bucket in buckets(params)]
+        self.states = self.kept = self.tensors = self.context = self.state_bits = self.state_signature = None
+        self.bucket_caches = {}
+
+    def fits(self, roles, engine, params, local_params):
+        return (roles, engine) == (self.roles, self.engine) and self.signature.describes(params, local_params)
+
+    def holds(self, states):
+        """Whether ``states`` (the params' state dicts now) are those this work was built on,
+        holding the same tensors under every key, each where and as it was."""
+        return (self.states is not None and all(map(operator.is_, states, self.states))
+                and all(all(map(operator.is_, map(dict.get, states, repeat(key)), tensors))
+                        for key, tensors in self.kept.items())
+                and self.state_signature.matches(self._local_states(), *LAYOUT))
+
+    def _local_states(self):
+        """The state tensors this work was built on (their local shards where the params are DTensors)."""
+        return list(map(distributed.local, self.state_owners)) if self.sharded else self.state_owners
+
+    def use_states(self, states, context, partitions, reduced_roles, group):
+        """Take the states (every role present), with the subset-norm partition of each param (None:
+        dense): the tensors of a partitioned param are handed to the engines in its (a, b, c) view.
+        Params whose subsets span FSDP2 shards get buckets of their own, which sum over ``group``."""
+        self.states, self.context, self.bucket_caches = states, context, {}
+        self.kept = {key: list(map(dict.get, states, repeat(key))) for key in {key for state in states for key in state}}
+        self.state_owners = [t for tensors in self.kept.values() for t in tensors if isinstance(t, Tensor)]
+        if self.signature is not None:  # a cached entry (not one traced by torch.compile, which reuses nothing)
+            self.state_signature = Signature(self.state_owners, self._local_states())
+        self.partitions = partitions if any(partitions) else None
+        self.tensors = {"param": self.local_params} | {role: list(map(distributed.local, self.kept[role]))
+                                                       for role in self.roles}
+        self.absmax = {role: self.kept[role + ABSMAX] for role in self.roles if role + ABSMAX in self.kept}
+        spanning = {i for i, (param, part) in enumerate(zip(self.params, partitions))
+                    if part is not None and distributed.spans_shards(param, part)}
+        self.buckets = [(part, reduce) for bucket in buckets(self.params)
+                        for part, reduce in (([i for i in bucket if i not in spanning], None),
+                                             ([i for i in bucket if i in spanning], group)) if part]
+        if self.partitions:
+            self.tensors = {role: [t if part is None else part.view_state(t) if role in reduced_roles
+                                   else part.view_param(t) for t, part in zip(tensors, partitions)]
+                            for role, tensors in self.tensors.items()}
+
+    def viewed(self, grads):
+        """This step's grads, in their params' views."""
+        if self.partitions is None:
+            return grads
+        return [grad if part is None else part.view_param(grad) for grad, part in zip(grads, self.partitions)]
