@@ -10,7 +10,8 @@ import torch
 
 from . import distributed
 from .kernels import fused_cpu
-from .multi_tensor import PointerTable, buckets, is_dense
+from .multi_tensor import PointerTable, buckets, data_pointers, is_dense
+from .step_cache import DEVICE, DTYPE, SHAPE, Signature
 
 
 def _kernel_takes(grads):
@@ -26,16 +27,36 @@ def _grad_tables(grads):
     return [(grads[b[0]].dtype, PointerTable({"param": [grads[i] for i in b]}, ("param",))) for b in buckets(grads)]
 
 
-def grad_norm(grads, norm_type=2.0, tables=None, group=None):
+class GradTables:
+    """The kernel's tables over an optimizer's grads, kept from step to step while the grads keep
+    their shapes, dtypes and devices: a step then only refreshes their pointers, where building the
+    chunk plans again cost as much as the norm of small grads."""
+
+    def __init__(self):
+        self.signature = self.tables = None
+
+    def __call__(self, grads):
+        if self.signature is None or self.signature.n != len(grads) or not self.signature.matches(
+                grads, SHAPE, DTYPE, DEVICE):
+            self.signature, self.buckets = Signature((), grads), buckets(grads)  # keeps no grad alive
+            self.tables = _grad_tables(grads)
+        else:
+            for bucket, (_, table) in zip(self.buckets, self.tables):
+                table.pointers[0] = data_pointers([grads[i] for i in bucket])  # the grads are its one row
+        return self.tables
+
+
+def grad_norm(grads, norm_type=2.0, tables=None, group=None, cache=None):
     """The ``norm_type``-norm (2 or inf) over every tensor in ``grads``, as a 0-d tensor on the first
     grad's device: float64 where a grad is float64 (as torch's), else fp32. ``tables``: the caller's
-    decision, ``_grad_tables(grads)`` for the kernel or an empty list for foreach; None decides here.
+    decision, ``_grad_tables(grads)`` for the kernel or an empty list for foreach; None decides here,
+    taking the tables from ``cache`` (a :class:`GradTables`) when there is one.
     ``group``: a process group whose ranks hold the rest of the grads (each exactly once); the norm
     is then theirs all together, and every rank of it must call this, with grads or none."""
     inf = norm_type == math.inf
     wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     if tables is None and _kernel_takes(grads):
-        tables = _grad_tables(grads)
+        tables = (cache or _grad_tables)(grads)
     if tables:
         partials = torch.cat([torch.zeros(1, dtype=torch.float64)] + [
             fused_cpu.grad_norm_partials(table, dtype, inf, torch.get_num_threads()) for dtype, table in tables])
@@ -55,11 +76,11 @@ def grad_norm(grads, norm_type=2.0, tables=None, group=None):
     return (total if inf else total.sqrt()).to(wide)
 
 
-def clip_coefficient(grads, max_norm, eps, inv_scale=None, group=None):
+def clip_coefficient(grads, max_norm, eps, inv_scale=None, group=None, cache=None):
     """``min(1, max_norm / (norm + eps))``, the factor official Adan scales every gradient by.
     ``inv_scale`` (GradScaler's 1/scale, a tensor) unscales the norm of still-scaled grads; ``group``
-    (see :func:`grad_norm`) makes the norm global."""
-    norm = grad_norm(grads, group=group)
+    (see :func:`grad_norm`) makes the norm global; ``cache``: see :func:`grad_norm`."""
+    norm = grad_norm(grads, group=group, cache=cache)
     if inv_scale is not None:
         norm = norm * inv_scale
     return (max_norm / (norm + eps)).clamp(max=1.0)

@@ -13,36 +13,47 @@ SPEC = KernelSpec(  # AdamW's family: AdamWSN and RMSPropSN take it too
     flags=("amsgrad", "first_moment"))
 
 
-def adamw_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, max_exp_avg_sq=None,
-                 beta1, beta2, eps, lr, weight_decay, grad_scale, step_size, bias_correction2_sqrt):
-    """One AdamW step, as torch.optim.AdamW computes it::
+def adamw_update(ops, *, param, grad, scratch, exp_avg=None, exp_avg_sq, max_exp_avg_sq=None, beta1, beta2, eps,
+                 lr, weight_decay, grad_scale, step_size, bias_correction2_sqrt=None, decay_after=False):
+    """One step of AdamW's family: AdamW as torch.optim.AdamW computes it, and AdamWSN/RMSPropSN as
+    the seed's AdamwSN does (``decay_after``, no ``bias_correction2_sqrt``)::
 
         g     = grad · grad_scale          (−1 to maximize, times the clip coefficient; None: 1)
-        p     = p·(1 − lr·wd)
-        m     = β1·m + (1−β1)·g            exp_avg
+        p     = p·(1 − lr·wd)              before the update (AdamW)
+        m     = β1·m + (1−β1)·g            exp_avg; without one (RMSPropSN, β1 = 0), m = g
         v     = β2·v + (1−β2)·Σ_S g²       exp_avg_sq: one entry per subset S under ``sn``
                                            (fastoptim.states.subset_norm), else per element
-        v̂     = max(v̂, v) with amsgrad     max_exp_avg_sq
-        p     = p − step_size · m / (√v̂ / √(1−β2^t) + eps),  step_size = lr/(1−β1^t), v̂ broadcast
-                                           over its subset (v̂ = v without amsgrad)
+        v̂     = max(v̂, v) with amsgrad     max_exp_avg_sq (v̂ = v without it)
+        p     = p − step_size · m / (√v̂ / bc + eps)   v̂ broadcast over its subset; AdamW:
+                                           step_size = lr/(1−β1^t), bc = √(1−β2^t); AdamWSN:
+                                           step_size = lr·√(1−β2^t)/(1−β1^t) (lr without
+                                           correct_bias), bc = 1
+        p     = p·(1 − lr·wd)              after the update, with ``decay_after`` (AdamWSN)
     """
     if grad_scale is not None:
         ops.copy_(scratch, grad)
         ops.mul_(scratch, grad_scale)
         grad = scratch
-    if weight_decay:
+    if weight_decay and not decay_after:
         ops.mul_(param, 1 - lr * weight_decay)
-    ops.lerp_(exp_avg, grad, 1 - beta1)
+    if exp_avg is not None:
+        ops.lerp_(exp_avg, grad, 1 - beta1)
     ops.mul_(exp_avg_sq, beta2)
     ops.add_squares_(exp_avg_sq, grad, value=1 - beta2)
     if max_exp_avg_sq is not None:
         ops.maximum_(max_exp_avg_sq, exp_avg_sq)
-    ops.copy_(scratch, exp_avg_sq if max_exp_avg_sq is None else max_exp_avg_sq)
-    ops.sqrt_(scratch)
-    ops.div_(scratch, bias_correction2_sqrt)
-    ops.add_(scratch, eps)
-    ops.div_(scratch, step_size)
-    ops.addcdiv_(param, exp_avg, scratch, value=-1)
+    numerator = grad if exp_avg is None else exp_avg
+    # The denominator takes the scratch unless RMSProp's numerator, a scaled grad, holds it.
+    denominator = scratch if numerator is not scratch else ops.empty_like(exp_avg_sq)
+    ops.copy_(denominator, exp_avg_sq if max_exp_avg_sq is None else max_exp_avg_sq)
+    ops.sqrt_(denominator)
+    if bias_correction2_sqrt is not None:
+        ops.div_(denominator, bias_correction2_sqrt)
+    ops.add_(denominator, eps)
+    ops.div_(denominator, step_size)
+    ops.addcdiv_(param, numerator, denominator, value=-1)
+    if weight_decay and decay_after:
+        ops.mul_(param, 1 - lr * weight_decay)
 
 
 class AdamW(FastOptimizer):
@@ -138,8 +149,12 @@ class AdamW(FastOptimizer):
 
     @staticmethod
     def kernel_scalars(args):
-        """``adamw_update``'s arguments as the fused kernels take them."""
-        return {name: args[name] for name in ("beta2", "eps", "step_size", "bias_correction2_sqrt")} | dict(
+        """``adamw_update``'s arguments as the fused kernels take them: weight decay as a factor
+        before the update or after it."""
+        decay, after = 1 - args["lr"] * args["weight_decay"], args.get("decay_after", False)
+        correction = args.get("bias_correction2_sqrt")
+        return {name: args[name] for name in ("beta2", "eps", "step_size")} | dict(
             one_minus_beta1=1 - args["beta1"], one_minus_beta2=1 - args["beta2"],
             grad_scale=1.0 if args["grad_scale"] is None else args["grad_scale"],
-            decay_mul=1 - args["lr"] * args["weight_decay"], decay_after=1.0)
+            bias_correction2_sqrt=1.0 if correction is None else correction,
+            decay_mul=1.0 if after else decay, decay_after=decay if after else 1.0)

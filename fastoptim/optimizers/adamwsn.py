@@ -4,40 +4,9 @@ from .adamw import AdamW
 from .base import FastOptimizer, group_lr
 
 
-def adamw_sn_update(ops, *, param, grad, scratch, exp_avg=None, exp_avg_sq, beta1, beta2, eps, lr,
-                    weight_decay, grad_scale, step_size):
-    """One AdamWSN step, as the seed's AdamwSN computes it (the flavour of Hugging Face's AdamW)::
-
-        g = grad · grad_scale            (the clip coefficient, −1 to maximize; None: 1)
-        m = β1·m + (1−β1)·g              exp_avg; RMSPropSN (β1 = 0) keeps none and takes m = g
-        v = β2·v + (1−β2)·Σ_S g²         exp_avg_sq: one entry per subset S of the param's elements
-                                         in an ``sn`` group (fastoptim.states.subset_norm), else per element
-        p = p − step_size·m / (√v + eps)   v broadcast over its subset; step_size = lr·√(1−β2^t)/(1−β1^t)
-                                         with correct_bias, else lr
-        p = p − lr·wd·p                  after the update, as the seed's base AdamW
-    """
-    if grad_scale is not None:
-        ops.copy_(scratch, grad)
-        ops.mul_(scratch, grad_scale)
-        grad = scratch
-    if exp_avg is not None:
-        ops.lerp_(exp_avg, grad, 1 - beta1)
-    ops.mul_(exp_avg_sq, beta2)
-    ops.add_squares_(exp_avg_sq, grad, value=1 - beta2)
-    numerator = grad if exp_avg is None else exp_avg
-    # The denominator takes the scratch unless RMSProp's numerator, a scaled grad, holds it.
-    denominator = scratch if numerator is not scratch else ops.empty_like(exp_avg_sq)
-    ops.copy_(denominator, exp_avg_sq)
-    ops.sqrt_(denominator)
-    ops.add_(denominator, eps)
-    ops.div_(denominator, step_size)
-    ops.addcdiv_(param, numerator, denominator, value=-1)
-    if weight_decay:
-        ops.mul_(param, 1 - lr * weight_decay)
-
-
 class AdamWSN(AdamW):
-    """AdamW with a subset-norm second moment (see :func:`adamw_sn_update`), as the seed's AdamwSN.
+    """AdamW with a subset-norm second moment, as the seed's AdamwSN (see
+    :func:`fastoptim.optimizers.adamw.adamw_update` with ``decay_after``).
 
     Param groups opt in with ``'sn': True``, as in the seed's usage; the others get the same AdamW
     with one second-moment entry per element. ``subset_size`` picks the partition (see
@@ -57,7 +26,6 @@ class AdamWSN(AdamW):
     """
 
     n_betas = 2
-    update = staticmethod(adamw_sn_update)
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, subset_size=None,
                  correct_bias=True, foreach=None, fused=None, *, sn=False, maximize=False, max_grad_norm=0.0,
@@ -83,16 +51,9 @@ class AdamWSN(AdamW):
         lr = group_lr(group)
         step_size = (lr * (1 - beta2**t).sqrt() / (1 - beta1**t)) if group["correct_bias"] else lr + 0 * t
         args = dict(beta1=beta1, beta2=beta2, eps=group["eps"], lr=lr, weight_decay=group["weight_decay"],
-                    grad_scale=grad_scale, step_size=step_size.to(entry.scalar_dtype))
+                    grad_scale=grad_scale, step_size=step_size.to(entry.scalar_dtype), decay_after=True)
         return args, {"step_size"}
 
-    @staticmethod
-    def kernel_scalars(args):
-        """``adamw_sn_update``'s arguments as the AdamW kernel family takes them."""
-        return dict(one_minus_beta1=1 - args["beta1"], beta2=args["beta2"], one_minus_beta2=1 - args["beta2"],
-                    eps=args["eps"], step_size=args["step_size"], bias_correction2_sqrt=1.0, decay_mul=1.0,
-                    decay_after=1 - args["lr"] * args["weight_decay"],
-                    grad_scale=1.0 if args["grad_scale"] is None else args["grad_scale"])
 
 
 class RMSPropSN(AdamWSN):

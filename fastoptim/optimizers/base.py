@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .. import distributed, engines
-from ..clip import clip_coefficient
+from ..clip import GradTables, clip_coefficient
 from ..specs import ABSMAX, KernelSpec
 from ..states import formats, subset_norm
 from ..step_cache import DEVICE, DTYPE, SHAPE, GroupWork, Signature
@@ -144,7 +144,8 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         clip = None
         if max_norm > 0 and (all_grads or self._reduce_group is not None):  # each rank joins the reduction
             # official Adan takes eps for the clip from the last group; without one, torch's clip_grad_norm_'s
-            clip = clip_coefficient(all_grads, max_norm, self.param_groups[-1].get("eps", 1e-6), inv_scale, self._reduce_group)
+            clip = clip_coefficient(all_grads, max_norm, self.param_groups[-1].get("eps", 1e-6), inv_scale,
+                                    self._reduce_group, caches.setdefault("clip", GradTables()))
         for group, entry, grads in work:
             if entry.params:
                 self._step_group(group, entry, grads, self._grad_scale(group, clip, inv_scale), found_inf, increment)

@@ -1,7 +1,7 @@
 """The fused engines' backends, one module each, chosen by the params' device type. A backend
 declares ``NAME``, ``DEVICE_TYPES`` (the device types it is picked for), ``SPLITS_FORMATS`` (its
 kernels are compiled for one state format, so each format gets a table of its own),
-``refusal(param)`` (why it cannot run a tensor at all, or None: availability included) and
+``available()``, ``refusal(param)`` (why it cannot run a tensor at all, or None) and
 ``run(part, table, ranges, state_format)`` (build what its kernel takes from the cached pointer
 table and launch it over chunk ``ranges``). A new backend is one more module in ``BACKENDS``.
 ``FASTOPTIM_FUSED_BACKEND=<name>`` forces one, for debugging and tests."""
@@ -28,4 +28,4 @@ def for_device(device):
 
 def any_available():
     """Whether some backend can run at all here (fused=None then picks the fused engines)."""
-    return cpu.AVAILABLE or triton.AVAILABLE
+    return any(backend.available() for backend in BACKENDS.values())

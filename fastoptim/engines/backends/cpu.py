@@ -7,11 +7,14 @@ from ...kernels import fused_cpu
 NAME = "cpu"
 DEVICE_TYPES = ("cpu",)
 SPLITS_FORMATS = False  # the C kernel reads each tensor's state format from its layout row
-AVAILABLE = fused_cpu.AVAILABLE
+
+
+def available():
+    return fused_cpu.AVAILABLE
 
 
 def refusal(param):
-    if not AVAILABLE:
+    if not available():
         return "the fused CPU kernel is not built (see the README's set-up)"
     if param.device.type != "cpu":
         return f"no fused kernel for {param.device.type} tensors yet"

@@ -15,11 +15,14 @@ except ModuleNotFoundError as error:  # Triton is an optional extra: pip install
 NAME = "triton"
 DEVICE_TYPES = ("cuda",)
 SPLITS_FORMATS = True  # a kernel is compiled for one state dtype
-AVAILABLE = fused_triton is not None
+
+
+def available():
+    return fused_triton is not None
 
 
 def refusal(param):
-    if not AVAILABLE:
+    if not available():
         return "Triton is not installed (pip install fastoptim[triton])"
     if param.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return "Triton runs CPU tensors only in its interpreter (TRITON_INTERPRET=1)"

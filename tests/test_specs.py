@@ -1,0 +1,62 @@
+"""The kernel specs are the one declaration of what each kernel takes: the C header is generated
+from them, and every optimizer's scalars and states follow them."""
+import pytest
+import torch
+
+import fastoptim
+from fastoptim.kernels import header
+from fastoptim.specs import COMMON_SCALARS, KernelSpec, Role
+
+from . import oracle
+
+
+def test_the_committed_c_header_is_what_the_specs_generate():
+    assert header.PATH.read_text() == header.c_header(header.all_specs()), (
+        "fastoptim/kernels/fused_cpu_specs.h is stale: run `python -m fastoptim.kernels.header` and rebuild")
+
+
+def test_the_header_gives_every_kernel_its_rows_scalars_and_flags_in_spec_order():
+    text = header.c_header(header.all_specs())
+    for spec in header.all_specs():
+        prefix = spec.name.upper() + "_"
+        rows = [prefix + name.upper() for name in spec.states]
+        scalars = [prefix + name.upper() for name in spec.scalars]
+        assert ", ".join([rows[0] + " = FIRST_STATE"] + rows[1:]) in text
+        assert ", ".join([scalars[0] + " = COMMON_SCALARS"] + scalars[1:]) in text
+        for i, flag in enumerate(spec.flags):
+            assert f"{prefix}{flag.upper()} = {1 << (i + 1)}" in text
+    assert "X(lion, LION)" in text
+
+
+@pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW, fastoptim.AdamWSN, fastoptim.RMSPropSN,
+                                 fastoptim.Lion])
+@pytest.mark.parametrize("state_bits", [32, 8])
+def test_an_optimizer_gives_its_kernel_every_scalar_of_its_spec_and_keeps_the_states_it_names(cls, state_bits):
+    params = oracle.make_params([(64, 80)])
+    optimizer = cls(params, lr=1e-3, state_bits=state_bits)
+    seen = []
+    real = cls.kernel_scalars
+    try:
+        cls.kernel_scalars = staticmethod(lambda args: seen.append(real(args)) or seen[-1])
+        params[0].grad = torch.randn_like(params[0])
+        optimizer.step()
+    finally:
+        cls.kernel_scalars = staticmethod(real)
+    assert seen and set(seen[0]) == set(optimizer.spec.all_scalars) - {"found_inf", "seed"}
+    kept = optimizer.spec.kept(optimizer.kernel_flags(optimizer.param_groups[0]))
+    assert {key for key in optimizer.state[params[0]] if key in optimizer.spec.states} == set(kept)
+
+
+def test_a_spec_refuses_a_role_declared_twice_or_a_flag_it_does_not_declare():
+    with pytest.raises(ValueError, match="declared twice"):
+        KernelSpec("x", (Role("m"), Role("m")), ())
+    with pytest.raises(ValueError, match="declared twice"):
+        KernelSpec("x", (Role("m"),), (COMMON_SCALARS[0],))
+    with pytest.raises(ValueError, match="undeclared flag"):
+        KernelSpec("x", (Role("m", when="nesterov"),), ())
+
+
+def test_flag_bits_follow_the_spec_order_after_stochastic_rounding():
+    spec = fastoptim.AdamW.spec
+    assert spec.flag_bits(dict(amsgrad=True, first_moment=False)) == 2
+    assert spec.flag_bits(dict(amsgrad=False, first_moment=True), stochastic_rounding=True) == 5
