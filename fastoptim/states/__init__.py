@@ -1,1 +1,3 @@
-"""State representations beside the dense one: subset-norm second moments (``subset_norm``)."""
+"""State formats (``formats``: fp32, bf16, float64, 8-bit blockwise, subset-norm) and the readable
+reference code of the lean ones: 8-bit blockwise codes (``blockwise8``) and subset-norm partitions
+(``subset_norm``)."""
