@@ -19,45 +19,48 @@ import torch
 import triton
 
 from fastoptim.kernels import fused_triton
+from fastoptim.optimizers import adamw, adan, lion
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "8-bit": torch.uint8}
 PARAMS = ("fp32", "bf16", "fp16")
+SPECS = (adan.SPEC, adamw.SPEC, lion.SPEC)  # a kernel per spec (AdamW's serves AdamWSN and RMSPropSN)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def variant_name(kernel, param, state, **flags):
-    return " ".join([kernel, f"param={param}", f"states={state}", *(name for name, on in flags.items() if on)])
+def variant_name(spec, param, state, **flags):
+    return " ".join([spec.name, f"param={param}", f"states={state}", *(name for name, on in flags.items() if on)])
 
 
 def all_variants():
-    """Every variant the engine can launch: (kernel, param dtype, state dtype, flags)."""
-    for kernel, param, state in itertools.product(fused_triton.KERNELS, PARAMS, ("fp32", "bf16", "8-bit")):
-        extra = [("amsgrad", "first_moment")] if kernel == "adamw" else [()]
-        for names in extra:
-            for values in itertools.product((False, True), repeat=2 + len(names)):
-                stochastic, subsets, *rest = values
-                if stochastic and param != "bf16":
-                    continue  # rounding by chance only exists for bf16 params
-                yield kernel, param, state, dict(stochastic=stochastic, subsets=subsets, **dict(zip(names, rest)))
+    """Every variant the engine can launch: (spec, param dtype, state dtype, flags)."""
+    for spec, param, state in itertools.product(SPECS, PARAMS, ("fp32", "bf16", "8-bit")):
+        for stochastic, subsets, *values in itertools.product((False, True), repeat=2 + len(spec.flags)):
+            if stochastic and param != "bf16":
+                continue  # rounding by chance only exists for bf16 params
+            if subsets and not spec.reduced:
+                continue  # no second moment to keep per subset
+            yield spec, param, state, dict(stochastic=stochastic, subsets=subsets, **dict(zip(spec.flags, values)))
 
 
 def checked_variants():
-    """A variant per (kernel, param dtype, state dtype) with the subset-norm path (which compiles the
-    dense one too), every flag on in some of them, plus the dense-only fp32 ones that reach 128-bit
-    accesses most simply."""
-    for kernel, (i, (param, state)) in itertools.product(fused_triton.KERNELS, enumerate(
+    """A variant per (spec, param dtype, state dtype) with the subset-norm path where the algorithm
+    has one (which compiles the dense one too), every flag on in some of them, plus the dense-only
+    fp32 ones that reach 128-bit accesses most simply."""
+    for spec, (i, (param, state)) in itertools.product(SPECS, enumerate(
             itertools.product(PARAMS, ("fp32", "bf16", "8-bit")))):
-        flags = dict(stochastic=param == "bf16", subsets=True)
-        if kernel == "adamw":
+        flags = dict(stochastic=param == "bf16", subsets=bool(spec.reduced))
+        if spec is adamw.SPEC:
             flags |= dict(amsgrad=i % 2 == 0, first_moment=i % 3 != 2)
-        yield kernel, param, state, flags
-    yield "adan", "fp32", "fp32", dict(stochastic=False, subsets=False)
-    yield "adamw", "fp32", "fp32", dict(stochastic=False, subsets=False, amsgrad=False, first_moment=True)
+        yield spec, param, state, flags
+    yield adan.SPEC, "fp32", "fp32", dict(stochastic=False, subsets=False)
+    yield adamw.SPEC, "fp32", "fp32", dict(stochastic=False, subsets=False, amsgrad=False, first_moment=True)
 
 
-def compile_report(capability, kernel, param, state, flags):
+def compile_report(capability, spec, param, state, flags):
     """Compile one variant for ``capability`` (80, 90) and read what it became."""
-    compiled = fused_triton.compile_for(capability, kernel, DTYPES[param], DTYPES[state], **flags)
+    stochastic, subsets = flags["stochastic"], flags["subsets"]
+    compiled = fused_triton.compile_for(capability, spec, DTYPES[param], DTYPES[state], stochastic=stochastic,
+                                        subsets=subsets, flags={name: flags[name] for name in spec.flags})
     ptx = compiled.asm["ptx"]
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
@@ -79,10 +82,10 @@ def main(argv=None):
     if not args.json:
         print("| variant | sm | registers | spilled bytes | stack bytes | 128-bit loads | 128-bit stores |")
         print("|---|---|---|---|---|---|---|")
-    for kernel, param, state, flags in all_variants() if args.all else checked_variants():
+    for spec, param, state, flags in all_variants() if args.all else checked_variants():
         for capability in args.arch:
-            r = compile_report(capability, kernel, param, state, flags)
-            name = variant_name(kernel, param, state, **flags)
+            r = compile_report(capability, spec, param, state, flags)
+            name = variant_name(spec, param, state, **flags)
             if args.json:
                 print(json.dumps(dict(variant=name, capability=capability, **r)), flush=True)
             else:

@@ -13,14 +13,13 @@ from hypothesis import strategies as st
 
 import fastoptim
 from fastoptim import cli
-from fastoptim.engines import fused as fused_engine
+from fastoptim.engines.backends.triton import fused_triton
 
 from . import oracle
 from . import test_state_bits as state_bits
 from .test_fused import EXACT_BETAS, FUSED, LOOP, assert_params_match_loop, clone, fallback_warnings
 
 triton = pytest.importorskip("triton", reason="Triton is an optional extra: pip install fastoptim[triton]")
-fused_triton = fused_engine.fused_triton
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
@@ -270,6 +269,34 @@ def test_8_bit_states_match_the_loop_engine(cls, options, engine):
         for key, value in states.items():
             assert optimizer.state[param][key].dtype == loop.state[loop_param][key].dtype
             torch.testing.assert_close(value, loop_states[key], rtol=1e-5, atol=1e-6 * float(value.abs().max()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("options", [{}, dict(maximize=True, max_grad_norm=0.5)], ids=["plain", "maximize-clip"])
+@pytest.mark.parametrize("bits", [32, 16, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_lion_matches_the_loop_engine(dtype, bits, options, device, launches):
+    """Lion's per-element function in the shared walks: full and masked dense tiles, 8-bit blocks
+    ((5000,) keeps 8-bit codes under state_bits=8; the smaller params keep fp32 states, in a launch of
+    their own), weight decay, and maximize and the clip coefficient in grad_scale, step by step against
+    the loop engine; the momentum too."""
+    shapes = [(5000,), (40, 70), (7,)]
+    engines = FUSED | {"loop": LOOP}
+    runs, optimizers = steps_in_lockstep(
+        lambda params, engine: fastoptim.Lion(params, lr=0.01, betas=(0.875, 1 - 2**-7), weight_decay=0.1,
+                                              state_bits=bits, **options, **engines[engine]),
+        shapes, dtype, device, FUSED)
+    assert launches and {spec.name for spec, _, _ in launches} == {"lion"}
+    expected_dtype = {32: torch.float32, 16: torch.bfloat16, 8: torch.uint8}[bits]
+    for name in FUSED:
+        for param, loop_param in zip(runs[name], runs["loop"]):
+            state = optimizers[name].state[param]
+            assert state["exp_avg"].dtype == (expected_dtype if param.numel() >= 4096 or bits == 16
+                                              else torch.float32)
+            assert state["exp_avg"].dtype == optimizers["loop"].state[loop_param]["exp_avg"].dtype
+            value = state_bits.dense_states(optimizers[name], param)["exp_avg"].cpu()
+            expected = state_bits.dense_states(optimizers["loop"], loop_param)["exp_avg"].cpu()
+            torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6 * float(expected.abs().max()))
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):

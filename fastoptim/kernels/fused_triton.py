@@ -1,48 +1,48 @@
 """Fused GPU kernels in Triton: one launch updates every tensor of a bucket.
 
 A launch reads two device tables, built once per bucket and cached (``fastoptim.multi_tensor``):
-- ``pointers``: int64 data pointers, one row per role in ``fused_cpu.ROLES`` order (param, grad,
-  the states), one column per tensor. A program loads the addresses it needs from it, so the
-  launch takes three pointers whatever the number of tensors: no 4 KB argument limit, and no copy
-  of addresses per step.
+- ``pointers``: int64 data pointers, one row per role in the algorithm's ``KernelSpec.rows`` order
+  (param, grad, each state, then each state's block maxima), one column per tensor. A program loads
+  the addresses it needs from it, so the launch takes three pointers whatever the number of
+  tensors: no 4 KB argument limit, and no copy of addresses per step.
 - ``work``: one row per program, ``WORK_COLUMNS`` int64s: a tensor, its chunk (first element and
   element count, as ``multi_tensor.chunk_plan`` cuts it), its subset-norm layout (b, c) and
   whether the chunk's streams are 16-byte aligned, which lets full tiles use 128-bit accesses.
 
-Scalars come as an fp32 device tensor, one row of ``fused_cpu.SCALARS[kernel]`` per tensor (or one
+Scalars come as an fp32 device tensor, one row of ``KernelSpec.all_scalars`` per tensor (or one
 shared row, ``scalar_stride`` 0): a tensor lr, the clip coefficient or GradScaler's found_inf are
 read here, with no host sync.
 
-The per-element math restates the C kernels' (``fused_cpu.c``), which restate the reference
-``update`` functions in ``fastoptim/optimizers``; the tests hold all of them to the reference. The
-layout of a chunk follows the C kernels too: dense, or subset-norm (a, b, c) with subsets of b
-elements, rows (c = 1, subset k at elements [k·b, (k+1)·b)) or columns (a = 1, subset k at
-elements k + r·c). A subset chunk first sums its subsets' squares, then updates its elements.
+There is one kernel, ``step_kernel``, and one walk over memory per layout: dense tiles (full
+aligned tiles unmasked, then a masked rest), 8-bit blocks, and subset-norm chunks (their sums of
+squares, then their elements). An algorithm enters it only through its per-element functions,
+passed as ``tl.constexpr`` (see ``Algorithm``), and the spec it declares: the rows of its states,
+the positions of its scalars and its feature flags are read from the ``KernelSpec`` at launch and
+become constexpr arguments (``_variant``). The per-element math restates the reference ``update``
+functions in ``fastoptim/optimizers``, as the C kernels (``fused_cpu.c``) do; the tests hold all of
+them to the reference. The layout of a chunk follows the C kernels too: dense, or subset-norm (a,
+b, c) with subsets of b elements, rows (c = 1, subset k at elements [k·b, (k+1)·b)) or columns (a =
+1, subset k at elements k + r·c).
+
+This module must not import ``fastoptim.optimizers`` (which imports it while it initialises): the
+spec comes with each call.
 """
+import functools
+from collections import namedtuple
+
 import torch
 import triton
 import triton.language as tl
 
+from ..specs import ABSMAX
 from ..states import blockwise8
-SCALARS = {  # TEMPORARY, until the kernels read their specs
-    "adan": ("found_inf", "seed", "grad_scale", "beta1", "beta2", "beta3", "one_minus_beta1", "one_minus_beta2",
-             "one_minus_beta3", "eps", "pre_grad_weight", "bias_correction3_sqrt", "step_size", "diff_ratio",
-             "decay_mul", "decay_div"),
-    "adamw": ("found_inf", "seed", "grad_scale", "one_minus_beta1", "beta2", "one_minus_beta2", "eps", "decay_mul",
-              "decay_after", "step_size", "bias_correction2_sqrt"),
-}
 
 WORK_COLUMNS = tl.constexpr(6)
 TENSOR, START, COUNT, SUBSET_ROWS, SUBSET_COLUMNS, ALIGNED = (tl.constexpr(i) for i in range(6))
-PARAM, GRAD, EXP_AVG, EXP_AVG_SQ, EXP_AVG_DIFF, NEG_PRE_GRAD = (tl.constexpr(i) for i in range(6))
-MAX_EXP_AVG_SQ = EXP_AVG_DIFF  # AdamW's third state takes the row Adan's exp_avg_diff has
 
 BLOCK = tl.constexpr(1024)  # elements per tile of a dense chunk
-NUM_WARPS = 8  # 4 fp32 per thread and stream: one 128-bit access each (86 registers on sm_90, against 145 with 4 warps)
+NUM_WARPS = 8  # 4 fp32 per thread and stream: one 128-bit access each (Adan: 99 registers on sm_90, 222 with 4 warps)
 SUBSET_TILE, MEMBER_TILE = tl.constexpr(16), tl.constexpr(32)  # subsets × members: 512 elements, 2 per thread
-N_ADAN, N_ADAMW = tl.constexpr(len(SCALARS["adan"])), tl.constexpr(len(SCALARS["adamw"]))
-# The first row of the states' block maxima: after param, grad and the states (fused_cpu.ROLES)
-ADAN_ABSMAX, ADAMW_ABSMAX = tl.constexpr(6), tl.constexpr(5)
 BLOCK8 = tl.constexpr(blockwise8.BLOCK)
 # The largest magnitude of each code table (blockwise8.SIGNED.top, UNSIGNED.top): codes are magnitudes / top
 SIGNED_TOP, UNSIGNED_TOP = tl.constexpr(blockwise8.SIGNED.top), tl.constexpr(blockwise8.UNSIGNED.top)
@@ -52,28 +52,19 @@ INF_BITS = tl.constexpr(0x7F800000)  # +inf's bits: |x|'s bits are at least thes
 FLOAT32_MAX = tl.constexpr(torch.finfo(torch.float32).max)
 
 
-def _scalar_indices(kernel, *names):
-    """Where each named scalar sits in a row of ``kernel``'s scalars (a ValueError if it does not)."""
-    return [tl.constexpr(SCALARS[kernel].index(name)) for name in names]
-
-
-(ADAN_FOUND_INF, ADAN_SEED, ADAN_GRAD_SCALE, ADAN_BETA1, ADAN_BETA2, ADAN_BETA3, ADAN_ONE_MINUS_BETA1,
- ADAN_ONE_MINUS_BETA2, ADAN_ONE_MINUS_BETA3, ADAN_EPS, ADAN_PRE_GRAD_WEIGHT, ADAN_BIAS_CORRECTION3_SQRT,
- ADAN_STEP_SIZE, ADAN_DIFF_RATIO, ADAN_DECAY_MUL, ADAN_DECAY_DIV) = _scalar_indices(
-    "adan", "found_inf", "seed", "grad_scale", "beta1", "beta2", "beta3", "one_minus_beta1", "one_minus_beta2",
-    "one_minus_beta3", "eps", "pre_grad_weight", "bias_correction3_sqrt", "step_size", "diff_ratio", "decay_mul",
-    "decay_div")
-(ADAMW_FOUND_INF, ADAMW_SEED, ADAMW_GRAD_SCALE, ADAMW_ONE_MINUS_BETA1, ADAMW_BETA2, ADAMW_ONE_MINUS_BETA2,
- ADAMW_EPS, ADAMW_DECAY_MUL, ADAMW_DECAY_AFTER, ADAMW_STEP_SIZE, ADAMW_BIAS_CORRECTION2_SQRT) = _scalar_indices(
-    "adamw", "found_inf", "seed", "grad_scale", "one_minus_beta1", "beta2", "one_minus_beta2", "eps", "decay_mul",
-    "decay_after", "step_size", "bias_correction2_sqrt")
-
-
 # --- loads and stores -------------------------------------------------------------------------
 
 @triton.jit
 def _pointer(pointers, n_tensors, role, t, dtype: tl.constexpr):
     return tl.load(pointers + role * n_tensors + t).to(tl.pointer_type(dtype))
+
+
+@triton.jit
+def _stream(pointers, n_tensors, role, t, dtype: tl.constexpr):
+    """A param-shaped tensor's data, declared 16-byte aligned. The hint holds wherever the pointer
+    is used, but only full tiles of a chunk whose work row says ALIGNED have an index known to be
+    aligned (a multiple of BLOCK): there it gives 128-bit accesses; elsewhere it changes nothing."""
+    return tl.multiple_of(_pointer(pointers, n_tensors, role, t, dtype), 16)
 
 
 @triton.jit
@@ -124,6 +115,12 @@ def _subset_tile(subsets, last, j, b, c):
     members = j + tl.arange(0, MEMBER_TILE)
     index = subsets[:, None] * tl.where(c == 1, b, 1) + members[None, :] * c
     return index, (subsets < last)[:, None] & (members < b)[None, :]
+
+
+@triton.jit
+def _subset_of(index, b, c):
+    """The subset-norm entry of element ``index``: its row (c = 1) or its column."""
+    return tl.where(c == 1, index // b, index % c)
 
 
 # --- 8-bit blockwise states (fastoptim/states/blockwise8.py, as fused_cpu.c restates it) ----------
@@ -193,13 +190,226 @@ def _blocks_kernel(values, codes, absmax, n, SIGNED: tl.constexpr, QUANTIZE: tl.
         tl.store(values + index, _load_q8(codes, absmax, block, index, index < n, SIGNED), mask=index < n)
 
 
+# --- a tuple of states: their pointers, loads and stores ------------------------------------------
+# ROLES is a constexpr tuple with a ``Slot`` per state role of one kind (the spec's order), None
+# where the algorithm keeps no such state with these flags. The tuples of pointers and values have
+# the same positions; a role not kept holds the placeholder 0, which is never loaded nor stored.
+
 @triton.jit
-def _subset_of(index, b, c):
-    """The subset-norm entry of element ``index``: its row (c = 1) or its column."""
-    return tl.where(c == 1, index // b, index % c)
+def _state_pointers(pointers, n_tensors, ROLES: tl.constexpr, t, STATE_TYPE: tl.constexpr):
+    """Each kept state's data as STATE_TYPE (a ``half`` state beside 8-bit codes: bf16), declared
+    aligned as ``_stream`` does (the hint is the load's, so a subset-norm moment read as fp32 from
+    the same row has it too: it changes nothing for its accesses)."""
+    result = ()
+    for i in tl.static_range(len(ROLES)):
+        if ROLES[i] is None:
+            result = result + (0,)
+        elif STATE_TYPE == tl.uint8 and ROLES[i].half:
+            result = result + (_stream(pointers, n_tensors, ROLES[i].row, t, tl.bfloat16),)
+        else:
+            result = result + (_stream(pointers, n_tensors, ROLES[i].row, t, STATE_TYPE),)
+    return result
 
 
-# --- the math both families share, with scalars named by their index in a row -----------------
+@triton.jit
+def _absmax_pointers(pointers, n_tensors, ROLES: tl.constexpr, t):
+    """Each 8-bit state's block maxima (fp32), beside ``_state_pointers(..., tl.uint8)``."""
+    result = ()
+    for i in tl.static_range(len(ROLES)):
+        if ROLES[i] is None:
+            result = result + (0,)
+        elif ROLES[i].half:
+            result = result + (0,)
+        else:
+            result = result + (_pointer(pointers, n_tensors, ROLES[i].absmax, t, tl.float32),)
+    return result
+
+
+@triton.jit
+def _load_states(pointers, absmax, ROLES: tl.constexpr, index, mask, block):
+    """The kept states' values at ``index`` as fp32. 8-bit codes are dequantized with the absmax of
+    ``block`` (the tile's one block), or with ``block`` None, each element's own, gathered."""
+    values = ()
+    for i in tl.static_range(len(ROLES)):
+        if ROLES[i] is None:
+            values = values + (0,)
+        elif pointers[i].dtype.element_ty == tl.uint8:
+            if block is None:
+                values = values + (_dequantize(tl.load(pointers[i] + index, mask=mask),
+                                               tl.load(absmax[i] + index // BLOCK8, mask=mask), ROLES[i].signed),)
+            else:
+                values = values + (_load_q8(pointers[i], absmax[i], block, index, mask, ROLES[i].signed),)
+        else:
+            values = values + (_load(pointers[i], index, mask),)
+    return values
+
+
+@triton.jit
+def _gather_states(pointers, ROLES: tl.constexpr, index, mask):
+    """The kept states' fp32 values at ``index`` (a subset-norm moment's entry per element)."""
+    values = ()
+    for i in tl.static_range(len(ROLES)):
+        if ROLES[i] is None:
+            values = values + (0,)
+        else:
+            values = values + (tl.load(pointers[i] + index, mask=mask, other=0.0),)
+    return values
+
+
+@triton.jit
+def _store_states(pointers, absmax, ROLES: tl.constexpr, index, mask, block, values):
+    """The kept states' new fp32 values into their formats (8-bit: requantizing ``block``)."""
+    for i in tl.static_range(len(ROLES)):
+        if ROLES[i] is not None:
+            if pointers[i].dtype.element_ty == tl.uint8:
+                _store_q8(pointers[i], absmax[i], block, index, mask, values[i], ROLES[i].signed)
+            else:
+                _store(pointers[i], index, values[i], mask)
+
+
+# --- the walks over memory, written once ------------------------------------------------------
+# Every walk takes the algorithm's functions (see ``Algorithm``) and three constexpr descriptions
+# from its spec: K (the scalars' positions in a row, by name), F (the feature flags, by name),
+# STATES and MOMENTS (``Slot`` tuples: the element-wise states, and the second moments, which
+# subset-norm keeps per subset). ``states``/``moments`` are their pointers, ``reduced`` the
+# moments' pointers as fp32 (one per subset under sn), ``*_absmax`` the 8-bit block maxima.
+
+@triton.jit
+def _dense_tile(param, grad, states, moments, index, mask, S, seed, t, K: tl.constexpr, F: tl.constexpr,
+                STATES: tl.constexpr, MOMENTS: tl.constexpr, TERMS: tl.constexpr, SECOND_MOMENTS: tl.constexpr,
+                STEP_SCALE: tl.constexpr, UPDATE: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """One tile of a dense chunk (``mask`` None: a full tile), every state per element."""
+    values = _load_states(states, None, STATES, index, mask, None)
+    terms = TERMS(_load(grad, index, mask), values, S, K, F)
+    if len(MOMENTS) > 0:
+        new_moments = SECOND_MOMENTS(_load_states(moments, None, MOMENTS, index, mask, None), terms[0], S, K, F,
+                                     False)
+        _store_states(moments, None, MOMENTS, index, mask, None, new_moments)
+        scale = STEP_SCALE(new_moments, S, K, F)
+    else:
+        scale = 0
+    p, values = UPDATE(_load(param, index, mask), terms, values, scale, S, K, F)
+    _store_states(states, None, STATES, index, mask, None, values)
+    _store_param(param, index, p, mask, seed, t, STOCHASTIC)
+
+
+@triton.jit
+def _q8_block(param, grad, states, states_absmax, moments, moments_absmax, reduced, first, end, b, c, S, seed, t,
+              K: tl.constexpr, F: tl.constexpr, STATES: tl.constexpr, MOMENTS: tl.constexpr, TERMS: tl.constexpr,
+              SECOND_MOMENTS: tl.constexpr, STEP_SCALE: tl.constexpr, UPDATE: tl.constexpr,
+              STOCHASTIC: tl.constexpr):
+    """One block [first, first + BLOCK8) ∩ [.., end) with 8-bit states. Its second moments are the
+    subset-norm ``reduced`` ones (updated already) when the tensor has subsets (b > 1), else 8-bit
+    codes updated here."""
+    index = first + tl.arange(0, BLOCK8)
+    mask, block = index < end, first // BLOCK8
+    values = _load_states(states, states_absmax, STATES, index, mask, block)
+    terms = TERMS(_load(grad, index, mask), values, S, K, F)
+    if len(MOMENTS) > 0:
+        if b != 1:
+            scale = STEP_SCALE(_gather_states(reduced, MOMENTS, _subset_of(index, b, c), mask), S, K, F)
+        else:
+            new_moments = SECOND_MOMENTS(_load_states(moments, moments_absmax, MOMENTS, index, mask, block),
+                                         terms[0], S, K, F, False)
+            _store_states(moments, moments_absmax, MOMENTS, index, mask, block, new_moments)
+            scale = STEP_SCALE(new_moments, S, K, F)
+    else:
+        scale = 0
+    p, values = UPDATE(_load(param, index, mask), terms, values, scale, S, K, F)
+    _store_states(states, states_absmax, STATES, index, mask, block, values)
+    _store_param(param, index, p, mask, seed, t, STOCHASTIC)
+
+
+@triton.jit
+def _subset_sums(grad, states, states_absmax, reduced, start, count, b, c, S, K: tl.constexpr, F: tl.constexpr,
+                 STATES: tl.constexpr, MOMENTS: tl.constexpr, TERMS: tl.constexpr, SECOND_MOMENTS: tl.constexpr):
+    """The second moments of subsets [start/b, (start + count)/b), from their sums of squares."""
+    last = (start + count) // b
+    for first in range(start // b, last, SUBSET_TILE):
+        subsets = first + tl.arange(0, SUBSET_TILE)
+        sums = tl.zeros((SUBSET_TILE,), tl.float32)
+        for j in range(0, b, MEMBER_TILE):
+            index, mask = _subset_tile(subsets, last, j, b, c)
+            x = TERMS(_load(grad, index, mask), _load_states(states, states_absmax, STATES, index, mask, None), S, K,
+                      F)[0]
+            sums += tl.sum(tl.where(mask, x * x, 0.0), axis=1)
+        in_range = subsets < last
+        new_moments = SECOND_MOMENTS(_load_states(reduced, None, MOMENTS, subsets, in_range, None), sums, S, K, F,
+                                     True)
+        _store_states(reduced, None, MOMENTS, subsets, in_range, None, new_moments)
+
+
+@triton.jit
+def _subset_updates(param, grad, states, reduced, start, count, b, c, S, seed, t, K: tl.constexpr, F: tl.constexpr,
+                    STATES: tl.constexpr, MOMENTS: tl.constexpr, TERMS: tl.constexpr, STEP_SCALE: tl.constexpr,
+                    UPDATE: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """After ``_subset_sums``: the elements of the chunk's subsets (fp32 or bf16 states)."""
+    last = (start + count) // b
+    for first in range(start // b, last, SUBSET_TILE):
+        subsets = first + tl.arange(0, SUBSET_TILE)
+        scale = STEP_SCALE(_load_states(reduced, None, MOMENTS, subsets, subsets < last, None), S, K, F)[:, None]
+        for j in range(0, b, MEMBER_TILE):
+            index, mask = _subset_tile(subsets, last, j, b, c)
+            values = _load_states(states, None, STATES, index, mask, None)
+            p, values = UPDATE(_load(param, index, mask), TERMS(_load(grad, index, mask), values, S, K, F), values,
+                               scale, S, K, F)
+            _store_states(states, None, STATES, index, mask, None, values)
+            _store_param(param, index, p, mask, seed, t, STOCHASTIC)
+
+
+@triton.jit
+def step_kernel(pointers, n_tensors, work, scalars, scalar_stride, TERMS: tl.constexpr,
+                SECOND_MOMENTS: tl.constexpr, STEP_SCALE: tl.constexpr, UPDATE: tl.constexpr, K: tl.constexpr,
+                F: tl.constexpr, PARAM: tl.constexpr, GRAD: tl.constexpr, STATES: tl.constexpr,
+                MOMENTS: tl.constexpr, PARAM_TYPE: tl.constexpr, STATE_TYPE: tl.constexpr,
+                STOCHASTIC: tl.constexpr, SUBSETS: tl.constexpr):
+    """One chunk of an algorithm's step per program (see the module docstring and ``_variant``).
+    SUBSETS: the bucket holds subset-norm tensors (compiles their path). STATE_TYPE uint8: 8-bit
+    states, with the ``half`` ones in bf16."""
+    row = work + tl.program_id(0) * WORK_COLUMNS
+    t, start, count = tl.load(row + TENSOR), tl.load(row + START), tl.load(row + COUNT)
+    b, c = tl.load(row + SUBSET_ROWS), tl.load(row + SUBSET_COLUMNS)
+    S = scalars + t * scalar_stride * len(K)
+    if tl.load(S + K.found_inf) == 0:  # else GradScaler found an inf: skip the step
+        seed = tl.load(S + K.seed).to(tl.uint32)
+        param = _stream(pointers, n_tensors, PARAM, t, PARAM_TYPE)
+        grad = _stream(pointers, n_tensors, GRAD, t, PARAM_TYPE)
+        states = _state_pointers(pointers, n_tensors, STATES, t, STATE_TYPE)
+        moments = _state_pointers(pointers, n_tensors, MOMENTS, t, STATE_TYPE)
+        reduced = _state_pointers(pointers, n_tensors, MOMENTS, t, tl.float32)  # one fp32 per subset under sn
+        if STATE_TYPE == tl.uint8:
+            states_absmax = _absmax_pointers(pointers, n_tensors, STATES, t)
+            moments_absmax = _absmax_pointers(pointers, n_tensors, MOMENTS, t)
+            if SUBSETS:
+                if b != 1:
+                    _subset_sums(grad, states, states_absmax, reduced, start, count, b, c, S, K, F, STATES, MOMENTS,
+                                 TERMS, SECOND_MOMENTS)
+            for first in range(start, start + count, BLOCK8):  # the chunk plan cuts 8-bit chunks at blocks
+                _q8_block(param, grad, states, states_absmax, moments, moments_absmax, reduced, first, start + count,
+                          b, c, S, seed, t, K, F, STATES, MOMENTS, TERMS, SECOND_MOMENTS, STEP_SCALE, UPDATE,
+                          STOCHASTIC)
+        else:
+            if SUBSETS:
+                if b != 1:
+                    _subset_sums(grad, states, None, reduced, start, count, b, c, S, K, F, STATES, MOMENTS, TERMS,
+                                 SECOND_MOMENTS)
+                    _subset_updates(param, grad, states, reduced, start, count, b, c, S, seed, t, K, F, STATES,
+                                    MOMENTS, TERMS, STEP_SCALE, UPDATE, STOCHASTIC)
+            # A dense chunk: full tiles of 16-byte aligned streams with no mask (128-bit accesses: the
+            # pointers are declared aligned where they are loaded, see _stream), then the rest with a mask.
+            dense = tl.where(b == 1, count, 0)
+            full = tl.where(tl.load(row + ALIGNED) != 0, dense // BLOCK * BLOCK, 0)
+            for offset in range(0, full, BLOCK):
+                index = tl.multiple_of(start + offset, BLOCK) + tl.arange(0, BLOCK)
+                _dense_tile(param, grad, states, moments, index, None, S, seed, t, K, F, STATES, MOMENTS, TERMS,
+                            SECOND_MOMENTS, STEP_SCALE, UPDATE, STOCHASTIC)
+            for offset in range(full, dense, BLOCK):
+                index = start + offset + tl.arange(0, BLOCK)
+                _dense_tile(param, grad, states, moments, index, index < start + dense, S, seed, t, K, F, STATES,
+                            MOMENTS, TERMS, SECOND_MOMENTS, STEP_SCALE, UPDATE, STOCHASTIC)
+
+
+# --- the math the algorithms share, with scalars named by their position in a row ------------
 
 @triton.jit
 def _moving_average(old, new, S, BETA: tl.constexpr, ONE_MINUS_BETA: tl.constexpr):
@@ -214,6 +424,16 @@ def _moving_average_of_squares(old, x, S, BETA: tl.constexpr, ONE_MINUS_BETA: tl
 
 
 @triton.jit
+def _second_moment(old, x, S, BETA: tl.constexpr, ONE_MINUS_BETA: tl.constexpr, SUMS: tl.constexpr):
+    """β·old + (1−β)·x² of an element, or with SUMS, β·old + (1−β)·Σx² of a subset (x: the sum)."""
+    if SUMS:
+        new = _moving_average(old, x, S, BETA, ONE_MINUS_BETA)
+    else:
+        new = _moving_average_of_squares(old, x, S, BETA, ONE_MINUS_BETA)
+    return new
+
+
+@triton.jit
 def _step_scale(second_moment, S, STEP_SIZE: tl.constexpr, BIAS_CORRECTION_SQRT: tl.constexpr, EPS: tl.constexpr):
     """step_size / (√second_moment / bias_correction_sqrt + eps): a reciprocal per tile, as the C
     kernels take one per tensor, and one IEEE division per element."""
@@ -221,341 +441,187 @@ def _step_scale(second_moment, S, STEP_SIZE: tl.constexpr, BIAS_CORRECTION_SQRT:
     return tl.div_rn(tl.load(S + STEP_SIZE), tl.sqrt_rn(second_moment) * inverse + tl.load(S + EPS))
 
 
-# --- Adan: the math on values, then its walks over memory ------------------------------------
+# --- the algorithms' per-element functions ------------------------------------------------------
+# Each takes S (the tensor's scalar row), K and F (see the walks); ``states`` and ``moments`` are
+# tuples of fp32 values in the spec's role order (its roles that are not ``reduced``, and those
+# that are), 0 for a role not kept.
 
-@triton.jit
-def _adan_terms(grad, neg_pre_grad, S):
-    neg_g = grad * -tl.load(S + ADAN_GRAD_SCALE)
-    d = (neg_pre_grad - neg_g) * tl.load(S + ADAN_PRE_GRAD_WEIGHT)  # g − g_prev (0 at a first step)
-    return neg_g, d, d * tl.load(S + ADAN_BETA2) - neg_g  # u = g + β2·d
+Algorithm = namedtuple("Algorithm", "terms update second_moments step_scale", defaults=(None, None))
+Algorithm.__doc__ = """An algorithm's per-element functions (``triton.jit``), which the walks call:
 
+``terms(grad, states, S, K, F)``: what the update takes of the (unscaled) grad and the loaded
+    states, as a tuple whose first item is the quantity whose square enters the second moments.
+``update(p, terms, states, scale, S, K, F)``: the new param and states, from the loaded param and
+    states, the terms and the scale (0 without second moments).
+``second_moments(moments, x, S, K, F, SUMS)``: the new second moments from their old values and
+    an element's ``terms[0]``, or with SUMS, the sum of its squares over a subset.
+``step_scale(moments, S, K, F)``: the update's scale from the new second moments (an element's or
+    its subset's).
 
-@triton.jit
-def _adan_second_moment(n, u_squared, S):
-    return _moving_average(n, u_squared, S, ADAN_BETA3, ADAN_ONE_MINUS_BETA3)
-
-
-@triton.jit
-def _adan_scale(n, S):
-    """step_size / denom, from exp_avg_sq (the element's or its subset's)."""
-    return _step_scale(n, S, ADAN_STEP_SIZE, ADAN_BIAS_CORRECTION3_SQRT, ADAN_EPS)
-
-
-@triton.jit
-def _adan_apply(p, m, v, neg_g, d, scale, S):
-    """After exp_avg_sq: the new moments m, v and param p."""
-    m = m * tl.load(S + ADAN_BETA1) - neg_g * tl.load(S + ADAN_ONE_MINUS_BETA1)
-    v = v * tl.load(S + ADAN_BETA2) + d * tl.load(S + ADAN_ONE_MINUS_BETA2)
-    p = p * tl.load(S + ADAN_DECAY_MUL) - m * scale - v * (scale * tl.load(S + ADAN_DIFF_RATIO))  # no_prox: 1 − lr·wd
-    return m, v, p * (1 / tl.load(S + ADAN_DECAY_DIV))  # prox: 1 + lr·wd
+An algorithm without ``reduced`` roles (no second moment) needs only ``terms`` and ``update``."""
 
 
 @triton.jit
-def _adan_dense_tile(param, grad, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_grad, index, mask, S, seed, t,
-                     STOCHASTIC: tl.constexpr):
-    neg_g, d, u = _adan_terms(_load(grad, index, mask), _load(neg_pre_grad, index, mask), S)
-    n = _moving_average_of_squares(_load(exp_avg_sq, index, mask), u, S, ADAN_BETA3, ADAN_ONE_MINUS_BETA3)
-    m, v, p = _adan_apply(_load(param, index, mask), _load(exp_avg, index, mask), _load(exp_avg_diff, index, mask),
-                          neg_g, d, _adan_scale(n, S), S)
-    _store(exp_avg_sq, index, n, mask)
-    _store(exp_avg, index, m, mask)
-    _store(exp_avg_diff, index, v, mask)
-    _store(neg_pre_grad, index, neg_g, mask)
-    _store_param(param, index, p, mask, seed, t, STOCHASTIC)
+def _scaled_grad(grad, states, S, K: tl.constexpr, F: tl.constexpr):
+    """g = grad · grad_scale (the clip coefficient, GradScaler's 1/scale, −1 to maximize)."""
+    return (grad * tl.load(S + K.grad_scale),)
+
+
+# Adan (``fastoptim.optimizers.adan.adan_update``). States: exp_avg, exp_avg_diff, neg_pre_grad;
+# moments: exp_avg_sq.
 
 
 @triton.jit
-def _adan_q8_block(param, grad, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_grad, absmax_m, absmax_n, absmax_v, first,
-                   end, reduced, b, c, S, seed, t, STOCHASTIC: tl.constexpr):
-    """One block [first, first + BLOCK8) ∩ [.., end) with 8-bit moments. Its second moment is the
-    subset-norm ``reduced`` (updated already) when the tensor has subsets (b > 1), else the 8-bit
-    ``exp_avg_sq``."""
-    index = first + tl.arange(0, BLOCK8)
-    mask, block = index < end, first // BLOCK8
-    neg_g, d, u = _adan_terms(_load(grad, index, mask), _load(neg_pre_grad, index, mask), S)
-    if b != 1:
-        scale = _adan_scale(tl.load(reduced + _subset_of(index, b, c), mask=mask, other=0.0), S)
-    else:
-        n = _moving_average_of_squares(_load_q8(exp_avg_sq, absmax_n, block, index, mask, False), u, S, ADAN_BETA3,
-                                       ADAN_ONE_MINUS_BETA3)
-        _store_q8(exp_avg_sq, absmax_n, block, index, mask, n, False)
-        scale = _adan_scale(n, S)
-    m, v, p = _adan_apply(_load(param, index, mask), _load_q8(exp_avg, absmax_m, block, index, mask, True),
-                          _load_q8(exp_avg_diff, absmax_v, block, index, mask, True), neg_g, d, scale, S)
-    _store_q8(exp_avg, absmax_m, block, index, mask, m, True)
-    _store_q8(exp_avg_diff, absmax_v, block, index, mask, v, True)
-    _store(neg_pre_grad, index, neg_g, mask)
-    _store_param(param, index, p, mask, seed, t, STOCHASTIC)
+def _adan_terms(grad, states, S, K: tl.constexpr, F: tl.constexpr):
+    """u = g + β2·d (exp_avg_sq averages its square), −g and d = g − g_prev (0 at a first step)."""
+    neg_g = grad * -tl.load(S + K.grad_scale)
+    d = (states[2] - neg_g) * tl.load(S + K.pre_grad_weight)
+    return d * tl.load(S + K.beta2) - neg_g, neg_g, d
 
 
 @triton.jit
-def _adan_subset_sums(grad, neg_pre_grad, reduced, start, count, b, c, S):
-    """The second moments of subsets [start/b, (start + count)/b), from their sums of squares."""
-    last = (start + count) // b
-    for first in range(start // b, last, SUBSET_TILE):
-        subsets = first + tl.arange(0, SUBSET_TILE)
-        sums = tl.zeros((SUBSET_TILE,), tl.float32)
-        for j in range(0, b, MEMBER_TILE):
-            index, mask = _subset_tile(subsets, last, j, b, c)
-            neg_g, d, u = _adan_terms(_load(grad, index, mask), _load(neg_pre_grad, index, mask), S)
-            sums += tl.sum(tl.where(mask, u * u, 0.0), axis=1)
-        _store(reduced, subsets, _adan_second_moment(_load(reduced, subsets, subsets < last), sums, S), subsets < last)
+def _adan_update(p, terms, states, scale, S, K: tl.constexpr, F: tl.constexpr):
+    """After exp_avg_sq: the new moments m, v, −g and param p."""
+    u, neg_g, d = terms
+    m = states[0] * tl.load(S + K.beta1) - neg_g * tl.load(S + K.one_minus_beta1)
+    v = states[1] * tl.load(S + K.beta2) + d * tl.load(S + K.one_minus_beta2)
+    p = p * tl.load(S + K.decay_mul) - m * scale - v * (scale * tl.load(S + K.diff_ratio))  # no_prox: 1 − lr·wd
+    return p * (1 / tl.load(S + K.decay_div)), (m, v, neg_g)  # prox: 1 + lr·wd
 
 
 @triton.jit
-def _adan_subset_updates(param, grad, exp_avg, reduced, exp_avg_diff, neg_pre_grad, start, count, b, c, S, seed, t,
-                         STOCHASTIC: tl.constexpr):
-    """After ``_adan_subset_sums``: the elements of the chunk's subsets."""
-    last = (start + count) // b
-    for first in range(start // b, last, SUBSET_TILE):
-        subsets = first + tl.arange(0, SUBSET_TILE)
-        scale = _adan_scale(_load(reduced, subsets, subsets < last), S)[:, None]
-        for j in range(0, b, MEMBER_TILE):
-            index, mask = _subset_tile(subsets, last, j, b, c)
-            neg_g, d, u = _adan_terms(_load(grad, index, mask), _load(neg_pre_grad, index, mask), S)
-            m, v, p = _adan_apply(_load(param, index, mask), _load(exp_avg, index, mask),
-                                  _load(exp_avg_diff, index, mask), neg_g, d, scale, S)
-            _store(exp_avg, index, m, mask)
-            _store(exp_avg_diff, index, v, mask)
-            _store(neg_pre_grad, index, neg_g, mask)
-            _store_param(param, index, p, mask, seed, t, STOCHASTIC)
+def _adan_second_moments(moments, u, S, K: tl.constexpr, F: tl.constexpr, SUMS: tl.constexpr):
+    return (_second_moment(moments[0], u, S, K.beta3, K.one_minus_beta3, SUMS),)
 
 
 @triton.jit
-def adan_kernel(pointers, n_tensors, work, scalars, scalar_stride, PARAM_TYPE: tl.constexpr,
-                STATE_TYPE: tl.constexpr, STOCHASTIC: tl.constexpr, SUBSETS: tl.constexpr):
-    """One chunk of Adan (``fastoptim.optimizers.adan.adan_update``) per program. SUBSETS: the
-    bucket holds subset-norm tensors (compiles their path). STATE_TYPE uint8: 8-bit moments, with
-    g_prev in bf16."""
-    row = work + tl.program_id(0) * WORK_COLUMNS
-    t, start, count = tl.load(row + TENSOR), tl.load(row + START), tl.load(row + COUNT)
-    b, c = tl.load(row + SUBSET_ROWS), tl.load(row + SUBSET_COLUMNS)
-    S = scalars + t * scalar_stride * N_ADAN
-    if tl.load(S + ADAN_FOUND_INF) == 0:  # else GradScaler found an inf: skip the step
-        seed = tl.load(S + ADAN_SEED).to(tl.uint32)
-        param = _pointer(pointers, n_tensors, PARAM, t, PARAM_TYPE)
-        grad = _pointer(pointers, n_tensors, GRAD, t, PARAM_TYPE)
-        exp_avg = _pointer(pointers, n_tensors, EXP_AVG, t, STATE_TYPE)
-        exp_avg_sq = _pointer(pointers, n_tensors, EXP_AVG_SQ, t, STATE_TYPE)
-        exp_avg_diff = _pointer(pointers, n_tensors, EXP_AVG_DIFF, t, STATE_TYPE)
-        reduced = _pointer(pointers, n_tensors, EXP_AVG_SQ, t, tl.float32)  # one fp32 per subset under sn
-        if STATE_TYPE == tl.uint8:
-            neg_pre_grad = _pointer(pointers, n_tensors, NEG_PRE_GRAD, t, tl.bfloat16)
-            absmax_m = _pointer(pointers, n_tensors, ADAN_ABSMAX + 0, t, tl.float32)
-            absmax_n = _pointer(pointers, n_tensors, ADAN_ABSMAX + 1, t, tl.float32)
-            absmax_v = _pointer(pointers, n_tensors, ADAN_ABSMAX + 2, t, tl.float32)
-            if SUBSETS:
-                if b != 1:
-                    _adan_subset_sums(grad, neg_pre_grad, reduced, start, count, b, c, S)
-            for first in range(start, start + count, BLOCK8):  # the chunk plan cuts 8-bit chunks at blocks
-                _adan_q8_block(param, grad, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_grad, absmax_m, absmax_n,
-                               absmax_v, first, start + count, reduced, b, c, S, seed, t, STOCHASTIC)
-        else:
-            neg_pre_grad = _pointer(pointers, n_tensors, NEG_PRE_GRAD, t, STATE_TYPE)
-            if SUBSETS:
-                if b != 1:
-                    _adan_subset_sums(grad, neg_pre_grad, reduced, start, count, b, c, S)
-                    _adan_subset_updates(param, grad, exp_avg, reduced, exp_avg_diff, neg_pre_grad, start, count, b,
-                                         c, S, seed, t, STOCHASTIC)
-            # A dense chunk: full tiles of 16-byte aligned streams with no mask (128-bit accesses; the
-            # hints must be given here, where the pointers are loaded), then the rest with a mask.
-            dense = tl.where(b == 1, count, 0)
-            full = tl.where(tl.load(row + ALIGNED) != 0, dense // BLOCK * BLOCK, 0)
-            for offset in range(0, full, BLOCK):
-                index = tl.multiple_of(start + offset, BLOCK) + tl.arange(0, BLOCK)
-                _adan_dense_tile(tl.multiple_of(param, 16), tl.multiple_of(grad, 16), tl.multiple_of(exp_avg, 16),
-                                 tl.multiple_of(exp_avg_sq, 16), tl.multiple_of(exp_avg_diff, 16),
-                                 tl.multiple_of(neg_pre_grad, 16), index, None, S, seed, t, STOCHASTIC)
-            for offset in range(full, dense, BLOCK):
-                index = start + offset + tl.arange(0, BLOCK)
-                _adan_dense_tile(param, grad, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_grad, index,
-                                 index < start + dense, S, seed, t, STOCHASTIC)
+def _adan_step_scale(moments, S, K: tl.constexpr, F: tl.constexpr):
+    """step_size / denom, from exp_avg_sq."""
+    return _step_scale(moments[0], S, K.step_size, K.bias_correction3_sqrt, K.eps)
 
 
-# --- AdamW, AdamWSN and RMSPropSN --------------------------------------------------------------
-
-@triton.jit
-def _adamw_grad(grad, index, mask, S):
-    return _load(grad, index, mask) * tl.load(S + ADAMW_GRAD_SCALE)
+# AdamW, AdamWSN and RMSPropSN (``adamw_update``; RMSPropSN with flag first_moment off). States: exp_avg (first_moment); moments: exp_avg_sq, max_exp_avg_sq (amsgrad).
 
 
 @triton.jit
-def _adamw_second_moment(v, g_squared, S):
-    return _moving_average(v, g_squared, S, ADAMW_BETA2, ADAMW_ONE_MINUS_BETA2)
-
-
-@triton.jit
-def _adamw_scale(v, S):
-    """step_size / denom, from the second moment (the element's or its subset's; v̂ with amsgrad)."""
-    return _step_scale(v, S, ADAMW_STEP_SIZE, ADAMW_BIAS_CORRECTION2_SQRT, ADAMW_EPS)
-
-
-@triton.jit
-def _adamw_first_moment(m, g, S):
-    return m + (g - m) * tl.load(S + ADAMW_ONE_MINUS_BETA1)  # lerp
-
-
-@triton.jit
-def _adamw_param(p, numerator, scale, S):
+def _adamw_update(p, terms, states, scale, S, K: tl.constexpr, F: tl.constexpr):
     """Weight decay multiplies before the update (AdamW) or after it (AdamWSN)."""
-    return (p * tl.load(S + ADAMW_DECAY_MUL) - numerator * scale) * tl.load(S + ADAMW_DECAY_AFTER)
-
-
-@triton.jit
-def _adamw_dense_tile(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, index, mask, S, seed, t,
-                      AMSGRAD: tl.constexpr, FIRST_MOMENT: tl.constexpr, STOCHASTIC: tl.constexpr):
-    g = _adamw_grad(grad, index, mask, S)
-    v = _moving_average_of_squares(_load(exp_avg_sq, index, mask), g, S, ADAMW_BETA2, ADAMW_ONE_MINUS_BETA2)
-    _store(exp_avg_sq, index, v, mask)
-    if AMSGRAD:
-        v = tl.maximum(_load(max_exp_avg_sq, index, mask), v)
-        _store(max_exp_avg_sq, index, v, mask)
+    g = terms[0]
+    m = states[0]
     numerator = g
-    if FIRST_MOMENT:
-        numerator = _adamw_first_moment(_load(exp_avg, index, mask), g, S)
-        _store(exp_avg, index, numerator, mask)
-    _store_param(param, index, _adamw_param(_load(param, index, mask), numerator, _adamw_scale(v, S), S), mask, seed,
-                 t, STOCHASTIC)
+    if F.first_moment:
+        m = m + (g - m) * tl.load(S + K.one_minus_beta1)  # lerp
+        numerator = m
+    return (p * tl.load(S + K.decay_mul) - numerator * scale) * tl.load(S + K.decay_after), (m,)
 
 
 @triton.jit
-def _adamw_q8_block(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, absmax_m, absmax_v, absmax_v_max, first, end,
-                    reduced_max, b, c, S, seed, t, AMSGRAD: tl.constexpr, FIRST_MOMENT: tl.constexpr,
-                    STOCHASTIC: tl.constexpr):
-    """As ``_adan_q8_block``; with subsets it reads the (updated) subset-norm ``reduced_max``."""
-    index = first + tl.arange(0, BLOCK8)
-    mask, block = index < end, first // BLOCK8
-    g = _adamw_grad(grad, index, mask, S)
-    if b != 1:
-        v = tl.load(reduced_max + _subset_of(index, b, c), mask=mask, other=0.0)
+def _adamw_second_moments(moments, g, S, K: tl.constexpr, F: tl.constexpr, SUMS: tl.constexpr):
+    v = _second_moment(moments[0], g, S, K.beta2, K.one_minus_beta2, SUMS)
+    v_max = moments[1]
+    if F.amsgrad:
+        v_max = tl.maximum(v_max, v)
+    return v, v_max
+
+
+@triton.jit
+def _adamw_step_scale(moments, S, K: tl.constexpr, F: tl.constexpr):
+    """step_size / denom, from the second moment (v̂ with amsgrad)."""
+    if F.amsgrad:
+        scale = _step_scale(moments[1], S, K.step_size, K.bias_correction2_sqrt, K.eps)
     else:
-        v = _moving_average_of_squares(_load_q8(exp_avg_sq, absmax_v, block, index, mask, False), g, S, ADAMW_BETA2,
-                                       ADAMW_ONE_MINUS_BETA2)
-        _store_q8(exp_avg_sq, absmax_v, block, index, mask, v, False)
-        if AMSGRAD:
-            v = tl.maximum(_load_q8(max_exp_avg_sq, absmax_v_max, block, index, mask, False), v)
-            _store_q8(max_exp_avg_sq, absmax_v_max, block, index, mask, v, False)
-    numerator = g
-    if FIRST_MOMENT:
-        numerator = _adamw_first_moment(_load_q8(exp_avg, absmax_m, block, index, mask, True), g, S)
-        _store_q8(exp_avg, absmax_m, block, index, mask, numerator, True)
-    _store_param(param, index, _adamw_param(_load(param, index, mask), numerator, _adamw_scale(v, S), S), mask, seed,
-                 t, STOCHASTIC)
+        scale = _step_scale(moments[0], S, K.step_size, K.bias_correction2_sqrt, K.eps)
+    return scale
+
+
+# Lion (``fastoptim.optimizers.lion.lion_update``). States: exp_avg; no second moment.
 
 
 @triton.jit
-def _adamw_subset_sums(grad, reduced, reduced_max, start, count, b, c, S, AMSGRAD: tl.constexpr):
-    """As ``_adan_subset_sums``, with amsgrad's maximum."""
-    last = (start + count) // b
-    for first in range(start // b, last, SUBSET_TILE):
-        subsets = first + tl.arange(0, SUBSET_TILE)
-        sums = tl.zeros((SUBSET_TILE,), tl.float32)
-        for j in range(0, b, MEMBER_TILE):
-            index, mask = _subset_tile(subsets, last, j, b, c)
-            g = _adamw_grad(grad, index, mask, S)
-            sums += tl.sum(tl.where(mask, g * g, 0.0), axis=1)
-        v = _adamw_second_moment(_load(reduced, subsets, subsets < last), sums, S)
-        _store(reduced, subsets, v, subsets < last)
-        if AMSGRAD:
-            _store(reduced_max, subsets, tl.maximum(_load(reduced_max, subsets, subsets < last), v), subsets < last)
+def _sign(x):
+    """1, −1, or 0 for ±0 and NaN, as torch.sign (so a NaN momentum leaves its param as it is)."""
+    return (x > 0).to(tl.float32) - (x < 0).to(tl.float32)
 
 
 @triton.jit
-def _adamw_subset_updates(param, grad, exp_avg, reduced_max, start, count, b, c, S, seed, t,
-                          FIRST_MOMENT: tl.constexpr, STOCHASTIC: tl.constexpr):
-    last = (start + count) // b
-    for first in range(start // b, last, SUBSET_TILE):
-        subsets = first + tl.arange(0, SUBSET_TILE)
-        scale = _adamw_scale(_load(reduced_max, subsets, subsets < last), S)[:, None]
-        for j in range(0, b, MEMBER_TILE):
-            index, mask = _subset_tile(subsets, last, j, b, c)
-            g = _adamw_grad(grad, index, mask, S)
-            numerator = g
-            if FIRST_MOMENT:
-                numerator = _adamw_first_moment(_load(exp_avg, index, mask), g, S)
-                _store(exp_avg, index, numerator, mask)
-            _store_param(param, index, _adamw_param(_load(param, index, mask), numerator, scale, S), mask, seed, t,
-                         STOCHASTIC)
+def _lion_update(p, terms, states, scale, S, K: tl.constexpr, F: tl.constexpr):
+    """p·(1 − lr·wd) − lr·sign(β1·m + (1−β1)·g), then m = β2·m + (1−β2)·g."""
+    g, m = terms[0], states[0]
+    c = m * tl.load(S + K.beta1) + g * tl.load(S + K.one_minus_beta1)
+    p = p * tl.load(S + K.decay_mul) - _sign(c) * tl.load(S + K.lr)
+    return p, (m * tl.load(S + K.beta2) + g * tl.load(S + K.one_minus_beta2),)
 
 
-@triton.jit
-def adamw_kernel(pointers, n_tensors, work, scalars, scalar_stride, PARAM_TYPE: tl.constexpr,
-                 STATE_TYPE: tl.constexpr, STOCHASTIC: tl.constexpr, SUBSETS: tl.constexpr,
-                 AMSGRAD: tl.constexpr, FIRST_MOMENT: tl.constexpr):
-    """One chunk of AdamW (``adamw_update``), AdamWSN or RMSPropSN (``adamw_sn_update``: FIRST_MOMENT
-    false for RMSPropSN) per program, as ``adan_kernel``."""
-    row = work + tl.program_id(0) * WORK_COLUMNS
-    t, start, count = tl.load(row + TENSOR), tl.load(row + START), tl.load(row + COUNT)
-    b, c = tl.load(row + SUBSET_ROWS), tl.load(row + SUBSET_COLUMNS)
-    S = scalars + t * scalar_stride * N_ADAMW
-    if tl.load(S + ADAMW_FOUND_INF) == 0:
-        seed = tl.load(S + ADAMW_SEED).to(tl.uint32)
-        param = _pointer(pointers, n_tensors, PARAM, t, PARAM_TYPE)
-        grad = _pointer(pointers, n_tensors, GRAD, t, PARAM_TYPE)
-        exp_avg = _pointer(pointers, n_tensors, EXP_AVG, t, STATE_TYPE)
-        exp_avg_sq = _pointer(pointers, n_tensors, EXP_AVG_SQ, t, STATE_TYPE)
-        max_exp_avg_sq = _pointer(pointers, n_tensors, MAX_EXP_AVG_SQ, t, STATE_TYPE)
-        reduced = _pointer(pointers, n_tensors, EXP_AVG_SQ, t, tl.float32)
-        reduced_max = _pointer(pointers, n_tensors, MAX_EXP_AVG_SQ if AMSGRAD else EXP_AVG_SQ, t, tl.float32)
-        if SUBSETS:
-            if b != 1:
-                _adamw_subset_sums(grad, reduced, reduced_max, start, count, b, c, S, AMSGRAD)
-        if STATE_TYPE == tl.uint8:
-            absmax_m = _pointer(pointers, n_tensors, ADAMW_ABSMAX + 0, t, tl.float32)
-            absmax_v = _pointer(pointers, n_tensors, ADAMW_ABSMAX + 1, t, tl.float32)
-            absmax_v_max = _pointer(pointers, n_tensors, ADAMW_ABSMAX + 2, t, tl.float32)
-            for first in range(start, start + count, BLOCK8):
-                _adamw_q8_block(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, absmax_m, absmax_v, absmax_v_max,
-                                first, start + count, reduced_max, b, c, S, seed, t, AMSGRAD, FIRST_MOMENT,
-                                STOCHASTIC)
-        else:
-            if SUBSETS:
-                if b != 1:
-                    _adamw_subset_updates(param, grad, exp_avg, reduced_max, start, count, b, c, S, seed, t,
-                                          FIRST_MOMENT, STOCHASTIC)
-            dense = tl.where(b == 1, count, 0)  # as adan_kernel's
-            full = tl.where(tl.load(row + ALIGNED) != 0, dense // BLOCK * BLOCK, 0)
-            for offset in range(0, full, BLOCK):
-                index = tl.multiple_of(start + offset, BLOCK) + tl.arange(0, BLOCK)
-                _adamw_dense_tile(tl.multiple_of(param, 16), tl.multiple_of(grad, 16), tl.multiple_of(exp_avg, 16),
-                                  tl.multiple_of(exp_avg_sq, 16), tl.multiple_of(max_exp_avg_sq, 16), index, None, S,
-                                  seed, t, AMSGRAD, FIRST_MOMENT, STOCHASTIC)
-            for offset in range(full, dense, BLOCK):
-                index = start + offset + tl.arange(0, BLOCK)
-                _adamw_dense_tile(param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, index, index < start + dense, S,
-                                  seed, t, AMSGRAD, FIRST_MOMENT, STOCHASTIC)
+ALGORITHMS = {  # by KernelSpec.name
+    "adan": Algorithm(_adan_terms, _adan_update, _adan_second_moments, _adan_step_scale),
+    "adamw": Algorithm(_scaled_grad, _adamw_update, _adamw_second_moments, _adamw_step_scale),
+    "lion": Algorithm(_scaled_grad, _lion_update),
+}
 
+
+# --- launching --------------------------------------------------------------------------------
 
 TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.uint8: tl.uint8}
-KERNELS = {"adan": adan_kernel, "adamw": adamw_kernel}
+# A kept state role, as the walks see it: its row in the pointer table and its block maxima's row
+# (KernelSpec.rows), its 8-bit code table (signed) and whether it stays bf16 beside 8-bit codes (half).
+Slot = namedtuple("Slot", "row absmax signed half")
 
 
-def _options(kernel, param_dtype, state_dtype, stochastic, subsets, amsgrad, first_moment):
-    """The compile-time arguments of a kernel variant."""
-    options = dict(PARAM_TYPE=TYPES[param_dtype], STATE_TYPE=TYPES[state_dtype], STOCHASTIC=stochastic,
-                   SUBSETS=subsets)
-    return options | (dict(AMSGRAD=amsgrad, FIRST_MOMENT=first_moment) if kernel == "adamw" else {})
+@functools.lru_cache(maxsize=None)
+def _variant(spec, flags):
+    """The constexpr arguments of ``step_kernel`` that ``spec`` and its feature ``flags`` (a tuple of
+    (name, bool) in the spec's order) give: the algorithm's functions, its scalars' positions in a
+    row (K) and its flags (F) by name, and the pointer-table rows of param, grad and each state."""
+    algorithm = ALGORITHMS.get(spec.name)
+    if algorithm is None:
+        raise ValueError(f"no Triton kernel for {spec.name!r}")
+    if spec.reduced and algorithm.second_moments is None:
+        raise ValueError(f"the Triton functions of {spec.name!r} lack the second moments of {spec.reduced}")
+    flags, rows = dict(flags), spec.rows
+    kept = spec.kept(flags)
+
+    def slot(role):
+        return Slot(rows.index(role.name), rows.index(role.name + ABSMAX), role.signed, role.half) \
+            if role.name in kept else None
+
+    scalars = namedtuple(f"{spec.name}_scalars", spec.all_scalars)
+    feature_flags = namedtuple(f"{spec.name}_flags", spec.flags)
+    return dict(TERMS=algorithm.terms, SECOND_MOMENTS=algorithm.second_moments, STEP_SCALE=algorithm.step_scale,
+                UPDATE=algorithm.update, K=scalars(*range(len(spec.all_scalars))),
+                F=feature_flags(*(flags[name] for name in spec.flags)), PARAM=rows.index("param"),
+                GRAD=rows.index("grad"), STATES=tuple(slot(role) for role in spec.roles if not role.reduced),
+                MOMENTS=tuple(slot(role) for role in spec.roles if role.reduced))
+
+
+def _options(spec, param_dtype, state_dtype, stochastic, subsets, flags):
+    """The compile-time arguments of a kernel variant (``flags``: name to bool, a missing one off)."""
+    flags = flags or {}
+    unknown = set(flags) - set(spec.flags)
+    if unknown:
+        raise ValueError(f"kernel spec {spec.name!r} has no flags {sorted(unknown)}")
+    variant = _variant(spec, tuple((name, bool(flags.get(name, False))) for name in spec.flags))
+    return variant | dict(PARAM_TYPE=TYPES[param_dtype], STATE_TYPE=TYPES[state_dtype], STOCHASTIC=bool(stochastic),
+                          SUBSETS=bool(subsets) and bool(spec.reduced))
 
 
 def launch(spec, pointers, n_tensors, work, scalars, param_dtype, state_dtype, *, stochastic=False, subsets=False,
-           flags):
-    kernel, amsgrad, first_moment = spec.name, flags.get("amsgrad", False), flags.get("first_moment", True)
-    """Run ``kernel`` ('adan' or 'adamw') with one program per row of ``work`` (device tensors, see
-    the module docstring); ``scalars`` holds one row per tensor, or one shared row."""
-    options = _options(kernel, param_dtype, state_dtype, stochastic, subsets, amsgrad, first_moment)
-    KERNELS[kernel][(len(work),)](pointers, n_tensors, work, scalars, int(scalars.shape[0] > 1), **options,
-                                  num_warps=NUM_WARPS)
+           flags=None):
+    """Run ``spec``'s algorithm with one program per row of ``work`` (device tensors, see the module
+    docstring); ``scalars`` holds one row per tensor, or one shared row. ``flags``: the spec's
+    feature flags (name: bool; a missing one is off)."""
+    options = _options(spec, param_dtype, state_dtype, stochastic, subsets, flags)
+    step_kernel[(len(work),)](pointers, n_tensors, work, scalars, int(scalars.shape[0] > 1), **options,
+                              num_warps=NUM_WARPS)
 
 
-def compile_for(capability, kernel, param_dtype, state_dtype, *, stochastic=False, subsets=False, amsgrad=False,
-                first_moment=True):
+def compile_for(capability, spec, param_dtype, state_dtype, *, stochastic=False, subsets=False, flags=None):
     """Compile a kernel variant ahead of time for a CUDA GPU of compute ``capability`` (80: A100,
     90: H100), with no GPU present: its ``asm`` holds the PTX and the cubin."""
     from triton.backends.compiler import GPUTarget
 
-    options = _options(kernel, param_dtype, state_dtype, stochastic, subsets, amsgrad, first_moment)
+    options = _options(spec, param_dtype, state_dtype, stochastic, subsets, flags)
     signature = dict(pointers="*i64", n_tensors="i32", work="*i64", scalars="*fp32", scalar_stride="i32")
-    source = triton.compiler.ASTSource(fn=KERNELS[kernel], signature=signature | dict.fromkeys(options, "constexpr"),
+    source = triton.compiler.ASTSource(fn=step_kernel, signature=signature | dict.fromkeys(options, "constexpr"),
                                        constexprs=options)
     return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=NUM_WARPS))
 

@@ -11,7 +11,7 @@ def lion_update(ops, *, param, grad, scratch, exp_avg, beta1, beta2, lr, weight_
 
         g = grad · grad_scale            (the clip coefficient, −1 to maximize; None: 1)
         p = p·(1 − lr·wd)                decoupled weight decay
-        p = p − lr·sign(β1·m + (1−β1)·g)
+        p = p − lr·sign(β1·m + (1−β1)·g)   (torch.sign: 0 at 0 and at NaN)
         m = β2·m + (1−β2)·g              exp_avg
     """
     if grad_scale is not None:  # the scaled grad is read twice, and the scratch holds the interpolation
