@@ -17,7 +17,7 @@ import torch
 import fastoptim
 from fastoptim.bench.models import with_gradients
 from fastoptim.states import blockwise8
-from tests.test_state_bits import final_loss, train_character_model
+from fastoptim.train.character import final_loss, train
 
 
 def adamw_states(model="gpt2-124m", steps=5):
@@ -57,7 +57,7 @@ def main():
     for name, cls, bits in (("Adan fp32", fastoptim.Adan, 32), ("Adan 8-bit, g_prev bf16", fastoptim.Adan, 8),
                             ("Adan 8-bit, g_prev 8-bit", AdanAll8Bit, 8), ("AdamW fp32", fastoptim.AdamW, 32),
                             ("AdamW 8-bit", fastoptim.AdamW, 8)):
-        curves[name] = train_character_model(cls, bits, steps=300)
+        curves[name] = train(cls, bits, steps=300)[0]
         print(f"| {name} | {final_loss(curves[name]):.4f} |", flush=True)
     plot(curves, Path("bench-out") / "state_bits_parity.png")
 

@@ -1,8 +1,6 @@
 """``state_bits``: bf16 and 8-bit blockwise states on every engine, against the fp32 optimizer whose
 states are rounded the same way after each step; their bytes, state dicts and training parity."""
 import copy
-import glob
-import os
 import warnings
 
 import pytest
@@ -10,6 +8,7 @@ import torch
 
 import fastoptim
 from fastoptim.states import blockwise8, formats
+from fastoptim.train import character
 
 from .test_fused import ENGINES
 
@@ -206,38 +205,11 @@ def test_changing_state_bits_under_existing_states_is_a_clear_error():
 
 # --- training parity ----------------------------------------------------------------------------
 
-def stdlib_text(limit=400_000):
-    """Python's own standard-library sources: real code text on every machine."""
-    paths = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))
-    return "".join(open(path, encoding="utf-8", errors="replace").read() for path in paths)[:limit]
-
-
-def train_character_model(cls, state_bits, steps=200):
-    """The training losses of a 3-character-context MLP language model."""
-    data = torch.tensor([min(ord(c), 127) for c in stdlib_text()])
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(128, 32), torch.nn.Flatten(), torch.nn.Linear(96, 256),
-                                torch.nn.Tanh(), torch.nn.Linear(256, 128))
-    optimizer = cls(model.parameters(), lr=3e-3, weight_decay=0.01, state_bits=state_bits)
-    generator, losses = torch.Generator().manual_seed(1), []
-    for _ in range(steps):
-        start = torch.randint(0, len(data) - 4, (256,), generator=generator)
-        context = torch.stack([data[start + k] for k in range(3)], dim=1)
-        loss = torch.nn.functional.cross_entropy(model(context), data[start + 3])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    assert optimizer.state[model[2].weight]["exp_avg"].dtype == (torch.uint8 if state_bits == 8 else torch.float32)
-    return losses
-
-
-def final_loss(losses):
-    return sum(losses[-50:]) / 50
-
-
 @pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW])
 def test_8_bit_states_train_as_well_as_32_bit(cls):
-    full, eight = final_loss(train_character_model(cls, 32)), final_loss(train_character_model(cls, 8))
+    (full_losses, full_optimizer), (eight_losses, eight_optimizer) = (character.train(cls, bits) for bits in (32, 8))
+    for optimizer, dtype in ((full_optimizer, torch.float32), (eight_optimizer, torch.uint8)):
+        assert optimizer.state[optimizer.param_groups[0]["params"][1]]["exp_avg"].dtype == dtype  # the 96×256 weight
+    full, eight = character.final_loss(full_losses), character.final_loss(eight_losses)
     assert full < 3.0  # it learned something: uniform over 128 characters is 4.85
     assert abs(eight - full) / full < 0.02, (eight, full)
