@@ -11,12 +11,16 @@
    threads spin for a while; threads of our own would fight them for the cores (measured: +2 ms on
    a 4 ms step). Without an OpenMP runtime in the process, plain pthreads do the work.
 
-   The per-element math restates fastoptim/optimizers/adan.py, adamw.py and adamwsn.py, the
-   reference the tests hold these kernels to; the comments name the reference's steps. Each
-   algorithm's math is written once, as inline functions of one element; its kernel body walks them
-   over a dense tensor, or over the subsets of a subset-norm one. Options that change the loop
-   (dtype, amsgrad, no first moment, stochastic rounding) are compile-time constants of one kernel
-   body, specialised by always-inline; the rest (weight decay, prox, maximize, clipping) are scalars.
+   The per-element math restates fastoptim/optimizers/adan.py, adamw.py, adamwsn.py and lion.py,
+   the reference the tests hold these kernels to; the comments name the reference's steps. Each
+   algorithm's math is written once, as inline functions of one element (see "The algorithms");
+   one walk over memory serves them all (see "The walk"): a dense tensor, the subsets of a
+   subset-norm one, 8-bit blocks. Its rows, scalars, flags and states come from the kernel specs,
+   through the generated fused_cpu_specs.h, and FOR_EACH_KERNEL instantiates its chunk functions
+   and entry point fastoptim_<name> for every kernel. Options that change the loop (dtype, the
+   algorithm's flags such as amsgrad, stochastic rounding, the states' format) are compile-time
+   constants of the walk, specialised by always-inline; the rest (weight decay, prox, maximize,
+   clipping) are scalars.
 
    Each tensor comes with a layout (b, c, states) (NULL for the table: (1, 1, FP32) for all).
    - (b, c): subset-norm tensors (fastoptim/states/subset_norm.py) are (a, b, c) arrays whose second
@@ -36,26 +40,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fused_cpu_specs.h"  /* per kernel: its rows, scalars, flag bits and states (fastoptim/specs.py) */
+
 enum { FP32, BF16, FP16, Q8 };  /* element formats: params take the first three */
-enum { STOCHASTIC_ROUNDING = 1, AMSGRAD = 2, FIRST_MOMENT = 4 };  /* flags */
 
 /* One scalar argument: a shared value (stride 0) or one value per tensor (stride 1). A pointer,
    not a value, so a tensor lr or clip coefficient is read here without a host sync in Python. */
 typedef struct { const float *values; int64_t stride; } Scalar;
-
-/* Scalars shared by every kernel come first, in this order; each kernel's own follow. */
-enum { FOUND_INF, SEED, GRAD_SCALE, COMMON_SCALARS };
-/* 1 − β comes from Python, computed in double as the reference does, not from the rounded β. */
-enum { ADAN_BETA1 = COMMON_SCALARS, ADAN_BETA2, ADAN_BETA3, ADAN_ONE_MINUS_BETA1, ADAN_ONE_MINUS_BETA2,
-       ADAN_ONE_MINUS_BETA3, ADAN_EPS, ADAN_PRE_GRAD_WEIGHT,
-       ADAN_BIAS_CORRECTION3_SQRT, ADAN_STEP_SIZE, ADAN_DIFF_RATIO, ADAN_DECAY_MUL, ADAN_DECAY_DIV,
-       ADAN_SCALARS };
-enum { ADAMW_ONE_MINUS_BETA1 = COMMON_SCALARS, ADAMW_BETA2, ADAMW_ONE_MINUS_BETA2, ADAMW_EPS, ADAMW_DECAY_MUL,
-       ADAMW_DECAY_AFTER, ADAMW_STEP_SIZE, ADAMW_BIAS_CORRECTION2_SQRT, ADAMW_SCALARS };
-/* Rows of the pointer table, by kernel: param, grad, the states, then each state's block maxima
-   (rows of zeros where a state is not 8-bit). */
-enum { PARAM, GRAD, EXP_AVG, EXP_AVG_SQ, EXP_AVG_DIFF, NEG_PRE_GRAD, ADAN_ROWS };
-enum { MAX_EXP_AVG_SQ = EXP_AVG_SQ + 1, ADAMW_ROWS };
 
 typedef struct Work Work;
 typedef void (*ChunkFn)(const Work *, int64_t chunk);  /* a row of the chunk table */
@@ -347,19 +338,15 @@ VECTORISED int fastoptim_dequantize(const uint8_t *codes, const float *absmax, i
 }
 
 /* One state of one tensor, in format FP32, BF16 or Q8 (the format is a compile-time argument of
-   the functions below, so each kernel body is specialised for it). */
+   the functions below, so each walk is specialised for it). */
 typedef struct {
     void *data;
-    float *absmax;        /* Q8: one per block; NULL for a state without codes (absent, fp32 or bf16) */
+    float *absmax;        /* Q8: one per block; NULL for a state without codes (fp32 or bf16) */
     int table;            /* Q8: SIGNED or UNSIGNED; BF16_VALUES for bf16 values, held in the block
                              too, so that the update loop reads and writes fp32 only */
     float *block;         /* Q8: the values of the block being updated */
     int64_t first;        /* Q8: that block's first element */
 } State;
-
-INLINE State state(const Work *w, int role, int rows, int64_t t, int table, float *block) {
-    return (State){row(w, role, t), row(w, rows + role - EXP_AVG, t), table, block, 0};
-}
 
 INLINE float get(const State *s, int64_t i, int format) {
     return format == Q8 ? s->block[i - s->first] : load(s->data, i, format);
@@ -391,33 +378,57 @@ INLINE void close_block(State *s, int64_t i, int64_t end, int format) {
         quantize_block(s->block, end - i, (uint8_t *)s->data + i, &s->absmax[i / BLOCK], s->table);
 }
 
-/* Runs the code after the states over [from, to) block by block (it reads the block as [i0, i1)),
-   opening the four states before each block and closing them after it. */
-#define FOR_BLOCKS(from, to, format, s1, s2, s3, s4, ...) for (int64_t i0 = (from), i1, end_ = (to); i0 < end_; i0 = i1) { \
-        i1 = block_end(i0, end_, format);                                                              \
-        open_block(s1, i0, i1, format), open_block(s2, i0, i1, format);                               \
-        open_block(s3, i0, i1, format), open_block(s4, i0, i1, format);                               \
-        __VA_ARGS__                                                                                    \
-        close_block(s1, i0, i1, format), close_block(s2, i0, i1, format);                             \
-        close_block(s3, i0, i1, format), close_block(s4, i0, i1, format); }
+/* --- The algorithms --------------------------------------------------------------------------
 
-/* Inside FOR_BLOCKS: runs the code after ``index`` over the block cut at multiples of ``size`` (a
-   subset of rows, or a row of columns), the ``index``-th piece read as [from, to). */
-#define FOR_RUNS(size, index, ...) for (int64_t index = i0 / (size); index * (size) < i1; index++) {      \
-        const int64_t from = index * (size) > i0 ? index * (size) : i0;                                 \
-        const int64_t to = (index + 1) * (size) < i1 ? (index + 1) * (size) : i1;                       \
-        __VA_ARGS__ }
+   Every algorithm runs on one walk over memory (walk(), below). The walk sees an element as x, its
+   values by row of the pointer table (fused_cpu_specs.h): x[PARAM], x[GRAD] unscaled (the
+   algorithm applies grad_scale) and x[<state row>], all fp32 whatever the formats; under sn, a
+   reduced state's value is its subset's. An algorithm `name` (X(name, NAME) in FOR_EACH_KERNEL)
+   provides:
+     name_scalars, name_scalars_of(w, t)  its scalars, as its functions take them, loaded for tensor
+                                          t (reciprocals once per tensor: one division per element
+                                          is what the core can afford)
+     name_squared(s, x)                   q, whose square its second moment takes (in the subset
+                                          sums x holds only the states readable in place: fp32 or
+                                          bf16, not 8-bit codes)
+     name_second_moments(s, x, q, form, flags)  its reduced states after q (one form, below),
+                                          amsgrad's maximum included
+     name_step_scale(s, x, flags)         the scale its update takes from the second moment
+     name_update(s, x, scale, flags)      the new x[PARAM] and per-element states, given that scale
+     NAME_VARIANTS(V, ...)                the flag combinations its kernels are compiled for
+   An algorithm with no second moment writes the three functions about it as stubs: the walk's
+   subset paths never run for it, but they compile. */
+
+/* The forms of a second moment's update, v = β·v + (1−β)·Σq², each rounded in the order its path
+   always has: an element's, (1−β)·q·q in torch's addcmul order (q² alone overflows sooner); a
+   subset's, from the sum of its q²; a column's, decayed, then fed one row's q at a time, then
+   whole. */
+enum { ELEMENT, SUBSET, COLUMN_DECAY, COLUMN_ADD, COLUMN_END };
+
+INLINE float average_of_squares(float v, float q, float beta, float one_minus_beta, int form) {
+    switch (form) {
+        case ELEMENT: return v * beta + one_minus_beta * q * q;
+        case SUBSET: return v * beta + q * one_minus_beta;  /* q: the sum of the subset's q² */
+        case COLUMN_DECAY: return v * beta;
+        case COLUMN_ADD: return v + q * q * one_minus_beta;
+        default: return v;
+    }
+}
+
+/* Whether the second moment is whole after ``form`` (not a column's partial sum): what follows
+   from it (amsgrad's maximum) is taken then. A partial sum changes the second moment only. */
+INLINE int whole(int form) { return form != COLUMN_DECAY && form != COLUMN_ADD; }
 
 /* --- Adan ----------------------------------------------------------------------------------- */
 
 typedef struct {
     float beta1, beta2, beta3, one_minus_beta1, one_minus_beta2, one_minus_beta3, eps, grad_scale;
     float pre_grad_weight, inv_bias_correction3_sqrt, step_size, diff_ratio, decay_mul, inv_decay_div;
-} AdanScalars;
+} adan_scalars;
 
-/* Reciprocals once per tensor: one division per element is what the core can afford. */
-INLINE AdanScalars adan_scalars(const Work *w, int64_t t) {
-    return (AdanScalars){
+/* 1 − β comes from Python, computed in double as the reference does, not from the rounded β. */
+INLINE adan_scalars adan_scalars_of(const Work *w, int64_t t) {
+    return (adan_scalars){
         scalar(w, ADAN_BETA1, t), scalar(w, ADAN_BETA2, t), scalar(w, ADAN_BETA3, t),
         scalar(w, ADAN_ONE_MINUS_BETA1, t), scalar(w, ADAN_ONE_MINUS_BETA2, t), scalar(w, ADAN_ONE_MINUS_BETA3, t),
         scalar(w, ADAN_EPS, t), scalar(w, GRAD_SCALE, t), scalar(w, ADAN_PRE_GRAD_WEIGHT, t),
@@ -427,191 +438,300 @@ INLINE AdanScalars adan_scalars(const Work *w, int64_t t) {
 
 typedef struct { float neg_g, d, u; } AdanTerms;
 
-INLINE AdanTerms adan_terms(const AdanScalars *s, float grad, float neg_pre_grad) {
-    const float neg_g = grad * -s->grad_scale;
-    const float d = (neg_pre_grad - neg_g) * s->pre_grad_weight;         /* g − g_prev (0 at a first step) */
+INLINE AdanTerms adan_terms(const adan_scalars *s, const float *x) {
+    const float neg_g = x[GRAD] * -s->grad_scale;
+    const float d = (x[ADAN_NEG_PRE_GRAD] - neg_g) * s->pre_grad_weight;  /* g − g_prev (0 at a first step) */
     return (AdanTerms){neg_g, d, d * s->beta2 - neg_g};                   /* u = g + β2·d */
 }
 
+INLINE float adan_squared(const adan_scalars *s, const float *x) { return adan_terms(s, x).u; }
+
+/* exp_avg_sq: n = β3·n + (1−β3)·u² */
+INLINE void adan_second_moments(const adan_scalars *s, float *x, float u, int form, int flags) {
+    x[ADAN_EXP_AVG_SQ] = average_of_squares(x[ADAN_EXP_AVG_SQ], u, s->beta3, s->one_minus_beta3, form);
+}
+
 /* step_size / denom, from exp_avg_sq (the element's or its subset's). */
-INLINE float adan_scale(const AdanScalars *s, float n) {
-    return s->step_size / (sqrtf(n) * s->inv_bias_correction3_sqrt + s->eps);
+INLINE float adan_step_scale(const adan_scalars *s, const float *x, int flags) {
+    return s->step_size / (sqrtf(x[ADAN_EXP_AVG_SQ]) * s->inv_bias_correction3_sqrt + s->eps);
 }
 
-/* After exp_avg_sq: the moments m and v, and the new value of param p. */
-INLINE float adan_apply(const AdanScalars *s, AdanTerms x, float *m, float *v, float p, float scale) {
-    *m = *m * s->beta1 - x.neg_g * s->one_minus_beta1;
-    *v = *v * s->beta2 + x.d * s->one_minus_beta2;
-    p = p * s->decay_mul - *m * scale - *v * (scale * s->diff_ratio);    /* 1 − lr·wd with no_prox */
-    return p * s->inv_decay_div;                                          /* 1 + lr·wd: prox */
+/* After exp_avg_sq: the moments m and v, g_prev, and the new value of param p. */
+INLINE void adan_update(const adan_scalars *s, float *x, float scale, int flags) {
+    const AdanTerms a = adan_terms(s, x);
+    const float m = x[ADAN_EXP_AVG] * s->beta1 - a.neg_g * s->one_minus_beta1;
+    const float v = x[ADAN_EXP_AVG_DIFF] * s->beta2 + a.d * s->one_minus_beta2;
+    const float p = x[PARAM] * s->decay_mul - m * scale - v * (scale * s->diff_ratio);  /* 1 − lr·wd with no_prox */
+    x[PARAM] = p * s->inv_decay_div;                                                     /* 1 + lr·wd: prox */
+    x[ADAN_EXP_AVG] = m, x[ADAN_EXP_AVG_DIFF] = v, x[ADAN_NEG_PRE_GRAD] = a.neg_g;
 }
 
-/* ``states``: the format of the param-shaped states (see the top of the file). */
-INLINE void adan_body(const Work *w, int64_t t, int64_t start, int64_t count, int dtype, int stochastic, int states) {
-    const AdanScalars s = adan_scalars(w, t);
-    const uint32_t seed = (uint32_t)scalar(w, SEED, t);
-    void *param = row(w, PARAM, t);
-    const void *grad = row(w, GRAD, t);
-    float m_block[BLOCK], v_block[BLOCK], n_block[BLOCK], neg_pre_grad_block[BLOCK];
-    State m = state(w, EXP_AVG, ADAN_ROWS, t, SIGNED, m_block);
-    State v = state(w, EXP_AVG_DIFF, ADAN_ROWS, t, SIGNED, v_block);
-    State n = state(w, EXP_AVG_SQ, ADAN_ROWS, t, UNSIGNED, n_block);
-    State neg_pre_grad = state(w, NEG_PRE_GRAD, ADAN_ROWS, t, BF16_VALUES, neg_pre_grad_block);
-    const int pre_grad_format = states == Q8 ? BF16 : states;
-    const int64_t b = layout(w, t, SUBSET_ROWS), c = layout(w, t, SUBSET_COLUMNS), end = start + count;
-    /* the terms from g_prev in memory (the subset-norm sums, outside blocks), or in its block */
-#define ADAN_STORED_TERMS(i) adan_terms(&s, load(grad, i, dtype), load(neg_pre_grad.data, i, pre_grad_format))
-#define ADAN_TERMS(i) adan_terms(&s, load(grad, i, dtype), get(&neg_pre_grad, i, states))
-#define ADAN_UPDATE(i, x, scale) do {                                                                 \
-        float m_i = get(&m, i, states), v_i = get(&v, i, states);                                     \
-        const float p = adan_apply(&s, x, &m_i, &v_i, load(param, i, dtype), scale);                  \
-        put(&m, i, m_i, states), put(&v, i, v_i, states), put(&neg_pre_grad, i, x.neg_g, states);    \
-        store(param, i, p, dtype, stochastic, seed, t);                                               \
-    } while (0)
-#define ADAN_BLOCKS(from, to, ...) FOR_BLOCKS(from, to, states, &m, &v, &n, &neg_pre_grad, __VA_ARGS__)
-    if (b == 1) {                                           /* dense: n = β3·n + (1−β3)·u² per element */
-        ADAN_BLOCKS(start, end, IVDEP for (int64_t i = i0; i < i1; i++) {
-            const AdanTerms x = ADAN_TERMS(i);
-            /* (1−β3)·u·u as torch's addcmul orders it: u² alone overflows sooner */
-            const float n_i = get(&n, i, states) * s.beta3 + s.one_minus_beta3 * x.u * x.u;
-            put(&n, i, n_i, states);
-            ADAN_UPDATE(i, x, adan_scale(&s, n_i));
-        })
-        return;
-    }
-    float *restrict reduced = n.data;                       /* fp32, one per subset */
-    if (c == 1) {                                           /* rows: subset k is elements [k·b, (k+1)·b) */
-        for (int64_t k = start / b; k < end / b; k++) {
-            float sum = 0;
-            SIMD_SUM for (int64_t i = k * b; i < (k + 1) * b; i++) {
-                const AdanTerms x = ADAN_STORED_TERMS(i);
-                sum += x.u * x.u;
-            }
-            reduced[k] = reduced[k] * s.beta3 + sum * s.one_minus_beta3;
-        }
-        ADAN_BLOCKS(start, end, FOR_RUNS(b, k,
-            const float scale = adan_scale(&s, reduced[k]);
-            IVDEP for (int64_t i = from; i < to; i++) ADAN_UPDATE(i, ADAN_TERMS(i), scale);
-        ))
-        return;
-    }
-    /* columns: the chunk's elements / b of b rows; under Q8 all c of them (the chunk plan makes
-       sure), so the rows make one run of whole blocks */
-    const int64_t j0 = start / b, j1 = end / b;
-    IVDEP for (int64_t j = j0; j < j1; j++) reduced[j] *= s.beta3;
-    for (int64_t r = 0; r < b; r++)
-        IVDEP for (int64_t j = j0; j < j1; j++) {
-            const AdanTerms x = ADAN_STORED_TERMS(r * c + j);
-            reduced[j] += x.u * x.u * s.one_minus_beta3;
-        }
-    for (int64_t r = 0; r < (states == Q8 ? 1 : b); r++)
-        ADAN_BLOCKS(states == Q8 ? 0 : r * c + j0, states == Q8 ? b * c : r * c + j1,
-                   FOR_RUNS(c, row,
-            IVDEP for (int64_t i = from; i < to; i++) ADAN_UPDATE(i, ADAN_TERMS(i), adan_scale(&s, reduced[i - row * c]));
-        ))
-#undef ADAN_BLOCKS
-#undef ADAN_UPDATE
-#undef ADAN_TERMS
-#undef ADAN_STORED_TERMS
-}
+#define ADAN_VARIANTS(V, ...) V(__VA_ARGS__, plain, 0)
 
 /* --- AdamW, AdamWSN and RMSPropSN ------------------------------------------------------------- */
 
 typedef struct {
     float one_minus_beta1, beta2, one_minus_beta2, eps, grad_scale, decay_mul, decay_after, step_size;
     float inv_bias_correction2_sqrt;
-} AdamWScalars;
+} adamw_scalars;
 
-INLINE AdamWScalars adamw_scalars(const Work *w, int64_t t) {
-    return (AdamWScalars){
+INLINE adamw_scalars adamw_scalars_of(const Work *w, int64_t t) {
+    return (adamw_scalars){
         scalar(w, ADAMW_ONE_MINUS_BETA1, t), scalar(w, ADAMW_BETA2, t), scalar(w, ADAMW_ONE_MINUS_BETA2, t),
         scalar(w, ADAMW_EPS, t), scalar(w, GRAD_SCALE, t), scalar(w, ADAMW_DECAY_MUL, t),
         scalar(w, ADAMW_DECAY_AFTER, t), scalar(w, ADAMW_STEP_SIZE, t),
         1 / scalar(w, ADAMW_BIAS_CORRECTION2_SQRT, t)};
 }
 
+INLINE float adamw_squared(const adamw_scalars *s, const float *x) { return x[GRAD] * s->grad_scale; }  /* g */
+
+/* exp_avg_sq: v = β2·v + (1−β2)·g²; with amsgrad, max_exp_avg_sq: v̂ = max(v̂, v). */
+INLINE void adamw_second_moments(const adamw_scalars *s, float *x, float g, int form, int flags) {
+    x[ADAMW_EXP_AVG_SQ] = average_of_squares(x[ADAMW_EXP_AVG_SQ], g, s->beta2, s->one_minus_beta2, form);
+    if (flags & ADAMW_AMSGRAD && whole(form))
+        x[ADAMW_MAX_EXP_AVG_SQ] = larger(x[ADAMW_MAX_EXP_AVG_SQ], x[ADAMW_EXP_AVG_SQ]);
+}
+
 /* step_size / denom, from the second moment (the element's or its subset's; v̂ with amsgrad). */
-INLINE float adamw_scale(const AdamWScalars *s, float v) {
+INLINE float adamw_step_scale(const adamw_scalars *s, const float *x, int flags) {
+    const float v = x[flags & ADAMW_AMSGRAD ? ADAMW_MAX_EXP_AVG_SQ : ADAMW_EXP_AVG_SQ];
     return s->step_size / (sqrtf(v) * s->inv_bias_correction2_sqrt + s->eps);
 }
 
 /* After the second moment: the first moment (the numerator; g itself without one) and the new
    value of param p. Weight decay multiplies before the update (AdamW) or after it (AdamWSN). */
-INLINE float adamw_apply(const AdamWScalars *s, float g, float *m, float p, float scale, int first_moment) {
+INLINE void adamw_update(const adamw_scalars *s, float *x, float scale, int flags) {
+    const float g = adamw_squared(s, x);
     float numerator = g;
-    if (first_moment) {
-        *m += (g - *m) * s->one_minus_beta1;                              /* lerp */
-        numerator = *m;
+    if (flags & ADAMW_FIRST_MOMENT) {
+        x[ADAMW_EXP_AVG] += (g - x[ADAMW_EXP_AVG]) * s->one_minus_beta1;  /* lerp */
+        numerator = x[ADAMW_EXP_AVG];
     }
-    return (p * s->decay_mul - numerator * scale) * s->decay_after;
+    x[PARAM] = (x[PARAM] * s->decay_mul - numerator * scale) * s->decay_after;
 }
 
-INLINE void adamw_body(const Work *w, int64_t t, int64_t start, int64_t count, int dtype, int stochastic,
-                       int amsgrad, int first_moment, int states) {
-    const AdamWScalars s = adamw_scalars(w, t);
-    const uint32_t seed = (uint32_t)scalar(w, SEED, t);
-    void *param = row(w, PARAM, t);
-    const void *grad = row(w, GRAD, t);
-    float m_block[BLOCK], v_block[BLOCK], v_max_block[BLOCK];
-    State m = state(w, EXP_AVG, ADAMW_ROWS, t, SIGNED, m_block);
-    State v = state(w, EXP_AVG_SQ, ADAMW_ROWS, t, UNSIGNED, v_block);
-    State v_max = amsgrad ? state(w, MAX_EXP_AVG_SQ, ADAMW_ROWS, t, UNSIGNED, v_max_block) : (State){0};
-    State none = {0};  /* a fourth state for FOR_BLOCKS: its blocks open and close as no-ops */
-    const int64_t b = layout(w, t, SUBSET_ROWS), c = layout(w, t, SUBSET_COLUMNS), end = start + count;
-#define ADAMW_GRAD(i) (load(grad, i, dtype) * s.grad_scale)
-#define ADAMW_UPDATE(i, g, scale) do {                                                                \
-        float m_i = first_moment ? get(&m, i, states) : 0;                                           \
-        const float p = adamw_apply(&s, g, &m_i, load(param, i, dtype), scale, first_moment);          \
-        if (first_moment) put(&m, i, m_i, states);                                                    \
-        store(param, i, p, dtype, stochastic, seed, t);                                               \
-    } while (0)
-#define ADAMW_BLOCKS(from, to, ...) FOR_BLOCKS(from, to, states, &m, &v, &v_max, &none, __VA_ARGS__)
-    if (b == 1) {                                           /* dense: v = β2·v + (1−β2)·g² per element */
-        ADAMW_BLOCKS(start, end, IVDEP for (int64_t i = i0; i < i1; i++) {
-            const float g = ADAMW_GRAD(i);
-            float v_i = get(&v, i, states) * s.beta2 + s.one_minus_beta2 * g * g;  /* addcmul's order, as Adan's */
-            put(&v, i, v_i, states);
-            if (amsgrad) {
-                v_i = larger(get(&v_max, i, states), v_i);
-                put(&v_max, i, v_i, states);
+/* amsgrad (with a first moment), AdamW's and AdamWSN's, and RMSPropSN's (no first moment) */
+#define ADAMW_VARIANTS(V, ...) V(__VA_ARGS__, ams, ADAMW_AMSGRAD | ADAMW_FIRST_MOMENT) \
+    V(__VA_ARGS__, plain, ADAMW_FIRST_MOMENT) V(__VA_ARGS__, rms, 0)
+
+/* --- Lion ------------------------------------------------------------------------------------ */
+
+typedef struct { float beta1, one_minus_beta1, beta2, one_minus_beta2, lr, decay_mul, grad_scale; } lion_scalars;
+
+INLINE lion_scalars lion_scalars_of(const Work *w, int64_t t) {
+    return (lion_scalars){
+        scalar(w, LION_BETA1, t), scalar(w, LION_ONE_MINUS_BETA1, t), scalar(w, LION_BETA2, t),
+        scalar(w, LION_ONE_MINUS_BETA2, t), scalar(w, LION_LR, t), scalar(w, LION_DECAY_MUL, t),
+        scalar(w, GRAD_SCALE, t)};
+}
+
+/* Lion keeps no second moment. */
+INLINE float lion_squared(const lion_scalars *s, const float *x) { return 0; }
+INLINE void lion_second_moments(const lion_scalars *s, float *x, float q, int form, int flags) {}
+INLINE float lion_step_scale(const lion_scalars *s, const float *x, int flags) { return 0; }
+
+/* torch.sign, which the loop engine takes: ±1, and 0 at ±0 and at NaN ((0 < x) − (x < 0)). */
+INLINE float sign(float x) { return x > 0 ? 1.f : x < 0 ? -1.f : 0.f; }
+
+/* The sums are written (1−β)·g first: that is the product a CPU with FMA fuses into the sum, as
+   torch's add_(g, alpha=1−β) does, so exp_avg and c match the loop engine's bit for bit there.
+   p·(1 − lr·wd) − lr·sign(c) is one FMA, one rounding fewer than the loop's mul_ then sub_. */
+INLINE void lion_update(const lion_scalars *s, float *x, float scale, int flags) {
+    const float g = x[GRAD] * s->grad_scale;
+    const float c = g * s->one_minus_beta1 + x[LION_EXP_AVG] * s->beta1;      /* β1·m + (1−β1)·g */
+    x[PARAM] = x[PARAM] * s->decay_mul - s->lr * sign(c);                      /* decay_mul = 1 − lr·wd */
+    x[LION_EXP_AVG] = g * s->one_minus_beta2 + x[LION_EXP_AVG] * s->beta2;    /* m = β2·m + (1−β2)·g */
+}
+
+#define LION_VARIANTS(V, ...) V(__VA_ARGS__, plain, 0)
+
+/* --- The walk --------------------------------------------------------------------------------
+
+   walk() updates one chunk of one tensor for any algorithm: dense, each element with its own
+   second moment; rows (c = 1), the subsets' sums of q², then their elements; columns, the same
+   column by column. 8-bit states are opened and closed block by block around the elements. It is
+   specialised (always-inline) for the kernel, the param dtype, stochastic rounding, the flags and
+   the states' format, all compile-time constants, so every branch on them below folds away. The
+   kernel is an index, by which the walk calls its algorithm's functions. */
+
+#define KERNEL_INDEX(name, NAME) KERNEL_##NAME,
+enum { FOR_EACH_KERNEL(KERNEL_INDEX) };
+#undef KERNEL_INDEX
+
+#define SCALARS_MEMBER(name, NAME) name##_scalars name;
+typedef union { FOR_EACH_KERNEL(SCALARS_MEMBER) } Scalars;
+
+/* An algorithm's functions by its kernel index: each call folds to the one of its kernel. */
+#define CALL_SCALARS_OF(name, NAME) if (kernel == KERNEL_##NAME) s.name = name##_scalars_of(w, t);
+#define CALL_SQUARED(name, NAME) if (kernel == KERNEL_##NAME) return name##_squared(&s->name, x);
+#define CALL_SECOND_MOMENTS(name, NAME) if (kernel == KERNEL_##NAME) name##_second_moments(&s->name, x, q, form, flags);
+#define CALL_STEP_SCALE(name, NAME) if (kernel == KERNEL_##NAME) return name##_step_scale(&s->name, x, flags);
+#define CALL_UPDATE(name, NAME) if (kernel == KERNEL_##NAME) name##_update(&s->name, x, scale, flags);
+INLINE Scalars scalars_of(int kernel, const Work *w, int64_t t) {
+    Scalars s = {0};
+    FOR_EACH_KERNEL(CALL_SCALARS_OF) return s;
+}
+INLINE float squared(int kernel, const Scalars *s, const float *x) { FOR_EACH_KERNEL(CALL_SQUARED) return 0; }
+INLINE void second_moments(int kernel, const Scalars *s, float *x, float q, int form, int flags) {
+    FOR_EACH_KERNEL(CALL_SECOND_MOMENTS)
+}
+INLINE float step_scale(int kernel, const Scalars *s, const float *x, int flags) {
+    FOR_EACH_KERNEL(CALL_STEP_SCALE) return 0;
+}
+INLINE void update(int kernel, const Scalars *s, float *x, float scale, int flags) { FOR_EACH_KERNEL(CALL_UPDATE) }
+
+/* A kernel's states: the end of their rows, and per row (the header's TABLES, REDUCED and NEEDS)
+   its code table, whether it is per subset under sn, the flag it needs. */
+typedef struct { int table, reduced, needs; } Role;
+#define STATES_END_OF(name, NAME) if (kernel == KERNEL_##NAME) return NAME##_STATES_END;
+#define ROLE_OF(name, NAME) if (kernel == KERNEL_##NAME) {                                                \
+        static const int tables[] = NAME##_TABLES, reduced[] = NAME##_REDUCED, needs[] = NAME##_NEEDS;      \
+        return (Role){tables[row - FIRST_STATE], reduced[row - FIRST_STATE], needs[row - FIRST_STATE]}; }
+INLINE int states_end(int kernel) { FOR_EACH_KERNEL(STATES_END_OF) return FIRST_STATE; }
+INLINE Role role(int kernel, int row) { FOR_EACH_KERNEL(ROLE_OF) return (Role){0}; }
+
+/* For each state row r of a kernel: unrolled, so that each state is its own variables. */
+#define EACH_STATE(kernel, r) _Pragma("GCC unroll 8") for (int r = FIRST_STATE; r < states_end(kernel); r++)
+
+/* Whether the flags keep state ``row``; whether it has a value per element (not per subset); and
+   whether it is one kept per subset. */
+INLINE int kept(int kernel, int row, int flags) { return !role(kernel, row).needs || flags & role(kernel, row).needs; }
+INLINE int per_element(int kernel, int row, int flags, int subsets) {
+    return kept(kernel, row, flags) && !(subsets && role(kernel, row).reduced);
+}
+INLINE int per_subset(int kernel, int row, int flags) { return kept(kernel, row, flags) && role(kernel, row).reduced; }
+
+/* Whether ``row`` is the second moment the subset sums feed: the kernel's first reduced state. */
+INLINE int summed(int kernel, int row) {
+    EACH_STATE(kernel, r) if (role(kernel, r).reduced) return r == row;
+    return 0;
+}
+
+/* One tensor of the walk: its algorithm's scalars, its states by row (none at PARAM and GRAD). */
+typedef struct {
+    Scalars s;
+    State states[FIRST_STATE + MAX_STATES];
+    void *param;
+    const void *grad;
+    uint32_t seed;
+    int64_t t;
+} Tensor;
+
+/* Element i: its values into x, its second moment's update when it has its own (dense) and else
+   the scale of its subset's, the algorithm's update, and the values back. */
+INLINE void update_element(int kernel, Tensor *T, int64_t i, float scale, int dense, int dtype, int stochastic,
+                           int flags, int states) {
+    float x[FIRST_STATE + MAX_STATES] = {0};
+    x[PARAM] = load(T->param, i, dtype);
+    x[GRAD] = load(T->grad, i, dtype);
+    EACH_STATE(kernel, r) if (per_element(kernel, r, flags, !dense)) x[r] = get(&T->states[r], i, states);
+    if (dense) {
+        second_moments(kernel, &T->s, x, squared(kernel, &T->s, x), ELEMENT, flags);
+        scale = step_scale(kernel, &T->s, x, flags);
+    }
+    update(kernel, &T->s, x, scale, flags);
+    EACH_STATE(kernel, r) if (per_element(kernel, r, flags, !dense)) put(&T->states[r], i, x[r], states);
+    store(T->param, i, x[PARAM], dtype, stochastic, T->seed, T->t);
+}
+
+/* q of element i for the subset sums, before the element's update: from its grad and the states
+   readable where they are (fp32 or bf16; under Q8 the half ones, bf16), not from blocks. */
+INLINE float squared_in_place(int kernel, const Tensor *T, int64_t i, int dtype, int flags, int states) {
+    float x[FIRST_STATE + MAX_STATES] = {0};
+    x[GRAD] = load(T->grad, i, dtype);
+    EACH_STATE(kernel, r)
+        if (per_element(kernel, r, flags, 1) && (states != Q8 || role(kernel, r).table == BF16_VALUES))
+            x[r] = load(T->states[r].data, i, states == Q8 ? BF16 : states);
+    return squared(kernel, &T->s, x);
+}
+
+/* The second moments of subset (or column) k, fp32, one per subset, after q in ``form``. */
+INLINE void subset_moments(int kernel, Tensor *T, int64_t k, float q, int form, int flags) {
+    float x[FIRST_STATE + MAX_STATES] = {0};
+    EACH_STATE(kernel, r) if (per_subset(kernel, r, flags)) x[r] = ((float *)T->states[r].data)[k];
+    second_moments(kernel, &T->s, x, q, form, flags);
+    EACH_STATE(kernel, r)
+        if (per_subset(kernel, r, flags) && (whole(form) || summed(kernel, r))) ((float *)T->states[r].data)[k] = x[r];
+}
+
+INLINE float subset_scale(int kernel, const Tensor *T, int64_t k, int flags) {
+    float x[FIRST_STATE + MAX_STATES] = {0};
+    EACH_STATE(kernel, r) if (per_subset(kernel, r, flags)) x[r] = ((const float *)T->states[r].data)[k];
+    return step_scale(kernel, &T->s, x, flags);
+}
+
+enum { DENSE, ROWS, COLUMNS };  /* how update_elements finds an element's second moment */
+
+/* Updates elements [from, to), block by block (one block, unless the states are 8-bit): dense,
+   each with its own second moment; ROWS, subset k's elements [k·b, (k+1)·b) with its scale;
+   COLUMNS, rows of c elements, each with the scale of its column's. */
+INLINE void update_elements(int kernel, Tensor *T, int64_t from, int64_t to, int64_t b, int64_t c, int layout,
+                            int dtype, int stochastic, int flags, int states) {
+    const int subsets = layout != DENSE;
+    for (int64_t i0 = from, i1; i0 < to; i0 = i1) {
+        i1 = block_end(i0, to, states);
+        EACH_STATE(kernel, r) if (per_element(kernel, r, flags, subsets)) open_block(&T->states[r], i0, i1, states);
+        if (!subsets) {
+            IVDEP for (int64_t i = i0; i < i1; i++)
+                update_element(kernel, T, i, 0, 1, dtype, stochastic, flags, states);
+        } else {
+            const int64_t size = layout == ROWS ? b : c;  /* the block cut into subsets, or into rows */
+            for (int64_t k = i0 / size; k * size < i1; k++) {
+                const int64_t first = k * size > i0 ? k * size : i0, last = (k + 1) * size < i1 ? (k + 1) * size : i1;
+                if (layout == ROWS) {
+                    const float scale = subset_scale(kernel, T, k, flags);
+                    IVDEP for (int64_t i = first; i < last; i++)
+                        update_element(kernel, T, i, scale, 0, dtype, stochastic, flags, states);
+                } else {
+                    IVDEP for (int64_t i = first; i < last; i++)
+                        update_element(kernel, T, i, subset_scale(kernel, T, i - k * c, flags), 0, dtype, stochastic,
+                                       flags, states);
+                }
             }
-            ADAMW_UPDATE(i, g, adamw_scale(&s, v_i));
-        })
+        }
+        EACH_STATE(kernel, r) if (per_element(kernel, r, flags, subsets)) close_block(&T->states[r], i0, i1, states);
+    }
+}
+
+/* ``states``: the format of the param-shaped states (see the top of the file). */
+INLINE void walk(int kernel, const Work *w, int64_t t, int64_t start, int64_t count, int dtype, int stochastic,
+                 int flags, int states) {
+    float blocks[MAX_STATES][BLOCK];
+    Tensor T = {.s = scalars_of(kernel, w, t), .param = row(w, PARAM, t), .grad = row(w, GRAD, t),
+                .seed = (uint32_t)scalar(w, SEED, t), .t = t};
+    EACH_STATE(kernel, r)  /* the rows of the states' block maxima follow the states' */
+        if (kept(kernel, r, flags))
+            T.states[r] = (State){row(w, r, t), row(w, r - FIRST_STATE + states_end(kernel), t), role(kernel, r).table,
+                                  blocks[r - FIRST_STATE], 0};
+    const int64_t b = layout(w, t, SUBSET_ROWS), c = layout(w, t, SUBSET_COLUMNS), end = start + count;
+    if (b == 1) {                                           /* dense: each element its own second moment */
+        update_elements(kernel, &T, start, end, b, c, DENSE, dtype, stochastic, flags, states);
         return;
     }
-    float *reduced = v.data, *reduced_max = amsgrad ? v_max.data : v.data;  /* fp32, one per subset */
     if (c == 1) {                                           /* rows: subset k is elements [k·b, (k+1)·b) */
         for (int64_t k = start / b; k < end / b; k++) {
             float sum = 0;
-            SIMD_SUM for (int64_t i = k * b; i < (k + 1) * b; i++) sum += ADAMW_GRAD(i) * ADAMW_GRAD(i);
-            reduced[k] = reduced[k] * s.beta2 + sum * s.one_minus_beta2;
-            if (amsgrad) reduced_max[k] = larger(reduced_max[k], reduced[k]);
+            SIMD_SUM for (int64_t i = k * b; i < (k + 1) * b; i++) {
+                const float q = squared_in_place(kernel, &T, i, dtype, flags, states);
+                sum += q * q;
+            }
+            subset_moments(kernel, &T, k, sum, SUBSET, flags);
         }
-        ADAMW_BLOCKS(start, end, FOR_RUNS(b, k,
-            const float scale = adamw_scale(&s, reduced_max[k]);
-            IVDEP for (int64_t i = from; i < to; i++) ADAMW_UPDATE(i, ADAMW_GRAD(i), scale);
-        ))
+        update_elements(kernel, &T, start, end, b, c, ROWS, dtype, stochastic, flags, states);
         return;
     }
-    /* columns: as Adan's */
+    /* columns: the chunk's elements / b of b rows; under Q8 all c of them (the chunk plan makes
+       sure), so the rows make one run of whole blocks */
     const int64_t j0 = start / b, j1 = end / b;
-    IVDEP for (int64_t j = j0; j < j1; j++) reduced[j] *= s.beta2;
+    IVDEP for (int64_t j = j0; j < j1; j++) subset_moments(kernel, &T, j, 0, COLUMN_DECAY, flags);
     for (int64_t r = 0; r < b; r++)
-        IVDEP for (int64_t j = j0; j < j1; j++) {
-            const float g = ADAMW_GRAD(r * c + j);
-            reduced[j] += g * g * s.one_minus_beta2;
-        }
-    if (amsgrad)
-        for (int64_t j = j0; j < j1; j++) reduced_max[j] = larger(reduced_max[j], reduced[j]);
+        IVDEP for (int64_t j = j0; j < j1; j++)
+            subset_moments(kernel, &T, j, squared_in_place(kernel, &T, r * c + j, dtype, flags, states), COLUMN_ADD,
+                           flags);
+    IVDEP for (int64_t j = j0; j < j1; j++) subset_moments(kernel, &T, j, 0, COLUMN_END, flags);
     for (int64_t r = 0; r < (states == Q8 ? 1 : b); r++)
-        ADAMW_BLOCKS(states == Q8 ? 0 : r * c + j0, states == Q8 ? b * c : r * c + j1,
-                     FOR_RUNS(c, row,
-            IVDEP for (int64_t i = from; i < to; i++)
-                ADAMW_UPDATE(i, ADAMW_GRAD(i), adamw_scale(&s, reduced_max[i - row * c]));
-        ))
-#undef ADAMW_BLOCKS
-#undef ADAMW_UPDATE
-#undef ADAMW_GRAD
+        update_elements(kernel, &T, states == Q8 ? 0 : r * c + j0, states == Q8 ? b * c : r * c + j1, b, c, COLUMNS,
+                        dtype, stochastic, flags, states);
 }
 
 /* The trivial-math twin of Adan's traffic (6 reads, 5 writes of fp32): the bandwidth it reaches
@@ -619,8 +739,10 @@ INLINE void adamw_body(const Work *w, int64_t t, int64_t start, int64_t count, i
 INLINE void probe_body(const Work *w, int64_t t, int64_t start, int64_t count) {
     float *restrict p = (float *)row(w, PARAM, t) + start;
     const float *restrict g = (const float *)row(w, GRAD, t) + start;
-    float *restrict a = (float *)row(w, EXP_AVG, t) + start, *restrict b = (float *)row(w, EXP_AVG_SQ, t) + start;
-    float *restrict c = (float *)row(w, EXP_AVG_DIFF, t) + start, *restrict e = (float *)row(w, NEG_PRE_GRAD, t) + start;
+    float *restrict a = (float *)row(w, ADAN_EXP_AVG, t) + start;
+    float *restrict b = (float *)row(w, ADAN_EXP_AVG_SQ, t) + start;
+    float *restrict c = (float *)row(w, ADAN_EXP_AVG_DIFF, t) + start;
+    float *restrict e = (float *)row(w, ADAN_NEG_PRE_GRAD, t) + start;
     IVDEP for (int64_t i = 0; i < count; i++) {
         p[i] += g[i]; a[i] += g[i]; b[i] += g[i]; c[i] += g[i]; e[i] += g[i];
     }
@@ -653,27 +775,22 @@ INLINE void scale_body(const Work *w, int64_t t, int64_t start, int64_t count, i
     IVDEP for (int64_t i = start; i < start + count; i++) store(grad, i, load(grad, i, dtype) * factor, dtype, 0, 0, 0);
 }
 
-/* The specialisations: one chunk function per (kernel, dtype, rounding[, amsgrad | no first moment]),
-   which picks the body for the tensor's state format. */
+/* The specialisations: one chunk function per (kernel, flag variant, dtype, rounding), which picks
+   the walk for the tensor's state format. */
 #define BY_STATES(w, t, BODY, ...) switch (layout(w, t, STATES)) {                                      \
         case BF16: BODY(__VA_ARGS__, BF16); break;                                                      \
         case Q8: BODY(__VA_ARGS__, Q8); break;                                                          \
         default: BODY(__VA_ARGS__, FP32); }
 #define CHUNK(k) const int64_t t = w->chunks[4 * k], s = w->chunks[4 * k + 1], c = w->chunks[4 * k + 2]
-#define ADAN_CHUNK(NAME, DTYPE, SR) VECTORISED static void NAME(const Work *w, int64_t k) { \
-    CHUNK(k); BY_STATES(w, t, adan_body, w, t, s, c, DTYPE, SR) }
-#define ADAMW_CHUNK(NAME, DTYPE, SR, AMS, FIRST) VECTORISED static void NAME(const Work *w, int64_t k) { \
-    CHUNK(k); BY_STATES(w, t, adamw_body, w, t, s, c, DTYPE, SR, AMS, FIRST) }
-#define ADAMW_CHUNKS(SUFFIX, AMS, FIRST) \
-    ADAMW_CHUNK(adamw_fp32##SUFFIX, FP32, 0, AMS, FIRST) ADAMW_CHUNK(adamw_bf16##SUFFIX, BF16, 0, AMS, FIRST) \
-    ADAMW_CHUNK(adamw_bf16_sr##SUFFIX, BF16, 1, AMS, FIRST) ADAMW_CHUNK(adamw_fp16##SUFFIX, FP16, 0, AMS, FIRST)
-ADAN_CHUNK(adan_fp32, FP32, 0)
-ADAN_CHUNK(adan_bf16, BF16, 0)
-ADAN_CHUNK(adan_bf16_sr, BF16, 1)
-ADAN_CHUNK(adan_fp16, FP16, 0)
-ADAMW_CHUNKS(, 0, 1)
-ADAMW_CHUNKS(_ams, 1, 1)
-ADAMW_CHUNKS(_rms, 0, 0)
+#define WALK_CHUNK(NAME, KERNEL, DTYPE, SR, FLAGS) VECTORISED static void NAME(const Work *w, int64_t k) { \
+    CHUNK(k); BY_STATES(w, t, walk, KERNEL, w, t, s, c, DTYPE, SR, FLAGS) }
+#define VARIANT_CHUNKS(name, NAME, variant, FLAGS)                          \
+    WALK_CHUNK(name##_##variant##_fp32, KERNEL_##NAME, FP32, 0, FLAGS)      \
+    WALK_CHUNK(name##_##variant##_bf16, KERNEL_##NAME, BF16, 0, FLAGS)      \
+    WALK_CHUNK(name##_##variant##_bf16_sr, KERNEL_##NAME, BF16, 1, FLAGS)   \
+    WALK_CHUNK(name##_##variant##_fp16, KERNEL_##NAME, FP16, 0, FLAGS)
+#define KERNEL_CHUNKS(name, NAME) NAME##_VARIANTS(VARIANT_CHUNKS, name, NAME)
+FOR_EACH_KERNEL(KERNEL_CHUNKS)
 VECTORISED static void probe_fp32(const Work *w, int64_t k) { CHUNK(k); probe_body(w, t, s, c); }
 #define CLIP_CHUNKS(NAME, DTYPE) \
     VECTORISED static void norm2_##NAME(const Work *w, int64_t k) { CHUNK(k); norm_body(w, k, t, s, c, DTYPE, 0); } \
@@ -772,22 +889,21 @@ static ChunkFn pick(ChunkFn fp32, ChunkFn bf16, ChunkFn bf16_sr, ChunkFn fp16, i
     }
 }
 
-int fastoptim_adan(const int64_t *pointers, int64_t n_tensors, const int64_t *chunks, int64_t chunk_begin,
-                   int64_t chunk_end, const int64_t *layouts, const Scalar *scalars, int32_t dtype, int32_t flags,
-                   int32_t n_threads) {
-    ChunkFn chunk = pick(adan_fp32, adan_bf16, adan_bf16_sr, adan_fp16, dtype, flags);
-    return run(chunk, pointers, n_tensors, chunks, chunk_begin, chunk_end, layouts, scalars, NULL, n_threads);
-}
-
-int fastoptim_adamw(const int64_t *pointers, int64_t n_tensors, const int64_t *chunks, int64_t chunk_begin,
-                    int64_t chunk_end, const int64_t *layouts, const Scalar *scalars, int32_t dtype, int32_t flags,
-                    int32_t n_threads) {
-    ChunkFn chunk = flags & AMSGRAD ? pick(adamw_fp32_ams, adamw_bf16_ams, adamw_bf16_sr_ams, adamw_fp16_ams, dtype, flags)
-                  : !(flags & FIRST_MOMENT) ? pick(adamw_fp32_rms, adamw_bf16_rms, adamw_bf16_sr_rms, adamw_fp16_rms,
-                                                   dtype, flags)
-                  : pick(adamw_fp32, adamw_bf16, adamw_bf16_sr, adamw_fp16, dtype, flags);
-    return run(chunk, pointers, n_tensors, chunks, chunk_begin, chunk_end, layouts, scalars, NULL, n_threads);
-}
+/* fastoptim_<name> for every kernel: the chunk function of its flags' variant (flags outside its
+   variants are refused, as a dtype without a kernel is) and its dtype. */
+#define PICK_VARIANT(name, NAME, variant, FLAGS)                                                          \
+    if ((flags & ~STOCHASTIC_ROUNDING) == (FLAGS))                                                      \
+        chunk = pick(name##_##variant##_fp32, name##_##variant##_bf16, name##_##variant##_bf16_sr,      \
+                     name##_##variant##_fp16, dtype, flags);
+#define ENTRY_POINT(name, NAME)                                                                           \
+    int fastoptim_##name(const int64_t *pointers, int64_t n_tensors, const int64_t *chunks, int64_t chunk_begin, \
+                         int64_t chunk_end, const int64_t *layouts, const Scalar *scalars, int32_t dtype,         \
+                         int32_t flags, int32_t n_threads) {                                                       \
+        ChunkFn chunk = NULL;                                                                                     \
+        NAME##_VARIANTS(PICK_VARIANT, name, NAME)                                                                  \
+        return run(chunk, pointers, n_tensors, chunks, chunk_begin, chunk_end, layouts, scalars, NULL, n_threads); \
+    }
+FOR_EACH_KERNEL(ENTRY_POINT)
 
 int fastoptim_probe(const int64_t *pointers, int64_t n_tensors, const int64_t *chunks, int64_t chunk_begin,
                     int64_t chunk_end, int32_t n_threads) {

@@ -7,6 +7,8 @@ enum { FOUND_INF, SEED, GRAD_SCALE, COMMON_SCALARS };  /* every kernel's first s
 
 enum { STOCHASTIC_ROUNDING = 1 };  /* every kernel's first flag bit */
 
+enum { MAX_STATES = 4 };  /* the most states of any kernel */
+
 /* adan: rows param, grad, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_grad, then each state's block maxima */
 enum { ADAN_EXP_AVG = FIRST_STATE, ADAN_EXP_AVG_SQ, ADAN_EXP_AVG_DIFF, ADAN_NEG_PRE_GRAD, ADAN_STATES_END };
 enum { ADAN_STATES = 4, ADAN_ROWS = 2 + 2 * 4 };

@@ -53,6 +53,7 @@ def c_header(specs):
         "enum { PARAM, GRAD, FIRST_STATE };  /* the first rows of every pointer table */",
         _enum(COMMON_SCALARS + ("common_scalars",)) + "  /* every kernel's first scalars */",
         f"enum {{ STOCHASTIC_ROUNDING = {STOCHASTIC_ROUNDING} }};  /* every kernel's first flag bit */",
+        f"enum {{ MAX_STATES = {max(len(spec.states) for spec in specs)} }};  /* the most states of any kernel */",
         *map(_spec, specs),
         f"/* X(name, NAME) for every kernel spec */\n#define FOR_EACH_KERNEL(X) {kernels}",
     ]) + "\n"
