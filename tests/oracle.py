@@ -130,3 +130,28 @@ def relative_error(actual, expected):
                for a, e in zip(actual, expected))
 
 
+def lion(params, grads_per_step, lr, betas=(0.9, 0.99), weight_decay=0.0, maximize=False, max_grad_norm=0.0,
+         round_to=None, interpolations=None):
+    """Lion (Chen et al., 2023, Program 1, as timm's Lion computes it), in float64: decoupled weight
+    decay, a step of ``lr`` against the sign of β1·m + (1−β1)·g, then m = β2·m + (1−β2)·g. The clip
+    eps is torch's clip_grad_norm_'s (Lion has none of its own). ``interpolations``: a list that
+    collects, per step, each tensor's β1·m + (1−β1)·g and the scale of its terms β1·|m| + (1−β1)·|g|
+    (an fp32 step may take the other sign where the first is within rounding of 0)."""
+    b1, b2 = betas
+    p = [x.detach().double() for x in params]
+    m = [torch.zeros_like(x) for x in p]
+    for grads in grads_per_step:
+        grads = [g.double() for g in grads]
+        c = clip_factor(grads, max_grad_norm, 1e-6) * (-1 if maximize else 1)
+        step = []
+        for i, g in enumerate(grads):
+            g = g * c
+            interpolation = b1 * m[i] + (1 - b1) * g
+            step.append((interpolation, b1 * m[i].abs() + (1 - b1) * g.abs()))
+            p[i] = p[i] * (1 - lr * weight_decay) - lr * interpolation.sign()
+            m[i] = b2 * m[i] + (1 - b2) * g
+            if round_to is not None:
+                p[i] = p[i].to(round_to).double()
+        if interpolations is not None:
+            interpolations.append(step)
+    return p

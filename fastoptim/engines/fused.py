@@ -55,6 +55,8 @@ def _refusal(backend, param, grad, states, states_format):
         return f"no fused kernel for {param.dtype}"
     if states_format is None:
         return "its states mix formats in a way the kernel does not know"
+    if param.numel() == 0:  # nothing to walk, whatever the strides
+        return None
     if states_format.block > 1 and not all(t.is_contiguous() for t in (param, grad, *states.values())):
         return f"{states_format} states need a contiguous param and grad"
     states = list(states.values())

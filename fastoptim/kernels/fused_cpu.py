@@ -111,7 +111,7 @@ def run(spec, pointers, n_tensors, chunks, chunk_range, layouts, scalars, dtype,
         pointers.ctypes.data, n_tensors, chunks.ctypes.data, chunk_range[0], chunk_range[1],
         None if layouts is None else layouts.ctypes.data, scalars, DTYPES[dtype], flags, n_threads)
     if status:
-        raise RuntimeError(f"fused CPU kernel {spec.name} refused dtype {dtype}")
+        raise RuntimeError(f"fused CPU kernel {spec.name} has no variant for dtype {dtype} with flags {flags}")
 
 
 def probe(pointers, n_tensors, chunks, n_threads):
