@@ -655,18 +655,18 @@ def test_converting_part_of_a_model_to_bf16_mid_run():
 
 # --- 8. stochastic rounding ------------------------------------------------------------------------
 
+@pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.Lion])
 @pytest.mark.parametrize("engine", ENGINES)
-def test_stochastic_rounding_adds_up_updates_below_half_an_ulp(engine):
+def test_stochastic_rounding_adds_up_updates_below_half_an_ulp(engine, cls):
     """bf16 params at 1.5 (ulp 2⁻⁷ in [1, 2)); AdamW's step on a constant gradient is lr (m̂/√v̂ = 1),
-    here 1e-4, far below half an ulp. To nearest, the params never move. Stochastically, each
+    and so is every Lion step, here 1e-4, far below half an ulp. To nearest, the params never move. Stochastically, each
     step moves an element one ulp with probability lr/ulp, so the mean moves by steps·lr: a rounding
     error of zero mean and variance at most ulp·lr per element and step."""
     n, steps, lr, ulp = 100_000, 10, 1e-4, 2.0**-7
     for stochastic in (False, True):
         torch.manual_seed(0)
         down, up = (torch.nn.Parameter(torch.full((n,), 1.5, dtype=torch.bfloat16)) for _ in range(2))
-        optimizer = fastoptim.AdamW([down, up], lr=lr, weight_decay=0.0, stochastic_rounding=stochastic,
-                                    **ENGINES[engine])
+        optimizer = cls([down, up], lr=lr, weight_decay=0.0, stochastic_rounding=stochastic, **ENGINES[engine])
         for _ in range(steps):
             down.grad = torch.ones(n, dtype=torch.bfloat16)
             up.grad = -torch.ones(n, dtype=torch.bfloat16)
