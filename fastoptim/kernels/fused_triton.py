@@ -500,7 +500,8 @@ def _adan_step_scale(moments, S, K: tl.constexpr, F: tl.constexpr):
     return _step_scale(moments[0], S, K.step_size, K.bias_correction3_sqrt, K.eps)
 
 
-# AdamW, AdamWSN and RMSPropSN (``adamw_update``; RMSPropSN with flag first_moment off). States: exp_avg (first_moment); moments: exp_avg_sq, max_exp_avg_sq (amsgrad).
+# AdamW, AdamWSN and RMSPropSN (``adamw_update``; RMSPropSN with flag first_moment off).
+# States: exp_avg (first_moment); moments: exp_avg_sq, max_exp_avg_sq (amsgrad).
 
 
 @triton.jit

@@ -37,7 +37,7 @@ def _spec(spec):
         lines.append("enum { " + ", ".join(f"{prefix}{flag.upper()} = {1 << (i + 1)}"
                                            for i, flag in enumerate(spec.flags)) + " };")
     lines += [
-        f"/* per state, in row order: its 8-bit code table, whether it is per subset under sn, the flag it needs */",
+        "/* per state, in row order: its 8-bit code table, whether it is per subset under sn, the flag it needs */",
         f"#define {prefix}TABLES {{{', '.join(tables)}}}",
         f"#define {prefix}REDUCED {{{', '.join(str(int(role.reduced)) for role in spec.roles)}}}",
         f"#define {prefix}NEEDS {{{', '.join(needs)}}}",

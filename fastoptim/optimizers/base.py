@@ -11,7 +11,7 @@ from torch import Tensor
 
 from .. import distributed, engines
 from ..clip import GradTables, clip_coefficient
-from ..specs import ABSMAX, KernelSpec
+from ..specs import KernelSpec
 from ..states import formats, subset_norm
 from ..step_cache import DEVICE, DTYPE, SHAPE, GroupWork, Signature
 from .checks import check_hyperparameters, check_params, check_tensor_lr, normalize_betas
@@ -231,9 +231,9 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             entry.state_bits = group["state_bits"]  # the states' format: checked again if the option changes
         args, per_tensor = self._step_arguments(group, entry, grad_scale, increment)
         plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, self.update, self.spec,
-                            getattr(self, "kernel_scalars", None), self.kernel_flags(group), args, frozenset(per_tensor),
-                            found_inf, group["stochastic_rounding"], warn_fallback=group["fused"] is True,
-                            absmax=entry.absmax)
+                            getattr(self, "kernel_scalars", None), self.kernel_flags(group), args,
+                            frozenset(per_tensor), found_inf, group["stochastic_rounding"],
+                            warn_fallback=group["fused"] is True, absmax=entry.absmax)
         for index, (bucket, reduce_group) in enumerate(entry.buckets):
             part = plan if len(bucket) == len(entry.params) else plan.subset(bucket)
             part.cache = entry.bucket_caches.setdefault(index, {})
