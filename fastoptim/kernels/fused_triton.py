@@ -275,44 +275,36 @@ def _store_states(pointers, absmax, ROLES: tl.constexpr, index, mask, block, val
 # moments' pointers as fp32 (one per subset under sn), ``*_absmax`` the 8-bit block maxima.
 
 @triton.jit
-def _dense_tile(param, grad, states, moments, index, mask, S, seed, t, K: tl.constexpr, F: tl.constexpr,
-                STATES: tl.constexpr, MOMENTS: tl.constexpr, TERMS: tl.constexpr, SECOND_MOMENTS: tl.constexpr,
-                STEP_SCALE: tl.constexpr, UPDATE: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """One tile of a dense chunk (``mask`` None: a full tile), every state per element."""
-    values = _load_states(states, None, STATES, index, mask, None)
-    terms = TERMS(_load(grad, index, mask), values, S, K, F)
-    if len(MOMENTS) > 0:
-        new_moments = SECOND_MOMENTS(_load_states(moments, None, MOMENTS, index, mask, None), terms[0], S, K, F,
-                                     False)
-        _store_states(moments, None, MOMENTS, index, mask, None, new_moments)
-        scale = STEP_SCALE(new_moments, S, K, F)
-    else:
-        scale = 0
-    p, values = UPDATE(_load(param, index, mask), terms, values, scale, S, K, F)
-    _store_states(states, None, STATES, index, mask, None, values)
-    _store_param(param, index, p, mask, seed, t, STOCHASTIC)
+def _moments_scale(moments, moments_absmax, index, mask, block, x, S, K: tl.constexpr, F: tl.constexpr,
+                   MOMENTS: tl.constexpr, SECOND_MOMENTS: tl.constexpr, STEP_SCALE: tl.constexpr):
+    """The elements' second moments, updated with ``x``, stored, and the step scale they give."""
+    new_moments = SECOND_MOMENTS(_load_states(moments, moments_absmax, MOMENTS, index, mask, block), x, S, K, F,
+                                 False)
+    _store_states(moments, moments_absmax, MOMENTS, index, mask, block, new_moments)
+    return STEP_SCALE(new_moments, S, K, F)
 
 
 @triton.jit
-def _q8_block(param, grad, states, states_absmax, moments, moments_absmax, reduced, first, end, b, c, S, seed, t,
-              K: tl.constexpr, F: tl.constexpr, STATES: tl.constexpr, MOMENTS: tl.constexpr, TERMS: tl.constexpr,
-              SECOND_MOMENTS: tl.constexpr, STEP_SCALE: tl.constexpr, UPDATE: tl.constexpr,
-              STOCHASTIC: tl.constexpr):
-    """One block [first, first + BLOCK8) ∩ [.., end) with 8-bit states. Its second moments are the
-    subset-norm ``reduced`` ones (updated already) when the tensor has subsets (b > 1), else 8-bit
-    codes updated here."""
-    index = first + tl.arange(0, BLOCK8)
-    mask, block = index < end, first // BLOCK8
+def _tile(param, grad, states, states_absmax, moments, moments_absmax, reduced, index, mask, block, b, c, S, seed, t,
+          K: tl.constexpr, F: tl.constexpr, STATES: tl.constexpr, MOMENTS: tl.constexpr, TERMS: tl.constexpr,
+          SECOND_MOMENTS: tl.constexpr, STEP_SCALE: tl.constexpr, UPDATE: tl.constexpr, STOCHASTIC: tl.constexpr,
+          REDUCED_MOMENTS: tl.constexpr):
+    """The elements ``index`` (``mask`` None: all of them): a tile of a dense chunk, or 8-bit block
+    number ``block`` (its states' block maxima in ``*_absmax``; None for a dense tile). With
+    REDUCED_MOMENTS, a tensor with subsets (b > 1) reads its second moments from the subset-norm
+    ``reduced`` ones (updated already) instead of updating them here."""
     values = _load_states(states, states_absmax, STATES, index, mask, block)
     terms = TERMS(_load(grad, index, mask), values, S, K, F)
     if len(MOMENTS) > 0:
-        if b != 1:
-            scale = STEP_SCALE(_gather_states(reduced, MOMENTS, _subset_of(index, b, c), mask), S, K, F)
+        if REDUCED_MOMENTS:
+            if b != 1:
+                scale = STEP_SCALE(_gather_states(reduced, MOMENTS, _subset_of(index, b, c), mask), S, K, F)
+            else:
+                scale = _moments_scale(moments, moments_absmax, index, mask, block, terms[0], S, K, F, MOMENTS,
+                                       SECOND_MOMENTS, STEP_SCALE)
         else:
-            new_moments = SECOND_MOMENTS(_load_states(moments, moments_absmax, MOMENTS, index, mask, block),
-                                         terms[0], S, K, F, False)
-            _store_states(moments, moments_absmax, MOMENTS, index, mask, block, new_moments)
-            scale = STEP_SCALE(new_moments, S, K, F)
+            scale = _moments_scale(moments, moments_absmax, index, mask, block, terms[0], S, K, F, MOMENTS,
+                                   SECOND_MOMENTS, STEP_SCALE)
     else:
         scale = 0
     p, values = UPDATE(_load(param, index, mask), terms, values, scale, S, K, F)
@@ -385,9 +377,10 @@ def step_kernel(pointers, n_tensors, work, scalars, scalar_stride, TERMS: tl.con
                     _subset_sums(grad, states, states_absmax, reduced, start, count, b, c, S, K, F, STATES, MOMENTS,
                                  TERMS, SECOND_MOMENTS)
             for first in range(start, start + count, BLOCK8):  # the chunk plan cuts 8-bit chunks at blocks
-                _q8_block(param, grad, states, states_absmax, moments, moments_absmax, reduced, first, start + count,
-                          b, c, S, seed, t, K, F, STATES, MOMENTS, TERMS, SECOND_MOMENTS, STEP_SCALE, UPDATE,
-                          STOCHASTIC)
+                index = first + tl.arange(0, BLOCK8)
+                _tile(param, grad, states, states_absmax, moments, moments_absmax, reduced, index,
+                      index < start + count, first // BLOCK8, b, c, S, seed, t, K, F, STATES, MOMENTS, TERMS,
+                      SECOND_MOMENTS, STEP_SCALE, UPDATE, STOCHASTIC, True)
         else:
             if SUBSETS:
                 if b != 1:
@@ -401,12 +394,12 @@ def step_kernel(pointers, n_tensors, work, scalars, scalar_stride, TERMS: tl.con
             full = tl.where(tl.load(row + ALIGNED) != 0, dense // BLOCK * BLOCK, 0)
             for offset in range(0, full, BLOCK):
                 index = tl.multiple_of(start + offset, BLOCK) + tl.arange(0, BLOCK)
-                _dense_tile(param, grad, states, moments, index, None, S, seed, t, K, F, STATES, MOMENTS, TERMS,
-                            SECOND_MOMENTS, STEP_SCALE, UPDATE, STOCHASTIC)
+                _tile(param, grad, states, None, moments, None, reduced, index, None, None, b, c, S, seed, t, K, F,
+                      STATES, MOMENTS, TERMS, SECOND_MOMENTS, STEP_SCALE, UPDATE, STOCHASTIC, False)
             for offset in range(full, dense, BLOCK):
                 index = start + offset + tl.arange(0, BLOCK)
-                _dense_tile(param, grad, states, moments, index, index < start + dense, S, seed, t, K, F, STATES,
-                            MOMENTS, TERMS, SECOND_MOMENTS, STEP_SCALE, UPDATE, STOCHASTIC)
+                _tile(param, grad, states, None, moments, None, reduced, index, index < start + dense, None, b, c, S,
+                      seed, t, K, F, STATES, MOMENTS, TERMS, SECOND_MOMENTS, STEP_SCALE, UPDATE, STOCHASTIC, False)
 
 
 # --- the math the algorithms share, with scalars named by their position in a row ------------
