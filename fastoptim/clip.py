@@ -33,7 +33,7 @@ class GradTables:
     chunk plans again cost as much as the norm of small grads."""
 
     def __init__(self):
-        self.signature = self.tables = None
+        self.signature = self.buckets = self.tables = None
 
     def __call__(self, grads):
         if self.signature is None or self.signature.n != len(grads) or not self.signature.matches(

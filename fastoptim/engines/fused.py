@@ -25,8 +25,6 @@ from ..multi_tensor import PointerTable, data_pointers, is_dense
 from ..states import formats
 from . import backends, foreach
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the params the kernels take
-
 
 def state_format(param, states, spec):
     """The format of a tensor's states (``states``: role to tensor) as one kernel variant takes them,
@@ -51,8 +49,6 @@ def _refusal(backend, param, grad, states, states_format):
     why = backend.refusal(param)
     if why:
         return why
-    if param.dtype not in DTYPES:
-        return f"no fused kernel for {param.dtype}"
     if states_format is None:
         return "its states mix formats in a way the kernel does not know"
     if param.numel() == 0:  # nothing to walk, whatever the strides

@@ -13,9 +13,9 @@ def run(plan):
         if param.dtype in LOW_PRECISION:  # the math is fp32; the write-back rounds to nearest even
             tensors["param"], tensors["grad"] = [param.float()], [tensors["grad"][0].float()]
         stored = lowbit.widen(plan.spec, tensors, {role: values[i:i + 1] for role, values in plan.absmax.items()})
-        tensors = {role: values[0] for role, values in tensors.items()}
         args = {name: value[i] if name in plan.per_tensor else value for name, value in plan.args.items()}
-        plan.update(ops, scratch=torch.empty_like(tensors["param"]), **tensors, **args)
-        lowbit.store(plan.spec, {role: [value] for role, value in tensors.items()}, stored)
-        if tensors["param"] is not param:
-            round_into(param, tensors["param"], plan.stochastic_rounding)
+        plan.update(ops, scratch=torch.empty_like(tensors["param"][0]),
+                    **{role: values[0] for role, values in tensors.items()}, **args)
+        lowbit.store(plan.spec, tensors, stored)
+        if tensors["param"][0] is not param:
+            round_into(param, tensors["param"][0], plan.stochastic_rounding)

@@ -555,7 +555,8 @@ ALGORITHMS = {  # by KernelSpec.name
 
 # --- launching --------------------------------------------------------------------------------
 
-TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.uint8: tl.uint8}
+PARAM_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+TYPES = PARAM_TYPES | {torch.uint8: tl.uint8}  # and 8-bit states' codes
 # A kept state role, as the walks see it: its row in the pointer table and its block maxima's row
 # (KernelSpec.rows), its 8-bit code table (signed) and whether it stays bf16 beside 8-bit codes (half).
 Slot = namedtuple("Slot", "row absmax signed half")

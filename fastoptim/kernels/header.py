@@ -30,8 +30,7 @@ def _spec(spec):
     lines = [
         f"/* {spec.name}: rows param, grad, {', '.join(spec.states)}, then each state's block maxima */",
         _enum(states + [prefix + "states_end"], "FIRST_STATE"),
-        f"enum {{ {prefix}STATES = {len(spec.states)}, {prefix}ROWS = 2 + 2 * {len(spec.states)} }};",
-        _enum([prefix + name for name in spec.scalars] + [prefix + "scalars"], "COMMON_SCALARS"),
+        _enum([prefix + name for name in spec.scalars], "COMMON_SCALARS"),
     ]
     if spec.flags:
         lines.append("enum { " + ", ".join(f"{prefix}{flag.upper()} = {1 << (i + 1)}"

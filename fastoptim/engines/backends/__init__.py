@@ -1,9 +1,9 @@
 """The fused engines' backends, one module each, chosen by the params' device type. A backend
 declares ``NAME``, ``DEVICE_TYPES`` (the device types it is picked for), ``SPLITS_FORMATS`` (its
 kernels are compiled for one state format, so each format gets a table of its own),
-``available()``, ``refusal(param)`` (why it cannot run a tensor at all, or None) and
-``run(part, table, ranges, state_format)`` (build what its kernel takes from the cached pointer
-table and launch it over chunk ``ranges``). A new backend is one more module in ``BACKENDS``.
+``available()``, ``refusal(param)`` (why it cannot run a tensor at all, its device or dtype
+included, or None) and ``run(part, table, ranges, state_format, values)`` (build what its kernel
+takes from the cached pointer table and the scalar ``values``, and launch it over chunk ``ranges``). A new backend is one more module in ``BACKENDS``.
 ``FASTOPTIM_FUSED_BACKEND=<name>`` forces one, for debugging and tests."""
 import os
 

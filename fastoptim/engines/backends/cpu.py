@@ -18,6 +18,8 @@ def refusal(param):
         return "the fused CPU kernel is not built (see the README's set-up)"
     if param.device.type != "cpu":
         return f"no fused kernel for {param.device.type} tensors yet"
+    if param.dtype not in fused_cpu.DTYPES:
+        return f"no fused kernel for {param.dtype}"
     return None
 
 

@@ -28,6 +28,8 @@ def refusal(param):
         return "Triton runs CPU tensors only in its interpreter (TRITON_INTERPRET=1)"
     if param.device.type not in ("cpu", "cuda"):
         return f"no Triton kernel for {param.device.type} tensors"
+    if param.dtype not in fused_triton.PARAM_TYPES:
+        return f"no fused kernel for {param.dtype}"
     return None
 
 
