@@ -9,6 +9,9 @@ import fastoptim
 from . import oracle
 
 OPTIMIZERS = [fastoptim.Adan, fastoptim.AdamW]
+# Lion takes no eps: its hyperparameters and betas are refused in tests/test_lion.py; the checks
+# that nothing changes run on it too.
+ALL = OPTIMIZERS + [fastoptim.Lion]
 
 
 def snapshot(params, opt):
@@ -45,7 +48,7 @@ def test_invalid_betas(cls, n):
         cls(oracle.make_params(), betas=(0.9,) * (n + 1))
 
 
-@pytest.mark.parametrize("cls", OPTIMIZERS)
+@pytest.mark.parametrize("cls", ALL)
 def test_invalid_group_options_leave_the_groups_as_they_were(cls):
     params = oracle.make_params()
     opt = cls(params[:2])
@@ -58,19 +61,19 @@ def test_invalid_group_options_leave_the_groups_as_they_were(cls):
     assert len(opt.param_groups) == 1
 
 
-@pytest.mark.parametrize("cls", OPTIMIZERS)
+@pytest.mark.parametrize("cls", ALL)
 def test_empty_param_list_is_refused(cls):
     with pytest.raises(ValueError, match="empty parameter list"):
         cls([])
 
 
-@pytest.mark.parametrize("cls", OPTIMIZERS)
+@pytest.mark.parametrize("cls", ALL)
 def test_complex_params_are_refused(cls):
     with pytest.raises(ValueError, match="complex"):
         cls([torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))])
 
 
-@pytest.mark.parametrize("cls", OPTIMIZERS)
+@pytest.mark.parametrize("cls", ALL)
 def test_mixed_devices_in_a_group_are_refused(cls):
     with pytest.raises(ValueError, match="one device"):
         cls([torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3, device="meta"))])
@@ -83,7 +86,7 @@ def stepped(cls, **options):
     return params, opt
 
 
-@pytest.mark.parametrize("cls", OPTIMIZERS)
+@pytest.mark.parametrize("cls", ALL)
 @pytest.mark.parametrize("foreach", [False, True])
 @pytest.mark.parametrize("bad_grad, message", [
     (lambda p: torch.zeros_like(p).to_sparse(), "sparse"),
@@ -107,7 +110,7 @@ def test_bad_grads_raise_before_anything_is_touched(cls, foreach, bad_grad, mess
     assert_unchanged(params, opt, before)
 
 
-@pytest.mark.parametrize("cls", OPTIMIZERS)
+@pytest.mark.parametrize("cls", ALL)
 def test_non_contiguous_params_are_updated_correctly(cls):
     base = torch.randn(6, 5)
     view = torch.nn.Parameter(base.t())  # a transposed, non-contiguous parameter
@@ -119,7 +122,7 @@ def test_non_contiguous_params_are_updated_correctly(cls):
     torch.testing.assert_close(view, dense)
 
 
-@pytest.mark.parametrize("cls", OPTIMIZERS)
+@pytest.mark.parametrize("cls", ALL)
 def test_load_state_dict_mismatches_raise_without_partial_load(cls):
     params, opt = stepped(cls)
     before = snapshot(params, opt)
@@ -145,7 +148,7 @@ def test_load_state_dict_mismatches_raise_without_partial_load(cls):
 
 @pytest.mark.parametrize("source, target", [
     (torch.optim.Adam, fastoptim.Adan), (fastoptim.AdamW, fastoptim.Adan), (fastoptim.Adan, fastoptim.AdamW),
-    (torch.optim.SGD, fastoptim.AdamW)])
+    (torch.optim.SGD, fastoptim.AdamW), (fastoptim.Adan, fastoptim.Lion), (torch.optim.SGD, fastoptim.Lion)])
 def test_state_dicts_of_other_optimizers_are_refused(source, target):
     params = oracle.make_params()
     options = dict(momentum=0.9) if source is torch.optim.SGD else {}
