@@ -15,22 +15,18 @@ from .step_cache import DEVICE, DTYPE, SHAPE, Signature
 
 
 def _kernel_takes(grads):
-    """Whether the C kernel can take ``grads`` (not while torch.compile traces: a C call does not trace)."""
-    return fused_cpu.AVAILABLE and not torch.compiler.is_compiling() and all(
+    """Whether the C kernel can take ``grads``."""
+    return fused_cpu.AVAILABLE and all(
         type(g) is torch.Tensor and g.device.type == "cpu" and g.dtype in fused_cpu.DTYPES
         and (g.is_contiguous() or is_dense(g))
         for g in grads)
 
 
-def _grad_tables(grads):
-    """(dtype, pointer table with the grads in its first row) per bucket of ``grads``."""
-    return [(grads[b[0]].dtype, PointerTable({"param": [grads[i] for i in b]}, ("param",))) for b in buckets(grads)]
-
-
 class GradTables:
-    """The kernel's tables over an optimizer's grads, kept from step to step while the grads keep
-    their shapes, dtypes and devices: a step then only refreshes their pointers, where building the
-    chunk plans again cost as much as the norm of small grads."""
+    """The kernel's tables over a list of grads, (dtype, pointer table with the grads in its first
+    row) per bucket, kept from call to call while the grads keep their shapes, dtypes and devices:
+    a call then only refreshes their pointers, where building the chunk plans again cost as much as
+    the norm of small grads."""
 
     def __init__(self):
         self.signature = self.buckets = self.tables = None
@@ -39,28 +35,61 @@ class GradTables:
         if self.signature is None or self.signature.n != len(grads) or not self.signature.matches(
                 grads, SHAPE, DTYPE, DEVICE):
             self.signature, self.buckets = Signature((), grads), buckets(grads)  # keeps no grad alive
-            self.tables = _grad_tables(grads)
+            self.tables = [(grads[b[0]].dtype, PointerTable({"param": [grads[i] for i in b]}, ("param",)))
+                           for b in self.buckets]
         else:
             for bucket, (_, table) in zip(self.buckets, self.tables):
                 table.pointers[0] = data_pointers([grads[i] for i in bucket])  # the grads are its one row
         return self.tables
 
 
-def grad_norm(grads, norm_type=2.0, tables=None, group=None, cache=None):
+def _kernel_norm(grads, inf, tables):
+    """The sum of squares (or with ``inf`` the largest magnitude) of ``grads``, float64, by the kernel."""
+    partials = torch.cat([torch.zeros(1, dtype=torch.float64)] + [
+        fused_cpu.grad_norm_partials(table, dtype, inf, torch.get_num_threads()) for dtype, table in tables(grads)])
+    return partials.max() if inf else partials.sum()
+
+
+def _kernel_scale(grads, factor, tables):
+    for dtype, table in tables(grads):
+        fused_cpu.scale_grads(table, dtype, factor, torch.get_num_threads())
+
+
+# The kernels as custom ops, which torch.compile keeps in a traced step (a ctypes call does not
+# trace). Their tables are kept per list of grads (its length and first pointer), checked as always.
+_LIBRARY = torch.library.Library("fastoptim", "FRAGMENT")
+_LIBRARY.define("grad_norm_total(Tensor[] grads, bool inf) -> Tensor")
+_LIBRARY.define("scale_grads(Tensor(a!)[] grads, Tensor factor) -> ()")
+_OP_TABLES = {}
+
+
+def _op_tables(grads):
+    key = (len(grads), grads[0].data_ptr())
+    if key not in _OP_TABLES and len(_OP_TABLES) >= 64:
+        _OP_TABLES.clear()
+    return _OP_TABLES.setdefault(key, GradTables())
+
+
+_LIBRARY.impl("grad_norm_total", lambda grads, inf: _kernel_norm(grads, inf, _op_tables(grads)),
+              "CompositeExplicitAutograd")
+_LIBRARY.impl("scale_grads", lambda grads, factor: _kernel_scale(grads, factor, _op_tables(grads)),
+              "CompositeExplicitAutograd")
+torch.library.register_fake("fastoptim::grad_norm_total", lambda grads, inf: grads[0].new_empty((), dtype=torch.float64),
+                            lib=_LIBRARY)
+torch.library.register_fake("fastoptim::scale_grads", lambda grads, factor: None, lib=_LIBRARY)
+
+
+def grad_norm(grads, norm_type=2.0, group=None, cache=None):
     """The ``norm_type``-norm (2 or inf) over every tensor in ``grads``, as a 0-d tensor on the first
-    grad's device: float64 where a grad is float64 (as torch's), else fp32. ``tables``: the caller's
-    decision, ``_grad_tables(grads)`` for the kernel or an empty list for foreach; None decides here,
-    taking the tables from ``cache`` (a :class:`GradTables`) when there is one.
-    ``group``: a process group whose ranks hold the rest of the grads (each exactly once); the norm
-    is then theirs all together, and every rank of it must call this, with grads or none."""
+    grad's device: float64 where a grad is float64 (as torch's), else fp32. On grads the kernel
+    takes, ``cache`` (a :class:`GradTables`) keeps its tables. ``group``: a process group whose
+    ranks hold the rest of the grads (each exactly once); the norm is then theirs all together, and
+    every rank of it must call this, with grads or none."""
     inf = norm_type == math.inf
     wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-    if tables is None and _kernel_takes(grads):
-        tables = (cache or _grad_tables)(grads)
-    if tables:
-        partials = torch.cat([torch.zeros(1, dtype=torch.float64)] + [
-            fused_cpu.grad_norm_partials(table, dtype, inf, torch.get_num_threads()) for dtype, table in tables])
-        total = partials.max() if inf else partials.sum()  # of squares for norm 2
+    if grads and _kernel_takes(grads):
+        total = (torch.ops.fastoptim.grad_norm_total(grads, inf) if torch.compiler.is_compiling()
+                 else _kernel_norm(grads, inf, cache or GradTables()))
     elif grads:
         device, parts = grads[0].device, []
         for bucket in buckets(grads):
@@ -103,15 +132,17 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
     if not grads:
         return torch.tensor(0.0)
-    tables = _grad_tables(grads) if _kernel_takes(grads) else []
-    norm = grad_norm(grads, norm_type, tables)
+    tables = GradTables()  # built by the norm, used again by the scaling
+    norm = grad_norm(grads, norm_type, cache=tables)
     if error_if_nonfinite and not torch.isfinite(norm):  # a host sync, as in torch: only when asked for
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {norm.item()}, so it "
                            "cannot be clipped; with error_if_nonfinite=False the grads are scaled by it anyway")
     factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    if tables:
-        for dtype, table in tables:
-            fused_cpu.scale_grads(table, dtype, factor, torch.get_num_threads())
+    if _kernel_takes(grads):
+        if torch.compiler.is_compiling():
+            torch.ops.fastoptim.scale_grads(grads, factor)
+        else:
+            _kernel_scale(grads, factor, tables)
     else:
         for bucket in buckets(grads):
             torch._foreach_mul_([grads[i] for i in bucket], factor.to(grads[bucket[0]].device))

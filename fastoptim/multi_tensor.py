@@ -94,6 +94,7 @@ class PointerTable:
 
     def __init__(self, tensors, roles, state_formats=None, blocks=None):
         self.roles = roles
+        self.dtype, self.device = tensors["param"][0].dtype, tensors["param"][0].device
         self.pointers = np.zeros((len(roles), len(tensors["param"])), dtype=np.int64)
         for row, role in enumerate(roles):
             if role in tensors:

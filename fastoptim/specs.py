@@ -88,3 +88,7 @@ class KernelSpec:
         """``flags`` as the kernels take them (see the module docstring)."""
         bits = STOCHASTIC_ROUNDING if stochastic_rounding else 0
         return bits | sum(1 << (i + 1) for i, flag in enumerate(self.flags) if flags[flag])
+
+    def unpack_flags(self, bits):
+        """The inverse of :meth:`flag_bits`: (flags, stochastic_rounding)."""
+        return {flag: bool(bits >> (i + 1) & 1) for i, flag in enumerate(self.flags)}, bool(bits & STOCHASTIC_ROUNDING)

@@ -56,7 +56,7 @@ class Plan:
         if tensors is None:
             tensors = {role: [values[i] for i in owners] for role, values in self.tensors.items()}
             absmax = {role: [values[i] for i in owners] for role, values in self.absmax.items()}
-        index = torch.tensor(owners, device=self.tensors["param"][0].device)
+        index = torch.tensor(owners, dtype=torch.long, device=self.tensors["param"][0].device)
         return replace(self, tensors=tensors, absmax=absmax, cache={}, sum_group=None,
                        args={k: v[index] if k in self.per_tensor else v for k, v in self.args.items()})
 
@@ -80,12 +80,9 @@ def run_summing_over(plan, group):
 def engine_name(foreach, fused):
     """The engine that a group's ``foreach``/``fused`` flags select, as the seeds choose them:
     ``fused=True`` is multi-tensor unless ``foreach=False``; with both None, the fastest there is.
-    A step traced by ``torch.compile`` takes foreach for the fused engines: a C call does not trace.
     Raises a ValueError for a FASTOPTIM_FUSED_BACKEND that names no backend, before any step."""
     if fused or fused is None and foreach is None:
         backends.forced()
-    if (fused or fused is None and foreach is None) and torch.compiler.is_compiling():
-        return "foreach"
     if fused:
         return "fused-single" if foreach is False else "fused-multi"
     if fused is None and foreach is None:

@@ -19,10 +19,13 @@ of a param that is not contiguous (the codes are in row-major order).
 import operator
 import warnings
 
+import numpy as np
 import torch
 
 from ..multi_tensor import PointerTable, data_pointers, is_dense
+from ..specs import ABSMAX
 from ..states import formats
+from ..step_cache import LAYOUT, Signature
 from . import backends, foreach
 
 
@@ -70,14 +73,14 @@ def same_layout(a, b):
     return all(sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape) if n != 1)
 
 
-def _split(plan, backend):
-    """Indices ``backend``'s kernel takes with their states' formats, and those left to the foreach
-    engine with the first reason."""
-    state_roles = [role for role in plan.tensors if role not in ("param", "grad")]
+def _split(tensors, spec, backend):
+    """Indices of the tensors (``tensors``: role to one tensor per param) that ``backend``'s kernel
+    takes, with their states' formats, and those left to the foreach engine with the first reason."""
+    state_roles = [role for role in tensors if role not in ("param", "grad")]
     taken, taken_formats, left, reason = [], [], [], None
-    for i, (param, grad) in enumerate(zip(plan.tensors["param"], plan.tensors["grad"])):
-        states = {role: plan.tensors[role][i] for role in state_roles}
-        states_format = state_format(param, states, plan.spec)
+    for i, (param, grad) in enumerate(zip(tensors["param"], tensors["grad"])):
+        states = {role: tensors[role][i] for role in state_roles}
+        states_format = state_format(param, states, spec)
         why = _refusal(backend, param, grad, states, states_format)
         if why:
             left.append(i)
@@ -97,49 +100,73 @@ def _fallback(plan, reason):
 
 
 def _scalar_values(plan, device):
-    """The kernel's scalars, name to value: a Python number, a 0-d tensor, or a 1-d tensor with one
-    value per tensor (``plan.per_tensor``). The seed of stochastic rounding is drawn on ``device``."""
+    """The kernel's scalars in the spec's order: Python numbers, 0-d tensors, or 1-d tensors with one
+    value per tensor. The seed of stochastic rounding is drawn on ``device``."""
     seed = torch.randint(1 << 24, (), device=device) if plan.stochastic_rounding else 0
-    values = plan.kernel_scalars(plan.args)
-    return values | dict(found_inf=0.0 if plan.found_inf is None else plan.found_inf, seed=seed)
+    values = plan.kernel_scalars(plan.args) | dict(found_inf=0.0 if plan.found_inf is None else plan.found_inf,
+                                                   seed=seed)
+    return [values[name] for name in plan.spec.all_scalars]
 
 
-def _prepare(plan, backend):
-    """What ``backend``'s kernel takes of ``plan``, and its pointer tables, cached in ``plan.cache``
-    (which the optimizer empties whenever a param or state tensor changes) while the grads keep
-    their layouts. Only the grads' pointers are refreshed every step."""
-    grads = plan.tensors["grad"]
-    prepared = plan.cache.get("prepared")
-    if (prepared is None or prepared.backend is not backend
-            or not all(map(operator.eq, map(torch.Tensor.stride, grads), prepared.grad_strides))):
-        prepared = plan.cache["prepared"] = Prepared(plan, backend)
-    pointers = data_pointers(grads)
-    for indices, table, _ in prepared.tables:
-        table.refresh_grads(pointers[indices])
-    return prepared
+class Tables:
+    """The pointer tables of tensors that ``backend``'s kernel takes, every one (``formats``: their
+    states' formats): (indices, table, state format: None where the table mixes them). A backend that
+    compiles a kernel per state format gets a table per format (in practice a group's states share
+    one). The grads' pointers are refreshed on every launch; the rest holds while the tensors keep
+    their storage and layouts, which the owner of the tables checks."""
+
+    def __init__(self, tensors, absmax, spec, backend, formats):
+        self.backend = backend
+        groups = {}  # positions, by table
+        for position, states_format in enumerate(formats):
+            groups.setdefault(states_format if backend.SPLITS_FORMATS else None, []).append(position)
+        self.tables = []
+        for table_format, indices in groups.items():
+            part = {role: [t[i] for i in indices] for role, t in tensors.items()}
+            part |= {role + ABSMAX: [values[i] for i in indices] for role, values in absmax.items()}
+            table = PointerTable(part, spec.rows, [formats[i].kernel_code for i in indices],
+                                 [formats[i].block for i in indices])
+            index = None if len(indices) == len(formats) else torch.tensor(indices, device=tensors["param"][0].device)
+            self.tables.append((np.asarray(indices), index, table, table_format))
+        self.grad_strides = list(map(torch.Tensor.stride, tensors["grad"]))
+
+    def fit(self, grads):
+        """Whether the grads have the layouts the tables were built with."""
+        return all(map(operator.eq, map(torch.Tensor.stride, grads), self.grad_strides))
+
+    def launch(self, spec, grads, scalars, flags, stochastic, per_tensor_calls):
+        """Run the kernel over every table: ``scalars`` in ``spec.all_scalars`` order (a 1-d tensor
+        holds one value per tensor), ``flags`` the spec's flags (name: bool)."""
+        pointers = data_pointers(grads)
+        for indices, index, table, table_format in self.tables:
+            table.refresh_grads(pointers[indices])
+            values = scalars if index is None else [
+                value[index] if isinstance(value, torch.Tensor) and value.dim() == 1 else value for value in scalars]
+            ranges = zip(table.first_chunk[:-1], table.first_chunk[1:]) if per_tensor_calls else [(0, len(table.chunks))]
+            self.backend.run(spec, table, list(ranges), table_format, dict(zip(spec.all_scalars, values)), flags,
+                             stochastic)
 
 
 class Prepared:
     """What ``backend``'s kernel takes of a plan (``taken``), what it leaves to foreach and why, and
-    the pointer tables: (indices in the plan, table, state format: None where the table mixes
-    them). A backend that compiles a kernel per state format gets a table per format (in practice
-    a group's states share one)."""
+    the :class:`Tables` of what it takes."""
 
     def __init__(self, plan, backend):
         self.backend = backend
-        self.taken, taken_formats, self.left, self.reason = _split(plan, backend)
-        groups = {}  # positions in taken, by table
-        for position, states_format in enumerate(taken_formats):
-            groups.setdefault(states_format if backend.SPLITS_FORMATS else None, []).append(position)
-        self.tables = []
-        for table_format, positions in groups.items():
-            indices, table_formats = [self.taken[k] for k in positions], [taken_formats[k] for k in positions]
-            tensors = {role: [t[i] for i in indices] for role, t in plan.tensors.items()}
-            tensors |= {role + "_absmax": [values[i] for i in indices] for role, values in plan.absmax.items()}
-            table = PointerTable(tensors, plan.spec.rows, [f.kernel_code for f in table_formats],
-                                 [f.block for f in table_formats])
-            self.tables.append((indices, table, table_format))
-        self.grad_strides = [grad.stride() for grad in plan.tensors["grad"]]
+        self.taken, formats, self.left, self.reason = _split(plan.tensors, plan.spec, backend)
+        taken = plan if not self.left else plan.subset(self.taken)
+        self.tables = Tables(taken.tensors, taken.absmax, plan.spec, backend, formats) if self.taken else None
+
+
+def _prepare(plan, backend):
+    """What ``backend``'s kernel takes of ``plan``, cached in ``plan.cache`` (which the optimizer
+    empties whenever a param or state tensor changes) while the grads keep their layouts."""
+    prepared = plan.cache.get("prepared")
+    if prepared is None or prepared.backend is not backend or (
+            prepared.tables is not None and not prepared.tables.fit(
+                plan.tensors["grad"] if not prepared.left else [plan.tensors["grad"][i] for i in prepared.taken])):
+        prepared = plan.cache["prepared"] = Prepared(plan, backend)
+    return prepared
 
 
 def _run(plan, per_tensor_calls):
@@ -147,13 +174,16 @@ def _run(plan, per_tensor_calls):
         _fallback(plan, f"no fused kernel for {plan.spec.name} yet")
         return
     backend = backends.for_device(plan.tensors["param"][0].device)
+    if torch.compiler.is_compiling():
+        _run_traced(plan, backend, per_tensor_calls)
+        return
     prepared = _prepare(plan, backend)
     if prepared.left:
         _fallback(plan.subset(prepared.left), prepared.reason)
-    for indices, table, table_format in prepared.tables:
-        part = plan if len(indices) == len(plan) else plan.subset(indices)
-        ranges = zip(table.first_chunk[:-1], table.first_chunk[1:]) if per_tensor_calls else [(0, len(table.chunks))]
-        backend.run(part, table, list(ranges), table_format, _scalar_values(part, part.tensors["param"][0].device))
+    if prepared.tables is not None:
+        taken = plan if not prepared.left else plan.subset(prepared.taken)
+        prepared.tables.launch(plan.spec, taken.tensors["grad"], _scalar_values(taken, taken.tensors["param"][0].device),
+                               plan.flags, plan.stochastic_rounding, per_tensor_calls)
 
 
 def run_multi(plan):
@@ -162,3 +192,79 @@ def run_multi(plan):
 
 def run_single(plan):
     _run(plan, per_tensor_calls=True)
+
+
+# --- the kernels as torch custom ops, which torch.compile keeps as one opaque call per bucket ------
+
+OPS = {}  # spec name: its step op, torch.ops.fastoptim.<name>_step
+_LIBRARY = torch.library.Library("fastoptim", "FRAGMENT")
+
+
+def define_op(spec):
+    """Define ``spec``'s step op: ``fastoptim::<name>_step(param, grad, <each state role>, <each
+    role's block maxima>, scalars, flags, per_tensor_calls)``, tensor lists by role (a role a step
+    does not keep: an empty list; a tensor without block maxima: an empty tensor), mutating the
+    params, states and block maxima; ``scalars`` in ``spec.all_scalars`` order, ``flags`` the
+    kernel's flag bits. Defining it again is a no-op."""
+    if spec.name in OPS:
+        return
+    mutated = ("param", *spec.states, *(role + ABSMAX for role in spec.states))
+    lists = [f"Tensor(a{i}!)[] {role}" for i, role in enumerate(mutated)]
+    lists.insert(1, "Tensor[] grad")
+    name = f"{spec.name}_step"
+    _LIBRARY.define(f"{name}({', '.join(lists)}, Tensor[] scalars, int flags, bool per_tensor_calls) -> ()")
+
+    def step(*args):
+        _op_step(spec, *args)
+
+    _LIBRARY.impl(name, step, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"fastoptim::{name}", lambda *args: None, lib=_LIBRARY)
+    OPS[spec.name] = getattr(torch.ops.fastoptim, name).default
+
+
+def _run_traced(plan, backend, per_tensor_calls):
+    """A step that torch.compile traces: the split is decided once, at tracing, and the kernel's
+    tensors go to ``spec``'s op, which the graph keeps."""
+    taken, _, left, reason = _split(plan.tensors, plan.spec, backend)
+    if left:
+        _fallback(plan.subset(left), reason)
+    if not taken:
+        return
+    part = plan if not left else plan.subset(taken)
+    spec = plan.spec
+    device = part.tensors["param"][0].device
+    scalars = [value if isinstance(value, torch.Tensor) else torch.tensor(float(value), device=device)
+               for value in _scalar_values(part, device)]
+    absmax = [[torch.empty(0, device=device) if t is None else t for t in part.absmax[role]] if role in part.absmax
+              else [] for role in spec.states]
+    OPS[spec.name](part.tensors["param"], part.tensors["grad"], *(part.tensors.get(role, []) for role in spec.states),
+                   *absmax, scalars, spec.flag_bits(part.flags, part.stochastic_rounding), per_tensor_calls)
+
+
+_OP_CACHE = {}  # (op, tensor count, first param's pointer, per_tensor_calls): (layout signature, Tables)
+_OP_CACHE_SIZE = 64
+
+
+def _op_step(spec, param, grad, *lists_and_options):
+    """The step op's eager implementation: the tables are kept while the tensors keep their storage
+    and layouts (:class:`Signature` over them, as the optimizer's step cache keeps its own)."""
+    *lists, scalars, flag_bits, per_tensor_calls = lists_and_options
+    if not param:
+        return
+    states, absmax_lists = lists[:len(spec.states)], lists[len(spec.states):]
+    tensors = {"param": param, "grad": grad} | {role: ts for role, ts in zip(spec.states, states) if ts}
+    absmax = {role: [t if t.numel() else None for t in ts] for role, ts in zip(spec.states, absmax_lists) if ts}
+    backend = backends.for_device(param[0].device)
+    held = [t for role, ts in tensors.items() if role != "grad" for t in ts] + [
+        t for ts in absmax.values() for t in ts if t is not None]
+    key = (spec.name, backend.NAME, len(param), param[0].data_ptr(), per_tensor_calls)
+    cached = _OP_CACHE.get(key)
+    if cached is None or not cached[0].matches(held, *LAYOUT) or not cached[1].fit(grad):
+        taken, formats, left, reason = _split(tensors, spec, backend)
+        if left:
+            raise RuntimeError(f"fastoptim::{spec.name}_step: the {backend.NAME} kernel cannot take a tensor: {reason}")
+        if len(_OP_CACHE) >= _OP_CACHE_SIZE:
+            _OP_CACHE.clear()
+        cached = _OP_CACHE[key] = (Signature((), held), Tables(tensors, absmax, spec, backend, formats))
+    flags, stochastic = spec.unpack_flags(flag_bits)
+    cached[1].launch(spec, grad, scalars, flags, stochastic, per_tensor_calls)

@@ -45,6 +45,11 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
     n_betas: int
     spec: KernelSpec
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "spec" in cls.__dict__:  # its fused kernels' op, which torch.compile keeps in a traced step
+            engines.fused.define_op(cls.spec)
+
     def __init__(self, params, defaults, shard_group):
         """``shard_group``: the process group whose ranks' params, together, are the model's, each
         once (ZeroRedundancyOptimizer's partition); global reductions run over it. Not a group

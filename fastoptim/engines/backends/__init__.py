@@ -2,8 +2,11 @@
 declares ``NAME``, ``DEVICE_TYPES`` (the device types it is picked for), ``SPLITS_FORMATS`` (its
 kernels are compiled for one state format, so each format gets a table of its own),
 ``available()``, ``refusal(param)`` (why it cannot run a tensor at all, its device or dtype
-included, or None) and ``run(part, table, ranges, state_format, values)`` (build what its kernel
-takes from the cached pointer table and the scalar ``values``, and launch it over chunk ``ranges``). A new backend is one more module in ``BACKENDS``.
+included, or None) and ``run(spec, table, ranges, state_format, values, flags, stochastic)`` (build
+what its kernel takes from the cached pointer table, the scalar ``values`` (name to a number, a 0-d
+tensor or a 1-d tensor with one value per tensor), the spec's ``flags`` (name: bool) and whether it
+rounds stochastically, and launch it over chunk ``ranges``). A new backend is one more module in
+``BACKENDS``.
 ``FASTOPTIM_FUSED_BACKEND=<name>`` forces one, for debugging and tests."""
 import os
 

@@ -23,9 +23,10 @@ def refusal(param):
     return None
 
 
-def scalars(values, names, per_tensor):
-    """The C kernel's scalars (``values``: name to number or tensor) as a ctypes array of (pointer,
-    stride), in ``names`` order, and the tensors it points into."""
+def scalars(values, names):
+    """The C kernel's scalars (``values``: name to a number, a 0-d tensor or a 1-d tensor with one
+    value per tensor) as a ctypes array of (pointer, stride), in ``names`` order, and the tensors it
+    points into."""
     numbers = torch.tensor([0.0 if isinstance(values[n], torch.Tensor) else float(values[n]) for n in names])
     keep, array = [numbers], (fused_cpu.Scalar * len(names))()
     for i, name in enumerate(names):
@@ -33,16 +34,16 @@ def scalars(values, names, per_tensor):
         if isinstance(value, torch.Tensor):
             value = value.detach().to(torch.float32).contiguous()
             keep.append(value)
-            array[i] = fused_cpu.Scalar(value.data_ptr(), 1 if name in per_tensor else 0)
+            array[i] = fused_cpu.Scalar(value.data_ptr(), int(value.dim() == 1))
         else:
             array[i] = fused_cpu.Scalar(numbers.data_ptr() + 4 * i, 0)
     return array, keep
 
 
-def run(part, table, ranges, state_format, values):
-    array, _keep = scalars(values, part.spec.all_scalars, part.per_tensor)
-    flags = part.spec.flag_bits(part.flags, part.stochastic_rounding)
-    dtype = part.tensors["param"][0].dtype
+def run(spec, table, ranges, state_format, values, flags, stochastic):
+    array, _keep = scalars(values, spec.all_scalars)
+    bits = spec.flag_bits(flags, stochastic)
+    n_tensors, dtype = table.pointers.shape[1], table.dtype
     for chunk_range in ranges:
-        fused_cpu.run(part.spec, table.pointers, len(part), table.chunks, chunk_range, table.layouts, array, dtype,
-                      flags, torch.get_num_threads())
+        fused_cpu.run(spec, table.pointers, n_tensors, table.chunks, chunk_range, table.layouts, array, dtype, bits,
+                      torch.get_num_threads())

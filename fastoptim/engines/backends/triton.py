@@ -33,13 +33,15 @@ def refusal(param):
     return None
 
 
-def scalars(values, names, per_tensor, rows, table, device):
-    """The kernels' scalars: an fp32 tensor on ``device`` with one row per tensor (``rows``) when one
-    of them is per tensor, else one shared row. Tensor values (a tensor lr, the clip coefficient,
-    found_inf, the step's bias corrections, the seed of stochastic rounding) never leave the device;
-    the plain numbers are sent once and kept with ``table`` while they stay the same. So a step sends
-    nothing to the device and waits for nothing: it can be captured in a CUDA graph once warmed up."""
-    rows = rows if any(name in per_tensor for name in names) else 1
+def scalars(values, names, rows, table, device):
+    """The kernels' scalars (``values``: name to a number, a 0-d tensor or a 1-d tensor with one value
+    per tensor): an fp32 tensor on ``device`` with one row per tensor (``rows``) when one of them is
+    per tensor, else one shared row. Tensor values (a tensor lr, the clip coefficient, found_inf,
+    the step's bias corrections, the seed of stochastic rounding) never leave the device; the plain
+    numbers are sent once and kept with ``table`` while they stay the same. So a step sends nothing
+    to the device and waits for nothing: it can be captured in a CUDA graph once warmed up."""
+    per_tensor = any(isinstance(values[n], torch.Tensor) and values[n].dim() == 1 for n in names)
+    rows = rows if per_tensor else 1
     numbers = tuple(0.0 if isinstance(values[n], torch.Tensor) else float(values[n]) for n in names)
     if table.numbers is None or table.numbers[0] != numbers:
         table.numbers = numbers, torch.tensor(numbers, device=device)
@@ -47,11 +49,10 @@ def scalars(values, names, per_tensor, rows, table, device):
                         else table.numbers[1][i].expand(rows) for i, n in enumerate(names)], dim=1)
 
 
-def run(part, table, ranges, state_format, values):
-    param = part.tensors["param"][0]
-    pointers, work = table.device_tables(param.device)
-    array = scalars(values, part.spec.all_scalars, part.per_tensor, len(part), table, param.device)
+def run(spec, table, ranges, state_format, values, flags, stochastic):
+    n_tensors, device = table.pointers.shape[1], table.device
+    pointers, work = table.device_tables(device)
+    array = scalars(values, spec.all_scalars, n_tensors, table, device)
     for first, last in ranges:
-        fused_triton.launch(part.spec, pointers, len(part), work[first:last], array, param.dtype, state_format.dtype,
-                            stochastic=part.stochastic_rounding, subsets=bool((table.subsets > 1).any()),
-                            flags=part.flags)
+        fused_triton.launch(spec, pointers, n_tensors, work[first:last], array, table.dtype, state_format.dtype,
+                            stochastic=stochastic, subsets=bool((table.subsets > 1).any()), flags=flags)
