@@ -155,8 +155,8 @@ def test_tensor_lr_equals_float_lr(cls):
 
 @pytest.mark.parametrize("cls, options", [(fastoptim.Adan, dict(max_grad_norm=1.0)),
                                           (fastoptim.AdamW, dict(amsgrad=True))])
-@pytest.mark.parametrize("flags", [dict(foreach=True), {}])  # {}: the fused engine, which traces as foreach
-def test_compiled_foreach_step_has_no_graph_break_and_no_recompile_on_lr_change(cls, options, flags):
+@pytest.mark.parametrize("flags", [dict(foreach=True), {}])  # {}: the fused engine, traced as its custom op
+def test_compiled_step_has_no_graph_break_and_no_recompile_on_lr_change(cls, options, flags):
     model = tiny_model()
     opt = cls(model.parameters(), lr=torch.tensor(0.01), **flags, **options)
     reference = copy.deepcopy(model)

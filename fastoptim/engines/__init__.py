@@ -1,7 +1,6 @@
 """How a step executes. Every engine runs an optimizer's math (its ``update``, written once in
 ``fastoptim/optimizers``, or the fused kernel that restates it) over a :class:`Plan`; engines differ
 only in how they walk the tensors."""
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -71,8 +70,8 @@ def run_summing_over(plan, group):
     second moment. One update per param, so every rank makes the same all-reduces in the same order;
     the fused kernels sum subsets inside themselves, and foreach may cut a param into pieces."""
     if plan.warn_fallback:
-        warnings.warn("fastoptim: fused=True, but subset-norm sums that span FSDP2 shards are all-reduced between "
-                      "ranks, which the kernel cannot do; those tensors take the loop engine", stacklevel=4)
+        fused.warn("fastoptim: fused=True, but subset-norm sums that span FSDP2 shards are all-reduced between ranks, "
+                   "which the kernel cannot do; those tensors take the loop engine", stacklevel=4)
     plan.sum_group = group
     loop.run(plan)
 

@@ -91,9 +91,23 @@ def _split(tensors, spec, backend):
     return taken, taken_formats, left, reason
 
 
+def _warn_at_tracing(ctx):
+    warnings.warn(ctx.get_local("message").as_python_constant())
+
+
+def warn(message, stacklevel):
+    """``warnings.warn``, also in a step that torch.compile traces, where it warns once, at tracing
+    (a traced ``warnings.warn`` would break the graph)."""
+    if torch.compiler.is_compiling():
+        from torch._dynamo.comptime import comptime  # loaded by now: dynamo is tracing
+        comptime(_warn_at_tracing)  # reads ``message``, the one local it may see
+    else:
+        warnings.warn(message, stacklevel=stacklevel + 1)
+
+
 def _fallback(plan, reason):
     if plan.warn_fallback:
-        warnings.warn(f"fastoptim: fused=True, but {reason}; those tensors take the foreach engine", stacklevel=4)
+        warn(f"fastoptim: fused=True, but {reason}; those tensors take the foreach engine", stacklevel=4)
     if plan.found_inf is not None and plan.found_inf.item():  # the foreach engine cannot skip without a sync
         return
     foreach.run(plan)

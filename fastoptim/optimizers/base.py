@@ -137,7 +137,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         # subsets that span shards included) look at found_inf, and so does a step that would
         # create states: a skipped step must leave no trace.
         if found_inf is not None and any(
-                entry.params and (entry.engine not in engines.FUSED or entry.states is None
+                entry.params and (entry.engine not in engines.FUSED or self._creates_states(entry)
                                   or any(reduce for _, reduce in entry.buckets)) for _, entry, _ in work):
             if found_inf.item():
                 return loss
@@ -156,6 +156,13 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                 self._step_group(group, entry, grads, self._grad_scale(group, clip, inv_scale), found_inf, increment)
             self._count_step(group, entry, increment)
         return loss
+
+    def _creates_states(self, entry):
+        """Whether the step may create states of ``entry``'s params. A traced step's work is new
+        on every trace, so it asks the states themselves."""
+        if torch.compiler.is_compiling():
+            return not all(self.state.get(param) for param in entry.params)
+        return entry.states is None
 
     def _group_work(self, caches, index, group):
         """The group's :class:`GroupWork` and its params' grads (local shards of DTensors), all

@@ -1,0 +1,233 @@
+"""torch.compile keeps the fused kernels: a traced step calls each kernel as a custom op
+(``torch.ops.fastoptim.<spec>_step``, ``grad_norm_total``, ``scale_grads``), with no graph break,
+and gives the eager step's params and states bit for bit. Most cases compile with the
+``aot_eager`` backend, which functionalizes the graph as inductor does (so the ops' declared
+mutations are exercised) at a fraction of the compile time; a few compile with inductor."""
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import fastoptim
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*script_method:DeprecationWarning")
+
+CASES = [
+    (fastoptim.Adan, {}),
+    (fastoptim.Adan, dict(state_bits=8, max_grad_norm=1.0)),
+    (fastoptim.Adan, dict(sn=True, maximize=True)),
+    (fastoptim.Adan, dict(state_bits=16, foreach=False, fused=True)),
+    (fastoptim.AdamW, dict(amsgrad=True)),
+    (fastoptim.AdamW, dict(state_bits=8, maximize=True)),
+    (fastoptim.AdamWSN, {}),
+    (fastoptim.RMSPropSN, dict(state_bits=8)),
+    (fastoptim.Lion, dict(state_bits=8, max_grad_norm=0.5)),
+]
+INDUCTOR_CASES = [CASES[1], CASES[4]]
+
+
+def model_params(seed=0):
+    torch.manual_seed(seed)
+    shapes = [(3, 300), (40, 70), (70, 40), (5000,), (17,)]  # 8-bit states for the large ones only
+    return [torch.nn.Parameter(torch.randn(shape)) for shape in shapes]
+
+
+def set_grads(params, step):
+    torch.manual_seed(100 + step)
+    for param in params:
+        param.grad = torch.randn_like(param)
+
+
+def pair(cls, options):
+    """Two optimizers over equal params, a tensor lr each."""
+    eager_params, traced_params = model_params(), model_params()
+    return ((eager_params, cls(eager_params, lr=torch.tensor(0.01), **options)),
+            (traced_params, cls(traced_params, lr=torch.tensor(0.01), **options)))
+
+
+def assert_same(eager, traced):
+    (eager_params, eager_opt), (traced_params, traced_opt) = eager, traced
+    for a, b in zip(eager_params, traced_params):
+        assert torch.equal(a, b)
+    for a, b in zip(eager_params, traced_params):
+        for key, value in eager_opt.state[a].items():
+            other = traced_opt.state[b][key]  # a subset-norm record holds numbers beside the tensors
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, key
+
+
+def run_both(cls, options, backend, steps=5, before_step=None, fullgraph=True):
+    eager, traced = pair(cls, options)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(traced[1].step, backend=backend, fullgraph=fullgraph)
+    for step in range(steps):
+        for params, opt in (eager, traced):
+            set_grads(params, step)
+            if before_step:
+                before_step(opt, step)
+        eager[1].step()
+        compiled()
+    assert_same(eager, traced)
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("cls, options", CASES, ids=lambda x: x.__name__ if isinstance(x, type) else str(x))
+def test_a_compiled_step_is_the_eager_step(cls, options):
+    run_both(cls, options, "aot_eager")
+
+
+@pytest.mark.parametrize("cls, options", INDUCTOR_CASES, ids=lambda x: x.__name__ if isinstance(x, type) else str(x))
+def test_a_step_compiled_by_inductor_is_the_eager_step(cls, options):
+    run_both(cls, options, "inductor")
+
+
+@pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW])
+def test_grad_scaler_steps_compile_and_a_skipped_step_leaves_no_trace(cls):
+    """As GradScaler hands them to step(): the scale and found_inf, inf on the third step. The step
+    that creates the states reads found_inf on the host (a skipped step must create nothing), which
+    breaks that one graph: no fullgraph here."""
+    def scaler(opt, step):
+        opt.grad_scale = torch.tensor(256.0)
+        opt.found_inf = torch.tensor(float(step == 2))
+        for group in opt.param_groups:
+            for param in group["params"]:
+                param.grad.mul_(256.0)
+    run_both(cls, dict(max_grad_norm=1.0), "aot_eager", before_step=scaler, fullgraph=False)
+
+
+def graph_targets(cls, options, step):
+    """The op targets of the graphs that ``step(opt)`` compiles to, after two calls."""
+    targets = []
+
+    def record(graph_module, example_inputs):
+        targets.extend(node.target for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module.forward
+
+    params = model_params()
+    opt = cls(params, lr=torch.tensor(0.01), **options)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda: step(opt, params), backend=record, fullgraph=True)
+    for i in range(2):
+        set_grads(params, i)
+        compiled()
+    return [getattr(t, "__name__", str(t)) for t in targets]
+
+
+@pytest.mark.parametrize("cls, op", [(fastoptim.Adan, "adan_step"), (fastoptim.AdamW, "adamw_step"),
+                                     (fastoptim.Lion, "lion_step")])
+def test_the_compiled_graph_calls_the_kernel_op_and_no_foreach_op(cls, op):
+    targets = graph_targets(cls, dict(state_bits=8, max_grad_norm=1.0), lambda opt, params: opt.step())
+    assert op in str(targets) and "grad_norm_total" in str(targets), targets
+    # AdamW's per-param step counts, one 0-d tensor each as torch keeps them, advance by one _foreach_add_
+    counts = ["_foreach_add_"] * 2 if cls is fastoptim.AdamW else []
+    assert [t for t in targets if "_foreach_" in t] == counts, targets
+
+
+def test_clip_grad_norm_compiles_to_its_ops():
+    def step(opt, params):
+        fastoptim.clip_grad_norm_(params, 0.5)
+        opt.step()
+    targets = graph_targets(fastoptim.Adan, {}, step)
+    assert "grad_norm_total" in str(targets) and "scale_grads" in str(targets), targets
+    assert not [t for t in targets if "_foreach_" in t], targets
+
+
+def test_clip_grad_norm_compiled_is_eager():
+    for compiled in (False, True):
+        params = model_params()
+        set_grads(params, 0)
+        clip = torch.compile(fastoptim.clip_grad_norm_, backend="aot_eager", fullgraph=True) if compiled \
+            else fastoptim.clip_grad_norm_
+        norm = clip(params, 0.5)
+        if compiled:
+            assert torch.equal(norm, eager_norm) and all(map(torch.equal, [p.grad for p in params], eager_grads))
+        eager_norm, eager_grads = norm, [p.grad for p in params]
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # the wrapper it counts with
+@pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW])
+def test_no_recompile_after_the_step_that_creates_the_states_nor_on_scheduler_lr_changes(cls):
+    """The first call traces the step that creates the states, the second the steady step; a tensor
+    lr that a scheduler changes in place, and new grads, recompile nothing."""
+    params = model_params()
+    opt = cls(params, lr=torch.tensor(0.01), state_bits=8)
+    torch._dynamo.reset()
+    counters.clear()
+    # compiled before the scheduler wraps opt.step in a counter that dynamo does not trace
+    compiled = torch.compile(opt.step, backend="aot_eager", fullgraph=True)
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+    for step in range(6):
+        set_grads(params, step)
+        with torch._dynamo.config.patch(error_on_recompile=step >= 2):
+            compiled()
+        scheduler.step()
+    assert counters["stats"]["unique_graphs"] == 2
+    assert float(opt.param_groups[0]["lr"]) == pytest.approx(0.01 * 0.9**6)
+
+
+def test_a_compiled_training_step_keeps_the_kernel_and_fastoptim_adds_no_graph_break():
+    """Forward, backward, clip_grad_norm_ and the step in one compiled function (the backward
+    breaks the graph: that break is torch's, not ours), against the same steps in eager."""
+    models = [torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.GELU(), torch.nn.Linear(64, 3)) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [fastoptim.Adan(m.parameters(), lr=torch.tensor(0.01), weight_decay=0.02) for m in models]
+    calls = []
+    op = torch.ops.fastoptim.adan_step.default
+
+    def train_step(model, opt, x):
+        loss = model(x).square().mean()
+        loss.backward()
+        fastoptim.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    def record(graph_module, example_inputs):
+        calls.extend(node.target for node in graph_module.graph.nodes if node.target is op)
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(train_step, backend=record)
+    for step in range(3):
+        x = torch.randn(8, 20, generator=torch.Generator().manual_seed(step))
+        assert torch.equal(train_step(models[0], opts[0], x), compiled(models[1], opts[1], x))
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)
+    assert calls
+    ours = [reason for reason in counters["graph_break"] if "fastoptim" in reason]
+    assert not ours, ours
+
+
+def test_a_state_moved_to_new_storage_is_seen_by_the_compiled_step():
+    """The op's tables are checked by layout on every call: a state given new storage in place
+    (as share_memory_() does) is written where it now lives."""
+    eager, traced = pair(fastoptim.AdamW, {})
+    compiled = torch.compile(traced[1].step, backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+    for step in range(4):
+        for params, opt in (eager, traced):
+            set_grads(params, step)
+            if step == 2:
+                state = opt.state[params[1]]["exp_avg"]
+                state.set_(state.clone())
+        eager[1].step()
+        compiled()
+    assert_same(eager, traced)
+
+
+def test_a_fallback_in_a_compiled_step_warns_once_at_tracing():
+    params = [torch.nn.Parameter(torch.randn(10, dtype=torch.float64)), torch.nn.Parameter(torch.randn(10))]
+    opt = fastoptim.Adan(params, lr=torch.tensor(0.01), fused=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(opt.step, backend="aot_eager", fullgraph=True)
+    for step in range(3):
+        set_grads(params, step)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled()
+        ours = [str(w.message) for w in caught if "fastoptim" in str(w.message)]
+        # traced twice (the step that creates the states, then the steady one), then nothing to say
+        assert ours == ([] if step == 2 else [
+            "fastoptim: fused=True, but no fused kernel for torch.float64; those tensors take the foreach engine"])
