@@ -10,6 +10,8 @@ import torch
 
 import fastoptim
 
+from fastoptim.multi_tensor import COLUMN_CHUNK_NUMEL
+
 from . import oracle
 from .test_bad_input import assert_unchanged, snapshot
 
@@ -184,9 +186,11 @@ def test_the_seeds_state_dict_loads():
     (fastoptim.Adan, dict(subset_size=None, no_prox=True)), (fastoptim.Adan, dict(subset_size=-1)),
     (fastoptim.AdamW, dict(subset_size=100, amsgrad=True, maximize=True))])
 def test_the_fused_kernel_takes_subset_norm_states_and_matches_the_loop_engine(cls, options, dtype, engine):
-    """Rows, columns (the (10, 30), (1, 9) params: one chunk of several column runs) and flattened
-    subsets, one of them longer than a kernel chunk, all in one kernel call with dense params."""
-    shapes = SHAPES + [(3, 40000), (70000, 2)]
+    """Rows, columns (one chunk of whole rows each; in fp32 multi-tensor also one past
+    COLUMN_CHUNK_NUMEL, cut into two column strips) and flattened subsets, one of them longer than a
+    kernel chunk, all in one kernel call with dense params."""
+    wide = [(2, COLUMN_CHUNK_NUMEL // 2 + 3)] if dtype == torch.float32 and engine == "fused-multi" else []
+    shapes = SHAPES + [(3, 40000), (70000, 2)] + wide
     runs = []
     for flags in (ENGINES["loop"], ENGINES[engine]):
         params = oracle.make_params(shapes, dtype)
