@@ -5,8 +5,8 @@ stay flat (a cliff is a cache, page-fault or chunking defect), and the share of 
 
 Also each format's two limits, in ns per param per step on this machine's threads:
 - bytes: the step's traffic (params and grads, its states read and written) at the probe's bandwidth;
-- instructions: the kernel on tensors that stay in cache, from the slope of the step time between
-  two in-cache sizes (so the per-step overhead drops out; fastest samples), over the thread count.
+- instructions: the kernel on tensors that stay in cache, one thread, from the slope of its CPU time
+  between two in-cache sizes (so the per-step overhead drops out), over the thread count.
 A step can be no faster than the higher of the two.
 
 The formats of one algorithm are timed interleaved with the probe in one process, in repeated
@@ -15,6 +15,7 @@ Usage, from the repository root: .venv/bin/python -m benchmarks.scaling [--quick
 """
 import argparse
 import statistics
+import time
 
 import torch
 
@@ -25,7 +26,9 @@ FORMATS = {"adan": ("adan", "adan-sn", "adan-8bit"), "adamw": ("adamw", "adamwsn
 SIZES = [(4, 192), (6, 384), (12, 768), (24, 1024)]
 TENSOR_COUNTS = [100, 1000, 10000]
 TENSORS_NUMEL = 24_000_000  # the params of the tensor-count rows, as (r, 3r) and (3r, r) matrices: sn's two walks
-IN_CACHE = (256, 256)  # 64K params: an 8-bit or fp32 step's streams of a few of them stay in L2/L3
+# Two in-cache sizes, two tensors each (the step's Python time is per tensor: the same in both): the
+# larger's fp32 Adan step moves 11.5 MB, within L3.
+IN_CACHE = ((128, 128), (256, 512))
 
 
 def gpt2_shapes(layers, width):
@@ -99,6 +102,16 @@ def rows(label, params, sn, names, steps, repeats):
     return out
 
 
+def cpu_seconds(step, steps):
+    """The calling thread's CPU seconds per step: unlike the wall clock, it leaves out the time other
+    processes held the core."""
+    step()
+    start = time.thread_time()
+    for _ in range(steps):
+        step()
+    return (time.thread_time() - start) / steps
+
+
 def limits(names, steps, repeats):
     """Per format: ns per param of the bytes limit (traffic at the probe's bandwidth, on 124M GPT-2
     shapes) and of the instructions limit (the in-cache slope, one thread, over the thread count)."""
@@ -108,21 +121,24 @@ def limits(names, steps, repeats):
     samples, probe_gbps, traffic = time_formats(params, sn, names, steps, repeats)
     del params
     run.release_memory()
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # the kernel runs on the calling thread, so its CPU time is the step's
     try:
-        small, large = (materialize([IN_CACHE] * n) for n in (2, 6))
+        small, large = (materialize([shape] * 2) for shape in IN_CACHE)
         small_steps, _ = formats_steps(small, [True] * 2, names)
-        large_steps, _ = formats_steps(large, [True] * 6, names)
-        both = {**{("small", n): s for n, s in small_steps.items()}, **{("large", n): s for n, s in large_steps.items()}}
-        cached, _ = run.time_steps(both, 20 * steps, repeats)
+        large_steps, _ = formats_steps(large, [True] * 2, names)
+        cached = {(size, name): [] for size in ("small", "large") for name in names}
+        for _ in range(repeats):
+            for name in names:
+                for size, step in (("small", small_steps[name]), ("large", large_steps[name])):
+                    cached[(size, name)].append(cpu_seconds(step, 20 * steps))
     finally:
         torch.set_num_threads(threads)
-    slope_numel = 4 * IN_CACHE[0] * IN_CACHE[1]
+    slope_numel = 2 * (IN_CACHE[1][0] * IN_CACHE[1][1] - IN_CACHE[0][0] * IN_CACHE[0][1])
     out = []
     for name in names:
         measured = statistics.median(samples[name]) * 1e9 / numel
         by_bytes = traffic[name] / probe_gbps / numel
-        # the fastest sample of each size: the one other work on the cores disturbed least
+        # the least CPU time of each size: other work on the core (cache, frequency) disturbed it least
         by_instructions = (min(cached[("large", name)]) - min(cached[("small", name)])) * 1e9 / slope_numel / threads
         higher = max(by_bytes, by_instructions)
         out.append(f"| {name} | {measured:.3f} | {by_bytes:.3f} | {by_instructions:.3f} | {higher / measured:.2f} |")
