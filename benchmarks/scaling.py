@@ -155,7 +155,8 @@ def main():
     sizes, counts = (SIZES[:2], TENSOR_COUNTS[:2]) if args.quick else (SIZES, TENSOR_COUNTS)
     print(f"threads {torch.get_num_threads()}; ratio: time against the fp32 format's, median (min..max) of "
           f"{args.repeats} interleaved samples")
-    print("\n| model | tensors | params | format | ns/param/step | time vs fp32 | of probe |\n|---|---|---|---|---|---|---|")
+    print("\n| model | tensors | params | format | ns/param/step | time vs fp32 | of probe |")
+    print("|---|---|---|---|---|---|---|")
     for names in FORMATS.values():
         for layers, width in sizes:
             numel = sum(shape.numel() for shape in gpt2_shapes(layers, width)[0])
@@ -173,7 +174,8 @@ def main():
             run.release_memory()
     if not args.no_limits:
         print("\nLimits, ns/param/step (GPT-2 124M shapes; instructions: in cache, one thread, over the thread count)")
-        print("\n| format | measured | bytes limit | instructions limit | higher limit / measured |\n|---|---|---|---|---|")
+        print("\n| format | measured | bytes limit | instructions limit | higher limit / measured |")
+        print("|---|---|---|---|---|")
         for names in FORMATS.values():
             print("\n".join(limits(names, args.steps, args.repeats)), flush=True)
             run.release_memory()

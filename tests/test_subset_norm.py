@@ -10,7 +10,7 @@ import torch
 
 import fastoptim
 
-from fastoptim.multi_tensor import COLUMN_CHUNK_NUMEL
+from fastoptim.multi_tensor import CPU_COLUMN_CHUNK_NUMEL
 
 from . import oracle
 from .test_bad_input import assert_unchanged, snapshot
@@ -187,9 +187,9 @@ def test_the_seeds_state_dict_loads():
     (fastoptim.AdamW, dict(subset_size=100, amsgrad=True, maximize=True))])
 def test_the_fused_kernel_takes_subset_norm_states_and_matches_the_loop_engine(cls, options, dtype, engine):
     """Rows, columns (one chunk of whole rows each; in fp32 multi-tensor also one past
-    COLUMN_CHUNK_NUMEL, cut into two column strips) and flattened subsets, one of them longer than a
+    CPU_COLUMN_CHUNK_NUMEL, cut into two column strips) and flattened subsets, one of them longer than a
     kernel chunk, all in one kernel call with dense params."""
-    wide = [(2, COLUMN_CHUNK_NUMEL // 2 + 3)] if dtype == torch.float32 and engine == "fused-multi" else []
+    wide = [(2, CPU_COLUMN_CHUNK_NUMEL // 2 + 3)] if dtype == torch.float32 and engine == "fused-multi" else []
     shapes = SHAPES + [(3, 40000), (70000, 2)] + wide
     runs = []
     for flags in (ENGINES["loop"], ENGINES[engine]):
