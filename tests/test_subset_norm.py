@@ -10,7 +10,7 @@ import torch
 
 import fastoptim
 
-from fastoptim.multi_tensor import CPU_COLUMN_CHUNK_NUMEL
+from fastoptim.multi_tensor import CHUNK_NUMEL, CPU_COLUMN_CHUNK_NUMEL, MIN_COLUMNS, PointerTable
 
 from . import oracle
 from .test_bad_input import assert_unchanged, snapshot
@@ -207,6 +207,17 @@ def test_the_fused_kernel_takes_subset_norm_states_and_matches_the_loop_engine(c
         for key, value in loop.state[b].items():
             if isinstance(value, torch.Tensor):
                 torch.testing.assert_close(fused.state[a][key], value, rtol=1e-4, atol=1e-6 * float(value.abs().max()))
+
+
+def test_the_cpu_plan_cuts_column_subsets_in_whole_rows_and_a_gpu_plan_in_chunk_sized_strips():
+    """A (768, 3072) column-subset param (GPT-2's c_fc): one CPU chunk of all its rows and columns; on
+    the meta device (as on a GPU, where a chunk is one program) strips of CHUNK_NUMEL // 768 columns,
+    at least MIN_COLUMNS."""
+    for device, columns in (("cpu", 3072), ("meta", max(CHUNK_NUMEL // 768, MIN_COLUMNS))):
+        param, state = torch.zeros(1, 768, 3072, device=device), torch.zeros(1, 1, 3072, device=device)
+        table = PointerTable({"param": [param], "exp_avg_sq": [state]}, ("param", "exp_avg_sq"))
+        assert table.chunks[:, 2].tolist() == [768 * columns] * (3072 // columns)
+        assert table.chunks[:, 1].tolist() == [768 * columns * k for k in range(3072 // columns)]
 
 
 # --- what the partitions refuse ---------------------------------------------------------------------
