@@ -12,6 +12,11 @@ import torch
 
 CHUNK_NUMEL = 1 << 15  # 128 KiB of fp32 per stream: large enough to amortise, small enough to balance
 MIN_COLUMNS = 64  # a column chunk reads its rows in runs of at least 256 bytes of fp32
+# On the CPU, a column chunk reads its rows twice (the sums, then the update) and is best as whole
+# rows: strips of 64 to 1536 of GPT-2's 3072 columns made an sn step 1.7-2.9x slower than whole rows
+# (short runs defeat the prefetchers and DRAM pages). Only tensors past this size are cut, so threads
+# share them. A GPU program is one chunk: there, column chunks stay chunk-sized, for parallelism.
+CPU_COLUMN_CHUNK_NUMEL = 1 << 22
 
 
 def buckets(params):
@@ -35,14 +40,14 @@ def is_dense(tensor):
     return True
 
 
-def chunk_plan(numels, layouts=None, chunk_numel=CHUNK_NUMEL, blocks=None):
+def chunk_plan(numels, layouts=None, chunk_numel=CHUNK_NUMEL, blocks=None, column_numel=CHUNK_NUMEL):
     """Rows (tensor, first element, element count, elements in all rows before) covering every
     tensor in chunks of about ``chunk_numel`` elements, and each tensor's first row (one more entry
     than tensors). The running count lets a kernel give each thread an equal share.
 
     A subset-norm tensor with layout (b, c) (``layouts``, one row per tensor; (1, 1) is dense) is cut
     into whole subsets: runs of rows of b elements when c is 1, else runs of columns, each b
-    elements of the count, at least ``MIN_COLUMNS`` wide so its rows are read in useful runs.
+    elements of the count, of about ``column_numel`` elements and at least ``MIN_COLUMNS`` wide.
 
     ``blocks`` (one per tensor; None: all 1) makes a tensor's chunks hold whole blocks of that many
     row-major elements, as its 8-bit states need: runs of blocks, runs of whole subsets of a whole
@@ -54,7 +59,7 @@ def chunk_plan(numels, layouts=None, chunk_numel=CHUNK_NUMEL, blocks=None):
     # A chunk holds whole units of b elements: elements (dense), subsets (rows) or columns.
     unit, columns = layouts[:, 0], layouts[:, 1] > 1
     units = numels // unit
-    per_chunk = np.maximum(chunk_numel // unit, np.where(columns, MIN_COLUMNS, 1))
+    per_chunk = np.maximum(np.where(columns, column_numel, chunk_numel) // unit, np.where(columns, MIN_COLUMNS, 1))
     whole_blocks = blocks // np.gcd(unit, blocks)  # units per block boundary
     per_chunk = np.where(columns & (blocks > 1), np.maximum(units, 1), -(-per_chunk // whole_blocks) * whole_blocks)
     counts = -(-units // per_chunk)  # empty tensors get no chunk
@@ -104,7 +109,9 @@ class PointerTable:
         self.layouts = np.ascontiguousarray(np.column_stack([subsets, formats]), dtype=np.int64)
         if not (subsets > 1).any() and not formats.any():
             self.layouts = None
-        self.chunks, self.first_chunk = chunk_plan([t.numel() for t in tensors["param"]], subsets, blocks=blocks)
+        on_cpu = all(t.device.type == "cpu" for t in tensors["param"])
+        self.chunks, self.first_chunk = chunk_plan([t.numel() for t in tensors["param"]], subsets, blocks=blocks,
+                                                   column_numel=CPU_COLUMN_CHUNK_NUMEL if on_cpu else CHUNK_NUMEL)
         self.subsets = subsets
         self.on_device = None  # (pointers, work) as sent to the device, and the device tensors
         self.numbers = None  # the Triton engine's plain scalars as sent to the device: (values, tensor)

@@ -10,6 +10,8 @@ import torch
 
 import fastoptim
 
+from fastoptim.multi_tensor import CHUNK_NUMEL, CPU_COLUMN_CHUNK_NUMEL, MIN_COLUMNS, PointerTable
+
 from . import oracle
 from .test_bad_input import assert_unchanged, snapshot
 
@@ -184,9 +186,11 @@ def test_the_seeds_state_dict_loads():
     (fastoptim.Adan, dict(subset_size=None, no_prox=True)), (fastoptim.Adan, dict(subset_size=-1)),
     (fastoptim.AdamW, dict(subset_size=100, amsgrad=True, maximize=True))])
 def test_the_fused_kernel_takes_subset_norm_states_and_matches_the_loop_engine(cls, options, dtype, engine):
-    """Rows, columns (the (10, 30), (1, 9) params: one chunk of several column runs) and flattened
-    subsets, one of them longer than a kernel chunk, all in one kernel call with dense params."""
-    shapes = SHAPES + [(3, 40000), (70000, 2)]
+    """Rows, columns (one chunk of whole rows each; in fp32 multi-tensor also one past
+    CPU_COLUMN_CHUNK_NUMEL, cut into two column strips) and flattened subsets, one of them longer than a
+    kernel chunk, all in one kernel call with dense params."""
+    wide = [(2, CPU_COLUMN_CHUNK_NUMEL // 2 + 3)] if dtype == torch.float32 and engine == "fused-multi" else []
+    shapes = SHAPES + [(3, 40000), (70000, 2)] + wide
     runs = []
     for flags in (ENGINES["loop"], ENGINES[engine]):
         params = oracle.make_params(shapes, dtype)
@@ -203,6 +207,17 @@ def test_the_fused_kernel_takes_subset_norm_states_and_matches_the_loop_engine(c
         for key, value in loop.state[b].items():
             if isinstance(value, torch.Tensor):
                 torch.testing.assert_close(fused.state[a][key], value, rtol=1e-4, atol=1e-6 * float(value.abs().max()))
+
+
+def test_the_cpu_plan_cuts_column_subsets_in_whole_rows_and_a_gpu_plan_in_chunk_sized_strips():
+    """A (768, 3072) column-subset param (GPT-2's c_fc): one CPU chunk of all its rows and columns; on
+    the meta device (as on a GPU, where a chunk is one program) strips of CHUNK_NUMEL // 768 columns,
+    at least MIN_COLUMNS."""
+    for device, columns in (("cpu", 3072), ("meta", max(CHUNK_NUMEL // 768, MIN_COLUMNS))):
+        param, state = torch.zeros(1, 768, 3072, device=device), torch.zeros(1, 1, 3072, device=device)
+        table = PointerTable({"param": [param], "exp_avg_sq": [state]}, ("param", "exp_avg_sq"))
+        assert table.chunks[:, 2].tolist() == [768 * columns] * (3072 // columns)
+        assert table.chunks[:, 1].tolist() == [768 * columns * k for k in range(3072 // columns)]
 
 
 # --- what the partitions refuse ---------------------------------------------------------------------

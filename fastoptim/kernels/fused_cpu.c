@@ -26,9 +26,10 @@
    - (b, c): subset-norm tensors (fastoptim/states/subset_norm.py) are (a, b, c) arrays whose second
      moment has one entry per subset [i, :, k]; (1, 1) is dense. Rows (c = 1): subsets of b
      consecutive elements, and a chunk holds whole subsets. Columns (a = 1): a chunk is a run of the
-     c columns over all b rows, counted in elements (start and count are multiples of b). A chunk
-     first sums its subsets' squares into their second moments, then updates its elements, reading
-     them again from cache.
+     c columns over all b rows, counted in elements (start and count are multiples of b), all c of
+     them but in huge tensors (the chunk plan's whole rows stream best). A chunk first sums its
+     subsets' squares into their second moments, then updates its elements, reading them again
+     (from cache for a row subset's chunk; a column chunk's rows are too many to stay there).
    - states: the format of the param-shaped states, FP32, BF16 or Q8 (8-bit blockwise, below).
      A subset-norm second moment is fp32 in every format, and Adan's g_prev is bf16 under Q8, as
      fastoptim.optimizers.base.state_dtype keeps them. */
