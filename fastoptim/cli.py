@@ -104,10 +104,11 @@ def main(argv=None):
                             description="With no arguments: a quick default (two models, every fastoptim engine, "
                                         "the installed peers) that takes a few minutes on 2 cores.")
     b.add_argument("--models", nargs="+", help=f"model names (see --list); default: {' '.join(QUICK_MODELS)}, or "
-                                               "with --device cuda the FusedAdan benchmark's GPT-2 grid and vision models")
+                                               "with --device cuda the FusedAdan benchmark's GPT-2 grid and vision "
+                                               "models")
     b.add_argument("--optimizers", nargs="+", help="optimizer names (see --list); default: the peers, then "
-                                                   "every fastoptim engine (with --device cuda: the FusedAdan benchmark's peers "
-                                                   "and the fused engines)")
+                                                   "every fastoptim engine (with --device cuda: the FusedAdan "
+                                                   "benchmark's peers and the fused engines)")
     b.add_argument("--baseline", help="the optimizer the ratios are to (default: the first, torch-adam-foreach)")
     b.add_argument("--steps", type=int, help=f"timed steps per repeat (default 1, {GPU_STEPS} with --device cuda)")
     b.add_argument("--repeats", type=positive, default=3,

@@ -71,7 +71,8 @@ def choose(gpu, resolve):
         if packages is None or "torch" not in packages:
             tried.append(f"{requirement} from {where}: not found")
         elif not gpu and brings_cuda(packages):
-            tried.append(f"{requirement} from {where}: only a CUDA build ({packages['torch'][0]}), refused without a GPU")
+            tried.append(f"{requirement} from {where}: only a CUDA build ({packages['torch'][0]}), "
+                         "refused without a GPU")
         else:
             return where, pip_args, *packages["torch"]
     raise SystemExit("setup: no torch build to install (" + "; ".join(tried) + ").\n"

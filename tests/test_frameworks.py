@@ -32,8 +32,8 @@ def hf_train(tmp_path, how, resume_from=None):
     handed = dict(optimizers=(fastoptim.Adan(model.parameters(), **options), None)) if how == "optimizers" else \
         dict(optimizer_cls_and_kwargs=(fastoptim.Adan, options))
     arguments = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=4, save_steps=2, per_device_train_batch_size=4, lr_scheduler_type="constant",
-        logging_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
+        output_dir=str(tmp_path), max_steps=4, save_steps=2, per_device_train_batch_size=4,
+        lr_scheduler_type="constant", logging_strategy="no", report_to=[], use_cpu=True, seed=0, disable_tqdm=True)
     trainer = transformers.Trainer(model=model, args=arguments, train_dataset=token_batches(), **handed)
     trainer.train(resume_from_checkpoint=resume_from)
     return model, trainer

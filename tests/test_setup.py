@@ -39,7 +39,8 @@ STUB = textwrap.dedent("""\
         if packages is None:
             sys.exit("ERROR: No matching distribution found for " + requirement)
         report = {{"install": [{{"metadata": {{"name": name, "version": version}},
-                                 "download_info": {{"url": index + "/" + name}}}} for name, version in packages.items()]}}
+                                 "download_info": {{"url": index + "/" + name}}}}
+                               for name, version in packages.items()]}}
         open(args[args.index("--report") + 1], "w").write(json.dumps(report))
     else:
         open(installed, "w").write(requirement.split("==")[1])

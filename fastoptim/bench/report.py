@@ -3,6 +3,7 @@ PNG plots, and a side-by-side view of two runs."""
 import json
 import os
 import platform
+import textwrap
 from pathlib import Path
 
 import torch
@@ -65,7 +66,7 @@ def model_tables(entry, results):
     optimizer that did not run."""
     time_rows, memory_rows, notes = [], [], []
     for r in entry["optimizers"]:
-        name = r["optimizer"] + ("" if r["library"] == "fastoptim" else " *")
+        name = r["optimizer"] + peer_mark(r)
         first = SHARED_INSTANCE if r["first_step_ms"] is None and r["status"] == "ok" else cell(r["first_step_ms"], 0)
         range_ms = f"{r['min_ms']:.1f}-{r['max_ms']:.1f}" if r["min_ms"] is not None else NOT_MEASURED
         time_rows.append([name, cell(r["ms_per_step"]), range_ms, spread_cell(r), cell(r["time_vs_baseline"], 2),
@@ -92,13 +93,13 @@ def model_heading(entry):
     probe = ""
     if entry.get("probe_gbps"):
         probe = f", probe {entry['probe_gbps']:.1f} GB/s (spread {100 * entry['probe_spread']:.0f}%)"
-    load = f"\n{load_text(entry['load'])}" if entry.get("load") else ""
+    load = f"\n{wrap(load_text(entry['load']))}" if entry.get("load") else ""
     return (f"### {entry['model']}: {entry['params'] / 1e6:.1f}M params in {entry['tensors']} tensors, "
             f"{entry['param_bytes'] / MIB:.0f} MiB{probe}{load}")
 
 
 def legend(results):
-    return (f"base: {results['baseline']}; * a peer (not fastoptim); {NOT_MEASURED} not measured (the status or a "
+    return wrap(f"base: {results['baseline']}; * a peer (not fastoptim); {NOT_MEASURED} not measured (the status or a "
             f"note says why); {SHARED_INSTANCE} shares its family's instance, whose first step (state allocation, "
             f"compilation) is on the family's first row; spread: (max - min) / median over the repeats, ! above "
             f"{100 * results['spread_limit']:.0f}%.")
@@ -110,7 +111,8 @@ def summary_tables(results):
     entries = [e for e in results["models"] if e.get("optimizers")]
     if not entries:
         return ""
-    names = list(dict.fromkeys(r["optimizer"] for e in entries for r in e["optimizers"]))
+    libraries = {r["optimizer"]: peer_mark(r) for e in entries for r in e["optimizers"]}
+    names = list(libraries)
     by_model = [{r["optimizer"]: r for r in e["optimizers"]} for e in entries]
 
     def figure(result, key, ratio, scale, digits):
@@ -126,7 +128,8 @@ def summary_tables(results):
             (f"ms per step (median; x {results['baseline']})", "ms_per_step", "time_vs_baseline", 1, 1),
             (f"peak MiB: params, grads, states and the step's extra (x {results['baseline']})", "peak_bytes",
              "peak_vs_baseline", MIB, 0)):
-        rows = [[name] + [figure(rows.get(name), key, ratio, scale, digits) for rows in by_model] for name in names]
+        rows = [[name + libraries[name]] + [figure(rows.get(name), key, ratio, scale, digits) for rows in by_model]
+                for name in names]
         name_width = max(map(len, names)) + 4
         per_group = max(1, (WIDTH - name_width) // (max(len(e["model"]) for e in entries) + 3 + 2))
         for first in range(0, len(entries), per_group):
@@ -139,15 +142,24 @@ def summary_tables(results):
 def busy_warning(results):
     """One warning that the machine was busy: at the start, and (once measured) per model."""
     loads = [("at the start", results["load_at_start"])] if results["load_at_start"] else []
-    loads += [(e["model"], e["load"]) for e in results["models"] if e.get("load")]
-    busy = [f"{where}: {load['others_cores']:.2f} cores" for where, load in loads if load["busy"]]
+    loads += [(f"during {e['model']}", e["load"]) for e in results["models"] if e.get("load")]
+    busy = [f"{load['others_cores']:.2f} {where}" for where, load in loads if load["busy"]]
     most = max(load["load_after"][0] for _, load in loads) if loads else 0
-    return (f"WARNING: the machine was busy, other processes used {', '.join(busy)} on average (load average "
-            f"up to {most:.1f} on {os.cpu_count()} CPUs): times are slower and noisier than on an idle machine.")
+    return wrap(f"WARNING: the machine was busy: other processes kept cores busy ({', '.join(busy)}; load "
+                f"average up to {most:.1f} on {os.cpu_count()} CPUs). The times are slower and noisier than "
+                f"on an idle machine.")
+
+
+def wrap(text):
+    return textwrap.fill(text, WIDTH, break_on_hyphens=False)
+
+
+def peer_mark(result):
+    return "" if result["library"] == "fastoptim" else " *"
 
 
 def title(results):
-    return (f"fastoptim {results['fastoptim']}, torch {results['torch']}, {results['machine']['cpu']}, "
+    return wrap(f"fastoptim {results['fastoptim']}, torch {results['torch']}, {results['machine']['cpu']}, "
             f"{results['threads']} threads, {results['device']}, {results['dtype']}, gradients from "
             f"{results['gradients']}; {results['steps']} steps x {results['repeats']} interleaved repeats (medians)")
 

@@ -14,6 +14,7 @@ import math
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -223,7 +224,10 @@ def build_family(spec, params, sn, device):
     optimizer = spec.make(params, sn)
     step = stepper(optimizer, spec)
     start = time.perf_counter()
-    step()
+    with warnings.catch_warnings():
+        if spec.library != "fastoptim":  # a peer's advice to its developers (torchao's on compile caching)
+            warnings.simplefilter("ignore")
+        step()
     synchronize(device)
     return optimizer, time.perf_counter() - start
 
@@ -423,10 +427,10 @@ def main(models, names, settings, out):
     results = report.header(settings)
     results["load_at_start"] = machine_busy_now()
     units = 1 + (settings["repeats"] + 1) * len(names)  # build, samples, memory of each
-    progress = Progress(units * len(models))
     print(report.title(results), flush=True)
     if results["load_at_start"]["busy"]:
         print(report.busy_warning(results), flush=True)
+    progress = Progress(units * len(models))
     try:
         for model in models:
             entry = dict(model=model, status="not run", message=None)
