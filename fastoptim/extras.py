@@ -34,7 +34,7 @@ def quiet_import(module):
     imports too, where it is installed) prints that it cannot load its CUDA libraries, and torch logs
     deprecation warnings for its pytree registrations; neither is a fault here. An import that fails
     still raises."""
-    if module not in sys.modules:
+    if sys.modules.get(module) is None:  # not imported yet (None: blocked, and the import says so)
         with output_discarded():
             importlib.import_module(module)
     return sys.modules[module]

@@ -10,6 +10,7 @@ gigabytes. Where no candidate gives a CPU build, it stops and says what to run.
 Usage: python scripts/install_torch.py [PYTHON]   (default: the Python running this script)
 """
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -19,17 +20,21 @@ REQUIREMENT = "torch>=2.4"
 MINIMUM = (2, 4)
 TESTED = "torch==2.13.0"  # the version fastoptim is tested with; a configuration may offer it as a CPU build
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-# (where, pip arguments, requirement), tried in turn on a machine without a GPU
+# (where, pip arguments, requirement), tried in turn on a machine without a GPU. PyTorch's index is
+# asked alone (no pip configuration files: their links and extra indexes would answer too).
+ALONE = "--index-url"
 CPU_CANDIDATES = [
-    ("PyTorch's CPU wheel index", ["--index-url", CPU_INDEX, "--timeout", "20", "--retries", "1"], REQUIREMENT),
+    ("PyTorch's CPU wheel index", [ALONE, CPU_INDEX, "--timeout", "20", "--retries", "1"], REQUIREMENT),
     ("the pip configuration", [], REQUIREMENT),
     ("the pip configuration", [], TESTED),
 ]
 GPU_CANDIDATES = [("the pip configuration", [], REQUIREMENT)]
 
 
-def run(python, *args):
-    return subprocess.run([python, *args], capture_output=True, text=True)
+def run(python, *args, capture=True):
+    """``python`` with ``args``; a pip given its own --index-url reads no configuration files."""
+    env = dict(os.environ, PIP_CONFIG_FILE=os.devnull) if ALONE in args else None
+    return subprocess.run([python, *args], capture_output=capture, text=True, env=env)
 
 
 def installed_torch(python):
@@ -91,7 +96,7 @@ def main(python=sys.executable):
     gpu = gpu_present()
     where, pip_args, version, url = choose(gpu, lambda pip_args, requirement: resolve(python, pip_args, requirement))
     print(f"setup: torch {version} from {where} ({url})", flush=True)
-    out = subprocess.run([python, "-m", "pip", "install", "--quiet", *pip_args, f"torch=={version}"])
+    out = run(python, "-m", "pip", "install", "--quiet", *pip_args, f"torch=={version}", capture=False)
     if out.returncode != 0:
         raise SystemExit(f"setup: pip failed to install torch {version} from {where}")
     cuda = installed_torch(python)[1]

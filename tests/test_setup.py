@@ -26,6 +26,8 @@ STUB = textwrap.dedent("""\
     args = sys.argv[1:]
     with open(os.path.join(state, "log"), "a") as log:
         log.write(json.dumps(args) + "\\n")
+    if "--index-url" in args and os.environ.get("PIP_CONFIG_FILE") != os.devnull:
+        sys.exit("read the pip configuration while asking an index alone")
     installed = os.path.join(state, "installed")
     if args[0] == "-c":
         if not os.path.exists(installed):
