@@ -178,7 +178,7 @@ def markdown(results):
 
 
 def plot(results, path):
-    """Per model, ms per step and peak memory of every optimizer, as bars on log axes: fastoptim's and
+    """Per model, ms per step (log axis) and peak memory of every optimizer, as bars: fastoptim's and
     the peers' in two colours, and on the time axis the time each step would take at the probe's
     bandwidth, the limit for its traffic."""
     import matplotlib
@@ -196,11 +196,13 @@ def plot(results, path):
     for row, entry in zip(axes, entries):
         rows = entry["optimizers"]
         names = [r["optimizer"] for r in rows]
-        for axis, key, scale, label in ((row[0], "ms_per_step", 1, "ms per step (log)"),
-                                        (row[1], "peak_bytes", MIB, "peak MiB: params, grads, states, step (log)")):
+        for axis, key, scale, label, log in ((row[0], "ms_per_step", 1, "ms per step (log)", True),
+                                             (row[1], "peak_bytes", MIB, "peak MiB: params, grads, states, step",
+                                              False)):
             values = [r[key] / scale if r[key] else float("nan") for r in rows]
             axis.barh(names, values, color=[colours[r["library"] == "fastoptim"] for r in rows])
-            axis.set_xscale("log")
+            if log:  # times span orders of magnitude; memory bars start at 0 to compare by length
+                axis.set_xscale("log")
             axis.invert_yaxis()
             axis.set_xlabel(label)
             axis.set_title(f"{entry['model']}: {label}", fontsize=9)
