@@ -3,11 +3,19 @@ kwargs, or handed in; resumed from its checkpoints with fastoptim's state), Ligh
 closures and checkpoints) and timm's optimizer registry. Tiny models, a few steps: the checks are
 that a resumed run ends bit-identical to an uninterrupted one, and that the frameworks step the
 optimizer as a plain loop does."""
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import subprocess
+import sys
+from unittest import mock
+
 import pytest
 import torch
 
 import fastoptim
 from fastoptim import frameworks
+from fastoptim.bench.memory import in_subprocess
 
 
 def tiny_gpt2():
@@ -105,15 +113,48 @@ def test_lightning_steps_fastoptim_through_its_closure_like_a_plain_loop_and_res
         assert torch.equal(a, b)  # fastoptim's state came back from Lightning's checkpoint, bit for bit
 
 
-def test_timm_builds_fastoptim_by_name():
-    timm_optim = pytest.importorskip("timm.optim")  # timm's package imports torchvision
+def timm_checks(_spec=None):
+    """In a subprocess: register fastoptim in timm's registry and build each optimizer by name."""
+    import timm.optim
     names = frameworks.register_timm()
     assert all("_" not in name for name in names)
-    assert set(names) <= set(timm_optim.list_optimizers())
+    assert set(names) <= set(timm.optim.list_optimizers())
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 1))
     for cls in frameworks.CLASSES:
-        optimizer = timm_optim.create_optimizer_v2(model, frameworks.timm_name(cls), lr=1e-3, weight_decay=0.02)
+        optimizer = timm.optim.create_optimizer_v2(model, frameworks.timm_name(cls), lr=1e-3, weight_decay=0.02)
         assert type(optimizer) is cls
         # timm's own grouping: no weight decay on biases and norms
         assert sorted(group["weight_decay"] for group in optimizer.param_groups) == [0.0, 0.02]
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+    return names
+
+
+class StubTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """torchvision as empty modules: timm's package imports it, its optimizers never use it, and the
+    PyPI build of torchvision does not load beside a CPU build of torch."""
+
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "torchvision":
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+
+    def create_module(self, spec):
+        return mock.MagicMock(__path__=[], __spec__=spec, __name__=spec.name)
+
+    def exec_module(self, module):
+        pass
+
+
+def timm_checks_with_torchvision_stubbed(_spec=None):
+    sys.meta_path.insert(0, StubTorchvision())
+    return timm_checks()
+
+
+def test_timm_builds_fastoptim_by_name():
+    if importlib.util.find_spec("timm") is None:
+        pytest.skip("timm is not installed")
+    loads = subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True).returncode == 0
+    target = "timm_checks" if loads else "timm_checks_with_torchvision_stubbed"
+    names = in_subprocess(f"tests.test_frameworks:{target}", None)
+    assert names == [f"fastoptim-{cls.__name__.lower()}" for cls in frameworks.CLASSES]
