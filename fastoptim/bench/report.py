@@ -44,7 +44,7 @@ def number(value, digits=1, scale=1.0):
 
 
 def cell(value, digits=1, scale=1.0):
-    return NOT_MEASURED if value is None else f"{value / scale:.{digits}f}"
+    return NOT_MEASURED if value is None else number(value, digits, scale)
 
 
 def grid(columns, rows):
@@ -99,10 +99,10 @@ def model_heading(entry):
 
 
 def legend(results):
-    return wrap(f"base: {results['baseline']}; * a peer (not fastoptim); {NOT_MEASURED} not measured (the status or a "
-            f"note says why); {SHARED_INSTANCE} shares its family's instance, whose first step (state allocation, "
-            f"compilation) is on the family's first row; spread: (max - min) / median over the repeats, ! above "
-            f"{100 * results['spread_limit']:.0f}%.")
+    return wrap(f"base: {results['baseline']}; * a peer (not fastoptim); {NOT_MEASURED} not measured (the status "
+                f"or a note says why); {SHARED_INSTANCE} shares its family's instance, whose first step (state "
+                f"allocation, compilation) is on the family's first row; spread: (max - min) / median over the "
+                f"repeats, ! above {100 * results['spread_limit']:.0f}%.")
 
 
 def summary_tables(results):

@@ -430,6 +430,7 @@ def main(models, names, settings, out):
     print(report.title(results), flush=True)
     if results["load_at_start"]["busy"]:
         print(report.busy_warning(results), flush=True)
+    print(report.legend(results), flush=True)
     progress = Progress(units * len(models))
     try:
         for model in models:
