@@ -161,7 +161,7 @@ def peer_mark(result):
 def title(results):
     return wrap(f"fastoptim {results['fastoptim']}, torch {results['torch']}, {results['machine']['cpu']}, "
             f"{results['threads']} threads, {results['device']}, {results['dtype']}, gradients from "
-            f"{results['gradients']}; {results['steps']} steps x {results['repeats']} interleaved repeats (medians)")
+            f"{results['gradients']}; {results['steps']} step(s) x {results['repeats']} interleaved repeats (medians)")
 
 
 def markdown(results):
