@@ -1,22 +1,36 @@
 #!/usr/bin/env bash
-# Creates .venv with torch, fastoptim (editable) and the test tools. Safe to re-run.
+# Creates .venv for one of the README's commands, and is safe to re-run:
+#   scripts/setup.sh bench   torch, fastoptim (editable, C kernel built) and what `fastoptim bench` uses
+#   scripts/setup.sh test    all of that, and the test tools, Triton and the training frameworks the tests use
+# torch comes from scripts/install_torch.py: a CPU build where there is no GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+purpose=${1:-test}
+gpu=no
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then gpu=yes; fi
+case $purpose in
+    # Triton's kernels are the fused GPU engine; on a CPU machine only the tests use them (in its interpreter).
+    bench) extras=bench,peers; [ $gpu = no ] || extras+=,triton ;;
+    test) extras=test,bench,peers,frameworks,triton ;;
+    *) echo "usage: scripts/setup.sh [bench|test]" >&2; exit 2 ;;
+esac
 # --system-site-packages: a torch already installed for this Python is used as it is.
 [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv --system-site-packages .venv
+.venv/bin/python scripts/install_torch.py
 pip=(.venv/bin/python -m pip install --quiet)
-if .venv/bin/python -c "import torch" 2>/dev/null; then
-    .venv/bin/python -c "import sys, torch; v = tuple(map(int, torch.__version__.split('.')[:2]));
-sys.exit(0 if v >= (2, 4) else f'setup: torch {torch.__version__} is installed; fastoptim needs torch>=2.4')"
+# The editable install builds the C kernel, minutes of compiling: where fastoptim is installed and its
+# kernel is newer than what it is built from (as after the other command's set-up), only the
+# requirements of pyproject.toml (its dependencies and these extras) are installed.
+kernel=$(ls fastoptim/kernels/_fused_cpu*.so 2>/dev/null | head -1)
+if .venv/bin/python -c "import fastoptim" 2>/dev/null && [ -n "$kernel" ] && [ "$kernel" -nt fastoptim/kernels/fused_cpu.c ] \
+        && [ "$kernel" -nt fastoptim/kernels/fused_cpu_specs.h ] && [ "$kernel" -nt setup.py ]; then
+    mapfile -t requirements < <(.venv/bin/python -c 'import sys, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+print("\n".join(project["dependencies"] + [r for extra in sys.argv[1].split(",")
+                                          for r in project["optional-dependencies"][extra]]))' "$extras")
+    "${pip[@]}" "${requirements[@]}"
 else
-    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-        "${pip[@]}" "torch>=2.4"
-    elif ! "${pip[@]}" "torch==2.13.0+cpu"; then
-        # A plain 'torch' requirement would pull several GB of CUDA packages onto a machine without a GPU.
-        echo "setup: no CPU build of torch found; install a CPU torch>=2.4 into .venv, then re-run" >&2
-        exit 1
-    fi
+    "${pip[@]}" -e ".[$extras]"
 fi
-"${pip[@]}" -e ".[test,bench,peers,triton]"
-# timm's Adan is a test peer, loaded by file path: timm's package imports torchvision, so no deps.
+# timm's Adan is a peer, loaded by file path: timm's package imports torchvision, so no deps.
 "${pip[@]}" --no-deps "timm>=1.0"

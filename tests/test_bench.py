@@ -1,7 +1,11 @@
 """`fastoptim bench` end to end on a tiny model, its name checks, its JSON schema, its handling of
-missing peers, oversized models and Ctrl-C, and the memory method it relies on."""
+missing peers, oversized models and Ctrl-C, its report of noise (spread, load, the busy warning),
+the width of its tables, its rounds, and the memory method it relies on."""
 import json
+import os
+import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -14,12 +18,13 @@ pytest.importorskip("matplotlib")
 
 TINY = ["--models", "gpt2-tiny", "--steps", "2", "--repeats", "2"]
 TOP_KEYS = {"schema", "fastoptim", "torch", "machine", "device", "dtype", "threads", "steps", "repeats", "baseline",
-            "gradients", "interrupted", "models"}
+            "gradients", "spread_limit", "load_at_start", "busy", "interrupted", "models"}
 MODEL_KEYS = {"model", "status", "message", "params", "tensors", "param_bytes", "grad_bytes", "optimizers",
-              "probe_gbps"}
-RESULT_KEYS = {"optimizer", "status", "message", "ms_per_step", "total_ms", "samples_ms", "first_step_ms",
-               "state_bytes", "peak_extra_bytes", "peak_bytes", "traffic_bytes", "gbps", "of_probe",
-               "time_vs_baseline", "peak_vs_baseline"}
+              "probe_gbps", "probe_spread", "load"}
+LOAD_KEYS = {"cpus", "load_before", "load_after", "others_cores", "busy"}
+RESULT_KEYS = {"optimizer", "library", "status", "message", "ms_per_step", "min_ms", "max_ms", "spread", "noisy",
+               "total_ms", "samples_ms", "first_step_ms", "state_bytes", "peak_extra_bytes", "peak_bytes",
+               "traffic_bytes", "gbps", "of_probe", "time_vs_baseline", "peak_vs_baseline"}
 
 
 def bench(tmp_path, *args):
@@ -32,6 +37,12 @@ def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     names = ["torch-adam-foreach", "adan-foreach", "adan-fused-multi", "adamwsn-fused-single"]
     return out, bench(out, "--optimizers", *names), names
+
+
+def row(text, *cells):
+    """Whether the padded markdown ``text`` has a row starting with ``cells``."""
+    return any([cell.strip() for cell in line.split("|")[1:1 + len(cells)]] == list(cells)
+               for line in text.splitlines())
 
 
 def test_the_command_writes_the_table_json_and_plot_with_the_requested_rows(tiny_run, capsys):
@@ -47,8 +58,9 @@ def test_the_command_writes_the_table_json_and_plot_with_the_requested_rows(tiny
     assert entry["optimizers"][0]["time_vs_baseline"] == 1.0
     text = (out / "results.md").read_text()
     for name in names:
-        assert f"| {name} |" in text
-    assert "| gpt2-tiny |" in text  # the seeds' layout
+        assert row(text, name + (" *" if name.startswith("torch") else ""))
+    assert row(text, "optimizer", "gpt2-tiny")  # the summary: optimizers as rows, models as columns
+    assert max(map(len, text.splitlines())) <= 120
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -66,12 +78,27 @@ def test_the_figures_are_consistent(tiny_run):
 
 def test_the_json_schema_is_stable(tiny_run):
     _, results, _ = tiny_run
-    assert results["schema"] == 1 and set(results) == TOP_KEYS
+    assert results["schema"] == 2 and set(results) == TOP_KEYS
     assert {"cpu", "cpus", "memory_bytes", "gpu", "system", "python"} <= set(results["machine"])
+    assert set(results["load_at_start"]) == LOAD_KEYS
     for entry in results["models"]:
-        assert set(entry) == MODEL_KEYS
+        assert set(entry) == MODEL_KEYS and set(entry["load"]) == LOAD_KEYS
         for r in entry["optimizers"]:
             assert set(r) == RESULT_KEYS
+
+
+def test_each_figure_carries_its_spread_and_the_load_it_was_taken_under(tiny_run):
+    _, results, _ = tiny_run
+    (entry,) = results["models"]
+    for r in entry["optimizers"]:
+        low, middle, high = min(r["samples_ms"]), r["ms_per_step"], max(r["samples_ms"])
+        assert (r["min_ms"], r["max_ms"]) == (low, high) and low <= middle <= high
+        assert r["spread"] == pytest.approx((high - low) / middle)
+        assert r["noisy"] == (r["spread"] > 0.10)
+    load = entry["load"]
+    assert load["cpus"] >= 1 and len(load["load_before"]) == len(load["load_after"]) == 3
+    assert load["others_cores"] >= 0 and load["busy"] == (load["others_cores"] >= run.BUSY_CORES)
+    assert results["busy"] == (results["load_at_start"]["busy"] or load["busy"])
 
 
 def test_compare_shows_two_runs_side_by_side(tiny_run, capsys):
@@ -80,7 +107,7 @@ def test_compare_shows_two_runs_side_by_side(tiny_run, capsys):
     text = capsys.readouterr().out
     for name in names:
         assert f"| gpt2-tiny | {name} |" in text
-    assert "| 1.00 |" in text
+    assert "| 1.00 " in text
 
 
 @pytest.mark.parametrize("args, message", [
@@ -116,7 +143,8 @@ def test_a_missing_or_failing_peer_is_reported_not_dropped(tmp_path, monkeypatch
     assert rows["bnb-adamw8bit"]["status"] == "missing" and "bitsandbytes" in rows["bnb-adamw8bit"]["message"]
     assert rows["torchao-adamw8bit"]["status"] == "failed" and "no CPU kernel" in rows["torchao-adamw8bit"]["message"]
     text = (tmp_path / "results.md").read_text()
-    assert "| bnb-adamw8bit |" in text and "missing" in text
+    assert row(text, "bnb-adamw8bit *", "—") and "- bnb-adamw8bit: missing: No module named 'bitsandbytes'" in text
+    assert 'pip install "fastoptim[peers]"' in text
 
 
 def test_a_model_too_large_for_free_memory_is_skipped_before_it_is_built(tmp_path, monkeypatch):
@@ -145,6 +173,56 @@ def test_ctrl_c_writes_what_was_measured(tmp_path, monkeypatch):
     assert first["status"] == "ok" and first["optimizers"][0]["ms_per_step"] > 0
     assert second["status"] == "interrupted"
     assert "Interrupted" in (tmp_path / "results.md").read_text()
+
+
+def test_a_busy_machine_is_warned_of_at_the_top_and_bottom_and_memory_ticks_per_optimizer(tmp_path, monkeypatch,
+                                                                                         capsys):
+    monkeypatch.setattr(run, "BUSY_CORES", -1.0)  # any load counts as busy
+    ticks = []
+    monkeypatch.setattr(run.Progress, "advance", lambda self, model, what, n=1: ticks.append((what, n)))
+    names = ["adan-fused-multi", "adamw-fused-multi"]
+    results = bench(tmp_path, "--optimizers", *names)
+    assert results["busy"] and results["models"][0]["load"]["busy"]
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert any(line.startswith("WARNING: the machine was busy") for line in printed[:4])
+    assert any(line.startswith("WARNING: the machine was busy") for line in printed[-5:])
+    text = (tmp_path / "results.md").read_text()
+    assert text.count("WARNING: the machine was busy") == 2
+    assert [what for what, _ in ticks if what.startswith("memory")] == [f"memory of {name}" for name in names]
+    assert sum(n for _, n in ticks) == 1 + (2 + 1) * len(names)  # build, 2 repeats and the memory of each
+
+
+def test_rounds_hold_one_family_when_the_budget_allows_no_more(tmp_path, monkeypatch):
+    monkeypatch.setattr(run, "ROUND_STATE_BYTES", 0)
+    rounds = []
+    next_round = run.next_round
+
+    def recorded(*args):
+        table, sizes = next_round(*args)
+        rounds.append(sorted(table))
+        return table, sizes
+    monkeypatch.setattr(run, "next_round", recorded)
+    results = bench(tmp_path, "--optimizers", "adan-foreach", "adan-fused-multi", "adamw-foreach", "--no-memory")
+    assert rounds == [["adan-foreach", "adan-fused-multi"], ["adamw-foreach"]]  # a family shares its instance
+    assert all(r["status"] == "ok" and r["ms_per_step"] > 0 for r in results["models"][0]["optimizers"])
+
+
+def test_import_noise_is_kept_off_the_output(capfd):
+    from fastoptim.extras import output_discarded
+    with output_discarded():
+        os.write(1, b"from C\n")
+        os.write(2, b"from C\n")
+        print("from Python", file=sys.stderr)
+        warnings.warn("deprecated")
+    print("after")
+    assert capfd.readouterr() == ("after\n", "")
+
+
+def test_the_peers_import_quietly():
+    pytest.importorskip("torchao")
+    code = "from fastoptim.extras import quiet_import; quiet_import('transformers'); quiet_import('torchao.optim')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout == out.stderr == ""
 
 
 # --- the memory method ------------------------------------------------------------------------------

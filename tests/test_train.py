@@ -40,6 +40,8 @@ def test_the_command_writes_the_table_curves_and_json_with_the_requested_rows(tm
     for name in names:
         assert f"| {name} |" in text
     assert "step reaching adan's" in text and "final val loss by lr" in text
+    assert "adan is fastoptim's Adan; adamw is torch's AdamW; adan-8bit is fastoptim's Adan, each with fused=True." \
+        in text
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 
 def _status_kib(field):
@@ -29,11 +30,24 @@ def measure_step(step):
 def in_subprocess(target, spec):
     """``target(spec)`` ("module:function", ``spec`` and its result JSON) in a fresh process set up
     for measuring. A process that fails raises RuntimeError with the end of what it printed."""
+    (result,) = streamed(target, spec)
+    return result
+
+
+def streamed(target, spec):
+    """Like in_subprocess, for a ``target`` that is a generator: its items, as each comes."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     module, function = target.split(":")
-    code = (f"import json, sys; from {module} import {function} as f; "
-            "print(json.dumps(f(json.loads(sys.argv[1]))))")
-    out = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], env=env, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise RuntimeError(f"measuring process failed ({out.returncode}): {out.stderr.strip()[-500:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    code = (f"import json, sys, types; from {module} import {function} as f\n"
+            "result = f(json.loads(sys.argv[1]))\n"
+            "for item in result if isinstance(result, types.GeneratorType) else [result]:\n"
+            "    print('item', json.dumps(item), flush=True)")
+    with tempfile.TemporaryFile("w+") as errors:
+        with subprocess.Popen([sys.executable, "-c", code, json.dumps(spec)], env=env, stdout=subprocess.PIPE,
+                              stderr=errors, text=True) as process:
+            for line in process.stdout:
+                if line.startswith("item "):  # anything else is what an import printed
+                    yield json.loads(line[5:])
+        if process.returncode != 0:
+            errors.seek(0)
+            raise RuntimeError(f"measuring process failed ({process.returncode}): {errors.read().strip()[-500:]}")

@@ -102,8 +102,14 @@ SEED_MODELS = [f"gpt2-h{h}-l{layer}-d{d}" for h, layer, d in GPT2_GRID] + [
 
 
 def quiet_transformers():
-    import transformers
+    """transformers, its logging turned down, and its model code loaded with the noise kept off the
+    output: that code imports torchao where it is installed (see fastoptim.extras.quiet_import)."""
+    from ..extras import output_discarded, quiet_import
+    transformers = quiet_import("transformers")
     transformers.logging.set_verbosity_error()
+    with output_discarded():
+        transformers.PreTrainedModel  # a lazy attribute: its first access loads the model code
+
 
 
 def shapes(name):

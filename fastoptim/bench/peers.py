@@ -1,5 +1,6 @@
 """Peer optimizers, built the way the benchmark steps them. A peer that is not installed raises
-ImportError, which the benchmark reports as missing."""
+ImportError, which the benchmark reports as missing. Each is imported only when it is built, and
+quietly (see fastoptim.extras.quiet_import)."""
 import importlib
 import importlib.util
 import sys
@@ -7,6 +8,8 @@ import types
 from pathlib import Path
 
 import torch
+
+from ..extras import quiet_import
 
 
 def timm_adan_class():
@@ -41,20 +44,16 @@ def timm_adan(params, _sn, **options):
 
 
 def pytorch_optimizer_adan(params, _sn, **options):
-    import pytorch_optimizer
-    return pytorch_optimizer.Adan(params, **options)
+    return quiet_import("pytorch_optimizer").Adan(params, **options)
 
 
 def pytorch_optimizer_adamwsn(params, sn, **options):
-    import pytorch_optimizer
-    return pytorch_optimizer.AdamWSN(sn_groups(params, sn), **options)
+    return quiet_import("pytorch_optimizer").AdamWSN(sn_groups(params, sn), **options)
 
 
 def bitsandbytes_adamw8bit(params, _sn, **options):
-    import bitsandbytes
-    return bitsandbytes.optim.AdamW8bit(params, **options)
+    return quiet_import("bitsandbytes.optim").AdamW8bit(params, **options)
 
 
 def torchao_adamw8bit(params, _sn, **options):
-    from torchao.optim import AdamW8bit
-    return AdamW8bit(params, **options)
+    return quiet_import("torchao.optim").AdamW8bit(params, **options)

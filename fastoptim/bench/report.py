@@ -1,16 +1,21 @@
-"""What `fastoptim bench` writes: markdown tables (per model, and the seeds' layout), results.json,
+"""What `fastoptim bench` writes: markdown tables (per model, and a summary per figure), results.json,
 PNG plots, and a side-by-side view of two runs."""
 import json
 import os
 import platform
+import textwrap
 from pathlib import Path
 
 import torch
 
 import fastoptim
 
-SCHEMA = 1
+SCHEMA = 2  # 2: spread of each figure, the machine's load, the peers' library
 MIB = 2**20
+WIDTH = 120  # of every printed line
+NOT_MEASURED = "—"
+SHARED_INSTANCE = "·"
+SPREAD_LIMIT = 0.10  # a figure whose (max - min) / median over the repeats exceeds this is flagged
 
 
 def machine():
@@ -31,104 +36,186 @@ def header(settings):
     return dict(schema=SCHEMA, fastoptim=fastoptim.__version__, torch=torch.__version__, machine=machine(),
                 **{key: settings[key] for key in ("device", "dtype", "threads", "steps", "repeats", "baseline",
                                                   "gradients")},
-                interrupted=False, models=[])
+                spread_limit=SPREAD_LIMIT, load_at_start=None, busy=False, interrupted=False, models=[])
 
 
 def number(value, digits=1, scale=1.0):
     return "" if value is None else f"{value / scale:.{digits}f}"
 
 
-def model_table(entry, settings):
-    """One model's table: a row per optimizer, every figure."""
-    base, steps = settings["baseline"], settings["steps"]
-    columns = ["optimizer", "ms/step", f"{steps} steps (ms)", f"time vs {base}", "first step (ms)", "state MiB",
-               "step extra MiB", "peak MiB", f"peak vs {base}", "GB/s", "of probe", "status"]
-    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+def cell(value, digits=1, scale=1.0):
+    return NOT_MEASURED if value is None else number(value, digits, scale)
+
+
+def grid(columns, rows):
+    """A markdown table padded into columns, readable as it prints."""
+    widths = [max(len(str(row[i])) for row in [columns, *rows]) for i in range(len(columns))]
+    line = lambda row: "| " + " | ".join(str(text).ljust(width) for text, width in zip(row, widths)) + " |"
+    return "\n".join([line(columns), "|" + "|".join("-" * (width + 2) for width in widths) + "|",
+                      *map(line, rows)])
+
+
+def spread_cell(result):
+    if result["spread"] is None:
+        return NOT_MEASURED
+    return f"{100 * result['spread']:.0f}%" + ("!" if result["noisy"] else "")
+
+
+def model_tables(entry, results):
+    """One model's figures: a time table and a memory table, a row per optimizer each, then a note per
+    optimizer that did not run."""
+    time_rows, memory_rows, notes = [], [], []
     for r in entry["optimizers"]:
-        status = r["status"] if not r["message"] else f"{r['status']}: {r['message'][:80]}"
-        lines.append(f"| {r['optimizer']} | {number(r['ms_per_step'])} | {number(r['total_ms'], 0)} | "
-                     f"{number(r['time_vs_baseline'], 2)} | {number(r['first_step_ms'], 0)} | "
-                     f"{number(r['state_bytes'], 1, MIB)} | "
-                     f"{number(r['peak_extra_bytes'], 1, MIB)} | {number(r['peak_bytes'], 0, MIB)} | "
-                     f"{number(r['peak_vs_baseline'], 3)} | {number(r['gbps'])} | {number(r['of_probe'], 2)} | "
-                     f"{status} |")
-    return "\n".join(lines)
+        name = r["optimizer"] + peer_mark(r)
+        first = SHARED_INSTANCE if r["first_step_ms"] is None and r["status"] == "ok" else cell(r["first_step_ms"], 0)
+        range_ms = f"{r['min_ms']:.1f}-{r['max_ms']:.1f}" if r["min_ms"] is not None else NOT_MEASURED
+        time_rows.append([name, cell(r["ms_per_step"]), range_ms, spread_cell(r), cell(r["time_vs_baseline"], 2),
+                          first, cell(r["gbps"]), cell(r["of_probe"], 2), r["status"]])
+        memory_rows.append([name, cell(r["state_bytes"], 1, MIB), cell(r["peak_extra_bytes"], 1, MIB),
+                            cell(r["peak_bytes"], 0, MIB), cell(r["peak_vs_baseline"], 3)])
+        if r["message"]:
+            notes.append(f"- {r['optimizer']}: {r['status']}: {r['message']}"[:WIDTH])
+    time = grid(["optimizer", "ms/step", "min-max ms", "spread", "vs base", "1st step ms", "GB/s", "of probe",
+                 "status"], time_rows)
+    memory = grid(["optimizer", "state MiB", "step extra MiB", "peak MiB", "peak vs base"], memory_rows)
+    return "\n\n".join([time, memory, *(["\n".join(notes)] if notes else [])])
+
+
+def load_text(load):
+    return (f"load average (1 min) {load['load_before'][0]:.1f} before, {load['load_after'][0]:.1f} after on "
+            f"{load['cpus']} CPUs; other processes used {load['others_cores']:.2f} cores"
+            + (" (busy)" if load["busy"] else ""))
 
 
 def model_heading(entry):
     if entry["status"] != "ok":
         return f"### {entry['model']}: {entry['status']}: {entry.get('message')}"
-    probe = f", probe {entry['probe_gbps']:.1f} GB/s" if entry.get("probe_gbps") else ""
+    probe = ""
+    if entry.get("probe_gbps"):
+        probe = f", probe {entry['probe_gbps']:.1f} GB/s (spread {100 * entry['probe_spread']:.0f}%)"
+    load = f"\n{wrap(load_text(entry['load']))}" if entry.get("load") else ""
     return (f"### {entry['model']}: {entry['params'] / 1e6:.1f}M params in {entry['tensors']} tensors, "
-            f"{entry['param_bytes'] / MIB:.0f} MiB{probe}")
+            f"{entry['param_bytes'] / MIB:.0f} MiB{probe}{load}")
 
 
-def seeds_tables(results):
-    """The seeds' layout: a row per model; per optimizer its peak and its total time, each with its
-    ratio to the baseline in percent, as the seeds' "Δ (%)" and "FusedAdan/Adam (%)" columns."""
-    entries = [e for e in results["models"] if e["status"] == "ok"]
+def legend(results):
+    return wrap(f"base: {results['baseline']}; * a peer (not fastoptim); {NOT_MEASURED} not measured (the status "
+                f"or a note says why); {SHARED_INSTANCE} shares its family's instance, whose first step (state "
+                f"allocation, compilation) is on the family's first row; spread: (max - min) / median over the "
+                f"repeats, ! above {100 * results['spread_limit']:.0f}%.")
+
+
+def summary_tables(results):
+    """A table per figure, the optimizers as rows and the models as columns (in groups that fit the
+    width), each cell the figure with its ratio to the base."""
+    entries = [e for e in results["models"] if e.get("optimizers")]
     if not entries:
         return ""
-    names = [r["optimizer"] for r in entries[0]["optimizers"]]
-    base, steps = results["baseline"], results["steps"]
+    libraries = {r["optimizer"]: peer_mark(r) for e in entries for r in e["optimizers"]}
+    names = list(libraries)
+    by_model = [{r["optimizer"]: r for r in e["optimizers"]} for e in entries]
 
-    def table(title, value, ratio, scale, digits):
-        lines = [f"{title}", "", "| Model | Model Size (M params) | " + " | ".join(names) + " |",
-                 "|---|---|" + "---|" * len(names)]
-        for entry in entries:
-            cells = []
-            for r in entry["optimizers"]:
-                share = f" ({100 * r[ratio]:.1f}%)" if r[ratio] is not None else ""
-                cells.append(number(r[value], digits, scale) + share if r[value] is not None else r["status"])
-            lines.append(f"| {entry['model']} | {entry['params'] / 1e6:.3g} | " + " | ".join(cells) + " |")
-        return "\n".join(lines)
+    def figure(result, key, ratio, scale, digits):
+        if result is None:
+            return NOT_MEASURED
+        if result[key] is None:
+            return result["status"] if result["status"] != "ok" else NOT_MEASURED
+        share = f" ({result[ratio]:.2f}x)" if result[ratio] is not None else ""
+        return f"{result[key] / scale:.{digits}f}{share}"
 
-    return "\n\n".join([
-        table(f"Peak memory (MiB: params, grads, states and the step's peak extra; % of {base})",
-              "peak_bytes", "peak_vs_baseline", MIB, 0),
-        table(f"Time of {steps} steps (ms; % of {base})", "total_ms", "time_vs_baseline", 1, 1)])
+    tables = []
+    for title, key, ratio, scale, digits in (
+            (f"ms per step (median; x {results['baseline']})", "ms_per_step", "time_vs_baseline", 1, 1),
+            (f"peak MiB: params, grads, states and the step's extra (x {results['baseline']})", "peak_bytes",
+             "peak_vs_baseline", MIB, 0)):
+        rows = [[name + libraries[name]] + [figure(rows.get(name), key, ratio, scale, digits) for rows in by_model]
+                for name in names]
+        name_width = max(map(len, names)) + 4
+        per_group = max(1, (WIDTH - name_width) // (max(len(e["model"]) for e in entries) + 3 + 2))
+        for first in range(0, len(entries), per_group):
+            group = slice(first, first + per_group)
+            tables.append(f"{title}\n\n" + grid(["optimizer", *(e["model"] for e in entries[group])],
+                                                 [[row[0], *row[1:][group]] for row in rows]))
+    return "\n\n".join(tables)
+
+
+def busy_warning(results):
+    """One warning that the machine was busy: at the start, and (once measured) per model."""
+    loads = [("at the start", results["load_at_start"])] if results["load_at_start"] else []
+    loads += [(f"during {e['model']}", e["load"]) for e in results["models"] if e.get("load")]
+    busy = [f"{load['others_cores']:.2f} {where}" for where, load in loads if load["busy"]]
+    most = max(load["load_after"][0] for _, load in loads) if loads else 0
+    return wrap(f"WARNING: the machine was busy: other processes kept cores busy ({', '.join(busy)}; load "
+                f"average up to {most:.1f} on {os.cpu_count()} CPUs). The times are slower and noisier than "
+                f"on an idle machine.")
+
+
+def wrap(text):
+    return textwrap.fill(text, WIDTH, break_on_hyphens=False)
+
+
+def peer_mark(result):
+    return "" if result["library"] == "fastoptim" else " *"
 
 
 def title(results):
-    return (f"fastoptim {results['fastoptim']}, torch {results['torch']}, {results['machine']['cpu']}, "
+    return wrap(f"fastoptim {results['fastoptim']}, torch {results['torch']}, {results['machine']['cpu']}, "
             f"{results['threads']} threads, {results['device']}, {results['dtype']}, gradients from "
-            f"{results['gradients']}; {results['steps']} steps x {results['repeats']} interleaved repeats (medians)")
+            f"{results['gradients']}; {results['steps']} step(s) x {results['repeats']} interleaved repeats (medians)")
 
 
 def markdown(results):
-    parts = [title(results)]
+    warning = [busy_warning(results)] if results["busy"] else []
+    parts = [title(results), *warning, legend(results)]
     if results["interrupted"]:
         parts.append("**Interrupted: the figures below are what was measured before Ctrl-C.**")
     for entry in results["models"]:
         parts.append(model_heading(entry))
-        if entry["status"] == "ok" or entry.get("optimizers"):
-            parts.append(model_table(entry, results))
-    parts.append(seeds_tables(results))
+        if entry.get("optimizers"):
+            parts.append(model_tables(entry, results))
+    parts += ["## Summary", summary_tables(results), *warning]
     return "\n\n".join(parts) + "\n"
 
 
 def plot(results, path):
-    """Per model, ms per step and peak memory of every optimizer, as horizontal bars."""
+    """Per model, ms per step (log axis) and peak memory of every optimizer, as bars: fastoptim's and
+    the peers' in two colours, and on the time axis the time each step would take at the probe's
+    bandwidth, the limit for its traffic."""
     import matplotlib
     matplotlib.use("Agg")
     from matplotlib import pyplot
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
 
     entries = [e for e in results["models"] if e.get("optimizers")]
     if not entries:
         return None
-    height = 0.25 * max(len(e["optimizers"]) for e in entries) + 1
-    figure, axes = pyplot.subplots(len(entries), 2, figsize=(12, height * len(entries)), squeeze=False)
+    height = 0.25 * max(len(e["optimizers"]) for e in entries) + 1.2
+    figure, axes = pyplot.subplots(len(entries), 2, figsize=(13, height * len(entries)), squeeze=False)
+    colours = {True: "C0", False: "C7"}
     for row, entry in zip(axes, entries):
-        names = [r["optimizer"] for r in entry["optimizers"]]
-        for axis, key, scale, label in ((row[0], "ms_per_step", 1, "ms per step"),
-                                        (row[1], "peak_bytes", MIB, "peak MiB (params, grads, states, step)")):
-            values = [(r[key] or 0) / scale for r in entry["optimizers"]]
-            axis.barh(names, values, color=["C0" if n.startswith(("adan", "adamw")) else "C7" for n in names])
+        rows = entry["optimizers"]
+        names = [r["optimizer"] for r in rows]
+        for axis, key, scale, label, log in ((row[0], "ms_per_step", 1, "ms per step (log)", True),
+                                             (row[1], "peak_bytes", MIB, "peak MiB: params, grads, states, step",
+                                              False)):
+            values = [r[key] / scale if r[key] else float("nan") for r in rows]
+            axis.barh(names, values, color=[colours[r["library"] == "fastoptim"] for r in rows])
+            if log:  # times span orders of magnitude; memory bars start at 0 to compare by length
+                axis.set_xscale("log")
             axis.invert_yaxis()
             axis.set_xlabel(label)
             axis.set_title(f"{entry['model']}: {label}", fontsize=9)
             axis.tick_params(labelsize=7)
-    figure.tight_layout()
+        if entry.get("probe_gbps"):
+            limits = [r["traffic_bytes"] / entry["probe_gbps"] / 1e6 if r["traffic_bytes"] else float("nan")
+                      for r in rows]
+            row[0].scatter(limits, names, marker="|", s=120, color="black", zorder=3)
+    handles = [Patch(color=colours[True], label="fastoptim"), Patch(color=colours[False], label="peers"),
+               Line2D([], [], marker="|", linestyle="", markersize=10, color="black",
+                      label="the step's traffic at the probe's bandwidth (the limit)")]
+    figure.legend(handles=handles, loc="upper center", ncol=3, fontsize=8)
+    figure.tight_layout(rect=(0, 0, 1, 1 - 0.4 / figure.get_figheight()))
     figure.savefig(path, dpi=100)
     pyplot.close(figure)
     return path

@@ -1,17 +1,20 @@
 """Optimizer steps on real model shapes: time (interleaved repeats, medians), persistent state, peak
-extra memory of a step, and achieved bandwidth against a probe measured in the same process.
+extra memory of a step, and achieved bandwidth against a probe measured in the same process; with
+each figure its spread over the repeats, and the machine's load while it was taken.
 
 Optimizers of one family (the engines of one class, or torch's foreach and fused Adam) share one
-instance and its states: each step sets its engine flags first. Families are built while memory
-allows, and each round of families that fit is timed with its optimizers interleaved, so that the
-machine's drift hits all of them alike.
+instance and its states: each step sets its engine flags first. Families are timed in rounds whose
+states fit in ROUND_STATE_BYTES (and in free memory), each round's optimizers interleaved so that
+the machine's drift hits all of them alike, and the probe timed in every round.
 """
 import ctypes
 import functools
 import gc
 import math
+import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,7 +32,12 @@ ENGINES = {"loop": dict(foreach=False, fused=False), "foreach": dict(foreach=Tru
 FASTOPTIM = {"adan": (fastoptim.Adan, False, 32), "adamw": (fastoptim.AdamW, False, 32),
              "adan-sn": (fastoptim.Adan, True, 32), "adamwsn": (fastoptim.AdamWSN, True, 32),
              "adan-8bit": (fastoptim.Adan, False, 8), "adamw-8bit": (fastoptim.AdamW, False, 8)}
-PROBE_NUMEL = 1 << 26  # per role: far beyond the caches, and 6 such fit beside a large model
+PROBE_NUMEL = 1 << 24  # per role: 64 MiB of fp32, far beyond the caches; 6 such fit beside a large model
+# The states a round holds at once, beyond the first family: with a large model's params and grads and
+# the probe, the quick default then peaks under 4 GiB of resident memory.
+ROUND_STATE_BYTES = 2 << 30
+FAMILY_BYTES_PER_ELEMENT = 16  # the most a family keeps: Adan's four fp32 states
+BUSY_CORES = 0.25  # other processes using this many cores on average make the machine busy
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,7 @@ class Optimizer:
     make: Callable  # (params, sn) -> a torch.optim.Optimizer; sn marks the params that get subset-norm states
     flags: dict = field(default_factory=dict)  # set on every group before each step
     compiled: bool = False  # its step runs through torch.compile
+    library: str = "fastoptim"
 
 
 def fastoptim_family(cls, sn, state_bits=32):
@@ -57,14 +66,15 @@ def optimizers():
     for name, make, options in (("torch-adam", peers.torch_adam, dict(lr=1e-4)),
                                 ("torch-adamw", peers.torch_adamw, HYPERPARAMETERS)):
         table[f"{name}-foreach"] = Optimizer(name, lambda p, s, m=make, o=options: m(p, s, **o),
-                                             dict(foreach=True, fused=None))
+                                             dict(foreach=True, fused=None), library="torch")
         table[f"{name}-fused"] = Optimizer(name, lambda p, s, m=make, o=options: m(p, s, **o),
-                                           dict(foreach=None, fused=True))
-    for name, make in (("timm-adan", peers.timm_adan), ("po-adan", peers.pytorch_optimizer_adan),
-                       ("po-adamwsn", peers.pytorch_optimizer_adamwsn),
-                       ("bnb-adamw8bit", peers.bitsandbytes_adamw8bit),
-                       ("torchao-adamw8bit", peers.torchao_adamw8bit)):
-        table[name] = Optimizer(name, lambda p, s, m=make: m(p, s, **HYPERPARAMETERS))
+                                           dict(foreach=None, fused=True), library="torch")
+    for name, make, library in (("timm-adan", peers.timm_adan, "timm"),
+                                ("po-adan", peers.pytorch_optimizer_adan, "pytorch-optimizer"),
+                                ("po-adamwsn", peers.pytorch_optimizer_adamwsn, "pytorch-optimizer"),
+                                ("bnb-adamw8bit", peers.bitsandbytes_adamw8bit, "bitsandbytes"),
+                                ("torchao-adamw8bit", peers.torchao_adamw8bit, "torchao")):
+        table[name] = Optimizer(name, lambda p, s, m=make: m(p, s, **HYPERPARAMETERS), library=library)
     return table
 
 
@@ -129,11 +139,12 @@ def probe(params, device):
     from fastoptim.optimizers.adan import SPEC as ADAN
 
     shapes, numel = [], 0
-    for param in params:
-        if shapes and numel + param.numel() > PROBE_NUMEL:
-            break
-        shapes.append(param.shape)
-        numel += param.numel()
+    for param in params:  # a param beyond what is left of PROBE_NUMEL (an embedding) is passed over
+        if numel + param.numel() <= PROBE_NUMEL:
+            shapes.append(param.shape)
+            numel += param.numel()
+    if not shapes:
+        shapes, numel = [(PROBE_NUMEL,)], PROBE_NUMEL
     if torch.device(device).type == "cpu" and fused_cpu.AVAILABLE:
         buffers = {role: [torch.zeros(shape) for shape in shapes] for role in ("param", "grad") + ADAN.states}
         table = PointerTable(buffers, ADAN.rows)
@@ -171,9 +182,41 @@ def time_steps(steps_by_name, steps, repeats, device="cpu", on_sample=None):
 
 
 def new_result(name):
-    return dict(optimizer=name, status="not run", message=None, ms_per_step=None, total_ms=None,
-                samples_ms=[], first_step_ms=None, state_bytes=None, peak_extra_bytes=None, peak_bytes=None,
-                traffic_bytes=None, gbps=None, of_probe=None, time_vs_baseline=None, peak_vs_baseline=None)
+    return dict(optimizer=name, library=optimizers()[name].library, status="not run", message=None,
+                ms_per_step=None, min_ms=None, max_ms=None, spread=None, noisy=None, total_ms=None, samples_ms=[],
+                first_step_ms=None, state_bytes=None, peak_extra_bytes=None, peak_bytes=None, traffic_bytes=None,
+                gbps=None, of_probe=None, time_vs_baseline=None, peak_vs_baseline=None)
+
+
+def cpu_seconds():
+    """Busy CPU seconds so far: of the whole machine (/proc/stat, all but idle and iowait), and of this
+    process with its finished children."""
+    with open("/proc/stat") as f:
+        ticks = [int(value) for value in f.readline().split()[1:9]]  # user .. steal (guest is inside user)
+    own = os.times()
+    machine = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    return machine, own.user + own.system + own.children_user + own.children_system
+
+
+def load_snapshot():
+    return dict(load=os.getloadavg(), cpu=cpu_seconds(), time=time.perf_counter())
+
+
+def load_between(before, after):
+    """The machine's load over a stretch: load averages (1, 5, 15 min) at both ends, and the cores that
+    other processes kept busy on average, which is what slows the figures."""
+    wall = after["time"] - before["time"]
+    others = (after["cpu"][0] - before["cpu"][0]) - (after["cpu"][1] - before["cpu"][1])
+    others_cores = max(0.0, others / wall) if wall > 0 else 0.0
+    return dict(cpus=os.cpu_count(), load_before=list(before["load"]), load_after=list(after["load"]),
+                others_cores=others_cores, busy=others_cores >= BUSY_CORES)
+
+
+def machine_busy_now(seconds=1.0):
+    """The load over a short idle wait, for the warning before anything is measured."""
+    before = load_snapshot()
+    time.sleep(seconds)
+    return load_between(before, load_snapshot())
 
 
 def build_family(spec, params, sn, device):
@@ -181,7 +224,10 @@ def build_family(spec, params, sn, device):
     optimizer = spec.make(params, sn)
     step = stepper(optimizer, spec)
     start = time.perf_counter()
-    step()
+    with warnings.catch_warnings():
+        if spec.library != "fastoptim":  # a peer's advice to its developers (torchao's on compile caching)
+            warnings.simplefilter("ignore")
+        step()
     synchronize(device)
     return optimizer, time.perf_counter() - start
 
@@ -191,17 +237,18 @@ def next_round(pending, unbuilt, params, sn, results, settings, advance):
     memory together, and their state bytes. A family whose build fails is recorded in ``unbuilt``
     (family: status, message) and its optimizers' results say so."""
     known, device = optimizers(), settings["device"]
-    family_bytes = 4 * 4 * sum(p.numel() for p in params)  # the most a family keeps: Adan's four fp32 states
+    family_bytes = FAMILY_BYTES_PER_ELEMENT * sum(p.numel() for p in params)
     built, table, sizes = {}, {}, {}
     while pending:
         spec = known[pending[0]]
         if spec.family not in built and spec.family not in unbuilt:
-            if built and free_bytes(device) < 1.2 * family_bytes:
+            held = sum(state_bytes(optimizer) for optimizer, _ in built.values())
+            if built and (held + family_bytes > ROUND_STATE_BYTES or free_bytes(device) < 1.2 * family_bytes):
                 break  # the rest go in a later round, once this one's states are freed
             try:
                 built[spec.family] = build_family(spec, params, sn, device)
             except ImportError as error:
-                unbuilt[spec.family] = ("missing", str(error))
+                unbuilt[spec.family] = ("missing", f'{error} (pip install "fastoptim[peers]")')
             except Exception as error:  # a peer that fails is reported, not fatal
                 unbuilt[spec.family] = ("failed", f"{type(error).__name__}: {error}")
         name = pending.pop(0)
@@ -222,6 +269,7 @@ def measure_model(entry, names, settings, progress):
     """Everything the benchmark measures of model ``entry['model']``, filled into ``entry`` as it
     goes, so that an interrupted run still reports what it has."""
     model, device = entry["model"], settings["device"]
+    start = load_snapshot()
     params, sn = with_gradients(model, DTYPES[settings["dtype"]], device, settings["gradients"] == "backward")
     progress.advance(model, "built")
     numel = sum(p.numel() for p in params)
@@ -242,27 +290,40 @@ def measure_model(entry, names, settings, progress):
             results[name] |= dict(status="failed", message=errors[name]) if name in errors else dict(status="ok")
         del table  # and with it this round's optimizers and states
         release_memory()
-    entry["probe_gbps"] = probe_bytes / statistics.median(probe_samples) / 1e9 if probe_samples else None
+    if probe_samples:
+        entry["probe_gbps"] = probe_bytes / statistics.median(probe_samples) / 1e9
+        entry["probe_spread"] = spread(probe_samples)
     measured = [name for name in names if results[name]["status"] == "ok"]
+    for name in names:
+        if settings["memory"] and name in measured:
+            continue
+        advance(f"memory of {name}" if settings["memory"] else "no memory phase")
     if settings["memory"]:
-        for name, extra in peak_extra(model, measured, settings, params, sn).items():
+        for name, extra in peak_extra(model, measured, settings, params, sn):
             results[name]["peak_extra_bytes" if isinstance(extra, int) else "message"] = extra
-    progress.advance(model, "memory")
+            advance(f"memory of {name}")
+    entry["load"] = load_between(start, load_snapshot())
     summarize(entry, settings)
 
 
 def peak_extra(model, names, settings, params, sn):
-    """Peak extra bytes of one step of each optimizer (or an error message). On the CPU, in a fresh
-    process per model (see fastoptim.bench.memory); on CUDA, from the allocator's peak counter."""
+    """(optimizer, peak extra bytes of one step, or an error message), one pair per optimizer as each is
+    measured. On the CPU, in a fresh process per model (see fastoptim.bench.memory); on CUDA, from the
+    allocator's peak counter."""
     if not names:
-        return {}
+        return
     if torch.device(settings["device"]).type == "cpu":
         spec = dict(model=model, names=names, dtype=settings["dtype"], threads=settings["threads"])
+        done = set()
         try:
-            return memory.in_subprocess("fastoptim.bench.run:peak_extra_of_steps", spec)
+            for name, extra in memory.streamed("fastoptim.bench.run:peak_extra_of_steps", spec):
+                done.add(name)
+                yield name, extra
         except RuntimeError as error:
-            return {name: str(error) for name in names}
-    return {name: cuda_peak_extra(known_step(name, params, sn, settings["device"])) for name in names}
+            yield from ((name, str(error)) for name in names if name not in done)
+        return
+    for name in names:
+        yield name, cuda_peak_extra(known_step(name, params, sn, settings["device"]))
 
 
 def known_step(name, params, sn, device):
@@ -292,14 +353,13 @@ def peak_extra_of_steps(spec):
         param.grad = torch.empty(shape, dtype=dtype).uniform_(-1e-3, 1e-3)
         params.append(param)
         sn.append(is_sn)
-    extra = {}
     for name in spec["names"]:
         try:
-            extra[name] = memory.measure_step(known_step(name, params, sn, "cpu"))
+            extra = memory.measure_step(known_step(name, params, sn, "cpu"))
         except Exception as error:
-            extra[name] = f"{type(error).__name__}: {error}"
+            extra = f"{type(error).__name__}: {error}"
         gc.collect()
-    return extra
+        yield name, extra
 
 
 def summarize(entry, settings):
@@ -307,7 +367,9 @@ def summarize(entry, settings):
     steps, baseline = settings["steps"], settings["baseline"]
     for result in entry["optimizers"]:
         if result["samples_ms"]:
-            result["ms_per_step"] = statistics.median(result["samples_ms"])
+            samples = result["samples_ms"]
+            result |= dict(ms_per_step=statistics.median(samples), min_ms=min(samples), max_ms=max(samples),
+                           spread=spread(samples), noisy=spread(samples) > report.SPREAD_LIMIT)
             result["total_ms"] = result["ms_per_step"] * steps
         if result["state_bytes"] is not None:
             result["traffic_bytes"] = 2 * entry["param_bytes"] + entry["grad_bytes"] + 2 * result["state_bytes"]
@@ -325,15 +387,22 @@ def summarize(entry, settings):
                 result[ratio] = result[key] / base[key]
 
 
+def spread(samples):
+    """(max - min) / median: how far apart the repeats of one figure fell."""
+    return (max(samples) - min(samples)) / statistics.median(samples)
+
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class Progress:
-    """A progress bar over every (model, optimizer, repeat) sample, on stderr."""
+    """A progress bar over every model's build, (optimizer, repeat) samples and per-optimizer memory
+    measurements, on stderr. Its estimate is the run's average rate so far (smoothing=0): the units
+    differ in cost, and a recent rate would swing with them."""
 
     def __init__(self, total):
         from tqdm import tqdm
-        self.bar = tqdm(total=total, unit="sample", dynamic_ncols=True)
+        self.bar = tqdm(total=total, unit="step", dynamic_ncols=True, smoothing=0)
 
     def advance(self, model, what, n=1):
         self.bar.set_description(f"{model}: {what}", refresh=False)
@@ -356,9 +425,13 @@ def main(models, names, settings, out):
     the run and still writes what was measured."""
     torch.set_num_threads(settings["threads"])
     results = report.header(settings)
-    units = 2 + settings["repeats"] * len(names)  # build, samples, memory
-    progress = Progress(units * len(models))
+    results["load_at_start"] = machine_busy_now()
+    units = 1 + (settings["repeats"] + 1) * len(names)  # build, samples, memory of each
     print(report.title(results), flush=True)
+    if results["load_at_start"]["busy"]:
+        print(report.busy_warning(results), flush=True)
+    print(report.legend(results), flush=True)
+    progress = Progress(units * len(models))
     try:
         for model in models:
             entry = dict(model=model, status="not run", message=None)
@@ -373,7 +446,7 @@ def main(models, names, settings, out):
                 release_memory()  # the model's params and grads
             progress.write(report.model_heading(entry))
             if entry.get("optimizers"):
-                progress.write(report.model_table(entry, results) + "\n")
+                progress.write(report.model_tables(entry, results) + "\n")
     except KeyboardInterrupt:
         results["interrupted"] = True
         entry["status"] = "interrupted"
@@ -381,8 +454,11 @@ def main(models, names, settings, out):
             summarize(entry, settings)
     finally:
         progress.bar.close()
+    results["busy"] = results["load_at_start"]["busy"] or any(e.get("load", {}).get("busy") for e in results["models"])
     text = report.write(results, out)
-    print(report.seeds_tables(results))
+    print(report.summary_tables(results))
+    if results["busy"]:
+        print("\n" + report.busy_warning(results))
     print(f"\nwrote {out}/results.json, results.md and bench.png")
     if results["interrupted"]:
         raise SystemExit(130)

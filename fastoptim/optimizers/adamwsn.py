@@ -1,28 +1,30 @@
-"""AdamWSN and RMSPropSN: AdamW with a subset-norm second moment, as the seed's AdamwSN defines it."""
+"""AdamWSN and RMSPropSN: AdamW with a subset-norm second moment, as the AdamW-Subset-Norm paper's
+reference code (``adamw_sn.py``, class ``AdamwSN``) defines it."""
 
 from .adamw import AdamW
 from .base import FastOptimizer, group_lr
 
 
 class AdamWSN(AdamW):
-    """AdamW with a subset-norm second moment, as the seed's AdamwSN (see
+    """AdamW with a subset-norm second moment, as the AdamW-Subset-Norm paper's
+    reference ``AdamwSN`` (``adamw_sn.py``; see
     :func:`fastoptim.optimizers.adamw.adamw_update` with ``decay_after``).
 
-    Param groups opt in with ``'sn': True``, as in the seed's usage; the others get the same AdamW
+    Param groups opt in with ``'sn': True``, as in that code's usage; the others get the same AdamW
     with one second-moment entry per element. ``subset_size`` picks the partition (see
     fastoptim.states.subset_norm): None, the default, sums 2-D params over their smaller dimension
     and leaves other shapes per element; k > 0 cuts each flattened param into consecutive subsets
     of the largest divisor of its size that is at most k; -k does that with k' = √numel / k.
     ``betas=(0, β2)`` is RMSPropSN: no first moment is kept (see :class:`RMSPropSN`).
 
-    The seed's results need a learning rate about 10 times Adam's. ``sn`` (a constructor default
+    The paper's results need a learning rate about 10 times Adam's. ``sn`` (a constructor default
     for every group), ``maximize``, ``max_grad_norm`` and ``stochastic_rounding`` work as in
     :class:`fastoptim.Adan`; GradScaler and ``shard_group`` too. ``state_bits`` 16 or 8 keeps ``exp_avg`` in bf16 or
     8-bit blockwise codes; the subset-norm ``exp_avg_sq`` stays fp32.
 
     State per parameter: ``step`` (0-d fp32 tensor), ``exp_avg`` (unless β1 = 0), ``exp_avg_sq``
-    in the partition's shape, and the partition: ``reduce_dim`` (the seed's key, for rows or
-    columns) or ``subset_size``, so a resumed run keeps it. The seed's state dicts load.
+    in the partition's shape, and the partition: ``reduce_dim`` (the reference's key, for rows or
+    columns) or ``subset_size``, so a resumed run keeps it. The reference's state dicts load.
     """
 
     n_betas = 2

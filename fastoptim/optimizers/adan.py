@@ -77,7 +77,7 @@ class Adan(FastOptimizer):
             with the norm taken over all groups; the clipped gradient is what the state remembers.
             The coefficient stays a tensor. It is global, so it is set here, not per group.
         no_prox: decoupled weight decay ``p·(1 − lr·wd) − update`` instead of ``(p − update)/(1 + lr·wd)``.
-        foreach, fused: the engine, as the seeds choose it: ``foreach=False`` the loop engine,
+        foreach, fused: the engine: ``foreach=False`` the loop engine,
             ``foreach=True`` the foreach engine, ``fused=True`` the fused kernel (multi-tensor,
             or one call per tensor with ``foreach=False``), both None the fastest available.
         maximize: maximize the objective instead of minimizing it.

@@ -73,6 +73,10 @@ def markdown(results):
         if results["settings"]["lr_sweep"]:
             cells.append(", ".join(f"{lr}: {loss:.3f}" for lr, loss in row["val_loss_by_lr"].items()))
         lines.append("| " + " | ".join(cells) + " |")
+    from .loop import RECIPES
+    classes = [f"{row['optimizer']} is {RECIPES[row['optimizer']].cls.__module__.split('.')[0]}'s "
+               f"{RECIPES[row['optimizer']].cls.__name__}" for row in results["rows"]]
+    lines += ["", "; ".join(classes) + ", each with fused=True."]
     return "\n".join(lines) + "\n"
 
 
