@@ -1,0 +1,121 @@
+"""The step's dispatch: eager against ``torch.compile(opt.step, fullgraph=True)``, the compile time
+of the first two calls (the first creates the states, the second traces the steady step), and the
+eager step's Python time per tensor (the step with the C kernel call replaced by a no-op), for
+fastoptim's Adan, AdamW and 8-bit Adan (fused multi-tensor, a tensor lr) and torch's fused AdamW,
+on GPT-2 124M shapes and on 2000 tensors of 1,000-5,000 elements. Eager and compiled steps, and the
+bandwidth probe, are timed interleaved in one process (medians, and min..max of the per-sample
+ratio compiled/eager).
+Usage, from the repository root: .venv/bin/python -m benchmarks.dispatch [--steps N] [--repeats N]
+"""
+import argparse
+import statistics
+import time
+from unittest import mock
+
+import torch
+from torch._dynamo.utils import counters
+
+import fastoptim
+from benchmarks.scaling import gpt2_params, materialize
+from fastoptim.bench import run
+from fastoptim.kernels import fused_cpu
+from fastoptim.optimizers.base import FastOptimizer
+
+OPTIMIZERS = {
+    "fastoptim Adan": lambda params: fastoptim.Adan(params, lr=torch.tensor(1e-4), weight_decay=0.02),
+    "fastoptim AdamW": lambda params: fastoptim.AdamW(params, lr=torch.tensor(1e-4), weight_decay=0.02),
+    "fastoptim Adan 8-bit": lambda params: fastoptim.Adan(params, lr=torch.tensor(1e-4), weight_decay=0.02,
+                                                          state_bits=8),
+    "torch AdamW fused": lambda params: torch.optim.AdamW(params, lr=torch.tensor(1e-4), weight_decay=0.02,
+                                                          fused=True),
+}
+
+
+def small_tensors(count=2000):
+    sizes = torch.randint(1000, 5001, (count,), generator=torch.Generator().manual_seed(0)).tolist()
+    return materialize([(n,) for n in sizes])
+
+
+MODELS = {"GPT-2 124M": lambda: gpt2_params(12, 768)[0], "2000 small tensors": small_tensors}
+
+
+def compiled_step(optimizer):
+    """The compiled step, and the seconds of its first and second calls."""
+    ours = isinstance(optimizer, FastOptimizer)  # torch's fused step is compiler.disable'd: a graph break
+    step = torch.compile(optimizer.step, fullgraph=ours)
+    seconds = []
+    for _ in range(2):
+        start = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - start)
+    return step, seconds
+
+
+def python_seconds(optimizer, steps):
+    """The eager step's seconds with the C kernel call replaced by a no-op."""
+    with mock.patch.object(fused_cpu, "run", lambda *args, **kwargs: None):
+        optimizer.step()
+        start = time.perf_counter()
+        for _ in range(steps):
+            optimizer.step()
+        return (time.perf_counter() - start) / steps
+
+
+def measure(model_name, steps, repeats):
+    params = MODELS[model_name]()
+    copies = [[torch.nn.Parameter(p.detach().clone()) for p in params] for _ in OPTIMIZERS]
+    for copy in copies:
+        for p, original in zip(copy, params):
+            p.grad = original.grad.clone()
+    eager = {name: make(params_copy) for (name, make), params_copy in zip(OPTIMIZERS.items(), copies)}
+    compiled, first_calls = {}, {}
+    torch._dynamo.reset()
+    for (name, make), copy in zip(OPTIMIZERS.items(), copies):
+        traced_params = [torch.nn.Parameter(p.detach().clone()) for p in copy]
+        for p, original in zip(traced_params, copy):
+            p.grad = original.grad.clone()
+        counters.clear()
+        compiled[name], first_calls[name] = compiled_step(make(traced_params))
+        first_calls[name].append(counters["stats"]["unique_graphs"])
+    probe_step, probe_bytes = run.probe(params, "cpu")
+    steps_by_name = {"probe": probe_step} | {(name, "eager"): opt.step for name, opt in eager.items()} | {
+        (name, "compiled"): step for name, step in compiled.items()}
+    counters.clear()
+    samples, errors = run.time_steps(steps_by_name, steps, repeats)
+    recompiles = counters["stats"]["unique_graphs"]
+    python = {name: python_seconds(opt, steps) for name, opt in eager.items() if isinstance(opt, FastOptimizer)}
+    numel = sum(p.numel() for p in params)
+    probe_seconds = statistics.median(samples["probe"])
+    print(f"\n### {model_name}: {len(params)} tensors, {numel / 1e6:.1f}M params; probe {probe_bytes / probe_seconds / 1e9:.1f}"
+          f" GB/s; graphs compiled during the timed steps: {recompiles}")
+    print("| optimizer | eager ms | compiled ms | compiled / eager | 1st call s | 2nd call s | graphs | "
+          "eager Python µs/tensor |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in OPTIMIZERS:
+        if (name, "eager") in errors or (name, "compiled") in errors:
+            print(f"| {name} | {errors} |")
+            continue
+        e, c = samples[(name, "eager")], samples[(name, "compiled")]
+        ratios = [b / a for a, b in zip(e, c)]
+        first, second, graphs = first_calls[name]
+        py = f"{python[name] * 1e6 / len(params):.2f}" if name in python else "—"
+        print(f"| {name} | {statistics.median(e) * 1e3:.1f} | {statistics.median(c) * 1e3:.1f} | "
+              f"{statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f}) | {first:.1f} | {second:.1f} | "
+              f"{graphs} | {py} |")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=5, help="steps per sample (default 5)")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved samples (default 5)")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    args = parser.parse_args()
+    flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split()
+    print(f"threads {torch.get_num_threads()}; CPU features: "
+          f"{' '.join(f for f in ('avx2', 'fma', 'f16c', 'avx512f', 'avx512_bf16') if f in flags)}")
+    for model_name in args.models:
+        measure(model_name, args.steps, args.repeats)
+
+
+if __name__ == "__main__":
+    main()
