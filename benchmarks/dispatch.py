@@ -86,8 +86,8 @@ def measure(model_name, steps, repeats):
     python = {name: python_seconds(opt, steps) for name, opt in eager.items() if isinstance(opt, FastOptimizer)}
     numel = sum(p.numel() for p in params)
     probe_seconds = statistics.median(samples["probe"])
-    print(f"\n### {model_name}: {len(params)} tensors, {numel / 1e6:.1f}M params; probe {probe_bytes / probe_seconds / 1e9:.1f}"
-          f" GB/s; graphs compiled during the timed steps: {recompiles}")
+    print(f"\n### {model_name}: {len(params)} tensors, {numel / 1e6:.1f}M params; probe "
+          f"{probe_bytes / probe_seconds / 1e9:.1f} GB/s; graphs compiled during the timed steps: {recompiles}")
     print("| optimizer | eager ms | compiled ms | compiled / eager | 1st call s | 2nd call s | graphs | "
           "eager Python µs/tensor |")
     print("|---|---|---|---|---|---|---|---|")

@@ -74,8 +74,8 @@ _LIBRARY.impl("grad_norm_total", lambda grads, inf: _kernel_norm(grads, inf, _op
               "CompositeExplicitAutograd")
 _LIBRARY.impl("scale_grads", lambda grads, factor: _kernel_scale(grads, factor, _op_tables(grads)),
               "CompositeExplicitAutograd")
-torch.library.register_fake("fastoptim::grad_norm_total", lambda grads, inf: grads[0].new_empty((), dtype=torch.float64),
-                            lib=_LIBRARY)
+torch.library.register_fake("fastoptim::grad_norm_total",
+                            lambda grads, inf: grads[0].new_empty((), dtype=torch.float64), lib=_LIBRARY)
 torch.library.register_fake("fastoptim::scale_grads", lambda grads, factor: None, lib=_LIBRARY)
 
 

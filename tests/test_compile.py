@@ -230,3 +230,17 @@ def test_a_fallback_in_a_compiled_step_warns_once_at_tracing():
         # traced twice (the step that creates the states, then the steady one), then nothing to say
         assert ours == ([] if step == 2 else [
             "fastoptim: fused=True, but no fused kernel for torch.float64; those tensors take the foreach engine"])
+
+
+def test_the_op_refuses_what_its_kernel_cannot_take_and_lists_of_other_lengths():
+    def call(params, grads, exp_avgs):
+        lion_scalars = [torch.tensor(0.0)] * len(fastoptim.Lion.spec.all_scalars)
+        torch.ops.fastoptim.lion_step(params, grads, exp_avgs, [], lion_scalars, 0, False)
+
+    params = [torch.zeros(4, dtype=torch.float64)]
+    with pytest.raises(RuntimeError, match="kernel cannot take a tensor: no fused kernel for torch.float64"):
+        call(params, [torch.ones_like(params[0])], [torch.zeros_like(params[0])])
+    assert not params[0].any()
+    params = [torch.zeros(4), torch.zeros(4)]
+    with pytest.raises(ValueError, match="one tensor per param"):
+        call(params, [torch.ones(4)] * 2, [torch.zeros(4)])

@@ -156,7 +156,8 @@ class Tables:
             table.refresh_grads(pointers[indices])
             values = scalars if index is None else [
                 value[index] if isinstance(value, torch.Tensor) and value.dim() == 1 else value for value in scalars]
-            ranges = zip(table.first_chunk[:-1], table.first_chunk[1:]) if per_tensor_calls else [(0, len(table.chunks))]
+            ranges = (zip(table.first_chunk[:-1], table.first_chunk[1:]) if per_tensor_calls
+                      else [(0, len(table.chunks))])
             self.backend.run(spec, table, list(ranges), table_format, dict(zip(spec.all_scalars, values)), flags,
                              stochastic)
 
@@ -196,8 +197,9 @@ def _run(plan, per_tensor_calls):
         _fallback(plan.subset(prepared.left), prepared.reason)
     if prepared.tables is not None:
         taken = plan if not prepared.left else plan.subset(prepared.taken)
-        prepared.tables.launch(plan.spec, taken.tensors["grad"], _scalar_values(taken, taken.tensors["param"][0].device),
-                               plan.flags, plan.stochastic_rounding, per_tensor_calls)
+        scalars = _scalar_values(taken, taken.tensors["param"][0].device)
+        prepared.tables.launch(plan.spec, taken.tensors["grad"], scalars, plan.flags, plan.stochastic_rounding,
+                               per_tensor_calls)
 
 
 def run_multi(plan):
@@ -266,6 +268,9 @@ def _op_step(spec, param, grad, *lists_and_options):
     if not param:
         return
     states, absmax_lists = lists[:len(spec.states)], lists[len(spec.states):]
+    if any(len(ts) not in (0, len(param)) for ts in (grad, *lists)) or len(grad) != len(param):
+        raise ValueError(f"fastoptim::{spec.name}_step: every tensor list must hold one tensor per param "
+                         "(or none, for a role the step does not keep)")
     tensors = {"param": param, "grad": grad} | {role: ts for role, ts in zip(spec.states, states) if ts}
     absmax = {role: [t if t.numel() else None for t in ts] for role, ts in zip(spec.states, absmax_lists) if ts}
     backend = backends.for_device(param[0].device)
@@ -273,7 +278,7 @@ def _op_step(spec, param, grad, *lists_and_options):
         t for ts in absmax.values() for t in ts if t is not None]
     key = (spec.name, backend.NAME, len(param), param[0].data_ptr(), per_tensor_calls)
     cached = _OP_CACHE.get(key)
-    if cached is None or not cached[0].matches(held, *LAYOUT) or not cached[1].fit(grad):
+    if cached is None or cached[0].n != len(held) or not cached[0].matches(held, *LAYOUT) or not cached[1].fit(grad):
         taken, formats, left, reason = _split(tensors, spec, backend)
         if left:
             raise RuntimeError(f"fastoptim::{spec.name}_step: the {backend.NAME} kernel cannot take a tensor: {reason}")
