@@ -21,7 +21,7 @@ pip=(.venv/bin/python -m pip install --quiet)
 # The editable install builds the C kernel, minutes of compiling: where fastoptim is installed and its
 # kernel is newer than what it is built from (as after the other command's set-up), only the
 # requirements of pyproject.toml (its dependencies and these extras) are installed.
-kernel=$(ls fastoptim/kernels/_fused_cpu*.so 2>/dev/null | head -1)
+kernel=$(ls fastoptim/kernels/_fused_cpu*.so 2>/dev/null | head -1 || true)  # none in a fresh clone
 if .venv/bin/python -c "import fastoptim" 2>/dev/null && [ -n "$kernel" ] && [ "$kernel" -nt fastoptim/kernels/fused_cpu.c ] \
         && [ "$kernel" -nt fastoptim/kernels/fused_cpu_specs.h ] && [ "$kernel" -nt setup.py ]; then
     mapfile -t requirements < <(.venv/bin/python -c 'import sys, tomllib
