@@ -11,7 +11,7 @@ import torch
 from . import distributed
 from .kernels import fused_cpu
 from .multi_tensor import PointerTable, buckets, data_pointers, is_dense
-from .step_cache import DEVICE, DTYPE, SHAPE, Signature
+from .step_cache import DEVICE, DTYPE, SHAPE, OpCache, Signature
 
 
 def _kernel_takes(grads):
@@ -60,14 +60,12 @@ def _kernel_scale(grads, factor, tables):
 _LIBRARY = torch.library.Library("fastoptim", "FRAGMENT")
 _LIBRARY.define("grad_norm_total(Tensor[] grads, bool inf) -> Tensor")
 _LIBRARY.define("scale_grads(Tensor(a!)[] grads, Tensor factor) -> ()")
-_OP_TABLES = {}
+_OP_TABLES = OpCache()
 
 
 def _op_tables(grads):
     key = (len(grads), grads[0].data_ptr())
-    if key not in _OP_TABLES and len(_OP_TABLES) >= 64:
-        _OP_TABLES.clear()
-    return _OP_TABLES.setdefault(key, GradTables())
+    return _OP_TABLES.get(key) or _OP_TABLES.keep(key, GradTables())
 
 
 _LIBRARY.impl("grad_norm_total", lambda grads, inf: _kernel_norm(grads, inf, _op_tables(grads)),
@@ -79,15 +77,16 @@ torch.library.register_fake("fastoptim::grad_norm_total",
 torch.library.register_fake("fastoptim::scale_grads", lambda grads, factor: None, lib=_LIBRARY)
 
 
-def grad_norm(grads, norm_type=2.0, group=None, cache=None):
+def grad_norm(grads, norm_type=2.0, group=None, cache=None, kernel=None):
     """The ``norm_type``-norm (2 or inf) over every tensor in ``grads``, as a 0-d tensor on the first
     grad's device: float64 where a grad is float64 (as torch's), else fp32. On grads the kernel
-    takes, ``cache`` (a :class:`GradTables`) keeps its tables. ``group``: a process group whose
-    ranks hold the rest of the grads (each exactly once); the norm is then theirs all together, and
-    every rank of it must call this, with grads or none."""
+    takes (``kernel``: ``_kernel_takes(grads)``, None to decide here), ``cache`` (a
+    :class:`GradTables`) keeps its tables. ``group``: a process group whose ranks hold the rest of
+    the grads (each exactly once); the norm is then theirs all together, and every rank of it must
+    call this, with grads or none."""
     inf = norm_type == math.inf
     wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-    if grads and _kernel_takes(grads):
+    if grads and (_kernel_takes(grads) if kernel is None else kernel):
         total = (torch.ops.fastoptim.grad_norm_total(grads, inf) if torch.compiler.is_compiling()
                  else _kernel_norm(grads, inf, cache or GradTables()))
     elif grads:
@@ -132,13 +131,13 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
     if not grads:
         return torch.tensor(0.0)
-    tables = GradTables()  # built by the norm, used again by the scaling
-    norm = grad_norm(grads, norm_type, cache=tables)
+    kernel, tables = _kernel_takes(grads), GradTables()  # the tables: built by the norm, used again by the scaling
+    norm = grad_norm(grads, norm_type, cache=tables, kernel=kernel)
     if error_if_nonfinite and not torch.isfinite(norm):  # a host sync, as in torch: only when asked for
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {norm.item()}, so it "
                            "cannot be clipped; with error_if_nonfinite=False the grads are scaled by it anyway")
     factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    if _kernel_takes(grads):
+    if kernel:
         if torch.compiler.is_compiling():
             torch.ops.fastoptim.scale_grads(grads, factor)
         else:

@@ -109,9 +109,9 @@ class PointerTable:
         self.layouts = np.ascontiguousarray(np.column_stack([subsets, formats]), dtype=np.int64)
         if not (subsets > 1).any() and not formats.any():
             self.layouts = None
-        on_cpu = all(t.device.type == "cpu" for t in tensors["param"])
+        column_numel = CPU_COLUMN_CHUNK_NUMEL if self.device.type == "cpu" else CHUNK_NUMEL  # one device: a bucket
         self.chunks, self.first_chunk = chunk_plan([t.numel() for t in tensors["param"]], subsets, blocks=blocks,
-                                                   column_numel=CPU_COLUMN_CHUNK_NUMEL if on_cpu else CHUNK_NUMEL)
+                                                   column_numel=column_numel)
         self.subsets = subsets
         self.on_device = None  # (pointers, work) as sent to the device, and the device tensors
         self.numbers = None  # the Triton engine's plain scalars as sent to the device: (values, tensor)

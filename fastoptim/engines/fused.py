@@ -25,7 +25,7 @@ import torch
 from ..multi_tensor import PointerTable, data_pointers, is_dense
 from ..specs import ABSMAX
 from ..states import formats
-from ..step_cache import LAYOUT, Signature
+from ..step_cache import LAYOUT, OpCache, Signature
 from . import backends, foreach
 
 
@@ -257,8 +257,7 @@ def _run_traced(plan, backend, per_tensor_calls):
                    *absmax, scalars, spec.flag_bits(part.flags, part.stochastic_rounding), per_tensor_calls)
 
 
-_OP_CACHE = {}  # (op, tensor count, first param's pointer, per_tensor_calls): (layout signature, Tables)
-_OP_CACHE_SIZE = 64
+_OP_CACHE = OpCache()  # (op, backend, tensor count, first param's pointer, per_tensor_calls): (signature, Tables)
 
 
 def _op_step(spec, param, grad, *lists_and_options):
@@ -282,8 +281,6 @@ def _op_step(spec, param, grad, *lists_and_options):
         taken, formats, left, reason = _split(tensors, spec, backend)
         if left:
             raise RuntimeError(f"fastoptim::{spec.name}_step: the {backend.NAME} kernel cannot take a tensor: {reason}")
-        if len(_OP_CACHE) >= _OP_CACHE_SIZE:
-            _OP_CACHE.clear()
-        cached = _OP_CACHE[key] = (Signature((), held), Tables(tensors, absmax, spec, backend, formats))
+        cached = _OP_CACHE.keep(key, (Signature((), held), Tables(tensors, absmax, spec, backend, formats)))
     flags, stochastic = spec.unpack_flags(flag_bits)
     cached[1].launch(spec, grad, scalars, flags, stochastic, per_tensor_calls)
