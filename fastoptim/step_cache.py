@@ -88,21 +88,36 @@ class GroupWork:
         self.states, self.context, self.bucket_caches = states, context, {}
         self.kept = {key: list(map(dict.get, states, repeat(key))) for key in {key for state in states for key in state}}
         self.state_owners = [t for tensors in self.kept.values() for t in tensors if isinstance(t, Tensor)]
-        if self.signature is not None:  # a cached entry (not one traced by torch.compile, which reuses nothing)
-            self.state_signature = Signature(self.state_owners, self._local_states())
-        self.partitions = partitions if any(partitions) else None
-        self.tensors = {"param": self.local_params} | {role: list(map(distributed.local, self.kept[role]))
-                                                       for role in self.roles}
-        self.absmax = {role: self.kept[role + ABSMAX] for role in self.roles if role + ABSMAX in self.kept}
+        self.state_signature = Signature(self.state_owners, self._local_states())
+        self.partitions, self.reduced_roles = partitions if any(partitions) else None, reduced_roles
+        self._read_tensors()
         spanning = {i for i, (param, part) in enumerate(zip(self.params, partitions))
                     if part is not None and distributed.spans_shards(param, part)}
         self.buckets = [(part, reduce) for bucket in buckets(self.params)
                         for part, reduce in (([i for i in bucket if i not in spanning], None),
                                              ([i for i in bucket if i in spanning], group)) if part]
+
+    def _read_tensors(self):
+        """The tensors by role from the kept states, and the block maxima of the 8-bit ones."""
+        self.tensors = {"param": self.local_params} | {role: list(map(distributed.local, self.kept[role]))
+                                                       for role in self.roles}
+        self.absmax = {role: self.kept[role + ABSMAX] for role in self.roles if role + ABSMAX in self.kept}
         if self.partitions:
-            self.tensors = {role: [t if part is None else part.view_state(t) if role in reduced_roles
-                                   else part.view_param(t) for t, part in zip(tensors, partitions)]
+            self.tensors = {role: [t if part is None else part.view_state(t) if role in self.reduced_roles
+                                   else part.view_param(t) for t, part in zip(tensors, self.partitions)]
                             for role, tensors in self.tensors.items()}
+
+    def traced(self, params, local_params, states):
+        """This work, prepared by the optimizer's ``_init_group``, for a step that torch.compile traces:
+        its decisions (engine, buckets, partitions, caches) over ``params`` and the tensors of their
+        state dicts ``states``, which a compiled step reads afresh on every call."""
+        work = GroupWork(self.roles, self.engine, params, local_params)
+        work.states, work.context, work.bucket_caches, work.state_bits = states, self.context, self.bucket_caches, \
+            self.state_bits
+        work.partitions, work.reduced_roles, work.buckets = self.partitions, self.reduced_roles, self.buckets
+        work.kept = {key: [state.get(key) for state in states] for key in self.kept}
+        work._read_tensors()
+        return work
 
     def viewed(self, grads):
         """This step's grads, in their params' views."""

@@ -91,6 +91,13 @@ def _split(tensors, spec, backend):
     return taken, taken_formats, left, reason
 
 
+def split(tensors, spec):
+    """Indices of the tensors (``tensors``: role to one tensor per param) that their device's kernel
+    takes, those left to the foreach engine, and why: a traced step's split, decided before tracing."""
+    taken, _, left, reason = _split(tensors, spec, backends.for_device(tensors["param"][0].device))
+    return taken, left, reason
+
+
 def _warn_at_tracing(ctx):
     warnings.warn(ctx.get_local("message").as_python_constant())
 
@@ -188,10 +195,10 @@ def _run(plan, per_tensor_calls):
     if plan.kernel_scalars is None:
         _fallback(plan, f"no fused kernel for {plan.spec.name} yet")
         return
-    backend = backends.for_device(plan.tensors["param"][0].device)
     if torch.compiler.is_compiling():
-        _run_traced(plan, backend, per_tensor_calls)
+        _run_traced(plan, per_tensor_calls)
         return
+    backend = backends.for_device(plan.tensors["param"][0].device)
     prepared = _prepare(plan, backend)
     if prepared.left:
         _fallback(plan.subset(prepared.left), prepared.reason)
@@ -238,10 +245,11 @@ def define_op(spec):
     OPS[spec.name] = getattr(torch.ops.fastoptim, name).default
 
 
-def _run_traced(plan, backend, per_tensor_calls):
-    """A step that torch.compile traces: the split is decided once, at tracing, and the kernel's
-    tensors go to ``spec``'s op, which the graph keeps."""
-    taken, _, left, reason = _split(plan.tensors, plan.spec, backend)
+def _run_traced(plan, per_tensor_calls):
+    """A step that torch.compile traces: the split was decided before tracing (``split``, called by
+    the optimizer's ``_init_group``), and the kernel's tensors go to ``spec``'s op, which the graph
+    keeps."""
+    taken, left, reason = plan.cache["traced split"]
     if left:
         _fallback(plan.subset(left), reason)
     if not taken:

@@ -115,6 +115,10 @@ class Adan(FastOptimizer):
                         state_bits=state_bits)
         super().__init__(params, defaults, shard_group)
 
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        self._group_step(self.param_groups[-1])  # now, not at the first step: a compiled step must find it
+
     @torch.no_grad()
     def restart_opt(self):
         """Restart as the official code does: step 0, zero moments, and the next gradient is g_prev."""
@@ -137,6 +141,9 @@ class Adan(FastOptimizer):
         first_step_weights, entry.context = entry.context, None  # for one step: then every param has a g_prev
         t = self._group_step(group).to(torch.float64) + increment  # 1 − β^t in fp32 would lose digits
         pre_grad_weight = (t > 1).float() if first_step_weights is None else (t > 1).float() * first_step_weights
+        if first_step_weights is not None and torch.compiler.is_compiling():
+            # a compiled step reads the weights again on every call: a step that counts gives every param a g_prev
+            first_step_weights.clamp_(min=increment)
         beta1, beta2, beta3 = group["betas"]
         lr, wide = group_lr(group), entry.scalar_dtype
         args = dict(beta1=beta1, beta2=beta2, beta3=beta3, eps=group["eps"], lr=lr,

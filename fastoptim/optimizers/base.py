@@ -130,8 +130,15 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        caches = self.__dict__.setdefault("_engine_caches", {})
-        work = [(group, *self._group_work(caches, index, group)) for index, group in enumerate(self.param_groups)]
+        if torch.compiler.is_compiling():
+            for index in range(len(self.param_groups)):
+                self._init_group(index)  # run eagerly by torch.compile, at tracing
+            caches = self._engine_caches
+            work = [(group, *self._traced_group_work(caches[index], group))
+                    for index, group in enumerate(self.param_groups)]
+        else:
+            caches = self.__dict__.setdefault("_engine_caches", {})
+            work = [(group, *self._group_work(caches, index, group)) for index, group in enumerate(self.param_groups)]
         amp_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         # Only the fused engines skip an inf step on the device. The others (the loop engine of
         # subsets that span shards included) look at found_inf, and so does a step that would
@@ -157,11 +164,41 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             self._count_step(group, entry, increment)
         return loss
 
-    def _creates_states(self, entry):
-        """Whether the step may create states of ``entry``'s params. A traced step's work is new
-        on every trace, so it asks the states themselves."""
-        if torch.compiler.is_compiling():
-            return not all(self.state.get(param) for param in entry.params)
+    def _init_group(self, index):
+        """The eager part of a step that torch.compile traces. torch.compile runs an optimizer's
+        ``_init_group`` eagerly while it traces ``step`` (as it does torch.optim's), so the
+        per-tensor Python that decides a step (the checks, the states' creation, which tensors the
+        fused kernel takes) runs once, untraced, and is not traced again on the next call. The
+        trace reads the decisions from the group's work (``_traced_group_work``), and dynamo's guards
+        on every tensor it reads keep them valid. The states are created here, even for a step that
+        GradScaler then skips: zeros, and the step count stays, so the trajectory is eager's."""
+        caches = self.__dict__.setdefault("_engine_caches", {})
+        caches.setdefault("clip", GradTables())  # which the step would otherwise add, changing what it guards
+        group = self.param_groups[index]
+        entry, grads = self._group_work(caches, index, group)
+        if entry.states is None and entry.params:
+            self._use_new_states(group, entry)
+        if entry.engine in engines.FUSED:
+            tensors = entry.tensors | {"grad": entry.viewed(grads)} if entry.params else {}
+            for bucket_index, (bucket, _) in enumerate(entry.buckets):
+                part = {role: [values[i] for i in bucket] for role, values in tensors.items()}
+                entry.bucket_caches.setdefault(bucket_index, {})["traced split"] = engines.fused.split(part, self.spec)
+
+    def _traced_group_work(self, entry, group):
+        """A traced step's work for ``group``: the decisions ``_init_group`` took (``entry``), over
+        the params, grads and states read where the user sees them, which the compiled step reads
+        (and dynamo guards) on every call."""
+        params = [param for param in group["params"] if param.grad is not None]
+        grads = [param.grad for param in params]
+        local_params = params
+        if self._sharded:
+            local_params, grads = list(map(distributed.local, params)), list(map(distributed.local, grads))
+        return entry.traced(params, local_params, [self.state[param] for param in params]), grads
+
+    @staticmethod
+    def _creates_states(entry):
+        """Whether the step may create states of ``entry``'s params (a traced step's never does:
+        ``_init_group`` has made them)."""
         return entry.states is None
 
     def _group_work(self, caches, index, group):
@@ -176,9 +213,6 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         engine = engines.engine_name(group["foreach"], group["fused"])
         if isinstance(group["lr"], Tensor) and params:  # a scheduler or the user may have set it since
             check_tensor_lr(group["lr"], params[0].device)
-        if torch.compiler.is_compiling():  # traced once, so nothing to reuse; data pointers do not trace
-            self._check_grads(local_params, grads)
-            return GroupWork(roles, engine, params, local_params), grads
         entry = caches.get(index)
         if entry is None or not entry.fits(roles, engine, params, local_params):
             check_params(params, type(self).__name__)  # a param's storage may have changed since it was added
@@ -237,10 +271,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
 
     def _step_group(self, group, entry, grads, grad_scale, found_inf, increment):
         if entry.states is None:  # every group is checked by now: states may be created
-            states, context = self._prepare_states(entry.params, group)
-            partitions = [subset_norm.from_record(p.shape, s) for p, s in zip(entry.params, states)]
-            entry.use_states(states, context, partitions, self.spec.reduced, self._reduce_group)
-            entry.state_bits = group["state_bits"]  # the states' format: checked again if the option changes
+            self._use_new_states(group, entry)
         args, per_tensor = self._step_arguments(group, entry, grad_scale, increment)
         plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, self.update, self.spec,
                             getattr(self, "kernel_scalars", None), self.kernel_flags(group), args,
@@ -253,6 +284,13 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                 engines.ENGINES[entry.engine](part)
             else:
                 engines.run_summing_over(part, reduce_group)
+
+    def _use_new_states(self, group, entry):
+        """Create the missing states of ``entry``'s params and hand them to it."""
+        states, context = self._prepare_states(entry.params, group)
+        partitions = [subset_norm.from_record(p.shape, s) for p, s in zip(entry.params, states)]
+        entry.use_states(states, context, partitions, self.spec.reduced, self._reduce_group)
+        entry.state_bits = group["state_bits"]  # the states' format: checked again if the option changes
 
     def _partition(self, param, state, group):
         """The subset-norm partition of a param: the one its state records; for a state without a
