@@ -2,9 +2,9 @@
 first two compiled calls (the first traces and compiles, with an empty inductor cache), and the
 eager step's Python time per tensor (the step with the C kernel call replaced by a no-op), for
 fastoptim's Adan, AdamW and 8-bit Adan (fused multi-tensor, a tensor lr) and torch's fused AdamW,
-on GPT-2 124M shapes and on 2000 tensors of 1,000-5,000 elements. Eager and compiled steps, and the
-bandwidth probe, are timed interleaved in one process (medians, and min..max of the per-sample
-ratio compiled/eager).
+on GPT-2 124M shapes and on 2000 tensors of 1,000-5,000 elements. One optimizer at a time (so that
+the others' states do not crowd the memory), its eager and compiled steps and the bandwidth probe
+are timed interleaved (medians, and min..max of the per-sample ratio compiled/eager).
 Usage, from the repository root: .venv/bin/python -m benchmarks.dispatch [--steps N] [--repeats N]
 """
 import argparse
@@ -63,47 +63,53 @@ def python_seconds(optimizer, steps):
         return (time.perf_counter() - start) / steps
 
 
+def with_grads(params):
+    """Copies of ``params``, with copies of their grads."""
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for copy, original in zip(copies, params):
+        copy.grad = original.grad.clone()
+    return copies
+
+
+def measure_one(make, params, probe_step, steps, repeats):
+    """One optimizer's eager and compiled steps, interleaved with the probe; each optimizer is timed
+    on its own, so that the others' params and states do not crowd the memory."""
+    eager = make(with_grads(params))
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, first_calls = compiled_step(make(with_grads(params)))
+    graphs = counters["stats"]["unique_graphs"]
+    counters.clear()
+    samples, errors = run.time_steps({"probe": probe_step, "eager": eager.step, "compiled": compiled}, steps, repeats)
+    recompiles = counters["stats"]["unique_graphs"]
+    python = python_seconds(eager, steps) if isinstance(eager, FastOptimizer) else None
+    torch._dynamo.reset()
+    return samples, errors, first_calls, graphs, recompiles, python
+
+
 def measure(model_name, steps, repeats):
     params = MODELS[model_name]()
-    copies = [[torch.nn.Parameter(p.detach().clone()) for p in params] for _ in OPTIMIZERS]
-    for copy in copies:
-        for p, original in zip(copy, params):
-            p.grad = original.grad.clone()
-    eager = {name: make(params_copy) for (name, make), params_copy in zip(OPTIMIZERS.items(), copies)}
-    compiled, first_calls = {}, {}
-    torch._dynamo.reset()
-    for (name, make), copy in zip(OPTIMIZERS.items(), copies):
-        traced_params = [torch.nn.Parameter(p.detach().clone()) for p in copy]
-        for p, original in zip(traced_params, copy):
-            p.grad = original.grad.clone()
-        counters.clear()
-        compiled[name], first_calls[name] = compiled_step(make(traced_params))
-        first_calls[name].append(counters["stats"]["unique_graphs"])
-    probe_step, probe_bytes = run.probe(params, "cpu")
-    steps_by_name = {"probe": probe_step} | {(name, "eager"): opt.step for name, opt in eager.items()} | {
-        (name, "compiled"): step for name, step in compiled.items()}
-    counters.clear()
-    samples, errors = run.time_steps(steps_by_name, steps, repeats)
-    recompiles = counters["stats"]["unique_graphs"]
-    python = {name: python_seconds(opt, steps) for name, opt in eager.items() if isinstance(opt, FastOptimizer)}
     numel = sum(p.numel() for p in params)
-    probe_seconds = statistics.median(samples["probe"])
-    print(f"\n### {model_name}: {len(params)} tensors, {numel / 1e6:.1f}M params; probe "
-          f"{probe_bytes / probe_seconds / 1e9:.1f} GB/s; graphs compiled during the timed steps: {recompiles}")
-    print("| optimizer | eager ms | compiled ms | compiled / eager | 1st call s | 2nd call s | graphs | "
-          "eager Python µs/tensor |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name in OPTIMIZERS:
-        if (name, "eager") in errors or (name, "compiled") in errors:
-            print(f"| {name} | {errors} |")
+    probe_step, probe_bytes = run.probe(params, "cpu")
+    rows = []
+    for name, make in OPTIMIZERS.items():
+        samples, errors, (first, second), graphs, recompiles, python = measure_one(make, params, probe_step, steps,
+                                                                                  repeats)
+        if errors:
+            rows.append(f"| {name} | {errors} |")
             continue
-        e, c = samples[(name, "eager")], samples[(name, "compiled")]
+        e, c = samples["eager"], samples["compiled"]
         ratios = [b / a for a, b in zip(e, c)]
-        first, second, graphs = first_calls[name]
-        py = f"{python[name] * 1e6 / len(params):.2f}" if name in python else "—"
-        print(f"| {name} | {statistics.median(e) * 1e3:.1f} | {statistics.median(c) * 1e3:.1f} | "
-              f"{statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f}) | {first:.1f} | {second:.1f} | "
-              f"{graphs} | {py} |")
+        probe = probe_bytes / statistics.median(samples["probe"]) / 1e9
+        py = "—" if python is None else f"{python * 1e6 / len(params):.2f}"
+        rows.append(f"| {name} | {statistics.median(e) * 1e3:.1f} | {statistics.median(c) * 1e3:.1f} | "
+                    f"{statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f}) | {first:.1f} | "
+                    f"{second:.1f} | {graphs} | {recompiles} | {py} | {probe:.1f} |")
+    print(f"\n### {model_name}: {len(params)} tensors, {numel / 1e6:.1f}M params")
+    print("| optimizer | eager ms | compiled ms | compiled / eager | 1st call s | 2nd call s | graphs | "
+          "recompiles while timed | eager Python µs/tensor | probe GB/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
 
 
 def main():
