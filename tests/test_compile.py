@@ -166,9 +166,11 @@ def test_no_recompile_after_the_step_that_creates_the_states_nor_on_scheduler_lr
     assert float(opt.param_groups[0]["lr"]) == pytest.approx(0.01 * 0.9**6)
 
 
-def test_a_compiled_training_step_keeps_the_kernel_and_fastoptim_adds_no_graph_break():
-    """Forward, backward, clip_grad_norm_ and the step in one compiled function (the backward
-    breaks the graph: that break is torch's, not ours), against the same steps in eager."""
+@pytest.mark.parametrize("compiled_autograd", [False, True])
+def test_a_compiled_training_step_keeps_the_kernel_and_fastoptim_adds_no_graph_break(compiled_autograd):
+    """Forward, backward, clip_grad_norm_ and the step in one compiled function, with or without
+    compiled autograd (the backward and torch's zero_grad break the graph: those breaks are torch's,
+    not ours), against the same steps in eager."""
     models = [torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.GELU(), torch.nn.Linear(64, 3)) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
     opts = [fastoptim.Adan(m.parameters(), lr=torch.tensor(0.01), weight_decay=0.02) for m in models]
@@ -190,9 +192,10 @@ def test_a_compiled_training_step_keeps_the_kernel_and_fastoptim_adds_no_graph_b
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(train_step, backend=record)
-    for step in range(3):
-        x = torch.randn(8, 20, generator=torch.Generator().manual_seed(step))
-        assert torch.equal(train_step(models[0], opts[0], x), compiled(models[1], opts[1], x))
+    with torch._dynamo.config.patch(compiled_autograd=compiled_autograd):
+        for step in range(3):
+            x = torch.randn(8, 20, generator=torch.Generator().manual_seed(step))
+            assert torch.equal(train_step(models[0], opts[0], x), compiled(models[1], opts[1], x))
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         assert torch.equal(a, b)
     assert calls
