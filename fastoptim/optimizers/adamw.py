@@ -88,10 +88,10 @@ class AdamW(FastOptimizer):
         super()._check_group(group, max_grad_norm)
         if not isinstance(group["amsgrad"], bool):
             raise ValueError(f"Invalid amsgrad: {group['amsgrad']!r} (must be True or False)")
-        if group["capturable"] is not False:
-            raise ValueError(f"Invalid capturable: {group['capturable']!r}: fastoptim keeps step counts and "
-                             "a tensor lr on the params' device and its fused step needs no host sync, but "
-                             "it does not offer torch's capturable mode; pass capturable=False")
+        # True changes nothing: fastoptim keeps step counts and a tensor lr on the params' device, and
+        # its warmed-up fused step never waits for the device. torch.compile sets it on CUDA groups.
+        if not isinstance(group["capturable"], bool):
+            raise ValueError(f"Invalid capturable: {group['capturable']!r} (must be True or False)")
         if group["differentiable"] is not False:
             raise ValueError(f"Invalid differentiable: {group['differentiable']!r}: fastoptim's step runs "
                              "without autograd and updates in place; pass differentiable=False")
