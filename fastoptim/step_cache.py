@@ -86,7 +86,8 @@ class GroupWork:
         dense): the tensors of a partitioned param are handed to the engines in its (a, b, c) view.
         Params whose subsets span FSDP2 shards get buckets of their own, which sum over ``group``."""
         self.states, self.context, self.bucket_caches = states, context, {}
-        self.kept = {key: list(map(dict.get, states, repeat(key))) for key in {key for state in states for key in state}}
+        keys = {key for state in states for key in state}
+        self.kept = {key: list(map(dict.get, states, repeat(key))) for key in keys}
         self.state_owners = [t for tensors in self.kept.values() for t in tensors if isinstance(t, Tensor)]
         self.state_signature = Signature(self.state_owners, self._local_states())
         self.partitions, self.reduced_roles = partitions if any(partitions) else None, reduced_roles

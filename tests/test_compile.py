@@ -166,6 +166,24 @@ def test_no_recompile_after_the_step_that_creates_the_states_nor_on_scheduler_lr
     assert float(opt.param_groups[0]["lr"]) == pytest.approx(0.01 * 0.9**6)
 
 
+def test_adan_loaded_without_a_step_count_compiles_to_one_graph():
+    """Official Adan saves no 'step' before its first step: the load makes it, so that the
+    compiled step finds it rather than creating it (which would trace a second graph)."""
+    params = model_params()
+    opt = fastoptim.Adan(params, lr=torch.tensor(0.01))
+    saved = opt.state_dict()
+    del saved["param_groups"][0]["step"]
+    opt.load_state_dict(saved)
+    assert float(opt.param_groups[0]["step"]) == 0
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(opt.step, backend="aot_eager", fullgraph=True)
+    for step in range(3):
+        set_grads(params, step)
+        compiled()
+    assert counters["stats"]["unique_graphs"] == 1 and float(opt.param_groups[0]["step"]) == 3
+
+
 @pytest.mark.parametrize("compiled_autograd", [False, True])
 def test_a_compiled_training_step_keeps_the_kernel_and_fastoptim_adds_no_graph_break(compiled_autograd):
     """Forward, backward, clip_grad_norm_ and the step in one compiled function, with or without

@@ -98,8 +98,9 @@ class Adan(FastOptimizer):
 
     State: per parameter ``exp_avg``, ``exp_avg_sq``, ``exp_avg_diff`` and ``neg_pre_grad`` (fp32, the
     official and timm keys; under ``sn``, ``exp_avg_sq`` has the partition's shape and the state
-    records the partition as ``reduce_dim`` or ``subset_size``); the step count is ``group['step']``, a 0-d fp32 tensor. State dicts of
-    official Adan and timm's Adan (integer ``step``) load and resume on the same trajectory.
+    records the partition as ``reduce_dim`` or ``subset_size``); the step count is ``group['step']``,
+    a 0-d fp32 tensor made with the group. State dicts of official Adan and timm's Adan (integer
+    ``step``) load and resume on the same trajectory.
     """
 
     n_betas = 3
@@ -177,9 +178,7 @@ class Adan(FastOptimizer):
             decay_mul=1 - decay if args["no_prox"] else 1.0, decay_div=1.0 if args["no_prox"] else 1 + decay)
 
     def _convert_saved_group(self, group):
-        if "step" not in group:
-            return
-        step = group["step"]  # official and timm keep an integer
+        step = group.get("step", 0)  # official and timm keep an integer, and none before their first step
         if isinstance(step, bool) or not isinstance(step, (int, float, torch.Tensor)) or torch.as_tensor(step).dim():
             raise ValueError(f"Invalid step: {step!r} (must be a number or a 0-d tensor)")
         step = torch.as_tensor(step, dtype=torch.float32)
