@@ -1,8 +1,36 @@
 """Without a GPU, Triton's kernels run in its interpreter on CPU tensors (see tests/test_triton.py).
-It must be chosen before Triton's kernels are defined, when fastoptim is first imported."""
+It must be chosen before Triton's kernels are defined, when fastoptim is first imported. A session
+that will run the sanitizer tests starts their build in the background (see tests/sanitized_build.py)."""
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
+import pytest
 import torch
+
+from . import sanitized_build
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+SANITIZED_BUILD = pytest.StashKey()  # (gcc process, library path) of the sanitized kernel's build
+
+
+def pytest_collection_finish(session):
+    """Start the sanitized kernel's build (minutes on one core) now, if its tests will run."""
+    if any(item.get_closest_marker("sanitizers") for item in session.items) and sanitized_build.runtimes():
+        directory = Path(tempfile.mkdtemp(prefix="fastoptim-sanitizers-"))
+        path = directory / "fused_cpu_sanitized.so"
+        session.config.stash[SANITIZED_BUILD] = sanitized_build.start(path), path
+
+
+def pytest_sessionfinish(session):
+    build = session.config.stash.get(SANITIZED_BUILD, None)
+    if build is not None:
+        process, path = build
+        if process.poll() is None:  # the run stopped before the sanitizer tests
+            process.kill()
+        process.communicate()
+        shutil.rmtree(path.parent, ignore_errors=True)

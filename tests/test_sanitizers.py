@@ -5,25 +5,17 @@ malloc then serves torch's CPU tensors too: a freed tensor's memory is poisoned 
 and only our library's accesses are checked; UBSan reports only in instrumented code anyway. A
 deliberate use after free shows that the job fails on a bad access.
 """
-import ast
 import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from .conftest import SANITIZED_BUILD
+from .sanitized_build import ROOT, runtimes, start
+
 pytestmark = pytest.mark.sanitizers
 
-ROOT = Path(__file__).parent.parent
-# -O1 overrides setup.py's -O3. -fno-var-tracking cuts the build from 3 minutes to 2 here: the
-# reports keep their file:line, only a debugger's view of local variables goes. An empty VECTORISED
-# builds each chunk function once instead of once per CPU level (2 minutes to 1): the clones differ
-# in the instructions the compiler picks, not in the memory the code reads and writes; the F16C
-# block functions, chosen at run time, are built and run as always.
-SANITIZE = ["-O1", "-g", "-fno-var-tracking", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
-            "-fno-sanitize-recover=undefined", "-DVECTORISED=", "-shared", "-fPIC"]
 # The tests of the CPU kernel (one to three minutes under the sanitizers here), less: Triton's; the
 # peak-memory ones, since ASan's allocator keeps freed memory resident, so a step's peak cannot be
 # read from /proc; the loop and foreach engines' variants, which never call the kernel; and the
@@ -34,29 +26,22 @@ SELECTION = ["tests/test_fused.py", "tests/test_blockwise8.py", "tests/test_clip
              "tests/test_adversarial.py::test_states_moved_to_new_storage_in_place_are_seen_by_the_step_cache",
              "-k", " and ".join(f"not {name}" for name in DESELECT)]
 REPORTS = ("ERROR: AddressSanitizer", "runtime error:")
-
-if shutil.which("gcc") is None:
-    pytest.skip("the sanitizer build needs gcc", allow_module_level=True)
-RUNTIMES = {name: subprocess.run(["gcc", f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
-            for name in ("libasan.so", "libubsan.so")}
-if not all(os.path.isabs(path) for path in RUNTIMES.values()):  # gcc echoes a bare name it cannot find
-    pytest.skip(f"gcc lacks a sanitizer runtime: {RUNTIMES}", allow_module_level=True)
-
-
-def setup_flags():
-    """setup.py's compile and link flags, read from it so that the two builds cannot drift apart."""
-    keywords = {k.arg: k.value for node in ast.walk(ast.parse((ROOT / "setup.py").read_text()))
-                if isinstance(node, ast.Call) for k in node.keywords}
-    return ast.literal_eval(keywords["extra_compile_args"]), ast.literal_eval(keywords["extra_link_args"])
+RUNTIMES = runtimes()
+if RUNTIMES is None:
+    pytest.skip("the sanitizer build needs gcc with its sanitizer runtimes", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
-def library(tmp_path_factory):
-    compile_flags, link_flags = setup_flags()
-    path = tmp_path_factory.mktemp("sanitizers") / "fused_cpu_sanitized.so"
-    build = subprocess.run(["gcc", *compile_flags, *SANITIZE, str(ROOT / "fastoptim/kernels/fused_cpu.c"),
-                            "-o", str(path), *link_flags], capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr[-5000:]
+def library(request, tmp_path_factory):
+    """The sanitized kernel: the build the session started in the background (tests/conftest.py), or
+    one started now."""
+    build = request.config.stash.get(SANITIZED_BUILD, None)
+    if build is None:
+        path = tmp_path_factory.mktemp("sanitizers") / "fused_cpu_sanitized.so"
+        build = start(path), path
+    process, path = build
+    _, errors = process.communicate()
+    assert process.returncode == 0, errors[-5000:]
     return path
 
 

@@ -1,0 +1,40 @@
+"""The ASan/UBSan build of the C kernel that tests/test_sanitizers.py runs the kernel tests on. It
+takes about two minutes of one core, so the session starts it in the background once it knows the
+sanitizer tests will run (tests/conftest.py), while the other tests run: they mostly leave a core free."""
+import ast
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+# -O1 overrides setup.py's -O3. -fno-var-tracking cuts the build from 3 minutes to 2 here: the
+# reports keep their file:line, only a debugger's view of local variables goes. An empty VECTORISED
+# builds each chunk function once instead of once per CPU level (2 minutes to 1): the clones differ
+# in the instructions the compiler picks, not in the memory the code reads and writes; the F16C
+# block functions, chosen at run time, are built and run as always.
+SANITIZE = ["-O1", "-g", "-fno-var-tracking", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+            "-fno-sanitize-recover=undefined", "-DVECTORISED=", "-shared", "-fPIC"]
+
+
+def runtimes():
+    """gcc's sanitizer runtimes, by name; None without gcc, or a name gcc cannot find (a bare one)."""
+    if shutil.which("gcc") is None:
+        return None
+    found = {name: subprocess.run(["gcc", f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
+             for name in ("libasan.so", "libubsan.so")}
+    return found if all(os.path.isabs(path) for path in found.values()) else None
+
+
+def setup_flags():
+    """setup.py's compile and link flags, read from it so that the two builds cannot drift apart."""
+    keywords = {k.arg: k.value for node in ast.walk(ast.parse((ROOT / "setup.py").read_text()))
+                if isinstance(node, ast.Call) for k in node.keywords}
+    return ast.literal_eval(keywords["extra_compile_args"]), ast.literal_eval(keywords["extra_link_args"])
+
+
+def start(path):
+    """Start building the sanitized kernel at ``path``: the gcc process, whose output is piped."""
+    compile_flags, link_flags = setup_flags()
+    return subprocess.Popen(["gcc", *compile_flags, *SANITIZE, str(ROOT / "fastoptim/kernels/fused_cpu.c"),
+                             "-o", str(path), *link_flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
