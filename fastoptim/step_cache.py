@@ -113,6 +113,8 @@ class GroupWork:
         its decisions (engine, buckets, partitions, caches) over ``params`` and the tensors of their
         state dicts ``states``, which a compiled step reads afresh on every call."""
         work = GroupWork(self.roles, self.engine, params, local_params)
+        if not params:  # no grads in the group this step: nothing to update
+            return work
         work.states, work.context, work.bucket_caches, work.state_bits = states, self.context, self.bucket_caches, \
             self.state_bits
         work.partitions, work.reduced_roles, work.buckets = self.partitions, self.reduced_roles, self.buckets

@@ -166,6 +166,27 @@ def test_no_recompile_after_the_step_that_creates_the_states_nor_on_scheduler_lr
     assert float(opt.param_groups[0]["lr"]) == pytest.approx(0.01 * 0.9**6)
 
 
+def test_param_groups_of_their_own_options_and_one_without_grads_compile_as_eager():
+    """Three groups (sn, 8-bit, fp32), the last without grads from the fourth step: one compiled
+    step prepares them all (dynamo reads the state dict once, after _init_group)."""
+    def make(params):
+        return fastoptim.Adan([{"params": params[:2], "sn": True}, {"params": params[2:4], "state_bits": 8},
+                               {"params": params[4:]}], lr=torch.tensor(0.01), max_grad_norm=1.0)
+    (eager_params, traced_params) = model_params(), model_params()
+    eager, traced = (eager_params, make(eager_params)), (traced_params, make(traced_params))
+    torch._dynamo.reset()
+    compiled = torch.compile(traced[1].step, backend="aot_eager", fullgraph=True)
+    for step in range(5):
+        for params in (eager_params, traced_params):
+            set_grads(params, step)
+            if step >= 3:
+                params[4].grad = None
+        eager[1].step()
+        compiled()
+    assert_same(eager, traced)
+    assert [float(group["step"]) for group in traced[1].param_groups] == [5.0] * 3
+
+
 def test_adan_loaded_without_a_step_count_compiles_to_one_graph():
     """Official Adan saves no 'step' before its first step: the load makes it, so that the
     compiled step finds it rather than creating it (which would trace a second graph)."""

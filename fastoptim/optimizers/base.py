@@ -131,8 +131,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if torch.compiler.is_compiling():
-            for index in range(len(self.param_groups)):
-                self._init_group(index)  # run eagerly by torch.compile, at tracing
+            self._init_group()  # run eagerly by torch.compile, at tracing
             caches = self._engine_caches
             work = [(group, *self._traced_group_work(caches[index], group))
                     for index, group in enumerate(self.param_groups)]
@@ -164,25 +163,27 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             self._count_step(group, entry, increment)
         return loss
 
-    def _init_group(self, index):
+    def _init_group(self):
         """The eager part of a step that torch.compile traces. torch.compile runs an optimizer's
         ``_init_group`` eagerly while it traces ``step`` (as it does torch.optim's), so the
         per-tensor Python that decides a step (the checks, the states' creation, which tensors the
         fused kernel takes) runs once, untraced, and is not traced again on the next call. The
-        trace reads the decisions from the group's work (``_traced_group_work``), and dynamo's guards
-        on every tensor it reads keep them valid. The states are created here, even for a step that
+        trace reads the decisions from each group's work (``_traced_group_work``), and dynamo's
+        guards on every tensor it reads keep them valid. Every group is prepared in one call: dynamo
+        reads the state dict once, after it. The states are created here, even for a step that
         GradScaler then skips: zeros, and the step count stays, so the trajectory is eager's."""
         caches = self.__dict__.setdefault("_engine_caches", {})
         caches.setdefault("clip", GradTables())  # which the step would otherwise add, changing what it guards
-        group = self.param_groups[index]
-        entry, grads = self._group_work(caches, index, group)
-        if entry.states is None and entry.params:
-            self._use_new_states(group, entry)
-        if entry.engine in engines.FUSED:
-            tensors = entry.tensors | {"grad": entry.viewed(grads)} if entry.params else {}
-            for bucket_index, (bucket, _) in enumerate(entry.buckets):
-                part = {role: [values[i] for i in bucket] for role, values in tensors.items()}
-                entry.bucket_caches.setdefault(bucket_index, {})["traced split"] = engines.fused.split(part, self.spec)
+        for index, group in enumerate(self.param_groups):
+            entry, grads = self._group_work(caches, index, group)
+            if entry.states is None and entry.params:
+                self._use_new_states(group, entry)
+            if entry.engine in engines.FUSED:
+                tensors = entry.tensors | {"grad": entry.viewed(grads)} if entry.params else {}
+                for bucket_index, (bucket, _) in enumerate(entry.buckets):
+                    part = {role: [values[i] for i in bucket] for role, values in tensors.items()}
+                    entry.bucket_caches.setdefault(bucket_index, {})["traced split"] = engines.fused.split(
+                        part, self.spec)
 
     def _traced_group_work(self, entry, group):
         """A traced step's work for ``group``: the decisions ``_init_group`` took (``entry``), over
