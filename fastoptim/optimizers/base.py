@@ -178,12 +178,12 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             entry, grads = self._group_work(caches, index, group)
             if entry.states is None and entry.params:
                 self._use_new_states(group, entry)
-            if entry.engine in engines.FUSED:
-                tensors = entry.tensors | {"grad": entry.viewed(grads)} if entry.params else {}
-                for bucket_index, (bucket, _) in enumerate(entry.buckets):
+            tensors = entry.tensors | {"grad": entry.viewed(grads)} if entry.params else {}
+            for bucket_index, (bucket, _) in enumerate(entry.buckets):
+                cache = entry.bucket_caches.setdefault(bucket_index, {})  # made here, not by the traced step
+                if entry.engine in engines.FUSED:
                     part = {role: [values[i] for i in bucket] for role, values in tensors.items()}
-                    entry.bucket_caches.setdefault(bucket_index, {})["traced split"] = engines.fused.split(
-                        part, self.spec)
+                    cache["traced split"] = engines.fused.split(part, self.spec)
 
     def _traced_group_work(self, entry, group):
         """A traced step's work for ``group``: the decisions ``_init_group`` took (``entry``), over
