@@ -189,12 +189,17 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         """A traced step's work for ``group``: the decisions ``_init_group`` took (``entry``), over
         the params, grads and states read where the user sees them, which the compiled step reads
         (and dynamo guards) on every call."""
+        params, local_params, grads = self._with_grads(group)
+        return entry.traced(params, local_params, [self.state[param] for param in params]), grads
+
+    def _with_grads(self, group):
+        """The group's params that have grads, what the engines update of them (their local shards,
+        for DTensors) and their grads (local shards too)."""
         params = [param for param in group["params"] if param.grad is not None]
         grads = [param.grad for param in params]
-        local_params = params
-        if self._sharded:
-            local_params, grads = list(map(distributed.local, params)), list(map(distributed.local, grads))
-        return entry.traced(params, local_params, [self.state[param] for param in params]), grads
+        if not self._sharded:
+            return params, params, grads
+        return params, list(map(distributed.local, params)), list(map(distributed.local, grads))
 
     @staticmethod
     def _creates_states(entry):
@@ -205,11 +210,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
     def _group_work(self, caches, index, group):
         """The group's :class:`GroupWork` and its params' grads (local shards of DTensors), all
         checked; nothing is changed."""
-        params = [param for param in group["params"] if param.grad is not None]
-        grads = [param.grad for param in params]
-        local_params = params
-        if self._sharded:
-            local_params, grads = list(map(distributed.local, params)), list(map(distributed.local, grads))
+        params, local_params, grads = self._with_grads(group)
         roles = self.spec.kept(self.kernel_flags(group))
         engine = engines.engine_name(group["foreach"], group["fused"])
         if isinstance(group["lr"], Tensor) and params:  # a scheduler or the user may have set it since
