@@ -143,7 +143,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         # subsets that span shards included) look at found_inf, and so does a step that would
         # create states: a skipped step must leave no trace.
         if found_inf is not None and any(
-                entry.params and (entry.engine not in engines.FUSED or self._creates_states(entry)
+                entry.params and (entry.engine not in engines.FUSED or entry.states is None
                                   or any(reduce for _, reduce in entry.buckets)) for _, entry, _ in work):
             if found_inf.item():
                 return loss
@@ -178,10 +178,11 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             entry, grads = self._group_work(caches, index, group)
             if entry.states is None and entry.params:
                 self._use_new_states(group, entry)
-            tensors = entry.tensors | {"grad": entry.viewed(grads)} if entry.params else {}
+            fused = entry.engine in engines.FUSED and entry.params
+            tensors = entry.tensors | {"grad": entry.viewed(grads)} if fused else None
             for bucket_index, (bucket, _) in enumerate(entry.buckets):
                 cache = entry.bucket_caches.setdefault(bucket_index, {})  # made here, not by the traced step
-                if entry.engine in engines.FUSED:
+                if fused:
                     part = {role: [values[i] for i in bucket] for role, values in tensors.items()}
                     cache["traced split"] = engines.fused.split(part, self.spec)
 
@@ -200,12 +201,6 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         if not self._sharded:
             return params, params, grads
         return params, list(map(distributed.local, params)), list(map(distributed.local, grads))
-
-    @staticmethod
-    def _creates_states(entry):
-        """Whether the step may create states of ``entry``'s params (a traced step's never does:
-        ``_init_group`` has made them)."""
-        return entry.states is None
 
     def _group_work(self, caches, index, group):
         """The group's :class:`GroupWork` and its params' grads (local shards of DTensors), all
