@@ -42,16 +42,22 @@ def small_tensors(count=2000):
 MODELS = {"GPT-2 124M": lambda: gpt2_params(12, 768)[0], "2000 small tensors": small_tensors}
 
 
-def compiled_step(optimizer):
-    """The compiled step, and the seconds of its first and second calls."""
-    ours = isinstance(optimizer, FastOptimizer)  # torch's fused step is compiler.disable'd: a graph break
-    step = torch.compile(optimizer.step, fullgraph=ours)
-    seconds = []
+def compiled(function, fullgraph=False):
+    """``torch.compile(function)``, and the seconds of its first and second calls."""
+    compiled_function, seconds = torch.compile(function, fullgraph=fullgraph), []
     for _ in range(2):
         start = time.perf_counter()
-        step()
+        compiled_function()
         seconds.append(time.perf_counter() - start)
-    return step, seconds
+    return compiled_function, seconds
+
+
+def time_cells(eager, compiled_samples):
+    """Table cells of eager and compiled samples: their medians (ms), and the median and range of
+    the per-sample ratio compiled / eager."""
+    ratios = [b / a for a, b in zip(eager, compiled_samples)]
+    return (f"{statistics.median(eager) * 1e3:.1f} | {statistics.median(compiled_samples) * 1e3:.1f} | "
+            f"{statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f})")
 
 
 def python_seconds(optimizer, steps):
@@ -78,10 +84,12 @@ def measure_one(make, params, probe_step, steps, repeats):
     eager = make(with_grads(params))
     torch._dynamo.reset()
     counters.clear()
-    compiled, first_calls = compiled_step(make(with_grads(params)))
+    optimizer = make(with_grads(params))
+    # torch's fused step is compiler.disable'd, a graph break: fullgraph for ours only
+    step, first_calls = compiled(optimizer.step, fullgraph=isinstance(optimizer, FastOptimizer))
     graphs = counters["stats"]["unique_graphs"]
     counters.clear()
-    samples, errors = run.time_steps({"probe": probe_step, "eager": eager.step, "compiled": compiled}, steps, repeats)
+    samples, errors = run.time_steps({"probe": probe_step, "eager": eager.step, "compiled": step}, steps, repeats)
     recompiles = counters["stats"]["unique_graphs"]
     python = python_seconds(eager, steps) if isinstance(eager, FastOptimizer) else None
     torch._dynamo.reset()
@@ -99,12 +107,9 @@ def measure(model_name, steps, repeats):
         if errors:
             rows.append(f"| {name} | {errors} |")
             continue
-        e, c = samples["eager"], samples["compiled"]
-        ratios = [b / a for a, b in zip(e, c)]
         probe = probe_bytes / statistics.median(samples["probe"]) / 1e9
         py = "—" if python is None else f"{python * 1e6 / len(params):.2f}"
-        rows.append(f"| {name} | {statistics.median(e) * 1e3:.1f} | {statistics.median(c) * 1e3:.1f} | "
-                    f"{statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f}) | {first:.1f} | "
+        rows.append(f"| {name} | {time_cells(samples['eager'], samples['compiled'])} | {first:.1f} | "
                     f"{second:.1f} | {graphs} | {recompiles} | {py} | {probe:.1f} |")
     print(f"\n### {model_name}: {len(params)} tensors, {numel / 1e6:.1f}M params")
     print("| optimizer | eager ms | compiled ms | compiled / eager | 1st call s | 2nd call s | graphs | "
@@ -141,21 +146,13 @@ def measure_training(steps, repeats):
         clip = fastoptim.clip_grad_norm_ if name.startswith("fastoptim") else torch.nn.utils.clip_grad_norm_
         eager = training_step(make, clip)
         torch._dynamo.reset()
-        compiled, first_calls = torch.compile(training_step(make, clip)), []
-        for _ in range(2):
-            start = time.perf_counter()
-            compiled()
-            first_calls.append(time.perf_counter() - start)
-        samples, errors = run.time_steps({"eager": eager, "compiled": compiled}, steps, repeats)
+        step, (first, second) = compiled(training_step(make, clip))
+        samples, errors = run.time_steps({"eager": eager, "compiled": step}, steps, repeats)
         torch._dynamo.reset()
         if errors:
             rows.append(f"| {name} | {errors} |")
             continue
-        e, c = samples["eager"], samples["compiled"]
-        ratios = [b / a for a, b in zip(e, c)]
-        rows.append(f"| {name} | {statistics.median(e) * 1e3:.1f} | {statistics.median(c) * 1e3:.1f} | "
-                    f"{statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f}) | "
-                    f"{first_calls[0]:.1f} | {first_calls[1]:.1f} |")
+        rows.append(f"| {name} | {time_cells(samples['eager'], samples['compiled'])} | {first:.1f} | {second:.1f} |")
     print(f"\n### {TRAINING}: forward, backward, clip_grad_norm_, step, zero_grad; batch 32. The first "
           "optimizer's first call also compiles the model's forward and backward, which the others find in "
           "inductor's cache")
