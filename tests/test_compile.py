@@ -188,6 +188,20 @@ def test_param_groups_of_their_own_options_and_one_without_grads_compile_as_eage
     assert [float(group["step"]) for group in traced[1].param_groups] == [5.0] * 3
 
 
+def test_a_sparse_grad_in_a_compiled_step_raises_the_eager_error_and_changes_nothing():
+    """The checks run in _init_group, eagerly at tracing: a sparse grad is refused with the eager
+    step's message (inside dynamo's error), before any param or state changes."""
+    params = model_params()
+    opt = fastoptim.Adan(params, lr=torch.tensor(0.01))
+    set_grads(params, 0)
+    params[1].grad = params[1].grad.to_sparse()
+    before = [p.detach().clone() for p in params]
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="does not support sparse gradients"):
+        torch.compile(opt.step, backend="aot_eager", fullgraph=True)()
+    assert all(torch.equal(a, b) for a, b in zip(params, before)) and not any(opt.state.values())
+
+
 def test_adan_loaded_without_a_step_count_compiles_to_one_graph():
     """Official Adan saves no 'step' before its first step: the load makes it, so that the
     compiled step finds it rather than creating it (which would trace a second graph)."""
