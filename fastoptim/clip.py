@@ -10,7 +10,7 @@ import torch
 
 from . import distributed
 from .kernels import fused_cpu
-from .multi_tensor import PointerTable, buckets, data_pointers, is_dense
+from .multi_tensor import PointerTable, buckets, data_pointers, disjoint, is_dense
 from .step_cache import DEVICE, DTYPE, SHAPE, OpCache, Signature
 
 
@@ -43,20 +43,62 @@ class GradTables:
         return self.tables
 
 
-def _kernel_norm(grads, inf, tables):
-    """The sum of squares (or with ``inf`` the largest magnitude) of ``grads``, float64, by the kernel."""
-    partials = torch.cat([torch.zeros(1, dtype=torch.float64)] + [
-        fused_cpu.grad_norm_partials(table, dtype, inf, torch.get_num_threads()) for dtype, table in tables(grads)])
-    return partials.max() if inf else partials.sum()
+def _total(grads, inf, kernel, tables):
+    """The sum of squares (or with ``inf`` the largest magnitude) of ``grads``, float64 from the
+    kernel (``kernel``: whether it takes them; ``tables``: a :class:`GradTables`), else in the
+    grads' widest dtype from ``torch._foreach_norm``, per device."""
+    if kernel:
+        partials = torch.cat([torch.zeros(1, dtype=torch.float64)] + [
+            fused_cpu.grad_norm_partials(table, dtype, inf, torch.get_num_threads()) for dtype, table in tables(grads)])
+        return partials.max() if inf else partials.sum()
+    wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    device, parts = grads[0].device, []
+    for bucket in buckets(grads):
+        norms = torch.stack(torch._foreach_norm([grads[i] for i in bucket], math.inf if inf else 2.0, dtype=wide))
+        parts.append((norms.max() if inf else norms.square().sum()).to(device, wide, non_blocking=True))
+    parts = torch.stack(parts)
+    return parts.max() if inf else parts.sum()
 
 
-def _kernel_scale(grads, factor, tables):
-    for dtype, table in tables(grads):
-        fused_cpu.scale_grads(table, dtype, factor, torch.get_num_threads())
+def _scale(grads, factor, kernel, tables):
+    """Multiply ``grads`` by ``factor`` (a one-element tensor) in place: by the kernel where it takes
+    them (``kernel``, as for :func:`_total`) and no two share memory (its threads would race), else
+    by ``torch._foreach_mul_``, per device."""
+    if kernel and disjoint(grads):
+        factor = factor.to("cpu", torch.float32).reshape(())  # the kernel reads one fp32 value
+        for dtype, table in tables(grads):
+            fused_cpu.scale_grads(table, dtype, factor, torch.get_num_threads())
+        return
+    for bucket in buckets(grads):
+        torch._foreach_mul_([grads[i] for i in bucket], factor.to(grads[bucket[0]].device))
+
+
+def _check_grads(op, grads):
+    for i, grad in enumerate(grads):
+        if grad.layout != torch.strided or not (grad.is_floating_point() or grad.is_complex()):
+            raise ValueError(f"fastoptim::{op}: grads[{i}] must be a strided floating-point or complex tensor, got "
+                             f"{grad.layout} {grad.dtype}")
+
+
+def _op_grad_norm_total(grads, inf):
+    _check_grads("grad_norm_total", grads)
+    if not grads:
+        return torch.zeros((), dtype=torch.float64)
+    return _total(grads, inf, _kernel_takes(grads), _op_tables(grads)).double()
+
+
+def _op_scale_grads(grads, factor):
+    _check_grads("scale_grads", grads)
+    if factor.numel() != 1 or not factor.is_floating_point():
+        raise ValueError(f"fastoptim::scale_grads: factor must be a one-element floating-point tensor, got "
+                         f"{factor.dtype} of shape {tuple(factor.shape)}")
+    if grads:
+        _scale(grads, factor, _kernel_takes(grads), _op_tables(grads))
 
 
 # The kernels as custom ops, which torch.compile keeps in a traced step (a ctypes call does not
 # trace). Their tables are kept per list of grads (its length and first pointer), checked as always.
+# Called with grads the kernel cannot take, they do what torch's foreach ops do.
 _LIBRARY = torch.library.Library("fastoptim", "FRAGMENT")
 _LIBRARY.define("grad_norm_total(Tensor[] grads, bool inf) -> Tensor")
 _LIBRARY.define("scale_grads(Tensor(a!)[] grads, Tensor factor) -> ()")
@@ -68,12 +110,10 @@ def _op_tables(grads):
     return _OP_TABLES.get(key) or _OP_TABLES.keep(key, GradTables())
 
 
-_LIBRARY.impl("grad_norm_total", lambda grads, inf: _kernel_norm(grads, inf, _op_tables(grads)),
-              "CompositeExplicitAutograd")
-_LIBRARY.impl("scale_grads", lambda grads, factor: _kernel_scale(grads, factor, _op_tables(grads)),
-              "CompositeExplicitAutograd")
-torch.library.register_fake("fastoptim::grad_norm_total",
-                            lambda grads, inf: grads[0].new_empty((), dtype=torch.float64), lib=_LIBRARY)
+_LIBRARY.impl("grad_norm_total", _op_grad_norm_total, "CompositeExplicitAutograd")
+_LIBRARY.impl("scale_grads", _op_scale_grads, "CompositeExplicitAutograd")
+torch.library.register_fake("fastoptim::grad_norm_total", lambda grads, inf: torch.empty(
+    (), dtype=torch.float64, device=grads[0].device if grads else None), lib=_LIBRARY)
 torch.library.register_fake("fastoptim::scale_grads", lambda grads, factor: None, lib=_LIBRARY)
 
 
@@ -86,17 +126,11 @@ def grad_norm(grads, norm_type=2.0, group=None, cache=None, kernel=None):
     call this, with grads or none."""
     inf = norm_type == math.inf
     wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-    if grads and (_kernel_takes(grads) if kernel is None else kernel):
-        total = (torch.ops.fastoptim.grad_norm_total(grads, inf) if torch.compiler.is_compiling()
-                 else _kernel_norm(grads, inf, cache or GradTables()))
+    kernel = bool(grads) and (_kernel_takes(grads) if kernel is None else kernel)
+    if kernel and torch.compiler.is_compiling():
+        total = torch.ops.fastoptim.grad_norm_total(grads, inf)
     elif grads:
-        device, parts = grads[0].device, []
-        for bucket in buckets(grads):
-            tensors = [grads[i] for i in bucket]
-            norms = torch.stack(torch._foreach_norm(tensors, norm_type, dtype=wide))
-            parts.append((norms.max() if inf else norms.square().sum()).to(device, wide, non_blocking=True))
-        parts = torch.stack(parts)
-        total = parts.max() if inf else parts.sum()
+        total = _total(grads, inf, kernel, cache or GradTables())
     else:
         total = torch.zeros((), dtype=torch.float64)
     if group is not None:  # one dtype on every rank, whichever way each one reduced
@@ -137,12 +171,8 @@ def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=Fals
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {norm.item()}, so it "
                            "cannot be clipped; with error_if_nonfinite=False the grads are scaled by it anyway")
     factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    if kernel:
-        if torch.compiler.is_compiling():
-            torch.ops.fastoptim.scale_grads(grads, factor)
-        else:
-            _kernel_scale(grads, factor, tables)
+    if kernel and torch.compiler.is_compiling():
+        torch.ops.fastoptim.scale_grads(grads, factor)
     else:
-        for bucket in buckets(grads):
-            torch._foreach_mul_([grads[i] for i in bucket], factor.to(grads[bucket[0]].device))
+        _scale(grads, factor, kernel, tables)
     return norm

@@ -40,6 +40,14 @@ def is_dense(tensor):
     return True
 
 
+def disjoint(tensors):
+    """Whether no two of ``tensors`` share a byte of memory (each one's span, from its first element
+    to its last, as its strides reach)."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.element_size() * (1 + sum(
+        (n - 1) * s for n, s in zip(t.shape, t.stride())))) for t in tensors if t.numel())
+    return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+
+
 def chunk_plan(numels, layouts=None, chunk_numel=CHUNK_NUMEL, blocks=None, column_numel=CHUNK_NUMEL):
     """Rows (tensor, first element, element count, elements in all rows before) covering every
     tensor in chunks of about ``chunk_numel`` elements, and each tensor's first row (one more entry

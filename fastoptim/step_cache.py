@@ -17,6 +17,14 @@ SHAPE, STRIDES, DTYPE, DEVICE = attrgetter("shape"), Tensor.stride, attrgetter("
 LAYOUT = (Tensor.data_ptr, SHAPE, STRIDES, DTYPE, DEVICE)
 
 
+def engine_view(tensor):
+    """What the engines update of a param, grad or state: a DTensor's local shard, and a complex
+    tensor as its real view (the real and imaginary parts as two elements, as torch.optim takes
+    them), which shares its memory."""
+    tensor = distributed.local(tensor)
+    return torch.view_as_real(tensor) if tensor is not None and tensor.is_complex() else tensor
+
+
 class Signature:
     """The cache rule, in one place. A cache built on a list of tensors (the step's work, the fused
     engines' pointer tables) stays valid while the list holds the same tensor objects, and each
@@ -58,8 +66,8 @@ class GroupWork:
 
     def __init__(self, roles, engine, params, local_params, signature=None):
         self.roles, self.engine, self.params, self.signature = roles, engine, params, signature
-        self.local_params = local_params  # what the engines update: the params, or DTensors' local shards
-        self.sharded = local_params is not params
+        self.local_params = local_params  # what the engines update: the params, or their engine_view
+        self.viewed_states = local_params is not params  # the states' engine_view differs from them
         # the per-tensor scalars (step sizes, bias corrections): float64 where a param's math is float64
         self.scalar_dtype = torch.float64 if any(p.dtype == torch.float64 for p in local_params) else torch.float32
         self.buckets = [(bucket, None) for bucket in buckets(params)]
@@ -78,8 +86,8 @@ class GroupWork:
                 and self.state_signature.matches(self._local_states(), *LAYOUT))
 
     def _local_states(self):
-        """The state tensors this work was built on (their local shards where the params are DTensors)."""
-        return list(map(distributed.local, self.state_owners)) if self.sharded else self.state_owners
+        """The state tensors this work was built on, as the engines see them (their ``engine_view``)."""
+        return list(map(engine_view, self.state_owners)) if self.viewed_states else self.state_owners
 
     def use_states(self, states, context, partitions, reduced_roles, group):
         """Take the states (every role present), with the subset-norm partition of each param (None:
@@ -100,7 +108,7 @@ class GroupWork:
 
     def _read_tensors(self):
         """The tensors by role from the kept states, and the block maxima of the 8-bit ones."""
-        self.tensors = {"param": self.local_params} | {role: list(map(distributed.local, self.kept[role]))
+        self.tensors = {"param": self.local_params} | {role: list(map(engine_view, self.kept[role]))
                                                        for role in self.roles}
         self.absmax = {role: self.kept[role + ABSMAX] for role in self.roles if role + ABSMAX in self.kept}
         if self.partitions:

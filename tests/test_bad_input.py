@@ -68,12 +68,6 @@ def test_empty_param_list_is_refused(cls):
 
 
 @pytest.mark.parametrize("cls", ALL)
-def test_complex_params_are_refused(cls):
-    with pytest.raises(ValueError, match="complex"):
-        cls([torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))])
-
-
-@pytest.mark.parametrize("cls", ALL)
 def test_mixed_devices_in_a_group_are_refused(cls):
     with pytest.raises(ValueError, match="one device"):
         cls([torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(3, device="meta"))])

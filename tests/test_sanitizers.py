@@ -21,9 +21,15 @@ pytestmark = pytest.mark.sanitizers
 # read from /proc; the loop and foreach engines' variants, which never call the kernel; and the
 # 8-bit training runs (a minute and more under ASan, for kernel paths the other tests cover).
 DESELECT = ["triton", "allocates_nothing", "foreach_scratch", "loop]", "foreach]", "train_as_well"]
-# With the states-moved test, whose cache bug wrote into freed memory: ASan reported it (heap-use-after-free).
+# With the states-moved test, whose cache bug wrote into freed memory: ASan reported it (heap-use-after-free);
+# and the torch ops' tests, whose unchecked arguments once made the kernel read and write out of bounds.
+OP_TESTS = ["test_the_step_ops_refuse_bad_arguments_by_name_and_change_nothing",
+            "test_the_step_op_still_steps_what_it_is_given_right",
+            "test_the_clip_ops_take_strided_and_expanded_grads_as_torch_does",
+            "test_the_clip_ops_refuse_a_factor_they_cannot_read"]
 SELECTION = ["tests/test_fused.py", "tests/test_blockwise8.py", "tests/test_clip.py", "tests/test_state_bits.py",
              "tests/test_adversarial.py::test_states_moved_to_new_storage_in_place_are_seen_by_the_step_cache",
+             *(f"tests/test_reliability.py::{name}" for name in OP_TESTS),
              "-k", " and ".join(f"not {name}" for name in DESELECT)]
 REPORTS = ("ERROR: AddressSanitizer", "runtime error:")
 RUNTIMES = runtimes()

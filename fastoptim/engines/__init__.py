@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ..specs import KernelSpec
-from . import backends, foreach, fused, loop
+from . import amp, backends, foreach, fused, loop
 
 
 @dataclass
@@ -62,6 +62,15 @@ class Plan:
 
 ENGINES = {"loop": loop.run, "foreach": foreach.run, "fused-single": fused.run_single, "fused-multi": fused.run_multi}
 FUSED = frozenset({"fused-single", "fused-multi"})
+
+
+def run(engine, plan):
+    """Run ``plan`` on the engine named ``engine``; the fused kernels skip a step GradScaler found an
+    inf in on the device, and the other engines through :func:`amp.run_unless_inf`."""
+    if engine in FUSED:
+        ENGINES[engine](plan)
+    else:
+        amp.run_unless_inf(ENGINES[engine], plan)
 
 
 def run_summing_over(plan, group):

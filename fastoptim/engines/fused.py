@@ -18,15 +18,16 @@ of a param that is not contiguous (the codes are in row-major order).
 """
 import operator
 import warnings
+from itertools import repeat
 
 import numpy as np
 import torch
 
-from ..multi_tensor import PointerTable, data_pointers, is_dense
+from ..multi_tensor import PointerTable, data_pointers, disjoint, is_dense
 from ..specs import ABSMAX
-from ..states import formats
-from ..step_cache import LAYOUT, OpCache, Signature
-from . import backends, foreach
+from ..states import blockwise8, formats
+from ..step_cache import DEVICE, DTYPE, LAYOUT, SHAPE, OpCache, Signature
+from . import amp, backends, foreach
 
 
 def state_format(param, states, spec):
@@ -115,9 +116,7 @@ def warn(message, stacklevel):
 def _fallback(plan, reason):
     if plan.warn_fallback:
         warn(f"fastoptim: fused=True, but {reason}; those tensors take the foreach engine", stacklevel=4)
-    if plan.found_inf is not None and plan.found_inf.item():  # the foreach engine cannot skip without a sync
-        return
-    foreach.run(plan)
+    amp.run_unless_inf(foreach.run, plan)
 
 
 def _scalar_values(plan, device):
@@ -265,30 +264,103 @@ def _run_traced(plan, per_tensor_calls):
                    *absmax, scalars, spec.flag_bits(part.flags, part.stochastic_rounding), per_tensor_calls)
 
 
-_OP_CACHE = OpCache()  # (op, backend, tensor count, first param's pointer, per_tensor_calls): (signature, Tables)
+_OP_CACHE = OpCache()  # (op, backend, tensor count, first param's pointer, per_tensor_calls): (signatures, Tables)
+
+
+def _is_real_number(tensor):
+    return not (tensor.is_complex() or tensor.dtype == torch.bool)
+
+
+def _check_op_scalars(op, spec, scalars, flag_bits, n_params, device):
+    """Raise a ValueError naming the first bad scalar or flag of a step op's call."""
+    if len(scalars) != len(spec.all_scalars):
+        raise ValueError(f"{op}: scalars must hold {len(spec.all_scalars)} tensors, in the order "
+                         f"{spec.all_scalars}; got {len(scalars)}")
+    for name, value in zip(spec.all_scalars, scalars):
+        if (not _is_real_number(value) or value.dim() > 1 or value.dim() == 1 and value.numel() != n_params
+                or device is not None and value.device != device):
+            raise ValueError(f"{op}: scalar {name!r} must be a real-number tensor on the params' device ({device}), "
+                             f"0-d or 1-d with one value per param ({n_params}); got {value.dtype} of shape "
+                             f"{tuple(value.shape)} on {value.device}")
+    if not 0 <= flag_bits < 1 << (len(spec.flags) + 1):
+        raise ValueError(f"{op}: flags must be the bits of stochastic rounding and {spec.flags}, as "
+                         f"KernelSpec.flag_bits makes them; got {flag_bits}")
+
+
+def _check_op_grads(op, param, grad):
+    """Raise a ValueError if a grad is not a dense tensor of its param's shape, dtype and device."""
+    for i, (p, g) in enumerate(zip(param, grad)):
+        if g.layout != torch.strided or g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
+            raise ValueError(f"{op}: grad[{i}] must be a strided tensor of its param's shape, dtype and device "
+                             f"({p.dtype} {tuple(p.shape)} on {p.device}); got {g.layout} {g.dtype} "
+                             f"{tuple(g.shape)} on {g.device}")
+
+
+def _check_op_states(op, spec, flags, tensors, absmax):
+    """Raise a ValueError naming the first state or block-maxima tensor that does not fit its param:
+    the roles the flags keep, and no other, one tensor per param on its device, of its shape (or a
+    subset-norm second moment's (a, 1, c) beside an (a, b, c) param), 8-bit codes with exactly their
+    blocks' maxima; and no two updated tensors sharing memory."""
+    param = tensors["param"]
+    kept = spec.kept(flags)
+    for role in spec.states:
+        if (role in tensors) != (role in kept):
+            raise ValueError(f"{op}: {role} must " + ("hold one tensor per param: the flags keep it" if role in kept
+                                                      else "be empty: the flags keep no such state"))
+        if role in absmax and role not in kept:
+            raise ValueError(f"{op}: {role}{ABSMAX} must be empty: the flags keep no {role}")
+    for role in kept:
+        for i, (p, state) in enumerate(zip(param, tensors[role])):
+            reduced = role in spec.reduced and p.dim() == 3 and state.shape == (p.shape[0], 1, p.shape[2])
+            if state.device != p.device or state.shape != p.shape and not reduced:
+                raise ValueError(f"{op}: {role}[{i}] is {tuple(state.shape)} on {state.device}; its param is "
+                                 f"{tuple(p.shape)} on {p.device}")
+            maxima = absmax[role][i] if role in absmax else None
+            blocks = (blockwise8.n_blocks(p.numel()),)
+            if state.dtype == formats.Q8.dtype and (maxima is None or maxima.dtype != torch.float32
+                                                    or maxima.shape != blocks or maxima.device != p.device):
+                raise ValueError(f"{op}: {role}[{i}] holds 8-bit codes, so {role}{ABSMAX}[{i}] must be the fp32 "
+                                 f"maxima of its {blocks[0]} blocks on {p.device}, got "
+                                 + ("none" if maxima is None else f"{maxima.dtype} {tuple(maxima.shape)} on "
+                                    f"{maxima.device}"))
+            if state.dtype != formats.Q8.dtype and maxima is not None:
+                raise ValueError(f"{op}: {role}{ABSMAX}[{i}] must be empty: {role}[{i}] holds no 8-bit codes")
+    updated = [t for role, ts in tensors.items() if role != "grad" for t in ts]
+    if not disjoint(updated + [t for ts in absmax.values() for t in ts if t is not None]):
+        raise ValueError(f"{op}: two of the tensors it updates share memory (a param listed twice?); each param, "
+                         "state and block-maxima tensor must own its memory")
 
 
 def _op_step(spec, param, grad, *lists_and_options):
-    """The step op's eager implementation: the tables are kept while the tensors keep their storage
-    and layouts (:class:`Signature` over them, as the optimizer's step cache keeps its own)."""
+    """The step op's eager implementation. Every argument is checked before anything changes; the
+    tables are kept while the updated tensors keep their storage and layouts (:class:`Signature`
+    over them, as the optimizer's step cache keeps its own), and the grads their params' shapes,
+    dtypes, devices and the strides the tables were built with."""
     *lists, scalars, flag_bits, per_tensor_calls = lists_and_options
+    op = f"fastoptim::{spec.name}_step"
+    _check_op_scalars(op, spec, scalars, flag_bits, len(param), param[0].device if param else None)
+    if any(len(ts) not in (0, len(param)) for ts in lists) or len(grad) != len(param):
+        raise ValueError(f"{op}: every tensor list must hold one tensor per param "
+                         "(or none, for a role the step does not keep)")
     if not param:
         return
     states, absmax_lists = lists[:len(spec.states)], lists[len(spec.states):]
-    if any(len(ts) not in (0, len(param)) for ts in (grad, *lists)) or len(grad) != len(param):
-        raise ValueError(f"fastoptim::{spec.name}_step: every tensor list must hold one tensor per param "
-                         "(or none, for a role the step does not keep)")
     tensors = {"param": param, "grad": grad} | {role: ts for role, ts in zip(spec.states, states) if ts}
     absmax = {role: [t if t.numel() else None for t in ts] for role, ts in zip(spec.states, absmax_lists) if ts}
+    flags, stochastic = spec.unpack_flags(flag_bits)
     backend = backends.for_device(param[0].device)
     held = [t for role, ts in tensors.items() if role != "grad" for t in ts] + [
         t for ts in absmax.values() for t in ts if t is not None]
     key = (spec.name, backend.NAME, len(param), param[0].data_ptr(), per_tensor_calls)
     cached = _OP_CACHE.get(key)
-    if cached is None or cached[0].n != len(held) or not cached[0].matches(held, *LAYOUT) or not cached[1].fit(grad):
-        taken, formats, left, reason = _split(tensors, spec, backend)
+    if (cached is None or cached[0].n != len(held) or not cached[0].matches(held, *LAYOUT)
+            or not all(map(operator.is_, map(operator.attrgetter("layout"), grad), repeat(torch.strided)))
+            or not cached[1].matches(grad, SHAPE, DTYPE, DEVICE) or not cached[2].fit(grad)):
+        _check_op_grads(op, param, grad)
+        _check_op_states(op, spec, flags, tensors, absmax)
+        _, taken_formats, left, reason = _split(tensors, spec, backend)
         if left:
-            raise RuntimeError(f"fastoptim::{spec.name}_step: the {backend.NAME} kernel cannot take a tensor: {reason}")
-        cached = _OP_CACHE.keep(key, (Signature((), held), Tables(tensors, absmax, spec, backend, formats)))
-    flags, stochastic = spec.unpack_flags(flag_bits)
-    cached[1].launch(spec, grad, scalars, flags, stochastic, per_tensor_calls)
+            raise RuntimeError(f"{op}: the {backend.NAME} kernel cannot take a tensor: {reason}")
+        cached = _OP_CACHE.keep(key, (Signature((), held), Signature((), param),
+                                      Tables(tensors, absmax, spec, backend, taken_formats)))
+    cached[2].launch(spec, grad, scalars, flags, stochastic, per_tensor_calls)

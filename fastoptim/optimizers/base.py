@@ -11,11 +11,19 @@ from torch import Tensor
 
 from .. import distributed, engines
 from ..clip import GradTables, clip_coefficient
-from ..specs import KernelSpec
+from ..specs import ABSMAX, KernelSpec
 from ..states import formats, subset_norm
-from ..step_cache import DEVICE, DTYPE, SHAPE, GroupWork, Signature
+from ..step_cache import DEVICE, DTYPE, SHAPE, GroupWork, Signature, engine_view
 from .checks import check_hyperparameters, check_params, check_tensor_lr, normalize_betas
 from .state_dict import StateDicts
+
+
+GRADS_PATTERNS_KEPT = 8  # torch.compile's recompile limit: a step traced for more patterns recompiles anyway
+
+
+def _grads_pattern(group):
+    """Which of ``group``'s params have grads: their positions in it."""
+    return tuple(i for i, param in enumerate(group["params"]) if param.grad is not None)
 
 
 def group_lr(group):
@@ -74,10 +82,6 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             normalize_betas(group)
             self._check_group(group)
             check_params(group["params"], type(self).__name__)
-            for param in group["params"]:
-                if param.is_complex():
-                    raise ValueError(f"{type(self).__name__} does not support complex parameters; "
-                                     "optimize torch.view_as_real(param) instead")
             devices = {param.device for param in group["params"]}
             if len(devices) > 1:
                 raise ValueError(f"all params of a group must be on one device, got {sorted(map(str, devices))}")
@@ -98,11 +102,13 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         engines.engine_name(group["foreach"], group["fused"])
 
     def _find_reduce_group(self):
-        """The group of this optimizer's global reductions (see fastoptim.distributed), and whether its
-        params are DTensors, whose local shards the engines update."""
+        """The group of this optimizer's global reductions (see fastoptim.distributed), whether its
+        params are DTensors, whose local shards the engines update, and whether the engines update
+        another view of some params than the params (DTensors, complex params: ``engine_view``)."""
         params = [param for group in self.param_groups for param in group["params"]]
         self._reduce_group = distributed.reduction_group(params, self.shard_group)
         self._sharded = any(distributed.is_dtensor(param) for param in params)
+        self._viewed = self._sharded or any(param.is_complex() for param in params)
 
     def __getstate__(self):  # a copy keeps shard_group, or fails loudly where a group cannot be copied
         return super().__getstate__() | {"shard_group": self.shard_group}
@@ -133,17 +139,19 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         if torch.compiler.is_compiling():
             self._init_group()  # run eagerly by torch.compile, at tracing
             caches = self._engine_caches
-            work = [(group, *self._traced_group_work(caches[index], group))
+            work = [(group, *self._traced_group_work(caches["patterns"][index, _grads_pattern(group)], group))
                     for index, group in enumerate(self.param_groups)]
         else:
             caches = self.__dict__.setdefault("_engine_caches", {})
             work = [(group, *self._group_work(caches, index, group)) for index, group in enumerate(self.param_groups)]
         amp_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
-        # Only the fused engines skip an inf step on the device. The others (the loop engine of
-        # subsets that span shards included) look at found_inf, and so does a step that would
-        # create states: a skipped step must leave no trace.
+        # Eagerly, only the fused kernels skip an inf step on the device. The other engines look at
+        # found_inf, and so does a step that would create states: a skipped step must leave no trace.
+        # A traced step has its states, and every engine skips in the graph (engines.amp), but the loop
+        # engine of subsets that span shards, which all-reduces as it goes.
+        eager = not torch.compiler.is_compiling()
         if found_inf is not None and any(
-                entry.params and (entry.engine not in engines.FUSED or entry.states is None
+                entry.params and (eager and (entry.engine not in engines.FUSED or entry.states is None)
                                   or any(reduce for _, reduce in entry.buckets)) for _, entry, _ in work):
             if found_inf.item():
                 return loss
@@ -154,8 +162,10 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         all_grads = [grad for _, _, grads in work for grad in grads]
         clip = None
         if max_norm > 0 and (all_grads or self._reduce_group is not None):  # each rank joins the reduction
-            # official Adan takes eps for the clip from the last group; without one, torch's clip_grad_norm_'s
-            clip = clip_coefficient(all_grads, max_norm, self.param_groups[-1].get("eps", 1e-6), inv_scale,
+            # official Adan takes eps for the clip from the last group; an algorithm without an eps (Lion),
+            # torch's clip_grad_norm_'s, whatever keys its groups carry
+            eps = self.param_groups[-1]["eps"] if "eps" in self.defaults else 1e-6
+            clip = clip_coefficient(all_grads, max_norm, eps, inv_scale,
                                     self._reduce_group, caches.setdefault("clip", GradTables()))
         for group, entry, grads in work:
             if entry.params:
@@ -194,13 +204,13 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         return entry.traced(params, local_params, [self.state[param] for param in params]), grads
 
     def _with_grads(self, group):
-        """The group's params that have grads, what the engines update of them (their local shards,
-        for DTensors) and their grads (local shards too)."""
+        """The group's params that have grads, what the engines update of them (``engine_view``: the
+        local shards of DTensors, the real views of complex params) and their grads, viewed alike."""
         params = [param for param in group["params"] if param.grad is not None]
         grads = [param.grad for param in params]
-        if not self._sharded:
+        if not self._viewed:
             return params, params, grads
-        return params, list(map(distributed.local, params)), list(map(distributed.local, grads))
+        return params, list(map(engine_view, params)), list(map(engine_view, grads))
 
     def _group_work(self, caches, index, group):
         """The group's :class:`GroupWork` and its params' grads (local shards of DTensors), all
@@ -213,7 +223,15 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         entry = caches.get(index)
         if entry is None or not entry.fits(roles, engine, params, local_params):
             check_params(params, type(self).__name__)  # a param's storage may have changed since it was added
-            entry = caches[index] = GroupWork(roles, engine, params, local_params, Signature(params, local_params))
+            # The work of each pattern of grads seen is kept: a model whose frozen parts alternate
+            # (a GAN's) comes back to one, and a compiled step to the graph it traced for it.
+            patterns, key = caches.setdefault("patterns", {}), (index, _grads_pattern(group))
+            entry = patterns.get(key)
+            if entry is None or not entry.fits(roles, engine, params, local_params):
+                if key not in patterns and len(patterns) >= GRADS_PATTERNS_KEPT:
+                    patterns.clear()
+                entry = patterns[key] = GroupWork(roles, engine, params, local_params, Signature(params, local_params))
+            caches[index] = entry
         self._check_grads(local_params, grads, entry.signature)
         states = list(map(self.state.get, params))
         if not entry.holds(states) or entry.state_bits != group["state_bits"]:
@@ -259,6 +277,11 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                              f"{param.stride()}. Make it contiguous, or use subset_size=None (rows or columns)")
         for key, (shape, dtype) in self._expected_state(group, param, state).items():
             value = state.get(key)
+            role = key.removesuffix(ABSMAX)
+            if value is None and role != key and role in state:  # a companion is never created alone
+                raise RuntimeError(
+                    f"{type(self).__name__}: state '{role}' holds 8-bit codes without its block maxima '{key}': "
+                    "was it deleted? Restore it, or clear the param's state with optimizer.state[param].clear()")
             if value is not None and (value.shape != shape or value.dtype != dtype or value.device != param.device):
                 raise RuntimeError(
                     f"{type(self).__name__}: state '{key}' is {value.dtype} {tuple(value.shape)} on {value.device}, "
@@ -278,7 +301,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             part = plan if len(bucket) == len(entry.params) else plan.subset(bucket)
             part.cache = entry.bucket_caches.setdefault(index, {})
             if reduce_group is None:
-                engines.ENGINES[entry.engine](part)
+                engines.run(entry.engine, part)
             else:
                 engines.run_summing_over(part, reduce_group)
 
@@ -291,7 +314,10 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
 
     def _partition(self, param, state, group):
         """The subset-norm partition of a param: the one its state records; for a state without a
-        second moment yet, the group's (``sn``, ``subset_size``); None: a dense second moment."""
+        second moment yet, the group's (``sn``, ``subset_size``); None: a dense second moment, which
+        a complex param always keeps (as its states, see ``formats.for_state``)."""
+        if param.is_complex():
+            return None
         if any(key in state for key in (*subset_norm.RECORDS, *self.spec.reduced)):
             return subset_norm.from_record(param.shape, state)
         return subset_norm.from_options(param.shape, group.get("subset_size")) if group.get("sn") else None

@@ -13,6 +13,12 @@ from .checks import normalize_betas
 
 # Options that say how a step runs, not what it computes: a loaded state dict leaves them as they are.
 EXECUTION_OPTIONS = ("foreach", "fused", "state_bits", "capturable", "differentiable")
+# Options of peers' saved groups that select a variant of the algorithm, which fastoptim does not
+# implement: name, the value that means the plain algorithm, and what the variant is. A group that
+# sets one otherwise is refused at load, where it would continue as the plain algorithm.
+PEER_VARIANTS = (("caution", False, "timm's cautious variant (updates masked where they disagree with the grad)"),
+                 ("corrected_weight_decay", False, "timm's weight decay scaled by lr / max lr"),
+                 ("clipping_threshold", None, "timm's update clipping"))
 
 
 class StateDicts:
@@ -62,6 +68,13 @@ class StateDicts:
         own_options = [key for key in EXECUTION_OPTIONS if key in self.defaults]
         new_groups, new_state = [], {}
         for index, (group, saved) in enumerate(zip(groups, saved_groups)):
+            for option, plain, variant in PEER_VARIANTS:
+                if saved.get(option, plain) != plain:
+                    raise ValueError(
+                        f"loaded param group {index} sets {option}={saved[option]!r}: {variant}, which "
+                        f"{type(self).__name__} does not implement, so it would continue as another algorithm. "
+                        f"Resume it with the optimizer that saved it, or set {option} to {plain!r} in the saved "
+                        "groups to continue with the plain algorithm")
             merged = {**self.defaults, "max_grad_norm": max_grad_norm, **saved,
                       **{key: group[key] for key in own_options}, "params": group["params"]}
             if "param_names" in group and "param_names" not in saved:

@@ -122,7 +122,9 @@ FLOAT64 = Dense("float64", torch.float64, None)
 Q8 = Blockwise8()
 REDUCED = SubsetNorm("subset-norm fp32", torch.float32, 0)
 REDUCED64 = SubsetNorm("subset-norm float64", torch.float64, None)
-FORMATS = {fmt.dtype: fmt for fmt in (FP32, BF16, FLOAT64, Q8)}
+COMPLEX64 = Dense("complex64", torch.complex64, None)
+COMPLEX128 = Dense("complex128", torch.complex128, None)
+FORMATS = {fmt.dtype: fmt for fmt in (FP32, BF16, FLOAT64, Q8, COMPLEX64, COMPLEX128)}
 
 
 def of(state):
@@ -136,7 +138,11 @@ def for_state(param, role, state_bits, partition):
     except: a float64 param keeps float64 states and math (rounding it through fp32 would change
     it); ``state_bits=16`` keeps bf16 states; ``state_bits=8`` keeps 8-bit ones, and bf16 ones for
     ``half`` roles, for params of at least ``blockwise8.MIN_NUMEL`` elements. A ``reduced`` role
-    under a subset-norm ``partition`` (not None) is kept per subset."""
+    under a subset-norm ``partition`` (not None) is kept per subset. A complex param keeps states
+    of its own dtype, as torch.optim's (the engines update their real views), whatever
+    ``state_bits``."""
+    if param.is_complex():
+        return FORMATS[param.dtype]
     wide = param.dtype == torch.float64
     if partition is not None and role.reduced:
         return REDUCED64 if wide else REDUCED

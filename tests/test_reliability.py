@@ -1,0 +1,291 @@
+"""The second adversarial review's findings, each a test that failed before its fix: the torch ops
+check every argument before they change anything, an edited 8-bit state is refused, peers'
+variants of an algorithm are refused at load, Lion clips with torch's eps, complex params are
+optimized as torch.optim optimizes them, and a compiled step reuses the graph of a grads pattern
+it has seen. The cases that used to crash the process run in a subprocess."""
+import copy
+import warnings
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import fastoptim
+from fastoptim.bench.peers import timm_adan_class
+
+from .test_adversarial import ENGINES, python
+from .test_bad_input import assert_unchanged, snapshot
+from .test_lion import timm_lion_class
+
+ALL = [fastoptim.Adan, fastoptim.AdamW, fastoptim.AdamWSN, fastoptim.Lion]
+
+
+@pytest.fixture(autouse=True)
+def no_fallback_warnings():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="fastoptim: fused=True")
+        yield
+
+
+# --- 1. the step ops check what they are given ----------------------------------------------------
+
+def test_the_step_ops_refuse_bad_arguments_by_name_and_change_nothing():
+    """Each call once crashed the process, overflowed the heap or stepped on garbage."""
+    out = python("""
+        import torch, fastoptim
+        lion = torch.ops.fastoptim.lion_step
+        n_scalars = len(fastoptim.Lion.spec.all_scalars)
+        scalars = [torch.tensor(0.1)] * n_scalars
+        p, codes = torch.zeros(8192), torch.full((8192,), 127, dtype=torch.uint8)
+        shared = torch.zeros(8)
+        CASES = {
+            "grad\\\\[0\\\\]": lambda: lion([torch.zeros(1 << 24)], [torch.ones(16)], [torch.zeros(1 << 24)], [],
+                                             scalars, 0, False),
+            "grad\\\\[0\\\\] .*bfloat16": lambda: lion([torch.zeros(8)], [torch.ones(8, dtype=torch.bfloat16)],
+                                                      [torch.zeros(8)], [], scalars, 0, False),
+            "exp_avg\\\\[0\\\\] is \\\\(16,\\\\)": lambda: lion([p], [torch.ones(8192)], [torch.zeros(16)], [],
+                                                           scalars, 0, False),
+            "exp_avg_absmax\\\\[0\\\\] must be .* 32 blocks": lambda: lion([p], [torch.ones(8192)], [codes],
+                                                                         [torch.zeros(1)], scalars, 0, False),
+            "exp_avg_absmax\\\\[0\\\\] must be .*got none": lambda: lion([p], [torch.ones(8192)], [codes], [],
+                                                                       scalars, 0, False),
+            "exp_avg_absmax\\\\[0\\\\] must be empty": lambda: lion([p], [torch.ones(8192)], [torch.zeros(8192)],
+                                                                   [torch.zeros(32)], scalars, 0, False),
+            "share memory": lambda: lion([shared, shared], [torch.ones(8)] * 2, [torch.zeros(8), torch.zeros(8)],
+                                         [], scalars, 0, False),
+            "share memory ": lambda: lion([shared], [torch.ones(8)], [shared], [], scalars, 0, False),
+            "scalars must hold": lambda: lion([p], [torch.ones(8192)], [torch.zeros(8192)], [], scalars[1:], 0,
+                                              False),
+            "scalar 'lr'": lambda: lion([p], [torch.ones(8192)], [torch.zeros(8192)], [],
+                                        scalars[:7] + [torch.ones(3)] + scalars[8:], 0, False),
+            "scalar 'seed'": lambda: lion([p], [torch.ones(8192)], [torch.zeros(8192)], [],
+                                          scalars[:1] + [torch.tensor(True)] + scalars[2:], 0, False),
+            "flags": lambda: lion([p], [torch.ones(8192)], [torch.zeros(8192)], [], scalars, 1 << 5, False),
+            "max_exp_avg_sq must hold": lambda: torch.ops.fastoptim.adamw_step(
+                [p], [torch.ones(8192)], [torch.zeros(8192)], [torch.zeros(8192)], [], [], [], [],
+                [torch.tensor(0.1)] * len(fastoptim.AdamW.spec.all_scalars), 0b110, False),
+        }
+        for pattern, call in CASES.items():
+            before = [t.clone() for t in (p, codes, shared)]
+            try:
+                call()
+            except ValueError as error:
+                import re
+                assert re.search(pattern.strip(), str(error)), (pattern, str(error))
+            else:
+                raise AssertionError(f"no error for {pattern}")
+            assert all(torch.equal(a, b) for a, b in zip(before, (p, codes, shared))), pattern
+        print("refused", len(CASES))
+    """)
+    assert out.strip() == "refused 13"
+
+
+def test_the_step_op_still_steps_what_it_is_given_right():
+    p, exp_avg = torch.zeros(8), torch.zeros(8)
+    scalars = [torch.tensor(v) for v in (0.0, 0.0, 1.0, 0.9, 0.1, 0.99, 0.01, 0.01, 1.0)]  # the spec's order
+    torch.ops.fastoptim.lion_step([p], [torch.ones(8)], [exp_avg], [], scalars, 0, False)
+    assert torch.equal(p, torch.full((8,), -0.01)) and torch.allclose(exp_avg, torch.full((8,), 0.01))
+
+
+# --- 2. the clip ops stay inside their tensors ----------------------------------------------------
+
+def test_the_clip_ops_take_strided_and_expanded_grads_as_torch_does():
+    x = torch.arange(1.0, 41.0).reshape(4, 10)
+    expected = x.clone()
+    expected[:, ::2] *= 0.5
+    torch.ops.fastoptim.scale_grads([x[:, ::2]], torch.tensor(0.5))
+    assert torch.equal(x, expected)  # the columns outside the view are as they were
+    view = torch.arange(1.0, 41.0).reshape(4, 10)[:, ::2]
+    assert torch.ops.fastoptim.grad_norm_total([view], False).item() == pytest.approx(10660.0, rel=1e-6)
+    expanded = torch.full((1,), 2.0).expand(1000)
+    assert torch.ops.fastoptim.grad_norm_total([expanded], True).item() == 2.0
+    assert torch.ops.fastoptim.grad_norm_total([expanded], False).item() == pytest.approx(4000.0, rel=1e-6)
+    g = torch.ones(8)
+    torch.ops.fastoptim.scale_grads([g, g], torch.tensor(2.0))  # listed twice: scaled twice, as torch's foreach
+    assert torch.equal(g, torch.full((8,), 4.0))
+    assert torch.ops.fastoptim.grad_norm_total([], False).item() == 0.0
+
+
+@pytest.mark.parametrize("factor, message", [(torch.tensor(2), "factor must be a one-element floating-point"),
+                                             (torch.ones(2), "factor must be a one-element floating-point")])
+def test_the_clip_ops_refuse_a_factor_they_cannot_read(factor, message):
+    g = torch.ones(8)
+    with pytest.raises(ValueError, match=message):
+        torch.ops.fastoptim.scale_grads([g], factor)
+    assert torch.equal(g, torch.ones(8))
+    with pytest.raises(ValueError, match=r"grads\[1\] must be a strided"):
+        torch.ops.fastoptim.grad_norm_total([g, torch.ones(3, dtype=torch.int64)], False)
+
+
+# --- 3. an 8-bit state without its block maxima ---------------------------------------------------
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("cls", ALL)
+def test_a_deleted_block_maxima_state_is_refused_before_anything_changes(cls, engine):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(8192)), torch.nn.Parameter(torch.randn(64, 80))]
+    opt = cls(params, lr=1e-2, state_bits=8, **ENGINES[engine])
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    absmax = opt.state[params[1]].pop("exp_avg_absmax")
+    before = [p.detach().clone() for p in params], [copy.deepcopy(opt.state[p]) for p in params]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    with pytest.raises(RuntimeError, match="'exp_avg' holds 8-bit codes without its block maxima 'exp_avg_absmax'"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before[0], params))
+    for param, state in zip(params, before[1]):
+        assert state.keys() == opt.state[param].keys()
+        assert all(torch.equal(value, opt.state[param][key]) for key, value in state.items() if torch.is_tensor(value))
+    opt.state[params[1]]["exp_avg_absmax"] = absmax  # restored, it steps
+    opt.step()
+    assert not torch.equal(before[0][1], params[1])
+
+
+# --- 5. peers' variants are refused, not continued as the plain algorithm --------------------------
+
+@pytest.mark.parametrize("peer, ours, option", [
+    (timm_lion_class, fastoptim.Lion, "caution"), (timm_adan_class, fastoptim.Adan, "caution"),
+    (timm_lion_class, fastoptim.Lion, "corrected_weight_decay")])
+def test_timms_variant_checkpoints_are_refused_and_the_plain_ones_load(peer, ours, option):
+    def checkpoint(value):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(20, 30))]
+        theirs = peer()(params, lr=1e-3, **{option: value})
+        params[0].grad = torch.randn(20, 30)
+        theirs.step()
+        return theirs.state_dict()
+
+    params = [torch.nn.Parameter(torch.randn(20, 30))]
+    opt = ours(params, lr=1e-3)
+    before = snapshot(params, opt)
+    with pytest.raises(ValueError, match=f"loaded param group 0 sets {option}=True: timm's"):
+        opt.load_state_dict(checkpoint(True))
+    assert_unchanged(params, opt, before)
+    opt.load_state_dict(checkpoint(False))
+    assert opt.state[params[0]]["exp_avg"].abs().sum() > 0
+
+
+# --- 6. Lion's clip uses torch's eps ------------------------------------------------------------
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_lion_clips_with_torchs_eps_whatever_keys_its_groups_carry(engine):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(30, 40)) for _ in range(2)]
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = fastoptim.Lion([{"params": params, "eps": 0.5}], lr=1e-2, max_grad_norm=1.0, **ENGINES[engine])
+    theirs = timm_lion_class()(reference, lr=1e-2)
+    for _ in range(3):
+        grads = [torch.randn(30, 40) * 0.02 for _ in params]  # a norm near 1, where eps shows
+        for p, r, g in zip(params, reference, grads):
+            p.grad, r.grad = g.clone(), g.clone()
+        torch.nn.utils.clip_grad_norm_(reference, 1.0)
+        opt.step()
+        theirs.step()
+    for p, r in zip(params, reference):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=1e-6)
+
+
+# --- complex params, as torch.optim takes them ------------------------------------------------
+
+def complex_pair(cls, engine, dtype=torch.complex64, **options):
+    """A complex param and a real one holding its real view, each with an optimizer."""
+    torch.manual_seed(0)
+    complex_params = [torch.nn.Parameter(torch.randn(70, 80, dtype=dtype)),
+                      torch.nn.Parameter(torch.randn(7, dtype=dtype))]
+    real_params = [torch.nn.Parameter(torch.view_as_real(p.detach()).clone()) for p in complex_params]
+    return [(params, cls(params, lr=1e-2, max_grad_norm=1.0, **ENGINES[engine], **options))
+            for params in (complex_params, real_params)]
+
+
+def step_both(pairs, steps=4):
+    (complex_params, complex_opt), (real_params, real_opt) = pairs
+    for _ in range(steps):
+        for p, r in zip(complex_params, real_params):
+            p.grad = torch.randn_like(p)
+            r.grad = torch.view_as_real(p.grad).clone()
+        complex_opt.step()
+        real_opt.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("cls", ALL)
+def test_a_complex_param_steps_as_its_real_view_on_every_engine(cls, engine, dtype):
+    """torch.optim's definition (its test_complex): a complex param goes as two real numbers per
+    element. Its states are complex, of its dtype, as torch's are."""
+    pairs = complex_pair(cls, engine, dtype)
+    step_both(pairs)
+    (complex_params, complex_opt), (real_params, real_opt) = pairs
+    for p, r in zip(complex_params, real_params):
+        assert torch.equal(torch.view_as_real(p.detach()), r.detach())
+        for key, value in complex_opt.state[p].items():
+            if key != "step":
+                assert value.dtype == dtype and torch.equal(torch.view_as_real(value), real_opt.state[r][key])
+
+
+@pytest.mark.parametrize("options", [dict(state_bits=8), dict(state_bits=16), dict(sn=True)])
+def test_complex_params_keep_full_precision_dense_states_under_lean_options(options):
+    """As params under 4096 elements keep fp32 states under state_bits=8: the options apply to the
+    real params beside them."""
+    torch.manual_seed(0)
+    complex_param = torch.nn.Parameter(torch.randn(70, 80, dtype=torch.complex64))
+    real_param = torch.nn.Parameter(torch.randn(70, 80))
+    opt = fastoptim.AdamW([complex_param, real_param], lr=1e-2, **options)
+    for p in (complex_param, real_param):
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert {v.dtype for k, v in opt.state[complex_param].items() if k != "step"} == {torch.complex64}
+    assert opt.state[complex_param]["exp_avg_sq"].shape == complex_param.shape
+    assert any(v.dtype != torch.float32 or v.shape != real_param.shape  # beside a subset-norm record
+               for k, v in opt.state[real_param].items() if k != "step" and torch.is_tensor(v))
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_complex_adamw_is_torchs_and_loads_its_checkpoint(engine, amsgrad):
+    torch.manual_seed(0)
+    ours_params = [torch.nn.Parameter(torch.randn(40, 30, dtype=torch.complex64))]
+    torch_params = [torch.nn.Parameter(ours_params[0].detach().clone())]
+    ours = fastoptim.AdamW(ours_params, lr=1e-2, amsgrad=amsgrad, **ENGINES[engine])
+    theirs = torch.optim.AdamW(torch_params, lr=1e-2, amsgrad=amsgrad, foreach=False)
+    for step in range(6):
+        grad = torch.randn(40, 30, dtype=torch.complex64)
+        ours_params[0].grad, torch_params[0].grad = grad.clone(), grad.clone()
+        theirs.step()
+        if step == 2:  # resume from torch's checkpoint
+            ours.load_state_dict(theirs.state_dict())
+            ours_params[0].data.copy_(torch_params[0].detach())
+            continue
+        ours.step()
+    torch.testing.assert_close(ours_params[0].detach(), torch_params[0].detach(), rtol=1e-5, atol=1e-6)
+    for key, value in theirs.state[torch_params[0]].items():
+        torch.testing.assert_close(ours.state[ours_params[0]][key], value, rtol=1e-5, atol=1e-6)
+
+
+# --- a compiled step comes back to the graph of a grads pattern it has seen ------------------------
+
+@pytest.mark.parametrize("cls, options", [(fastoptim.Adan, dict(max_grad_norm=1.0)), (fastoptim.AdamW, {}),
+                                          (fastoptim.Lion, dict(state_bits=8)),
+                                          (fastoptim.Adan, dict(foreach=True, fused=False))])
+def test_alternating_frozen_parts_compile_to_one_graph_per_pattern(cls, options):
+    """A GAN's step: the generator's and the discriminator's params take turns having grads, after
+    a first step with all of them (which creates every state: a step that creates states traces
+    anew). Each pattern is traced once, and the compiled steps are the eager ones."""
+    from .test_compile import assert_same, model_params
+
+    pairs = [(params, cls(params, lr=torch.tensor(0.01), **options)) for params in (model_params(), model_params())]
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(pairs[1][1].step, backend="aot_eager", fullgraph=True)
+    for step in range(8):
+        torch.manual_seed(step)
+        grads = [torch.randn_like(p) for p in pairs[0][0]]
+        for params, _ in pairs:
+            for i, (param, grad) in enumerate(zip(params, grads)):
+                param.grad = grad.clone() if step == 0 or (i < 2) == (step % 2 == 0) else None
+        pairs[0][1].step()
+        compiled()
+    assert_same(*pairs)
+    assert counters["stats"]["unique_graphs"] == 3
