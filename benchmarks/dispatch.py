@@ -21,6 +21,7 @@ from torch._dynamo.utils import counters
 import fastoptim
 from benchmarks.scaling import gpt2_params, materialize
 from fastoptim.bench import run
+from fastoptim.bench.report import cpu_features
 from fastoptim.kernels import fused_cpu
 from fastoptim.optimizers.base import FastOptimizer
 
@@ -169,9 +170,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=5, help="interleaved samples (default 5)")
     parser.add_argument("--models", nargs="+", default=[*MODELS, TRAINING], choices=[*MODELS, TRAINING])
     args = parser.parse_args()
-    flags = open("/proc/cpuinfo").read().split("flags")[1].split("\n")[0].split()
-    print(f"threads {torch.get_num_threads()}; CPU features: "
-          f"{' '.join(f for f in ('avx2', 'fma', 'f16c', 'avx512f', 'avx512_bf16') if f in flags)}")
+    print(f"threads {torch.get_num_threads()}; CPU features: {' '.join(cpu_features())}")
     for model_name in args.models:
         if model_name == TRAINING:
             measure_training(args.steps, args.repeats)

@@ -20,11 +20,14 @@ SANITIZE = ["-O1", "-g", "-fno-var-tracking", "-fno-omit-frame-pointer", "-fsani
 
 
 def runtimes():
-    """gcc's sanitizer runtimes, by name; None without gcc, or a name gcc cannot find (a bare one)."""
+    """gcc's sanitizer runtimes, and the C++ runtime, by name; None without gcc, or a name gcc cannot
+    find (a bare one). Preloaded after libasan, libstdc++ gives its interceptor the real
+    ``__cxa_throw``: without it, the first C++ exception (torch's, for an error raised inside an op)
+    aborts the process."""
     if shutil.which("gcc") is None:
         return None
     found = {name: subprocess.run(["gcc", f"-print-file-name={name}"], capture_output=True, text=True).stdout.strip()
-             for name in ("libasan.so", "libubsan.so")}
+             for name in ("libasan.so", "libubsan.so", "libstdc++.so.6")}
     return found if all(os.path.isabs(path) for path in found.values()) else None
 
 

@@ -53,7 +53,8 @@ def library(request, tmp_path_factory):
 
 def sanitized(library, *args):
     """``python *args`` with the sanitized kernel: exit code and output (stdout and stderr)."""
-    env = dict(os.environ, LD_PRELOAD=RUNTIMES["libasan.so"], ASAN_OPTIONS="detect_leaks=0",
+    env = dict(os.environ, LD_PRELOAD=f"{RUNTIMES['libasan.so']} {RUNTIMES['libstdc++.so.6']}",
+               ASAN_OPTIONS="detect_leaks=0",
                UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1", FASTOPTIM_FUSED_CPU_LIBRARY=str(library))
     out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)

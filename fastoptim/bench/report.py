@@ -32,6 +32,16 @@ def machine():
                 python=platform.python_version())
 
 
+def cpu_features():
+    """The x86 features the kernels choose between, of those this CPU has (empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    return [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16") if f in flags]
+
+
 def header(settings):
     return dict(schema=SCHEMA, fastoptim=fastoptim.__version__, torch=torch.__version__, machine=machine(),
                 **{key: settings[key] for key in ("device", "dtype", "threads", "steps", "repeats", "baseline",

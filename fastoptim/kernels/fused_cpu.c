@@ -838,6 +838,10 @@ static void team_member(void *arg) {
 }
 
 #define MAX_THREADS 256
+/* Elements per thread below which another thread is not woken: waking a parked thread can cost
+   milliseconds on a shared machine, far more than such a share of work (torch's elementwise ops keep
+   a grain of 32k elements for the same reason). Small steps run on the calling thread alone. */
+#define GRAIN_NUMEL (1 << 16)
 
 /* The first chunk in [begin, end) that does not start before element ``target``. */
 static int64_t chunk_at(const int64_t *chunks, int64_t begin, int64_t end, int64_t target) {
@@ -848,7 +852,8 @@ static int64_t chunk_at(const int64_t *chunks, int64_t begin, int64_t end, int64
     return begin;
 }
 
-/* Runs chunks [chunk_begin, chunk_end) on up to n_threads threads (the caller is one of them). */
+/* Runs chunks [chunk_begin, chunk_end) on up to n_threads threads (the caller is one of them), one
+   per GRAIN_NUMEL elements at most. */
 static int run(ChunkFn chunk, const int64_t *pointers, int64_t n_tensors, const int64_t *chunks,
                int64_t chunk_begin, int64_t chunk_end, const int64_t *layouts, const Scalar *scalars,
                void *extra, int32_t n_threads) {
@@ -856,12 +861,14 @@ static int run(ChunkFn chunk, const int64_t *pointers, int64_t n_tensors, const 
     if (scalars && scalars[FOUND_INF].values[0] != 0) return 0;  /* GradScaler found inf: skip */
     const Work w = {.pointers = pointers, .n_tensors = n_tensors, .chunks = chunks, .layouts = layouts,
                     .scalars = scalars, .chunk = chunk, .extra = extra};
-    int64_t n_chunks = chunk_end - chunk_begin, n = n_threads < n_chunks ? n_threads : n_chunks;
+    const int64_t n_chunks = chunk_end - chunk_begin;
+    const int64_t first = n_chunks ? chunks[4 * chunk_begin + 3] : 0;
+    const int64_t total = n_chunks ? chunks[4 * (chunk_end - 1) + 3] + chunks[4 * (chunk_end - 1) + 2] - first : 0;
+    int64_t n = n_threads < n_chunks ? n_threads : n_chunks;
+    if (n > total / GRAIN_NUMEL) n = total / GRAIN_NUMEL;
     if (n > MAX_THREADS) n = MAX_THREADS;
     if (n < 1) n = 1;
     Share shares[MAX_THREADS];
-    const int64_t first = n_chunks ? chunks[4 * chunk_begin + 3] : 0;
-    const int64_t total = n_chunks ? chunks[4 * (chunk_end - 1) + 3] + chunks[4 * (chunk_end - 1) + 2] - first : 0;
     for (int64_t k = 0; k < n; k++)
         shares[k] = (Share){&w, chunk_at(chunks, chunk_begin, chunk_end, first + total * k / n),
                             chunk_at(chunks, chunk_begin, chunk_end, first + total * (k + 1) / n)};
