@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 import fastoptim
 from benchmarks.scaling import gpt2_params, materialize
 from fastoptim.bench import run
-from fastoptim.bench.report import cpu_features
+from fastoptim.measure import cpu_features
 from fastoptim.kernels import fused_cpu
 from fastoptim.optimizers.base import FastOptimizer
 

@@ -15,7 +15,7 @@ import time
 import torch
 
 import fastoptim
-from fastoptim.bench.report import cpu_features
+from fastoptim.measure import cpu_features
 
 OPTIMIZERS = {
     "torch AdamW fused": lambda params: torch.optim.AdamW(params, lr=1e-3, fused=True),

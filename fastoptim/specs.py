@@ -13,6 +13,7 @@ from dataclasses import dataclass
 COMMON_SCALARS = ("found_inf", "seed", "grad_scale")  # every kernel's first scalars, in this order
 ABSMAX = "_absmax"  # the suffix of an 8-bit state's block maxima, as a role and as a state-dict key
 STOCHASTIC_ROUNDING = 1  # the flag bit every kernel has
+_DECLARED = {}  # every kernel spec, by name, in the order they were declared
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ class KernelSpec:
         for role in self.roles:
             if role.when is not None and role.when not in self.flags:
                 raise ValueError(f"kernel spec {self.name!r}: role {role.name!r} depends on an undeclared flag")
+        if _DECLARED.setdefault(self.name, self) != self:
+            raise ValueError(f"kernel spec {self.name!r} is declared twice, differently")
 
     @property
     def states(self):
@@ -92,3 +95,9 @@ class KernelSpec:
     def unpack_flags(self, bits):
         """The inverse of :meth:`flag_bits`: (flags, stochastic_rounding)."""
         return {flag: bool(bits >> (i + 1) & 1) for i, flag in enumerate(self.flags)}, bool(bits & STOCHASTIC_ROUNDING)
+
+
+def declared_specs():
+    """Every kernel spec declared so far, each once, in the order of their declarations: importing
+    fastoptim declares its optimizers' (each beside its algorithm, in fastoptim/optimizers)."""
+    return tuple(_DECLARED.values())

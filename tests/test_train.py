@@ -13,7 +13,7 @@ pytest.importorskip("matplotlib")
 
 TINY = ["--model-size", "tiny", "--steps", "6", "--batch-size", "4", "--eval-every", "2"]
 ROW_KEYS = {"optimizer", "lr", "final_val_loss", "step_reaching_reference", "optimizer_share", "ms_per_step",
-            "state_bytes", "val_loss_by_lr"}
+            "state_bytes", "val_loss_by_lr", "class"}
 
 
 def train(out, *args):

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..measure import params_and_sn, quiet_transformers
+
 GPT2_GRID = [(6, 6, 768), (12, 6, 768), (16, 6, 768), (6, 12, 768), (12, 12, 768), (16, 12, 768),
              (16, 6, 1024), (16, 12, 1024), (6, 24, 768), (12, 24, 768), (16, 24, 768), (6, 6, 1536),
              (12, 6, 1536), (16, 6, 1536), (16, 24, 1024), (16, 6, 2048), (6, 12, 1536), (12, 12, 1536),
@@ -101,17 +103,6 @@ SEED_MODELS = [f"gpt2-h{h}-l{layer}-d{d}" for h, layer, d in GPT2_GRID] + [
     "resnet50", "resnet101", "vit-b", "vit-l", "swin-b", "swin-l", "convnext-b", "convnext-l"]
 
 
-def quiet_transformers():
-    """transformers, its logging turned down, and its model code loaded with the noise kept off the
-    output: that code imports torchao where it is installed (see fastoptim.extras.quiet_import)."""
-    from ..extras import output_discarded, quiet_import
-    transformers = quiet_import("transformers")
-    transformers.logging.set_verbosity_error()
-    with output_discarded():
-        transformers.PreTrainedModel  # a lazy attribute: its first access loads the model code
-
-
-
 def shapes(name):
     """The (shape, subset-norm) pair of every param of model ``name``, from a build on the meta
     device: no memory, no weights."""
@@ -119,20 +110,6 @@ def shapes(name):
     with torch.device("meta"):
         module = MODELS[name].build()
     return [(tuple(p.shape), sn) for p, sn in zip(*params_and_sn(module))]
-
-
-def params_and_sn(module):
-    """The module's params, and for each whether it gets subset-norm states: the weights of Linear
-    layers (GPT-2's Conv1D included) that are not also an embedding, as in the seed's usage."""
-    linear, embedding = set(), set()
-    for child in module.modules():
-        weight = getattr(child, "weight", None)
-        if isinstance(child, torch.nn.Embedding):
-            embedding.add(id(weight))
-        elif isinstance(child, torch.nn.Linear) or type(child).__name__ == "Conv1D":
-            linear.add(id(weight))
-    params = list(module.parameters())
-    return params, [id(p) in linear and id(p) not in embedding for p in params]
 
 
 def with_gradients(name, dtype=torch.float32, device="cpu", backward=True):

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..extras import quiet_import
+from ..measure import sn_groups
 
 
 def timm_adan_class():
@@ -22,13 +23,6 @@ def timm_adan_class():
         package.__path__ = [str(Path(spec.submodule_search_locations[0]) / "optim")]
         sys.modules["_timm_optim"] = package
     return importlib.import_module("_timm_optim.adan").Adan
-
-
-def sn_groups(params, sn):
-    """Param groups as the seed's usage makes them: ``'sn': True`` on the chosen params."""
-    groups = [{"params": [p for p, s in zip(params, sn) if s], "sn": True},
-              {"params": [p for p, s in zip(params, sn) if not s]}]
-    return [group for group in groups if group["params"]]
 
 
 def torch_adam(params, _sn, **options):

@@ -10,36 +10,13 @@ import torch
 
 import fastoptim
 
+from ..measure import MIB, machine, number
+
 SCHEMA = 2  # 2: spread of each figure, the machine's load, the peers' library
-MIB = 2**20
 WIDTH = 120  # of every printed line
 NOT_MEASURED = "—"
 SHARED_INSTANCE = "·"
 SPREAD_LIMIT = 0.10  # a figure whose (max - min) / median over the repeats exceeds this is flagged
-
-
-def machine():
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    with open("/proc/meminfo") as f:
-        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
-    return dict(system=platform.platform(), cpu=cpu, cpus=os.cpu_count(), memory_bytes=total,
-                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-                python=platform.python_version())
-
-
-def cpu_features():
-    """The x86 features the kernels choose between, of those this CPU has (empty elsewhere)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return []
-    return [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16") if f in flags]
 
 
 def header(settings):
@@ -47,10 +24,6 @@ def header(settings):
                 **{key: settings[key] for key in ("device", "dtype", "threads", "steps", "repeats", "baseline",
                                                   "gradients")},
                 spread_limit=SPREAD_LIMIT, load_at_start=None, busy=False, interrupted=False, models=[])
-
-
-def number(value, digits=1, scale=1.0):
-    return "" if value is None else f"{value / scale:.{digits}f}"
 
 
 def cell(value, digits=1, scale=1.0):

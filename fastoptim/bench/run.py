@@ -22,6 +22,7 @@ import torch
 
 import fastoptim
 
+from ..measure import state_bytes, tensor_bytes
 from . import memory, peers, report
 from .models import shapes, with_gradients
 
@@ -76,23 +77,6 @@ def optimizers():
                                 ("torchao-adamw8bit", peers.torchao_adamw8bit, "torchao")):
         table[name] = Optimizer(name, lambda p, s, m=make: m(p, s, **HYPERPARAMETERS), library=library)
     return table
-
-
-def tensor_bytes(tensors):
-    """Bytes held, counting a tensor subclass (torchao's 8-bit states) by the tensors it wraps."""
-    total = 0
-    for tensor in tensors:
-        if hasattr(tensor, "__tensor_flatten__"):
-            names, _ = tensor.__tensor_flatten__()
-            total += tensor_bytes(getattr(tensor, name) for name in names)
-        else:
-            total += tensor.nbytes
-    return total
-
-
-def state_bytes(optimizer):
-    return tensor_bytes(value for state in optimizer.state.values() for value in state.values()
-                        if isinstance(value, torch.Tensor))
 
 
 def stepper(optimizer, spec):

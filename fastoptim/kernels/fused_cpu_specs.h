@@ -9,14 +9,6 @@ enum { STOCHASTIC_ROUNDING = 1 };  /* every kernel's first flag bit */
 
 enum { MAX_STATES = 4 };  /* the most states of any kernel */
 
-/* adan: rows param, grad, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_grad, then each state's block maxima */
-enum { ADAN_EXP_AVG = FIRST_STATE, ADAN_EXP_AVG_SQ, ADAN_EXP_AVG_DIFF, ADAN_NEG_PRE_GRAD, ADAN_STATES_END };
-enum { ADAN_BETA1 = COMMON_SCALARS, ADAN_BETA2, ADAN_BETA3, ADAN_ONE_MINUS_BETA1, ADAN_ONE_MINUS_BETA2, ADAN_ONE_MINUS_BETA3, ADAN_EPS, ADAN_PRE_GRAD_WEIGHT, ADAN_BIAS_CORRECTION3_SQRT, ADAN_STEP_SIZE, ADAN_DIFF_RATIO, ADAN_DECAY_MUL, ADAN_DECAY_DIV };
-/* per state, in row order: its 8-bit code table, whether it is per subset under sn, the flag it needs */
-#define ADAN_TABLES {SIGNED, UNSIGNED, SIGNED, BF16_VALUES}
-#define ADAN_REDUCED {0, 1, 0, 0}
-#define ADAN_NEEDS {0, 0, 0, 0}
-
 /* adamw: rows param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, then each state's block maxima */
 enum { ADAMW_EXP_AVG = FIRST_STATE, ADAMW_EXP_AVG_SQ, ADAMW_MAX_EXP_AVG_SQ, ADAMW_STATES_END };
 enum { ADAMW_ONE_MINUS_BETA1 = COMMON_SCALARS, ADAMW_BETA2, ADAMW_ONE_MINUS_BETA2, ADAMW_EPS, ADAMW_DECAY_MUL, ADAMW_DECAY_AFTER, ADAMW_STEP_SIZE, ADAMW_BIAS_CORRECTION2_SQRT };
@@ -25,6 +17,14 @@ enum { ADAMW_AMSGRAD = 2, ADAMW_FIRST_MOMENT = 4 };
 #define ADAMW_TABLES {SIGNED, UNSIGNED, UNSIGNED}
 #define ADAMW_REDUCED {0, 1, 1}
 #define ADAMW_NEEDS {ADAMW_FIRST_MOMENT, 0, ADAMW_AMSGRAD}
+
+/* adan: rows param, grad, exp_avg, exp_avg_sq, exp_avg_diff, neg_pre_grad, then each state's block maxima */
+enum { ADAN_EXP_AVG = FIRST_STATE, ADAN_EXP_AVG_SQ, ADAN_EXP_AVG_DIFF, ADAN_NEG_PRE_GRAD, ADAN_STATES_END };
+enum { ADAN_BETA1 = COMMON_SCALARS, ADAN_BETA2, ADAN_BETA3, ADAN_ONE_MINUS_BETA1, ADAN_ONE_MINUS_BETA2, ADAN_ONE_MINUS_BETA3, ADAN_EPS, ADAN_PRE_GRAD_WEIGHT, ADAN_BIAS_CORRECTION3_SQRT, ADAN_STEP_SIZE, ADAN_DIFF_RATIO, ADAN_DECAY_MUL, ADAN_DECAY_DIV };
+/* per state, in row order: its 8-bit code table, whether it is per subset under sn, the flag it needs */
+#define ADAN_TABLES {SIGNED, UNSIGNED, SIGNED, BF16_VALUES}
+#define ADAN_REDUCED {0, 1, 0, 0}
+#define ADAN_NEEDS {0, 0, 0, 0}
 
 /* lion: rows param, grad, exp_avg, then each state's block maxima */
 enum { LION_EXP_AVG = FIRST_STATE, LION_STATES_END };
@@ -35,4 +35,4 @@ enum { LION_BETA1 = COMMON_SCALARS, LION_ONE_MINUS_BETA1, LION_BETA2, LION_ONE_M
 #define LION_NEEDS {0}
 
 /* X(name, NAME) for every kernel spec */
-#define FOR_EACH_KERNEL(X) X(adan, ADAN) X(adamw, ADAMW) X(lion, LION)
+#define FOR_EACH_KERNEL(X) X(adamw, ADAMW) X(adan, ADAN) X(lion, LION)

@@ -4,15 +4,9 @@ and macros named after it. ``python -m fastoptim.kernels.header`` rewrites the h
 when the committed one differs, so a reordered spec cannot compile silently into the old layout."""
 from pathlib import Path
 
-from .. import optimizers
-from ..specs import COMMON_SCALARS, STOCHASTIC_ROUNDING
+from ..specs import COMMON_SCALARS, STOCHASTIC_ROUNDING, declared_specs
 
 PATH = Path(__file__).with_name("fused_cpu_specs.h")
-
-
-def all_specs():
-    """Every kernel spec of the package's optimizers, in their order, each once."""
-    return tuple(dict.fromkeys(getattr(optimizers, name).spec for name in optimizers.__all__))
 
 
 def _enum(names, first=None):
@@ -59,4 +53,4 @@ def c_header(specs):
 
 
 if __name__ == "__main__":
-    PATH.write_text(c_header(all_specs()))
+    PATH.write_text(c_header(declared_specs()))  # run as a module, it has imported fastoptim: every spec

@@ -11,9 +11,7 @@ from pathlib import Path
 import torch
 
 import fastoptim
-from fastoptim.bench.models import params_and_sn
-from fastoptim.bench.peers import sn_groups
-from fastoptim.bench.run import state_bytes
+from fastoptim.measure import params_and_sn, sn_groups, state_bytes
 
 from . import data, model, report
 
@@ -154,7 +152,9 @@ def main(settings, out, stop_after=None, resume=False):
         print(f"stopped after step {stop_after}; continue with: fastoptim train --resume {out}")
         return None
     params = sum(p.numel() for p in model.build(settings["model_size"], settings["seed"]).parameters())
-    text = report.write(report.results(settings, params, corpus.summary, runs), out)
+    classes = {name: f"{RECIPES[name].cls.__module__.split('.')[0]}.{RECIPES[name].cls.__name__}"
+               for name in settings["optimizers"]}
+    text = report.write(report.results(settings, params, corpus.summary, runs, classes), out)
     print(text)
     print(f"wrote {out}/results.json, results.md and curves.png")
     return text

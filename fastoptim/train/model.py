@@ -1,7 +1,7 @@
 """The model: transformers' GPT-2, built from a small config (no download), on byte tokens."""
 import torch
 
-from fastoptim.bench.models import quiet_transformers
+from fastoptim.measure import quiet_transformers
 
 SIZES = {
     "small": {"n_layer": 4, "n_head": 4, "n_embd": 128, "context": 128},  # the default: 0.84M params

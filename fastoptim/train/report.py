@@ -6,11 +6,11 @@ from pathlib import Path
 import torch
 
 import fastoptim
-from fastoptim.bench.report import MIB, machine, number
+from fastoptim.measure import MIB, machine, number
 
 from .model import SIZES
 
-SCHEMA = 1
+SCHEMA = 2  # 2: each row names its optimizer's class
 
 
 def final_loss(run):
@@ -23,10 +23,10 @@ def first_step_at_or_below(run, target):
     return next((step for step, loss in zip(run["eval_steps"], run["val_loss"]) if loss <= target), None)
 
 
-def results(settings, params, corpus, runs):
+def results(settings, params, corpus, runs, classes):
     """The JSON document: settings, every run with its curves, and a row per optimizer from its best run
-    (the lowest final validation loss over its learning rates). The first optimizer is the reference
-    whose final validation loss the others race to."""
+    (the lowest final validation loss over its learning rates), with its class (``classes``: name to
+    "library.Class"). The first optimizer is the reference whose final validation loss the others race to."""
     for run in runs:
         run |= {"final_val_loss": run["val_loss"][-1], "ms_per_step": 1e3 * run["step_seconds"] / run["step"],
                 "optimizer_share": run["optimizer_seconds"] / run["step_seconds"]}
@@ -38,7 +38,8 @@ def results(settings, params, corpus, runs):
              "step_reaching_reference": first_step_at_or_below(run, target),
              "optimizer_share": run["optimizer_share"], "ms_per_step": run["ms_per_step"],
              "state_bytes": run["state_bytes"],
-             "val_loss_by_lr": {f"{r['lr']:g}": r["final_val_loss"] for r in runs if r["optimizer"] == name}}
+             "val_loss_by_lr": {f"{r['lr']:g}": r["final_val_loss"] for r in runs if r["optimizer"] == name},
+             "class": classes[name]}
             for name, run in best.items()]
     return {"schema": SCHEMA, "fastoptim": fastoptim.__version__, "torch": torch.__version__, "machine": machine(),
             "settings": settings, "model": SIZES[settings["model_size"]] | {"params": params}, "data": corpus,
@@ -73,9 +74,8 @@ def markdown(results):
         if results["settings"]["lr_sweep"]:
             cells.append(", ".join(f"{lr}: {loss:.3f}" for lr, loss in row["val_loss_by_lr"].items()))
         lines.append("| " + " | ".join(cells) + " |")
-    from .loop import RECIPES
-    classes = [f"{row['optimizer']} is {RECIPES[row['optimizer']].cls.__module__.split('.')[0]}'s "
-               f"{RECIPES[row['optimizer']].cls.__name__}" for row in results["rows"]]
+    classes = [f"{row['optimizer']} is {row['class'].split('.')[0]}'s {row['class'].split('.')[-1]}"
+               for row in results["rows"]]
     lines += ["", "; ".join(classes) + ", each with fused=True."]
     return "\n".join(lines) + "\n"
 

@@ -1,0 +1,88 @@
+"""What ``fastoptim bench`` and ``fastoptim train`` share: the machine a figure was measured on, byte
+counts and number formatting, and how a model's params are grouped (which get subset-norm states,
+as the seed's usage picks them). Both import it; neither imports the other."""
+import os
+import platform
+
+import torch
+
+MIB = 2**20
+
+
+def machine():
+    """The machine a figure was measured on: system, CPU model, cores, memory, GPU, Python."""
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    return dict(system=platform.platform(), cpu=cpu, cpus=os.cpu_count(), memory_bytes=total,
+                gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                python=platform.python_version())
+
+
+def cpu_features():
+    """The x86 features the kernels choose between, of those this CPU has (empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line.split(":", 1)[1].split() for line in f if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return []
+    return [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_bf16") if f in flags]
+
+
+def number(value, digits=1, scale=1.0):
+    """``value / scale`` with ``digits`` decimals; an empty string for None (not measured)."""
+    return "" if value is None else f"{value / scale:.{digits}f}"
+
+
+def tensor_bytes(tensors):
+    """Bytes held, counting a tensor subclass (torchao's 8-bit states) by the tensors it wraps."""
+    total = 0
+    for tensor in tensors:
+        if hasattr(tensor, "__tensor_flatten__"):
+            names, _ = tensor.__tensor_flatten__()
+            total += tensor_bytes(getattr(tensor, name) for name in names)
+        else:
+            total += tensor.nbytes
+    return total
+
+
+def state_bytes(optimizer):
+    """Bytes of every state tensor an optimizer holds."""
+    return tensor_bytes(value for state in optimizer.state.values() for value in state.values()
+                        if isinstance(value, torch.Tensor))
+
+
+def quiet_transformers():
+    """transformers, its logging turned down, and its model code loaded with the noise kept off the
+    output: that code imports torchao where it is installed (see fastoptim.extras.quiet_import)."""
+    from .extras import output_discarded, quiet_import
+    transformers = quiet_import("transformers")
+    transformers.logging.set_verbosity_error()
+    with output_discarded():
+        transformers.PreTrainedModel  # a lazy attribute: its first access loads the model code
+
+
+def params_and_sn(module):
+    """The module's params, and for each whether it gets subset-norm states: the weights of Linear
+    layers (GPT-2's Conv1D included) that are not also an embedding, as in the seed's usage."""
+    linear, embedding = set(), set()
+    for child in module.modules():
+        weight = getattr(child, "weight", None)
+        if isinstance(child, torch.nn.Embedding):
+            embedding.add(id(weight))
+        elif isinstance(child, torch.nn.Linear) or type(child).__name__ == "Conv1D":
+            linear.add(id(weight))
+    params = list(module.parameters())
+    return params, [id(p) in linear and id(p) not in embedding for p in params]
+
+
+def sn_groups(params, sn):
+    """Param groups as the seed's usage makes them: ``'sn': True`` on the chosen params."""
+    groups = [{"params": [p for p, s in zip(params, sn) if s], "sn": True},
+              {"params": [p for p, s in zip(params, sn) if not s]}]
+    return [group for group in groups if group["params"]]

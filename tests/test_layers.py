@@ -1,0 +1,93 @@
+"""The package's layers (../shared/DESIGN.md), checked over its import graph: every import of every
+module, at its top or inside a function, read from the source. A module imports modules of lower
+layers and of its own part, never a higher layer or a sibling part of its own layer (bench and
+train share their helpers through ``fastoptim.measure``), and no imports form a cycle."""
+import ast
+from pathlib import Path
+
+import fastoptim
+
+ROOT = Path(fastoptim.__file__).parent
+# Lowest first; each entry a part: a module belongs to the part with the longest matching name.
+LAYERS = (
+    ("fastoptim.specs", "fastoptim.extras"),
+    ("fastoptim.distributed", "fastoptim.measure"),
+    ("fastoptim.states", "fastoptim.multi_tensor"),
+    ("fastoptim.step_cache",),
+    ("fastoptim.kernels",),
+    ("fastoptim.engines",),
+    ("fastoptim.clip",),
+    ("fastoptim.optimizers",),
+    ("fastoptim",),  # the package's own __init__: the public API
+    ("fastoptim.frameworks", "fastoptim.bench", "fastoptim.train"),
+    ("fastoptim.cli",),
+)
+
+
+def module_name(path):
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in ROOT.rglob("*.py")}
+
+
+def imports(name):
+    """The package's modules that module ``name`` imports, anywhere in its source."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            named = {f"{base}.{alias.name}" for alias in node.names} & MODULES.keys()
+            found |= named or {base}  # ``from package import module`` imports the module
+    return {module for module in found if module in MODULES and module != name}
+
+
+def part(name):
+    """(layer, part) of a module."""
+    matches = [(len(prefix), layer, prefix) for layer, parts in enumerate(LAYERS) for prefix in parts
+               if name == prefix or name.startswith(prefix + ".")]
+    assert matches, f"{name} is in no layer: add it to LAYERS"
+    _, layer, prefix = max(matches)
+    return layer, prefix
+
+
+GRAPH = {name: imports(name) for name in MODULES}
+
+
+def test_no_module_imports_a_higher_layer_or_a_sibling_part():
+    wrong = [f"{name} imports {target}" for name, targets in sorted(GRAPH.items()) for target in sorted(targets)
+             if part(target)[0] > part(name)[0] or part(target)[0] == part(name)[0] and part(target) != part(name)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_imports_form_no_cycle():
+    done, path = set(), []
+
+    def visit(name):
+        if name in path:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(name):] + [name]))
+        if name in done:
+            return
+        path.append(name)
+        for target in sorted(GRAPH[name]):
+            visit(target)
+        path.pop()
+        done.add(name)
+
+    for name in sorted(GRAPH):
+        visit(name)
+
+
+def test_the_graph_sees_imports_of_every_kind():
+    """Relative, absolute, of a module by its package, and inside a function."""
+    assert {"fastoptim.kernels.fused_cpu", "fastoptim.multi_tensor"} <= GRAPH["fastoptim.clip"]
+    assert "fastoptim.distributed" in GRAPH["fastoptim.engines.ops"]  # from .. import distributed
+    assert "fastoptim.optimizers.adan" in GRAPH["fastoptim.bench.run"]  # inside a function
