@@ -1,6 +1,7 @@
 """AdamW (Loshchilov & Hutter), with the same signature, results and state dict as torch.optim.AdamW."""
 import torch
 
+from ..engines.ops import sqrt
 from ..specs import KernelSpec, Role
 from .base import FastOptimizer, group_lr
 
@@ -138,7 +139,7 @@ class AdamW(FastOptimizer):
         lr, wide = group_lr(group), entry.scalar_dtype
         args = dict(beta1=beta1, beta2=beta2, eps=group["eps"], lr=lr, weight_decay=group["weight_decay"],
                     grad_scale=grad_scale, step_size=(lr / (1 - beta1**t)).to(wide),
-                    bias_correction2_sqrt=(1 - beta2**t).sqrt().to(wide))
+                    bias_correction2_sqrt=sqrt(1 - beta2**t).to(wide))
         return args, {"step_size", "bias_correction2_sqrt"}
 
     def _count_step(self, group, entry, increment):

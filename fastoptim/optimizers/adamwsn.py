@@ -1,6 +1,7 @@
 """AdamWSN and RMSPropSN: AdamW with a subset-norm second moment, as the AdamW-Subset-Norm paper's
 reference code (``adamw_sn.py``, class ``AdamwSN``) defines it."""
 
+from ..engines.ops import sqrt
 from .adamw import AdamW
 from .base import FastOptimizer, group_lr
 
@@ -51,7 +52,7 @@ class AdamWSN(AdamW):
         t = self._next_counts(entry, increment)
         beta1, beta2 = group["betas"]
         lr = group_lr(group)
-        step_size = (lr * (1 - beta2**t).sqrt() / (1 - beta1**t)) if group["correct_bias"] else lr + 0 * t
+        step_size = (lr * sqrt(1 - beta2**t) / (1 - beta1**t)) if group["correct_bias"] else lr + 0 * t
         args = dict(beta1=beta1, beta2=beta2, eps=group["eps"], lr=lr, weight_decay=group["weight_decay"],
                     grad_scale=grad_scale, step_size=step_size.to(entry.scalar_dtype), decay_after=True)
         return args, {"step_size"}
