@@ -3,13 +3,22 @@ VENV := .venv
 SETUP_INPUTS := pyproject.toml setup.py scripts/setup.sh scripts/install_torch.py \
 	fastoptim/kernels/fused_cpu.c fastoptim/kernels/fused_cpu_specs.h
 
-.PHONY: bench test
+.PHONY: bench test docs
 
 bench: $(VENV)/.ready-bench
 	$(VENV)/bin/fastoptim bench
 
 test: $(VENV)/.ready-test
 	$(VENV)/bin/python -m pytest -q
+
+# The site's home page is the README, its links made relative to docs/; warnings are errors.
+docs: $(VENV)/.ready-docs
+	sed 's#](docs/#](#g' README.md > docs/index.md
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+$(VENV)/.ready-docs: $(SETUP_INPUTS)
+	bash scripts/setup.sh docs
+	touch $@
 
 $(VENV)/.ready-bench: $(SETUP_INPUTS)
 	bash scripts/setup.sh bench

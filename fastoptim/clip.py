@@ -5,6 +5,7 @@ dtype that reads every grad once, parallel over chunks across all of them, and t
 more. Elsewhere ``torch._foreach_norm`` and ``torch._foreach_mul_`` do the same work.
 """
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -148,13 +149,26 @@ def clip_coefficient(grads, max_norm, eps, inv_scale=None, group=None, cache=Non
     return (max_norm / (norm + eps)).clamp(max=1.0)
 
 
-def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_``, with the same arguments and results: scales the grads of
-    ``parameters`` (a tensor or an iterable of them) in place by ``min(1, max_norm / (norm + 1e-6))``
-    and returns the total norm (fp32).
+    ``parameters`` in place by ``min(1, max_norm / (norm + 1e-6))`` and returns the total norm.
 
     Norm types 2 and inf on plain tensors take the fused kernel (CPU) or foreach; ``foreach=False``,
     other norm types and DTensors (FSDP2, where torch's norm is global over the mesh) take torch's own.
+    There is no host sync, unless ``error_if_nonfinite`` asks for one.
+
+    Args:
+        parameters: a tensor or an iterable of tensors whose ``.grad`` is clipped (those without
+            one are skipped).
+        max_norm: the largest total norm left after clipping, a number >= 0.
+        norm_type: 2 or inf on the fast paths; any other goes to torch's function.
+        error_if_nonfinite: raise if the total norm is NaN or infinite (one host sync, as torch's).
+        foreach: False takes torch's function; None or True the kernel or foreach ops.
+
+    Returns:
+        The total norm of the grads before clipping, as a 0-d tensor (float64 where a grad is
+        float64, else fp32).
     """
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     max_norm, norm_type = float(max_norm), float(norm_type)

@@ -2,6 +2,7 @@
 # Creates .venv for one of the README's commands, and is safe to re-run:
 #   scripts/setup.sh bench   torch, fastoptim (editable, C kernel built) and what `fastoptim bench` uses
 #   scripts/setup.sh test    all of that, and the test tools, Triton and the training frameworks the tests use
+#   scripts/setup.sh docs    torch, fastoptim and what `make docs` uses (MkDocs, its theme, mkdocstrings)
 # torch comes from scripts/install_torch.py: a CPU build where there is no GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +13,8 @@ case $purpose in
     # Triton's kernels are the fused GPU engine; on a CPU machine only the tests use them (in its interpreter).
     bench) extras=bench,peers; [ $gpu = no ] || extras+=,triton ;;
     test) extras=test,bench,peers,frameworks,triton ;;
-    *) echo "usage: scripts/setup.sh [bench|test]" >&2; exit 2 ;;
+    docs) extras=docs ;;  # the API reference imports fastoptim, so the site is built beside it
+    *) echo "usage: scripts/setup.sh [bench|test|docs]" >&2; exit 2 ;;
 esac
 # --system-site-packages: a torch already installed for this Python is used as it is.
 [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv --system-site-packages .venv

@@ -1,9 +1,18 @@
 """AdamW (Loshchilov & Hutter), with the same signature, results and state dict as torch.optim.AdamW."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import torch
+from torch import Tensor
+from torch.optim.optimizer import ParamsT
 
 from ..engines.ops import sqrt
 from ..specs import KernelSpec, Role
 from .base import FastOptimizer, group_lr
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 SPEC = KernelSpec(  # AdamW's family: AdamWSN and RMSPropSN take it too
     "adamw",
@@ -60,25 +69,35 @@ def adamw_update(ops, *, param, grad, scratch, exp_avg=None, exp_avg_sq, max_exp
 class AdamW(FastOptimizer):
     """AdamW with torch.optim.AdamW's signature and results (see :func:`adamw_update`).
 
-    Beyond torch's arguments, ``max_grad_norm > 0`` clips every gradient by the global norm over all
-    groups, as :class:`fastoptim.Adan` does, and ``stochastic_rounding=True`` rounds bf16 params
-    stochastically (see :class:`fastoptim.Adan`). ``foreach``/``fused`` choose the engine. ``sn=True``
-    (usually per group) keeps the second moments per subset of each param's elements, partitioned
-    by ``subset_size`` (see :class:`fastoptim.Adan` and fastoptim.states.subset_norm). State per
-    parameter is torch's: ``step`` (0-d fp32 tensor), ``exp_avg``, ``exp_avg_sq`` and, with amsgrad,
-    ``max_exp_avg_sq``, all fp32; torch AdamW state dicts load as they are. ``state_bits`` 16 or 8
-    keeps the moments in bf16 or 8-bit blockwise codes, and ``shard_group`` makes the clipping norm
-    global under ZeroRedundancyOptimizer (see :class:`fastoptim.Adan`).
+    Args:
+        params: parameters or param groups (dicts with per-group options).
+        lr: learning rate, a float or a one-element tensor (which a scheduler may change in place).
+        betas: (β1, β2), the decay rates of the first and second moments.
+        eps: added to the denominator after the square root.
+        weight_decay: decoupled: ``p·(1 − lr·wd)`` before the update.
+        amsgrad: keep the running maximum of the second moment, ``max_exp_avg_sq``, as torch does.
+        capturable: accepted for torch's signature; fastoptim's step is always capturable (step
+            counts and a tensor lr stay on the params' device).
+        differentiable: ``False`` only: the step runs without autograd and updates in place.
+        sn: (usually set per group) keep the second moments per subset of each param's elements.
+        subset_size: the partition under ``sn`` (see fastoptim.states.subset_norm).
+        (the arguments of every fastoptim optimizer)
+
+    State per parameter is torch's: ``step`` (0-d fp32 tensor), ``exp_avg``, ``exp_avg_sq`` and,
+    with amsgrad, ``max_exp_avg_sq``; torch AdamW state dicts load as they are. float64 params keep
+    float64 states and math.
     """
 
     n_betas = 2
     update = staticmethod(adamw_update)
     spec = SPEC
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
-                 maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-                 max_grad_norm=0.0, stochastic_rounding=False, sn=False, subset_size=None, state_bits=32,
-                 shard_group=None):
+    def __init__(self, params: ParamsT, lr: float | Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
+                 fused: bool | None = None, max_grad_norm: float = 0.0, stochastic_rounding: bool = False,
+                 sn: bool = False, subset_size: int | None = None, state_bits: int = 32,
+                 shard_group: ProcessGroup | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
                         max_grad_norm=max_grad_norm, stochastic_rounding=stochastic_rounding, sn=sn,

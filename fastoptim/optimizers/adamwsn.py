@@ -1,9 +1,18 @@
 """AdamWSN and RMSPropSN: AdamW with a subset-norm second moment, as the AdamW-Subset-Norm paper's
 reference code (``adamw_sn.py``, class ``AdamwSN``) defines it."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+from torch.optim.optimizer import ParamsT
 
 from ..engines.ops import sqrt
 from .adamw import AdamW
 from .base import FastOptimizer, group_lr
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class AdamWSN(AdamW):
@@ -11,17 +20,23 @@ class AdamWSN(AdamW):
     reference ``AdamwSN`` (``adamw_sn.py``; see
     :func:`fastoptim.optimizers.adamw.adamw_update` with ``decay_after``).
 
-    Param groups opt in with ``'sn': True``, as in that code's usage; the others get the same AdamW
-    with one second-moment entry per element. ``subset_size`` picks the partition (see
-    fastoptim.states.subset_norm): None, the default, sums 2-D params over their smaller dimension
-    and leaves other shapes per element; k > 0 cuts each flattened param into consecutive subsets
-    of the largest divisor of its size that is at most k; -k does that with k' = √numel / k.
-    ``betas=(0, β2)`` is RMSPropSN: no first moment is kept (see :class:`RMSPropSN`).
+    Args:
+        params: parameters or param groups; groups opt in with ``'sn': True``, as in that code's
+            usage, and the others get the same AdamW with one second-moment entry per element.
+        lr: learning rate, a float or a one-element tensor; the paper's results need about 10
+            times Adam's.
+        betas: (β1, β2); ``β1 = 0`` keeps no first moment (see :class:`RMSPropSN`).
+        eps: added to the denominator after the square root.
+        weight_decay: decoupled, ``p·(1 − lr·wd)`` after the update, as the reference.
+        subset_size: the partition (see fastoptim.states.subset_norm): None sums 2-D params over
+            their smaller dimension and leaves other shapes per element; k > 0 cuts each flattened
+            param into consecutive subsets of the largest divisor of its size that is at most k;
+            -k does that with k' = √numel / k.
+        correct_bias: bias correction in the step size, as the reference's default.
+        sn: the default of ``'sn'`` for groups that do not set it.
+        (the arguments of every fastoptim optimizer)
 
-    The paper's results need a learning rate about 10 times Adam's. ``sn`` (a constructor default
-    for every group), ``maximize``, ``max_grad_norm`` and ``stochastic_rounding`` work as in
-    :class:`fastoptim.Adan`; GradScaler and ``shard_group`` too. ``state_bits`` 16 or 8 keeps ``exp_avg`` in bf16 or
-    8-bit blockwise codes; the subset-norm ``exp_avg_sq`` stays fp32.
+    Under ``state_bits`` 16 or 8, the subset-norm ``exp_avg_sq`` stays fp32.
 
     State per parameter: ``step`` (0-d fp32 tensor), ``exp_avg`` (unless β1 = 0), ``exp_avg_sq``
     in the partition's shape, and the partition: ``reduce_dim`` (the reference's key, for rows or
@@ -30,9 +45,12 @@ class AdamWSN(AdamW):
 
     n_betas = 2
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.0, subset_size=None,
-                 correct_bias=True, foreach=None, fused=None, *, sn=False, maximize=False, max_grad_norm=0.0,
-                 stochastic_rounding=False, state_bits=32, shard_group=None):
+    def __init__(self, params: ParamsT, lr: float | Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-6, weight_decay: float = 0.0, subset_size: int | None = None,
+                 correct_bias: bool = True, foreach: bool | None = None, fused: bool | None = None, *,
+                 sn: bool = False, maximize: bool = False, max_grad_norm: float = 0.0,
+                 stochastic_rounding: bool = False, state_bits: int = 32,
+                 shard_group: ProcessGroup | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, subset_size=subset_size,
                         correct_bias=correct_bias, foreach=foreach, fused=fused, sn=sn, maximize=maximize,
                         max_grad_norm=max_grad_norm, stochastic_rounding=stochastic_rounding, state_bits=state_bits)
@@ -61,9 +79,24 @@ class AdamWSN(AdamW):
 
 class RMSPropSN(AdamWSN):
     """RMSProp with a subset-norm second moment: :class:`AdamWSN` with β1 = 0, which keeps no first
-    moment, so an ``sn`` matrix's whole state is O(√d)."""
+    moment, so an ``sn`` matrix's whole state is O(√d).
 
-    def __init__(self, params, lr=1e-3, beta2=0.999, eps=1e-6, weight_decay=0.0, subset_size=None,
-                 correct_bias=True, foreach=None, fused=None, **options):
+    Args:
+        params: parameters or param groups, as :class:`AdamWSN` takes them.
+        lr: learning rate, a float or a one-element tensor.
+        beta2: the decay rate of the second moment.
+        eps: added to the denominator after the square root.
+        weight_decay: decoupled, after the update.
+        subset_size: the partition under ``sn``, as :class:`AdamWSN` takes it.
+        correct_bias: bias correction in the step size.
+        foreach: the engine, as :class:`AdamWSN` takes it.
+        fused: the engine, as :class:`AdamWSN` takes it.
+        **options: :class:`AdamWSN`'s keyword-only arguments (``sn``, ``maximize``, ``max_grad_norm``,
+            ``stochastic_rounding``, ``state_bits``, ``shard_group``).
+    """
+
+    def __init__(self, params: ParamsT, lr: float | Tensor = 1e-3, beta2: float = 0.999, eps: float = 1e-6,
+                 weight_decay: float = 0.0, subset_size: int | None = None, correct_bias: bool = True,
+                 foreach: bool | None = None, fused: bool | None = None, **options: Any) -> None:
         super().__init__(params, lr, (0.0, beta2), eps, weight_decay, subset_size, correct_bias, foreach, fused,
                          **options)

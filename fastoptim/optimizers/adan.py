@@ -1,8 +1,17 @@
 """Adan: Adaptive Nesterov Momentum (Xie et al., 2022), exactly as official sail-sg/Adan computes it."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import torch
+from torch import Tensor
+from torch.optim.optimizer import ParamsT
 
 from ..specs import KernelSpec, Role
 from .base import FastOptimizer, group_lr
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 SPEC = KernelSpec(
     "adan",
@@ -73,28 +82,16 @@ class Adan(FastOptimizer):
         betas: (β1, β2, β3) in the official code's convention, 1 − the paper's.
         eps: added to the denominator after the square root.
         weight_decay: proximal by default, decoupled (AdamW-like) with ``no_prox=True``.
-        max_grad_norm: if > 0, every gradient is scaled by ``min(1, max_grad_norm / (norm + eps))``,
-            with the norm taken over all groups; the clipped gradient is what the state remembers.
-            The coefficient stays a tensor. It is global, so it is set here, not per group.
         no_prox: decoupled weight decay ``p·(1 − lr·wd) − update`` instead of ``(p − update)/(1 + lr·wd)``.
-        foreach, fused: the engine: ``foreach=False`` the loop engine,
-            ``foreach=True`` the foreach engine, ``fused=True`` the fused kernel (multi-tensor,
-            or one call per tensor with ``foreach=False``), both None the fastest available.
-        maximize: maximize the objective instead of minimizing it.
-        stochastic_rounding: for bf16 params, round each updated value up or down at random, with
-            the probability of its distance, instead of to nearest even: small updates then add
-            up over steps instead of vanishing. No effect on other dtypes.
         sn: (usually set per group) keep ``exp_avg_sq`` per subset of each param's elements, fed
             with Σ_S (g + β2·d)² (subset-norm Adan): O(√d) entries for a d-element matrix.
         subset_size: the partition under ``sn``: None for rows or columns of 2-D params (the other
             shapes per element), k > 0 or -k for flattened subsets (see fastoptim.states.subset_norm).
-        state_bits: 32 (fp32 states), 16 (bf16) or 8: 8-bit blockwise ``exp_avg``, ``exp_avg_sq`` and
-            ``exp_avg_diff`` (uint8 codes beside ``{key}_absmax``, see fastoptim.states.blockwise8)
-            and a bf16 ``neg_pre_grad``, for params of 4096+ elements; a subset-norm ``exp_avg_sq``
-            stays fp32. State dicts convert between formats on load.
-        shard_group: the process group whose ranks' params, together, are the model's (each rank a
-            partition, as under ZeroRedundancyOptimizer): the clipping norm is summed over it. Not
-            needed for FSDP2's DTensor params, which reduce over their mesh (see fastoptim.distributed).
+        (the arguments of every fastoptim optimizer)
+
+    Under ``state_bits=8``, ``neg_pre_grad`` is kept in bf16 (it is subtracted from the next
+    gradient, so 8-bit codes would put their error into every difference), and a subset-norm
+    ``exp_avg_sq`` stays fp32. The clip's eps is the last group's, as official Adan's.
 
     State: per parameter ``exp_avg``, ``exp_avg_sq``, ``exp_avg_diff`` and ``neg_pre_grad`` (fp32, the
     official and timm keys; under ``sn``, ``exp_avg_sq`` has the partition's shape and the state
@@ -107,9 +104,12 @@ class Adan(FastOptimizer):
     update = staticmethod(adan_update)
     spec = SPEC
 
-    def __init__(self, params, lr=1e-3, betas=(0.98, 0.92, 0.99), eps=1e-8, weight_decay=0.0,
-                 max_grad_norm=0.0, no_prox=False, foreach=None, fused=None, *, maximize=False,
-                 stochastic_rounding=False, sn=False, subset_size=None, state_bits=32, shard_group=None):
+    def __init__(self, params: ParamsT, lr: float | Tensor = 1e-3,
+                 betas: tuple[float, float, float] = (0.98, 0.92, 0.99), eps: float = 1e-8,
+                 weight_decay: float = 0.0, max_grad_norm: float = 0.0, no_prox: bool = False,
+                 foreach: bool | None = None, fused: bool | None = None, *, maximize: bool = False,
+                 stochastic_rounding: bool = False, sn: bool = False, subset_size: int | None = None,
+                 state_bits: int = 32, shard_group: ProcessGroup | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
                         no_prox=no_prox, foreach=foreach, fused=fused, maximize=maximize,
                         stochastic_rounding=stochastic_rounding, sn=sn, subset_size=subset_size,
@@ -121,7 +121,7 @@ class Adan(FastOptimizer):
         self._group_step(self.param_groups[-1])  # now, not at the first step: a compiled step must find it
 
     @torch.no_grad()
-    def restart_opt(self):
+    def restart_opt(self) -> None:
         """Restart as the official code does: step 0, zero moments, and the next gradient is g_prev."""
         for group in self.param_groups:
             group["step"] = torch.zeros_like(self._group_step(group))

@@ -18,6 +18,25 @@ from .checks import check_hyperparameters, check_params, check_tensor_lr, normal
 from .state_dict import StateDicts
 
 
+# The arguments every fastoptim optimizer takes, described once: an optimizer's docstring puts this
+# line in its Args section, and FastOptimizer.__init_subclass__ replaces it with the descriptions.
+COMMON_ARGS_LINE = "        (the arguments of every fastoptim optimizer)"
+COMMON_ARGS = """\
+        foreach: with ``fused``, the engine: ``foreach=False, fused=False`` the loop engine (the
+            reference), ``foreach=True, fused=False`` foreach, ``fused=True`` the fused kernel (one
+            call per bucket, or per tensor with ``foreach=False``); both None: the fastest there is.
+        fused: see ``foreach``.
+        maximize: maximize the objective instead of minimizing it.
+        max_grad_norm: if > 0, every gradient is scaled by ``min(1, max_grad_norm / (norm + eps))``,
+            the norm taken over all groups (eps: the last group's, or torch's 1e-6 without one),
+            with no host sync. Global, so set in the constructor only.
+        stochastic_rounding: round updated bf16 params up or down at random, with the probability
+            of their distance, instead of to nearest even.
+        state_bits: 32 (fp32 states), 16 (bf16) or 8 (8-bit blockwise codes beside their block
+            maxima, for params of 4096+ elements). State dicts convert between formats on load.
+        shard_group: the process group whose ranks each hold a partition of the model's params (as
+            under ZeroRedundancyOptimizer): global reductions (the clipping norm) run over it."""
+
 GRADS_PATTERNS_KEPT = 8  # torch.compile's recompile limit: a step traced for more patterns recompiles anyway
 
 
@@ -55,6 +74,8 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        if cls.__doc__ and COMMON_ARGS_LINE in cls.__doc__:
+            cls.__doc__ = cls.__doc__.replace(COMMON_ARGS_LINE, COMMON_ARGS)
         if "spec" in cls.__dict__:  # its fused kernels' op, which torch.compile keeps in a traced step
             engines.fused.define_op(cls.spec)
 

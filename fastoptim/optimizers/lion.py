@@ -1,6 +1,16 @@
 """Lion: EvoLved Sign Momentum (Chen et al., 2023, "Symbolic Discovery of Optimization Algorithms")."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import Tensor
+from torch.optim.optimizer import ParamsT
+
 from ..specs import KernelSpec, Role
 from .base import FastOptimizer, group_lr
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 SPEC = KernelSpec("lion", roles=(Role("exp_avg"),),
                   scalars=("beta1", "one_minus_beta1", "beta2", "one_minus_beta2", "lr", "decay_mul"))
@@ -36,18 +46,25 @@ class Lion(FastOptimizer):
     every element, so ``lr`` is usually 3–10 times smaller than AdamW's and ``weight_decay`` as many
     times larger.
 
-    ``maximize``, ``max_grad_norm``, ``stochastic_rounding``, ``foreach``/``fused``, ``state_bits``
-    (16 or 8: ``exp_avg`` in bf16 or 8-bit blockwise codes) and ``shard_group`` work as in
-    :class:`fastoptim.Adan`, and so does GradScaler. ``sn`` does not apply: Lion keeps no second
-    moment. State per parameter: ``exp_avg``, as timm's Lion, whose state dicts load.
+    Args:
+        params: parameters or param groups (dicts with per-group options).
+        lr: learning rate, a float or a one-element tensor.
+        betas: (β1, β2): β1 blends momentum and gradient into the sign, β2 is the momentum's decay.
+        weight_decay: decoupled: ``p·(1 − lr·wd)`` before the update.
+        (the arguments of every fastoptim optimizer)
+
+    ``sn`` does not apply: Lion keeps no second moment. Clipping uses torch's eps, 1e-6. State per
+    parameter: ``exp_avg``, as timm's Lion, whose state dicts load (its cautious variant is refused).
     """
 
     n_betas = 2
     spec = SPEC
     update = staticmethod(lion_update)
 
-    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0, *, maximize=False, foreach=None,
-                 fused=None, max_grad_norm=0.0, stochastic_rounding=False, state_bits=32, shard_group=None):
+    def __init__(self, params: ParamsT, lr: float | Tensor = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
+                 weight_decay: float = 0.0, *, maximize: bool = False, foreach: bool | None = None,
+                 fused: bool | None = None, max_grad_norm: float = 0.0, stochastic_rounding: bool = False,
+                 state_bits: int = 32, shard_group: ProcessGroup | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize, foreach=foreach,
                         fused=fused, max_grad_norm=max_grad_norm, stochastic_rounding=stochastic_rounding,
                         state_bits=state_bits)
