@@ -120,7 +120,7 @@ def test_grad_scaler_steps_compile_and_a_skipped_step_leaves_no_trace(cls, inf_s
                 param.grad.mul_(256.0)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="fastoptim: fused=True")
-        # the loop engine, traced, rounds an ulp or two apart from eager (see the README)
+        # the loop engine, traced, rounds an ulp or two apart from eager (see docs/compile.md)
         assert run_both(cls, dict(max_grad_norm=1.0, **options), "aot_eager", before_step=scaler,
                         make_params=make_params, exact=engine != "loop") == 1
 

@@ -24,7 +24,7 @@ def train(out, *args):
 def test_the_command_writes_the_table_curves_and_json_with_the_requested_rows(tmp_path, capsys):
     names = ["adan", "adamw", "adan-8bit"]
     results = train(tmp_path, "--optimizers", *names, "--lr-sweep")
-    assert results["schema"] == 1 and results["settings"]["optimizers"] == names and results["reference"] == "adan"
+    assert results["schema"] == 2 and results["settings"]["optimizers"] == names and results["reference"] == "adan"
     assert [row["optimizer"] for row in results["rows"]] == names
     assert len(results["runs"]) == 3 * len(names)
     for row in results["rows"]:
