@@ -7,11 +7,9 @@ import torch
 import fastoptim
 
 from . import oracle
+from .registry import OPTIMIZERS, WITH_BETAS
 
-OPTIMIZERS = [fastoptim.Adan, fastoptim.AdamW]
-# Lion takes no eps: its hyperparameters and betas are refused in tests/test_lion.py; the checks
-# that nothing changes run on it too.
-ALL = OPTIMIZERS + [fastoptim.Lion]
+ALL = [info.cls for info in OPTIMIZERS]
 
 
 def snapshot(params, opt):
@@ -29,23 +27,52 @@ def assert_unchanged(params, opt, before):
             assert torch.equal(after["state"][key][name], value)
 
 
-@pytest.mark.parametrize("cls", OPTIMIZERS)
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
 @pytest.mark.parametrize("name, value", [
     ("lr", -1.0), ("lr", float("nan")), ("lr", float("inf")), ("eps", -1e-8), ("weight_decay", -0.1),
-    ("max_grad_norm", -1.0), ("lr", "0.1"), ("lr", torch.tensor([0.1, 0.2]))])
-def test_invalid_hyperparameters_name_the_argument(cls, name, value):
+    ("weight_decay", float("inf")), ("max_grad_norm", -1.0), ("lr", "0.1"), ("lr", torch.tensor([0.1, 0.2]))])
+def test_invalid_hyperparameters_name_the_argument(info, name, value):
+    if not info.takes(name):
+        pytest.skip(f"{info.name} takes no {name}")
     with pytest.raises(ValueError, match=f"Invalid {name}"):
-        cls(oracle.make_params(), **{name: value})
+        info.cls(oracle.make_params(), **{name: value})
 
 
-@pytest.mark.parametrize("cls, n", [(fastoptim.Adan, 3), (fastoptim.AdamW, 2)])
-def test_invalid_betas(cls, n):
-    with pytest.raises(ValueError, match=r"Invalid betas\[1\]"):
-        cls(oracle.make_params(), betas=(0.9, 1.0, 0.9)[:n])
-    with pytest.raises(ValueError, match=r"Invalid betas\[0\]"):
-        cls(oracle.make_params(), betas=(-0.1, 0.9, 0.9)[:n])
-    with pytest.raises(ValueError, match=r"Invalid betas:"):
-        cls(oracle.make_params(), betas=(0.9,) * (n + 1))
+@pytest.mark.parametrize("info", WITH_BETAS, ids=repr)
+def test_invalid_betas(info):
+    n = info.cls.n_betas
+    for betas, message in [((0.9, 1.0, 0.9)[:n], r"Invalid betas\[1\]"), ((-0.1, 0.9, 0.9)[:n], r"Invalid betas\[0\]"),
+                           ((1.0, 0.9, 0.9)[:n], r"Invalid betas\[0\]"),
+                           ((0.9, float("nan"), 0.9)[:n], r"Invalid betas\[1\]"),
+                           ((0.9,) * (n + 1), "Invalid betas:"), ((0.9,) * (n - 1), "Invalid betas:")]:
+        with pytest.raises(ValueError, match=message):
+            info.cls(oracle.make_params(), betas=betas)
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+@pytest.mark.parametrize("value", [4, 0, 64, "8", True, 8.0, None])
+def test_invalid_state_bits_are_refused(info, value):
+    with pytest.raises(ValueError, match="Invalid state_bits"):
+        info.cls(oracle.make_params(), state_bits=value)
+
+
+@pytest.mark.parametrize("info", [info for info in OPTIMIZERS if not info.second_moment], ids=repr)
+def test_sn_is_refused_where_no_second_moment_is_kept(info):
+    """In the constructor, a group, a group added later and a loaded group: nothing changes."""
+    params = oracle.make_params()
+    with pytest.raises((TypeError, ValueError), match="sn"):
+        info.cls(params, sn=True)
+    with pytest.raises(ValueError, match=f"Invalid sn: {info.name} keeps no second moment"):
+        info.cls([{"params": params[:2], "sn": True}, {"params": params[2:]}])
+    optimizer = info.cls(params[:2])
+    with pytest.raises(ValueError, match="Invalid sn"):
+        optimizer.add_param_group({"params": params[2:], "sn": True})
+    assert len(optimizer.param_groups) == 1
+    saved = optimizer.state_dict()
+    saved["param_groups"][0]["sn"] = True
+    with pytest.raises(ValueError, match="Invalid sn"):
+        optimizer.load_state_dict(saved)
+    assert "sn" not in optimizer.param_groups[0] or optimizer.param_groups[0]["sn"] is False
 
 
 @pytest.mark.parametrize("cls", ALL)
@@ -129,7 +156,8 @@ def test_load_state_dict_mismatches_raise_without_partial_load(cls):
 
     wrong_shape = copy.deepcopy(good)
     last = wrong_shape["param_groups"][0]["params"][-1]
-    wrong_shape["state"][last]["exp_avg"] = torch.zeros(99)
+    key = next(key for key, value in wrong_shape["state"][last].items() if torch.is_tensor(value) and value.dim())
+    wrong_shape["state"][last][key] = torch.zeros(99)
     with pytest.raises(ValueError, match="shape"):
         opt.load_state_dict(wrong_shape)
 
@@ -142,7 +170,8 @@ def test_load_state_dict_mismatches_raise_without_partial_load(cls):
 
 @pytest.mark.parametrize("source, target", [
     (torch.optim.Adam, fastoptim.Adan), (fastoptim.AdamW, fastoptim.Adan), (fastoptim.Adan, fastoptim.AdamW),
-    (torch.optim.SGD, fastoptim.AdamW), (fastoptim.Adan, fastoptim.Lion), (torch.optim.SGD, fastoptim.Lion)])
+    (torch.optim.SGD, fastoptim.AdamW), (fastoptim.Adan, fastoptim.Lion), (torch.optim.SGD, fastoptim.Lion),
+    (fastoptim.AdamW, fastoptim.Lion)])
 def test_state_dicts_of_other_optimizers_are_refused(source, target):
     params = oracle.make_params()
     options = dict(momentum=0.9) if source is torch.optim.SGD else {}

@@ -20,6 +20,7 @@ from fastoptim.kernels import fused_cpu
 from fastoptim.multi_tensor import CHUNK_NUMEL
 
 from . import oracle
+from .registry import WITH_BETAS
 
 OPTIMIZERS = [fastoptim.Adan, fastoptim.AdamW]
 LOOP = dict(foreach=False, fused=False)
@@ -51,8 +52,7 @@ def test_the_kernel_is_built():
 # The betas are exact in fp32, and so is 1 − β: then the kernel and the loop engine differ only in the
 # order of fp32 operations. With betas that fp32 rounds (the defaults), the kernel's moments are off
 # by up to |fl(β) − β| / (1 − β) relative: see test_fused_moments_weight_the_gradient_by_one_minus_beta.
-EXACT_BETAS = {fastoptim.Adan: [(1 - 2**-6, 1 - 2**-4, 1 - 2**-7), (0.875, 0.75, 1 - 2**-10)],
-               fastoptim.AdamW: [(1 - 2**-3, 1 - 2**-10), (0.75, 1 - 2**-7)]}
+EXACT_BETAS = {info.cls: list(info.exact_betas) for info in WITH_BETAS}
 
 small_shapes = st.lists(st.integers(1, 6), max_size=3).map(tuple) | st.sampled_from([(0,), (0, 5), (1, 0), (1, 1)])
 large_shapes = st.sampled_from([(17,), (CHUNK_NUMEL - 1,), (CHUNK_NUMEL,), (CHUNK_NUMEL + 1,), (3, 10923), (70001,)])

@@ -662,58 +662,10 @@ def test_stochastic_rounding_changes_nothing_but_bf16(engine, dtype):
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
-# --- 7. bad input ----------------------------------------------------------------------------------
+# Bad input (hyperparameters, betas, state_bits, sn, other optimizers' state dicts) is refused by
+# the generic tests of tests/test_bad_input.py, which read tests/registry.py.
 
-def test_sn_is_refused_lion_keeps_no_second_moment():
-    params = oracle.make_params()
-    with pytest.raises((TypeError, ValueError), match="sn"):
-        fastoptim.Lion(params, sn=True)
-    with pytest.raises(ValueError, match="Invalid sn: Lion keeps no second moment"):
-        fastoptim.Lion([{"params": params[:2], "sn": True}, {"params": params[2:]}])
-    optimizer = fastoptim.Lion(params[:2])
-    with pytest.raises(ValueError, match="Invalid sn"):
-        optimizer.add_param_group({"params": params[2:], "sn": True})
-    assert len(optimizer.param_groups) == 1
-    saved = optimizer.state_dict()
-    saved["param_groups"][0]["sn"] = True
-    with pytest.raises(ValueError, match="Invalid sn"):
-        optimizer.load_state_dict(saved)
-    assert "sn" not in optimizer.param_groups[0] or optimizer.param_groups[0]["sn"] is False
-
-
-@pytest.mark.parametrize("betas, message", [
-    ((1.0, 0.99), r"Invalid betas\[0\]"), ((0.9, 1.0), r"Invalid betas\[1\]"), ((-0.1, 0.99), r"Invalid betas\[0\]"),
-    ((0.9, float("nan")), r"Invalid betas\[1\]"), ((0.9,), "Invalid betas:"), ((0.9, 0.99, 0.999), "Invalid betas:")])
-def test_invalid_betas_are_refused(betas, message):
-    with pytest.raises(ValueError, match=message):
-        fastoptim.Lion(oracle.make_params(), betas=betas)
-
-
-@pytest.mark.parametrize("name, value", [
-    ("lr", -1.0), ("lr", float("nan")), ("lr", float("inf")), ("lr", "0.1"), ("lr", torch.tensor([0.1, 0.2])),
-    ("weight_decay", -0.1), ("weight_decay", float("inf")), ("max_grad_norm", -1.0)])
-def test_invalid_hyperparameters_name_the_argument(name, value):
-    with pytest.raises(ValueError, match=f"Invalid {name}"):
-        fastoptim.Lion(oracle.make_params(), **{name: value})
-
-
-@pytest.mark.parametrize("value", [4, 0, 64, "8", True, 8.0, None])
-def test_invalid_state_bits_are_refused(value):
-    with pytest.raises(ValueError, match="Invalid state_bits"):
-        fastoptim.Lion(oracle.make_params(), state_bits=value)
-
-
-def test_a_state_dict_of_another_optimizer_is_refused():
-    params = oracle.make_params()
-    adamw = fastoptim.AdamW(params, lr=LR)
-    oracle.run(adamw, params, oracle.grad_sequence(oracle.SHAPES, 2))
-    optimizer = fastoptim.Lion(clone(params), lr=LR)
-    with pytest.raises(ValueError, match="another optimizer"):
-        optimizer.load_state_dict(adamw.state_dict())
-    assert not any(optimizer.state.values())
-
-
-# --- 8. non-finite and huge gradient elements -----------------------------------------------------
+# --- 7. non-finite and huge gradient elements -----------------------------------------------------
 
 def run_with_one_bad_element(engine, state_bits, bad):
     params = oracle.make_params([(8192,)])

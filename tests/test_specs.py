@@ -8,6 +8,7 @@ from fastoptim.kernels import header
 from fastoptim.specs import COMMON_SCALARS, KernelSpec, Role, declared_specs
 
 from . import oracle
+from .registry import OPTIMIZERS
 
 
 def test_the_committed_c_header_is_what_the_specs_generate():
@@ -28,8 +29,7 @@ def test_the_header_gives_every_kernel_its_rows_scalars_and_flags_in_spec_order(
     assert "X(lion, LION)" in text
 
 
-@pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW, fastoptim.AdamWSN, fastoptim.RMSPropSN,
-                                 fastoptim.Lion])
+@pytest.mark.parametrize("cls", [info.cls for info in OPTIMIZERS], ids=lambda cls: cls.__name__)
 @pytest.mark.parametrize("state_bits", [32, 8])
 def test_an_optimizer_gives_its_kernel_every_scalar_of_its_spec_and_keeps_the_states_it_names(cls, state_bits):
     params = oracle.make_params([(64, 80)])
