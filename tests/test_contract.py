@@ -9,9 +9,9 @@ import torch
 
 import fastoptim
 
-from . import oracle
+from . import oracle, registry
 
-OPTIMIZERS = [fastoptim.Adan, fastoptim.AdamW]
+OPTIMIZERS = [info.cls for info in registry.OPTIMIZERS]
 ENGINES = [dict(foreach=False), dict(foreach=True)]
 
 
