@@ -81,6 +81,28 @@ def test_the_step_ops_refuse_bad_arguments_by_name_and_change_nothing():
     assert out.strip() == "refused 13"
 
 
+def test_the_step_op_checks_again_when_the_same_tensors_come_with_other_flags():
+    """Its tables are kept between calls: flags that keep another state (amsgrad's) must not find
+    them and run a kernel that reads a role it was not given."""
+    out = python("""
+        import torch, fastoptim
+        adamw = torch.ops.fastoptim.adamw_step
+        scalars = [torch.tensor(0.1)] * len(fastoptim.AdamW.spec.all_scalars)
+        p, g, m, v = torch.zeros(64), torch.ones(64), torch.zeros(64), torch.zeros(64)
+        first_moment = 1 << (1 + fastoptim.AdamW.spec.flags.index("first_moment"))
+        amsgrad = 1 << (1 + fastoptim.AdamW.spec.flags.index("amsgrad"))
+        adamw([p], [g], [m], [v], [], [], [], [], scalars, first_moment, False)
+        before = p.clone()
+        try:
+            adamw([p], [g], [m], [v], [], [], [], [], scalars, first_moment | amsgrad, False)
+        except ValueError as error:
+            assert "max_exp_avg_sq must hold one tensor per param" in str(error), error
+            assert torch.equal(p, before)
+            print("refused")
+    """)
+    assert out.strip() == "refused"
+
+
 def test_the_step_op_still_steps_what_it_is_given_right():
     p, exp_avg = torch.zeros(8), torch.zeros(8)
     scalars = [torch.tensor(v) for v in (0.0, 0.0, 1.0, 0.9, 0.1, 0.99, 0.01, 0.01, 1.0)]  # the spec's order

@@ -264,7 +264,8 @@ def _run_traced(plan, per_tensor_calls):
                    *absmax, scalars, spec.flag_bits(part.flags, part.stochastic_rounding), per_tensor_calls)
 
 
-_OP_CACHE = OpCache()  # (op, backend, tensor count, first param's pointer, per_tensor_calls): (signatures, Tables)
+# (op, backend, tensor count, first param's pointer, per_tensor_calls, flag bits): (signatures, Tables)
+_OP_CACHE = OpCache()
 
 
 def _is_real_number(tensor):
@@ -351,7 +352,7 @@ def _op_step(spec, param, grad, *lists_and_options):
     backend = backends.for_device(param[0].device)
     held = [t for role, ts in tensors.items() if role != "grad" for t in ts] + [
         t for ts in absmax.values() for t in ts if t is not None]
-    key = (spec.name, backend.NAME, len(param), param[0].data_ptr(), per_tensor_calls)
+    key = (spec.name, backend.NAME, len(param), param[0].data_ptr(), per_tensor_calls, flag_bits)  # flags: roles
     cached = _OP_CACHE.get(key)
     if (cached is None or cached[0].n != len(held) or not cached[0].matches(held, *LAYOUT)
             or not all(map(operator.is_, map(operator.attrgetter("layout"), grad), repeat(torch.strided)))
