@@ -7,11 +7,12 @@ more. Elsewhere ``torch._foreach_norm`` and ``torch._foreach_mul_`` do the same 
 import math
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 from . import distributed
 from .kernels import fused_cpu
-from .multi_tensor import PointerTable, buckets, data_pointers, disjoint, is_dense
+from .multi_tensor import PointerTable, buckets, data_pointers, is_dense
 from .step_cache import DEVICE, DTYPE, SHAPE, OpCache, Signature
 
 
@@ -30,7 +31,7 @@ class GradTables:
     the norm of small grads."""
 
     def __init__(self):
-        self.signature = self.buckets = self.tables = None
+        self.signature = self.buckets = self.tables = self.nbytes = None
 
     def __call__(self, grads):
         if self.signature is None or self.signature.n != len(grads) or not self.signature.matches(
@@ -38,10 +39,20 @@ class GradTables:
             self.signature, self.buckets = Signature((), grads), buckets(grads)  # keeps no grad alive
             self.tables = [(grads[b[0]].dtype, PointerTable({"param": [grads[i] for i in b]}, ("param",)))
                            for b in self.buckets]
+            self.nbytes = np.array([grads[i].numel() * grads[i].element_size() for b in self.buckets for i in b],
+                                   dtype=np.int64)  # of dense grads, which the kernel takes
         else:
             for bucket, (_, table) in zip(self.buckets, self.tables):
                 table.pointers[0] = data_pointers([grads[i] for i in bucket])  # the grads are its one row
         return self.tables
+
+    def disjoint(self):
+        """Whether no two of the (dense) grads of the last call share memory: the kernel's threads
+        would scale shared memory twice, in a race. Read from the tables, with no per-grad Python."""
+        starts = np.concatenate([table.pointers[0] for _, table in self.tables])[self.nbytes > 0]
+        ends = starts + self.nbytes[self.nbytes > 0]
+        order = np.argsort(starts)
+        return bool((ends[order][:-1] <= starts[order][1:]).all())
 
 
 def _total(grads, inf, kernel, tables):
@@ -65,9 +76,9 @@ def _scale(grads, factor, kernel, tables):
     """Multiply ``grads`` by ``factor`` (a one-element tensor) in place: by the kernel where it takes
     them (``kernel``, as for :func:`_total`) and no two share memory (its threads would race), else
     by ``torch._foreach_mul_``, per device."""
-    if kernel and disjoint(grads):
+    if kernel and tables(grads) and tables.disjoint():
         factor = factor.to("cpu", torch.float32).reshape(())  # the kernel reads one fp32 value
-        for dtype, table in tables(grads):
+        for dtype, table in tables.tables:
             fused_cpu.scale_grads(table, dtype, factor, torch.get_num_threads())
         return
     for bucket in buckets(grads):
