@@ -1,8 +1,9 @@
 """The optimizers under test, one entry each, after torch's ``OptimizerInfo``. The generic tests
-that read this list (bad input, the kernel specs, the reliability findings, the fused engines'
-exact betas) run on every entry, so an optimizer's own test file holds only its own facts. Not all
-generic tests read it yet: tests/test_adversarial.py, test_contract.py, test_compile.py,
-test_fused.py and test_state_bits.py still list their classes."""
+that read this list (bad input, the torch.optim contract, the kernel specs, the adversarial cases,
+the reliability findings, the fused engines' fallbacks, state dicts and exact betas) run on every
+entry, so an optimizer's own test file holds only its own facts. Not all generic tests read it
+yet: tests/test_compile.py, test_engines.py, test_state_bits.py and test_triton.py still list
+their classes."""
 import inspect
 from dataclasses import dataclass
 
