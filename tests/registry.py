@@ -2,8 +2,8 @@
 that read this list (bad input, the torch.optim contract, the kernel specs, the adversarial cases,
 the reliability findings, the fused engines' fallbacks, state dicts and exact betas) run on every
 entry, so an optimizer's own test file holds only its own facts. Not all generic tests read it
-yet: tests/test_compile.py, test_engines.py, test_state_bits.py and test_triton.py still list
-their classes."""
+yet: tests/test_compile.py, test_state_bits.py and test_triton.py still list their classes, and
+test_engines.py's hypothesis tests draw options per algorithm."""
 import inspect
 from dataclasses import dataclass
 

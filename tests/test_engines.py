@@ -9,6 +9,7 @@ import fastoptim.engines
 from fastoptim.engines import foreach
 
 from . import oracle
+from .registry import OPTIMIZERS
 
 shapes = st.lists(st.lists(st.integers(0, 6), min_size=0, max_size=3).map(tuple), min_size=1, max_size=5)
 dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
@@ -68,7 +69,7 @@ def test_foreach_slices_bound_the_scratch_and_cover_every_tensor():
     assert all(sum(t.numel() for t in tensors[p]) <= 10 or p.stop - p.start == 1 for p in parts)
 
 
-@pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW])
+@pytest.mark.parametrize("cls", [info.cls for info in OPTIMIZERS], ids=lambda cls: cls.__name__)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_foreach_matches_loop_across_slices_and_pieces_of_large_tensors(monkeypatch, cls, dtype):
     monkeypatch.setattr(foreach, "SLICE_NUMEL", 16)
