@@ -12,7 +12,7 @@ import torch
 
 from . import distributed
 from .kernels import fused_cpu
-from .multi_tensor import PointerTable, buckets, data_pointers, is_dense
+from .multi_tensor import PointerTable, buckets, data_pointers, is_dense, spans_disjoint
 from .step_cache import DEVICE, DTYPE, SHAPE, OpCache, Signature
 
 
@@ -49,10 +49,7 @@ class GradTables:
     def disjoint(self):
         """Whether no two of the (dense) grads of the last call share memory: the kernel's threads
         would scale shared memory twice, in a race. Read from the tables, with no per-grad Python."""
-        starts = np.concatenate([table.pointers[0] for _, table in self.tables])[self.nbytes > 0]
-        ends = starts + self.nbytes[self.nbytes > 0]
-        order = np.argsort(starts)
-        return bool((ends[order][:-1] <= starts[order][1:]).all())
+        return spans_disjoint(np.concatenate([table.pointers[0] for _, table in self.tables]), self.nbytes)
 
 
 def _total(grads, inf, kernel, tables):

@@ -40,12 +40,21 @@ def is_dense(tensor):
     return True
 
 
+def spans_disjoint(starts, nbytes):
+    """Whether no two memory spans (``starts``: their first bytes' addresses, ``nbytes``: their
+    lengths; int64 arrays) share a byte. Empty spans share none."""
+    starts, nbytes = np.asarray(starts, dtype=np.int64), np.asarray(nbytes, dtype=np.int64)
+    starts, ends = starts[nbytes > 0], (starts + nbytes)[nbytes > 0]
+    order = np.argsort(starts)
+    return bool((ends[order][:-1] <= starts[order][1:]).all())
+
+
 def disjoint(tensors):
     """Whether no two of ``tensors`` share a byte of memory (each one's span, from its first element
     to its last, as its strides reach)."""
-    spans = sorted((t.data_ptr(), t.data_ptr() + t.element_size() * (1 + sum(
-        (n - 1) * s for n, s in zip(t.shape, t.stride())))) for t in tensors if t.numel())
-    return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    tensors = [t for t in tensors if t.numel()]
+    return spans_disjoint([t.data_ptr() for t in tensors], [t.element_size() * (1 + sum(
+        (n - 1) * s for n, s in zip(t.shape, t.stride()))) for t in tensors])
 
 
 def chunk_plan(numels, layouts=None, chunk_numel=CHUNK_NUMEL, blocks=None, column_numel=CHUNK_NUMEL):
