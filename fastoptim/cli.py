@@ -17,7 +17,7 @@ def info(_args):
     print(f"threads {torch.get_num_threads()}")
     print(f"engines {', '.join(engines.ENGINES)}")
     if fused_cpu.AVAILABLE:
-        print(f"fused CPU kernel built, threads from {fused_cpu.LIBRARY.openmp or 'pthreads (torch has no OpenMP)'}")
+        print(f"fused CPU kernel built, threads from {fused_cpu.openmp() or 'pthreads (torch has no OpenMP)'}")
     else:
         print("fused CPU kernel not built: fused=True falls back to foreach")
     print(f"triton {'installed' if importlib.util.find_spec('triton') else 'not installed'}")

@@ -12,7 +12,7 @@ import torch
 
 from . import distributed
 from .kernels import fused_cpu
-from .multi_tensor import PointerTable, buckets, data_pointers, is_dense, spans_disjoint
+from .multi_tensor import buckets, chunk_plan, data_pointers, is_dense, spans_disjoint
 from .step_cache import DEVICE, DTYPE, SHAPE, OpCache, Signature
 
 
@@ -25,31 +25,27 @@ def _kernel_takes(grads):
 
 
 class GradTables:
-    """The kernel's tables over a list of grads, (dtype, pointer table with the grads in its first
-    row) per bucket, kept from call to call while the grads keep their shapes, dtypes and devices:
-    a call then only refreshes their pointers, where building the chunk plans again cost as much as
-    the norm of small grads."""
+    """The kernel's chunk plans over a list of grads, (dtype, indices, chunks) per bucket, kept from
+    call to call while the grads keep their shapes, dtypes and devices: building the chunk plans
+    again cost as much as the norm of small grads. The kernel reads the grads' pointers itself."""
 
     def __init__(self):
-        self.signature = self.buckets = self.tables = self.nbytes = None
+        self.signature = self.buckets = self.nbytes = None
 
     def __call__(self, grads):
         if self.signature is None or self.signature.n != len(grads) or not self.signature.matches(
                 grads, SHAPE, DTYPE, DEVICE):
-            self.signature, self.buckets = Signature((), grads), buckets(grads)  # keeps no grad alive
-            self.tables = [(grads[b[0]].dtype, PointerTable({"param": [grads[i] for i in b]}, ("param",)))
-                           for b in self.buckets]
-            self.nbytes = np.array([grads[i].numel() * grads[i].element_size() for b in self.buckets for i in b],
+            self.signature = Signature((), grads)  # keeps no grad alive
+            self.buckets = [(grads[b[0]].dtype, b, chunk_plan([grads[i].numel() for i in b])[0])
+                            for b in buckets(grads)]
+            self.nbytes = np.array([grads[i].numel() * grads[i].element_size() for _, b, _ in self.buckets for i in b],
                                    dtype=np.int64)  # of dense grads, which the kernel takes
-        else:
-            for bucket, (_, table) in zip(self.buckets, self.tables):
-                table.pointers[0] = data_pointers([grads[i] for i in bucket])  # the grads are its one row
-        return self.tables
+        return self.buckets
 
-    def disjoint(self):
-        """Whether no two of the (dense) grads of the last call share memory: the kernel's threads
-        would scale shared memory twice, in a race. Read from the tables, with no per-grad Python."""
-        return spans_disjoint(np.concatenate([table.pointers[0] for _, table in self.tables]), self.nbytes)
+    def disjoint(self, grads):
+        """Whether no two of the (dense) ``grads`` of the last call share memory: the kernel's threads
+        would scale shared memory twice, in a race."""
+        return spans_disjoint(data_pointers([grads[i] for _, b, _ in self.buckets for i in b]), self.nbytes)
 
 
 def _total(grads, inf, kernel, tables):
@@ -58,7 +54,8 @@ def _total(grads, inf, kernel, tables):
     grads' widest dtype from ``torch._foreach_norm``, per device."""
     if kernel:
         partials = torch.cat([torch.zeros(1, dtype=torch.float64)] + [
-            fused_cpu.grad_norm_partials(table, dtype, inf, torch.get_num_threads()) for dtype, table in tables(grads)])
+            fused_cpu.grad_norm_partials([grads[i] for i in bucket], chunks, inf)
+            for _, bucket, chunks in tables(grads)])
         return partials.max() if inf else partials.sum()
     wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     device, parts = grads[0].device, []
@@ -73,10 +70,10 @@ def _scale(grads, factor, kernel, tables):
     """Multiply ``grads`` by ``factor`` (a one-element tensor) in place: by the kernel where it takes
     them (``kernel``, as for :func:`_total`) and no two share memory (its threads would race), else
     by ``torch._foreach_mul_``, per device."""
-    if kernel and tables(grads) and tables.disjoint():
+    if kernel and tables(grads) and tables.disjoint(grads):
         factor = factor.to("cpu", torch.float32).reshape(())  # the kernel reads one fp32 value
-        for dtype, table in tables.tables:
-            fused_cpu.scale_grads(table, dtype, factor, torch.get_num_threads())
+        for _, bucket, chunks in tables.buckets:
+            fused_cpu.scale_grads([grads[i] for i in bucket], chunks, factor)
         return
     for bucket in buckets(grads):
         torch._foreach_mul_([grads[i] for i in bucket], factor.to(grads[bucket[0]].device))
@@ -105,8 +102,8 @@ def _op_scale_grads(grads, factor):
         _scale(grads, factor, _kernel_takes(grads), _op_tables(grads))
 
 
-# The kernels as custom ops, which torch.compile keeps in a traced step (a ctypes call does not
-# trace). Their tables are kept per list of grads (its length and first pointer), checked as always.
+# The kernels as custom ops, which torch.compile keeps in a traced step (the native ops take chunk
+# plans, which a trace cannot build). Their tables are kept per list of grads (its length and first pointer), checked as always.
 # Called with grads the kernel cannot take, they do what torch's foreach ops do.
 _LIBRARY = torch.library.Library("fastoptim", "FRAGMENT")
 _LIBRARY.define("grad_norm_total(Tensor[] grads, bool inf) -> Tensor")

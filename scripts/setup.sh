@@ -20,19 +20,23 @@ esac
 [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv --system-site-packages .venv
 .venv/bin/python scripts/install_torch.py
 pip=(.venv/bin/python -m pip install --quiet)
-# The editable install builds the C kernel, minutes of compiling: where fastoptim is installed and its
+# The editable install builds the native library (the C kernel and its torch ops), a minute of compiling: where fastoptim is installed and its
 # kernel is newer than what it is built from (as after the other command's set-up), only the
 # requirements of pyproject.toml (its dependencies and these extras) are installed.
-kernel=$(ls fastoptim/kernels/_fused_cpu*.so 2>/dev/null | head -1 || true)  # none in a fresh clone
+kernel=$(ls fastoptim/_C*.so 2>/dev/null | head -1 || true)  # none in a fresh clone
 if .venv/bin/python -c "import fastoptim" 2>/dev/null && [ -n "$kernel" ] && [ "$kernel" -nt fastoptim/kernels/fused_cpu.c ] \
-        && [ "$kernel" -nt fastoptim/kernels/fused_cpu_specs.h ] && [ "$kernel" -nt setup.py ]; then
+        && [ "$kernel" -nt fastoptim/kernels/native.cpp ] && [ "$kernel" -nt fastoptim/kernels/fused_cpu_specs.h ] \
+        && [ "$kernel" -nt setup.py ]; then
     mapfile -t requirements < <(.venv/bin/python -c 'import sys, tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 print("\n".join(project["dependencies"] + [r for extra in sys.argv[1].split(",")
                                           for r in project["optional-dependencies"][extra]]))' "$extras")
     "${pip[@]}" "${requirements[@]}"
 else
-    "${pip[@]}" -e ".[$extras]"
+    # the native library compiles against the installed torch: no isolated build environment, which
+    # would fetch a torch of its own (a CUDA one, on a machine without a GPU)
+    "${pip[@]}" "setuptools>=64"
+    "${pip[@]}" --no-build-isolation -e ".[$extras]"
 fi
 # timm's Adan is a peer, loaded by file path: timm's package imports torchvision, so no deps.
 "${pip[@]}" --no-deps "timm>=1.0"

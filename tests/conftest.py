@@ -22,7 +22,7 @@ def pytest_collection_finish(session):
     """Start the sanitized kernel's build (minutes on one core) now, if its tests will run."""
     if any(item.get_closest_marker("sanitizers") for item in session.items) and sanitized_build.runtimes():
         directory = Path(tempfile.mkdtemp(prefix="fastoptim-sanitizers-"))
-        path = directory / "fused_cpu_sanitized.so"
+        path = directory / "native_sanitized.so"
         session.config.stash[SANITIZED_BUILD] = sanitized_build.start(path), path
 
 

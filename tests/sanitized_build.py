@@ -1,9 +1,11 @@
-"""The ASan/UBSan build of the C kernel that tests/test_sanitizers.py runs the kernel tests on. It
+"""The ASan/UBSan build of the native library (the C kernel and its torch ops) that
+tests/test_sanitizers.py runs the kernel tests on. It
 takes about a minute (setup.py's link-time optimisation spreads it over the cores), so the session
 starts it in the background once it knows the sanitizer tests will run (tests/conftest.py), while
 the other tests run: they mostly leave a core free."""
 import os
 import runpy
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -32,15 +34,21 @@ def runtimes():
 
 
 def setup_flags():
-    """setup.py's compile and link flags, read from it so that the two builds cannot drift apart."""
-    with mock.patch("setuptools.setup") as setup:
-        runpy.run_path(str(ROOT / "setup.py"))
-    (extension,) = setup.call_args.kwargs["ext_modules"]
-    return extension.extra_compile_args, extension.extra_link_args
+    """setup.py's flags (its module globals), read from it so that the two builds cannot drift apart."""
+    with mock.patch("setuptools.setup"):
+        return runpy.run_path(str(ROOT / "setup.py"))
 
 
 def start(path):
-    """Start building the sanitized kernel at ``path``: the gcc process, whose output is piped."""
-    compile_flags, link_flags = setup_flags()
-    return subprocess.Popen(["gcc", *compile_flags, *SANITIZE, str(ROOT / "fastoptim/kernels/fused_cpu.c"),
-                             "-o", str(path), *link_flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """Start building the sanitized native library at ``path``: a shell that compiles the C kernel,
+    then compiles and links the torch ops with it; its output is piped."""
+    flags = setup_flags()
+    includes, libraries = flags["torch_paths"]()
+    kernel = shlex.join(["gcc", "-c", *flags["KERNEL_FLAGS"], *SANITIZE, str(ROOT / flags["KERNEL"]),
+                         "-o", f"{path}.kernel.o"])
+    native = shlex.join(["g++", *flags["NATIVE_FLAGS"], *SANITIZE, *(f"-I{d}" for d in includes),
+                         f"-I{ROOT / 'fastoptim/kernels'}", str(ROOT / "fastoptim/kernels/native.cpp"),
+                         f"{path}.kernel.o", *(f"-L{d}" for d in libraries), "-ltorch_cpu", "-o", str(path),
+                         *flags["LINK_FLAGS"]])
+    return subprocess.Popen(["bash", "-c", f"{kernel} && {native}"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)

@@ -45,7 +45,7 @@ def assert_same_values(actual, expected, rtol=1e-5, atol=1e-6):
 
 
 def test_the_kernel_is_built():
-    assert fused_cpu.AVAILABLE, "fastoptim/kernels/_fused_cpu*.so is missing: run `make test` (needs gcc)"
+    assert fused_cpu.AVAILABLE, "fastoptim/_C*.so is missing: run `make test` (needs gcc)"
 
 
 # --- 1. both fused tiers against the loop engine, over drawn shapes, dtypes and options ----------
@@ -170,23 +170,22 @@ def test_an_empty_param_runs_fused_without_a_warning(cls, shape, engine):
     torch.testing.assert_close(runs[0][0], runs[1][0], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("engine, calls_per_step", [("fused-single", 5), ("fused-multi", 2), ("auto", 2)])
-def test_kernel_calls_one_per_tensor_single_one_per_bucket_multi(monkeypatch, engine, calls_per_step):
-    """Three fp32 params and two bf16 ones: two buckets. fused=None picks the multi-tensor tier."""
-    calls, real_run = [], fused_cpu.run
+@pytest.mark.parametrize("engine, per_tensor", [("fused-single", True), ("fused-multi", False), ("auto", False)])
+def test_kernel_calls_one_per_bucket_per_tensor_single(monkeypatch, engine, per_tensor):
+    """Three fp32 params and two bf16 ones: two buckets, one native call each, which runs the kernel
+    once per tensor on the single-tensor engine. fused=None picks the multi-tensor tier."""
+    calls, real_step = [], fused_cpu.BoundTable.step
 
-    def counting_run(kernel, pointers, n_tensors, *rest):
-        calls.append(n_tensors)
-        real_run(kernel, pointers, n_tensors, *rest)
+    def counting_step(self, grads, scalars, flags, per_tensor=False):
+        calls.append((len(grads), per_tensor))
+        return real_step(self, grads, scalars, flags, per_tensor)
 
-    monkeypatch.setattr(fused_cpu, "run", counting_run)
+    monkeypatch.setattr(fused_cpu.BoundTable, "step", counting_step)
     shapes = [(7,), (5, 3), LARGE, (4,), (2, 2)]
     params = oracle.make_params(shapes[:3]) + oracle.make_params(shapes[3:], torch.bfloat16)
     flags = dict(foreach=None, fused=None) if engine == "auto" else FUSED[engine]
     oracle.run(fastoptim.AdamW(params, lr=0.01, **flags), params, oracle.grad_sequence(shapes, 3))
-    assert len(calls) == 3 * calls_per_step
-    if engine != "fused-single":
-        assert calls == [3, 2] * 3
+    assert calls == [(3, per_tensor), (2, per_tensor)] * 3
 
 
 @pytest.mark.parametrize("engine", FUSED)
@@ -485,7 +484,7 @@ def test_missing_build_falls_back_to_foreach(monkeypatch, cls, engine):
         raise AssertionError("the kernel ran without a build")
 
     monkeypatch.setattr(fused_cpu, "AVAILABLE", False)
-    monkeypatch.setattr(fused_cpu, "run", no_kernel)
+    monkeypatch.setattr(fused_cpu, "BoundTable", no_kernel)
     params = oracle.make_params([(7,), LARGE, (5, 3)])
     loop_params = clone(params)
     flags = dict(foreach=None, fused=None) if engine == "auto" else FUSED[engine]
@@ -755,7 +754,7 @@ def test_the_kernel_runs_on_torchs_openmp_runtime_and_no_second_one_is_loaded():
         runtimes = {line.split()[-1] for line in maps
                     if os.path.basename(line.split()[-1]).startswith(("libgomp", "libiomp", "libomp"))}
     assert len(runtimes) == 1
-    assert fused_cpu.LIBRARY.openmp in runtimes
+    assert fused_cpu.openmp() in runtimes
 
 
 @pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW])
@@ -773,7 +772,7 @@ def test_float64_params_keep_float64_math_and_states(cls, flags):
 
 @pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW])
 def test_pthreads_give_the_same_result_as_openmp_threads(cls):
-    torch_openmp = fused_cpu.LIBRARY.openmp
+    torch_openmp = fused_cpu.openmp()
     results = []
     try:
         for openmp in (torch_openmp, None):

@@ -1,6 +1,6 @@
-"""The C kernel under AddressSanitizer and UndefinedBehaviorSanitizer: fused_cpu.c is built with both
+"""The native library under AddressSanitizer and UndefinedBehaviorSanitizer: it is built with both
 and the kernel tests run again on that build, in a subprocess that loads it through
-FASTOPTIM_FUSED_CPU_LIBRARY. Python and torch are not instrumented, so libasan is preloaded (its
+FASTOPTIM_NATIVE_LIBRARY. Python and torch are not instrumented, so libasan is preloaded (its
 malloc then serves torch's CPU tensors too: a freed tensor's memory is poisoned and quarantined)
 and only our library's accesses are checked; UBSan reports only in instrumented code anyway. A
 deliberate use after free shows that the job fails on a bad access.
@@ -44,7 +44,7 @@ def library(request, tmp_path_factory):
     one started now."""
     build = request.config.stash.get(SANITIZED_BUILD, None)
     if build is None:
-        path = tmp_path_factory.mktemp("sanitizers") / "fused_cpu_sanitized.so"
+        path = tmp_path_factory.mktemp("sanitizers") / "native_sanitized.so"
         build = start(path), path
     process, path = build
     _, errors = process.communicate()
@@ -56,14 +56,14 @@ def sanitized(library, *args):
     """``python *args`` with the sanitized kernel: exit code and output (stdout and stderr)."""
     env = dict(os.environ, LD_PRELOAD=f"{RUNTIMES['libasan.so']} {RUNTIMES['libstdc++.so.6']}",
                ASAN_OPTIONS="detect_leaks=0",
-               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1", FASTOPTIM_FUSED_CPU_LIBRARY=str(library))
+               UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1", FASTOPTIM_NATIVE_LIBRARY=str(library))
     out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     return out.returncode, out.stdout
 
 
 def test_the_sanitized_build_is_the_one_loaded(library):
-    code, output = sanitized(library, "-c", "from fastoptim.kernels import fused_cpu; print(fused_cpu.LIBRARY._name)")
+    code, output = sanitized(library, "-c", "from fastoptim.kernels import fused_cpu; print(fused_cpu.PATH)")
     assert code == 0 and output.strip().splitlines()[-1] == str(library), output[-5000:]
 
 
@@ -74,15 +74,17 @@ def test_the_kernel_tests_pass_with_no_sanitizer_report(library):
 
 
 USE_AFTER_FREE = """
+import ctypes
 import torch
 from fastoptim.kernels import fused_cpu
-from fastoptim.multi_tensor import PointerTable
+from fastoptim.multi_tensor import chunk_plan
 
-grads = [torch.ones(100_000)]
-table = PointerTable({"param": grads}, ("param",))  # keeps the grad's pointer, not the grad
-del grads
-other = torch.zeros(100_000)  # without ASan, the freed memory may now be this tensor's
-fused_cpu.scale_grads(table, torch.float32, torch.tensor(0.5), 1)
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+address = libc.malloc(400_000)
+libc.free(ctypes.c_void_p(address))
+freed = torch.frombuffer((ctypes.c_char * 400_000).from_address(address), dtype=torch.float32)  # owns nothing
+fused_cpu.scale_grads([freed], chunk_plan([freed.numel()])[0], torch.tensor(0.5))
 """
 
 

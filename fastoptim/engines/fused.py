@@ -20,10 +20,9 @@ import operator
 import warnings
 from itertools import repeat
 
-import numpy as np
 import torch
 
-from ..multi_tensor import PointerTable, data_pointers, disjoint, is_dense
+from ..multi_tensor import PointerTable, disjoint, is_dense
 from ..specs import ABSMAX
 from ..states import blockwise8, formats
 from ..step_cache import DEVICE, DTYPE, LAYOUT, SHAPE, OpCache, Signature
@@ -129,11 +128,12 @@ def _scalar_values(plan, device):
 
 
 class Tables:
-    """The pointer tables of tensors that ``backend``'s kernel takes, every one (``formats``: their
-    states' formats): (indices, table, state format: None where the table mixes them). A backend that
-    compiles a kernel per state format gets a table per format (in practice a group's states share
-    one). The grads' pointers are refreshed on every launch; the rest holds while the tensors keep
-    their storage and layouts, which the owner of the tables checks."""
+    """The tables of tensors that ``backend``'s kernel takes, every one (``formats``: their states'
+    formats): (indices, index tensor or None for all, what the backend binds of the table, state
+    format: None where the table mixes them). A backend that compiles a kernel per state format gets
+    a table per format (in practice a group's states share one). The grads come with each launch.
+    The rest holds while the tensors keep their storage and layouts, which a backend that
+    ``CHECKS_NATIVELY`` checks at every call, and the owner of the tables checks for the others."""
 
     def __init__(self, tensors, absmax, spec, backend, formats):
         self.backend = backend
@@ -147,7 +147,7 @@ class Tables:
             table = PointerTable(part, spec.rows, [formats[i].kernel_code for i in indices],
                                  [formats[i].block for i in indices])
             index = None if len(indices) == len(formats) else torch.tensor(indices, device=tensors["param"][0].device)
-            self.tables.append((np.asarray(indices), index, table, table_format))
+            self.tables.append((indices, index, backend.bind(spec, part, table), table_format))
         self.grad_strides = list(map(torch.Tensor.stride, tensors["grad"]))
 
     def fit(self, grads):
@@ -156,16 +156,16 @@ class Tables:
 
     def launch(self, spec, grads, scalars, flags, stochastic, per_tensor_calls):
         """Run the kernel over every table: ``scalars`` in ``spec.all_scalars`` order (a 1-d tensor
-        holds one value per tensor), ``flags`` the spec's flags (name: bool)."""
-        pointers = data_pointers(grads)
-        for indices, index, table, table_format in self.tables:
-            table.refresh_grads(pointers[indices])
+        holds one value per tensor), ``flags`` the spec's flags (name: bool). Returns False, having
+        changed nothing, when the backend found a tensor moved or a grad that does not fit."""
+        for indices, index, bound, table_format in self.tables:
             values = scalars if index is None else [
                 value[index] if isinstance(value, torch.Tensor) and value.dim() == 1 else value for value in scalars]
-            ranges = (zip(table.first_chunk[:-1], table.first_chunk[1:]) if per_tensor_calls
-                      else [(0, len(table.chunks))])
-            self.backend.run(spec, table, list(ranges), table_format, dict(zip(spec.all_scalars, values)), flags,
-                             stochastic)
+            part = grads if index is None else [grads[i] for i in indices]
+            if not self.backend.run(spec, bound, part, per_tensor_calls, table_format,
+                                    dict(zip(spec.all_scalars, values)), flags, stochastic):
+                return False
+        return True
 
 
 class Prepared:
@@ -179,15 +179,24 @@ class Prepared:
         self.tables = Tables(taken.tensors, taken.absmax, plan.spec, backend, formats) if self.taken else None
 
 
-def _prepare(plan, backend):
+def _prepare(plan, backend, again=False):
     """What ``backend``'s kernel takes of ``plan``, cached in ``plan.cache`` (which the optimizer
-    empties whenever a param or state tensor changes) while the grads keep their layouts."""
+    empties whenever a param or state tensor changes), built ``again`` when a launch found a tensor
+    moved, and, for a backend that does not check natively, when the grads changed their layouts."""
     prepared = plan.cache.get("prepared")
-    if prepared is None or prepared.backend is not backend or (
-            prepared.tables is not None and not prepared.tables.fit(
+    if again or prepared is None or prepared.backend is not backend or (
+            not backend.CHECKS_NATIVELY and prepared.tables is not None and not prepared.tables.fit(
                 plan.tensors["grad"] if not prepared.left else [plan.tensors["grad"][i] for i in prepared.taken])):
         prepared = plan.cache["prepared"] = Prepared(plan, backend)
     return prepared
+
+
+def _launch(plan, prepared, per_tensor_calls):
+    """Launch the kernel over what it takes of ``plan``; False when the backend changed nothing."""
+    taken = plan if not prepared.left else plan.subset(prepared.taken)
+    scalars = _scalar_values(taken, taken.tensors["param"][0].device)
+    return prepared.tables.launch(plan.spec, taken.tensors["grad"], scalars, plan.flags, plan.stochastic_rounding,
+                                  per_tensor_calls)
 
 
 def _run(plan, per_tensor_calls):
@@ -199,13 +208,12 @@ def _run(plan, per_tensor_calls):
         return
     backend = backends.for_device(plan.tensors["param"][0].device)
     prepared = _prepare(plan, backend)
+    if prepared.tables is not None and not _launch(plan, prepared, per_tensor_calls):
+        prepared = _prepare(plan, backend, again=True)  # what moved or no longer fits is split again
+        if prepared.tables is not None and not _launch(plan, prepared, per_tensor_calls):
+            raise RuntimeError("fastoptim: the fused kernel refused tables built from the tensors just now")
     if prepared.left:
         _fallback(plan.subset(prepared.left), prepared.reason)
-    if prepared.tables is not None:
-        taken = plan if not prepared.left else plan.subset(prepared.taken)
-        scalars = _scalar_values(taken, taken.tensors["param"][0].device)
-        prepared.tables.launch(plan.spec, taken.tensors["grad"], scalars, plan.flags, plan.stochastic_rounding,
-                               per_tensor_calls)
 
 
 def run_multi(plan):
@@ -264,7 +272,8 @@ def _run_traced(plan, per_tensor_calls):
                    *absmax, scalars, spec.flag_bits(part.flags, part.stochastic_rounding), per_tensor_calls)
 
 
-# (op, backend, tensor count, first param's pointer, per_tensor_calls, flag bits): (signatures, Tables)
+# (op, backend, tensor count, first param's pointer, per_tensor_calls, flag bits):
+# (held tensors, their Signature, the params' Signature, Tables)
 _OP_CACHE = OpCache()
 
 
@@ -333,10 +342,11 @@ def _check_op_states(op, spec, flags, tensors, absmax):
 
 
 def _op_step(spec, param, grad, *lists_and_options):
-    """The step op's eager implementation. Every argument is checked before anything changes; the
-    tables are kept while the updated tensors keep their storage and layouts (:class:`Signature`
-    over them, as the optimizer's step cache keeps its own), and the grads their params' shapes,
-    dtypes, devices and the strides the tables were built with."""
+    """The step op's eager implementation. Every argument is checked before anything changes. The
+    tables are kept while the call passes the same tensors, and they keep their storage and layouts:
+    checked at each call by a backend that ``CHECKS_NATIVELY`` (which refuses to run a table whose
+    tensors moved, or with a grad that does not fit), else here (:class:`Signature` over them, as
+    the optimizer's step cache keeps its own, and the grads' shapes, dtypes, devices and strides)."""
     *lists, scalars, flag_bits, per_tensor_calls = lists_and_options
     op = f"fastoptim::{spec.name}_step"
     _check_op_scalars(op, spec, scalars, flag_bits, len(param), param[0].device if param else None)
@@ -354,14 +364,18 @@ def _op_step(spec, param, grad, *lists_and_options):
         t for ts in absmax.values() for t in ts if t is not None]
     key = (spec.name, backend.NAME, len(param), param[0].data_ptr(), per_tensor_calls, flag_bits)  # flags: roles
     cached = _OP_CACHE.get(key)
-    if (cached is None or cached[0].n != len(held) or not cached[0].matches(held, *LAYOUT)
-            or not all(map(operator.is_, map(operator.attrgetter("layout"), grad), repeat(torch.strided)))
-            or not cached[1].matches(grad, SHAPE, DTYPE, DEVICE) or not cached[2].fit(grad)):
+    fresh = cached is not None and len(cached[0]) == len(held) and all(map(operator.is_, held, cached[0]))
+    if fresh and not backend.CHECKS_NATIVELY:
+        fresh = (cached[1].matches(held, *LAYOUT) and all(map(operator.is_, map(operator.attrgetter("layout"), grad),
+                                                              repeat(torch.strided)))
+                 and cached[2].matches(grad, SHAPE, DTYPE, DEVICE) and cached[3].fit(grad))
+    if not fresh or not cached[3].launch(spec, grad, scalars, flags, stochastic, per_tensor_calls):
         _check_op_grads(op, param, grad)
         _check_op_states(op, spec, flags, tensors, absmax)
         _, taken_formats, left, reason = _split(tensors, spec, backend)
         if left:
             raise RuntimeError(f"{op}: the {backend.NAME} kernel cannot take a tensor: {reason}")
-        cached = _OP_CACHE.keep(key, (Signature((), held), Signature((), param),
+        cached = _OP_CACHE.keep(key, (held, Signature((), held), Signature((), param),
                                       Tables(tensors, absmax, spec, backend, taken_formats)))
-    cached[2].launch(spec, grad, scalars, flags, stochastic, per_tensor_calls)
+        if not cached[3].launch(spec, grad, scalars, flags, stochastic, per_tensor_calls):
+            raise RuntimeError(f"{op}: the fused kernel refused tables built from its arguments just now")

@@ -4,7 +4,7 @@
    each thread takes a run of consecutive chunks holding an equal share of the elements, so 2000
    small tensors cost what one large tensor of the same size costs, and each thread streams
    through memory in order, as the hardware prefetcher likes. Each element of each tensor is read
-   once and written once; nothing is allocated. ctypes releases the GIL for the call.
+   once and written once; nothing is allocated. The caller (native.cpp, a torch op) runs without the GIL.
 
    The threads are torch's own: the OpenMP runtime torch has loaded, reached with dlopen(NOLOAD),
    so no second runtime is ever loaded. After a parallel region (a clip norm, say) torch's OpenMP

@@ -1,77 +1,70 @@
-"""ctypes binding of the fused CPU kernels in ``fused_cpu.c``.
+"""The fused CPU kernels of ``fused_cpu.c``, through the native library's torch ops (``native.cpp``,
+built on the LibTorch stable ABI into ``fastoptim/_C``).
 
-Each kernel (``fastoptim_<spec name>``) takes a pointer table (one row of data pointers per role,
-in its spec's ``rows`` order), a chunk table, a layout table (each tensor's subset-norm (b, c) and
-its states' ``kernel_code``, see fastoptim.states.formats), its scalars in its spec's
-``all_scalars`` order and its flag bits (see fastoptim.specs; the C enums are generated from the
-specs). ctypes releases the GIL for the call. The kernels' 8-bit codes restate
-fastoptim.states.blockwise8's; ``quantize`` and ``dequantize`` expose them to the tests. The
-kernels run on the threads of the OpenMP runtime torch has loaded, when there is one
-(``LIBRARY.openmp`` is its path), else on pthreads. The environment variable
-``FASTOPTIM_FUSED_CPU_LIBRARY`` names a build to load instead of the packaged one (the sanitizer
+A kernel walks a table: one row of tensors per role (in its spec's ``rows`` order), a chunk plan
+over them (``fastoptim.multi_tensor.chunk_plan``) and each tensor's layout (its subset-norm (b, c)
+and its states' ``kernel_code``, see fastoptim.states.formats). :class:`BoundTable` hands a table's
+params and states to native code once; each step passes the grads and the scalars (in the spec's
+``all_scalars`` order), and native code checks every held tensor and grad before the kernel runs.
+The kernels' 8-bit codes restate fastoptim.states.blockwise8's; ``quantize`` and ``dequantize``
+expose them to the tests. The kernels run on the threads of the OpenMP runtime torch has loaded,
+when there is one (``openmp()`` is its path), else on pthreads. The environment variable
+``FASTOPTIM_NATIVE_LIBRARY`` names a build to load instead of the packaged one (the sanitizer
 test's).
 """
-import ctypes
 import importlib.machinery
 import os
+import weakref
 from pathlib import Path
 
 import torch
 
 from ..states import blockwise8
 
-DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-# pointers, tensor count, chunks, first chunk, end chunk: every kernel's first arguments
-TABLE_ARGUMENTS = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
-
-
-class Scalar(ctypes.Structure):
-    """A pointer to fp32 values: one shared value (stride 0) or one per tensor (stride 1)."""
-    _fields_ = [("values", ctypes.c_void_p), ("stride", ctypes.c_int64)]
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernels take of params and grads
+STEPPED, STALE, GRADS_UNFIT = 0, 1, 2  # what a bound step answers (native.cpp's bound_step)
+_EMPTY = torch.empty(0)  # a table's entry for a tensor that has none in its role (no block maxima)
 
 
 def _load():
-    paths = [Path(__file__).parent / f"_fused_cpu{suffix}" for suffix in importlib.machinery.EXTENSION_SUFFIXES]
-    override = os.environ.get("FASTOPTIM_FUSED_CPU_LIBRARY")
+    """The path of the native library, loaded; None when there is none."""
+    paths = [Path(__file__).parent.parent / f"_C{suffix}" for suffix in (".abi3.so",
+                                                                          *importlib.machinery.EXTENSION_SUFFIXES)]
+    override = os.environ.get("FASTOPTIM_NATIVE_LIBRARY")
     if override:
         if not Path(override).is_file():
-            raise FileNotFoundError(f"FASTOPTIM_FUSED_CPU_LIBRARY names no file: {override}")
+            raise FileNotFoundError(f"FASTOPTIM_NATIVE_LIBRARY names no file: {override}")
         paths = [Path(override).absolute()]  # dlopen would search the library path for a bare name
-    for path in paths:
-        if path.exists():
-            library = ctypes.CDLL(str(path))
-            break
-    else:
-        return None
-    library.fastoptim_probe.argtypes = TABLE_ARGUMENTS + [ctypes.c_int32]
-    library.fastoptim_probe.restype = ctypes.c_int
-    library.fastoptim_use_openmp.argtypes = [ctypes.c_char_p]
-    library.fastoptim_grad_norm.argtypes = TABLE_ARGUMENTS[:4] + [ctypes.c_int32, ctypes.c_int32, ctypes.c_void_p,
-                                                         ctypes.c_int32]
-    library.fastoptim_scale_grads.argtypes = TABLE_ARGUMENTS[:4] + [ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32]
-    library.fastoptim_quantize.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p,
-                                           ctypes.c_void_p]
-    library.fastoptim_dequantize.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32,
-                                             ctypes.c_void_p]
-    library.fastoptim_use_f16c.argtypes = [ctypes.c_int32]
-    library.openmp = None
-    return library
+    path = next((p for p in paths if p.exists()), None)
+    if path is not None:
+        torch.ops.load_library(str(path))
+    return path
+
+
+PATH = _load()
+AVAILABLE = PATH is not None
+_openmp = None
 
 
 def use_threads(openmp):
     """Run the kernels on the threads of the OpenMP runtime at path ``openmp`` (it must be loaded
     already), or on pthreads with None. Returns the path in use."""
-    LIBRARY.openmp = openmp if openmp and LIBRARY.fastoptim_use_openmp(openmp.encode()) == 0 else None
-    if LIBRARY.openmp is None:
-        LIBRARY.fastoptim_use_openmp(None)
-    return LIBRARY.openmp
+    global _openmp
+    _openmp = openmp if openmp and torch.ops.fastoptim.use_openmp(openmp) == 0 else None
+    if _openmp is None:
+        torch.ops.fastoptim.use_openmp("")
+    return _openmp
+
+
+def openmp():
+    """The path of the OpenMP runtime whose threads run the kernels, or None (pthreads)."""
+    return _openmp
 
 
 def use_f16c(enable):
     """Convert 8-bit codes with AVX2 and F16C where the CPU has them (the default), or, with False, in
     portable C, as CPUs without them do. Returns whether F16C is in use."""
-    return bool(LIBRARY.fastoptim_use_f16c(int(enable)))
+    return bool(torch.ops.fastoptim.use_f16c(bool(enable)))
 
 
 def _torch_openmp():
@@ -87,55 +80,53 @@ def _torch_openmp():
     return min(runtimes, key=lambda p: (not p.startswith(torch_lib), p), default=None)
 
 
-LIBRARY = _load()
-AVAILABLE = LIBRARY is not None
 if AVAILABLE:
     use_threads(_torch_openmp())
 
 
-def kernel(spec):
-    """The C entry point of a kernel spec's family, ``fastoptim_<spec.name>``."""
-    function = getattr(LIBRARY, f"fastoptim_{spec.name}")
-    if function.argtypes is None:  # first use: declare its arguments
-        function.argtypes = TABLE_ARGUMENTS + [ctypes.c_void_p, ctypes.POINTER(Scalar), ctypes.c_int32,
-                                               ctypes.c_int32, ctypes.c_int32]
-        function.restype = ctypes.c_int
-    return function
+class BoundTable:
+    """``spec``'s kernel bound to a table's tensors (``tensors``: role to one tensor per param, None
+    where a tensor has none in a role; ``table``: their :class:`~fastoptim.multi_tensor.PointerTable`,
+    whose chunk plan and layouts it takes). Native code holds the params, states and block maxima
+    until this object is collected; each :meth:`step` passes the grads."""
+
+    def __init__(self, spec, tensors, table):
+        held, rows = [], []
+        for row, role in enumerate(spec.rows):
+            if role != "grad" and role in tensors:
+                rows.append(row)
+                held.extend(_EMPTY if t is None else t for t in tensors[role])
+        layouts = None if table.layouts is None else torch.from_numpy(table.layouts)
+        self.handle = torch.ops.fastoptim.bind(spec.name, held, rows, len(tensors["param"]), len(spec.rows),
+                                               len(spec.all_scalars), torch.from_numpy(table.chunks), layouts)
+        weakref.finalize(self, torch.ops.fastoptim.unbind, self.handle).atexit = False
+
+    def step(self, grads, scalars, flags, per_tensor=False):
+        """Run the kernel, once or with ``per_tensor`` once per tensor, with ``grads`` and ``scalars``
+        (fp32 CPU tensors in the spec's ``all_scalars`` order, each 0-d or with one value per tensor)
+        and the spec's flag bits. Returns STEPPED, or, having changed nothing, STALE (a held tensor
+        moved or changed its layout) or GRADS_UNFIT (a grad is not walked as its param)."""
+        return torch.ops.fastoptim.bound_step(self.handle, grads, scalars, flags, per_tensor)
 
 
-def run(spec, pointers, n_tensors, chunks, chunk_range, layouts, scalars, dtype, flags, n_threads):
-    """Run ``spec``'s kernel over chunks ``chunk_range`` of the tables (numpy int64; ``layouts``,
-    each tensor's subset-norm (b, c) and state format, may be None when all are dense with fp32
-    states); ``flags``: ``spec.flag_bits(...)``."""
-    status = kernel(spec)(
-        pointers.ctypes.data, n_tensors, chunks.ctypes.data, chunk_range[0], chunk_range[1],
-        None if layouts is None else layouts.ctypes.data, scalars, DTYPES[dtype], flags, n_threads)
-    if status:
-        raise RuntimeError(f"fused CPU kernel {spec.name} has no variant for dtype {dtype} with flags {flags}")
+def probe(tensors, chunks):
+    """The bandwidth probe: Adan's traffic (6 fp32 reads, 5 writes per element) with trivial math,
+    over ``tensors`` (Adan's rows param, grad and its four states, each a list) and their chunk plan."""
+    torch.ops.fastoptim.probe([t for row in tensors for t in row], torch.from_numpy(chunks))
 
 
-def probe(pointers, n_tensors, chunks, n_threads):
-    """The bandwidth probe: Adan's traffic (6 fp32 reads, 5 writes per element) with trivial math."""
-    LIBRARY.fastoptim_probe(pointers.ctypes.data, n_tensors, chunks.ctypes.data, 0, len(chunks), n_threads)
-
-
-def _table(codes):
-    return int(codes.signed)  # the C enum's UNSIGNED and SIGNED
-
-
-def grad_norm_partials(table, dtype, inf, n_threads):
-    """Per chunk of ``table`` (a PointerTable with the grads in its first row): the sum of squares,
-    or with ``inf`` the largest magnitude, as a float64 tensor."""
-    partials = torch.empty(len(table.chunks), dtype=torch.float64)
-    LIBRARY.fastoptim_grad_norm(table.pointers.ctypes.data, table.pointers.shape[1], table.chunks.ctypes.data,
-                                len(table.chunks), DTYPES[dtype], int(inf), partials.data_ptr(), n_threads)
+def grad_norm_partials(grads, chunks, inf):
+    """Per chunk of ``chunks`` (a chunk plan over ``grads``, one dtype, dense): the sum of squares, or
+    with ``inf`` the largest magnitude, as a float64 tensor."""
+    partials = torch.empty(len(chunks), dtype=torch.float64)
+    torch.ops.fastoptim.grad_norm_partials(grads, torch.from_numpy(chunks), inf, partials)
     return partials
 
 
-def scale_grads(table, dtype, factor, n_threads):
-    """Multiplies the grads of ``table`` by ``factor`` (a 0-d fp32 tensor, read in C: no host sync)."""
-    LIBRARY.fastoptim_scale_grads(table.pointers.ctypes.data, table.pointers.shape[1], table.chunks.ctypes.data,
-                                  len(table.chunks), DTYPES[dtype], factor.data_ptr(), n_threads)
+def scale_grads(grads, chunks, factor):
+    """Multiplies ``grads`` (one dtype, dense, ``chunks`` their chunk plan) by ``factor`` (a 0-d fp32
+    tensor, read in C: no host sync)."""
+    torch.ops.fastoptim.scale_grads_in_chunks(grads, torch.from_numpy(chunks), factor)
 
 
 def quantize(values, codes):
@@ -143,13 +134,12 @@ def quantize(values, codes):
     ``blockwise8.quantize(values, codes)`` computes them."""
     indices = torch.empty(values.shape, dtype=torch.uint8)
     absmax = torch.empty(blockwise8.n_blocks(values.numel()))
-    LIBRARY.fastoptim_quantize(values.data_ptr(), values.numel(), _table(codes), indices.data_ptr(), absmax.data_ptr())
+    torch.ops.fastoptim.quantize(values, int(codes.signed), indices, absmax)
     return indices, absmax
 
 
 def dequantize(indices, absmax, codes):
     """The kernels' dequantizer, as ``blockwise8.dequantize(indices, absmax, codes)`` computes it."""
     values = torch.empty(indices.shape)
-    LIBRARY.fastoptim_dequantize(indices.data_ptr(), absmax.data_ptr(), indices.numel(), _table(codes),
-                                 values.data_ptr())
+    torch.ops.fastoptim.dequantize(indices, absmax, int(codes.signed), values)
     return values

@@ -1,11 +1,15 @@
 """The fused engines' backends, one module each, chosen by the params' device type. A backend
 declares ``NAME``, ``DEVICE_TYPES`` (the device types it is picked for), ``SPLITS_FORMATS`` (its
 kernels are compiled for one state format, so each format gets a table of its own),
+``CHECKS_NATIVELY`` (its calls check every tensor's pointer and layout, so Python need not),
 ``available()``, ``refusal(param)`` (why it cannot run a tensor at all, its device or dtype
-included, or None) and ``run(spec, table, ranges, state_format, values, flags, stochastic)`` (build
-what its kernel takes from the cached pointer table, the scalar ``values`` (name to a number, a 0-d
-tensor or a 1-d tensor with one value per tensor), the spec's ``flags`` (name: bool) and whether it
-rounds stochastically, and launch it over chunk ``ranges``). A new backend is one more module in
+included, or None), ``bind(spec, tensors, table)`` (what its launches read of a cached pointer
+table and its tensors, by role) and ``run(spec, bound, grads, per_tensor, state_format, values,
+flags, stochastic)`` (launch its kernel over what ``bind`` made, with the grads, the scalar
+``values`` (name to a number, a 0-d tensor or a 1-d tensor with one value per tensor), the spec's
+``flags`` (name: bool) and whether it rounds stochastically, once or once per tensor; returns
+False, having changed nothing, when a tensor moved or a grad does not fit: the caller builds the
+table again). A new backend is one more module in
 ``BACKENDS``.
 ``FASTOPTIM_FUSED_BACKEND=<name>`` forces one, for debugging and tests."""
 import os

@@ -1,5 +1,6 @@
 """The fused CPU backend: the C kernel of ``fastoptim/kernels/fused_cpu.c``, one call per table
-(or per tensor, single-tensor), on torch's threads."""
+(or per tensor, single-tensor), on torch's threads. Native code holds each table's params and
+states and checks them and the grads at every call (``fused_cpu.BoundTable``)."""
 import torch
 
 from ...kernels import fused_cpu
@@ -7,6 +8,7 @@ from ...kernels import fused_cpu
 NAME = "cpu"
 DEVICE_TYPES = ("cpu",)
 SPLITS_FORMATS = False  # the C kernel reads each tensor's state format from its layout row
+CHECKS_NATIVELY = True  # a call refuses a moved tensor or an unfit grad: Python checks no layout per step
 
 
 def available():
@@ -23,27 +25,19 @@ def refusal(param):
     return None
 
 
+def bind(spec, tensors, table):
+    """Hand the table's params and states to native code (see ``fused_cpu.BoundTable``)."""
+    return fused_cpu.BoundTable(spec, tensors, table)
+
+
 def scalars(values, names):
     """The C kernel's scalars (``values``: name to a number, a 0-d tensor or a 1-d tensor with one
-    value per tensor) as a ctypes array of (pointer, stride), in ``names`` order, and the tensors it
-    points into."""
-    numbers = torch.tensor([0.0 if isinstance(values[n], torch.Tensor) else float(values[n]) for n in names])
-    keep, array = [numbers], (fused_cpu.Scalar * len(names))()
-    for i, name in enumerate(names):
-        value = values[name]
-        if isinstance(value, torch.Tensor):
-            value = value.detach().to(torch.float32).contiguous()
-            keep.append(value)
-            array[i] = fused_cpu.Scalar(value.data_ptr(), int(value.dim() == 1))
-        else:
-            array[i] = fused_cpu.Scalar(numbers.data_ptr() + 4 * i, 0)
-    return array, keep
+    value per tensor) as fp32 CPU tensors in ``names`` order; the plain numbers share one tensor."""
+    numbers = torch.tensor([0.0 if isinstance(values[n], torch.Tensor) else float(values[n]) for n in names]).unbind()
+    return [values[n].detach().to(torch.float32).contiguous() if isinstance(values[n], torch.Tensor) else numbers[i]
+            for i, n in enumerate(names)]
 
 
-def run(spec, table, ranges, state_format, values, flags, stochastic):
-    array, _keep = scalars(values, spec.all_scalars)
-    bits = spec.flag_bits(flags, stochastic)
-    n_tensors, dtype = table.pointers.shape[1], table.dtype
-    for chunk_range in ranges:
-        fused_cpu.run(spec, table.pointers, n_tensors, table.chunks, chunk_range, table.layouts, array, dtype, bits,
-                      torch.get_num_threads())
+def run(spec, bound, grads, per_tensor, state_format, values, flags, stochastic):
+    status = bound.step(grads, scalars(values, spec.all_scalars), spec.flag_bits(flags, stochastic), per_tensor)
+    return status == fused_cpu.STEPPED

@@ -5,6 +5,8 @@ import os
 
 import torch
 
+from ...multi_tensor import data_pointers
+
 try:
     from ...kernels import fused_triton
 except ModuleNotFoundError as error:  # Triton is an optional extra: pip install fastoptim[triton]
@@ -15,6 +17,7 @@ except ModuleNotFoundError as error:  # Triton is an optional extra: pip install
 NAME = "triton"
 DEVICE_TYPES = ("cuda",)
 SPLITS_FORMATS = True  # a kernel is compiled for one state dtype
+CHECKS_NATIVELY = False  # the optimizer's step work and the engine check the tensors' layouts in Python
 
 
 def available():
@@ -49,10 +52,18 @@ def scalars(values, names, rows, table, device):
                         else table.numbers[1][i].expand(rows) for i, n in enumerate(names)], dim=1)
 
 
-def run(spec, table, ranges, state_format, values, flags, stochastic):
+def bind(spec, tensors, table):
+    """What a launch reads: the pointer table itself (its grads' row is refreshed at each launch)."""
+    return table
+
+
+def run(spec, table, grads, per_tensor, state_format, values, flags, stochastic):
+    table.refresh_grads(data_pointers(grads))
     n_tensors, device = table.pointers.shape[1], table.device
     pointers, work = table.device_tables(device)
     array = scalars(values, spec.all_scalars, n_tensors, table, device)
+    ranges = zip(table.first_chunk[:-1], table.first_chunk[1:]) if per_tensor else [(0, len(table.chunks))]
     for first, last in ranges:
         fused_triton.launch(spec, pointers, n_tensors, work[first:last], array, table.dtype, state_format.dtype,
                             stochastic=stochastic, subsets=bool((table.subsets > 1).any()), flags=flags)
+    return True

@@ -1,0 +1,383 @@
+/* The native layer: the C kernels of fused_cpu.c as torch ops, on the LibTorch stable ABI, so one
+   binary serves every torch from the target version on (TORCH_TARGET_VERSION, set by setup.py).
+
+   A fused step's tensors are *bound* once (fastoptim::bind): this library holds a reference to each
+   param, state and block-maxima tensor, with the chunk table Python planned over them, and each step
+   (fastoptim::bound_step) passes only the grads and the scalars. Every call re-reads each held
+   tensor's data pointer, sizes, strides, dtype and device and each grad's, before the kernel runs:
+   a held tensor that moved or changed its layout makes the call change nothing and answer STALE,
+   and the caller binds afresh. So no pointer this library dereferences can outlive its tensor, and
+   Python checks no tensor per step.
+
+   The other ops are the clip kernels (grad_norm_partials, scale_grads_in_chunks), the bandwidth probe, the 8-bit
+   codes for the tests (quantize, dequantize) and the thread and F16C switches. Arguments that the
+   kernels would read out of bounds are refused with an error before anything runs. */
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+extern "C" {
+#include "fused_cpu_specs.h"
+
+struct Scalar { const float *values; int64_t stride; };  // as fused_cpu.c declares it
+
+#define DECLARE_ENTRY_POINT(name, NAME)                                                                        \
+    int fastoptim_##name(const int64_t *pointers, int64_t n_tensors, const int64_t *chunks, int64_t chunk_begin, \
+                         int64_t chunk_end, const int64_t *layouts, const Scalar *scalars, int32_t dtype,         \
+                         int32_t flags, int32_t n_threads);
+FOR_EACH_KERNEL(DECLARE_ENTRY_POINT)
+#undef DECLARE_ENTRY_POINT
+int fastoptim_probe(const int64_t *pointers, int64_t n_tensors, const int64_t *chunks, int64_t chunk_begin,
+                    int64_t chunk_end, int32_t n_threads);
+int fastoptim_grad_norm(const int64_t *pointers, int64_t n_tensors, const int64_t *chunks, int64_t n_chunks,
+                        int32_t dtype, int32_t inf, double *partials, int32_t n_threads);
+int fastoptim_scale_grads(const int64_t *pointers, int64_t n_tensors, const int64_t *chunks, int64_t n_chunks,
+                          int32_t dtype, const float *factor, int32_t n_threads);
+int fastoptim_quantize(const float *values, int64_t n, int32_t table, uint8_t *codes, float *absmax);
+int fastoptim_dequantize(const uint8_t *codes, const float *absmax, int64_t n, int32_t table, float *values);
+int fastoptim_use_openmp(const char *path);
+int fastoptim_use_f16c(int32_t enable);
+}
+
+namespace {
+
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+typedef int (*KernelFn)(const int64_t *, int64_t, const int64_t *, int64_t, int64_t, const int64_t *,
+                        const Scalar *, int32_t, int32_t, int32_t);
+
+struct Kernel { const char *name; KernelFn run; };
+#define KERNEL_ENTRY(name, NAME) {#name, fastoptim_##name},
+const Kernel KERNELS[] = {FOR_EACH_KERNEL(KERNEL_ENTRY)};
+#undef KERNEL_ENTRY
+
+const Kernel &kernel_named(const std::string &name) {
+    for (const Kernel &kernel : KERNELS)
+        if (name == kernel.name) return kernel;
+    STD_TORCH_CHECK(false, "fastoptim: no fused CPU kernel named ", name);
+    return KERNELS[0];  // not reached
+}
+
+// The kernels' element formats of params and grads (fused_cpu.c's FP32, BF16, FP16).
+int32_t dtype_code(ScalarType dtype) {
+    switch (dtype) {
+        case ScalarType::Float: return 0;
+        case ScalarType::BFloat16: return 1;
+        case ScalarType::Half: return 2;
+        default: return -1;
+    }
+}
+
+int32_t threads() { return static_cast<int32_t>(torch::stable::get_num_threads()); }
+
+// What a held tensor was when it was bound; a call whose tensor differs in any of it is STALE. An
+// empty tensor has no memory to walk: only its dtype, device and sizes count.
+struct Layout {
+    void *data;
+    ScalarType dtype;
+    bool cpu, empty;
+    std::vector<int64_t> sizes, strides;
+
+    explicit Layout(const Tensor &t)
+        : data(t.data_ptr()), dtype(t.scalar_type()), cpu(t.is_cpu()), empty(t.numel() == 0),
+          sizes(t.sizes().begin(), t.sizes().end()), strides(t.strides().begin(), t.strides().end()) {}
+
+    bool describes(const Tensor &t) const {
+        if (t.scalar_type() != dtype || t.is_cpu() != cpu || (!empty && t.data_ptr() != data)) return false;
+        auto now_sizes = t.sizes(), now_strides = t.strides();
+        return now_sizes.size() == sizes.size()
+            && std::equal(sizes.begin(), sizes.end(), now_sizes.begin())
+            && (empty || std::equal(strides.begin(), strides.end(), now_strides.begin()));
+    }
+};
+
+// A grad fits its param when it has the param's dtype, sizes and the strides of every dim of more
+// than one element (a size-1 dim's stride is free), on the CPU: then it is walked as the param is.
+bool fits(const Tensor &grad, const Layout &param) {
+    if (!grad.defined() || grad.scalar_type() != param.dtype || !grad.is_cpu()) return false;
+    auto sizes = grad.sizes(), strides = grad.strides();
+    if (sizes.size() != param.sizes.size()) return false;
+    for (size_t d = 0; d < sizes.size(); d++)
+        if (sizes[d] != param.sizes[d] || (!param.empty && sizes[d] != 1 && strides[d] != param.strides[d]))
+            return false;
+    return true;
+}
+
+int64_t address(const Tensor &t) { return t.numel() ? reinterpret_cast<int64_t>(t.data_ptr()) : 0; }
+
+// One tensor's element span in bytes, from its first element to its last as its strides reach.
+int64_t span_bytes(const Tensor &t) {
+    if (!t.numel()) return 0;
+    int64_t last = 0;
+    auto sizes = t.sizes(), strides = t.strides();
+    for (size_t d = 0; d < sizes.size(); d++) last += (sizes[d] - 1) * strides[d];
+    return (last + 1) * static_cast<int64_t>(t.element_size());
+}
+
+// A chunk table: int64 rows of (tensor, first element, element count, elements before it), each
+// within its tensor's ``numels``.
+const int64_t *checked_chunks(const Tensor &chunks, const std::vector<int64_t> &numels, const char *op) {
+    STD_TORCH_CHECK(chunks.is_cpu() && chunks.scalar_type() == ScalarType::Long && chunks.is_contiguous()
+                        && chunks.dim() == 2 && chunks.size(1) == 4,
+                    op, ": chunks must be a contiguous int64 CPU tensor of rows (tensor, start, count, before)");
+    const int64_t *rows = static_cast<const int64_t *>(chunks.data_ptr());
+    for (int64_t k = 0; k < chunks.size(0); k++) {
+        const int64_t t = rows[4 * k], start = rows[4 * k + 1], count = rows[4 * k + 2];
+        STD_TORCH_CHECK(t >= 0 && t < static_cast<int64_t>(numels.size()) && start >= 0 && count >= 0
+                            && start + count <= numels[t],
+                        op, ": chunk ", k, " reaches outside its tensor");
+    }
+    return rows;
+}
+
+// The scalars of a kernel: fp32 CPU tensors, each 0-d (shared) or 1-d with one value per tensor.
+std::vector<Scalar> checked_scalars(const std::vector<Tensor> &scalars, int64_t n_tensors) {
+    std::vector<Scalar> out;
+    out.reserve(scalars.size());
+    for (size_t i = 0; i < scalars.size(); i++) {
+        const Tensor &s = scalars[i];
+        STD_TORCH_CHECK(s.is_cpu() && s.scalar_type() == ScalarType::Float && s.is_contiguous()
+                            && (s.dim() == 0 || (s.dim() == 1 && s.numel() == n_tensors)),
+                        "fastoptim::bound_step: scalar ", i, " must be a contiguous fp32 CPU tensor, 0-d or with one "
+                        "value per tensor (", n_tensors, ")");
+        out.push_back({static_cast<const float *>(s.data_ptr()), s.dim()});
+    }
+    return out;
+}
+
+// --- bound tables ------------------------------------------------------------------------------
+
+// Held tensors and the kernel's tables over them. ``pointers`` is [row][tensor], the grads' row
+// filled in at each call; ``layouts`` is [tensor][3] or empty.
+struct Bound {
+    KernelFn run;
+    int32_t dtype;
+    int64_t n_tensors, n_rows, n_scalars;
+    std::vector<Tensor> held;
+    std::vector<Layout> layouts_then;  // one per held tensor
+    std::vector<int64_t> held_slots;   // each held tensor's index into ``pointers``
+    std::vector<int64_t> pointers, chunks, layouts;
+};
+
+std::mutex registry_lock;
+std::unordered_map<int64_t, std::shared_ptr<Bound>> registry;
+int64_t next_handle = 1;
+
+std::shared_ptr<Bound> bound(int64_t handle) {
+    std::lock_guard<std::mutex> guard(registry_lock);
+    auto found = registry.find(handle);
+    STD_TORCH_CHECK(found != registry.end(), "fastoptim::bound_step: no bound table ", handle);
+    return found->second;
+}
+
+/* Bind ``held`` (row ``rows[k]`` of the table holds tensors held[k * n_tensors ...], in tensor order;
+   row 0 holds the params, and row GRAD is left to the calls), the chunk table and the layouts
+   ([tensor][3] int64, or None for all dense fp32) to kernel ``kernel``. Returns the handle. */
+int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> rows, int64_t n_tensors,
+             int64_t n_rows, int64_t n_scalars, Tensor chunks, std::optional<Tensor> layouts) {
+    const char *op = "fastoptim::bind";
+    STD_TORCH_CHECK(n_tensors > 0 && static_cast<int64_t>(held.size()) == n_tensors * static_cast<int64_t>(rows.size())
+                        && !rows.empty() && rows[0] == PARAM,
+                    op, ": held must be the params' row, then other rows, n_tensors each");
+    auto table = std::make_shared<Bound>();
+    table->run = kernel_named(kernel).run;
+    table->dtype = dtype_code(held[0].scalar_type());
+    STD_TORCH_CHECK(table->dtype >= 0, op, ": no kernel for the params' dtype");
+    table->n_tensors = n_tensors;
+    table->n_rows = n_rows;
+    table->n_scalars = n_scalars;
+    table->pointers.assign(n_rows * n_tensors, 0);
+    std::vector<int64_t> numels(n_tensors);
+    for (size_t k = 0; k < rows.size(); k++) {
+        STD_TORCH_CHECK(rows[k] >= 0 && rows[k] < n_rows && rows[k] != GRAD, op, ": bad row ", rows[k]);
+        for (int64_t t = 0; t < n_tensors; t++) {
+            const Tensor &tensor = held[k * n_tensors + t];
+            STD_TORCH_CHECK(tensor.is_cpu(), op, ": tensor ", t, " of row ", rows[k], " is not on the CPU");
+            if (k == 0) {
+                numels[t] = tensor.numel();
+                STD_TORCH_CHECK(tensor.scalar_type() == held[0].scalar_type(), op, ": the params mix dtypes");
+            }
+            table->held_slots.push_back(rows[k] * n_tensors + t);
+            table->pointers[rows[k] * n_tensors + t] = address(tensor);
+            table->layouts_then.emplace_back(tensor);
+        }
+    }
+    const int64_t *rows_of_chunks = checked_chunks(chunks, numels, op);
+    table->chunks.assign(rows_of_chunks, rows_of_chunks + 4 * chunks.size(0));
+    if (layouts.has_value()) {
+        const Tensor &l = *layouts;
+        STD_TORCH_CHECK(l.is_cpu() && l.scalar_type() == ScalarType::Long && l.is_contiguous() && l.dim() == 2
+                            && l.size(0) == n_tensors && l.size(1) == 3,
+                        op, ": layouts must be contiguous int64 rows (b, c, states format), one per tensor");
+        const int64_t *values = static_cast<const int64_t *>(l.data_ptr());
+        table->layouts.assign(values, values + 3 * n_tensors);
+    }
+    table->held = std::move(held);
+    std::lock_guard<std::mutex> guard(registry_lock);
+    registry[next_handle] = std::move(table);
+    return next_handle++;
+}
+
+void unbind(int64_t handle) {
+    std::lock_guard<std::mutex> guard(registry_lock);
+    registry.erase(handle);
+}
+
+enum { STEPPED = 0, STALE = 1, GRADS_UNFIT = 2 };
+
+/* One step of a bound table, in one kernel call, or with ``per_tensor`` one per tensor (as the
+   seeds' FusedAdan steps): STEPPED; STALE when a held tensor moved or changed its layout,
+   GRADS_UNFIT when a grad is not a tensor its param's walk takes (nothing runs either way). */
+int64_t bound_step(int64_t handle, std::vector<Tensor> grads, std::vector<Tensor> scalars, int64_t flags,
+                   bool per_tensor) {
+    std::shared_ptr<Bound> table = bound(handle);
+    const int64_t n = table->n_tensors;
+    STD_TORCH_CHECK(static_cast<int64_t>(grads.size()) == n, "fastoptim::bound_step: ", grads.size(),
+                    " grads for ", n, " tensors");
+    STD_TORCH_CHECK(static_cast<int64_t>(scalars.size()) == table->n_scalars, "fastoptim::bound_step: ",
+                    scalars.size(), " scalars, the kernel takes ", table->n_scalars);
+    for (size_t i = 0; i < table->held.size(); i++)
+        if (!table->layouts_then[i].describes(table->held[i])) return STALE;
+    int64_t *grad_row = table->pointers.data() + GRAD * n;
+    for (int64_t t = 0; t < n; t++) {
+        if (!fits(grads[t], table->layouts_then[t])) return GRADS_UNFIT;
+        grad_row[t] = address(grads[t]);
+    }
+    std::vector<Scalar> values = checked_scalars(scalars, n);
+    const int64_t *chunks = table->chunks.data(), n_chunks = static_cast<int64_t>(table->chunks.size() / 4);
+    const int64_t *layouts = table->layouts.empty() ? nullptr : table->layouts.data();
+    for (int64_t begin = 0, end; begin < n_chunks; begin = end) {
+        end = n_chunks;
+        if (per_tensor)  // the chunks of one tensor are consecutive rows
+            for (end = begin + 1; end < n_chunks && chunks[4 * end] == chunks[4 * begin]; end++) {}
+        const int status = table->run(table->pointers.data(), n, chunks, begin, end, layouts, values.data(),
+                                      table->dtype, static_cast<int32_t>(flags), threads());
+        STD_TORCH_CHECK(status == 0, "fastoptim::bound_step: the kernel has no variant for dtype code ", table->dtype,
+                        " with flags ", flags);
+    }
+    return STEPPED;
+}
+
+// --- the clip kernels, the probe and the 8-bit codes --------------------------------------------
+
+// The pointer table's rows of ``tensors`` (n_rows rows of equal length), all of one kernel dtype on
+// the CPU, and their numels.
+struct Rows {
+    std::vector<int64_t> pointers, numels;
+    int32_t dtype;
+};
+
+Rows rows_of(const std::vector<Tensor> &tensors, int64_t n_rows, const char *op, bool dense) {
+    STD_TORCH_CHECK(n_rows > 0 && tensors.size() % n_rows == 0, op, ": a ragged table");
+    Rows rows{{}, {}, tensors.empty() ? 0 : dtype_code(tensors[0].scalar_type())};
+    const int64_t n = static_cast<int64_t>(tensors.size()) / n_rows;
+    for (size_t i = 0; i < tensors.size(); i++) {
+        const Tensor &t = tensors[i];
+        STD_TORCH_CHECK(t.is_cpu() && dtype_code(t.scalar_type()) == rows.dtype && rows.dtype >= 0, op,
+                        ": tensors must be fp32, bf16 or fp16 CPU tensors of one dtype");
+        STD_TORCH_CHECK(!dense || span_bytes(t) == t.numel() * static_cast<int64_t>(t.element_size()), op,
+                        ": tensor ", i, " is not dense");
+        rows.pointers.push_back(address(t));
+        if (static_cast<int64_t>(i) < n) rows.numels.push_back(t.numel());
+        else STD_TORCH_CHECK(t.numel() == rows.numels[i % n], op, ": the rows' tensors differ in size");
+    }
+    return rows;
+}
+
+// Per chunk, the sum of squares (or with ``inf`` the largest magnitude) of the grads, into partials.
+void grad_norm_partials(std::vector<Tensor> grads, Tensor chunks, bool inf, Tensor partials) {
+    const char *op = "fastoptim::grad_norm_partials";
+    Rows rows = rows_of(grads, 1, op, true);
+    const int64_t *table = checked_chunks(chunks, rows.numels, op);
+    STD_TORCH_CHECK(partials.is_cpu() && partials.scalar_type() == ScalarType::Double && partials.is_contiguous()
+                        && partials.numel() == chunks.size(0),
+                    op, ": partials must be a contiguous float64 CPU tensor, one per chunk");
+    fastoptim_grad_norm(rows.pointers.data(), static_cast<int64_t>(grads.size()), table, chunks.size(0), rows.dtype,
+                        inf, static_cast<double *>(partials.data_ptr()), threads());
+}
+
+// Multiplies the grads by ``factor`` (a 0-d fp32 CPU tensor, read in C: no host sync).
+void scale_grads_in_chunks(std::vector<Tensor> grads, Tensor chunks, Tensor factor) {
+    const char *op = "fastoptim::scale_grads_in_chunks";
+    Rows rows = rows_of(grads, 1, op, true);
+    const int64_t *table = checked_chunks(chunks, rows.numels, op);
+    STD_TORCH_CHECK(factor.is_cpu() && factor.scalar_type() == ScalarType::Float && factor.numel() == 1, op,
+                    ": factor must be one fp32 CPU value");
+    fastoptim_scale_grads(rows.pointers.data(), static_cast<int64_t>(grads.size()), table, chunks.size(0), rows.dtype,
+                          static_cast<const float *>(factor.data_ptr()), threads());
+}
+
+// The bandwidth probe over ``tensors``: Adan's rows (param, grad and four states), fp32, dense.
+void probe(std::vector<Tensor> tensors, Tensor chunks) {
+    const char *op = "fastoptim::probe";
+    const int64_t n_rows = ADAN_STATES_END;
+    Rows rows = rows_of(tensors, n_rows, op, true);
+    STD_TORCH_CHECK(rows.dtype == 0, op, ": fp32 tensors only");
+    const int64_t *table = checked_chunks(chunks, rows.numels, op);
+    fastoptim_probe(rows.pointers.data(), static_cast<int64_t>(tensors.size()) / n_rows, table, 0, chunks.size(0),
+                    threads());
+}
+
+void check_codes(const Tensor &values, const Tensor &codes, const Tensor &absmax, const char *op) {
+    const int64_t n = values.numel();
+    STD_TORCH_CHECK(values.is_cpu() && values.scalar_type() == ScalarType::Float && values.is_contiguous()
+                        && codes.is_cpu() && codes.scalar_type() == ScalarType::Byte && codes.is_contiguous()
+                        && codes.numel() == n && absmax.is_cpu() && absmax.scalar_type() == ScalarType::Float
+                        && absmax.is_contiguous() && absmax.numel() == (n + 255) / 256,
+                    op, ": contiguous CPU tensors: fp32 values, as many uint8 codes, fp32 maxima per 256 values");
+}
+
+void quantize(Tensor values, int64_t table, Tensor codes, Tensor absmax) {
+    check_codes(values, codes, absmax, "fastoptim::quantize");
+    fastoptim_quantize(static_cast<const float *>(values.data_ptr()), values.numel(), static_cast<int32_t>(table),
+                       static_cast<uint8_t *>(codes.data_ptr()), static_cast<float *>(absmax.data_ptr()));
+}
+
+void dequantize(Tensor codes, Tensor absmax, int64_t table, Tensor values) {
+    check_codes(values, codes, absmax, "fastoptim::dequantize");
+    fastoptim_dequantize(static_cast<const uint8_t *>(codes.data_ptr()), static_cast<const float *>(absmax.data_ptr()),
+                         codes.numel(), static_cast<int32_t>(table), static_cast<float *>(values.data_ptr()));
+}
+
+int64_t use_openmp(std::string path) { return fastoptim_use_openmp(path.empty() ? nullptr : path.c_str()); }
+
+int64_t use_f16c(bool enable) { return fastoptim_use_f16c(enable); }
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY_FRAGMENT(fastoptim, m) {
+    m.def("bind(str kernel, Tensor[] held, int[] rows, int n_tensors, int n_rows, int n_scalars, Tensor chunks, "
+          "Tensor? layouts) -> int");
+    m.def("unbind(int handle) -> ()");
+    m.def("bound_step(int handle, Tensor[] grads, Tensor[] scalars, int flags, bool per_tensor) -> int");
+    m.def("grad_norm_partials(Tensor[] grads, Tensor chunks, bool inf, Tensor(a!) partials) -> ()");
+    m.def("scale_grads_in_chunks(Tensor(a!)[] grads, Tensor chunks, Tensor factor) -> ()");
+    m.def("probe(Tensor(a!)[] tensors, Tensor chunks) -> ()");
+    m.def("quantize(Tensor values, int table, Tensor(a!) codes, Tensor(b!) absmax) -> ()");
+    m.def("dequantize(Tensor codes, Tensor absmax, int table, Tensor(a!) values) -> ()");
+    m.def("use_openmp(str path) -> int");
+    m.def("use_f16c(bool enable) -> int");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(fastoptim, CompositeExplicitAutograd, m) {
+    m.impl("bind", TORCH_BOX(&bind));
+    m.impl("unbind", TORCH_BOX(&unbind));
+    m.impl("bound_step", TORCH_BOX(&bound_step));
+    m.impl("grad_norm_partials", TORCH_BOX(&grad_norm_partials));
+    m.impl("scale_grads_in_chunks", TORCH_BOX(&scale_grads_in_chunks));
+    m.impl("probe", TORCH_BOX(&probe));
+    m.impl("quantize", TORCH_BOX(&quantize));
+    m.impl("dequantize", TORCH_BOX(&dequantize));
+    m.impl("use_openmp", TORCH_BOX(&use_openmp));
+    m.impl("use_f16c", TORCH_BOX(&use_f16c));
+}
