@@ -2,6 +2,7 @@
 reused while they pass the cache rule (:class:`Signature`, the one place it is stated). Beside it,
 ``multi_tensor`` builds the fused kernels' pointer tables, which the cache keeps per bucket."""
 import operator
+from collections import defaultdict
 from itertools import repeat
 from operator import attrgetter
 
@@ -149,3 +150,118 @@ class OpCache(dict):
             self.clear()
         self[key] = value
         return value
+
+
+# --- state dicts that count their changes -------------------------------------------------------
+
+_state_changes = 0  # changes to every OptimizerState and ParamState so far: a BoundStep's rule
+
+
+def state_changes():
+    """How many times a watched state dict has changed in this process."""
+    return _state_changes
+
+
+def _changed():
+    global _state_changes
+    _state_changes += 1
+
+
+MUTATORS = ("__setitem__", "__delitem__", "__ior__", "clear", "pop", "popitem", "setdefault", "update")
+
+
+def _counting_changes(cls):
+    """``cls`` (a dict type) with each of its ``MUTATORS`` it does not define itself counting a change."""
+    def counting(method):
+        def counted(self, *args, **kwargs):
+            _changed()
+            return method(self, *args, **kwargs)
+        counted.__name__ = method.__name__
+        return counted
+    for name in MUTATORS:
+        if name not in cls.__dict__:
+            setattr(cls, name, counting(getattr(cls.__mro__[1], name)))
+    return cls
+
+
+@_counting_changes
+class ParamState(dict):
+    """A param's state dict, as torch.optim's, which counts its changes (see :func:`state_changes`),
+    so a step can tell that none of its states was replaced or removed without looking at each."""
+
+    def __reduce__(self):
+        return ParamState, (dict(self),)
+
+
+@_counting_changes
+class OptimizerState(defaultdict):
+    """An optimizer's ``state``: param to its :class:`ParamState` (a dict stored in it becomes one,
+    a copy), counting its changes as they do."""
+
+    def __init__(self, states=()):
+        super().__init__(ParamState)
+        for param, state in dict(states).items():
+            self[param] = state
+
+    def __setitem__(self, param, state):
+        _changed()
+        super().__setitem__(param, state if type(state) is ParamState else ParamState(state))
+
+    def setdefault(self, param, state=None):
+        if param not in self:
+            self[param] = {} if state is None else state
+        return self[param]
+
+    def update(self, *states, **kwargs):
+        for param, state in dict(*states, **kwargs).items():
+            self[param] = state
+
+    def __ior__(self, states):
+        self.update(states)
+        return self
+
+    def __reduce__(self):
+        return OptimizerState, (dict(self),)
+
+
+class BoundStep:
+    """A step whose every group runs on tables bound to native code (a backend that
+    ``CHECKS_NATIVELY``), whose calls check every param, state and grad, so the step checks none in
+    Python. Python checks what native code cannot see: that the same params have grads, in the same
+    groups, with the same options (``structure(group)``), and that no state dict changed since (a
+    state replaced or removed: :func:`state_changes`)."""
+
+    def __init__(self, state, groups, entries, structures):
+        self.state, self.groups, self.entries, self.structures = state, groups, entries, structures
+        self.changes = state_changes()
+
+    @classmethod
+    def of(cls, state, work, structure, natively_checked):
+        """The BoundStep of a step's ``work`` ((group, GroupWork, grads) per group), or None when a
+        bucket is not ``natively_checked(entry, bucket_index)`` or a group's tensors are views."""
+        for _, entry, _ in work:
+            if entry.params and (entry.states is None or entry.local_params is not entry.params
+                                 or entry.viewed_states or entry.partitions
+                                 or not all(reduce is None and natively_checked(entry, index)
+                                            for index, (_, reduce) in enumerate(entry.buckets))):
+                return None
+        if type(state) is not OptimizerState:
+            return None
+        return cls(state, [group for group, _, _ in work], [entry for _, entry, _ in work],
+                   [structure(group) for group, _, _ in work])
+
+    def work(self, state, groups, structure, check):
+        """This step's (group, GroupWork, grads) per group, or None where the rule no longer holds;
+        ``check(group, params)`` raises for what the group's options may have broken since."""
+        if (state_changes() != self.changes or state is not self.state or len(groups) != len(self.groups)
+                or not all(map(operator.is_, groups, self.groups))):
+            return None
+        work = []
+        for group, entry, expected in zip(groups, self.entries, self.structures):
+            params = [param for param in group["params"] if param.grad is not None]
+            if (len(params) != len(entry.params) or not all(map(operator.is_, params, entry.params))
+                    or structure(group) != expected):
+                return None
+            check(group, params)
+            work.append((group, entry, [param.grad for param in params]))
+        return work

@@ -171,21 +171,22 @@ def test_an_empty_param_runs_fused_without_a_warning(cls, shape, engine):
 
 
 @pytest.mark.parametrize("engine, per_tensor", [("fused-single", True), ("fused-multi", False), ("auto", False)])
-def test_kernel_calls_one_per_bucket_per_tensor_single(monkeypatch, engine, per_tensor):
-    """Three fp32 params and two bf16 ones: two buckets, one native call each, which runs the kernel
-    once per tensor on the single-tensor engine. fused=None picks the multi-tensor tier."""
-    calls, real_step = [], fused_cpu.BoundTable.step
+def test_native_calls_one_per_bucket_then_one_per_step(monkeypatch, engine, per_tensor):
+    """Three fp32 params and two bf16 ones: two buckets. The first step makes one native call per
+    bucket; the next ones, bound, one call for both. The single-tensor engine's call runs the kernel
+    once per tensor. fused=None picks the multi-tensor tier."""
+    calls, real_step = [], fused_cpu.step
 
-    def counting_step(self, grads, scalars, flags, per_tensor=False):
-        calls.append((len(grads), per_tensor))
-        return real_step(self, grads, scalars, flags, per_tensor)
+    def counting_step(launches):
+        calls.append([(len(launch.grads), launch.per_tensor) for launch in launches])
+        return real_step(launches)
 
-    monkeypatch.setattr(fused_cpu.BoundTable, "step", counting_step)
+    monkeypatch.setattr(fused_cpu, "step", counting_step)
     shapes = [(7,), (5, 3), LARGE, (4,), (2, 2)]
     params = oracle.make_params(shapes[:3]) + oracle.make_params(shapes[3:], torch.bfloat16)
     flags = dict(foreach=None, fused=None) if engine == "auto" else FUSED[engine]
     oracle.run(fastoptim.AdamW(params, lr=0.01, **flags), params, oracle.grad_sequence(shapes, 3))
-    assert calls == [(3, per_tensor), (2, per_tensor)] * 3
+    assert calls == [[(3, per_tensor)], [(2, per_tensor)]] + [[(3, per_tensor), (2, per_tensor)]] * 2
 
 
 @pytest.mark.parametrize("engine", FUSED)

@@ -25,7 +25,8 @@ class Plan:
     pointer table in, owned by the optimizer, which empties it when a param or state changes).
     A state role may hold bf16 or 8-bit (uint8 codes) tensors under ``state_bits``; ``absmax`` holds
     the block maxima of the 8-bit ones. ``sum_group``: the process group over which the loop engine
-    all-reduces subset sums (subsets that span FSDP2 shards), or None.
+    all-reduces subset sums (subsets that span FSDP2 shards), or None. ``batch``: where a step that
+    runs all its tables in one native call collects them (see :func:`run_batch`), or None.
     """
 
     tensors: dict[str, list[Tensor]]
@@ -41,6 +42,7 @@ class Plan:
     cache: dict = field(default_factory=dict)
     absmax: dict = field(default_factory=dict)  # role: the block maxima of each 8-bit state (None for others)
     sum_group: object = None
+    batch: list | None = None  # a step's launches, which the fused engine appends to instead of running them
 
     def __len__(self):
         return len(self.tensors["param"])
@@ -71,6 +73,12 @@ def run(engine, plan):
         ENGINES[engine](plan)
     else:
         amp.run_unless_inf(ENGINES[engine], plan)
+
+
+def run_batch(launches):
+    """Run the launches that plans with a ``batch`` collected, in one native call; False, having
+    changed nothing, when a tensor moved or a grad does not fit (the step then runs unbatched)."""
+    return backends.cpu.run_launches(launches)
 
 
 def run_summing_over(plan, group):

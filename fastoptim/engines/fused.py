@@ -154,16 +154,19 @@ class Tables:
         """Whether the grads have the layouts the tables were built with."""
         return all(map(operator.eq, map(torch.Tensor.stride, grads), self.grad_strides))
 
-    def launch(self, spec, grads, scalars, flags, stochastic, per_tensor_calls):
-        """Run the kernel over every table: ``scalars`` in ``spec.all_scalars`` order (a 1-d tensor
-        holds one value per tensor), ``flags`` the spec's flags (name: bool). Returns False, having
-        changed nothing, when the backend found a tensor moved or a grad that does not fit."""
+    def launch(self, spec, grads, scalars, flags, stochastic, per_tensor_calls, batch=None):
+        """Run the kernel over every table, or append each table's launch to ``batch``: ``scalars``
+        in ``spec.all_scalars`` order (a 1-d tensor holds one value per tensor), ``flags`` the
+        spec's flags (name: bool). Returns False, having changed nothing, when the backend found a
+        tensor moved or a grad that does not fit."""
         for indices, index, bound, table_format in self.tables:
             values = scalars if index is None else [
                 value[index] if isinstance(value, torch.Tensor) and value.dim() == 1 else value for value in scalars]
             part = grads if index is None else [grads[i] for i in indices]
-            if not self.backend.run(spec, bound, part, per_tensor_calls, table_format,
-                                    dict(zip(spec.all_scalars, values)), flags, stochastic):
+            values = dict(zip(spec.all_scalars, values))
+            if batch is not None:
+                batch.append(self.backend.launch(spec, bound, part, per_tensor_calls, values, flags, stochastic))
+            elif not self.backend.run(spec, bound, part, per_tensor_calls, table_format, values, flags, stochastic):
                 return False
         return True
 
@@ -192,14 +195,34 @@ def _prepare(plan, backend, again=False):
 
 
 def _launch(plan, prepared, per_tensor_calls):
-    """Launch the kernel over what it takes of ``plan``; False when the backend changed nothing."""
+    """Launch the kernel over what it takes of ``plan`` (or add it to ``plan.batch``); False when
+    the backend changed nothing."""
     taken = plan if not prepared.left else plan.subset(prepared.taken)
     scalars = _scalar_values(taken, taken.tensors["param"][0].device)
     return prepared.tables.launch(plan.spec, taken.tensors["grad"], scalars, plan.flags, plan.stochastic_rounding,
-                                  per_tensor_calls)
+                                  per_tensor_calls, plan.batch)
+
+
+class Unbatched(Exception):
+    """A plan with a ``batch`` has tensors that its step's one native call cannot take (tables not
+    built yet, or some left to foreach); nothing ran, and the step runs unbatched."""
+
+
+def natively_checked(cache):
+    """Whether the bucket whose engine cache is ``cache`` runs wholly on tables that a backend which
+    ``CHECKS_NATIVELY`` built, and so can join a batch."""
+    prepared = cache.get("prepared")
+    return prepared is not None and prepared.backend.CHECKS_NATIVELY and prepared.tables is not None \
+        and not prepared.left
 
 
 def _run(plan, per_tensor_calls):
+    if plan.batch is not None:
+        if not natively_checked(plan.cache) or plan.cache["prepared"].backend is not backends.for_device(
+                plan.tensors["param"][0].device):
+            raise Unbatched
+        _launch(plan, plan.cache["prepared"], per_tensor_calls)
+        return
     if plan.kernel_scalars is None:
         _fallback(plan, f"no fused kernel for {plan.spec.name} yet")
         return

@@ -5,7 +5,8 @@ A kernel walks a table: one row of tensors per role (in its spec's ``rows`` orde
 over them (``fastoptim.multi_tensor.chunk_plan``) and each tensor's layout (its subset-norm (b, c)
 and its states' ``kernel_code``, see fastoptim.states.formats). :class:`BoundTable` hands a table's
 params and states to native code once; each step passes the grads and the scalars (in the spec's
-``all_scalars`` order), and native code checks every held tensor and grad before the kernel runs.
+``all_scalars`` order; :func:`step` runs any number of tables in one call), and native code checks
+every held tensor and grad before any kernel runs.
 The kernels' 8-bit codes restate fastoptim.states.blockwise8's; ``quantize`` and ``dequantize``
 expose them to the tests. The kernels run on the threads of the OpenMP runtime torch has loaded,
 when there is one (``openmp()`` is its path), else on pthreads. The environment variable
@@ -16,6 +17,7 @@ import importlib.machinery
 import os
 import weakref
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -88,7 +90,7 @@ class BoundTable:
     """``spec``'s kernel bound to a table's tensors (``tensors``: role to one tensor per param, None
     where a tensor has none in a role; ``table``: their :class:`~fastoptim.multi_tensor.PointerTable`,
     whose chunk plan and layouts it takes). Native code holds the params, states and block maxima
-    until this object is collected; each :meth:`step` passes the grads."""
+    until this object is collected; each :func:`step` passes the grads."""
 
     def __init__(self, spec, tensors, table):
         held, rows = [], []
@@ -97,16 +99,42 @@ class BoundTable:
                 rows.append(row)
                 held.extend(_EMPTY if t is None else t for t in tensors[role])
         layouts = None if table.layouts is None else torch.from_numpy(table.layouts)
+        self.params = tensors["param"]  # whose version counters a step bumps
         self.handle = torch.ops.fastoptim.bind(spec.name, held, rows, len(tensors["param"]), len(spec.rows),
                                                len(spec.all_scalars), torch.from_numpy(table.chunks), layouts)
         weakref.finalize(self, torch.ops.fastoptim.unbind, self.handle).atexit = False
 
-    def step(self, grads, scalars, flags, per_tensor=False):
-        """Run the kernel, once or with ``per_tensor`` once per tensor, with ``grads`` and ``scalars``
-        (fp32 CPU tensors in the spec's ``all_scalars`` order, each 0-d or with one value per tensor)
-        and the spec's flag bits. Returns STEPPED, or, having changed nothing, STALE (a held tensor
-        moved or changed its layout) or GRADS_UNFIT (a grad is not walked as its param)."""
-        return torch.ops.fastoptim.bound_step(self.handle, grads, scalars, flags, per_tensor)
+
+
+class Launch(NamedTuple):
+    """One bound table's part of a :func:`step`: its grads, its scalars (fp32 CPU tensors in the
+    spec's ``all_scalars`` order, each 0-d or with one value per tensor), the spec's flag bits, and
+    whether it runs once per tensor (the single-tensor engine) or in one kernel call."""
+    table: BoundTable
+    grads: list
+    scalars: list
+    flags: int
+    per_tensor: bool
+
+
+def step(launches):
+    """Run the kernels of ``launches`` in one native call, and bump the updated params' version
+    counters (as torch's in-place ops do, so autograd notices a param it saved being changed).
+    Returns STEPPED, or, having changed nothing (every table is checked before any runs), STALE (a
+    held tensor moved or changed its layout) or GRADS_UNFIT (a grad is not walked as its param)."""
+    if len(launches) == 1:
+        (table, grads, scalars, flags, per_tensor), = launches
+        status = torch.ops.fastoptim.bound_step([table.handle], grads, scalars, [flags], [per_tensor])
+    else:
+        status = torch.ops.fastoptim.bound_step([launch.table.handle for launch in launches],
+                                                [g for launch in launches for g in launch.grads],
+                                                [s for launch in launches for s in launch.scalars],
+                                                [launch.flags for launch in launches],
+                                                [launch.per_tensor for launch in launches])
+    if status == STEPPED:
+        for launch in launches:
+            torch._C._increment_version(launch.table.params)
+    return status
 
 
 def probe(tensors, chunks):

@@ -235,35 +235,53 @@ void unbind(int64_t handle) {
 
 enum { STEPPED = 0, STALE = 1, GRADS_UNFIT = 2 };
 
-/* One step of a bound table, in one kernel call, or with ``per_tensor`` one per tensor (as the
-   seeds' FusedAdan steps): STEPPED; STALE when a held tensor moved or changed its layout,
-   GRADS_UNFIT when a grad is not a tensor its param's walk takes (nothing runs either way). */
-int64_t bound_step(int64_t handle, std::vector<Tensor> grads, std::vector<Tensor> scalars, int64_t flags,
-                   bool per_tensor) {
-    std::shared_ptr<Bound> table = bound(handle);
-    const int64_t n = table->n_tensors;
-    STD_TORCH_CHECK(static_cast<int64_t>(grads.size()) == n, "fastoptim::bound_step: ", grads.size(),
-                    " grads for ", n, " tensors");
-    STD_TORCH_CHECK(static_cast<int64_t>(scalars.size()) == table->n_scalars, "fastoptim::bound_step: ",
-                    scalars.size(), " scalars, the kernel takes ", table->n_scalars);
-    for (size_t i = 0; i < table->held.size(); i++)
-        if (!table->layouts_then[i].describes(table->held[i])) return STALE;
-    int64_t *grad_row = table->pointers.data() + GRAD * n;
-    for (int64_t t = 0; t < n; t++) {
-        if (!fits(grads[t], table->layouts_then[t])) return GRADS_UNFIT;
-        grad_row[t] = address(grads[t]);
+/* One step of bound tables ``handles``: table k takes the next n_tensors of ``grads`` and the next
+   n_scalars of ``scalars``, its flag bits ``flags[k]``, and runs in one kernel call or with
+   ``per_tensor[k]`` one per tensor (as the seeds' FusedAdan steps). Every table is checked before
+   any runs, so an answer other than STEPPED changed nothing: STALE when a held tensor moved or
+   changed its layout, GRADS_UNFIT when a grad is not a tensor its param's walk takes. */
+int64_t bound_step(std::vector<int64_t> handles, std::vector<Tensor> grads, std::vector<Tensor> scalars,
+                   std::vector<int64_t> flags, std::vector<int64_t> per_tensor) {
+    const char *op = "fastoptim::bound_step";
+    STD_TORCH_CHECK(flags.size() == handles.size() && per_tensor.size() == handles.size(), op,
+                    ": one flags and per_tensor entry per table");
+    std::vector<std::shared_ptr<Bound>> tables;
+    std::vector<std::vector<Scalar>> values;
+    size_t first_grad = 0, first_scalar = 0;
+    for (int64_t handle : handles) {
+        tables.push_back(bound(handle));
+        const Bound &table = *tables.back();
+        const int64_t n = table.n_tensors;
+        STD_TORCH_CHECK(first_grad + n <= grads.size() && first_scalar + table.n_scalars <= scalars.size(), op,
+                        ": fewer grads or scalars than the tables take");
+        for (size_t i = 0; i < table.held.size(); i++)
+            if (!table.layouts_then[i].describes(table.held[i])) return STALE;
+        for (int64_t t = 0; t < n; t++)
+            if (!fits(grads[first_grad + t], table.layouts_then[t])) return GRADS_UNFIT;
+        values.push_back(checked_scalars(
+            std::vector<Tensor>(scalars.begin() + first_scalar, scalars.begin() + first_scalar + table.n_scalars), n));
+        first_grad += n;
+        first_scalar += table.n_scalars;
     }
-    std::vector<Scalar> values = checked_scalars(scalars, n);
-    const int64_t *chunks = table->chunks.data(), n_chunks = static_cast<int64_t>(table->chunks.size() / 4);
-    const int64_t *layouts = table->layouts.empty() ? nullptr : table->layouts.data();
-    for (int64_t begin = 0, end; begin < n_chunks; begin = end) {
-        end = n_chunks;
-        if (per_tensor)  // the chunks of one tensor are consecutive rows
-            for (end = begin + 1; end < n_chunks && chunks[4 * end] == chunks[4 * begin]; end++) {}
-        const int status = table->run(table->pointers.data(), n, chunks, begin, end, layouts, values.data(),
-                                      table->dtype, static_cast<int32_t>(flags), threads());
-        STD_TORCH_CHECK(status == 0, "fastoptim::bound_step: the kernel has no variant for dtype code ", table->dtype,
-                        " with flags ", flags);
+    STD_TORCH_CHECK(first_grad == grads.size() && first_scalar == scalars.size(), op,
+                    ": more grads or scalars than the tables take");
+    first_grad = 0;
+    for (size_t k = 0; k < tables.size(); k++) {
+        Bound &table = *tables[k];
+        const int64_t n = table.n_tensors;
+        for (int64_t t = 0; t < n; t++) table.pointers[GRAD * n + t] = address(grads[first_grad + t]);
+        first_grad += n;
+        const int64_t *chunks = table.chunks.data(), n_chunks = static_cast<int64_t>(table.chunks.size() / 4);
+        const int64_t *layouts = table.layouts.empty() ? nullptr : table.layouts.data();
+        for (int64_t begin = 0, end; begin < n_chunks; begin = end) {
+            end = n_chunks;
+            if (per_tensor[k])  // the chunks of one tensor are consecutive rows
+                for (end = begin + 1; end < n_chunks && chunks[4 * end] == chunks[4 * begin]; end++) {}
+            const int status = table.run(table.pointers.data(), n, chunks, begin, end, layouts, values[k].data(),
+                                         table.dtype, static_cast<int32_t>(flags[k]), threads());
+            STD_TORCH_CHECK(status == 0, op, ": the kernel has no variant for dtype code ", table.dtype,
+                            " with flags ", flags[k]);
+        }
     }
     return STEPPED;
 }
@@ -359,7 +377,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(fastoptim, m) {
     m.def("bind(str kernel, Tensor[] held, int[] rows, int n_tensors, int n_rows, int n_scalars, Tensor chunks, "
           "Tensor? layouts) -> int");
     m.def("unbind(int handle) -> ()");
-    m.def("bound_step(int handle, Tensor[] grads, Tensor[] scalars, int flags, bool per_tensor) -> int");
+    m.def("bound_step(int[] handles, Tensor[] grads, Tensor[] scalars, int[] flags, int[] per_tensor) -> int");
     m.def("grad_norm_partials(Tensor[] grads, Tensor chunks, bool inf, Tensor(a!) partials) -> ()");
     m.def("scale_grads_in_chunks(Tensor(a!)[] grads, Tensor chunks, Tensor factor) -> ()");
     m.def("probe(Tensor(a!)[] tensors, Tensor chunks) -> ()");

@@ -13,7 +13,7 @@ from .. import distributed, engines
 from ..clip import GradTables, clip_coefficient
 from ..specs import ABSMAX, KernelSpec
 from ..states import formats, subset_norm
-from ..step_cache import DEVICE, DTYPE, SHAPE, GroupWork, Signature, engine_view
+from ..step_cache import DEVICE, DTYPE, SHAPE, BoundStep, GroupWork, OptimizerState, Signature, engine_view
 from .checks import check_hyperparameters, check_params, check_tensor_lr, normalize_betas
 from .state_dict import StateDicts
 
@@ -90,6 +90,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         distributed.check_shard_group(shard_group)
         self.shard_group = shard_group
         super().__init__(params, defaults)
+        self.state = OptimizerState(self.state)  # counts its changes: see BoundStep
 
     def add_param_group(self, param_group):
         params = param_group["params"]
@@ -137,6 +138,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
     def __setstate__(self, state):
         declared = "differentiable" in self.__dict__.get("defaults", state.get("defaults", {}))
         super().__setstate__(state)
+        self.state = OptimizerState(self.state)
         if not declared:  # torch adds it to defaults; an optimizer that does not take it keeps it out of its groups
             self.defaults.pop("differentiable", None)
         self.__dict__.setdefault("shard_group", None)
@@ -152,7 +154,11 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
     def step(self, closure=None):
         """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss.
 
-        Every group is checked before anything changes, so a step that raises changes nothing."""
+        Every group is checked before anything changes, so a step that raises changes nothing.
+        Where every group ran on tables bound to native code, the next step checks no tensor in
+        Python (see :class:`BoundStep`) and runs all its tables in one native call, which checks
+        them all before any runs; where that call finds something changed, the step runs again
+        the checked way."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -160,11 +166,38 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         if torch.compiler.is_compiling():
             self._init_group()  # run eagerly by torch.compile, at tracing
             caches = self._engine_caches
-            work = [(group, *self._traced_group_work(caches["patterns"][index, _grads_pattern(group)], group))
-                    for index, group in enumerate(self.param_groups)]
-        else:
-            caches = self.__dict__.setdefault("_engine_caches", {})
-            work = [(group, *self._group_work(caches, index, group)) for index, group in enumerate(self.param_groups)]
+            self._apply([(group, *self._traced_group_work(caches["patterns"][index, _grads_pattern(group)], group))
+                         for index, group in enumerate(self.param_groups)], caches)
+            return loss
+        caches = self.__dict__.setdefault("_engine_caches", {})
+        bound = caches.pop("bound", None)
+        work = None if bound is None else bound.work(self.state, self.param_groups, self._structure, self._check_lr)
+        if work is not None and self._apply(work, caches, batch=[]):
+            caches["bound"] = bound
+            return loss
+        work = [(group, *self._group_work(caches, index, group)) for index, group in enumerate(self.param_groups)]
+        self._apply(work, caches)
+        # not where the step reduces over ranks: a step run again would reduce twice on this rank alone
+        caches["bound"] = None if self._reduce_group is not None else BoundStep.of(
+            self.state, work, self._structure,
+            lambda entry, index: engines.fused.natively_checked(entry.bucket_caches.get(index, {})))
+        return loss
+
+    @staticmethod
+    def _check_lr(group, params):
+        """Raise if a tensor lr does not fit the params: a scheduler or the user may have set it since."""
+        if isinstance(group["lr"], Tensor) and params:
+            check_tensor_lr(group["lr"], params[0].device)
+
+    def _structure(self, group):
+        """What of ``group``'s options decides its step work: its state roles, engine and formats."""
+        return (self.spec.kept(self.kernel_flags(group)), engines.engine_name(group["foreach"], group["fused"]),
+                group["state_bits"], group.get("sn"), group.get("subset_size"))
+
+    def _apply(self, work, caches, batch=None):
+        """Step every group of ``work`` ((group, GroupWork, grads) per group, all checked). With a
+        ``batch`` (a list), the fused engine collects the tables' launches in it and they run in one
+        native call; False, having changed nothing, when one could not."""
         amp_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         # Eagerly, only the fused kernels skip an inf step on the device. The other engines look at
         # found_inf, and so does a step that would create states: a skipped step must leave no trace.
@@ -175,7 +208,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                 entry.params and (eager and (entry.engine not in engines.FUSED or entry.states is None)
                                   or any(reduce for _, reduce in entry.buckets)) for _, entry, _ in work):
             if found_inf.item():
-                return loss
+                return True
             found_inf = None
         increment = 1 if found_inf is None else (found_inf == 0).float()  # a skipped step does not count
         inv_scale = None if amp_scale is None else amp_scale.double().reciprocal().float()
@@ -188,11 +221,18 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             eps = self.param_groups[-1]["eps"] if "eps" in self.defaults else 1e-6
             clip = clip_coefficient(all_grads, max_norm, eps, inv_scale,
                                     self._reduce_group, caches.setdefault("clip", GradTables()))
-        for group, entry, grads in work:
-            if entry.params:
-                self._step_group(group, entry, grads, self._grad_scale(group, clip, inv_scale), found_inf, increment)
+        try:
+            for group, entry, grads in work:
+                if entry.params:
+                    self._step_group(group, entry, grads, self._grad_scale(group, clip, inv_scale), found_inf,
+                                     increment, batch)
+        except engines.fused.Unbatched:
+            return False
+        if batch and not engines.run_batch(batch):
+            return False
+        for group, entry, _ in work:
             self._count_step(group, entry, increment)
-        return loss
+        return True
 
     def _init_group(self):
         """The eager part of a step that torch.compile traces. torch.compile runs an optimizer's
@@ -239,8 +279,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         params, local_params, grads = self._with_grads(group)
         roles = self.spec.kept(self.kernel_flags(group))
         engine = engines.engine_name(group["foreach"], group["fused"])
-        if isinstance(group["lr"], Tensor) and params:  # a scheduler or the user may have set it since
-            check_tensor_lr(group["lr"], params[0].device)
+        self._check_lr(group, params)
         entry = caches.get(index)
         if entry is None or not entry.fits(roles, engine, params, local_params):
             check_params(params, type(self).__name__)  # a param's storage may have changed since it was added
@@ -310,14 +349,14 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                     f"{tuple(shape)}: was the param (or state_bits) changed after its state was created? Convert "
                     "the state (a state dict round trip does), or clear it with optimizer.state[param].clear()")
 
-    def _step_group(self, group, entry, grads, grad_scale, found_inf, increment):
+    def _step_group(self, group, entry, grads, grad_scale, found_inf, increment, batch=None):
         if entry.states is None:  # every group is checked by now: states may be created
             self._use_new_states(group, entry)
         args, per_tensor = self._step_arguments(group, entry, grad_scale, increment)
         plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, self.update, self.spec,
                             getattr(self, "kernel_scalars", None), self.kernel_flags(group), args,
                             frozenset(per_tensor), found_inf, group["stochastic_rounding"],
-                            warn_fallback=group["fused"] is True, absmax=entry.absmax)
+                            warn_fallback=group["fused"] is True, absmax=entry.absmax, batch=batch)
         for index, (bucket, reduce_group) in enumerate(entry.buckets):
             part = plan if len(bucket) == len(entry.params) else plan.subset(bucket)
             part.cache = entry.bucket_caches.setdefault(index, {})

@@ -27,8 +27,10 @@ class StateDicts:
     def state_dict(self):
         """torch's, except that the 8-bit states of DTensor params come dequantized, as fp32 DTensors:
         their blocks are per local shard, so only their values can be resharded. Loading quantizes
-        them again, into the very codes and block maxima on the same shards."""
+        them again, into the very codes and block maxima on the same shards. Each param's state is a
+        plain dict (``torch.load(weights_only=True)`` knows no other kind)."""
         state_dict = super().state_dict()
+        state_dict["state"] = {key: dict(state) for key, state in state_dict["state"].items()}
         if self._sharded:
             for key, state in state_dict["state"].items():
                 for role in [role for role in state if role + ABSMAX in state]:

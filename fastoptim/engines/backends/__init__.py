@@ -9,7 +9,9 @@ flags, stochastic)`` (launch its kernel over what ``bind`` made, with the grads,
 ``values`` (name to a number, a 0-d tensor or a 1-d tensor with one value per tensor), the spec's
 ``flags`` (name: bool) and whether it rounds stochastically, once or once per tensor; returns
 False, having changed nothing, when a tensor moved or a grad does not fit: the caller builds the
-table again). A new backend is one more module in
+table again). A backend that ``CHECKS_NATIVELY`` also offers ``launch`` (``run``'s arguments, less
+the state format, as one table's part of a call) and ``run_launches(launches)`` (any number of
+them in one call, checked before any runs), with which a step's tables run together. A new backend is one more module in
 ``BACKENDS``.
 ``FASTOPTIM_FUSED_BACKEND=<name>`` forces one, for debugging and tests."""
 import os

@@ -38,6 +38,16 @@ def scalars(values, names):
             for i, n in enumerate(names)]
 
 
+def launch(spec, bound, grads, per_tensor, values, flags, stochastic):
+    """One table's part of a native step call, which ``run_launches`` runs with others."""
+    return fused_cpu.Launch(bound, grads, scalars(values, spec.all_scalars), spec.flag_bits(flags, stochastic),
+                            per_tensor)
+
+
+def run_launches(launches):
+    """Run ``launches`` in one native call; False, having changed nothing, when one did not fit."""
+    return fused_cpu.step(launches) == fused_cpu.STEPPED
+
+
 def run(spec, bound, grads, per_tensor, state_format, values, flags, stochastic):
-    status = bound.step(grads, scalars(values, spec.all_scalars), spec.flag_bits(flags, stochastic), per_tensor)
-    return status == fused_cpu.STEPPED
+    return run_launches([launch(spec, bound, grads, per_tensor, values, flags, stochastic)])

@@ -1,0 +1,233 @@
+"""The native layer's contract (fastoptim/kernels/native.cpp): params and states bound to native
+code once, a step that checks no tensor in Python, and native checks of every held tensor and grad
+at every call. Whatever changes between two steps, the next step is the loop engine's with the same
+change, or is refused with a clear error and changes nothing; never a stale pointer."""
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastoptim.kernels import fused_cpu
+from fastoptim.step_cache import ParamState
+
+from .registry import OPTIMIZERS
+
+pytestmark = pytest.mark.skipif(not fused_cpu.AVAILABLE, reason="the native library is not built")
+
+SHAPES = [(5, 7), (300,), (3,)]
+ENGINES = {"loop": dict(foreach=False, fused=False), "fused-single": dict(foreach=False, fused=True),
+           "fused-multi": dict(foreach=True, fused=True)}
+
+
+def grad_for(param, step):
+    values = torch.linspace(-1, 1, param.numel()).reshape(param.shape).mul(step + 1).sin()
+    return values.to(param.dtype)
+
+
+def states_of(opt):
+    return [v for state in opt.state.values() for v in state.values() if torch.is_tensor(v) and v.dim()]
+
+
+def _transposed_grad(opt, params):
+    params[0].grad = params[0].grad.t().contiguous().t()  # same values, column-major
+
+
+def _double_grad(opt, params):
+    params[1].grad_dtype = None  # torch refuses a grad of another dtype unless told to take any
+    params[1].grad = params[1].grad.double()
+
+
+def _moved_states(move):
+    def change(opt, params):
+        for state in states_of(opt):
+            move(state)
+    return change
+
+
+def _replaced_states(opt, params):
+    for state in opt.state.values():
+        for key, value in list(state.items()):
+            if torch.is_tensor(value) and value.dim():
+                state[key] = value.clone()
+
+
+def _reloaded(opt, params):
+    opt.load_state_dict(opt.state_dict())
+
+
+def _new_group(opt, params):
+    extra = torch.nn.Parameter(torch.randn(4, 3))
+    params.append(extra)
+    opt.add_param_group({"params": [extra]})
+    extra.grad = grad_for(extra, 0)
+
+
+# Each change happens after step 2's grads are set, before its step.
+CHANGES = {
+    "param set_": lambda opt, params: params[0].data.set_(params[0].data.clone()),
+    "param .data": lambda opt, params: setattr(params[1], "data", params[1].data.clone()),
+    "param share_memory_": lambda opt, params: params[1].share_memory_(),
+    "param as_strided_": lambda opt, params: params[0].data.as_strided_((5, 7), (1, 5)),
+    "param resize_": lambda opt, params: params[1].data.resize_(299),
+    "grad non-contiguous": _transposed_grad,
+    "grad other dtype": _double_grad,
+    "grad removed": lambda opt, params: setattr(params[2], "grad", None),
+    "states set_": _moved_states(lambda t: t.set_(t.clone())),
+    "states share_memory_": _moved_states(lambda t: t.share_memory_()),
+    "states resize_": _moved_states(lambda t: t.resize_(t.numel() + 1)),
+    "states replaced": _replaced_states,
+    "states cleared": lambda opt, params: opt.state[params[1]].clear(),
+    "load_state_dict": _reloaded,
+    "add_param_group": _new_group,
+}
+
+
+def trajectory(cls, engine, change, steps=4, at=2):
+    """The params after ``steps`` steps with ``change`` made at step ``at``, or the error that step
+    raised with whether the params were left as they were."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    opt = cls(params, lr=1e-2, **ENGINES[engine])
+    for step in range(steps):
+        for param in params:
+            param.grad = grad_for(param, step)
+        if step == at:
+            with torch.no_grad():
+                change(opt, params)
+        before = [p.detach().clone() for p in params]
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # fused=True falls back for a non-contiguous grad, with a warning
+                opt.step()
+        except (RuntimeError, ValueError) as error:
+            unchanged = all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(before, params))
+            return type(error), unchanged
+    return [p.detach().clone() for p in params]
+
+
+def disagreements(name):
+    """Every (engine, change) on which the fused engines do not do what the loop engine does, for
+    the optimizer ``name``: a step equal to its (to float rounding), or the same error, with the
+    params left as they were."""
+    cls = next(info.cls for info in OPTIMIZERS if info.name == name)
+    found = []
+    for change in CHANGES:
+        expected = trajectory(cls, "loop", CHANGES[change])
+        for engine in ("fused-single", "fused-multi"):
+            got = trajectory(cls, engine, CHANGES[change])
+            if isinstance(expected, tuple):  # the loop engine refused it: so must the kernel, changing nothing
+                agree = got == (expected[0], True)
+            else:
+                agree = not isinstance(got, tuple) and all(
+                    torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(got, expected))
+            if not agree:
+                found.append(f"{engine}, {change}: {got if isinstance(got, tuple) else 'other values'}, "
+                             f"loop: {expected if isinstance(expected, tuple) else 'values'}")
+    return found
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS)
+def test_a_step_after_a_change_is_the_loop_engines_or_refused_with_nothing_changed(info):
+    """In a fresh interpreter: a stale pointer would crash it, which fails this test, not the run."""
+    code = f"import json, tests.test_native_layer as t; print(json.dumps(t.disagreements({info.name!r})))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            cwd=Path(__file__).parent.parent)
+    assert result.returncode == 0, f"exit {result.returncode}:\n{result.stderr[-3000:]}"
+    assert json.loads(result.stdout.splitlines()[-1]) == []
+
+
+def test_a_refused_step_changes_no_bucket_even_when_the_others_are_fine():
+    """Two buckets (fp32 and bf16) run in one native call, which checks both before either runs."""
+    info = OPTIMIZERS[0]
+    params = [torch.nn.Parameter(torch.randn(64)), torch.nn.Parameter(torch.randn(64).bfloat16())]
+    opt = info.cls(params, lr=1e-2, fused=True)
+    for step in range(3):
+        for param in params:
+            param.grad = grad_for(param, step)
+        if step == 2:
+            before = [p.detach().clone() for p in params]
+            opt.state[params[1]][next(iter(opt.state[params[1]]))].resize_(7)
+            with pytest.raises(RuntimeError, match="was the param"):
+                opt.step()
+            assert all(torch.equal(a, b) for a, b in zip(before, params))
+        else:
+            opt.step()
+
+
+@pytest.mark.parametrize("engine", ["fused-single", "fused-multi"])
+def test_a_state_stored_as_a_plain_dict_is_watched_like_the_others(engine):
+    info = OPTIMIZERS[1]
+    runs = []
+    for replace in (False, True):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+        opt = info.cls(params, lr=1e-2, **ENGINES[engine])
+        for step in range(4):
+            for param in params:
+                param.grad = grad_for(param, step)
+            if step == 2:
+                state = dict(opt.state[params[0]])
+                if replace:
+                    state["exp_avg"] = torch.zeros_like(state["exp_avg"])
+                opt.state[params[0]] = state
+                assert type(opt.state[params[0]]) is ParamState
+                if replace:  # a later change to the stored dict is seen too
+                    opt.state[params[0]]["exp_avg_sq"] = torch.zeros_like(state["exp_avg_sq"])
+            opt.step()
+        runs.append(torch.cat([p.detach().reshape(-1) for p in params]))
+    assert not torch.equal(runs[0], runs[1])
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    opt = info.cls(params, lr=1e-2, foreach=False, fused=False)
+    for step in range(4):
+        for param in params:
+            param.grad = grad_for(param, step)
+        if step == 2:
+            opt.state[params[0]]["exp_avg"].zero_()
+            opt.state[params[0]]["exp_avg_sq"].zero_()
+        opt.step()
+    torch.testing.assert_close(runs[1], torch.cat([p.detach().reshape(-1) for p in params]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("engine", ["fused-single", "fused-multi"])
+def test_a_fused_step_bumps_the_params_version_counters(engine):
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    opt = OPTIMIZERS[0].cls(params, lr=1e-2, **ENGINES[engine])
+    for step in range(3):
+        for param in params:
+            param.grad = grad_for(param, step)
+        versions = [p._version for p in params]
+        opt.step()
+        assert all(p._version > v for p, v in zip(params, versions))
+
+
+def test_the_step_op_updates_the_states_it_is_given_not_those_of_the_last_call():
+    """Its tables are kept per first param; other state tensors with the same params are new tables."""
+    from fastoptim.optimizers.lion import SPEC
+    op = torch.ops.fastoptim.lion_step
+    param, grad = [torch.ones(8)], [torch.ones(8)]
+    scalars = [torch.tensor(v) for v in (0.0, 0.0, 1.0, 0.9, 0.1, 0.99, 0.01, 0.1, 1.0)]
+    assert len(scalars) == len(SPEC.all_scalars)
+    first, second = [torch.zeros(8)], [torch.zeros(8)]
+    op(param, grad, first, [], scalars, 0, False)
+    op(param, grad, second, [], scalars, 0, False)
+    assert torch.equal(first[0], second[0]) and first[0].abs().sum() > 0
+
+
+def test_a_bound_step_refuses_handles_and_counts_it_does_not_know():
+    with pytest.raises(RuntimeError, match="no bound table"):
+        torch.ops.fastoptim.bound_step([-5], [], [], [0], [0])
+    with pytest.raises(RuntimeError, match="one flags and per_tensor entry per table"):
+        torch.ops.fastoptim.bound_step([-5], [], [], [], [])
+
+
+def test_the_native_ops_refuse_chunks_outside_their_tensors():
+    grads = [torch.ones(10)]
+    chunks = torch.tensor([[0, 5, 6, 0]])
+    with pytest.raises(RuntimeError, match="reaches outside its tensor"):
+        torch.ops.fastoptim.scale_grads_in_chunks(grads, chunks, torch.tensor(2.0))
+    assert torch.equal(grads[0], torch.ones(10))
