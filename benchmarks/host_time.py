@@ -4,6 +4,8 @@ fastoptim's Adan and AdamW (fused multi-tensor, the default engine) and torch's 
 interleaved in one run, at 1 thread and at torch's default, optionally while another process keeps
 one core busy (``--busy``). Each sample is the mean of ``--steps`` back-to-back steps; the table
 gives the median over ``--repeats`` samples, min..max, and the median ratio to torch's fused AdamW.
+A second table times each optimizer on 2000 params of 1,000-5,000 elements against one param of
+the same numel, interleaved: what many tensors cost beyond their elements.
 Usage, from the repository root: .venv/bin/python -m benchmarks.host_time [--steps N] [--repeats N] [--busy]
 """
 import argparse
@@ -55,6 +57,33 @@ def measure(n_params, threads, steps, repeats):
     return rows
 
 
+def many_against_one(steps, repeats):
+    """Rows of the second table: each optimizer's step on 2000 params of 1,000-5,000 elements and on
+    one param of the same numel, at torch's default threads."""
+    sizes = torch.randint(1000, 5001, (2000,), generator=torch.Generator().manual_seed(0)).tolist()
+    layouts = {"2000 params": sizes, "1 param": [sum(sizes)]}
+    optimizers = {}
+    for name, make in OPTIMIZERS.items():
+        for layout, numels in layouts.items():
+            params = [torch.nn.Parameter(torch.randn(n)) for n in numels]
+            for param in params:
+                param.grad = torch.randn_like(param)
+            optimizers[name, layout] = make(params)
+            sample(optimizers[name, layout], 2)
+    samples = {key: [] for key in optimizers}
+    for repeat in range(repeats):
+        keys = list(optimizers)
+        for key in keys[repeat % len(keys):] + keys[:repeat % len(keys)]:
+            samples[key].append(sample(optimizers[key], steps))
+    rows = []
+    for name in OPTIMIZERS:
+        many, one = samples[name, "2000 params"], samples[name, "1 param"]
+        ratios = [a / b for a, b in zip(many, one)]
+        rows.append(f"| {name} | {statistics.median(many) * 1e3:.2f} | {statistics.median(one) * 1e3:.2f} | "
+                    f"{statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f}) |")
+    return rows, sum(sizes)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=50, help="steps per sample (default 50)")
@@ -71,6 +100,13 @@ def main():
         for n_params in (148, 2000):
             for threads in sorted({1, default_threads}):
                 print("\n".join(measure(n_params, threads, args.steps, args.repeats)), flush=True)
+        torch.set_num_threads(default_threads)
+        rows, numel = many_against_one(max(args.steps // 10, 3), args.repeats)
+        print(f"\n2000 params of 1,000-5,000 elements ({numel / 1e6:.1f}M) against one param of that numel, "
+              f"{default_threads} threads")
+        print("| optimizer | ms per step, 2000 params | ms, 1 param | ratio (min..max) |")
+        print("|---|---|---|---|")
+        print("\n".join(rows))
     finally:
         if spinner:
             spinner.kill()

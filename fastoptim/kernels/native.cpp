@@ -16,6 +16,7 @@
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -80,36 +81,61 @@ int32_t dtype_code(ScalarType dtype) {
 
 int32_t threads() { return static_cast<int32_t>(torch::stable::get_num_threads()); }
 
+// A tensor's pointer, dtype, device type, sizes and strides, read through the C shim directly: the
+// stable Tensor's scalar_type() compares the code with every dtype, one shim call each, and these
+// reads are most of what a bound step costs.
+struct Read {
+    void *data = nullptr;
+    int32_t dtype = -1, device_type = -1;
+    int64_t dim = 0;
+    int64_t *sizes = nullptr, *strides = nullptr;
+
+    explicit Read(const Tensor &t) {
+        AtenTensorHandle h = t.get();
+        STD_TORCH_CHECK(aoti_torch_get_data_ptr(h, &data) == AOTI_TORCH_SUCCESS
+                            && aoti_torch_get_dtype(h, &dtype) == AOTI_TORCH_SUCCESS
+                            && aoti_torch_get_device_type(h, &device_type) == AOTI_TORCH_SUCCESS
+                            && aoti_torch_get_dim(h, &dim) == AOTI_TORCH_SUCCESS
+                            && aoti_torch_get_sizes(h, &sizes) == AOTI_TORCH_SUCCESS
+                            && aoti_torch_get_strides(h, &strides) == AOTI_TORCH_SUCCESS,
+                        "fastoptim: a tensor whose layout cannot be read (sparse?)");
+    }
+
+    bool empty() const { return std::find(sizes, sizes + dim, 0) != sizes + dim; }
+};
+
 // What a held tensor was when it was bound; a call whose tensor differs in any of it is STALE. An
 // empty tensor has no memory to walk: only its dtype, device and sizes count.
 struct Layout {
     void *data;
-    ScalarType dtype;
-    bool cpu, empty;
+    int32_t dtype, device_type;
+    bool empty;
     std::vector<int64_t> sizes, strides;
 
-    explicit Layout(const Tensor &t)
-        : data(t.data_ptr()), dtype(t.scalar_type()), cpu(t.is_cpu()), empty(t.numel() == 0),
-          sizes(t.sizes().begin(), t.sizes().end()), strides(t.strides().begin(), t.strides().end()) {}
+    explicit Layout(const Read &r)
+        : data(r.data), dtype(r.dtype), device_type(r.device_type), empty(r.empty()),
+          sizes(r.sizes, r.sizes + r.dim), strides(r.strides, r.strides + r.dim) {}
 
     bool describes(const Tensor &t) const {
-        if (t.scalar_type() != dtype || t.is_cpu() != cpu || (!empty && t.data_ptr() != data)) return false;
-        auto now_sizes = t.sizes(), now_strides = t.strides();
-        return now_sizes.size() == sizes.size()
-            && std::equal(sizes.begin(), sizes.end(), now_sizes.begin())
-            && (empty || std::equal(strides.begin(), strides.end(), now_strides.begin()));
+        const Read r(t);
+        return r.dtype == dtype && r.device_type == device_type && (empty || r.data == data)
+            && r.dim == static_cast<int64_t>(sizes.size()) && std::equal(sizes.begin(), sizes.end(), r.sizes)
+            && (empty || std::equal(strides.begin(), strides.end(), r.strides));
     }
 };
 
-// A grad fits its param when it has the param's dtype, sizes and the strides of every dim of more
-// than one element (a size-1 dim's stride is free), on the CPU: then it is walked as the param is.
-bool fits(const Tensor &grad, const Layout &param) {
-    if (!grad.defined() || grad.scalar_type() != param.dtype || !grad.is_cpu()) return false;
-    auto sizes = grad.sizes(), strides = grad.strides();
-    if (sizes.size() != param.sizes.size()) return false;
-    for (size_t d = 0; d < sizes.size(); d++)
-        if (sizes[d] != param.sizes[d] || (!param.empty && sizes[d] != 1 && strides[d] != param.strides[d]))
+// A grad fits its param when it has the param's dtype, device, sizes and the strides of every dim of
+// more than one element (a size-1 dim's stride is free): then it is walked as the param is, from
+// ``pointer`` (0 for an empty one, which is never read).
+bool fits(const Tensor &grad, const Layout &param, int64_t *pointer) {
+    if (!grad.defined()) return false;
+    const Read r(grad);
+    if (r.dtype != param.dtype || r.device_type != param.device_type || r.dim != static_cast<int64_t>(param.sizes.size()))
+        return false;
+    for (int64_t d = 0; d < r.dim; d++)
+        if (r.sizes[d] != param.sizes[d] || (!param.empty && r.sizes[d] != 1 && r.strides[d] != param.strides[d]))
             return false;
+    *pointer = param.empty ? 0 : reinterpret_cast<int64_t>(r.data);
     return true;
 }
 
@@ -141,16 +167,17 @@ const int64_t *checked_chunks(const Tensor &chunks, const std::vector<int64_t> &
 }
 
 // The scalars of a kernel: fp32 CPU tensors, each 0-d (shared) or 1-d with one value per tensor.
-std::vector<Scalar> checked_scalars(const std::vector<Tensor> &scalars, int64_t n_tensors) {
+std::vector<Scalar> checked_scalars(const std::vector<Tensor> &scalars, size_t first, size_t count, int64_t n_tensors) {
+    static const int32_t float32 = aoti_torch_dtype_float32(), cpu = aoti_torch_device_type_cpu();
     std::vector<Scalar> out;
-    out.reserve(scalars.size());
-    for (size_t i = 0; i < scalars.size(); i++) {
-        const Tensor &s = scalars[i];
-        STD_TORCH_CHECK(s.is_cpu() && s.scalar_type() == ScalarType::Float && s.is_contiguous()
-                            && (s.dim() == 0 || (s.dim() == 1 && s.numel() == n_tensors)),
-                        "fastoptim::bound_step: scalar ", i, " must be a contiguous fp32 CPU tensor, 0-d or with one "
-                        "value per tensor (", n_tensors, ")");
-        out.push_back({static_cast<const float *>(s.data_ptr()), s.dim()});
+    out.reserve(count);
+    for (size_t i = first; i < first + count; i++) {
+        const Read s(scalars[i]);
+        STD_TORCH_CHECK(s.device_type == cpu && s.dtype == float32
+                            && (s.dim == 0 || (s.dim == 1 && s.sizes[0] == n_tensors && (s.strides[0] == 1 || n_tensors < 2))),
+                        "fastoptim::bound_step: scalar ", i - first, " must be a contiguous fp32 CPU tensor, 0-d or "
+                        "with one value per tensor (", n_tensors, ")");
+        out.push_back({static_cast<const float *>(s.data), s.dim});
     }
     return out;
 }
@@ -209,7 +236,7 @@ int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> 
             }
             table->held_slots.push_back(rows[k] * n_tensors + t);
             table->pointers[rows[k] * n_tensors + t] = address(tensor);
-            table->layouts_then.emplace_back(tensor);
+            table->layouts_then.emplace_back(Read(tensor));
         }
     }
     const int64_t *rows_of_chunks = checked_chunks(chunks, numels, op);
@@ -250,27 +277,23 @@ int64_t bound_step(std::vector<int64_t> handles, std::vector<Tensor> grads, std:
     size_t first_grad = 0, first_scalar = 0;
     for (int64_t handle : handles) {
         tables.push_back(bound(handle));
-        const Bound &table = *tables.back();
+        Bound &table = *tables.back();
         const int64_t n = table.n_tensors;
         STD_TORCH_CHECK(first_grad + n <= grads.size() && first_scalar + table.n_scalars <= scalars.size(), op,
                         ": fewer grads or scalars than the tables take");
         for (size_t i = 0; i < table.held.size(); i++)
             if (!table.layouts_then[i].describes(table.held[i])) return STALE;
-        for (int64_t t = 0; t < n; t++)
-            if (!fits(grads[first_grad + t], table.layouts_then[t])) return GRADS_UNFIT;
-        values.push_back(checked_scalars(
-            std::vector<Tensor>(scalars.begin() + first_scalar, scalars.begin() + first_scalar + table.n_scalars), n));
+        for (int64_t t = 0; t < n; t++)  // the grads' row of the table, refreshed (a refused call runs none)
+            if (!fits(grads[first_grad + t], table.layouts_then[t], &table.pointers[GRAD * n + t])) return GRADS_UNFIT;
+        values.push_back(checked_scalars(scalars, first_scalar, table.n_scalars, n));
         first_grad += n;
         first_scalar += table.n_scalars;
     }
     STD_TORCH_CHECK(first_grad == grads.size() && first_scalar == scalars.size(), op,
                     ": more grads or scalars than the tables take");
-    first_grad = 0;
     for (size_t k = 0; k < tables.size(); k++) {
         Bound &table = *tables[k];
         const int64_t n = table.n_tensors;
-        for (int64_t t = 0; t < n; t++) table.pointers[GRAD * n + t] = address(grads[first_grad + t]);
-        first_grad += n;
         const int64_t *chunks = table.chunks.data(), n_chunks = static_cast<int64_t>(table.chunks.size() / 4);
         const int64_t *layouts = table.layouts.empty() ? nullptr : table.layouts.data();
         for (int64_t begin = 0, end; begin < n_chunks; begin = end) {
