@@ -1,8 +1,8 @@
 """Gradient norms and clipping with no host sync: the norm and the clip factor stay tensors.
 
-On CPU tensors that the fused kernel takes (fp32, bf16 or fp16, dense), the norm is one call per
-dtype that reads every grad once, parallel over chunks across all of them, and the scaling is one
-more. Elsewhere ``torch._foreach_norm`` and ``torch._foreach_mul_`` do the same work.
+On tensors that a fused backend's clip kernels take (``CLIPS``; the C kernel's: fp32, bf16 or fp16
+CPU tensors, dense), the norm is one call per dtype that reads every grad once, parallel over chunks
+across all of them, and the scaling is one more. Elsewhere ``torch._foreach_norm`` and ``torch._foreach_mul_`` do the same work.
 """
 import math
 from collections.abc import Iterable
@@ -11,17 +11,15 @@ import numpy as np
 import torch
 
 from . import distributed
-from .kernels import fused_cpu
-from .multi_tensor import buckets, chunk_plan, data_pointers, is_dense, spans_disjoint
+from .engines import backends
+from .multi_tensor import buckets, chunk_plan, data_pointers, spans_disjoint
 from .step_cache import DEVICE, DTYPE, SHAPE, OpCache, Signature
 
 
-def _kernel_takes(grads):
-    """Whether the C kernel can take ``grads``."""
-    return fused_cpu.AVAILABLE and all(
-        type(g) is torch.Tensor and g.device.type == "cpu" and g.dtype in fused_cpu.DTYPES
-        and (g.is_contiguous() or is_dense(g))
-        for g in grads)
+def _clip_backend(grads):
+    """The fused backend whose clip kernels take all of ``grads``, or None (foreach then)."""
+    backend = backends.for_device(grads[0].device) if grads else None
+    return backend if backend is not None and backend.CLIPS and backend.takes_grads(grads) else None
 
 
 class GradTables:
@@ -50,11 +48,11 @@ class GradTables:
 
 def _total(grads, inf, kernel, tables):
     """The sum of squares (or with ``inf`` the largest magnitude) of ``grads``, float64 from the
-    kernel (``kernel``: whether it takes them; ``tables``: a :class:`GradTables`), else in the
+    kernel (``kernel``: the backend whose kernels take them, or None; ``tables``: a :class:`GradTables`), else in the
     grads' widest dtype from ``torch._foreach_norm``, per device."""
     if kernel:
         partials = torch.cat([torch.zeros(1, dtype=torch.float64)] + [
-            fused_cpu.grad_norm_partials([grads[i] for i in bucket], chunks, inf)
+            kernel.grad_norm_partials([grads[i] for i in bucket], chunks, inf)
             for _, bucket, chunks in tables(grads)])
         return partials.max() if inf else partials.sum()
     wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
@@ -73,7 +71,7 @@ def _scale(grads, factor, kernel, tables):
     if kernel and tables(grads) and tables.disjoint(grads):
         factor = factor.to("cpu", torch.float32).reshape(())  # the kernel reads one fp32 value
         for _, bucket, chunks in tables.buckets:
-            fused_cpu.scale_grads([grads[i] for i in bucket], chunks, factor)
+            kernel.scale_grads([grads[i] for i in bucket], chunks, factor)
         return
     for bucket in buckets(grads):
         torch._foreach_mul_([grads[i] for i in bucket], factor.to(grads[bucket[0]].device))
@@ -90,7 +88,7 @@ def _op_grad_norm_total(grads, inf):
     _check_grads("grad_norm_total", grads)
     if not grads:
         return torch.zeros((), dtype=torch.float64)
-    return _total(grads, inf, _kernel_takes(grads), _op_tables(grads)).double()
+    return _total(grads, inf, _clip_backend(grads), _op_tables(grads)).double()
 
 
 def _op_scale_grads(grads, factor):
@@ -99,7 +97,7 @@ def _op_scale_grads(grads, factor):
         raise ValueError(f"fastoptim::scale_grads: factor must be a one-element floating-point tensor, got "
                          f"{factor.dtype} of shape {tuple(factor.shape)}")
     if grads:
-        _scale(grads, factor, _kernel_takes(grads), _op_tables(grads))
+        _scale(grads, factor, _clip_backend(grads), _op_tables(grads))
 
 
 # The kernels as custom ops, which torch.compile keeps in a traced step (the native ops take chunk
@@ -126,13 +124,13 @@ torch.library.register_fake("fastoptim::scale_grads", lambda grads, factor: None
 def grad_norm(grads, norm_type=2.0, group=None, cache=None, kernel=None):
     """The ``norm_type``-norm (2 or inf) over every tensor in ``grads``, as a 0-d tensor on the first
     grad's device: float64 where a grad is float64 (as torch's), else fp32. On grads the kernel
-    takes (``kernel``: ``_kernel_takes(grads)``, None to decide here), ``cache`` (a
+    takes (``kernel``: the backend, ``_clip_backend(grads)``; None: decided here), ``cache`` (a
     :class:`GradTables`) keeps its tables. ``group``: a process group whose ranks hold the rest of
     the grads (each exactly once); the norm is then theirs all together, and every rank of it must
     call this, with grads or none."""
     inf = norm_type == math.inf
     wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-    kernel = bool(grads) and (_kernel_takes(grads) if kernel is None else kernel)
+    kernel = bool(grads) and (_clip_backend(grads) if kernel is None else kernel)
     if kernel and torch.compiler.is_compiling():
         total = torch.ops.fastoptim.grad_norm_total(grads, inf)
     elif grads:
@@ -184,7 +182,7 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
     if not grads:
         return torch.tensor(0.0)
-    kernel, tables = _kernel_takes(grads), GradTables()  # the tables: built by the norm, used again by the scaling
+    kernel, tables = _clip_backend(grads), GradTables()  # the tables: built by the norm, used again by the scaling
     norm = grad_norm(grads, norm_type, cache=tables, kernel=kernel)
     if error_if_nonfinite and not torch.isfinite(norm):  # a host sync, as in torch: only when asked for
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {norm.item()}, so it "

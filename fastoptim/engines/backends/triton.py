@@ -17,6 +17,7 @@ except ModuleNotFoundError as error:  # Triton is an optional extra: pip install
 NAME = "triton"
 DEVICE_TYPES = ("cuda",)
 SPLITS_FORMATS = True  # a kernel is compiled for one state dtype
+CLIPS = False  # the clip runs torch's foreach ops on CUDA tensors
 CHECKS_NATIVELY = False  # the optimizer's step work and the engine check the tensors' layouts in Python
 
 
