@@ -220,9 +220,28 @@ def test_the_step_op_updates_the_states_it_is_given_not_those_of_the_last_call()
 
 def test_a_bound_step_refuses_handles_and_counts_it_does_not_know():
     with pytest.raises(RuntimeError, match="no bound table"):
-        torch.ops.fastoptim.bound_step([-5], [], [], [0], [0])
+        torch.ops.fastoptim.bound_step([-5], [], [], [], [], [0], [0])
     with pytest.raises(RuntimeError, match="one flags and per_tensor entry per table"):
-        torch.ops.fastoptim.bound_step([-5], [], [], [], [])
+        torch.ops.fastoptim.bound_step([-5], [], [], [], [], [], [])
+
+
+def test_a_bound_step_refuses_scalars_it_cannot_read_and_changes_nothing():
+    params = [torch.nn.Parameter(torch.randn(8))]
+    params[0].grad = torch.ones(8)
+    opt = OPTIMIZERS[0].cls(params, lr=1e-2, fused=True)
+    opt.step()
+    launches = []
+    real = fused_cpu.step
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fused_cpu, "step", lambda batch: launches.extend(batch) or real(batch))
+        opt.step()
+    before = params[0].detach().clone()
+    launch = launches[0]
+    for bad in (torch.ones(3), torch.ones((), dtype=torch.int64), torch.ones(8)[::2]):
+        broken = launch._replace(tensors=[bad], slots=[len(launch.numbers) - 1])
+        with pytest.raises(RuntimeError, match="must be a contiguous fp32 or float64 CPU tensor"):
+            fused_cpu.step([broken])
+    assert torch.equal(params[0], before)
 
 
 def test_the_native_ops_refuse_chunks_outside_their_tensors():

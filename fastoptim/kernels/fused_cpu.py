@@ -5,7 +5,7 @@ A kernel walks a table: one row of tensors per role (in its spec's ``rows`` orde
 over them (``fastoptim.multi_tensor.chunk_plan``) and each tensor's layout (its subset-norm (b, c)
 and its states' ``kernel_code``, see fastoptim.states.formats). :class:`BoundTable` hands a table's
 params and states to native code once; each step passes the grads and the scalars (in the spec's
-``all_scalars`` order; :func:`step` runs any number of tables in one call), and native code checks
+``all_scalars`` order, numbers or tensors; :func:`step` runs any number of tables in one call), and native code checks
 every held tensor and grad before any kernel runs.
 The kernels' 8-bit codes restate fastoptim.states.blockwise8's; ``quantize`` and ``dequantize``
 expose them to the tests. The kernels run on the threads of the OpenMP runtime torch has loaded,
@@ -107,12 +107,15 @@ class BoundTable:
 
 
 class Launch(NamedTuple):
-    """One bound table's part of a :func:`step`: its grads, its scalars (fp32 CPU tensors in the
-    spec's ``all_scalars`` order, each 0-d or with one value per tensor), the spec's flag bits, and
-    whether it runs once per tensor (the single-tensor engine) or in one kernel call."""
+    """One bound table's part of a :func:`step`: its grads, its scalars in the spec's ``all_scalars``
+    order (``numbers``, of which ``tensors[j]`` replaces number ``slots[j]``: an fp32 or float64
+    tensor, 0-d or with one value per tensor), the spec's flag bits, and whether it runs once per
+    tensor (the single-tensor engine) or in one kernel call."""
     table: BoundTable
     grads: list
-    scalars: list
+    numbers: list
+    tensors: list
+    slots: list
     flags: int
     per_tensor: bool
 
@@ -123,14 +126,17 @@ def step(launches):
     Returns STEPPED, or, having changed nothing (every table is checked before any runs), STALE (a
     held tensor moved or changed its layout) or GRADS_UNFIT (a grad is not walked as its param)."""
     if len(launches) == 1:
-        (table, grads, scalars, flags, per_tensor), = launches
-        status = torch.ops.fastoptim.bound_step([table.handle], grads, scalars, [flags], [per_tensor])
+        (table, grads, numbers, tensors, slots, flags, per_tensor), = launches
+        status = torch.ops.fastoptim.bound_step([table.handle], grads, numbers, tensors, slots, [flags], [per_tensor])
     else:
-        status = torch.ops.fastoptim.bound_step([launch.table.handle for launch in launches],
-                                                [g for launch in launches for g in launch.grads],
-                                                [s for launch in launches for s in launch.scalars],
-                                                [launch.flags for launch in launches],
-                                                [launch.per_tensor for launch in launches])
+        firsts = [0]
+        for launch in launches[:-1]:
+            firsts.append(firsts[-1] + len(launch.numbers))
+        status = torch.ops.fastoptim.bound_step(
+            [launch.table.handle for launch in launches], [g for launch in launches for g in launch.grads],
+            [x for launch in launches for x in launch.numbers], [t for launch in launches for t in launch.tensors],
+            [first + slot for launch, first in zip(launches, firsts) for slot in launch.slots],
+            [launch.flags for launch in launches], [launch.per_tensor for launch in launches])
     if status == STEPPED:
         for launch in launches:
             torch._C._increment_version(launch.table.params)

@@ -166,21 +166,43 @@ const int64_t *checked_chunks(const Tensor &chunks, const std::vector<int64_t> &
     return rows;
 }
 
-// The scalars of a kernel: fp32 CPU tensors, each 0-d (shared) or 1-d with one value per tensor.
-std::vector<Scalar> checked_scalars(const std::vector<Tensor> &scalars, size_t first, size_t count, int64_t n_tensors) {
-    static const int32_t float32 = aoti_torch_dtype_float32(), cpu = aoti_torch_device_type_cpu();
-    std::vector<Scalar> out;
-    out.reserve(count);
-    for (size_t i = first; i < first + count; i++) {
-        const Read s(scalars[i]);
-        STD_TORCH_CHECK(s.device_type == cpu && s.dtype == float32
-                            && (s.dim == 0 || (s.dim == 1 && s.sizes[0] == n_tensors && (s.strides[0] == 1 || n_tensors < 2))),
-                        "fastoptim::bound_step: scalar ", i - first, " must be a contiguous fp32 CPU tensor, 0-d or "
-                        "with one value per tensor (", n_tensors, ")");
-        out.push_back({static_cast<const float *>(s.data), s.dim});
+// A step's scalars as the kernels read them (fp32 values, shared or one per tensor): ``numbers``,
+// one per scalar of every table in order, of which ``slots[j]`` is replaced by ``tensors[j]``, an
+// fp32 or float64 CPU tensor, 0-d or with one value per tensor of its table (``table_of_slot``).
+// Numbers and float64 values are converted here; fp32 tensors are read where they are.
+struct StepScalars {
+    std::vector<float> numbers;
+    std::vector<std::vector<float>> converted;
+    std::vector<Scalar> scalars;
+
+    StepScalars(const std::vector<double> &values, const std::vector<Tensor> &tensors,
+                const std::vector<int64_t> &slots, const std::vector<int64_t> &tensors_of_slot) {
+        static const int32_t float32 = aoti_torch_dtype_float32(), float64 = aoti_torch_dtype_float64(),
+                             cpu = aoti_torch_device_type_cpu();
+        const char *op = "fastoptim::bound_step";
+        STD_TORCH_CHECK(slots.size() == tensors.size(), op, ": one slot per tensor scalar");
+        numbers.assign(values.begin(), values.end());
+        for (size_t i = 0; i < numbers.size(); i++) scalars.push_back({&numbers[i], 0});
+        converted.reserve(tensors.size());
+        for (size_t j = 0; j < tensors.size(); j++) {
+            STD_TORCH_CHECK(slots[j] >= 0 && slots[j] < static_cast<int64_t>(scalars.size()), op, ": slot ", slots[j],
+                            " outside the scalars");
+            const int64_t n = tensors_of_slot[slots[j]];
+            const Read s(tensors[j]);
+            STD_TORCH_CHECK(s.device_type == cpu && (s.dtype == float32 || s.dtype == float64)
+                                && (s.dim == 0 || (s.dim == 1 && s.sizes[0] == n && (s.strides[0] == 1 || n < 2))),
+                            op, ": scalar ", slots[j], " must be a contiguous fp32 or float64 CPU tensor, 0-d or with "
+                            "one value per tensor (", n, ")");
+            const float *data = static_cast<const float *>(s.data);
+            if (s.dtype == float64) {
+                const double *wide = static_cast<const double *>(s.data);
+                converted.emplace_back(wide, wide + (s.dim ? n : 1));
+                data = converted.back().data();
+            }
+            scalars[slots[j]] = {data, s.dim};
+        }
     }
-    return out;
-}
+};
 
 // --- bound tables ------------------------------------------------------------------------------
 
@@ -263,34 +285,36 @@ void unbind(int64_t handle) {
 enum { STEPPED = 0, STALE = 1, GRADS_UNFIT = 2 };
 
 /* One step of bound tables ``handles``: table k takes the next n_tensors of ``grads`` and the next
-   n_scalars of ``scalars``, its flag bits ``flags[k]``, and runs in one kernel call or with
+   n_scalars of the scalars (``numbers``, some replaced by ``tensor_scalars``: see StepScalars), its
+   flag bits ``flags[k]``, and runs in one kernel call or with
    ``per_tensor[k]`` one per tensor (as the seeds' FusedAdan steps). Every table is checked before
    any runs, so an answer other than STEPPED changed nothing: STALE when a held tensor moved or
    changed its layout, GRADS_UNFIT when a grad is not a tensor its param's walk takes. */
-int64_t bound_step(std::vector<int64_t> handles, std::vector<Tensor> grads, std::vector<Tensor> scalars,
-                   std::vector<int64_t> flags, std::vector<int64_t> per_tensor) {
+int64_t bound_step(std::vector<int64_t> handles, std::vector<Tensor> grads, std::vector<double> numbers,
+                   std::vector<Tensor> tensor_scalars, std::vector<int64_t> slots, std::vector<int64_t> flags,
+                   std::vector<int64_t> per_tensor) {
     const char *op = "fastoptim::bound_step";
     STD_TORCH_CHECK(flags.size() == handles.size() && per_tensor.size() == handles.size(), op,
                     ": one flags and per_tensor entry per table");
     std::vector<std::shared_ptr<Bound>> tables;
-    std::vector<std::vector<Scalar>> values;
-    size_t first_grad = 0, first_scalar = 0;
+    std::vector<int64_t> tensors_of_slot, first_scalars;
+    size_t first_grad = 0;
     for (int64_t handle : handles) {
         tables.push_back(bound(handle));
         Bound &table = *tables.back();
         const int64_t n = table.n_tensors;
-        STD_TORCH_CHECK(first_grad + n <= grads.size() && first_scalar + table.n_scalars <= scalars.size(), op,
-                        ": fewer grads or scalars than the tables take");
+        STD_TORCH_CHECK(first_grad + n <= grads.size(), op, ": fewer grads than the tables take");
         for (size_t i = 0; i < table.held.size(); i++)
             if (!table.layouts_then[i].describes(table.held[i])) return STALE;
         for (int64_t t = 0; t < n; t++)  // the grads' row of the table, refreshed (a refused call runs none)
             if (!fits(grads[first_grad + t], table.layouts_then[t], &table.pointers[GRAD * n + t])) return GRADS_UNFIT;
-        values.push_back(checked_scalars(scalars, first_scalar, table.n_scalars, n));
         first_grad += n;
-        first_scalar += table.n_scalars;
+        first_scalars.push_back(static_cast<int64_t>(tensors_of_slot.size()));
+        tensors_of_slot.insert(tensors_of_slot.end(), table.n_scalars, n);
     }
-    STD_TORCH_CHECK(first_grad == grads.size() && first_scalar == scalars.size(), op,
-                    ": more grads or scalars than the tables take");
+    STD_TORCH_CHECK(first_grad == grads.size() && tensors_of_slot.size() == numbers.size(), op,
+                    ": the grads and scalars must be the tables' own, all of them");
+    const StepScalars values(numbers, tensor_scalars, slots, tensors_of_slot);
     for (size_t k = 0; k < tables.size(); k++) {
         Bound &table = *tables[k];
         const int64_t n = table.n_tensors;
@@ -300,7 +324,8 @@ int64_t bound_step(std::vector<int64_t> handles, std::vector<Tensor> grads, std:
             end = n_chunks;
             if (per_tensor[k])  // the chunks of one tensor are consecutive rows
                 for (end = begin + 1; end < n_chunks && chunks[4 * end] == chunks[4 * begin]; end++) {}
-            const int status = table.run(table.pointers.data(), n, chunks, begin, end, layouts, values[k].data(),
+            const int status = table.run(table.pointers.data(), n, chunks, begin, end, layouts,
+                                         values.scalars.data() + first_scalars[k],
                                          table.dtype, static_cast<int32_t>(flags[k]), threads());
             STD_TORCH_CHECK(status == 0, op, ": the kernel has no variant for dtype code ", table.dtype,
                             " with flags ", flags[k]);
@@ -400,7 +425,8 @@ STABLE_TORCH_LIBRARY_FRAGMENT(fastoptim, m) {
     m.def("bind(str kernel, Tensor[] held, int[] rows, int n_tensors, int n_rows, int n_scalars, Tensor chunks, "
           "Tensor? layouts) -> int");
     m.def("unbind(int handle) -> ()");
-    m.def("bound_step(int[] handles, Tensor[] grads, Tensor[] scalars, int[] flags, int[] per_tensor) -> int");
+    m.def("bound_step(int[] handles, Tensor[] grads, float[] numbers, Tensor[] tensor_scalars, int[] slots, int[] flags, "
+          "int[] per_tensor) -> int");
     m.def("grad_norm_partials(Tensor[] grads, Tensor chunks, bool inf, Tensor(a!) partials) -> ()");
     m.def("scale_grads_in_chunks(Tensor(a!)[] grads, Tensor chunks, Tensor factor) -> ()");
     m.def("probe(Tensor(a!)[] tensors, Tensor chunks) -> ()");

@@ -32,18 +32,20 @@ def bind(spec, tensors, table):
     return fused_cpu.BoundTable(spec, tensors, table)
 
 
-def scalars(values, names):
-    """The C kernel's scalars (``values``: name to a number, a 0-d tensor or a 1-d tensor with one
-    value per tensor) as fp32 CPU tensors in ``names`` order; the plain numbers share one tensor."""
-    numbers = torch.tensor([0.0 if isinstance(values[n], torch.Tensor) else float(values[n]) for n in names]).unbind()
-    return [values[n].detach().to(torch.float32).contiguous() if isinstance(values[n], torch.Tensor) else numbers[i]
-            for i, n in enumerate(names)]
-
-
 def launch(spec, bound, grads, per_tensor, values, flags, stochastic):
-    """One table's part of a native step call, which ``run_launches`` runs with others."""
-    return fused_cpu.Launch(bound, grads, scalars(values, spec.all_scalars), spec.flag_bits(flags, stochastic),
-                            per_tensor)
+    """One table's part of a native step call, which ``run_launches`` runs with others. The scalar
+    ``values`` (name to a number, a 0-d tensor or a 1-d tensor with one value per tensor) go as
+    numbers, and the tensors among them, in fp32 or float64, replace theirs (no host sync)."""
+    numbers, tensors, slots = [], [], []
+    for slot, name in enumerate(spec.all_scalars):
+        value = values[name]
+        if isinstance(value, torch.Tensor):
+            numbers.append(0.0)
+            tensors.append(value if value.dtype in (torch.float32, torch.float64) else value.float())
+            slots.append(slot)
+        else:
+            numbers.append(float(value))
+    return fused_cpu.Launch(bound, grads, numbers, tensors, slots, spec.flag_bits(flags, stochastic), per_tensor)
 
 
 def run_launches(launches):
