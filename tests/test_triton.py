@@ -251,7 +251,7 @@ def test_stochastic_rounding_draws_the_c_kernels_random_bits():
 
 
 @pytest.mark.parametrize("engine", FUSED)
-@pytest.mark.parametrize("cls, options", [(cls, {}) for cls in state_bits.CLASSES + [fastoptim.RMSPropSN]]
+@pytest.mark.parametrize("cls, options", [(cls, {}) for cls in state_bits.ROUNDED_ALIKE]
                          + [(fastoptim.AdamW, {"amsgrad": True})])
 def test_8_bit_states_match_the_loop_engine(cls, options, engine):
     """8-bit moments dequantized, updated and requantized per 256-element block inside the kernel:

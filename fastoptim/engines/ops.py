@@ -3,6 +3,7 @@
 The same ``update`` function runs on one tensor at a time (``TENSOR_OPS``: Tensor methods) or on
 lists of tensors (``FOREACH_OPS``: ``torch._foreach_*``), so the math is stated once.
 """
+import math
 import operator
 from operator import attrgetter
 
@@ -71,10 +72,13 @@ def round_into(dst, src, stochastic):
 
 
 def sqrt(x):
-    """``x.sqrt()``, bit for bit (both round correctly). A CPU tensor of several elements goes
+    """``x.sqrt()``, bit for bit (both round correctly), of a tensor or a Python float (``math.sqrt``).
+    A CPU tensor of several elements goes
     through numpy: torch's CPU sqrt hands it to MKL's vector sqrt, which wakes MKL's OpenMP threads
     even for a hundred elements, milliseconds a step on a shared machine (AdamW's per-param bias
     corrections took 2-5 ms instead of 10 µs with one of two cores busy)."""
+    if not isinstance(x, torch.Tensor):
+        return math.sqrt(x)
     if x.device.type != "cpu" or x.dim() == 0 or torch.compiler.is_compiling():
         return x.sqrt()
     return torch.from_numpy(np.sqrt(x.numpy()))

@@ -8,7 +8,8 @@ from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from ..specs import KernelSpec, Role
-from .base import FastOptimizer, group_lr
+from ..engines.ops import sqrt
+from .base import FastOptimizer, count_after, group_lr, in_dtype
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -140,18 +141,18 @@ class Adan(FastOptimizer):
 
     def _step_arguments(self, group, entry, grad_scale, increment):
         first_step_weights, entry.context = entry.context, None  # for one step: then every param has a g_prev
-        t = self._group_step(group).to(torch.float64) + increment  # 1 − β^t in fp32 would lose digits
-        pre_grad_weight = (t > 1).float() if first_step_weights is None else (t > 1).float() * first_step_weights
+        lr, wide = group_lr(group), entry.scalar_dtype
+        t = count_after(self._group_step(group), increment, lr)  # float64: 1 − β^t in fp32 would lose digits
+        pre_grad_weight = 1.0 * (t > 1) if first_step_weights is None else (t > 1) * first_step_weights
         if first_step_weights is not None and torch.compiler.is_compiling():
             # a compiled step reads the weights again on every call: a step that counts gives every param a g_prev
             first_step_weights.clamp_(min=increment)
         beta1, beta2, beta3 = group["betas"]
-        lr, wide = group_lr(group), entry.scalar_dtype
         args = dict(beta1=beta1, beta2=beta2, beta3=beta3, eps=group["eps"], lr=lr,
                     weight_decay=group["weight_decay"], no_prox=group["no_prox"], grad_scale=grad_scale,
-                    pre_grad_weight=pre_grad_weight,
-                    bias_correction3_sqrt=(1 - beta3**t).sqrt().to(wide), step_size=(lr / (1 - beta1**t)).to(wide),
-                    diff_ratio=(beta2 * (1 - beta1**t) / (1 - beta2**t)).to(wide))
+                    pre_grad_weight=pre_grad_weight, bias_correction3_sqrt=in_dtype(sqrt(1 - beta3**t), wide),
+                    step_size=in_dtype(lr / (1 - beta1**t), wide),
+                    diff_ratio=in_dtype(beta2 * (1 - beta1**t) / (1 - beta2**t), wide))
         return args, () if first_step_weights is None else {"pre_grad_weight"}
 
     def _count_step(self, group, entry, increment):

@@ -45,6 +45,23 @@ def _grads_pattern(group):
     return tuple(i for i, param in enumerate(group["params"]) if param.grad is not None)
 
 
+def count_after(count, increment, lr):
+    """This step's count, ``count + increment``, for the step's scalars (bias corrections), which
+    need float64: a Python float where all of it lives on the host (a CPU ``count``, a number
+    ``increment`` and ``lr``) and no trace is running, as torch.optim reads a CPU step count, since
+    the scalars then cost Python arithmetic, bit for bit what float64 tensors give, instead of a
+    dozen tensor ops; else a float64 tensor (on a GPU, or in a compiled step, nothing is read)."""
+    if (count.device.type == "cpu" and not isinstance(increment, Tensor) and not isinstance(lr, Tensor)
+            and not torch.compiler.is_compiling()):
+        return count.item() + increment
+    return count.to(torch.float64) + increment
+
+
+def in_dtype(value, dtype):
+    """A scalar of the step in ``dtype`` when it is a tensor (a Python float needs no cast)."""
+    return value.to(dtype) if isinstance(value, Tensor) else value
+
+
 def group_lr(group):
     """The group's lr as the step reads it: a number, or a 0-d view of a one-element tensor (which
     a scheduler may change in place)."""
