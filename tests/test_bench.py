@@ -24,7 +24,8 @@ MODEL_KEYS = {"model", "status", "message", "params", "tensors", "param_bytes", 
 LOAD_KEYS = {"cpus", "load_before", "load_after", "others_cores", "busy"}
 RESULT_KEYS = {"optimizer", "library", "status", "message", "ms_per_step", "min_ms", "max_ms", "spread", "noisy",
                "total_ms", "samples_ms", "first_step_ms", "state_bytes", "peak_extra_bytes", "peak_bytes",
-               "traffic_bytes", "gbps", "of_probe", "time_vs_baseline", "peak_vs_baseline"}
+               "traffic_bytes", "gbps", "of_probe", "time_vs_baseline", "peak_vs_baseline", "kept_bytes_per_param",
+               "kept_vs_baseline"}
 
 
 def bench(tmp_path, *args):
@@ -60,6 +61,7 @@ def test_the_command_writes_the_table_json_and_plot_with_the_requested_rows(tiny
     for name in names:
         assert row(text, name + (" *" if name.startswith("torch") else ""))
     assert row(text, "optimizer", "gpt2-tiny")  # the summary: optimizers as rows, models as columns
+    assert "bytes per parameter kept between steps" in text and row(text, "FlashOptim (Databricks, 2026)")
     assert max(map(len, text.splitlines())) <= 120
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -74,11 +76,15 @@ def test_the_figures_are_consistent(tiny_run):
     assert states["adamwsn-fused-single"] < 1.5 * params  # exp_avg, and a reduced exp_avg_sq
     for r in entry["optimizers"]:
         assert r["peak_bytes"] == params + entry["grad_bytes"] + r["state_bytes"] + r["peak_extra_bytes"]
+        assert r["kept_bytes_per_param"] == (params + entry["grad_bytes"] + r["state_bytes"]) / entry["params"]
+    kept = {r["optimizer"]: r["kept_bytes_per_param"] for r in entry["optimizers"]}
+    assert kept["torch-adam-foreach"] == pytest.approx(16, rel=0.01)  # fp32 params, grads and two states
+    assert kept["adan-fused-multi"] == pytest.approx(24, rel=0.01)  # and Adan's four
 
 
 def test_the_json_schema_is_stable(tiny_run):
     _, results, _ = tiny_run
-    assert results["schema"] == 2 and set(results) == TOP_KEYS
+    assert results["schema"] == 3 and set(results) == TOP_KEYS
     assert {"cpu", "cpus", "memory_bytes", "gpu", "system", "python"} <= set(results["machine"])
     assert set(results["load_at_start"]) == LOAD_KEYS
     for entry in results["models"]:

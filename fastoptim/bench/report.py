@@ -12,7 +12,12 @@ import fastoptim
 
 from ..measure import MIB, machine, number
 
-SCHEMA = 2  # 2: spread of each figure, the machine's load, the peers' library
+SCHEMA = 3  # 2: spread of each figure, the machine's load, the peers' library; 3: bytes kept per parameter
+# Bytes per parameter of AdamW's training state (params, grads, states) that peers publish, for lean
+# configurations this benchmark does not build: (who, configuration, bytes, with gradient release).
+PUBLISHED_BYTES_PER_PARAM = (
+    ("FlashOptim (Databricks, 2026)", "bf16 params + int8 correction, companded 8-bit states", 7.1, 5.1),
+)
 WIDTH = 120  # of every printed line
 NOT_MEASURED = "—"
 SHARED_INSTANCE = "·"
@@ -110,7 +115,9 @@ def summary_tables(results):
     for title, key, ratio, scale, digits in (
             (f"ms per step (median; x {results['baseline']})", "ms_per_step", "time_vs_baseline", 1, 1),
             (f"peak MiB: params, grads, states and the step's extra (x {results['baseline']})", "peak_bytes",
-             "peak_vs_baseline", MIB, 0)):
+             "peak_vs_baseline", MIB, 0),
+            (f"bytes per parameter kept between steps: params, grads, states (x {results['baseline']})",
+             "kept_bytes_per_param", "kept_vs_baseline", 1, 2)):
         rows = [[name + libraries[name]] + [figure(rows.get(name), key, ratio, scale, digits) for rows in by_model]
                 for name in names]
         name_width = max(map(len, names)) + 4
@@ -120,6 +127,13 @@ def summary_tables(results):
             tables.append(f"{title}\n\n" + grid(["optimizer", *(e["model"] for e in entries[group])],
                                                  [[row[0], *row[1:][group]] for row in rows]))
     return "\n\n".join(tables)
+
+
+def published():
+    """The bytes per parameter that peers publish for configurations not built here."""
+    return "Published, not measured here (bytes per parameter, params + grads + states):\n\n" + grid(
+        ["who", "configuration", "bytes", "with grad release"],
+        [[who, what, f"{full:.1f}", f"{released:.1f}"] for who, what, full, released in PUBLISHED_BYTES_PER_PARAM])
 
 
 def busy_warning(results):
@@ -156,7 +170,7 @@ def markdown(results):
         parts.append(model_heading(entry))
         if entry.get("optimizers"):
             parts.append(model_tables(entry, results))
-    parts += ["## Summary", summary_tables(results), *warning]
+    parts += ["## Summary", summary_tables(results), published(), *warning]
     return "\n\n".join(parts) + "\n"
 
 

@@ -169,7 +169,8 @@ def new_result(name):
     return dict(optimizer=name, library=optimizers()[name].library, status="not run", message=None,
                 ms_per_step=None, min_ms=None, max_ms=None, spread=None, noisy=None, total_ms=None, samples_ms=[],
                 first_step_ms=None, state_bytes=None, peak_extra_bytes=None, peak_bytes=None, traffic_bytes=None,
-                gbps=None, of_probe=None, time_vs_baseline=None, peak_vs_baseline=None)
+                gbps=None, of_probe=None, time_vs_baseline=None, peak_vs_baseline=None, kept_bytes_per_param=None,
+                kept_vs_baseline=None)
 
 
 def cpu_seconds():
@@ -357,6 +358,9 @@ def summarize(entry, settings):
             result["total_ms"] = result["ms_per_step"] * steps
         if result["state_bytes"] is not None:
             result["traffic_bytes"] = 2 * entry["param_bytes"] + entry["grad_bytes"] + 2 * result["state_bytes"]
+            # what a run holds between steps, per parameter: params, grads (kept for the next step) and states
+            result["kept_bytes_per_param"] = (entry["param_bytes"] + entry["grad_bytes"]
+                                              + result["state_bytes"]) / entry["params"]
             if result["peak_extra_bytes"] is not None:
                 result["peak_bytes"] = (entry["param_bytes"] + entry["grad_bytes"] + result["state_bytes"]
                                         + result["peak_extra_bytes"])
@@ -366,7 +370,8 @@ def summarize(entry, settings):
                 result["of_probe"] = result["gbps"] / entry["probe_gbps"]
     base = next((r for r in entry["optimizers"] if r["optimizer"] == baseline), None)
     for result in entry["optimizers"]:
-        for key, ratio in (("ms_per_step", "time_vs_baseline"), ("peak_bytes", "peak_vs_baseline")):
+        for key, ratio in (("ms_per_step", "time_vs_baseline"), ("peak_bytes", "peak_vs_baseline"),
+                           ("kept_bytes_per_param", "kept_vs_baseline")):
             if base and base[key] and result[key]:
                 result[ratio] = result[key] / base[key]
 
