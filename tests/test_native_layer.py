@@ -3,6 +3,7 @@ code once, a step that checks no tensor in Python, and native checks of every he
 at every call. Whatever changes between two steps, the next step is the loop engine's with the same
 change, or is refused with a clear error and changes nothing; never a stale pointer."""
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -250,3 +251,21 @@ def test_the_native_ops_refuse_chunks_outside_their_tensors():
     with pytest.raises(RuntimeError, match="reaches outside its tensor"):
         torch.ops.fastoptim.scale_grads_in_chunks(grads, chunks, torch.tensor(2.0))
     assert torch.equal(grads[0], torch.ones(10))
+
+
+def test_a_library_that_cannot_be_loaded_leaves_the_fused_engine_to_foreach_with_a_warning(tmp_path):
+    broken = tmp_path / "_C.abi3.so"
+    broken.write_bytes(b"not a shared library")
+    code = ("import warnings, torch\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import fastoptim\n"
+            "    from fastoptim.kernels import fused_cpu\n"
+            "    p = torch.nn.Parameter(torch.ones(4)); p.grad = torch.ones(4)\n"
+            "    fastoptim.Adan([p], lr=0.1, fused=True).step()\n"
+            "print(fused_cpu.AVAILABLE, sum('cannot be loaded' in str(w.message) for w in caught),"
+            " sum('those tensors take the foreach engine' in str(w.message) for w in caught))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            cwd=Path(__file__).parent.parent, env=dict(os.environ, FASTOPTIM_NATIVE_LIBRARY=str(broken)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["False", "1", "1"]

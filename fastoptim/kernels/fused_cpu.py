@@ -15,6 +15,7 @@ test's).
 """
 import importlib.machinery
 import os
+import warnings
 import weakref
 from pathlib import Path
 from typing import NamedTuple
@@ -29,7 +30,8 @@ _EMPTY = torch.empty(0)  # a table's entry for a tensor that has none in its rol
 
 
 def _load():
-    """The path of the native library, loaded; None when there is none."""
+    """The path of the native library, loaded; None when there is none, or with a warning when it
+    cannot be loaded (built for a torch with a newer stable ABI than the one installed, say)."""
     paths = [Path(__file__).parent.parent / f"_C{suffix}" for suffix in (".abi3.so",
                                                                           *importlib.machinery.EXTENSION_SUFFIXES)]
     override = os.environ.get("FASTOPTIM_NATIVE_LIBRARY")
@@ -38,8 +40,15 @@ def _load():
             raise FileNotFoundError(f"FASTOPTIM_NATIVE_LIBRARY names no file: {override}")
         paths = [Path(override).absolute()]  # dlopen would search the library path for a bare name
     path = next((p for p in paths if p.exists()), None)
-    if path is not None:
+    if path is None:
+        return None
+    try:
         torch.ops.load_library(str(path))
+    except OSError as error:
+        warnings.warn(f"fastoptim: the native library {path} cannot be loaded with torch {torch.__version__} "
+                      f"({error}); the fused CPU engine is unavailable and its steps take the foreach engine. "
+                      "Reinstall fastoptim against this torch (pip install --no-build-isolation).")
+        return None
     return path
 
 
