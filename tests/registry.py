@@ -2,10 +2,9 @@
 that read this list (bad input, the torch.optim contract, the kernel specs, the adversarial cases,
 the reliability findings, the fused engines' fallbacks, state dicts and exact betas) run on every
 entry, so an optimizer's own test file holds only its own facts. Not all generic tests read it
-yet: tests/test_compile.py and test_triton.py still list their classes, and test_engines.py's
-hypothesis tests draw options per algorithm."""
+yet: test_triton.py's and test_engines.py's hypothesis tests draw options per algorithm."""
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import fastoptim
 
@@ -16,12 +15,15 @@ class OptimizerInfo:
     as it does 1 − β, so that a kernel and the loop engine differ only in the order of fp32
     operations (none: it takes no ``betas`` tuple). ``second_moment``: whether it keeps one, so
     that ``sn`` applies. ``sign_update``: its update is a sign, so another fp32 rounding of the
-    same math may move an element by 2·lr instead of a few ulps (its own tests bound how often)."""
+    same math may move an element by 2·lr instead of a few ulps (its own tests bound how often).
+    ``own_options``: options of its own that change its math, which the generic tests combine with
+    the options every optimizer takes."""
 
     cls: type
     exact_betas: tuple
     second_moment: bool = True
     sign_update: bool = False
+    own_options: dict = field(default_factory=dict)
 
     @property
     def name(self):
@@ -34,11 +36,19 @@ class OptimizerInfo:
     def __repr__(self):
         return self.name
 
+    def variant(self):
+        """Its own options with the lean and cross-cutting ones every optimizer takes: 8-bit states,
+        clipping, maximize, and subset-norm second moments where it keeps one."""
+        return self.own_options | dict(state_bits=8, max_grad_norm=0.5, maximize=True) | (
+            dict(sn=True) if self.second_moment else {})
 
-ADAN = OptimizerInfo(fastoptim.Adan, exact_betas=((1 - 2**-6, 1 - 2**-4, 1 - 2**-7), (0.875, 0.75, 1 - 2**-10)))
-ADAMW = OptimizerInfo(fastoptim.AdamW, exact_betas=((1 - 2**-3, 1 - 2**-10), (0.75, 1 - 2**-7)))
-ADAMWSN = OptimizerInfo(fastoptim.AdamWSN, exact_betas=ADAMW.exact_betas)
-RMSPROPSN = OptimizerInfo(fastoptim.RMSPropSN, exact_betas=())
+
+ADAN = OptimizerInfo(fastoptim.Adan, exact_betas=((1 - 2**-6, 1 - 2**-4, 1 - 2**-7), (0.875, 0.75, 1 - 2**-10)),
+                     own_options=dict(no_prox=True))
+ADAMW = OptimizerInfo(fastoptim.AdamW, exact_betas=((1 - 2**-3, 1 - 2**-10), (0.75, 1 - 2**-7)),
+                      own_options=dict(amsgrad=True))
+ADAMWSN = OptimizerInfo(fastoptim.AdamWSN, exact_betas=ADAMW.exact_betas, own_options=dict(correct_bias=False))
+RMSPROPSN = OptimizerInfo(fastoptim.RMSPropSN, exact_betas=(), own_options=dict(correct_bias=False))
 LION = OptimizerInfo(fastoptim.Lion, exact_betas=((0.875, 1 - 2**-7),), second_moment=False, sign_update=True)
 
 OPTIMIZERS = (ADAN, ADAMW, ADAMWSN, RMSPROPSN, LION)

@@ -11,21 +11,17 @@ from torch._dynamo.utils import counters
 
 import fastoptim
 
+from .registry import ADAMW, ADAN, OPTIMIZERS
+
 pytestmark = pytest.mark.filterwarnings("ignore:.*script_method:DeprecationWarning")
 
-CASES = [
-    (fastoptim.Adan, {}),
-    (fastoptim.Adan, dict(state_bits=8, max_grad_norm=1.0)),
-    (fastoptim.Adan, dict(sn=True, maximize=True)),
+# Every optimizer plain, and with its own options, 8-bit states, clipping, maximize and sn; then the
+# single-tensor tier with bf16 states, and the foreach engine, traced as it is.
+CASES = [case for info in OPTIMIZERS for case in ((info.cls, {}), (info.cls, info.variant()))] + [
     (fastoptim.Adan, dict(state_bits=16, foreach=False, fused=True)),
-    (fastoptim.AdamW, dict(amsgrad=True)),
-    (fastoptim.AdamW, dict(state_bits=8, maximize=True)),
-    (fastoptim.AdamWSN, {}),
-    (fastoptim.RMSPropSN, dict(state_bits=8)),
-    (fastoptim.Lion, dict(state_bits=8, max_grad_norm=0.5)),
-    (fastoptim.Adan, dict(foreach=True, fused=False)),  # the foreach engine, traced as it is
+    (fastoptim.Adan, dict(foreach=True, fused=False)),
 ]
-INDUCTOR_CASES = [CASES[1], CASES[4]]
+INDUCTOR_CASES = [(ADAN.cls, ADAN.variant()), (ADAMW.cls, ADAMW.variant())]
 
 
 def model_params(seed=0):
@@ -105,7 +101,7 @@ GRAD_SCALER_ENGINES = {"fused": ({}, model_params),
 
 @pytest.mark.parametrize("engine", GRAD_SCALER_ENGINES)
 @pytest.mark.parametrize("inf_step", [0, 2])
-@pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW, fastoptim.Lion])
+@pytest.mark.parametrize("cls", [info.cls for info in OPTIMIZERS])
 def test_grad_scaler_steps_compile_and_a_skipped_step_leaves_no_trace(cls, inf_step, engine):
     """As GradScaler hands them to step(): the scale and found_inf, inf on one step. The compiled
     step skips it on the device, with no host read, so the graph holds, on every engine (the fused
@@ -143,13 +139,13 @@ def graph_targets(cls, options, step):
     return [getattr(t, "__name__", str(t)) for t in targets]
 
 
-@pytest.mark.parametrize("cls, op", [(fastoptim.Adan, "adan_step"), (fastoptim.AdamW, "adamw_step"),
-                                     (fastoptim.Lion, "lion_step")])
+@pytest.mark.parametrize("cls, op", [(info.cls, f"{info.cls.spec.name}_step") for info in OPTIMIZERS])
 def test_the_compiled_graph_calls_the_kernel_op_and_no_foreach_op(cls, op):
     targets = graph_targets(cls, dict(state_bits=8, max_grad_norm=1.0), lambda opt, params: opt.step())
     assert op in str(targets) and "grad_norm_total" in str(targets), targets
-    # AdamW's per-param step counts, one 0-d tensor each as torch keeps them, advance by one _foreach_add_
-    counts = ["_foreach_add_"] if cls is fastoptim.AdamW else []
+    # AdamW's family keeps per-param step counts, one 0-d tensor each as torch keeps them, which advance
+    # by one _foreach_add_
+    counts = ["_foreach_add_"] if issubclass(cls, fastoptim.AdamW) else []
     assert [t for t in targets if "_foreach_" in t] == counts, targets
 
 
