@@ -245,6 +245,22 @@ def test_a_bound_step_refuses_scalars_it_cannot_read_and_changes_nothing():
     assert torch.equal(params[0], before)
 
 
+def test_a_bound_step_refuses_a_table_listed_twice():
+    params = [torch.nn.Parameter(torch.randn(8))]
+    params[0].grad = torch.ones(8)
+    opt = OPTIMIZERS[0].cls(params, lr=1e-2, fused=True)
+    opt.step()
+    launches = []
+    real = fused_cpu.step
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fused_cpu, "step", lambda batch: launches.extend(batch) or real(batch))
+        opt.step()
+    before = params[0].detach().clone()
+    with pytest.raises(RuntimeError, match="listed twice"):
+        fused_cpu.step(launches * 2)
+    assert torch.equal(params[0], before)
+
+
 def test_the_native_ops_refuse_chunks_outside_their_tensors():
     grads = [torch.ones(10)]
     chunks = torch.tensor([[0, 5, 6, 0]])

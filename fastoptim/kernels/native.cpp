@@ -21,6 +21,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -214,8 +215,10 @@ struct Bound {
     int64_t n_tensors, n_rows, n_scalars;
     std::vector<Tensor> held;
     std::vector<Layout> layouts_then;  // one per held tensor
-    std::vector<int64_t> held_slots;   // each held tensor's index into ``pointers``
     std::vector<int64_t> pointers, chunks, layouts;
+    // Held by a step while it checks and runs the table, whose grads' row it writes: two steps of
+    // one table (an optimizer stepped from two threads) take turns instead of racing.
+    std::mutex busy;
 };
 
 std::mutex registry_lock;
@@ -256,7 +259,6 @@ int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> 
                 numels[t] = tensor.numel();
                 STD_TORCH_CHECK(tensor.scalar_type() == held[0].scalar_type(), op, ": the params mix dtypes");
             }
-            table->held_slots.push_back(rows[k] * n_tensors + t);
             table->pointers[rows[k] * n_tensors + t] = address(tensor);
             table->layouts_then.emplace_back(Read(tensor));
         }
@@ -297,11 +299,20 @@ int64_t bound_step(std::vector<int64_t> handles, std::vector<Tensor> grads, std:
     STD_TORCH_CHECK(flags.size() == handles.size() && per_tensor.size() == handles.size(), op,
                     ": one flags and per_tensor entry per table");
     std::vector<std::shared_ptr<Bound>> tables;
+    for (int64_t handle : handles) tables.push_back(bound(handle));
+    std::vector<size_t> order(tables.size());  // locked in the order of their handles: no two calls deadlock
+    std::iota(order.begin(), order.end(), 0);
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return handles[a] < handles[b]; });
+    std::vector<std::unique_lock<std::mutex>> locks;
+    for (size_t k = 0; k < order.size(); k++) {
+        STD_TORCH_CHECK(k == 0 || handles[order[k]] != handles[order[k - 1]], op, ": table ", handles[order[k]],
+                        " listed twice");
+        locks.emplace_back(tables[order[k]]->busy);
+    }
     std::vector<int64_t> tensors_of_slot, first_scalars;
     size_t first_grad = 0;
-    for (int64_t handle : handles) {
-        tables.push_back(bound(handle));
-        Bound &table = *tables.back();
+    for (const std::shared_ptr<Bound> &held_table : tables) {
+        Bound &table = *held_table;
         const int64_t n = table.n_tensors;
         STD_TORCH_CHECK(first_grad + n <= grads.size(), op, ": fewer grads than the tables take");
         for (size_t i = 0; i < table.held.size(); i++)
