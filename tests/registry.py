@@ -1,8 +1,8 @@
 """The optimizers under test, one entry each, after torch's ``OptimizerInfo``. The generic tests
 that read this list (bad input, the torch.optim contract, the kernel specs, the adversarial cases,
 the reliability findings, the fused engines' fallbacks, state dicts and exact betas) run on every
-entry, so an optimizer's own test file holds only its own facts. Not all generic tests read it
-yet: test_triton.py's and test_engines.py's hypothesis tests draw options per algorithm."""
+entry, so an optimizer's own test file holds only its own facts. The hypothesis tests of
+test_engines.py and test_triton.py draw each one's options from its entry too."""
 import inspect
 from dataclasses import dataclass, field
 
@@ -35,6 +35,11 @@ class OptimizerInfo:
 
     def __repr__(self):
         return self.name
+
+    def own_defaults(self):
+        """Its own options at their defaults (what ``own_options`` changes)."""
+        parameters = inspect.signature(self.cls).parameters
+        return {name: parameters[name].default for name in self.own_options}
 
     def variant(self):
         """Its own options with the lean and cross-cutting ones every optimizer takes: 8-bit states,

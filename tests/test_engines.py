@@ -13,20 +13,18 @@ from .registry import OPTIMIZERS
 
 shapes = st.lists(st.lists(st.integers(0, 6), min_size=0, max_size=3).map(tuple), min_size=1, max_size=5)
 dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
-adan_options = st.fixed_dictionaries({
-    "lr": st.sampled_from([1e-2, 0.3]),
-    "weight_decay": st.sampled_from([0.0, 0.05]),
-    "no_prox": st.booleans(),
-    "max_grad_norm": st.sampled_from([0.0, 0.5]),
-    "maximize": st.booleans(),
-})
-adamw_options = st.fixed_dictionaries({
-    "lr": st.sampled_from([1e-2, 0.3]),
-    "weight_decay": st.sampled_from([0.0, 0.05]),
-    "amsgrad": st.booleans(),
-    "max_grad_norm": st.sampled_from([0.0, 0.5]),
-    "maximize": st.booleans(),
-})
+
+
+def drawn_options(info):
+    """The options drawn for an optimizer of the registry: lr, weight decay, clipping, maximize, and
+    each of its own options at its default or changed."""
+    defaults = info.own_defaults()
+    return st.fixed_dictionaries({
+        "lr": st.sampled_from([1e-2, 0.3]),
+        "weight_decay": st.sampled_from([0.0, 0.05]),
+        "max_grad_norm": st.sampled_from([0.0, 0.5]),
+        "maximize": st.booleans(),
+    } | {name: st.sampled_from([defaults[name], value]) for name, value in info.own_options.items()})
 
 
 def run_engines(cls, shapes, dtype, options, tensor_lr, steps=4):
@@ -50,16 +48,12 @@ def assert_same(results, dtype):
             torch.testing.assert_close(value, loop_state["state"][key][name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("info", OPTIMIZERS)
 @settings(max_examples=40, deadline=None)
-@given(shapes=shapes, dtype=dtypes, options=adan_options, tensor_lr=st.booleans())
-def test_adan_foreach_matches_loop(shapes, dtype, options, tensor_lr):
-    assert_same(run_engines(fastoptim.Adan, shapes, dtype, options, tensor_lr), dtype)
-
-
-@settings(max_examples=40, deadline=None)
-@given(shapes=shapes, dtype=dtypes, options=adamw_options, tensor_lr=st.booleans())
-def test_adamw_foreach_matches_loop(shapes, dtype, options, tensor_lr):
-    assert_same(run_engines(fastoptim.AdamW, shapes, dtype, options, tensor_lr), dtype)
+@given(data=st.data(), shapes=shapes, dtype=dtypes, tensor_lr=st.booleans())
+def test_foreach_matches_loop(info, data, shapes, dtype, tensor_lr):
+    options = data.draw(drawn_options(info))
+    assert_same(run_engines(info.cls, shapes, dtype, options, tensor_lr), dtype)
 
 
 def test_foreach_slices_bound_the_scratch_and_cover_every_tensor():

@@ -17,7 +17,8 @@ from fastoptim.engines.backends.triton import fused_triton
 
 from . import oracle
 from . import test_state_bits as state_bits
-from .test_fused import EXACT_BETAS, FUSED, LOOP, assert_params_match_loop, clone, fallback_warnings
+from .registry import OPTIMIZERS
+from .test_fused import FUSED, LOOP, assert_params_match_loop, clone, fallback_warnings
 
 triton = pytest.importorskip("triton", reason="Triton is an optional extra: pip install fastoptim[triton]")
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -79,22 +80,28 @@ def assert_states_match(optimizers, engines):
 
 # --- against the loop engine, over drawn shapes, dtypes and options ----------------------------
 
-CONFIGS = {
-    "adan": (fastoptim.Adan, st.fixed_dictionaries(dict(
-        betas=st.sampled_from(EXACT_BETAS[fastoptim.Adan]), no_prox=st.booleans(),
-        weight_decay=st.sampled_from([0.0, 0.05]), max_grad_norm=st.sampled_from([0.0, 0.5]), maximize=st.booleans(),
-        sn=st.booleans(), state_bits=st.sampled_from([32, 16])))),
-    "adamw": (fastoptim.AdamW, st.fixed_dictionaries(dict(
-        betas=st.sampled_from(EXACT_BETAS[fastoptim.AdamW]), amsgrad=st.booleans(),
-        weight_decay=st.sampled_from([0.0, 0.05]), max_grad_norm=st.sampled_from([0.0, 0.5]), maximize=st.booleans(),
-        sn=st.booleans(), state_bits=st.sampled_from([32, 16])))),
-    "adamwsn": (fastoptim.AdamWSN, st.fixed_dictionaries(dict(
-        betas=st.sampled_from(EXACT_BETAS[fastoptim.AdamW]), weight_decay=st.sampled_from([0.0, 0.05]),
-        subset_size=st.sampled_from([None, 64, -1]), state_bits=st.sampled_from([32, 16])))),
-    "rmspropsn": (fastoptim.RMSPropSN, st.fixed_dictionaries(dict(
-        beta2=st.sampled_from([0.75, 1 - 2**-7]), weight_decay=st.sampled_from([0.0, 0.05]),
-        subset_size=st.sampled_from([None, 64]), state_bits=st.sampled_from([32, 16])))),
-}
+
+
+def drawn_options(info):
+    """The options drawn for an optimizer of the registry: betas that fp32 holds exactly, weight
+    decay, clipping, maximize, bf16 states, each of its own options at its default or changed, and
+    where it keeps a second moment, subset-norm partitions (rows and columns, or a subset size)."""
+    defaults = info.own_defaults()
+    drawn = dict(weight_decay=st.sampled_from([0.0, 0.05]), max_grad_norm=st.sampled_from([0.0, 0.5]),
+                 maximize=st.booleans(), state_bits=st.sampled_from([32, 16]))
+    drawn |= {name: st.sampled_from([defaults[name], value]) for name, value in info.own_options.items()}
+    if info.exact_betas:
+        drawn["betas"] = st.sampled_from(info.exact_betas)
+    else:  # RMSPropSN takes beta2 alone
+        drawn["beta2"] = st.sampled_from([0.75, 1 - 2**-7])
+    if info.second_moment:
+        drawn |= dict(sn=st.booleans(), subset_size=st.sampled_from([None, 64, -1]))
+    return st.fixed_dictionaries(drawn)
+
+
+# Those whose update is not a sign: another fp32 rounding flips a sign of Lion's now and then, by 2·lr;
+# test_lion_matches_the_loop_engine below holds Lion's kernel to the loop engine with that allowance.
+CONFIGS = {info.name: (info.cls, drawn_options(info)) for info in OPTIMIZERS if not info.sign_update}
 # Rows and columns of subset-norm partitions, tensors of one tile, of full tiles and a masked tail, empty ones.
 shapes = st.lists(st.sampled_from([(7,), (5, 3), (40, 70), (70, 40), (3, 900), (2500,), (1024,), (0, 4), (33, 33)]),
                   min_size=1, max_size=4)
