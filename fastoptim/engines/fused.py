@@ -4,8 +4,10 @@ between the kernel and the foreach fallback, and caches the pointer tables.
 
 Multi-tensor (``foreach=True``, the default with ``fused=True``): one call per bucket updates every
 tensor, parallel over fixed-size chunks across all of them. Single-tensor (``foreach=False``): one
-call (or launch) per tensor, as the seeds' FusedAdan does. Both read the pointer table and chunk plan
-cached in ``plan.cache``; only the gradients' row is refreshed each step (and sent to the device only
+kernel call (or launch) per tensor, as the seeds' FusedAdan does. Both read the tables cached in
+``plan.cache``: on the CPU, the params and states bound to native code, which checks them and the
+grads at every call (and a plan with a ``batch`` adds its launch to its step's one native call); on
+the GPU, the pointer table, whose gradients' row is refreshed each step (and sent to the device only
 when a grad moved).
 
 States may be fp32, bf16 or 8-bit (``state_bits``): the C kernel dequantizes, updates and
