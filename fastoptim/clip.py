@@ -5,55 +5,67 @@ CPU tensors, dense), the norm is one call per dtype that reads every grad once, 
 across all of them, and the scaling is one more. Elsewhere ``torch._foreach_norm`` and ``torch._foreach_mul_`` do the same work.
 """
 import math
+import operator
 from collections.abc import Iterable
+from itertools import repeat
 
-import numpy as np
 import torch
 
 from . import distributed
 from .engines import backends
 from .multi_tensor import buckets, chunk_plan, data_pointers, spans_disjoint
-from .step_cache import DEVICE, DTYPE, SHAPE, OpCache, Signature
+from .step_cache import OpCache
 
 
 def _clip_backend(grads):
-    """The fused backend whose clip kernels take all of ``grads``, or None (foreach then)."""
-    backend = backends.for_device(grads[0].device) if grads else None
-    return backend if backend is not None and backend.CLIPS and backend.takes_grads(grads) else None
+    """The fused backend whose clip kernels may take ``grads``: plain tensors on a device it runs (its
+    kernels check each grad's dtype, device and layout themselves), or None (foreach then)."""
+    if not grads or not all(map(operator.is_, map(type, grads), repeat(torch.Tensor))):
+        return None
+    backend = backends.for_device(grads[0].device)
+    return backend if backend.CLIPS and backend.available() else None
 
 
 class GradTables:
-    """The kernel's chunk plans over a list of grads, (dtype, indices, chunks) per bucket, kept from
-    call to call while the grads keep their shapes, dtypes and devices: building the chunk plans
-    again cost as much as the norm of small grads. The kernel reads the grads' pointers itself."""
+    """The kernel's chunk plans over a list of grads, (indices, chunks) per (device, dtype) bucket,
+    kept from call to call: building them again cost as much as the norm of small grads. A kernel
+    checks that a plan covers the grads it is given (``PLAN_STALE`` if not), so no grad is read here."""
 
     def __init__(self):
-        self.signature = self.buckets = self.nbytes = None
+        self.buckets, self.n = None, None
 
-    def __call__(self, grads):
-        if self.signature is None or self.signature.n != len(grads) or not self.signature.matches(
-                grads, SHAPE, DTYPE, DEVICE):
-            self.signature = Signature((), grads)  # keeps no grad alive
-            self.buckets = [(grads[b[0]].dtype, b, chunk_plan([grads[i].numel() for i in b])[0])
-                            for b in buckets(grads)]
-            self.nbytes = np.array([grads[i].numel() * grads[i].element_size() for _, b, _ in self.buckets for i in b],
-                                   dtype=np.int64)  # of dense grads, which the kernel takes
+    def __call__(self, grads, again=False):
+        if again or self.buckets is None or self.n != len(grads):
+            self.n = len(grads)
+            self.buckets = [(bucket, chunk_plan([grads[i].numel() for i in bucket])[0]) for bucket in buckets(grads)]
         return self.buckets
 
-    def disjoint(self, grads):
-        """Whether no two of the (dense) ``grads`` of the last call share memory: the kernel's threads
-        would scale shared memory twice, in a race."""
-        return spans_disjoint(data_pointers([grads[i] for _, b, _ in self.buckets for i in b]), self.nbytes)
+
+def _kernel_partials(grads, inf, kernel, tables):
+    """Per bucket, the kernel's partial sums of squares (or largest magnitudes) of ``grads``, or None
+    where it does not take them. A plan that no longer covers the grads is built again."""
+    for again in (False, True):
+        parts = []
+        for bucket, chunks in tables(grads, again):
+            status, partials = kernel.grad_norm_partials(grads if len(bucket) == len(grads) else
+                                                         [grads[i] for i in bucket], chunks, inf)
+            if status == kernel.PLAN_STALE:
+                break
+            if status != kernel.TAKEN:
+                return None
+            parts.append(partials)
+        else:
+            return parts
+    raise RuntimeError("fastoptim: the clip kernel refused chunk plans built from its grads just now")
 
 
 def _total(grads, inf, kernel, tables):
     """The sum of squares (or with ``inf`` the largest magnitude) of ``grads``, float64 from the
-    kernel (``kernel``: the backend whose kernels take them, or None; ``tables``: a :class:`GradTables`), else in the
-    grads' widest dtype from ``torch._foreach_norm``, per device."""
-    if kernel:
-        partials = torch.cat([torch.zeros(1, dtype=torch.float64)] + [
-            kernel.grad_norm_partials([grads[i] for i in bucket], chunks, inf)
-            for _, bucket, chunks in tables(grads)])
+    kernel where it takes them (``kernel``: the backend whose kernels may, or None; ``tables``: a
+    :class:`GradTables`), else in the grads' widest dtype from ``torch._foreach_norm``, per device."""
+    parts = _kernel_partials(grads, inf, kernel, tables) if kernel else None
+    if parts is not None:
+        partials = torch.cat([torch.zeros(1, dtype=torch.float64)] + parts)
         return partials.max() if inf else partials.sum()
     wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     device, parts = grads[0].device, []
@@ -65,16 +77,19 @@ def _total(grads, inf, kernel, tables):
 
 
 def _scale(grads, factor, kernel, tables):
-    """Multiply ``grads`` by ``factor`` (a one-element tensor) in place: by the kernel where it takes
-    them (``kernel``, as for :func:`_total`) and no two share memory (its threads would race), else
-    by ``torch._foreach_mul_``, per device."""
-    if kernel and tables(grads) and tables.disjoint(grads):
-        factor = factor.to("cpu", torch.float32).reshape(())  # the kernel reads one fp32 value
-        for _, bucket, chunks in tables.buckets:
-            kernel.scale_grads([grads[i] for i in bucket], chunks, factor)
-        return
-    for bucket in buckets(grads):
-        torch._foreach_mul_([grads[i] for i in bucket], factor.to(grads[bucket[0]].device))
+    """Multiply ``grads`` by ``factor`` (a one-element tensor) in place, per bucket: by the kernel
+    where it takes them and no two share memory (its threads would race), else by
+    ``torch._foreach_mul_``. ``tables`` must have been built for these grads (by the norm)."""
+    cpu_factor = factor.to("cpu", torch.float32).reshape(()) if kernel else None  # the kernel reads one fp32 value
+    for bucket, chunks in (tables(grads) if kernel else [(bucket, None) for bucket in buckets(grads)]):
+        part = [grads[i] for i in bucket]
+        if kernel and spans_disjoint(data_pointers(part), [g.numel() * g.element_size() for g in part]):
+            status = kernel.scale_grads(part, chunks, cpu_factor)
+            if status == kernel.TAKEN:
+                continue
+            if status == kernel.PLAN_STALE:
+                raise RuntimeError("fastoptim: the clip's chunk plans were made for other grads")
+        torch._foreach_mul_(part, factor.to(part[0].device))
 
 
 def _check_grads(op, grads):
@@ -97,7 +112,9 @@ def _op_scale_grads(grads, factor):
         raise ValueError(f"fastoptim::scale_grads: factor must be a one-element floating-point tensor, got "
                          f"{factor.dtype} of shape {tuple(factor.shape)}")
     if grads:
-        _scale(grads, factor, _clip_backend(grads), _op_tables(grads))
+        tables = _op_tables(grads)
+        tables(grads, again=True)  # no norm checked the plans against these grads
+        _scale(grads, factor, _clip_backend(grads), tables)
 
 
 # The kernels as custom ops, which torch.compile keeps in a traced step (the native ops take chunk

@@ -261,12 +261,39 @@ def test_a_bound_step_refuses_a_table_listed_twice():
     assert torch.equal(params[0], before)
 
 
+def clip_kernel_answers():
+    """What the clip kernels answer for a plan made for other grads (fewer, more, in another order)
+    and for grads they cannot take, and whether a refused call left the grads as they were."""
+    from fastoptim.multi_tensor import chunk_plan
+    grads = [torch.ones(10), torch.ones(6)]
+    plan = chunk_plan([10, 6])[0]
+    answers = [fused_cpu.grad_norm_partials(grads, plan, False)[0]]
+    answers += [fused_cpu.grad_norm_partials(other, plan, False)[0]
+                for other in ([torch.ones(6), torch.ones(10)], grads[:1], grads + [torch.ones(3)])]
+    for other in (torch.ones(6, dtype=torch.float64), torch.ones(12)[::2], torch.ones(1).expand(6)):
+        answers += [fused_cpu.grad_norm_partials([grads[0], other], plan, False)[0],
+                    fused_cpu.scale_grads([grads[0], other], plan, torch.tensor(2.0))]
+    answers.append(fused_cpu.scale_grads(grads[::-1], plan, torch.tensor(2.0)))
+    return answers, all(torch.equal(g, torch.ones_like(g)) for g in grads)
+
+
+def test_the_clip_kernels_answer_for_grads_they_cannot_take_and_plans_made_for_others():
+    """In a fresh interpreter: a plan the kernels took for other grads would read out of bounds."""
+    code = "import json, tests.test_native_layer as t; print(json.dumps(t.clip_kernel_answers()))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            cwd=Path(__file__).parent.parent)
+    assert result.returncode == 0, f"exit {result.returncode}:\n{result.stderr[-3000:]}"
+    taken, stale, refused = fused_cpu.TAKEN, fused_cpu.PLAN_STALE, fused_cpu.NOT_TAKEN
+    assert json.loads(result.stdout.splitlines()[-1]) == [[taken, stale, stale, stale] + [refused] * 6 + [stale], True]
+
+
 def test_the_native_ops_refuse_chunks_outside_their_tensors():
     grads = [torch.ones(10)]
     chunks = torch.tensor([[0, 5, 6, 0]])
-    with pytest.raises(RuntimeError, match="reaches outside its tensor"):
-        torch.ops.fastoptim.scale_grads_in_chunks(grads, chunks, torch.tensor(2.0))
+    assert torch.ops.fastoptim.scale_grads_in_chunks(grads, chunks, torch.tensor(2.0)) == fused_cpu.PLAN_STALE
     assert torch.equal(grads[0], torch.ones(10))
+    with pytest.raises(RuntimeError, match="reaches outside its tensor"):
+        torch.ops.fastoptim.bind("adan", [torch.ones(10)] * 5, [0, 2, 3, 4, 5], 1, 10, 16, chunks, None)
 
 
 def test_a_library_that_cannot_be_loaded_leaves_the_fused_engine_to_foreach_with_a_warning(tmp_path):

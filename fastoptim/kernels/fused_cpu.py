@@ -26,6 +26,7 @@ from ..states import blockwise8
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernels take of params and grads
 STEPPED, STALE, GRADS_UNFIT = 0, 1, 2  # what a bound step answers (native.cpp's bound_step)
+TAKEN, PLAN_STALE, NOT_TAKEN = 0, 1, 2  # what the clip kernels answer (native.cpp's grad_norm_partials)
 _EMPTY = torch.empty(0)  # a table's entry for a tensor that has none in its role (no block maxima)
 
 
@@ -159,17 +160,18 @@ def probe(tensors, chunks):
 
 
 def grad_norm_partials(grads, chunks, inf):
-    """Per chunk of ``chunks`` (a chunk plan over ``grads``, one dtype, dense): the sum of squares, or
-    with ``inf`` the largest magnitude, as a float64 tensor."""
+    """Per chunk of ``chunks`` (a chunk plan over ``grads``): the sum of squares, or with ``inf`` the
+    largest magnitude, as a float64 tensor, and TAKEN; or None and NOT_TAKEN (the grads are not
+    dense CPU tensors of one kernel dtype) or PLAN_STALE (the plan was made for other grads)."""
     partials = torch.empty(len(chunks), dtype=torch.float64)
-    torch.ops.fastoptim.grad_norm_partials(grads, torch.from_numpy(chunks), inf, partials)
-    return partials
+    status = torch.ops.fastoptim.grad_norm_partials(grads, torch.from_numpy(chunks), inf, partials)
+    return status, partials if status == TAKEN else None
 
 
 def scale_grads(grads, chunks, factor):
-    """Multiplies ``grads`` (one dtype, dense, ``chunks`` their chunk plan) by ``factor`` (a 0-d fp32
-    tensor, read in C: no host sync)."""
-    torch.ops.fastoptim.scale_grads_in_chunks(grads, torch.from_numpy(chunks), factor)
+    """Multiplies ``grads`` (``chunks`` their chunk plan) by ``factor`` (a 0-d fp32 tensor, read in C:
+    no host sync); answers as :func:`grad_norm_partials` does, and changes nothing unless TAKEN."""
+    return torch.ops.fastoptim.scale_grads_in_chunks(grads, torch.from_numpy(chunks), factor)
 
 
 def quantize(values, codes):

@@ -142,22 +142,34 @@ bool fits(const Tensor &grad, const Layout &param, int64_t *pointer) {
 
 int64_t address(const Tensor &t) { return t.numel() ? reinterpret_cast<int64_t>(t.data_ptr()) : 0; }
 
-// One tensor's element span in bytes, from its first element to its last as its strides reach.
-int64_t span_bytes(const Tensor &t) {
-    if (!t.numel()) return 0;
-    int64_t last = 0;
-    auto sizes = t.sizes(), strides = t.strides();
-    for (size_t d = 0; d < sizes.size(); d++) last += (sizes[d] - 1) * strides[d];
-    return (last + 1) * static_cast<int64_t>(t.element_size());
+// Whether a tensor's elements fill its span with no gaps or overlaps, in any order of its dims
+// (contiguous, channels_last, a transpose), so that it can be walked as a flat array.
+bool is_dense(const Read &r) {
+    std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dims of more than one element
+    for (int64_t d = 0; d < r.dim; d++) {
+        if (r.sizes[d] == 0) return true;
+        if (r.sizes[d] != 1) dims.emplace_back(r.strides[d], r.sizes[d]);
+    }
+    std::sort(dims.begin(), dims.end());
+    int64_t expected = 1;
+    for (const auto &[stride, size] : dims) {
+        if (stride != expected) return false;
+        expected *= size;
+    }
+    return true;
 }
 
 // A chunk table: int64 rows of (tensor, first element, element count, elements before it), each
 // within its tensor's ``numels``.
-const int64_t *checked_chunks(const Tensor &chunks, const std::vector<int64_t> &numels, const char *op) {
+const int64_t *chunk_rows(const Tensor &chunks, const char *op) {
     STD_TORCH_CHECK(chunks.is_cpu() && chunks.scalar_type() == ScalarType::Long && chunks.is_contiguous()
                         && chunks.dim() == 2 && chunks.size(1) == 4,
                     op, ": chunks must be a contiguous int64 CPU tensor of rows (tensor, start, count, before)");
-    const int64_t *rows = static_cast<const int64_t *>(chunks.data_ptr());
+    return static_cast<const int64_t *>(chunks.data_ptr());
+}
+
+const int64_t *checked_chunks(const Tensor &chunks, const std::vector<int64_t> &numels, const char *op) {
+    const int64_t *rows = chunk_rows(chunks, op);
     for (int64_t k = 0; k < chunks.size(0); k++) {
         const int64_t t = rows[4 * k], start = rows[4 * k + 1], count = rows[4 * k + 2];
         STD_TORCH_CHECK(t >= 0 && t < static_cast<int64_t>(numels.size()) && start >= 0 && count >= 0
@@ -347,59 +359,97 @@ int64_t bound_step(std::vector<int64_t> handles, std::vector<Tensor> grads, std:
 
 // --- the clip kernels, the probe and the 8-bit codes --------------------------------------------
 
-// The pointer table's rows of ``tensors`` (n_rows rows of equal length), all of one kernel dtype on
-// the CPU, and their numels.
+// The pointer table's rows of ``tensors`` (n_rows rows of equal length), and their numels: false
+// unless all are CPU tensors of one kernel dtype, each dense where ``dense``.
 struct Rows {
     std::vector<int64_t> pointers, numels;
-    int32_t dtype;
+    int32_t dtype = -1;
+
+    bool read(const std::vector<Tensor> &tensors, int64_t n_rows, bool dense, const char *op) {
+        static const int32_t cpu = aoti_torch_device_type_cpu();
+        static const int32_t codes[] = {aoti_torch_dtype_float32(), aoti_torch_dtype_bfloat16(),
+                                        aoti_torch_dtype_float16()};  // the kernels' FP32, BF16, FP16
+        STD_TORCH_CHECK(n_rows > 0 && tensors.size() % n_rows == 0, op, ": a ragged table");
+        const size_t n = tensors.size() / n_rows;
+        for (size_t i = 0; i < tensors.size(); i++) {
+            const Read r(tensors[i]);
+            const int32_t code = static_cast<int32_t>(std::find(codes, codes + 3, r.dtype) - codes);
+            if (r.device_type != cpu || code == 3 || (i > 0 && code != dtype)) return false;
+            dtype = code;
+            int64_t numel = 1;
+            for (int64_t d = 0; d < r.dim; d++) numel *= r.sizes[d];
+            if (dense && !is_dense(r)) return false;
+            pointers.push_back(numel ? reinterpret_cast<int64_t>(r.data) : 0);
+            if (i < n) numels.push_back(numel);
+            else STD_TORCH_CHECK(numel == numels[i % n], op, ": the rows' tensors differ in size");
+        }
+        return true;
+    }
 };
 
-Rows rows_of(const std::vector<Tensor> &tensors, int64_t n_rows, const char *op, bool dense) {
-    STD_TORCH_CHECK(n_rows > 0 && tensors.size() % n_rows == 0, op, ": a ragged table");
-    Rows rows{{}, {}, tensors.empty() ? 0 : dtype_code(tensors[0].scalar_type())};
-    const int64_t n = static_cast<int64_t>(tensors.size()) / n_rows;
-    for (size_t i = 0; i < tensors.size(); i++) {
-        const Tensor &t = tensors[i];
-        STD_TORCH_CHECK(t.is_cpu() && dtype_code(t.scalar_type()) == rows.dtype && rows.dtype >= 0, op,
-                        ": tensors must be fp32, bf16 or fp16 CPU tensors of one dtype");
-        STD_TORCH_CHECK(!dense || span_bytes(t) == t.numel() * static_cast<int64_t>(t.element_size()), op,
-                        ": tensor ", i, " is not dense");
-        rows.pointers.push_back(address(t));
-        if (static_cast<int64_t>(i) < n) rows.numels.push_back(t.numel());
-        else STD_TORCH_CHECK(t.numel() == rows.numels[i % n], op, ": the rows' tensors differ in size");
+// Whether a chunk table covers every element of tensors of ``numels`` once, tensor after tensor (so
+// no chunk reaches outside its tensor): a plan made for other tensors does not.
+bool covers(const Tensor &chunks, const std::vector<int64_t> &numels, const char *op) {
+    const int64_t *rows = chunk_rows(chunks, op);
+    size_t t = 0;
+    int64_t next = 0;
+    auto skip_finished = [&](int64_t upcoming) {
+        while (t < numels.size() && next == numels[t] && static_cast<int64_t>(t) != upcoming) {
+            t++;
+            next = 0;
+        }
+    };
+    for (int64_t k = 0; k < chunks.size(0); k++) {
+        skip_finished(rows[4 * k]);
+        if (t == numels.size() || rows[4 * k] != static_cast<int64_t>(t) || rows[4 * k + 1] != next
+            || rows[4 * k + 2] <= 0)
+            return false;
+        next += rows[4 * k + 2];
     }
-    return rows;
+    skip_finished(-1);
+    return t == numels.size();
 }
 
-// Per chunk, the sum of squares (or with ``inf`` the largest magnitude) of the grads, into partials.
-void grad_norm_partials(std::vector<Tensor> grads, Tensor chunks, bool inf, Tensor partials) {
+enum { TAKEN = 0, PLAN_STALE = 1, NOT_TAKEN = 2 };
+
+// Per chunk, the sum of squares (or with ``inf`` the largest magnitude) of the grads, into partials:
+// TAKEN; NOT_TAKEN (nothing read) unless the grads are dense CPU tensors of one kernel dtype;
+// PLAN_STALE unless ``chunks`` covers them exactly.
+int64_t grad_norm_partials(std::vector<Tensor> grads, Tensor chunks, bool inf, Tensor partials) {
     const char *op = "fastoptim::grad_norm_partials";
-    Rows rows = rows_of(grads, 1, op, true);
-    const int64_t *table = checked_chunks(chunks, rows.numels, op);
+    Rows rows;
+    if (!rows.read(grads, 1, true, op)) return NOT_TAKEN;
+    if (!covers(chunks, rows.numels, op)) return PLAN_STALE;
     STD_TORCH_CHECK(partials.is_cpu() && partials.scalar_type() == ScalarType::Double && partials.is_contiguous()
                         && partials.numel() == chunks.size(0),
                     op, ": partials must be a contiguous float64 CPU tensor, one per chunk");
-    fastoptim_grad_norm(rows.pointers.data(), static_cast<int64_t>(grads.size()), table, chunks.size(0), rows.dtype,
-                        inf, static_cast<double *>(partials.data_ptr()), threads());
+    fastoptim_grad_norm(rows.pointers.data(), static_cast<int64_t>(grads.size()),
+                        static_cast<const int64_t *>(chunks.data_ptr()), chunks.size(0), rows.dtype, inf,
+                        static_cast<double *>(partials.data_ptr()), threads());
+    return TAKEN;
 }
 
-// Multiplies the grads by ``factor`` (a 0-d fp32 CPU tensor, read in C: no host sync).
-void scale_grads_in_chunks(std::vector<Tensor> grads, Tensor chunks, Tensor factor) {
+// Multiplies the grads by ``factor`` (a 0-d fp32 CPU tensor, read in C: no host sync); answers as
+// grad_norm_partials does, and changes nothing unless TAKEN.
+int64_t scale_grads_in_chunks(std::vector<Tensor> grads, Tensor chunks, Tensor factor) {
     const char *op = "fastoptim::scale_grads_in_chunks";
-    Rows rows = rows_of(grads, 1, op, true);
-    const int64_t *table = checked_chunks(chunks, rows.numels, op);
+    Rows rows;
+    if (!rows.read(grads, 1, true, op)) return NOT_TAKEN;
+    if (!covers(chunks, rows.numels, op)) return PLAN_STALE;
     STD_TORCH_CHECK(factor.is_cpu() && factor.scalar_type() == ScalarType::Float && factor.numel() == 1, op,
                     ": factor must be one fp32 CPU value");
-    fastoptim_scale_grads(rows.pointers.data(), static_cast<int64_t>(grads.size()), table, chunks.size(0), rows.dtype,
+    fastoptim_scale_grads(rows.pointers.data(), static_cast<int64_t>(grads.size()),
+                          static_cast<const int64_t *>(chunks.data_ptr()), chunks.size(0), rows.dtype,
                           static_cast<const float *>(factor.data_ptr()), threads());
+    return TAKEN;
 }
 
 // The bandwidth probe over ``tensors``: Adan's rows (param, grad and four states), fp32, dense.
 void probe(std::vector<Tensor> tensors, Tensor chunks) {
     const char *op = "fastoptim::probe";
     const int64_t n_rows = ADAN_STATES_END;
-    Rows rows = rows_of(tensors, n_rows, op, true);
-    STD_TORCH_CHECK(rows.dtype == 0, op, ": fp32 tensors only");
+    Rows rows;
+    STD_TORCH_CHECK(rows.read(tensors, n_rows, true, op) && rows.dtype == 0, op, ": dense fp32 CPU tensors only");
     const int64_t *table = checked_chunks(chunks, rows.numels, op);
     fastoptim_probe(rows.pointers.data(), static_cast<int64_t>(tensors.size()) / n_rows, table, 0, chunks.size(0),
                     threads());
@@ -438,8 +488,8 @@ STABLE_TORCH_LIBRARY_FRAGMENT(fastoptim, m) {
     m.def("unbind(int handle) -> ()");
     m.def("bound_step(int[] handles, Tensor[] grads, float[] numbers, Tensor[] tensor_scalars, int[] slots, int[] flags, "
           "int[] per_tensor) -> int");
-    m.def("grad_norm_partials(Tensor[] grads, Tensor chunks, bool inf, Tensor(a!) partials) -> ()");
-    m.def("scale_grads_in_chunks(Tensor(a!)[] grads, Tensor chunks, Tensor factor) -> ()");
+    m.def("grad_norm_partials(Tensor[] grads, Tensor chunks, bool inf, Tensor(a!) partials) -> int");
+    m.def("scale_grads_in_chunks(Tensor(a!)[] grads, Tensor chunks, Tensor factor) -> int");
     m.def("probe(Tensor(a!)[] tensors, Tensor chunks) -> ()");
     m.def("quantize(Tensor values, int table, Tensor(a!) codes, Tensor(b!) absmax) -> ()");
     m.def("dequantize(Tensor codes, Tensor absmax, int table, Tensor(a!) values) -> ()");

@@ -2,8 +2,9 @@
 declares ``NAME``, ``DEVICE_TYPES`` (the device types it is picked for), ``SPLITS_FORMATS`` (its
 kernels are compiled for one state format, so each format gets a table of its own),
 ``CHECKS_NATIVELY`` (its calls check every tensor's pointer and layout, so Python need not),
-``CLIPS`` (it has the clip's kernels: ``takes_grads(grads)``, ``grad_norm_partials(grads, chunks,
-inf)`` and ``scale_grads(grads, chunks, factor)``),
+``CLIPS`` (it has the clip's kernels, ``grad_norm_partials(grads, chunks, inf)`` and
+``scale_grads(grads, chunks, factor)``, which answer ``TAKEN``, ``PLAN_STALE`` (a chunk plan made
+for other grads) or another status when they cannot take the grads and changed nothing),
 ``available()``, ``refusal(param)`` (why it cannot run a tensor at all, its device or dtype
 included, or None), ``bind(spec, tensors, table)`` (what its launches read of a cached pointer
 table and its tensors, by role) and ``run(spec, bound, grads, per_tensor, state_format, values,

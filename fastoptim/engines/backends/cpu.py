@@ -4,12 +4,11 @@ states and checks them and the grads at every call (``fused_cpu.BoundTable``).""
 import torch
 
 from ...kernels import fused_cpu
-from ...multi_tensor import is_dense
 
 NAME = "cpu"
 DEVICE_TYPES = ("cpu",)
 SPLITS_FORMATS = False  # the C kernel reads each tensor's state format from its layout row
-CLIPS = True  # it has the clip's kernels: grad_norm_partials and scale_grads
+CLIPS = True  # it has the clip's kernels, which check the grads themselves: grad_norm_partials, scale_grads
 CHECKS_NATIVELY = True  # a call refuses a moved tensor or an unfit grad: Python checks no layout per step
 
 
@@ -57,12 +56,6 @@ def run(spec, bound, grads, per_tensor, state_format, values, flags, stochastic)
     return run_launches([launch(spec, bound, grads, per_tensor, values, flags, stochastic)])
 
 
-def takes_grads(grads):
-    """Whether the clip's kernels take every one of ``grads``: plain fp32, bf16 or fp16 CPU tensors,
-    each dense (in any order of its dims)."""
-    return available() and all(type(g) is torch.Tensor and g.device.type == "cpu" and g.dtype in fused_cpu.DTYPES
-                               and (g.is_contiguous() or is_dense(g)) for g in grads)
-
-
 grad_norm_partials = fused_cpu.grad_norm_partials
 scale_grads = fused_cpu.scale_grads
+TAKEN, PLAN_STALE = fused_cpu.TAKEN, fused_cpu.PLAN_STALE
