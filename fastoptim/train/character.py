@@ -12,8 +12,9 @@ def stdlib_text(limit=400_000):
     return "".join(open(path, encoding="utf-8", errors="replace").read() for path in paths)[:limit]
 
 
-def train(cls, state_bits, steps=200):
-    """The training losses of the model with optimizer ``cls`` (lr 3e-3, weight decay 0.01), and the optimizer."""
+def train(cls, state_bits, steps=200, after_step=None):
+    """The training losses of the model with optimizer ``cls`` (lr 3e-3, weight decay 0.01), and the
+    optimizer; ``after_step(optimizer)``, if given, is called after each step."""
     data = torch.tensor([min(ord(c), 127) for c in stdlib_text()])
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(128, 32), torch.nn.Flatten(), torch.nn.Linear(96, 256),
@@ -27,6 +28,8 @@ def train(cls, state_bits, steps=200):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
+        if after_step:
+            after_step(optimizer)
         losses.append(loss.item())
     return losses, optimizer
 
