@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <mutex>
 #include <numeric>
@@ -70,14 +69,13 @@ const Kernel &kernel_named(const std::string &name) {
     return KERNELS[0];  // not reached
 }
 
-// The kernels' element formats of params and grads (fused_cpu.c's FP32, BF16, FP16).
-int32_t dtype_code(ScalarType dtype) {
-    switch (dtype) {
-        case ScalarType::Float: return 0;
-        case ScalarType::BFloat16: return 1;
-        case ScalarType::Half: return 2;
-        default: return -1;
-    }
+// The kernels' element format (fused_cpu.c's FP32, BF16, FP16) of a tensor of shim dtype code
+// ``dtype``, or -1 where no kernel takes it.
+int32_t kernel_dtype(int32_t dtype) {
+    static const int32_t codes[] = {aoti_torch_dtype_float32(), aoti_torch_dtype_bfloat16(),
+                                    aoti_torch_dtype_float16()};
+    const int32_t *found = std::find(codes, codes + 3, dtype);
+    return found == codes + 3 ? -1 : static_cast<int32_t>(found - codes);
 }
 
 int32_t threads() { return static_cast<int32_t>(torch::stable::get_num_threads()); }
@@ -255,7 +253,8 @@ int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> 
                     op, ": held must be the params' row, then other rows, n_tensors each");
     auto table = std::make_shared<Bound>();
     table->run = kernel_named(kernel).run;
-    table->dtype = dtype_code(held[0].scalar_type());
+    const Read first(held[0]);
+    table->dtype = kernel_dtype(first.dtype);
     STD_TORCH_CHECK(table->dtype >= 0, op, ": no kernel for the params' dtype");
     table->n_tensors = n_tensors;
     table->n_rows = n_rows;
@@ -267,12 +266,12 @@ int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> 
         for (int64_t t = 0; t < n_tensors; t++) {
             const Tensor &tensor = held[k * n_tensors + t];
             STD_TORCH_CHECK(tensor.is_cpu(), op, ": tensor ", t, " of row ", rows[k], " is not on the CPU");
+            table->layouts_then.emplace_back(Read(tensor));
             if (k == 0) {
                 numels[t] = tensor.numel();
-                STD_TORCH_CHECK(tensor.scalar_type() == held[0].scalar_type(), op, ": the params mix dtypes");
+                STD_TORCH_CHECK(table->layouts_then.back().dtype == first.dtype, op, ": the params mix dtypes");
             }
             table->pointers[rows[k] * n_tensors + t] = address(tensor);
-            table->layouts_then.emplace_back(Read(tensor));
         }
     }
     const int64_t *rows_of_chunks = checked_chunks(chunks, numels, op);
@@ -367,14 +366,12 @@ struct Rows {
 
     bool read(const std::vector<Tensor> &tensors, int64_t n_rows, bool dense, const char *op) {
         static const int32_t cpu = aoti_torch_device_type_cpu();
-        static const int32_t codes[] = {aoti_torch_dtype_float32(), aoti_torch_dtype_bfloat16(),
-                                        aoti_torch_dtype_float16()};  // the kernels' FP32, BF16, FP16
         STD_TORCH_CHECK(n_rows > 0 && tensors.size() % n_rows == 0, op, ": a ragged table");
         const size_t n = tensors.size() / n_rows;
         for (size_t i = 0; i < tensors.size(); i++) {
             const Read r(tensors[i]);
-            const int32_t code = static_cast<int32_t>(std::find(codes, codes + 3, r.dtype) - codes);
-            if (r.device_type != cpu || code == 3 || (i > 0 && code != dtype)) return false;
+            const int32_t code = kernel_dtype(r.dtype);
+            if (r.device_type != cpu || code < 0 || (i > 0 && code != dtype)) return false;
             dtype = code;
             int64_t numel = 1;
             for (int64_t d = 0; d < r.dim; d++) numel *= r.sizes[d];
