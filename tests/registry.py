@@ -6,6 +6,8 @@ test_engines.py and test_triton.py draw each one's options from its entry too.""
 import inspect
 from dataclasses import dataclass, field
 
+from hypothesis import strategies as st
+
 import fastoptim
 
 
@@ -36,10 +38,10 @@ class OptimizerInfo:
     def __repr__(self):
         return self.name
 
-    def own_defaults(self):
-        """Its own options at their defaults (what ``own_options`` changes)."""
+    def drawn_own_options(self):
+        """Hypothesis strategies of its own options, each at its default or as ``own_options`` sets it."""
         parameters = inspect.signature(self.cls).parameters
-        return {name: parameters[name].default for name in self.own_options}
+        return {name: st.sampled_from([parameters[name].default, value]) for name, value in self.own_options.items()}
 
     def variant(self):
         """Its own options with the lean and cross-cutting ones every optimizer takes: 8-bit states,

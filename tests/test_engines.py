@@ -18,13 +18,12 @@ dtypes = st.sampled_from([torch.float32, torch.bfloat16, torch.float16])
 def drawn_options(info):
     """The options drawn for an optimizer of the registry: lr, weight decay, clipping, maximize, and
     each of its own options at its default or changed."""
-    defaults = info.own_defaults()
     return st.fixed_dictionaries({
         "lr": st.sampled_from([1e-2, 0.3]),
         "weight_decay": st.sampled_from([0.0, 0.05]),
         "max_grad_norm": st.sampled_from([0.0, 0.5]),
         "maximize": st.booleans(),
-    } | {name: st.sampled_from([defaults[name], value]) for name, value in info.own_options.items()})
+    } | info.drawn_own_options())
 
 
 def run_engines(cls, shapes, dtype, options, tensor_lr, steps=4):

@@ -226,7 +226,8 @@ def test_a_bound_step_refuses_handles_and_counts_it_does_not_know():
         torch.ops.fastoptim.bound_step([-5], [], [], [], [], [], [])
 
 
-def test_a_bound_step_refuses_scalars_it_cannot_read_and_changes_nothing():
+def a_bound_launch():
+    """A one-param Adan's param, and the launch its bound step ran last (the param as it left it)."""
     params = [torch.nn.Parameter(torch.randn(8))]
     params[0].grad = torch.ones(8)
     opt = OPTIMIZERS[0].cls(params, lr=1e-2, fused=True)
@@ -236,29 +237,26 @@ def test_a_bound_step_refuses_scalars_it_cannot_read_and_changes_nothing():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(fused_cpu, "step", lambda batch: launches.extend(batch) or real(batch))
         opt.step()
-    before = params[0].detach().clone()
-    launch = launches[0]
+    (launch,) = launches
+    return params[0], launch
+
+
+def test_a_bound_step_refuses_scalars_it_cannot_read_and_changes_nothing():
+    param, launch = a_bound_launch()
+    before = param.detach().clone()
     for bad in (torch.ones(3), torch.ones((), dtype=torch.int64), torch.ones(8)[::2]):
         broken = launch._replace(tensors=[bad], slots=[len(launch.numbers) - 1])
         with pytest.raises(RuntimeError, match="must be a contiguous fp32 or float64 CPU tensor"):
             fused_cpu.step([broken])
-    assert torch.equal(params[0], before)
+    assert torch.equal(param, before)
 
 
 def test_a_bound_step_refuses_a_table_listed_twice():
-    params = [torch.nn.Parameter(torch.randn(8))]
-    params[0].grad = torch.ones(8)
-    opt = OPTIMIZERS[0].cls(params, lr=1e-2, fused=True)
-    opt.step()
-    launches = []
-    real = fused_cpu.step
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fused_cpu, "step", lambda batch: launches.extend(batch) or real(batch))
-        opt.step()
-    before = params[0].detach().clone()
+    param, launch = a_bound_launch()
+    before = param.detach().clone()
     with pytest.raises(RuntimeError, match="listed twice"):
-        fused_cpu.step(launches * 2)
-    assert torch.equal(params[0], before)
+        fused_cpu.step([launch, launch])
+    assert torch.equal(param, before)
 
 
 def clip_kernel_answers():

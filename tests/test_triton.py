@@ -86,10 +86,9 @@ def drawn_options(info):
     """The options drawn for an optimizer of the registry: betas that fp32 holds exactly, weight
     decay, clipping, maximize, bf16 states, each of its own options at its default or changed, and
     where it keeps a second moment, subset-norm partitions (rows and columns, or a subset size)."""
-    defaults = info.own_defaults()
     drawn = dict(weight_decay=st.sampled_from([0.0, 0.05]), max_grad_norm=st.sampled_from([0.0, 0.5]),
                  maximize=st.booleans(), state_bits=st.sampled_from([32, 16]))
-    drawn |= {name: st.sampled_from([defaults[name], value]) for name, value in info.own_options.items()}
+    drawn |= info.drawn_own_options()
     if info.exact_betas:
         drawn["betas"] = st.sampled_from(info.exact_betas)
     else:  # RMSPropSN takes beta2 alone
