@@ -5,8 +5,11 @@ fastoptim's Adan, AdamW and 8-bit Adan (fused multi-tensor, a tensor lr) and tor
 on GPT-2 124M shapes and on 2000 tensors of 1,000-5,000 elements; and eager against compiled whole
 training steps of an 8.4M-param MLP, with each optimizer. One optimizer at a time (so that
 the others' states do not crowd the memory), its eager and compiled steps and the bandwidth probe
-are timed interleaved (medians, and min..max of the per-sample ratio compiled/eager).
+are timed interleaved (medians, and min..max of the per-sample ratio compiled/eager). With
+``--device cuda`` params, grads and the model are CUDA tensors (fastoptim's fused engine is Triton's),
+the probe is a copy of the same bytes, and there is no Python-time column.
 Usage, from the repository root: .venv/bin/python -m benchmarks.dispatch [--steps N] [--repeats N]
+[--device cuda]
 """
 import argparse
 import os
@@ -25,13 +28,17 @@ from fastoptim.measure import cpu_features
 from fastoptim.kernels import fused_cpu
 from fastoptim.optimizers.base import FastOptimizer
 
+
+def lr(params):
+    """A tensor lr on the params' device (fastoptim refuses one elsewhere)."""
+    return torch.tensor(1e-4, device=params[0].device)
+
+
 OPTIMIZERS = {
-    "fastoptim Adan": lambda params: fastoptim.Adan(params, lr=torch.tensor(1e-4), weight_decay=0.02),
-    "fastoptim AdamW": lambda params: fastoptim.AdamW(params, lr=torch.tensor(1e-4), weight_decay=0.02),
-    "fastoptim Adan 8-bit": lambda params: fastoptim.Adan(params, lr=torch.tensor(1e-4), weight_decay=0.02,
-                                                          state_bits=8),
-    "torch AdamW fused": lambda params: torch.optim.AdamW(params, lr=torch.tensor(1e-4), weight_decay=0.02,
-                                                          fused=True),
+    "fastoptim Adan": lambda params: fastoptim.Adan(params, lr=lr(params), weight_decay=0.02),
+    "fastoptim AdamW": lambda params: fastoptim.AdamW(params, lr=lr(params), weight_decay=0.02),
+    "fastoptim Adan 8-bit": lambda params: fastoptim.Adan(params, lr=lr(params), weight_decay=0.02, state_bits=8),
+    "torch AdamW fused": lambda params: torch.optim.AdamW(params, lr=lr(params), weight_decay=0.02, fused=True),
 }
 
 
@@ -80,7 +87,15 @@ def with_grads(params):
     return copies
 
 
-def measure_one(make, params, probe_step, steps, repeats):
+def on_device(params, device):
+    """``params`` moved to ``device``, with their grads."""
+    moved = [torch.nn.Parameter(p.detach().to(device)) for p in params]
+    for copy, original in zip(moved, params):
+        copy.grad = original.grad.to(device)
+    return moved
+
+
+def measure_one(make, params, probe_step, steps, repeats, device):
     """One optimizer's eager and compiled steps, interleaved with the probe; each optimizer is timed
     on its own, so that the others' params and states do not crowd the memory."""
     eager = make(with_grads(params))
@@ -91,21 +106,22 @@ def measure_one(make, params, probe_step, steps, repeats):
     step, first_calls = compiled(optimizer.step, fullgraph=isinstance(optimizer, FastOptimizer))
     graphs = counters["stats"]["unique_graphs"]
     counters.clear()
-    samples, errors = run.time_steps({"probe": probe_step, "eager": eager.step, "compiled": step}, steps, repeats)
+    samples, errors = run.time_steps({"probe": probe_step, "eager": eager.step, "compiled": step}, steps, repeats,
+                                     device)
     recompiles = counters["stats"]["unique_graphs"]
-    python = python_seconds(eager, steps) if isinstance(eager, FastOptimizer) else None
+    python = python_seconds(eager, steps) if isinstance(eager, FastOptimizer) and device == "cpu" else None
     torch._dynamo.reset()
     return samples, errors, first_calls, graphs, recompiles, python
 
 
-def measure(model_name, steps, repeats):
-    params = MODELS[model_name]()
+def measure(model_name, steps, repeats, device):
+    params = on_device(MODELS[model_name](), device)
     numel = sum(p.numel() for p in params)
-    probe_step, probe_bytes = run.probe(params, "cpu")
+    probe_step, probe_bytes = run.probe(params, device)
     rows = []
     for name, make in OPTIMIZERS.items():
         samples, errors, (first, second), graphs, recompiles, python = measure_one(make, params, probe_step, steps,
-                                                                                  repeats)
+                                                                                  repeats, device)
         if errors:
             rows.append(f"| {name} | {errors} |")
             continue
@@ -126,11 +142,11 @@ def mlp():
     return torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(1024, 1024), torch.nn.GELU())])
 
 
-def training_step(make, clip):
+def training_step(make, clip, device):
     """A training step (forward, backward, clipping, the optimizer's step, zero_grad) of its own model."""
-    model = mlp()
-    optimizer = make(model.parameters())
-    x = torch.randn(32, 1024, generator=torch.Generator().manual_seed(0))
+    model = mlp().to(device)
+    optimizer = make(list(model.parameters()))
+    x = torch.randn(32, 1024, generator=torch.Generator().manual_seed(0)).to(device)
 
     def step():
         model(x).square().mean().backward()
@@ -140,16 +156,16 @@ def training_step(make, clip):
     return step
 
 
-def measure_training(steps, repeats):
+def measure_training(steps, repeats, device):
     """Eager against ``torch.compile`` of the whole training step (no fullgraph: the backward breaks
     the graph), one optimizer at a time; fastoptim's steps clip with ``fastoptim.clip_grad_norm_``."""
     rows = []
     for name, make in OPTIMIZERS.items():
         clip = fastoptim.clip_grad_norm_ if name.startswith("fastoptim") else torch.nn.utils.clip_grad_norm_
-        eager = training_step(make, clip)
+        eager = training_step(make, clip, device)
         torch._dynamo.reset()
-        step, (first, second) = compiled(training_step(make, clip))
-        samples, errors = run.time_steps({"eager": eager, "compiled": step}, steps, repeats)
+        step, (first, second) = compiled(training_step(make, clip, device))
+        samples, errors = run.time_steps({"eager": eager, "compiled": step}, steps, repeats, device)
         torch._dynamo.reset()
         if errors:
             rows.append(f"| {name} | {errors} |")
@@ -169,13 +185,15 @@ def main():
     parser.add_argument("--steps", type=int, default=5, help="steps per sample (default 5)")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved samples (default 5)")
     parser.add_argument("--models", nargs="+", default=[*MODELS, TRAINING], choices=[*MODELS, TRAINING])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="default cpu")
     args = parser.parse_args()
-    print(f"threads {torch.get_num_threads()}; CPU features: {' '.join(cpu_features())}")
+    gpu = f"; GPU {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
+    print(f"torch {torch.__version__}{gpu}; threads {torch.get_num_threads()}; CPU features: {' '.join(cpu_features())}")
     for model_name in args.models:
         if model_name == TRAINING:
-            measure_training(args.steps, args.repeats)
+            measure_training(args.steps, args.repeats, args.device)
         else:
-            measure(model_name, args.steps, args.repeats)
+            measure(model_name, args.steps, args.repeats, args.device)
 
 
 if __name__ == "__main__":

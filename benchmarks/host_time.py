@@ -5,8 +5,10 @@ interleaved in one run, at 1 thread and at torch's default, optionally while ano
 one core busy (``--busy``). Each sample is the mean of ``--steps`` back-to-back steps; the table
 gives the median over ``--repeats`` samples, min..max, and the median ratio to torch's fused AdamW.
 A second table times each optimizer on 2000 params of 1,000-5,000 elements against one param of
-the same numel, interleaved: what many tensors cost beyond their elements.
+the same numel, interleaved: what many tensors cost beyond their elements. With ``--device cuda`` the
+params are CUDA tensors (fastoptim's fused engine is then Triton's) and each sample ends with a sync.
 Usage, from the repository root: .venv/bin/python -m benchmarks.host_time [--steps N] [--repeats N] [--busy]
+[--device cuda]
 """
 import argparse
 import statistics
@@ -17,6 +19,7 @@ import time
 import torch
 
 import fastoptim
+from fastoptim.bench.run import synchronize
 from fastoptim.measure import cpu_features
 
 OPTIMIZERS = {
@@ -27,28 +30,34 @@ OPTIMIZERS = {
 BASELINE = "torch AdamW fused"
 
 
-def sample(optimizer, steps):
+def sample(optimizer, steps, device):
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(steps):
         optimizer.step()
+    synchronize(device)
     return (time.perf_counter() - start) / steps
 
 
-def measure(n_params, threads, steps, repeats):
+def with_grads(numels, device):
+    params = [torch.nn.Parameter(torch.randn(n, device=device)) for n in numels]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    return params
+
+
+def measure(n_params, threads, steps, repeats, device):
     """Rows of the table for ``n_params`` tiny params on ``threads`` threads."""
     torch.set_num_threads(threads)
     optimizers = {}
     for name, make in OPTIMIZERS.items():
-        params = [torch.nn.Parameter(torch.randn(16)) for _ in range(n_params)]
-        for param in params:
-            param.grad = torch.randn(16)
-        optimizers[name] = make(params)
-        sample(optimizers[name], 3)  # states created, tables built
+        optimizers[name] = make(with_grads([16] * n_params, device))
+        sample(optimizers[name], 3, device)  # states created, tables built
     samples = {name: [] for name in optimizers}
     for repeat in range(repeats):
         names = list(optimizers)
         for name in names[repeat % len(names):] + names[:repeat % len(names)]:  # a rotating order
-            samples[name].append(sample(optimizers[name], steps))
+            samples[name].append(sample(optimizers[name], steps, device))
     rows = []
     for name, times in samples.items():
         ratios = [a / b for a, b in zip(times, samples[BASELINE])]
@@ -57,7 +66,7 @@ def measure(n_params, threads, steps, repeats):
     return rows
 
 
-def many_against_one(steps, repeats):
+def many_against_one(steps, repeats, device):
     """Rows of the second table: each optimizer's step on 2000 params of 1,000-5,000 elements and on
     one param of the same numel, at torch's default threads."""
     sizes = torch.randint(1000, 5001, (2000,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -65,16 +74,13 @@ def many_against_one(steps, repeats):
     optimizers = {}
     for name, make in OPTIMIZERS.items():
         for layout, numels in layouts.items():
-            params = [torch.nn.Parameter(torch.randn(n)) for n in numels]
-            for param in params:
-                param.grad = torch.randn_like(param)
-            optimizers[name, layout] = make(params)
-            sample(optimizers[name, layout], 2)
+            optimizers[name, layout] = make(with_grads(numels, device))
+            sample(optimizers[name, layout], 2, device)
     samples = {key: [] for key in optimizers}
     for repeat in range(repeats):
         keys = list(optimizers)
         for key in keys[repeat % len(keys):] + keys[:repeat % len(keys)]:
-            samples[key].append(sample(optimizers[key], steps))
+            samples[key].append(sample(optimizers[key], steps, device))
     rows = []
     for name in OPTIMIZERS:
         many, one = samples[name, "2000 params"], samples[name, "1 param"]
@@ -89,19 +95,21 @@ def main():
     parser.add_argument("--steps", type=int, default=50, help="steps per sample (default 50)")
     parser.add_argument("--repeats", type=int, default=7, help="interleaved samples (default 7)")
     parser.add_argument("--busy", action="store_true", help="keep one core busy with another process")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="of the params (default cpu)")
     args = parser.parse_args()
     default_threads = torch.get_num_threads()
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.busy else None
     try:
-        print(f"{time.strftime('%Y-%m-%d')}; torch {torch.__version__}; {default_threads} threads by default; "
+        gpu = f"; GPU {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
+        print(f"{time.strftime('%Y-%m-%d')}; torch {torch.__version__}{gpu}; {default_threads} threads by default; "
               f"CPU features: {' '.join(cpu_features())}; {'one core busy' if args.busy else 'no load of ours'}")
         print("| params | threads | optimizer | µs per step | min..max | / torch's fused AdamW |")
         print("|---|---|---|---|---|---|")
         for n_params in (148, 2000):
             for threads in sorted({1, default_threads}):
-                print("\n".join(measure(n_params, threads, args.steps, args.repeats)), flush=True)
+                print("\n".join(measure(n_params, threads, args.steps, args.repeats, args.device)), flush=True)
         torch.set_num_threads(default_threads)
-        rows, numel = many_against_one(max(args.steps // 10, 3), args.repeats)
+        rows, numel = many_against_one(max(args.steps // 10, 3), args.repeats, args.device)
         print(f"\n2000 params of 1,000-5,000 elements ({numel / 1e6:.1f}M) against one param of that numel, "
               f"{default_threads} threads")
         print("| optimizer | ms per step, 2000 params | ms, 1 param | ratio (min..max) |")

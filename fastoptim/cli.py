@@ -35,7 +35,7 @@ QUICK_PEERS = ["torch-adam-foreach", "torch-adam-fused", "torch-adamw-fused", "t
 GPU_PEERS = ["torch-adam-foreach", "torch-adam-fused", "torch-adamw-foreach", "torch-adamw-fused", "timm-adan",
              "adan-foreach-compiled"]
 GPU_OURS = ["adan-foreach", "adan-fused-single", "adan-fused-multi", "adamw-fused-multi", "adan-sn-fused-multi",
-            "adamwsn-fused-multi"]
+            "adamwsn-fused-multi", "adan-8bit-fused-multi", "adamw-8bit-fused-multi"]
 GPU_STEPS = 200
 
 

@@ -147,7 +147,8 @@ def grad_norm(grads, norm_type=2.0, group=None, cache=None, kernel=None):
     call this, with grads or none."""
     inf = norm_type == math.inf
     wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-    kernel = bool(grads) and (_clip_backend(grads) if kernel is None else kernel)
+    # not bool(grads): dynamo before torch 2.13 cannot trace bool() of a list
+    kernel = (_clip_backend(grads) if kernel is None else kernel) if len(grads) > 0 else None
     if kernel and torch.compiler.is_compiling():
         total = torch.ops.fastoptim.grad_norm_total(grads, inf)
     elif grads:

@@ -1,5 +1,7 @@
 """Without a GPU, Triton's kernels run in its interpreter on CPU tensors (see tests/test_triton.py).
-It must be chosen before Triton's kernels are defined, when fastoptim is first imported. A session
+It must be chosen before Triton's kernels are defined, when fastoptim is first imported. On a GPU
+machine, ``FASTOPTIM_TEST_DEVICE=cuda`` makes the tensors that tests create without naming a device
+CUDA tensors, so that the CPU suites run their steps on the GPU (benchmarks/gpu.sh). A session
 that will run the sanitizer tests starts their build in the background (see tests/sanitized_build.py)."""
 import os
 import shutil
@@ -13,6 +15,8 @@ from . import sanitized_build
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("FASTOPTIM_TEST_DEVICE"):
+    torch.set_default_device(os.environ["FASTOPTIM_TEST_DEVICE"])
 
 
 SANITIZED_BUILD = pytest.StashKey()  # (gcc process, library path) of the sanitized kernel's build

@@ -6,14 +6,19 @@ import torch
 SHAPES = [(7,), (5, 3), (2, 3, 2, 2), (1,), (1, 1)]
 
 
+def drawn(shape, generator):
+    """Normal values drawn on the CPU (the same on every machine), on the default device."""
+    return torch.randn(shape, generator=generator, device="cpu").to(torch.get_default_device())
+
+
 def make_params(shapes=SHAPES, dtype=torch.float32, seed=0):
     generator = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype)) for shape in shapes]
+    return [torch.nn.Parameter(drawn(shape, generator).to(dtype)) for shape in shapes]
 
 
 def grad_sequence(shapes, steps, seed=1, scale=1.0):
     generator = torch.Generator().manual_seed(seed)
-    return [[torch.randn(shape, generator=generator) * scale for shape in shapes] for _ in range(steps)]
+    return [[drawn(shape, generator) * scale for shape in shapes] for _ in range(steps)]
 
 
 def run(optimizer, params, grads_per_step):

@@ -340,6 +340,7 @@ def test_a_cuda_step_picks_triton_by_itself(monkeypatch, launches):
     assert launches and not math.isnan(float(params[0].sum()))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, benchmarks/gpu.sh runs the benchmark itself")
 def test_the_gpu_benchmark_runs_its_fused_engines_in_the_interpreter(tmp_path, launches):
     """The code path of ``fastoptim bench --device cuda`` for fastoptim's engines, on a tiny model's CPU
     tensors in the interpreter: what only a GPU adds is CUDA's clock and memory counters."""

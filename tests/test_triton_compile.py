@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("triton", reason="Triton is an optional extra: pip install fastoptim[triton]")
 
-from benchmarks.triton_kernels import checked_variants, variant_name  # noqa: E402
+from benchmarks.triton_kernels import DTYPES, checked_variants, variant_name  # noqa: E402
 
 VARIANTS = {variant_name(spec, param, state, **flags): (spec, param, state, flags)
             for spec, param, state, flags in checked_variants()}
@@ -56,3 +56,22 @@ def test_every_algorithm_with_a_triton_kernel_is_checked():
 
     names = {spec.name for spec, _, _, _ in VARIANTS.values()}
     assert names == set(fused_triton.ALGORITHMS) == {"adan", "adamw", "lion"}
+
+
+def test_no_constexpr_tuple_holds_a_record():
+    """Triton before 3.9 (what torch 2.11 and 2.12 ship) loses the field names of a record taken from
+    a constexpr tuple (``ROLES[i].row`` did not compile there; found on an H100 with Triton 3.6):
+    the kernels' constexpr arguments keep records only at the top (``K.seed``, ``STATES.row[i]``)."""
+    from fastoptim.kernels import fused_triton
+
+    def records_inside(value):
+        if isinstance(value, tuple):
+            return any(isinstance(item, tuple) and (hasattr(item, "_fields") or records_inside(item))
+                       for item in value)
+        return False
+
+    for spec, param, state, flags in VARIANTS.values():
+        options = fused_triton._options(spec, DTYPES[param], DTYPES[state], flags["stochastic"], flags["subsets"],
+                                        {name: flags[name] for name in spec.flags})
+        assert not [name for name, value in options.items() if records_inside(value)], variant_name(
+            spec, param, state, **flags)

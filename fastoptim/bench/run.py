@@ -2,7 +2,7 @@
 extra memory of a step, and achieved bandwidth against a probe measured in the same process; with
 each figure its spread over the repeats, and the machine's load while it was taken.
 
-Optimizers of one family (the engines of one class, or torch's foreach and fused Adam) share one
+Optimizers of one family (the engines of one fastoptim class) share one
 instance and its states: each step sets its engine flags first. Families are timed in rounds whose
 states fit in ROUND_STATE_BYTES (and in free memory), each round's optimizers interleaved so that
 the machine's drift hits all of them alike, and the probe timed in every round.
@@ -66,10 +66,10 @@ def optimizers():
                                                ENGINES["foreach"], compiled=True)
     for name, make, options in (("torch-adam", peers.torch_adam, dict(lr=1e-4)),
                                 ("torch-adamw", peers.torch_adamw, HYPERPARAMETERS)):
-        table[f"{name}-foreach"] = Optimizer(name, lambda p, s, m=make, o=options: m(p, s, **o),
-                                             dict(foreach=True, fused=None), library="torch")
-        table[f"{name}-fused"] = Optimizer(name, lambda p, s, m=make, o=options: m(p, s, **o),
-                                           dict(foreach=None, fused=True), library="torch")
+        # each its own instance: on CUDA, foreach keeps its step counts on the CPU, where fused refuses them
+        for engine, flags in (("foreach", dict(foreach=True)), ("fused", dict(fused=True))):
+            table[f"{name}-{engine}"] = Optimizer(f"{name}-{engine}", lambda p, s, m=make, o=options, f=flags:
+                                                  m(p, s, **o, **f), library="torch")
     for name, make, library in (("timm-adan", peers.timm_adan, "timm"),
                                 ("po-adan", peers.pytorch_optimizer_adan, "pytorch-optimizer"),
                                 ("po-adamwsn", peers.pytorch_optimizer_adamwsn, "pytorch-optimizer"),

@@ -191,9 +191,10 @@ def _blocks_kernel(values, codes, absmax, n, SIGNED: tl.constexpr, QUANTIZE: tl.
 
 
 # --- a tuple of states: their pointers, loads and stores ------------------------------------------
-# ROLES is a constexpr tuple with a ``Slot`` per state role of one kind (the spec's order), None
-# where the algorithm keeps no such state with these flags. The tuples of pointers and values have
-# the same positions; a role not kept holds the placeholder 0, which is never loaded nor stored.
+# ROLES is a constexpr ``Slots``: per field, a tuple with an entry per state role of one kind (the
+# spec's order); a role the algorithm does not keep with these flags has the row None. The tuples of
+# pointers and values have the same positions; a role not kept holds the placeholder 0, which is never
+# loaded nor stored.
 
 @triton.jit
 def _state_pointers(pointers, n_tensors, ROLES: tl.constexpr, t, STATE_TYPE: tl.constexpr):
@@ -201,13 +202,13 @@ def _state_pointers(pointers, n_tensors, ROLES: tl.constexpr, t, STATE_TYPE: tl.
     aligned as ``_stream`` does (the hint is the load's, so a subset-norm moment read as fp32 from
     the same row has it too: it changes nothing for its accesses)."""
     result = ()
-    for i in tl.static_range(len(ROLES)):
-        if ROLES[i] is None:
+    for i in tl.static_range(len(ROLES.row)):
+        if ROLES.row[i] is None:
             result = result + (0,)
-        elif STATE_TYPE == tl.uint8 and ROLES[i].half:
-            result = result + (_stream(pointers, n_tensors, ROLES[i].row, t, tl.bfloat16),)
+        elif STATE_TYPE == tl.uint8 and ROLES.half[i]:
+            result = result + (_stream(pointers, n_tensors, ROLES.row[i], t, tl.bfloat16),)
         else:
-            result = result + (_stream(pointers, n_tensors, ROLES[i].row, t, STATE_TYPE),)
+            result = result + (_stream(pointers, n_tensors, ROLES.row[i], t, STATE_TYPE),)
     return result
 
 
@@ -215,13 +216,13 @@ def _state_pointers(pointers, n_tensors, ROLES: tl.constexpr, t, STATE_TYPE: tl.
 def _absmax_pointers(pointers, n_tensors, ROLES: tl.constexpr, t):
     """Each 8-bit state's block maxima (fp32), beside ``_state_pointers(..., tl.uint8)``."""
     result = ()
-    for i in tl.static_range(len(ROLES)):
-        if ROLES[i] is None:
+    for i in tl.static_range(len(ROLES.row)):
+        if ROLES.row[i] is None:
             result = result + (0,)
-        elif ROLES[i].half:
+        elif ROLES.half[i]:
             result = result + (0,)
         else:
-            result = result + (_pointer(pointers, n_tensors, ROLES[i].absmax, t, tl.float32),)
+            result = result + (_pointer(pointers, n_tensors, ROLES.absmax[i], t, tl.float32),)
     return result
 
 
@@ -230,15 +231,15 @@ def _load_states(pointers, absmax, ROLES: tl.constexpr, index, mask, block):
     """The kept states' values at ``index`` as fp32. 8-bit codes are dequantized with the absmax of
     ``block`` (the tile's one block), or with ``block`` None, each element's own, gathered."""
     values = ()
-    for i in tl.static_range(len(ROLES)):
-        if ROLES[i] is None:
+    for i in tl.static_range(len(ROLES.row)):
+        if ROLES.row[i] is None:
             values = values + (0,)
         elif pointers[i].dtype.element_ty == tl.uint8:
             if block is None:
                 values = values + (_dequantize(tl.load(pointers[i] + index, mask=mask),
-                                               tl.load(absmax[i] + index // BLOCK8, mask=mask), ROLES[i].signed),)
+                                               tl.load(absmax[i] + index // BLOCK8, mask=mask), ROLES.signed[i]),)
             else:
-                values = values + (_load_q8(pointers[i], absmax[i], block, index, mask, ROLES[i].signed),)
+                values = values + (_load_q8(pointers[i], absmax[i], block, index, mask, ROLES.signed[i]),)
         else:
             values = values + (_load(pointers[i], index, mask),)
     return values
@@ -248,8 +249,8 @@ def _load_states(pointers, absmax, ROLES: tl.constexpr, index, mask, block):
 def _gather_states(pointers, ROLES: tl.constexpr, index, mask):
     """The kept states' fp32 values at ``index`` (a subset-norm moment's entry per element)."""
     values = ()
-    for i in tl.static_range(len(ROLES)):
-        if ROLES[i] is None:
+    for i in tl.static_range(len(ROLES.row)):
+        if ROLES.row[i] is None:
             values = values + (0,)
         else:
             values = values + (tl.load(pointers[i] + index, mask=mask, other=0.0),)
@@ -259,10 +260,10 @@ def _gather_states(pointers, ROLES: tl.constexpr, index, mask):
 @triton.jit
 def _store_states(pointers, absmax, ROLES: tl.constexpr, index, mask, block, values):
     """The kept states' new fp32 values into their formats (8-bit: requantizing ``block``)."""
-    for i in tl.static_range(len(ROLES)):
-        if ROLES[i] is not None:
+    for i in tl.static_range(len(ROLES.row)):
+        if ROLES.row[i] is not None:
             if pointers[i].dtype.element_ty == tl.uint8:
-                _store_q8(pointers[i], absmax[i], block, index, mask, values[i], ROLES[i].signed)
+                _store_q8(pointers[i], absmax[i], block, index, mask, values[i], ROLES.signed[i])
             else:
                 _store(pointers[i], index, values[i], mask)
 
@@ -270,7 +271,7 @@ def _store_states(pointers, absmax, ROLES: tl.constexpr, index, mask, block, val
 # --- the walks over memory, written once ------------------------------------------------------
 # Every walk takes the algorithm's functions (see ``Algorithm``) and three constexpr descriptions
 # from its spec: K (the scalars' positions in a row, by name), F (the feature flags, by name),
-# STATES and MOMENTS (``Slot`` tuples: the element-wise states, and the second moments, which
+# STATES and MOMENTS (``Slots``: the element-wise states, and the second moments, which
 # subset-norm keeps per subset). ``states``/``moments`` are their pointers, ``reduced`` the
 # moments' pointers as fp32 (one per subset under sn), ``*_absmax`` the 8-bit block maxima.
 
@@ -295,7 +296,7 @@ def _tile(param, grad, states, states_absmax, moments, moments_absmax, reduced, 
     ``reduced`` ones (updated already) instead of updating them here."""
     values = _load_states(states, states_absmax, STATES, index, mask, block)
     terms = TERMS(_load(grad, index, mask), values, S, K, F)
-    if len(MOMENTS) > 0:
+    if len(MOMENTS.row) > 0:
         if REDUCED_MOMENTS:
             if b != 1:
                 scale = STEP_SCALE(_gather_states(reduced, MOMENTS, _subset_of(index, b, c), mask), S, K, F)
@@ -557,9 +558,11 @@ ALGORITHMS = {  # by KernelSpec.name
 
 PARAM_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 TYPES = PARAM_TYPES | {torch.uint8: tl.uint8}  # and 8-bit states' codes
-# A kept state role, as the walks see it: its row in the pointer table and its block maxima's row
-# (KernelSpec.rows), its 8-bit code table (signed) and whether it stays bf16 beside 8-bit codes (half).
-Slot = namedtuple("Slot", "row absmax signed half")
+# State roles as the walks see them, a tuple per field with an entry per role: each kept role's row in
+# the pointer table and its block maxima's row (KernelSpec.rows; None where not kept), its 8-bit code
+# table (signed) and whether it stays bf16 beside 8-bit codes (half). A tuple per field, not a tuple
+# of records: Triton before 3.9 loses the field names of a record taken from a constexpr tuple.
+Slots = namedtuple("Slots", "row absmax signed half")
 
 
 @functools.lru_cache(maxsize=None)
@@ -575,17 +578,21 @@ def _variant(spec, flags):
     flags, rows = dict(flags), spec.rows
     kept = spec.kept(flags)
 
-    def slot(role):
-        return Slot(rows.index(role.name), rows.index(role.name + ABSMAX), role.signed, role.half) \
-            if role.name in kept else None
+    def slots(roles):
+        roles = [role if role.name in kept else None for role in roles]
+
+        def field(value):
+            return tuple(None if role is None else value(role) for role in roles)
+        return Slots(field(lambda role: rows.index(role.name)), field(lambda role: rows.index(role.name + ABSMAX)),
+                     field(lambda role: role.signed), field(lambda role: role.half))
 
     scalars = namedtuple(f"{spec.name}_scalars", spec.all_scalars)
     feature_flags = namedtuple(f"{spec.name}_flags", spec.flags)
     return dict(TERMS=algorithm.terms, SECOND_MOMENTS=algorithm.second_moments, STEP_SCALE=algorithm.step_scale,
                 UPDATE=algorithm.update, K=scalars(*range(len(spec.all_scalars))),
                 F=feature_flags(*(flags[name] for name in spec.flags)), PARAM=rows.index("param"),
-                GRAD=rows.index("grad"), STATES=tuple(slot(role) for role in spec.roles if not role.reduced),
-                MOMENTS=tuple(slot(role) for role in spec.roles if role.reduced))
+                GRAD=rows.index("grad"), STATES=slots([role for role in spec.roles if not role.reduced]),
+                MOMENTS=slots([role for role in spec.roles if role.reduced]))
 
 
 def _options(spec, param_dtype, state_dtype, stochastic, subsets, flags):

@@ -1,0 +1,46 @@
+#!/bin/bash
+# The checks of a lent GPU machine, in the calls the device tool allows (10 minutes each), from the
+# repository root, with the machine's own python3 (its torch and Triton) and fastoptim from this tree
+# (the native library built here travels with it: carry fastoptim/_C.abi3.so). Logs go to $OUT.
+#   bash benchmarks/gpu.sh tests   the Triton tests on CUDA tensors, then the CPU suites' steps on the GPU
+#   bash benchmarks/gpu.sh bench   host time, `fastoptim bench --device cuda`, and compiled against eager
+set -u
+OUT=${OUT:-gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD PYTHONDONTWRITEBYTECODE=1
+python3 - <<'PY' 2>&1 | tee "$OUT/facts.txt"
+import torch, triton
+import fastoptim
+from fastoptim.kernels import fused_cpu
+from fastoptim.measure import cpu_features
+print(f"torch {torch.__version__}, Triton {triton.__version__}, {torch.cuda.get_device_name()}, "
+      f"native library loaded: {fused_cpu.AVAILABLE}, CPU features: {' '.join(cpu_features())}")
+PY
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee -a "$OUT/facts.txt"
+case "${1:-tests}" in
+tests)
+    timeout 170 python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 120 tests/test_triton.py -k "cuda" -rfE 2>&1 \
+        | tee "$OUT/triton-cuda.log" | tail -30
+    FASTOPTIM_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -p no:cacheprovider -n 12 --timeout 120 -rfE \
+        tests/test_triton.py tests/test_fused.py tests/test_compile.py 2>&1 | tee "$OUT/suites-on-cuda.log" | tail -40
+    ;;
+bench)
+    timeout 120 python3 -m benchmarks.host_time --device cuda --steps 20 --repeats 5 2>&1 | tee "$OUT/host-time.md"
+    # where the host time of a step on 148 tiny CUDA params goes
+    timeout 60 python3 -c "
+import cProfile, pstats, torch, fastoptim
+params = [torch.nn.Parameter(torch.randn(16, device='cuda')) for _ in range(148)]
+for p in params: p.grad = torch.randn_like(p)
+opt = fastoptim.Adan(params, lr=1e-3)
+for _ in range(5): opt.step()
+cProfile.run('for _ in range(100): opt.step()', '/tmp/profile')
+pstats.Stats('/tmp/profile').sort_stats('tottime').print_stats(25)" > "$OUT/profile.txt" 2>&1
+    # no torch.compile'd Adan here: its first call takes minutes per model on this machine
+    timeout 330 python3 -m fastoptim.cli bench --device cuda --models gpt2-124m llama-60m small-tensors \
+        --optimizers torch-adam-foreach torch-adam-fused torch-adamw-foreach torch-adamw-fused \
+        timm-adan adan-foreach adan-fused-single adan-fused-multi adamw-fused-multi adan-sn-fused-multi \
+        adamwsn-fused-multi adan-8bit-fused-multi adamw-8bit-fused-multi --out "$OUT/bench" 2>&1 | tr '\r' '\n' | grep -v "step/s\]"
+    timeout 100 python3 -m benchmarks.dispatch --device cuda --models "GPT-2 124M" --steps 20 2>&1 \
+        | tee "$OUT/dispatch.md"
+    ;;
+esac
