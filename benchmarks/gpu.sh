@@ -4,6 +4,8 @@
 # (the native library built here travels with it: carry fastoptim/_C.abi3.so). Logs go to $OUT.
 #   bash benchmarks/gpu.sh tests   the Triton tests on CUDA tensors, then the CPU suites' steps on the GPU
 #   bash benchmarks/gpu.sh bench   host time, `fastoptim bench --device cuda`, and compiled against eager
+#   bash benchmarks/gpu.sh compile the compile tests with the machine's torch, and the code inductor makes of
+#                                  a CUDA step (output-code.log: what the op's mutated tensors cost)
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -42,5 +44,17 @@ pstats.Stats('/tmp/profile').sort_stats('tottime').print_stats(25)" > "$OUT/prof
         adamwsn-fused-multi adan-8bit-fused-multi adamw-8bit-fused-multi --out "$OUT/bench" 2>&1 | tr '\r' '\n' | grep -v "step/s\]"
     timeout 100 python3 -m benchmarks.dispatch --device cuda --models "GPT-2 124M" --steps 20 2>&1 \
         | tee "$OUT/dispatch.md"
+    ;;
+compile)
+    timeout 140 python3 -m pytest -q -p no:cacheprovider -n 14 --timeout 120 -rfE tests/test_compile.py 2>&1 \
+        | tee "$OUT/compile-tests.log" | tail -30
+    TORCH_LOGS=output_code timeout 70 python3 -c "
+import torch, fastoptim
+params = [torch.nn.Parameter(torch.randn(256, 256, device='cuda')) for _ in range(3)]
+for p in params: p.grad = torch.randn_like(p)
+opt = fastoptim.Adan(params, lr=torch.tensor(1e-3, device='cuda'), weight_decay=0.02)
+step = torch.compile(opt.step, fullgraph=True)
+step(); step()" > "$OUT/output-code.log" 2>&1
+    grep -c "clone\|copy_" "$OUT/output-code.log"; grep "adan_step.default(" "$OUT/output-code.log" | tail -2
     ;;
 esac

@@ -44,7 +44,16 @@ def _foreach_add_squares_(moments, xs, value):
         _tensor_add_squares_(moment, x, value)
 
 
-TENSOR_OPS = Ops({name: getattr(torch.Tensor, name) for name in NAMES}
+def _tensor_method(name):
+    """``Tensor.<name>`` as a plain function: dynamo before torch 2.13 cannot trace a method
+    descriptor kept in an object's ``__dict__``."""
+    def method(tensor, *args, **kwargs):
+        return getattr(tensor, name)(*args, **kwargs)
+    method.__name__ = name
+    return method
+
+
+TENSOR_OPS = Ops({name: _tensor_method(name) for name in NAMES}
                  | {"maximum_": _tensor_maximum_, "add_squares_": _tensor_add_squares_, "empty_like": torch.empty_like})
 FOREACH_OPS = Ops({name: getattr(torch, "_foreach_" + name) for name in NAMES + ("maximum_",)}
                   | {"add_squares_": _foreach_add_squares_,

@@ -53,8 +53,10 @@ def adamw_update(ops, *, param, grad, scratch, exp_avg=None, exp_avg_sq, max_exp
     if max_exp_avg_sq is not None:
         ops.maximum_(max_exp_avg_sq, exp_avg_sq)
     numerator = grad if exp_avg is None else exp_avg
-    # The denominator takes the scratch unless RMSProp's numerator, a scaled grad, holds it.
-    denominator = scratch if numerator is not scratch else ops.empty_like(exp_avg_sq)
+    # The denominator takes the scratch unless RMSProp's numerator, a scaled grad, holds it (said
+    # without `is` between lists, which dynamo before torch 2.13 cannot trace).
+    scratch_taken = exp_avg is None and grad_scale is not None
+    denominator = ops.empty_like(exp_avg_sq) if scratch_taken else scratch
     ops.copy_(denominator, exp_avg_sq if max_exp_avg_sq is None else max_exp_avg_sq)
     ops.sqrt_(denominator)
     if bias_correction2_sqrt is not None:
