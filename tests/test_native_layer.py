@@ -1,7 +1,9 @@
 """The native layer's contract (fastoptim/kernels/native.cpp): params and states bound to native
 code once, a step that checks no tensor in Python, and native checks of every held tensor and grad
 at every call. Whatever changes between two steps, the next step is the loop engine's with the same
-change, or is refused with a clear error and changes nothing; never a stale pointer."""
+change, or is refused with a clear error and changes nothing; never a stale pointer. The Triton
+backend's tables are bound and checked natively too (its kernels run in Triton's interpreter here)."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -20,6 +22,11 @@ from .registry import OPTIMIZERS
 pytestmark = pytest.mark.skipif(not fused_cpu.AVAILABLE, reason="the native library is not built")
 
 SHAPES = [(5, 7), (300,), (3,)]
+# The backends whose tables native code checks; Triton's kernels take these CPU tensors in its interpreter.
+TRITON = pytest.param("triton", marks=pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton runs CPU tensors in its interpreter only"))
+BACKENDS = ["cpu", TRITON]
 ENGINES = {"loop": dict(foreach=False, fused=False), "fused-single": dict(foreach=False, fused=True),
            "fused-multi": dict(foreach=True, fused=True)}
 
@@ -131,18 +138,23 @@ def disagreements(name):
     return found
 
 
-@pytest.mark.parametrize("info", OPTIMIZERS)
-def test_a_step_after_a_change_is_the_loop_engines_or_refused_with_nothing_changed(info):
-    """In a fresh interpreter: a stale pointer would crash it, which fails this test, not the run."""
+@pytest.mark.parametrize("info, backend", [(info, "cpu") for info in OPTIMIZERS]
+                         + [pytest.param(info, "triton", marks=TRITON.marks) for info in OPTIMIZERS[:2]],
+                         ids=lambda x: getattr(x, "name", x))
+def test_a_step_after_a_change_is_the_loop_engines_or_refused_with_nothing_changed(info, backend):
+    """In a fresh interpreter: a stale pointer would crash it, which fails this test, not the run.
+    On Triton's backend for Adan's and AdamW's kernels only: its interpreter is slow."""
     code = f"import json, tests.test_native_layer as t; print(json.dumps(t.disagreements({info.name!r})))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                            cwd=Path(__file__).parent.parent)
+                            cwd=Path(__file__).parent.parent, env=os.environ | {"FASTOPTIM_FUSED_BACKEND": backend})
     assert result.returncode == 0, f"exit {result.returncode}:\n{result.stderr[-3000:]}"
     assert json.loads(result.stdout.splitlines()[-1]) == []
 
 
-def test_a_refused_step_changes_no_bucket_even_when_the_others_are_fine():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_refused_step_changes_no_bucket_even_when_the_others_are_fine(backend, monkeypatch):
     """Two buckets (fp32 and bf16) run in one native call, which checks both before either runs."""
+    monkeypatch.setenv("FASTOPTIM_FUSED_BACKEND", backend)
     info = OPTIMIZERS[0]
     params = [torch.nn.Parameter(torch.randn(64)), torch.nn.Parameter(torch.randn(64).bfloat16())]
     opt = info.cls(params, lr=1e-2, fused=True)
@@ -194,8 +206,10 @@ def test_a_state_stored_as_a_plain_dict_is_watched_like_the_others(engine):
     torch.testing.assert_close(runs[1], torch.cat([p.detach().reshape(-1) for p in params]), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("engine", ["fused-single", "fused-multi"])
-def test_a_fused_step_bumps_the_params_version_counters(engine):
+def test_a_fused_step_bumps_the_params_version_counters(engine, backend, monkeypatch):
+    monkeypatch.setenv("FASTOPTIM_FUSED_BACKEND", backend)
     params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
     opt = OPTIMIZERS[0].cls(params, lr=1e-2, **ENGINES[engine])
     for step in range(3):

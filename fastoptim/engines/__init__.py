@@ -76,9 +76,13 @@ def run(engine, plan):
 
 
 def run_batch(launches):
-    """Run the launches that plans with a ``batch`` collected, in one native call; False, having
-    changed nothing, when a tensor moved or a grad does not fit (the step then runs unbatched)."""
-    return backends.cpu.run_launches(launches)
+    """Run the (backend, launch) pairs that plans with a ``batch`` collected, checked together before
+    any runs; False, having changed nothing, when a tensor moved, a grad does not fit, or the launches
+    are of two backends (the step then runs unbatched)."""
+    backend = launches[0][0]
+    if any(other is not backend for other, _ in launches):
+        return False
+    return backend.run_launches([launch for _, launch in launches])
 
 
 def run_summing_over(plan, group):

@@ -5,10 +5,9 @@ between the kernel and the foreach fallback, and caches the pointer tables.
 Multi-tensor (``foreach=True``, the default with ``fused=True``): one call per bucket updates every
 tensor, parallel over fixed-size chunks across all of them. Single-tensor (``foreach=False``): one
 kernel call (or launch) per tensor, as the seeds' FusedAdan does. Both read the tables cached in
-``plan.cache``: on the CPU, the params and states bound to native code, which checks them and the
-grads at every call (and a plan with a ``batch`` adds its launch to its step's one native call); on
-the GPU, the pointer table, whose gradients' row is refreshed each step (and sent to the device only
-when a grad moved).
+``plan.cache``: the params and states bound to native code, which checks them and the grads at every
+call (and a plan with a ``batch`` adds its launch to its step's calls); on the GPU also the pointer
+table, whose gradients' row is refreshed each step (and sent to the device only when a grad moved).
 
 States may be fp32, bf16 or 8-bit (``state_bits``): the C kernel dequantizes, updates and
 requantizes each 256-element block in one pass, and so do the Triton kernels.
@@ -157,7 +156,7 @@ class Tables:
         return all(map(operator.eq, map(torch.Tensor.stride, grads), self.grad_strides))
 
     def launch(self, spec, grads, scalars, flags, stochastic, per_tensor_calls, batch=None):
-        """Run the kernel over every table, or append each table's launch to ``batch``: ``scalars``
+        """Run the kernel over every table, or append (backend, launch) of each to ``batch``: ``scalars``
         in ``spec.all_scalars`` order (a 1-d tensor holds one value per tensor), ``flags`` the
         spec's flags (name: bool). Returns False, having changed nothing, when the backend found a
         tensor moved or a grad that does not fit."""
@@ -166,9 +165,10 @@ class Tables:
                 value[index] if isinstance(value, torch.Tensor) and value.dim() == 1 else value for value in scalars]
             part = grads if index is None else [grads[i] for i in indices]
             values = dict(zip(spec.all_scalars, values))
+            launch = self.backend.launch(spec, bound, part, per_tensor_calls, table_format, values, flags, stochastic)
             if batch is not None:
-                batch.append(self.backend.launch(spec, bound, part, per_tensor_calls, values, flags, stochastic))
-            elif not self.backend.run(spec, bound, part, per_tensor_calls, table_format, values, flags, stochastic):
+                batch.append((self.backend, launch))
+            elif not self.backend.run_launches([launch]):
                 return False
         return True
 

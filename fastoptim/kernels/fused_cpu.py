@@ -100,9 +100,11 @@ class BoundTable:
     """``spec``'s kernel bound to a table's tensors (``tensors``: role to one tensor per param, None
     where a tensor has none in a role; ``table``: their :class:`~fastoptim.multi_tensor.PointerTable`,
     whose chunk plan and layouts it takes). Native code holds the params, states and block maxima
-    until this object is collected; each :func:`step` passes the grads."""
+    until this object is collected; each :func:`step` passes the grads. With ``runs`` False the
+    table is bound to no kernel and may hold tensors of any device: a GPU kernel's, which
+    :func:`check` checks before Python launches it."""
 
-    def __init__(self, spec, tensors, table):
+    def __init__(self, spec, tensors, table, runs=True):
         held, rows = [], []
         for row, role in enumerate(spec.rows):
             if role != "grad" and role in tensors:
@@ -110,7 +112,7 @@ class BoundTable:
                 held.extend(_EMPTY if t is None else t for t in tensors[role])
         layouts = None if table.layouts is None else torch.from_numpy(table.layouts)
         self.params = tensors["param"]  # whose version counters a step bumps
-        self.handle = torch.ops.fastoptim.bind(spec.name, held, rows, len(tensors["param"]), len(spec.rows),
+        self.handle = torch.ops.fastoptim.bind(spec.name if runs else "", held, rows, len(tensors["param"]), len(spec.rows),
                                                len(spec.all_scalars), torch.from_numpy(table.chunks), layouts)
         weakref.finalize(self, torch.ops.fastoptim.unbind, self.handle).atexit = False
 
@@ -151,6 +153,14 @@ def step(launches):
         for launch in launches:
             torch._C._increment_version(launch.table.params)
     return status
+
+
+def check(tables, grads):
+    """Check bound ``tables`` (each taking the next of ``grads``, as :func:`step` does) without running
+    them: STEPPED and the grads' data pointers (an int64 array), or STALE or GRADS_UNFIT and None."""
+    pointers = torch.empty(len(grads), dtype=torch.int64)
+    status = torch.ops.fastoptim.check_bound([table.handle for table in tables], grads, pointers)
+    return status, pointers.numpy() if status == STEPPED else None
 
 
 def probe(tensors, chunks):

@@ -85,7 +85,7 @@ int32_t threads() { return static_cast<int32_t>(torch::stable::get_num_threads()
 // reads are most of what a bound step costs.
 struct Read {
     void *data = nullptr;
-    int32_t dtype = -1, device_type = -1;
+    int32_t dtype = -1, device_type = -1, device_index = -1;
     int64_t dim = 0;
     int64_t *sizes = nullptr, *strides = nullptr;
 
@@ -94,6 +94,7 @@ struct Read {
         STD_TORCH_CHECK(aoti_torch_get_data_ptr(h, &data) == AOTI_TORCH_SUCCESS
                             && aoti_torch_get_dtype(h, &dtype) == AOTI_TORCH_SUCCESS
                             && aoti_torch_get_device_type(h, &device_type) == AOTI_TORCH_SUCCESS
+                            && aoti_torch_get_device_index(h, &device_index) == AOTI_TORCH_SUCCESS
                             && aoti_torch_get_dim(h, &dim) == AOTI_TORCH_SUCCESS
                             && aoti_torch_get_sizes(h, &sizes) == AOTI_TORCH_SUCCESS
                             && aoti_torch_get_strides(h, &strides) == AOTI_TORCH_SUCCESS,
@@ -107,17 +108,19 @@ struct Read {
 // empty tensor has no memory to walk: only its dtype, device and sizes count.
 struct Layout {
     void *data;
-    int32_t dtype, device_type;
+    int32_t dtype, device_type, device_index;
     bool empty;
     std::vector<int64_t> sizes, strides;
 
     explicit Layout(const Read &r)
-        : data(r.data), dtype(r.dtype), device_type(r.device_type), empty(r.empty()),
+        : data(r.data), dtype(r.dtype), device_type(r.device_type), device_index(r.device_index), empty(r.empty()),
           sizes(r.sizes, r.sizes + r.dim), strides(r.strides, r.strides + r.dim) {}
+
+    bool on_device_of(const Read &r) const { return r.device_type == device_type && r.device_index == device_index; }
 
     bool describes(const Tensor &t) const {
         const Read r(t);
-        return r.dtype == dtype && r.device_type == device_type && (empty || r.data == data)
+        return r.dtype == dtype && on_device_of(r) && (empty || r.data == data)
             && r.dim == static_cast<int64_t>(sizes.size()) && std::equal(sizes.begin(), sizes.end(), r.sizes)
             && (empty || std::equal(strides.begin(), strides.end(), r.strides));
     }
@@ -129,7 +132,7 @@ struct Layout {
 bool fits(const Tensor &grad, const Layout &param, int64_t *pointer) {
     if (!grad.defined()) return false;
     const Read r(grad);
-    if (r.dtype != param.dtype || r.device_type != param.device_type || r.dim != static_cast<int64_t>(param.sizes.size()))
+    if (r.dtype != param.dtype || !param.on_device_of(r) || r.dim != static_cast<int64_t>(param.sizes.size()))
         return false;
     for (int64_t d = 0; d < r.dim; d++)
         if (r.sizes[d] != param.sizes[d] || (!param.empty && r.sizes[d] != 1 && r.strides[d] != param.strides[d]))
@@ -218,7 +221,8 @@ struct StepScalars {
 // --- bound tables ------------------------------------------------------------------------------
 
 // Held tensors and the kernel's tables over them. ``pointers`` is [row][tensor], the grads' row
-// filled in at each call; ``layouts`` is [tensor][3] or empty.
+// filled in at each call; ``layouts`` is [tensor][3] or empty. A table bound to no kernel (run is
+// null: a GPU kernel's, which Python launches) is only checked, by check_bound.
 struct Bound {
     KernelFn run;
     int32_t dtype;
@@ -235,16 +239,35 @@ std::mutex registry_lock;
 std::unordered_map<int64_t, std::shared_ptr<Bound>> registry;
 int64_t next_handle = 1;
 
-std::shared_ptr<Bound> bound(int64_t handle) {
+std::shared_ptr<Bound> bound(int64_t handle, const char *op) {
     std::lock_guard<std::mutex> guard(registry_lock);
     auto found = registry.find(handle);
-    STD_TORCH_CHECK(found != registry.end(), "fastoptim::bound_step: no bound table ", handle);
+    STD_TORCH_CHECK(found != registry.end(), op, ": no bound table ", handle);
     return found->second;
 }
 
+// The tables of ``handles``, each locked (in the order of their handles: no two calls deadlock).
+struct Locked {
+    std::vector<std::shared_ptr<Bound>> tables;
+    std::vector<std::unique_lock<std::mutex>> locks;
+
+    Locked(const std::vector<int64_t> &handles, const char *op) {
+        for (int64_t handle : handles) tables.push_back(bound(handle, op));
+        std::vector<size_t> order(tables.size());
+        std::iota(order.begin(), order.end(), 0);
+        std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return handles[a] < handles[b]; });
+        for (size_t k = 0; k < order.size(); k++) {
+            STD_TORCH_CHECK(k == 0 || handles[order[k]] != handles[order[k - 1]], op, ": table ", handles[order[k]],
+                            " listed twice");
+            locks.emplace_back(tables[order[k]]->busy);
+        }
+    }
+};
+
 /* Bind ``held`` (row ``rows[k]`` of the table holds tensors held[k * n_tensors ...], in tensor order;
    row 0 holds the params, and row GRAD is left to the calls), the chunk table and the layouts
-   ([tensor][3] int64, or None for all dense fp32) to kernel ``kernel``. Returns the handle. */
+   ([tensor][3] int64, or None for all dense fp32) to CPU kernel ``kernel``, or with "" to none (the
+   tensors may then be on any device). Returns the handle. */
 int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> rows, int64_t n_tensors,
              int64_t n_rows, int64_t n_scalars, Tensor chunks, std::optional<Tensor> layouts) {
     const char *op = "fastoptim::bind";
@@ -252,7 +275,7 @@ int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> 
                         && !rows.empty() && rows[0] == PARAM,
                     op, ": held must be the params' row, then other rows, n_tensors each");
     auto table = std::make_shared<Bound>();
-    table->run = kernel_named(kernel).run;
+    table->run = kernel.empty() ? nullptr : kernel_named(kernel).run;
     const Read first(held[0]);
     table->dtype = kernel_dtype(first.dtype);
     STD_TORCH_CHECK(table->dtype >= 0, op, ": no kernel for the params' dtype");
@@ -265,7 +288,7 @@ int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> 
         STD_TORCH_CHECK(rows[k] >= 0 && rows[k] < n_rows && rows[k] != GRAD, op, ": bad row ", rows[k]);
         for (int64_t t = 0; t < n_tensors; t++) {
             const Tensor &tensor = held[k * n_tensors + t];
-            STD_TORCH_CHECK(tensor.is_cpu(), op, ": tensor ", t, " of row ", rows[k], " is not on the CPU");
+            STD_TORCH_CHECK(!table->run || tensor.is_cpu(), op, ": tensor ", t, " of row ", rows[k], " is not on the CPU");
             table->layouts_then.emplace_back(Read(tensor));
             if (k == 0) {
                 numels[t] = tensor.numel();
@@ -297,6 +320,19 @@ void unbind(int64_t handle) {
 
 enum { STEPPED = 0, STALE = 1, GRADS_UNFIT = 2 };
 
+// Whether ``table`` may run with ``grads`` from ``first``: STALE when a held tensor moved or changed
+// its layout, GRADS_UNFIT when a grad is not walked as its param, else STEPPED, with the table's
+// grads' row refreshed.
+int64_t check(Bound &table, const std::vector<Tensor> &grads, size_t first, const char *op) {
+    const int64_t n = table.n_tensors;
+    STD_TORCH_CHECK(first + n <= grads.size(), op, ": fewer grads than the tables take");
+    for (size_t i = 0; i < table.held.size(); i++)
+        if (!table.layouts_then[i].describes(table.held[i])) return STALE;
+    for (int64_t t = 0; t < n; t++)
+        if (!fits(grads[first + t], table.layouts_then[t], &table.pointers[GRAD * n + t])) return GRADS_UNFIT;
+    return STEPPED;
+}
+
 /* One step of bound tables ``handles``: table k takes the next n_tensors of ``grads`` and the next
    n_scalars of the scalars (``numbers``, some replaced by ``tensor_scalars``: see StepScalars), its
    flag bits ``flags[k]``, and runs in one kernel call or with
@@ -309,30 +345,18 @@ int64_t bound_step(std::vector<int64_t> handles, std::vector<Tensor> grads, std:
     const char *op = "fastoptim::bound_step";
     STD_TORCH_CHECK(flags.size() == handles.size() && per_tensor.size() == handles.size(), op,
                     ": one flags and per_tensor entry per table");
-    std::vector<std::shared_ptr<Bound>> tables;
-    for (int64_t handle : handles) tables.push_back(bound(handle));
-    std::vector<size_t> order(tables.size());  // locked in the order of their handles: no two calls deadlock
-    std::iota(order.begin(), order.end(), 0);
-    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return handles[a] < handles[b]; });
-    std::vector<std::unique_lock<std::mutex>> locks;
-    for (size_t k = 0; k < order.size(); k++) {
-        STD_TORCH_CHECK(k == 0 || handles[order[k]] != handles[order[k - 1]], op, ": table ", handles[order[k]],
-                        " listed twice");
-        locks.emplace_back(tables[order[k]]->busy);
-    }
+    const Locked locked(handles, op);
+    const std::vector<std::shared_ptr<Bound>> &tables = locked.tables;
     std::vector<int64_t> tensors_of_slot, first_scalars;
     size_t first_grad = 0;
     for (const std::shared_ptr<Bound> &held_table : tables) {
         Bound &table = *held_table;
-        const int64_t n = table.n_tensors;
-        STD_TORCH_CHECK(first_grad + n <= grads.size(), op, ": fewer grads than the tables take");
-        for (size_t i = 0; i < table.held.size(); i++)
-            if (!table.layouts_then[i].describes(table.held[i])) return STALE;
-        for (int64_t t = 0; t < n; t++)  // the grads' row of the table, refreshed (a refused call runs none)
-            if (!fits(grads[first_grad + t], table.layouts_then[t], &table.pointers[GRAD * n + t])) return GRADS_UNFIT;
-        first_grad += n;
+        STD_TORCH_CHECK(table.run, op, ": table bound to no kernel");
+        const int64_t status = check(table, grads, first_grad, op);  // a refused call runs none
+        if (status != STEPPED) return status;
+        first_grad += table.n_tensors;
         first_scalars.push_back(static_cast<int64_t>(tensors_of_slot.size()));
-        tensors_of_slot.insert(tensors_of_slot.end(), table.n_scalars, n);
+        tensors_of_slot.insert(tensors_of_slot.end(), table.n_scalars, table.n_tensors);
     }
     STD_TORCH_CHECK(first_grad == grads.size() && tensors_of_slot.size() == numbers.size(), op,
                     ": the grads and scalars must be the tables' own, all of them");
@@ -353,6 +377,28 @@ int64_t bound_step(std::vector<int64_t> handles, std::vector<Tensor> grads, std:
                             " with flags ", flags[k]);
         }
     }
+    return STEPPED;
+}
+
+/* Check tables ``handles`` (as bound_step does, each taking the next n_tensors of ``grads``) and
+   write their grads' data pointers, in order, into ``grad_pointers`` (int64, one per grad): what a
+   GPU kernel's launch needs. STEPPED when all fit, else STALE or GRADS_UNFIT (see check). */
+int64_t check_bound(std::vector<int64_t> handles, std::vector<Tensor> grads, Tensor grad_pointers) {
+    const char *op = "fastoptim::check_bound";
+    STD_TORCH_CHECK(grad_pointers.is_cpu() && grad_pointers.scalar_type() == ScalarType::Long
+                        && grad_pointers.is_contiguous() && grad_pointers.numel() == static_cast<int64_t>(grads.size()),
+                    op, ": grad_pointers must be a contiguous int64 CPU tensor with one entry per grad");
+    const Locked locked(handles, op);
+    int64_t *out = static_cast<int64_t *>(grad_pointers.data_ptr());
+    size_t first_grad = 0;
+    for (const std::shared_ptr<Bound> &held_table : locked.tables) {
+        Bound &table = *held_table;
+        const int64_t status = check(table, grads, first_grad, op);
+        if (status != STEPPED) return status;
+        std::copy_n(&table.pointers[GRAD * table.n_tensors], table.n_tensors, out + first_grad);
+        first_grad += table.n_tensors;
+    }
+    STD_TORCH_CHECK(first_grad == grads.size(), op, ": the grads must be the tables' own, all of them");
     return STEPPED;
 }
 
@@ -485,6 +531,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(fastoptim, m) {
     m.def("unbind(int handle) -> ()");
     m.def("bound_step(int[] handles, Tensor[] grads, float[] numbers, Tensor[] tensor_scalars, int[] slots, int[] flags, "
           "int[] per_tensor) -> int");
+    m.def("check_bound(int[] handles, Tensor[] grads, Tensor(a!) grad_pointers) -> int");
     m.def("grad_norm_partials(Tensor[] grads, Tensor chunks, bool inf, Tensor(a!) partials) -> int");
     m.def("scale_grads_in_chunks(Tensor(a!)[] grads, Tensor chunks, Tensor factor) -> int");
     m.def("probe(Tensor(a!)[] tensors, Tensor chunks) -> ()");
@@ -498,6 +545,7 @@ STABLE_TORCH_LIBRARY_IMPL(fastoptim, CompositeExplicitAutograd, m) {
     m.impl("bind", TORCH_BOX(&bind));
     m.impl("unbind", TORCH_BOX(&unbind));
     m.impl("bound_step", TORCH_BOX(&bound_step));
+    m.impl("check_bound", TORCH_BOX(&check_bound));
     m.impl("grad_norm_partials", TORCH_BOX(&grad_norm_partials));
     m.impl("scale_grads_in_chunks", TORCH_BOX(&scale_grads_in_chunks));
     m.impl("probe", TORCH_BOX(&probe));

@@ -7,15 +7,14 @@ kernels are compiled for one state format, so each format gets a table of its ow
 for other grads) or another status when they cannot take the grads and changed nothing),
 ``available()``, ``refusal(param)`` (why it cannot run a tensor at all, its device or dtype
 included, or None), ``bind(spec, tensors, table)`` (what its launches read of a cached pointer
-table and its tensors, by role) and ``run(spec, bound, grads, per_tensor, state_format, values,
-flags, stochastic)`` (launch its kernel over what ``bind`` made, with the grads, the scalar
+table and its tensors, by role), ``launch(spec, bound, grads, per_tensor, state_format, values,
+flags, stochastic)`` (one run of its kernel over what ``bind`` made, with the grads, the scalar
 ``values`` (name to a number, a 0-d tensor or a 1-d tensor with one value per tensor), the spec's
-``flags`` (name: bool) and whether it rounds stochastically, once or once per tensor; returns
-False, having changed nothing, when a tensor moved or a grad does not fit: the caller builds the
-table again). A backend that ``CHECKS_NATIVELY`` also offers ``launch`` (``run``'s arguments, less
-the state format, as one table's part of a call) and ``run_launches(launches)`` (any number of
-them in one call, checked before any runs), with which a step's tables run together. A new backend is one more module in
-``BACKENDS``.
+``flags`` (name: bool) and whether it rounds stochastically, once or once per tensor) and
+``run_launches(launches)`` (run them all, checked before any runs; False, having changed nothing,
+when a tensor moved or a grad does not fit: the caller builds the tables again). A step whose
+every table a backend that ``CHECKS_NATIVELY`` holds runs its launches together, unchecked in
+Python. A new backend is one more module in ``BACKENDS``.
 ``FASTOPTIM_FUSED_BACKEND=<name>`` forces one, for debugging and tests."""
 import os
 

@@ -31,10 +31,11 @@ def bind(spec, tensors, table):
     return fused_cpu.BoundTable(spec, tensors, table)
 
 
-def launch(spec, bound, grads, per_tensor, values, flags, stochastic):
+def launch(spec, bound, grads, per_tensor, state_format, values, flags, stochastic):
     """One table's part of a native step call, which ``run_launches`` runs with others. The scalar
     ``values`` (name to a number, a 0-d tensor or a 1-d tensor with one value per tensor) go as
-    numbers, and the tensors among them, in fp32 or float64, replace theirs (no host sync)."""
+    numbers, and the tensors among them, in fp32 or float64, replace theirs (no host sync). The
+    kernel reads each tensor's state format from its layout row, not from ``state_format``."""
     numbers, tensors, slots = [], [], []
     for slot, name in enumerate(spec.all_scalars):
         value = values[name]
@@ -50,10 +51,6 @@ def launch(spec, bound, grads, per_tensor, values, flags, stochastic):
 def run_launches(launches):
     """Run ``launches`` in one native call; False, having changed nothing, when one did not fit."""
     return fused_cpu.step(launches) == fused_cpu.STEPPED
-
-
-def run(spec, bound, grads, per_tensor, state_format, values, flags, stochastic):
-    return run_launches([launch(spec, bound, grads, per_tensor, values, flags, stochastic)])
 
 
 grad_norm_partials = fused_cpu.grad_norm_partials

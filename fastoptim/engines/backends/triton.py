@@ -1,11 +1,15 @@
 """The fused GPU backend: the Triton kernels of ``fastoptim/kernels/fused_triton.py``, one launch per
 table (or per tensor, single-tensor). With ``TRITON_INTERPRET=1`` they run CPU tensors in Triton's
-interpreter, which is how the tests check them without a GPU."""
+interpreter, which is how the tests check them without a GPU. Where the native library is loaded,
+it holds each table's params and states and checks them and the grads before every launch (as it
+does for the C kernel, whose tables it runs too), so a step checks no tensor in Python."""
 import os
+from typing import NamedTuple
 
 import torch
 
-from ...multi_tensor import data_pointers
+from ...kernels import fused_cpu
+from ...multi_tensor import PointerTable, data_pointers
 
 try:
     from ...kernels import fused_triton
@@ -18,7 +22,7 @@ NAME = "triton"
 DEVICE_TYPES = ("cuda",)
 SPLITS_FORMATS = True  # a kernel is compiled for one state dtype
 CLIPS = False  # the clip runs torch's foreach ops on CUDA tensors
-CHECKS_NATIVELY = False  # the optimizer's step work and the engine check the tensors' layouts in Python
+CHECKS_NATIVELY = fused_cpu.AVAILABLE  # else the step work and the engine check the tensors in Python
 
 
 def available():
@@ -44,27 +48,74 @@ def scalars(values, names, rows, table, device):
     the step's bias corrections, the seed of stochastic rounding) never leave the device; the plain
     numbers are sent once and kept with ``table`` while they stay the same. So a step sends nothing
     to the device and waits for nothing: it can be captured in a CUDA graph once warmed up."""
-    per_tensor = any(isinstance(values[n], torch.Tensor) and values[n].dim() == 1 for n in names)
-    rows = rows if per_tensor else 1
-    numbers = tuple(0.0 if isinstance(values[n], torch.Tensor) else float(values[n]) for n in names)
+    tensors = [isinstance(values[n], torch.Tensor) for n in names]
+    numbers = tuple(0.0 if tensor else float(values[n]) for n, tensor in zip(names, tensors))
     if table.numbers is None or table.numbers[0] != numbers:
         table.numbers = numbers, torch.tensor(numbers, device=device)
+    if not any(tensors):
+        return table.numbers[1][None]
+    rows = rows if any(values[n].dim() == 1 for n, tensor in zip(names, tensors) if tensor) else 1
     return torch.stack([values[n].to(device, torch.float32).expand(rows) if isinstance(values[n], torch.Tensor)
                         else table.numbers[1][i].expand(rows) for i, n in enumerate(names)], dim=1)
 
 
+class Table(NamedTuple):
+    """A table as the launches read it: its pointer table, which is sent to the device, the native
+    binding of its tensors (None without the native library), which checks them, and its params."""
+    pointers: PointerTable
+    native: "fused_cpu.BoundTable | None"
+    params: list
+
+
+class Launch(NamedTuple):
+    """One launch of ``spec``'s kernel over a table (once per tensor with ``per_tensor``)."""
+    spec: object
+    table: Table
+    grads: list
+    per_tensor: bool
+    state_format: object
+    values: dict
+    flags: dict
+    stochastic: bool
+
+
 def bind(spec, tensors, table):
-    """What a launch reads: the pointer table itself (its grads' row is refreshed at each launch)."""
-    return table
+    """The pointer table, and its params, states and block maxima bound to native code."""
+    return Table(table, fused_cpu.BoundTable(spec, tensors, table, runs=False) if CHECKS_NATIVELY else None,
+                 tensors["param"])
 
 
-def run(spec, table, grads, per_tensor, state_format, values, flags, stochastic):
-    table.refresh_grads(data_pointers(grads))
+def launch(spec, bound, grads, per_tensor, state_format, values, flags, stochastic):
+    return Launch(spec, bound, grads, per_tensor, state_format, values, flags, stochastic)
+
+
+def run_launches(launches):
+    """Check every launch's tables and grads (natively where the library is loaded, all before any
+    runs), then launch each and bump its params' version counters (as torch's in-place ops do);
+    False, having changed nothing, when a tensor moved or a grad does not fit."""
+    grads = [grad for launch in launches for grad in launch.grads]
+    if CHECKS_NATIVELY:
+        status, pointers = fused_cpu.check([launch.table.native for launch in launches], grads)
+        if status != fused_cpu.STEPPED:
+            return False
+    else:  # the step work and the engine checked the tensors
+        pointers = data_pointers(grads)
+    first = 0
+    for each in launches:
+        _run(each, pointers[first:first + len(each.grads)])
+        torch._C._increment_version(each.table.params)
+        first += len(each.grads)
+    return True
+
+
+def _run(launch, grad_pointers):
+    table = launch.table.pointers
+    table.refresh_grads(grad_pointers)
     n_tensors, device = table.pointers.shape[1], table.device
     pointers, work = table.device_tables(device)
-    array = scalars(values, spec.all_scalars, n_tensors, table, device)
-    ranges = zip(table.first_chunk[:-1], table.first_chunk[1:]) if per_tensor else [(0, len(table.chunks))]
+    array = scalars(launch.values, launch.spec.all_scalars, n_tensors, table, device)
+    ranges = zip(table.first_chunk[:-1], table.first_chunk[1:]) if launch.per_tensor else [(0, len(table.chunks))]
     for first, last in ranges:
-        fused_triton.launch(spec, pointers, n_tensors, work[first:last], array, table.dtype, state_format.dtype,
-                            stochastic=stochastic, subsets=bool((table.subsets > 1).any()), flags=flags)
-    return True
+        fused_triton.launch(launch.spec, pointers, n_tensors, work[first:last], array, table.dtype,
+                            launch.state_format.dtype, stochastic=launch.stochastic,
+                            subsets=bool((table.subsets > 1).any()), flags=launch.flags)
