@@ -213,6 +213,16 @@ def test_rounds_hold_one_family_when_the_budget_allows_no_more(tmp_path, monkeyp
     assert all(r["status"] == "ok" and r["ms_per_step"] > 0 for r in results["models"][0]["optimizers"])
 
 
+def test_torchs_engines_of_one_algorithm_are_instances_of_their_own():
+    """Found on an H100: shared, torch's foreach Adam kept its step counts on the CPU, where its
+    fused one refuses them for CUDA params, so every torch-*-fused row of --device cuda failed."""
+    table = run.optimizers()
+    for name in ("torch-adam", "torch-adamw"):
+        assert table[f"{name}-foreach"].family != table[f"{name}-fused"].family
+        params = [torch.nn.Parameter(torch.randn(3))]
+        assert table[f"{name}-fused"].make(params, None).param_groups[0]["fused"]
+
+
 def test_import_noise_is_kept_off_the_output(capfd):
     from fastoptim.extras import output_discarded
     with output_discarded():
