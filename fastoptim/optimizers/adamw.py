@@ -69,7 +69,7 @@ def adamw_update(ops, *, param, grad, scratch, exp_avg=None, exp_avg_sq, max_exp
 
 
 class AdamW(FastOptimizer):
-    """AdamW with torch.optim.AdamW's signature and results (see :func:`adamw_update`).
+    """AdamW with torch.optim.AdamW's signature and results (see [adamw_update][fastoptim.optimizers.adamw.adamw_update]).
 
     Args:
         params: parameters or param groups (dicts with per-group options).

@@ -18,14 +18,14 @@ if TYPE_CHECKING:
 class AdamWSN(AdamW):
     """AdamW with a subset-norm second moment, as the AdamW-Subset-Norm paper's
     reference ``AdamwSN`` (``adamw_sn.py``; see
-    :func:`fastoptim.optimizers.adamw.adamw_update` with ``decay_after``).
+    [adamw_update][fastoptim.optimizers.adamw.adamw_update] with ``decay_after``).
 
     Args:
         params: parameters or param groups; groups opt in with ``'sn': True``, as in that code's
             usage, and the others get the same AdamW with one second-moment entry per element.
         lr: learning rate, a float or a one-element tensor; the paper's results need about 10
             times Adam's.
-        betas: (β1, β2); ``β1 = 0`` keeps no first moment (see :class:`RMSPropSN`).
+        betas: (β1, β2); ``β1 = 0`` keeps no first moment (see [RMSPropSN][fastoptim.RMSPropSN]).
         eps: added to the denominator after the square root.
         weight_decay: decoupled, ``p·(1 − lr·wd)`` after the update, as the reference.
         subset_size: the partition (see fastoptim.states.subset_norm): None sums 2-D params over
@@ -78,20 +78,20 @@ class AdamWSN(AdamW):
 
 
 class RMSPropSN(AdamWSN):
-    """RMSProp with a subset-norm second moment: :class:`AdamWSN` with β1 = 0, which keeps no first
+    """RMSProp with a subset-norm second moment: [AdamWSN][fastoptim.AdamWSN] with β1 = 0, which keeps no first
     moment, so an ``sn`` matrix's whole state is O(√d).
 
     Args:
-        params: parameters or param groups, as :class:`AdamWSN` takes them.
+        params: parameters or param groups, as [AdamWSN][fastoptim.AdamWSN] takes them.
         lr: learning rate, a float or a one-element tensor.
         beta2: the decay rate of the second moment.
         eps: added to the denominator after the square root.
         weight_decay: decoupled, after the update.
-        subset_size: the partition under ``sn``, as :class:`AdamWSN` takes it.
+        subset_size: the partition under ``sn``, as [AdamWSN][fastoptim.AdamWSN] takes it.
         correct_bias: bias correction in the step size.
-        foreach: the engine, as :class:`AdamWSN` takes it.
-        fused: the engine, as :class:`AdamWSN` takes it.
-        **options: :class:`AdamWSN`'s keyword-only arguments (``sn``, ``maximize``, ``max_grad_norm``,
+        foreach: the engine, as [AdamWSN][fastoptim.AdamWSN] takes it.
+        fused: the engine, as [AdamWSN][fastoptim.AdamWSN] takes it.
+        **options: [AdamWSN][fastoptim.AdamWSN]'s keyword-only arguments (``sn``, ``maximize``, ``max_grad_norm``,
             ``stochastic_rounding``, ``state_bits``, ``shard_group``).
     """
 

@@ -75,7 +75,7 @@ def adan_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, exp_avg_diff,
 
 
 class Adan(FastOptimizer):
-    """Adan, computing exactly what official sail-sg/Adan computes (see :func:`adan_update`).
+    """Adan, computing exactly what official sail-sg/Adan computes (see [adan_update][fastoptim.optimizers.adan.adan_update]).
 
     Args:
         params: parameters or param groups (dicts with per-group options).

@@ -42,7 +42,7 @@ def lion_update(ops, *, param, grad, scratch, exp_avg, beta1, beta2, lr, weight_
 
 
 class Lion(FastOptimizer):
-    """Lion (see :func:`lion_update`): one momentum state, and an update of the same size ``lr`` for
+    """Lion (see [lion_update][fastoptim.optimizers.lion.lion_update]): one momentum state, and an update of the same size ``lr`` for
     every element, so ``lr`` is usually 3–10 times smaller than AdamW's and ``weight_decay`` as many
     times larger.
 
