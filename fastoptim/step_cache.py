@@ -110,10 +110,10 @@ class GroupWork:
     def _read_tensors(self):
         """The tensors by role from the kept states, and the block maxima of the 8-bit ones."""
         self.tensors = {"param": self.local_params} | {role: list(map(engine_view, self.kept[role]))
-                                                       for role in self.roles}
+                                                       for role in self.roles if role in self.kept}
         self.absmax = {role: self.kept[role + ABSMAX] for role in self.roles if role + ABSMAX in self.kept}
         if self.partitions:
-            self.tensors = {role: [t if part is None else part.view_state(t) if role in self.reduced_roles
+            self.tensors = {role: [t if part is None or t is None else part.view_state(t) if role in self.reduced_roles
                                    else part.view_param(t) for t, part in zip(tensors, self.partitions)]
                             for role, tensors in self.tensors.items()}
 

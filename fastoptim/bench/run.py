@@ -29,10 +29,11 @@ from .models import shapes, with_gradients
 HYPERPARAMETERS = dict(lr=1e-4, weight_decay=0.02)
 ENGINES = {"loop": dict(foreach=False, fused=False), "foreach": dict(foreach=True, fused=False),
            "fused-single": dict(foreach=False, fused=True), "fused-multi": dict(foreach=True, fused=True)}
-# family: class, subset-norm states on the Linear weights, state_bits
-FASTOPTIM = {"adan": (fastoptim.Adan, False, 32), "adamw": (fastoptim.AdamW, False, 32),
-             "adan-sn": (fastoptim.Adan, True, 32), "adamwsn": (fastoptim.AdamWSN, True, 32),
-             "adan-8bit": (fastoptim.Adan, False, 8), "adamw-8bit": (fastoptim.AdamW, False, 8)}
+# family: class, subset-norm states on the Linear weights, state_bits, master_bits (bf16 params: --dtype bf16)
+FASTOPTIM = {"adan": (fastoptim.Adan, False, 32, 16), "adamw": (fastoptim.AdamW, False, 32, 16),
+             "adan-sn": (fastoptim.Adan, True, 32, 16), "adamwsn": (fastoptim.AdamWSN, True, 32, 16),
+             "adan-8bit": (fastoptim.Adan, False, 8, 16), "adamw-8bit": (fastoptim.AdamW, False, 8, 16),
+             "adamw-master32": (fastoptim.AdamW, False, 32, 32)}
 PROBE_NUMEL = 1 << 24  # per role: 64 MiB of fp32, far beyond the caches; 6 such fit beside a large model
 # The states a round holds at once, beyond the first family: with a large model's params and grads and
 # the probe, the quick default then peaks under 4 GiB of resident memory.
@@ -50,9 +51,10 @@ class Optimizer:
     library: str = "fastoptim"
 
 
-def fastoptim_family(cls, sn, state_bits=32):
+def fastoptim_family(cls, sn, state_bits=32, master_bits=16):
     def make(params, sn_mask):
-        return cls(peers.sn_groups(params, sn_mask) if sn else params, state_bits=state_bits, **HYPERPARAMETERS)
+        return cls(peers.sn_groups(params, sn_mask) if sn else params, state_bits=state_bits,
+                   master_bits=master_bits, **HYPERPARAMETERS)
     return make
 
 

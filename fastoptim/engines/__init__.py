@@ -47,6 +47,10 @@ class Plan:
     def __len__(self):
         return len(self.tensors["param"])
 
+    def without(self, role):
+        """The plan without the tensors of ``role``."""
+        return replace(self, tensors={name: values for name, values in self.tensors.items() if name != role})
+
     def subset(self, indices):
         """The plan restricted to tensors ``indices`` (with a cache of its own)."""
         return self.cut(indices)

@@ -7,7 +7,7 @@ holds two temporaries the size of all parameters.
 """
 import torch
 
-from ..states import formats
+from ..states import formats, master
 from . import lowbit
 from .ops import FOREACH_OPS, LOW_PRECISION, round_into
 
@@ -65,10 +65,11 @@ def run(plan):
     plan = pieces(plan, SLICE_NUMEL)
     for part in slices(plan.tensors["param"], SLICE_NUMEL):
         tensors = {role: tensors[part] for role, tensors in plan.tensors.items()}
-        params = tensors["param"]
+        params, remainders = tensors["param"], tensors.pop(master.KEY, None)
         low_precision = params[0].dtype in LOW_PRECISION
         if low_precision:  # buckets share one dtype; the math is fp32
-            tensors["param"] = [p.float() for p in params]
+            tensors["param"] = [p.float() for p in params] if remainders is None else list(
+                map(master.widen, params, remainders))
             tensors["grad"] = [g.float() for g in tensors["grad"]]
         stored = lowbit.widen(plan.spec, tensors, {role: values[part] for role, values in plan.absmax.items()})
         args = {
@@ -78,7 +79,10 @@ def run(plan):
         scratch = [torch.empty_like(p) for p in tensors["param"]]
         plan.update(FOREACH_OPS, scratch=scratch, **tensors, **args)
         lowbit.store(plan.spec, tensors, stored)
-        if low_precision and plan.stochastic_rounding:
+        if remainders is not None:
+            for param, remainder, result in zip(params, remainders, tensors["param"]):
+                master.store(param, remainder, result)
+        elif low_precision and plan.stochastic_rounding:
             for param, result in zip(params, tensors["param"]):
                 round_into(param, result, stochastic=True)
         elif low_precision:

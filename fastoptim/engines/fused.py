@@ -25,7 +25,7 @@ import torch
 
 from ..multi_tensor import PointerTable, disjoint, is_dense
 from ..specs import ABSMAX
-from ..states import blockwise8, formats
+from ..states import blockwise8, formats, master
 from ..step_cache import DEVICE, DTYPE, LAYOUT, SHAPE, OpCache, Signature
 from . import amp, backends, foreach
 
@@ -77,6 +77,8 @@ def same_layout(a, b):
 def _split(tensors, spec, backend):
     """Indices of the tensors (``tensors``: role to one tensor per param) that ``backend``'s kernel
     takes, with their states' formats, and those left to the foreach engine with the first reason."""
+    if master.KEY in tensors:
+        return [], [], list(range(len(tensors["param"]))), "no fused kernel keeps master_bits remainders yet"
     state_roles = [role for role in tensors if role not in ("param", "grad")]
     taken, taken_formats, left, reason = [], [], [], None
     for i, (param, grad) in enumerate(zip(tensors["param"], tensors["grad"])):

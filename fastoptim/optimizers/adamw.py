@@ -69,7 +69,8 @@ def adamw_update(ops, *, param, grad, scratch, exp_avg=None, exp_avg_sq, max_exp
 
 
 class AdamW(FastOptimizer):
-    """AdamW with torch.optim.AdamW's signature and results (see [adamw_update][fastoptim.optimizers.adamw.adamw_update]).
+    """AdamW with torch.optim.AdamW's signature and results (see
+    [adamw_update][fastoptim.optimizers.adamw.adamw_update]).
 
     Args:
         params: parameters or param groups (dicts with per-group options).
@@ -98,12 +99,12 @@ class AdamW(FastOptimizer):
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
                  fused: bool | None = None, max_grad_norm: float = 0.0, stochastic_rounding: bool = False,
-                 sn: bool = False, subset_size: int | None = None, state_bits: int = 32,
+                 master_bits: int = 16, sn: bool = False, subset_size: int | None = None, state_bits: int = 32,
                  shard_group: ProcessGroup | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
                         foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
-                        max_grad_norm=max_grad_norm, stochastic_rounding=stochastic_rounding, sn=sn,
-                        subset_size=subset_size, state_bits=state_bits)
+                        max_grad_norm=max_grad_norm, stochastic_rounding=stochastic_rounding, master_bits=master_bits,
+                        sn=sn, subset_size=subset_size, state_bits=state_bits)
         super().__init__(params, defaults, shard_group)
 
     def _check_group(self, group, max_grad_norm=None):

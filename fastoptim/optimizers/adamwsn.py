@@ -49,11 +49,12 @@ class AdamWSN(AdamW):
                  eps: float = 1e-6, weight_decay: float = 0.0, subset_size: int | None = None,
                  correct_bias: bool = True, foreach: bool | None = None, fused: bool | None = None, *,
                  sn: bool = False, maximize: bool = False, max_grad_norm: float = 0.0,
-                 stochastic_rounding: bool = False, state_bits: int = 32,
+                 stochastic_rounding: bool = False, master_bits: int = 16, state_bits: int = 32,
                  shard_group: ProcessGroup | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, subset_size=subset_size,
                         correct_bias=correct_bias, foreach=foreach, fused=fused, sn=sn, maximize=maximize,
-                        max_grad_norm=max_grad_norm, stochastic_rounding=stochastic_rounding, state_bits=state_bits)
+                        max_grad_norm=max_grad_norm, stochastic_rounding=stochastic_rounding, master_bits=master_bits,
+                        state_bits=state_bits)
         FastOptimizer.__init__(self, params, defaults, shard_group)
 
     def _check_group(self, group, max_grad_norm=None):
@@ -91,8 +92,8 @@ class RMSPropSN(AdamWSN):
         correct_bias: bias correction in the step size.
         foreach: the engine, as [AdamWSN][fastoptim.AdamWSN] takes it.
         fused: the engine, as [AdamWSN][fastoptim.AdamWSN] takes it.
-        **options: [AdamWSN][fastoptim.AdamWSN]'s keyword-only arguments (``sn``, ``maximize``, ``max_grad_norm``,
-            ``stochastic_rounding``, ``state_bits``, ``shard_group``).
+        **options: [AdamWSN][fastoptim.AdamWSN]'s keyword-only arguments (``sn``, ``maximize``,
+            ``max_grad_norm``, ``stochastic_rounding``, ``master_bits``, ``state_bits``, ``shard_group``).
     """
 
     def __init__(self, params: ParamsT, lr: float | Tensor = 1e-3, beta2: float = 0.999, eps: float = 1e-6,

@@ -75,7 +75,8 @@ def adan_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, exp_avg_diff,
 
 
 class Adan(FastOptimizer):
-    """Adan, computing exactly what official sail-sg/Adan computes (see [adan_update][fastoptim.optimizers.adan.adan_update]).
+    """Adan, computing exactly what official sail-sg/Adan computes (see
+    [adan_update][fastoptim.optimizers.adan.adan_update]).
 
     Args:
         params: parameters or param groups (dicts with per-group options).
@@ -109,12 +110,12 @@ class Adan(FastOptimizer):
                  betas: tuple[float, float, float] = (0.98, 0.92, 0.99), eps: float = 1e-8,
                  weight_decay: float = 0.0, max_grad_norm: float = 0.0, no_prox: bool = False,
                  foreach: bool | None = None, fused: bool | None = None, *, maximize: bool = False,
-                 stochastic_rounding: bool = False, sn: bool = False, subset_size: int | None = None,
-                 state_bits: int = 32, shard_group: ProcessGroup | None = None) -> None:
+                 stochastic_rounding: bool = False, master_bits: int = 16, sn: bool = False,
+                 subset_size: int | None = None, state_bits: int = 32, shard_group: ProcessGroup | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, max_grad_norm=max_grad_norm,
                         no_prox=no_prox, foreach=foreach, fused=fused, maximize=maximize,
-                        stochastic_rounding=stochastic_rounding, sn=sn, subset_size=subset_size,
-                        state_bits=state_bits)
+                        stochastic_rounding=stochastic_rounding, master_bits=master_bits, sn=sn,
+                        subset_size=subset_size, state_bits=state_bits)
         super().__init__(params, defaults, shard_group)
 
     def add_param_group(self, param_group):

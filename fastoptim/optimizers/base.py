@@ -12,7 +12,7 @@ from torch import Tensor
 from .. import distributed, engines
 from ..clip import GradTables, clip_coefficient
 from ..specs import ABSMAX, KernelSpec
-from ..states import formats, subset_norm
+from ..states import formats, master, subset_norm
 from ..step_cache import DEVICE, DTYPE, SHAPE, BoundStep, GroupWork, OptimizerState, Signature, engine_view
 from .checks import check_hyperparameters, check_params, check_tensor_lr, normalize_betas
 from .state_dict import StateDicts
@@ -32,12 +32,21 @@ COMMON_ARGS = """\
             with no host sync. Global, so set in the constructor only.
         stochastic_rounding: round updated bf16 params up or down at random, with the probability
             of their distance, instead of to nearest even.
+        master_bits: for bf16 params, the bits of the fp32 value the optimizer updates: 16 (the
+            param alone), 24 (an 8-bit remainder beside it in the state, ``master_remainder``) or 32
+            (a 16-bit remainder: the exact fp32 master, at 2 bytes per element instead of a 4-byte
+            copy). See fastoptim.states.master; no fused kernel keeps the remainders yet.
         state_bits: 32 (fp32 states), 16 (bf16) or 8 (8-bit blockwise codes beside their block
             maxima, for params of 4096+ elements). State dicts convert between formats on load.
         shard_group: the process group whose ranks each hold a partition of the model's params (as
             under ZeroRedundancyOptimizer): global reductions (the clipping norm) run over it."""
 
 GRADS_PATTERNS_KEPT = 8  # torch.compile's recompile limit: a step traced for more patterns recompiles anyway
+
+
+def _formats_chosen(group):
+    """The options that choose the formats of a group's states: state_bits and master_bits."""
+    return group["state_bits"], group["master_bits"]
 
 
 def _grads_pattern(group):
@@ -208,8 +217,14 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
 
     def _structure(self, group):
         """What of ``group``'s options decides its step work: its state roles, engine and formats."""
-        return (self.spec.kept(self.kernel_flags(group)), engines.engine_name(group["foreach"], group["fused"]),
-                group["state_bits"], group.get("sn"), group.get("subset_size"))
+        return (self._roles(group), engines.engine_name(group["foreach"], group["fused"]),
+                _formats_chosen(group), group.get("sn"), group.get("subset_size"))
+
+    def _roles(self, group):
+        """The state roles the engines update under ``group``'s options: the algorithm's, and the
+        master remainders of bf16 params (a role of their own: no algorithm reads them)."""
+        roles = self.spec.kept(self.kernel_flags(group))
+        return roles + (master.KEY,) if group["master_bits"] > 16 else roles
 
     def _apply(self, work, caches, batch=None):
         """Step every group of ``work`` ((group, GroupWork, grads) per group, all checked). With a
@@ -294,7 +309,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         """The group's :class:`GroupWork` and its params' grads (local shards of DTensors), all
         checked; nothing is changed."""
         params, local_params, grads = self._with_grads(group)
-        roles = self.spec.kept(self.kernel_flags(group))
+        roles = self._roles(group)
         engine = engines.engine_name(group["foreach"], group["fused"])
         self._check_lr(group, params)
         entry = caches.get(index)
@@ -311,7 +326,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             caches[index] = entry
         self._check_grads(local_params, grads, entry.signature)
         states = list(map(self.state.get, params))
-        if not entry.holds(states) or entry.state_bits != group["state_bits"]:
+        if not entry.holds(states) or entry.state_bits != _formats_chosen(group):
             entry.states = None
             for param, state in zip(params, states):
                 self._check_state(param, state or {}, group)
@@ -352,7 +367,8 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}: subset_size cuts a param into subsets in its row-major "
                              f"order, which needs a contiguous param; got shape {tuple(param.shape)} with strides "
                              f"{param.stride()}. Make it contiguous, or use subset_size=None (rows or columns)")
-        for key, (shape, dtype) in self._expected_state(group, param, state).items():
+        expected = self._expected_state(group, param, state)
+        for key, (shape, dtype) in expected.items():
             value = state.get(key)
             role = key.removesuffix(ABSMAX)
             if value is None and role != key and role in state:  # a companion is never created alone
@@ -363,8 +379,14 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                 raise RuntimeError(
                     f"{type(self).__name__}: state '{key}' is {value.dtype} {tuple(value.shape)} on {value.device}, "
                     f"but its param ({param.dtype} {tuple(param.shape)} on {param.device}) needs {dtype} "
-                    f"{tuple(shape)}: was the param (or state_bits) changed after its state was created? Convert "
-                    "the state (a state dict round trip does), or clear it with optimizer.state[param].clear()")
+                    f"{tuple(shape)}: was the param (or state_bits, master_bits) changed after its state was created? "
+                    "Convert the state (a state dict round trip does), or clear it with optimizer.state[param].clear()")
+        if master.KEY in state and master.KEY not in expected:
+            raise RuntimeError(
+                f"{type(self).__name__}: state '{master.KEY}' holds a master remainder that master_bits="
+                f"{group['master_bits']} does not keep for a {param.dtype} param: was master_bits changed after the "
+                "state was created? Convert the state (a state dict round trip does), or clear it with "
+                "optimizer.state[param].clear()")
 
     def _step_group(self, group, entry, grads, grad_scale, found_inf, increment, batch=None):
         if entry.states is None:  # every group is checked by now: states may be created
@@ -376,6 +398,8 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                             warn_fallback=group["fused"] is True, absmax=entry.absmax, batch=batch)
         for index, (bucket, reduce_group) in enumerate(entry.buckets):
             part = plan if len(bucket) == len(entry.params) else plan.subset(bucket)
+            if master.KEY in part.tensors and part.tensors[master.KEY][0] is None:  # not bf16: no remainders
+                part = part.without(master.KEY)
             part.cache = entry.bucket_caches.setdefault(index, {})
             if reduce_group is None:
                 engines.run(entry.engine, part)
@@ -387,7 +411,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         states, context = self._prepare_states(entry.params, group)
         partitions = [subset_norm.from_record(p.shape, s) for p, s in zip(entry.params, states)]
         entry.use_states(states, context, partitions, self.spec.reduced, self._reduce_group)
-        entry.state_bits = group["state_bits"]  # the states' format: checked again if the option changes
+        entry.state_bits = _formats_chosen(group)  # the states' formats: checked again if an option changes
 
     def _partition(self, param, state, group):
         """The subset-norm partition of a param: the one its state records; for a state without a
@@ -416,6 +440,8 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         for role, state_format in states_formats.items():
             if role not in state:
                 state.update(state_format.zeros(param, self.spec.role(role), partition))
+        if master.dtype(param, group["master_bits"]) is not None and master.KEY not in state:
+            state[master.KEY] = master.zeros(param, group["master_bits"])
         return state
 
     def _expected_state(self, group, param, state):
@@ -425,6 +451,9 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         expected = {}
         for role, state_format in states_formats.items():
             expected |= state_format.expected(param, self.spec.role(role), partition)
+        remainder = master.dtype(param, group["master_bits"])
+        if remainder is not None:
+            expected[master.KEY] = (param.shape, remainder)
         return expected
 
     def _prepare_states(self, params, group):

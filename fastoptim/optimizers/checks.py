@@ -5,7 +5,7 @@ import math
 from torch import Tensor
 
 from .. import distributed
-from ..states import subset_norm
+from ..states import master, subset_norm
 
 
 def normalize_betas(group):
@@ -44,6 +44,11 @@ def check_hyperparameters(group, n_betas):
         if not isinstance(group.get(flag, False), bool):
             raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be True or False)")
     subset_norm.check_subset_size(group.get("subset_size"))
+    if type(group["master_bits"]) is not int or group["master_bits"] not in master.BITS:
+        raise ValueError(f"Invalid master_bits: {group['master_bits']!r} (must be 16, 24 or 32)")
+    if group["master_bits"] > 16 and group["stochastic_rounding"]:
+        raise ValueError(f"Invalid master_bits: {group['master_bits']} with stochastic_rounding, which rounds the "
+                         "params of master_bits=16; a remainder keeps what rounding drops")
     if type(group["state_bits"]) is not int or group["state_bits"] not in (8, 16, 32):
         raise ValueError(f"Invalid state_bits: {group['state_bits']!r} (must be 32, 16 for bf16 states or 8 for "
                          "8-bit blockwise states)")

@@ -42,9 +42,9 @@ def lion_update(ops, *, param, grad, scratch, exp_avg, beta1, beta2, lr, weight_
 
 
 class Lion(FastOptimizer):
-    """Lion (see [lion_update][fastoptim.optimizers.lion.lion_update]): one momentum state, and an update of the same size ``lr`` for
-    every element, so ``lr`` is usually 3–10 times smaller than AdamW's and ``weight_decay`` as many
-    times larger.
+    """Lion (see [lion_update][fastoptim.optimizers.lion.lion_update]): one momentum state, and an
+    update of the same size ``lr`` for every element, so ``lr`` is usually 3–10 times smaller than
+    AdamW's and ``weight_decay`` as many times larger.
 
     Args:
         params: parameters or param groups (dicts with per-group options).
@@ -64,10 +64,10 @@ class Lion(FastOptimizer):
     def __init__(self, params: ParamsT, lr: float | Tensor = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, *, maximize: bool = False, foreach: bool | None = None,
                  fused: bool | None = None, max_grad_norm: float = 0.0, stochastic_rounding: bool = False,
-                 state_bits: int = 32, shard_group: ProcessGroup | None = None) -> None:
+                 master_bits: int = 16, state_bits: int = 32, shard_group: ProcessGroup | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, maximize=maximize, foreach=foreach,
                         fused=fused, max_grad_norm=max_grad_norm, stochastic_rounding=stochastic_rounding,
-                        state_bits=state_bits)
+                        master_bits=master_bits, state_bits=state_bits)
         super().__init__(params, defaults, shard_group)
 
     def _step_arguments(self, group, entry, grad_scale, increment):

@@ -8,11 +8,11 @@ import torch
 
 from .. import distributed
 from ..specs import ABSMAX
-from ..states import formats, subset_norm
+from ..states import formats, master, subset_norm
 from .checks import normalize_betas
 
 # Options that say how a step runs, not what it computes: a loaded state dict leaves them as they are.
-EXECUTION_OPTIONS = ("foreach", "fused", "state_bits", "capturable", "differentiable")
+EXECUTION_OPTIONS = ("foreach", "fused", "state_bits", "master_bits", "capturable", "differentiable")
 # Options of peers' saved groups that select a variant of the algorithm, which fastoptim does not
 # implement: name, the value that means the plain algorithm, and what the variant is. A group that
 # sets one otherwise is refused at load, where it would continue as the plain algorithm.
@@ -44,9 +44,10 @@ class StateDicts:
         As in torch, the load pre-hooks see the dict first (and may replace it), and the post-hooks
         run last. Everything is checked before anything changes. The hyperparameters are the saved
         ones, ``max_grad_norm`` included (the saved groups must agree on it), but the execution
-        options (``foreach``, ``fused``, ``state_bits``, and AdamW's ``capturable`` and
-        ``differentiable``) stay this optimizer's: a state moves freely between engines, and is
-        converted to this optimizer's state format (quantized, or dequantized). States are on the
+        options (``foreach``, ``fused``, ``state_bits``, ``master_bits``, and AdamW's ``capturable``
+        and ``differentiable``) stay this optimizer's: a state moves freely between engines, and is
+        converted to this optimizer's state format (quantized, or dequantized; a master remainder
+        to this optimizer's bits, dropped under ``master_bits=16``, zeros where none was saved). States are on the
         parameter's device (float64 for a float64 parameter), whatever the saved device. A state of
         this algorithm that the saved options leave unused (``max_exp_avg_sq`` after amsgrad was
         turned off) is kept as it was saved, as torch keeps it.
@@ -111,10 +112,14 @@ class StateDicts:
                     state = formats.convert(state, self.spec.role(role), state_format)
                 except (ValueError, RuntimeError) as error:
                     raise ValueError(f"state of parameter {saved_id}: {error}") from None
+        remainder = state.pop(master.KEY, None)
+        if remainder is not None and master.dtype(param, group["master_bits"]) is not None:
+            state[master.KEY] = master.convert(torch.as_tensor(remainder), group["master_bits"])
         expected = self._expected_state(group, param, state)
         records = {key for key in subset_norm.RECORDS if key in state}  # the partition: Python ints
         unused = {key for role in self.spec.states for key in (role, role + ABSMAX)} - set(expected)
-        if set(state) - set(expected) - records - unused or set(expected) - set(state) - self.spec.optional:
+        missing = set(expected) - set(state) - self.spec.optional - {master.KEY}  # a step creates a remainder
+        if set(state) - set(expected) - records - unused or missing:
             raise ValueError(
                 f"state of parameter {saved_id} has keys {sorted(state)}, but {type(self).__name__} "
                 f"expects {sorted(expected)}: is it a state dict of another optimizer?")

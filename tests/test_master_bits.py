@@ -1,0 +1,199 @@
+"""Compressed master weights (``master_bits``, fastoptim/states/master.py): bf16 params with a
+remainder in their state. With 32 bits the run is the fp32 run, bit for bit; with 24 it stays
+within its bound; the option is checked, converted by state dicts, and refused mid-run changes."""
+import warnings
+
+import pytest
+import torch
+
+import fastoptim
+from fastoptim.states import master
+
+from . import oracle
+from .registry import OPTIMIZERS
+
+SHAPES = [(40, 70), (300,), (3,)]
+ENGINES = {"loop": dict(foreach=False, fused=False), "foreach": dict(foreach=True, fused=False)}
+STEPS = 12
+
+
+def floats():
+    """Normal values over the exponent range, subnormals, zeros, infinities and exact ties (a low
+    half of 0x8000), as fp32."""
+    values = torch.randn(20_000, generator=torch.Generator().manual_seed(0)) * torch.logspace(-35, 35, 20_000)
+    ties = torch.randint(-2**30, 2**30, (2000,), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    ties = ((ties & -(1 << 16)) | 0x8000).view(torch.float32)
+    special = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-40, float("inf"), -float("inf"), 1.0, -1.0])
+    values = torch.cat([values, ties[ties.isfinite()], special])
+    return values[~values.isnan()]
+
+
+def split(values, bits):
+    param = torch.empty(values.shape, dtype=torch.bfloat16)
+    remainder = torch.empty(values.shape, dtype=master.DTYPES[bits])
+    master.store(param, remainder, values)
+    return param, remainder
+
+
+def test_a_16_bit_remainder_keeps_every_float_exactly_beside_its_nearest_bf16():
+    values = floats()
+    param, remainder = split(values, 32)
+    assert torch.equal(master.widen(param, remainder).view(torch.int32), values.view(torch.int32))
+    # the param is a nearest bf16: no bf16 value is closer (ties go away from zero)
+    bits = values.view(torch.int32)
+    below = (bits & -(1 << 16)).view(torch.float32)
+    above = ((bits & -(1 << 16)) + (1 << 16)).view(torch.float32)
+    distance = (param.float().double() - values.double()).abs()
+    finite = above.isfinite()
+    assert (distance[finite] <= torch.minimum((below - values).abs(), (above - values).abs())[finite].double()).all()
+
+
+def test_an_8_bit_remainder_keeps_a_float_within_a_256th_of_its_params_unit():
+    values = floats()
+    values = values[values.isfinite() & (values.abs() < 3e38)]
+    param, remainder = split(values, 24)
+    exact_param, _ = split(values, 32)
+    assert torch.equal(param, exact_param)  # the same param: only the remainder is shorter
+    unit = (param.float().abs().view(torch.int32) + (1 << 16)).view(torch.float32) - param.float().abs()
+    error = (master.widen(param, remainder).double() - values.double()).abs()
+    assert (error <= unit.double() / 256).all()
+
+
+def test_nan_reaches_the_param_with_a_zero_remainder():
+    param, remainder = split(torch.tensor([float("nan"), 1.5]), 32)
+    assert param[0].isnan() and remainder[0] == 0 and param[1] == 1.5
+
+
+def run(cls, params, grads, **options):
+    opt = cls(params, lr=1e-2, **options)
+    for step_grads in grads:
+        for param, grad in zip(params, step_grads):
+            param.grad = grad.to(param.dtype)
+        opt.step()
+    return opt
+
+
+def bf16_start(seed=0):
+    return [torch.nn.Parameter(p.bfloat16()) for p in oracle.make_params(SHAPES, seed=seed)]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=lambda info: info.name)
+def test_master_bits_32_is_the_fp32_run_bit_for_bit(info, engine):
+    """bf16 params with a 16-bit remainder against fp32 params from the same start on the same
+    (bf16) grads: the master equals the fp32 param at every step, and the param is it rounded."""
+    grads = [[g.bfloat16() for g in step] for step in oracle.grad_sequence(SHAPES, STEPS)]
+    params = bf16_start()
+    reference = [torch.nn.Parameter(p.detach().float()) for p in params]
+    options = dict(ENGINES[engine], weight_decay=0.1)
+    opt, ref = info.cls(params, lr=1e-2, master_bits=32, **options), info.cls(reference, lr=1e-2, **options)
+    for step_grads in grads:
+        for param, ref_param, grad in zip(params, reference, step_grads):
+            param.grad, ref_param.grad = grad, grad.float()
+        opt.step()
+        ref.step()
+        for param, ref_param in zip(params, reference):
+            assert torch.equal(master.widen(param, opt.state[param][master.KEY]), ref_param.detach())
+            assert torch.equal(param.detach(), split(ref_param.detach(), 32)[0])
+
+
+def test_master_bits_24_keeps_what_bf16_alone_loses():
+    """Updates far below a bf16 unit vanish from a bf16 param; the 8-bit remainder keeps them."""
+    grads = [[g.bfloat16() for g in step] for step in oracle.grad_sequence(SHAPES, STEPS)]
+    reference = [torch.nn.Parameter(p.detach().float()) for p in bf16_start()]
+    run(fastoptim.AdamW, reference, grads, foreach=True, fused=False)
+    errors = {}
+    for bits in (16, 24):
+        params = bf16_start()
+        opt = run(fastoptim.AdamW, params, grads, master_bits=bits, foreach=True, fused=False)
+        errors[bits] = max(((master.widen(p, opt.state[p][master.KEY]) if bits > 16 else p.float()) - r.detach())
+                           .abs().max().item() for p, r in zip(params, reference))
+    assert errors[24] < errors[16] / 20, errors
+
+
+def test_the_fused_engines_leave_remainders_to_foreach_with_the_same_result():
+    grads = oracle.grad_sequence(SHAPES, 3)
+    results = {}
+    for name, options in (("foreach", dict(foreach=True, fused=False)), ("fused", dict(fused=True))):
+        params = bf16_start()
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            opt = run(fastoptim.Adan, params, grads, master_bits=32, **options)
+        if name == "fused":
+            assert any("master_bits" in str(w.message) for w in record)
+        results[name] = [master.widen(p, opt.state[p][master.KEY]) for p in params]
+    assert all(torch.equal(a, b) for a, b in zip(results["foreach"], results["fused"]))
+
+
+def test_fp32_params_keep_no_remainder():
+    params = [torch.nn.Parameter(torch.randn(10)), torch.nn.Parameter(torch.randn(10).bfloat16())]
+    opt = run(fastoptim.Lion, params, [[torch.randn(10), torch.randn(10)]], master_bits=24)
+    assert master.KEY not in opt.state[params[0]]
+    assert opt.state[params[1]][master.KEY].dtype == torch.int8
+
+
+@pytest.mark.parametrize("bad, message", [(20, "must be 16, 24 or 32"), ("32", "must be 16, 24 or 32"),
+                                          (True, "must be 16, 24 or 32")])
+def test_bad_master_bits_are_refused(bad, message):
+    with pytest.raises(ValueError, match=f"Invalid master_bits.*{message}"):
+        fastoptim.Adan(bf16_start(), master_bits=bad)
+
+
+def test_master_bits_with_stochastic_rounding_is_refused():
+    with pytest.raises(ValueError, match="master_bits.*stochastic_rounding"):
+        fastoptim.AdamW(bf16_start(), master_bits=32, stochastic_rounding=True)
+
+
+def test_a_state_dict_resumes_exactly_and_converts_the_remainder():
+    grads = oracle.grad_sequence(SHAPES, 6)
+    whole_params = bf16_start()
+    whole = run(fastoptim.AdamW, whole_params, grads, master_bits=32)
+    params = bf16_start()
+    first = run(fastoptim.AdamW, params, grads[:3], master_bits=32)
+    saved = first.state_dict()
+    resumed = fastoptim.AdamW(params, lr=1e-2, master_bits=32)
+    resumed.load_state_dict(saved)
+    for step_grads in grads[3:]:
+        for param, grad in zip(params, step_grads):
+            param.grad = grad.bfloat16()
+        resumed.step()
+    assert all(torch.equal(a, b) and torch.equal(whole.state[a][master.KEY], resumed.state[b][master.KEY])
+               for a, b in zip(whole_params, params))
+    eight = fastoptim.AdamW(params, lr=1e-2, master_bits=24)
+    eight.load_state_dict(saved)
+    assert all(torch.equal(eight.state[p][master.KEY], master.convert(first_state[master.KEY], 24))
+               for p, first_state in zip(params, saved["state"].values()))
+    plain = fastoptim.AdamW(params, lr=1e-2)
+    plain.load_state_dict(saved)
+    assert not any(master.KEY in plain.state[p] for p in params)
+    fresh = fastoptim.AdamW(params, lr=1e-2, master_bits=32)
+    fresh.load_state_dict(plain.state_dict())  # no remainder saved: the param is its own master
+    for param in params:
+        param.grad = torch.ones_like(param)
+    fresh.step()
+    assert all(fresh.state[p][master.KEY].dtype == torch.int16 for p in params)
+
+
+def test_master_bits_changed_mid_run_is_refused_and_changes_nothing():
+    params = bf16_start()
+    opt = run(fastoptim.AdamW, params, oracle.grad_sequence(SHAPES, 2), master_bits=32)
+    before = [p.detach().clone() for p in params]
+    for bits in (24, 16):
+        opt.param_groups[0]["master_bits"] = bits
+        with pytest.raises(RuntimeError, match="master_bits"):
+            opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(before, params))
+
+
+def test_a_compiled_step_keeps_the_remainders_as_the_eager_step_does():
+    runs = [bf16_start(), bf16_start()]
+    eager, traced = (fastoptim.AdamW(params, lr=1e-2, master_bits=32, fused=False) for params in runs)
+    step = torch.compile(traced.step, backend="aot_eager", fullgraph=True)
+    for step_grads in oracle.grad_sequence(SHAPES, 3):
+        for params in runs:
+            for param, grad in zip(params, step_grads):
+                param.grad = grad.bfloat16()
+        eager.step()
+        step()
+    for a, b in zip(*runs):
+        assert torch.equal(a, b) and torch.equal(eager.state[a][master.KEY], traced.state[b][master.KEY])
