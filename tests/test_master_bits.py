@@ -197,3 +197,17 @@ def test_a_compiled_step_keeps_the_remainders_as_the_eager_step_does():
         step()
     for a, b in zip(*runs):
         assert torch.equal(a, b) and torch.equal(eager.state[a][master.KEY], traced.state[b][master.KEY])
+
+
+def test_an_optimizer_pickled_before_master_bits_existed_steps_as_before():
+    params = bf16_start()
+    opt = fastoptim.Adan(params, lr=1e-2)
+    state = opt.__getstate__()
+    for options in (state["defaults"], *state["param_groups"]):
+        del options["master_bits"]
+    restored = fastoptim.Adan.__new__(fastoptim.Adan)
+    restored.__setstate__(state)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    restored.step()
+    assert restored.param_groups[0]["master_bits"] == 16 and master.KEY not in restored.state[params[0]]

@@ -167,6 +167,8 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         self.state = OptimizerState(self.state)
         if not declared:  # torch adds it to defaults; an optimizer that does not take it keeps it out of its groups
             self.defaults.pop("differentiable", None)
+        for options in (self.defaults, *self.param_groups):  # pickled before master_bits existed
+            options.setdefault("master_bits", 16)
         self.__dict__.setdefault("shard_group", None)
         self._find_reduce_group()
 
