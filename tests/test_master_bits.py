@@ -211,3 +211,32 @@ def test_an_optimizer_pickled_before_master_bits_existed_steps_as_before():
         param.grad = torch.ones_like(param)
     restored.step()
     assert restored.param_groups[0]["master_bits"] == 16 and master.KEY not in restored.state[params[0]]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=lambda info: info.name)
+def test_master_bits_32_composes_with_the_other_options(info, engine):
+    """With its own options, 8-bit states, clipping, maximize and subset-norm second moments (see
+    ``OptimizerInfo.variant``), on params large enough for 8-bit codes: still the fp32 run."""
+    shapes = [(64, 80), (5000,), (7,)]
+    grads = [[g.bfloat16() for g in step] for step in oracle.grad_sequence(shapes, 4)]
+    params = [torch.nn.Parameter(p.bfloat16()) for p in oracle.make_params(shapes)]
+    reference = [torch.nn.Parameter(p.detach().float()) for p in params]
+    options = dict(ENGINES[engine], **info.variant())
+    opt, ref = info.cls(params, master_bits=32, **options), info.cls(reference, **options)
+    for step_grads in grads:
+        for param, ref_param, grad in zip(params, reference, step_grads):
+            param.grad, ref_param.grad = grad, grad.float()
+        opt.step()
+        ref.step()
+    for param, ref_param in zip(params, reference):
+        assert torch.equal(master.widen(param, opt.state[param][master.KEY]), ref_param.detach())
+
+
+def test_master_bits_for_fp16_params_is_refused_and_the_group_not_added():
+    opt = fastoptim.AdamW(bf16_start(), master_bits=32)
+    with pytest.raises(ValueError, match="master_bits.*fp16"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(4).half())]})
+    assert len(opt.param_groups) == 1
+    with pytest.raises(ValueError, match="master_bits.*fp16"):
+        fastoptim.Lion([torch.nn.Parameter(torch.randn(4).half())], master_bits=24)

@@ -135,6 +135,9 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                 raise ValueError(f"all params of a group must be on one device, got {sorted(map(str, devices))}")
             if isinstance(group["lr"], Tensor) and devices:
                 check_tensor_lr(group["lr"], devices.pop())
+            if group["master_bits"] > 16 and any(param.dtype == torch.float16 for param in group["params"]):
+                raise ValueError(f"Invalid master_bits: {group['master_bits']} keeps remainders of bf16 params; an "
+                                 "fp16 param's bits do not split that way. Use bf16 (or fp32) params, or master_bits=16")
             self._find_reduce_group()
         except Exception:
             self.param_groups.pop()

@@ -9,7 +9,7 @@ is the bf16 param plus a remainder kept in the param's state under ``master_rema
   param's unit in the last place.
 
 Params of other dtypes keep no remainder: fp32 params are their own master, and fp16's bits do not
-split this way.
+split this way (the optimizers refuse fp16 params with ``master_bits`` above 16).
 """
 import torch
 
