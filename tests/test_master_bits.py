@@ -77,16 +77,13 @@ def bf16_start(seed=0):
     return [torch.nn.Parameter(p.bfloat16()) for p in oracle.make_params(SHAPES, seed=seed)]
 
 
-@pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("info", OPTIMIZERS, ids=lambda info: info.name)
-def test_master_bits_32_is_the_fp32_run_bit_for_bit(info, engine):
+def assert_master_is_the_fp32_run(cls, shapes, steps, **options):
     """bf16 params with a 16-bit remainder against fp32 params from the same start on the same
     (bf16) grads: the master equals the fp32 param at every step, and the param is it rounded."""
-    grads = [[g.bfloat16() for g in step] for step in oracle.grad_sequence(SHAPES, STEPS)]
-    params = bf16_start()
+    grads = [[g.bfloat16() for g in step] for step in oracle.grad_sequence(shapes, steps)]
+    params = [torch.nn.Parameter(p.bfloat16()) for p in oracle.make_params(shapes)]
     reference = [torch.nn.Parameter(p.detach().float()) for p in params]
-    options = dict(ENGINES[engine], weight_decay=0.1)
-    opt, ref = info.cls(params, lr=1e-2, master_bits=32, **options), info.cls(reference, lr=1e-2, **options)
+    opt, ref = cls(params, master_bits=32, **options), cls(reference, **options)
     for step_grads in grads:
         for param, ref_param, grad in zip(params, reference, step_grads):
             param.grad, ref_param.grad = grad, grad.float()
@@ -95,6 +92,12 @@ def test_master_bits_32_is_the_fp32_run_bit_for_bit(info, engine):
         for param, ref_param in zip(params, reference):
             assert torch.equal(master.widen(param, opt.state[param][master.KEY]), ref_param.detach())
             assert torch.equal(param.detach(), split(ref_param.detach(), 32)[0])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=lambda info: info.name)
+def test_master_bits_32_is_the_fp32_run_bit_for_bit(info, engine):
+    assert_master_is_the_fp32_run(info.cls, SHAPES, STEPS, lr=1e-2, weight_decay=0.1, **ENGINES[engine])
 
 
 def test_master_bits_24_keeps_what_bf16_alone_loses():
@@ -218,19 +221,7 @@ def test_an_optimizer_pickled_before_master_bits_existed_steps_as_before():
 def test_master_bits_32_composes_with_the_other_options(info, engine):
     """With its own options, 8-bit states, clipping, maximize and subset-norm second moments (see
     ``OptimizerInfo.variant``), on params large enough for 8-bit codes: still the fp32 run."""
-    shapes = [(64, 80), (5000,), (7,)]
-    grads = [[g.bfloat16() for g in step] for step in oracle.grad_sequence(shapes, 4)]
-    params = [torch.nn.Parameter(p.bfloat16()) for p in oracle.make_params(shapes)]
-    reference = [torch.nn.Parameter(p.detach().float()) for p in params]
-    options = dict(ENGINES[engine], **info.variant())
-    opt, ref = info.cls(params, master_bits=32, **options), info.cls(reference, **options)
-    for step_grads in grads:
-        for param, ref_param, grad in zip(params, reference, step_grads):
-            param.grad, ref_param.grad = grad, grad.float()
-        opt.step()
-        ref.step()
-    for param, ref_param in zip(params, reference):
-        assert torch.equal(master.widen(param, opt.state[param][master.KEY]), ref_param.detach())
+    assert_master_is_the_fp32_run(info.cls, [(64, 80), (5000,), (7,)], 4, **ENGINES[engine], **info.variant())
 
 
 def test_master_bits_for_fp16_params_is_refused_and_the_group_not_added():
