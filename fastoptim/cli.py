@@ -130,8 +130,10 @@ def main(argv=None):
                                         "same batches of Python's standard-library sources: validation loss "
                                         "curves, optimizer time and state bytes. The default takes about 8 "
                                         "minutes on an idle 2-core machine.")
-    t.add_argument("--optimizers", nargs="+", help=f"default: {' '.join(training.RECIPES)} (adamw is torch's AdamW, "
-                                                   "the others fastoptim's); the first is the reference whose final "
+    t.add_argument("--optimizers", nargs="+", help=f"default: {' '.join(training.DEFAULT_RECIPES)} (adamw is torch's "
+                                                   "AdamW, the others fastoptim's); also: " + ' '.join(
+                                                       sorted(set(training.RECIPES) - set(training.DEFAULT_RECIPES)))
+                                                   + " (a bf16 model); the first is the reference whose final "
                                                    "validation loss the others race to")
     t.add_argument("--steps", type=positive, help=f"training steps of each run (default {defaults['steps']})")
     t.add_argument("--lr-sweep", action="store_true", default=None,

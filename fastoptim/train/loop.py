@@ -23,6 +23,7 @@ class Recipe:
     weight_decay: float
     sn: bool = False  # subset-norm second moments on the Linear (GPT-2's Conv1D) weights
     options: dict = field(default_factory=dict)
+    dtype: torch.dtype = torch.float32  # of the model's params (and so its grads and forward pass)
 
     def make(self, module, lr):
         params, sn = params_and_sn(module)
@@ -41,14 +42,18 @@ RECIPES = {
     "adan-sn": Recipe(fastoptim.Adan, 5e-2, 0.02, sn=True),
     # Adan's recipe: 8-bit states are meant to change nothing else
     "adan-8bit": Recipe(fastoptim.Adan, 5e-3, 0.02, options={"state_bits": 8}),
+    # nanoGPT's recipe on a bf16 model: the params alone, and with a 16-bit remainder (the exact fp32 master)
+    "adamw-bf16": Recipe(fastoptim.AdamW, 1e-3, 0.1, dtype=torch.bfloat16),
+    "adamw-bf16-master32": Recipe(fastoptim.AdamW, 1e-3, 0.1, options={"master_bits": 32}, dtype=torch.bfloat16),
 }
+DEFAULT_RECIPES = ["adamw", "adan", "adamwsn", "adan-sn", "adan-8bit"]  # the bf16 ones when named
 LR_SWEEP = (0.5, 1.0, 2.0)  # --lr-sweep: these multiples of each recommended lr
 WARMUP = 0.1  # linear warmup over this share of the steps, as the subset-norm seed's runs
 MIN_LR = 0.1  # the cosine decays to this share of the peak lr, as nanoGPT's
 MAX_GRAD_NORM = 1.0  # the subset-norm seed's --grad_clipping and nanoGPT's grad_clip
 VALIDATION_BATCH = 64  # windows per forward pass of validation: few calls, small activations
 # The settings of a run; they are saved in its folder, and --resume takes them from there.
-DEFAULTS = {"optimizers": list(RECIPES), "steps": 400, "lr_sweep": False, "model_size": "small", "batch_size": 16,
+DEFAULTS = {"optimizers": DEFAULT_RECIPES, "steps": 400, "lr_sweep": False, "model_size": "small", "batch_size": 16,
             "eval_every": 25, "checkpoint_every": 100, "seed": 0, "threads": torch.get_num_threads()}
 
 
@@ -86,7 +91,7 @@ def train_run(name, lr, settings, corpus, path, resume, stop_after, bar):
     or to step ``stop_after``: its losses, timings and state bytes."""
     steps, batch_size = settings["steps"], settings["batch_size"]
     context = model.SIZES[settings["model_size"]]["context"]
-    module = model.build(settings["model_size"], settings["seed"])
+    module = model.build(settings["model_size"], settings["seed"]).to(RECIPES[name].dtype)
     optimizer = RECIPES[name].make(module, lr)
     warmup = max(1, round(WARMUP * steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, warmup, steps))
