@@ -72,7 +72,7 @@ class GroupWork:
         # the per-tensor scalars (step sizes, bias corrections): float64 where a param's math is float64
         self.scalar_dtype = torch.float64 if any(p.dtype == torch.float64 for p in local_params) else torch.float32
         self.buckets = [(bucket, None) for bucket in buckets(params)]
-        self.states = self.kept = self.tensors = self.context = self.state_bits = self.state_signature = None
+        self.states = self.kept = self.tensors = self.context = self.formats_chosen = self.state_signature = None
         self.bucket_caches = {}
 
     def fits(self, roles, engine, params, local_params):
@@ -124,8 +124,8 @@ class GroupWork:
         work = GroupWork(self.roles, self.engine, params, local_params)
         if not params:  # no grads in the group this step: nothing to update
             return work
-        work.states, work.context, work.bucket_caches, work.state_bits = states, self.context, self.bucket_caches, \
-            self.state_bits
+        work.states, work.context, work.bucket_caches = states, self.context, self.bucket_caches
+        work.formats_chosen = self.formats_chosen
         work.partitions, work.reduced_roles, work.buckets = self.partitions, self.reduced_roles, self.buckets
         work.kept = {key: [state.get(key) for state in states] for key in self.kept}
         work._read_tensors()

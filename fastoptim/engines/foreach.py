@@ -9,7 +9,7 @@ import torch
 
 from ..states import formats, master
 from . import lowbit
-from .ops import FOREACH_OPS, LOW_PRECISION, round_into
+from .ops import FOREACH_OPS, LOW_PRECISION, widened, write_back
 
 SLICE_NUMEL = 1 << 22
 
@@ -68,8 +68,7 @@ def run(plan):
         params, remainders = tensors["param"], tensors.pop(master.KEY, None)
         low_precision = params[0].dtype in LOW_PRECISION
         if low_precision:  # buckets share one dtype; the math is fp32
-            tensors["param"] = [p.float() for p in params] if remainders is None else list(
-                map(master.widen, params, remainders))
+            tensors["param"] = widened(params, remainders)
             tensors["grad"] = [g.float() for g in tensors["grad"]]
         stored = lowbit.widen(plan.spec, tensors, {role: values[part] for role, values in plan.absmax.items()})
         args = {
@@ -79,11 +78,5 @@ def run(plan):
         scratch = [torch.empty_like(p) for p in tensors["param"]]
         plan.update(FOREACH_OPS, scratch=scratch, **tensors, **args)
         lowbit.store(plan.spec, tensors, stored)
-        if remainders is not None:
-            for param, remainder, result in zip(params, remainders, tensors["param"]):
-                master.store(param, remainder, result)
-        elif low_precision and plan.stochastic_rounding:
-            for param, result in zip(params, tensors["param"]):
-                round_into(param, result, stochastic=True)
-        elif low_precision:
-            torch._foreach_copy_(params, tensors["param"])
+        if low_precision:
+            write_back(params, tensors["param"], remainders, plan.stochastic_rounding)

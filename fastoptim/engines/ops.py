@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from .. import distributed
+from ..states import master
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)  # params whose math runs in an fp32 copy
 NAMES = ("add_", "addcdiv_", "addcmul_", "copy_", "div_", "lerp_", "mul_", "reciprocal_", "sign_", "sqrt_", "sub_")
@@ -78,6 +79,25 @@ def round_into(dst, src, stochastic):
         truncated = ((src.view(torch.int32) + noise) & -(1 << 16)).view(torch.float32)
         src = torch.where(src.isnan(), src, truncated)
     dst.copy_(src)
+
+
+def widened(params, remainders):
+    """fp32 working copies of low-precision ``params``, with their master remainders where they keep
+    them (``remainders``: one per param, or None; see fastoptim.states.master)."""
+    return [p.float() for p in params] if remainders is None else list(map(master.widen, params, remainders))
+
+
+def write_back(params, results, remainders, stochastic):
+    """The fp32 ``results`` into their low-precision ``params``: split between each param and its
+    remainder where they keep them, else rounded as :func:`round_into` rounds."""
+    if remainders is not None:
+        for param, remainder, result in zip(params, remainders, results):
+            master.store(param, remainder, result)
+    elif stochastic:
+        for param, result in zip(params, results):
+            round_into(param, result, stochastic=True)
+    else:
+        torch._foreach_copy_(params, results)
 
 
 def sqrt(x):

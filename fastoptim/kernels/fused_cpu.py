@@ -112,8 +112,9 @@ class BoundTable:
                 held.extend(_EMPTY if t is None else t for t in tensors[role])
         layouts = None if table.layouts is None else torch.from_numpy(table.layouts)
         self.params = tensors["param"]  # whose version counters a step bumps
-        self.handle = torch.ops.fastoptim.bind(spec.name if runs else "", held, rows, len(tensors["param"]), len(spec.rows),
-                                               len(spec.all_scalars), torch.from_numpy(table.chunks), layouts)
+        self.handle = torch.ops.fastoptim.bind(spec.name if runs else "", held, rows, len(tensors["param"]),
+                                               len(spec.rows), len(spec.all_scalars), torch.from_numpy(table.chunks),
+                                               layouts)
         weakref.finalize(self, torch.ops.fastoptim.unbind, self.handle).atexit = False
 
 

@@ -137,7 +137,8 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                 check_tensor_lr(group["lr"], devices.pop())
             if group["master_bits"] > 16 and any(param.dtype == torch.float16 for param in group["params"]):
                 raise ValueError(f"Invalid master_bits: {group['master_bits']} keeps remainders of bf16 params; an "
-                                 "fp16 param's bits do not split that way. Use bf16 (or fp32) params, or master_bits=16")
+                                 "fp16 param's bits do not split that way. Use bf16 (or fp32) params, or "
+                                 "master_bits=16")
             self._find_reduce_group()
         except Exception:
             self.param_groups.pop()
@@ -331,7 +332,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             caches[index] = entry
         self._check_grads(local_params, grads, entry.signature)
         states = list(map(self.state.get, params))
-        if not entry.holds(states) or entry.state_bits != _formats_chosen(group):
+        if not entry.holds(states) or entry.formats_chosen != _formats_chosen(group):
             entry.states = None
             for param, state in zip(params, states):
                 self._check_state(param, state or {}, group)
@@ -416,7 +417,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         states, context = self._prepare_states(entry.params, group)
         partitions = [subset_norm.from_record(p.shape, s) for p, s in zip(entry.params, states)]
         entry.use_states(states, context, partitions, self.spec.reduced, self._reduce_group)
-        entry.state_bits = _formats_chosen(group)  # the states' formats: checked again if an option changes
+        entry.formats_chosen = _formats_chosen(group)  # the states' formats: checked again if an option changes
 
     def _partition(self, param, state, group):
         """The subset-norm partition of a param: the one its state records; for a state without a

@@ -55,8 +55,9 @@ def scalars(values, names, rows, table, device):
     if not any(tensors):
         return table.numbers[1][None]
     rows = rows if any(values[n].dim() == 1 for n, tensor in zip(names, tensors) if tensor) else 1
-    return torch.stack([values[n].to(device, torch.float32).expand(rows) if isinstance(values[n], torch.Tensor)
-                        else table.numbers[1][i].expand(rows) for i, n in enumerate(names)], dim=1)
+    return torch.stack([values[n].to(device, torch.float32).expand(rows) if tensor
+                        else table.numbers[1][i].expand(rows) for i, (n, tensor) in enumerate(zip(names, tensors))],
+                       dim=1)
 
 
 class Table(NamedTuple):
