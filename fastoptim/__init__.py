@@ -1,6 +1,6 @@
-"""fastoptim: Adan, AdamW, Lion and friends whose step costs what the memory bus allows."""
+"""fastoptim: Adan, AdamW, Lion, Muon and friends whose step costs what the memory bus allows."""
 from .clip import clip_grad_norm_
-from .optimizers import AdamW, AdamWSN, Adan, Lion, RMSPropSN
+from .optimizers import AdamW, AdamWSN, Adan, Lion, Muon, RMSPropSN
 
 __version__ = "0.1.0"
-__all__ = ["Adan", "AdamW", "AdamWSN", "RMSPropSN", "Lion", "clip_grad_norm_", "__version__"]
+__all__ = ["Adan", "AdamW", "AdamWSN", "RMSPropSN", "Lion", "Muon", "clip_grad_norm_", "__version__"]

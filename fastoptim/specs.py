@@ -38,12 +38,15 @@ class Role:
 @dataclass(frozen=True)
 class KernelSpec:
     """A kernel family: its state roles, its own scalars (after ``COMMON_SCALARS``) and its feature
-    flags. Several optimizers may share one (AdamW, AdamWSN and RMSPropSN)."""
+    flags. Several optimizers may share one (AdamW, AdamWSN and RMSPropSN). ``elementwise``: False
+    for math that needs each tensor whole (Muon's matrices): no fused kernel restates it, so it
+    declares no scalars, and the foreach engine does not cut its tensors into pieces."""
 
     name: str
     roles: tuple[Role, ...]
     scalars: tuple[str, ...]
     flags: tuple[str, ...] = ()
+    elementwise: bool = True
 
     def __post_init__(self):
         names = [role.name for role in self.roles]
@@ -98,6 +101,7 @@ class KernelSpec:
 
 
 def declared_specs():
-    """Every kernel spec declared so far, each once, in the order of their declarations: importing
-    fastoptim declares its optimizers' (each beside its algorithm, in fastoptim/optimizers)."""
-    return tuple(_DECLARED.values())
+    """Every elementwise kernel spec declared so far (those the fused kernels restate), each once, in
+    the order of their declarations: importing fastoptim declares its optimizers' (each beside its
+    algorithm, in fastoptim/optimizers)."""
+    return tuple(spec for spec in _DECLARED.values() if spec.elementwise)

@@ -30,7 +30,9 @@ def pieces(plan, limit=SLICE_NUMEL):
     """``plan`` with every tensor above ``limit`` elements cut into views of at most about
     ``limit``: flat ones when all its roles are contiguous tensors of its size, else runs along
     the first dimension when all its roles share it (a subset-norm view and its second moment).
-    Others stay whole."""
+    Others stay whole, and all do where the math needs each tensor whole (not ``elementwise``)."""
+    if not plan.spec.elementwise:
+        return plan
     owners, cut, cut_absmax = [], {role: [] for role in plan.tensors}, {role: [] for role in plan.absmax}
     for i, param in enumerate(plan.tensors["param"]):
         group = [tensors[i] for tensors in plan.tensors.values()]

@@ -2,9 +2,12 @@
 
 The same ``update`` function runs on one tensor at a time (``TENSOR_OPS``: Tensor methods) or on
 lists of tensors (``FOREACH_OPS``: ``torch._foreach_*``), so the math is stated once.
+``per_matrix`` runs a function of matrices (Muon's orthogonalization) on each tensor, or on a list
+with the tensors of one shape stacked into one batch.
 """
 import math
 import operator
+from collections import defaultdict
 from operator import attrgetter
 
 import numpy as np
@@ -45,6 +48,24 @@ def _foreach_add_squares_(moments, xs, value):
         _tensor_add_squares_(moment, x, value)
 
 
+def _tensor_per_matrix(function, x, shape_of):
+    """``function`` (of a batch of matrices, ``(n, ..., rows, cols)``) of ``x`` viewed as the
+    matrices ``shape_of(x.shape)``, as a batch of one; the result in ``x``'s shape."""
+    return function(x.view(1, *shape_of(x.shape)))[0].reshape(x.shape)
+
+
+def _foreach_per_matrix(function, xs, shape_of):
+    """The same for a list: the tensors of one matrix shape are stacked into one batch."""
+    results, by_shape = [None] * len(xs), defaultdict(list)
+    for i, x in enumerate(xs):
+        by_shape[tuple(shape_of(x.shape))].append(i)
+    for shape, indices in by_shape.items():
+        batch = function(torch.stack([xs[i].view(shape) for i in indices]))
+        for i, result in zip(indices, batch.unbind()):
+            results[i] = result.reshape(xs[i].shape)
+    return results
+
+
 def _tensor_method(name):
     """``Tensor.<name>`` as a plain function: dynamo before torch 2.13 cannot trace a method
     descriptor kept in an object's ``__dict__``."""
@@ -55,9 +76,10 @@ def _tensor_method(name):
 
 
 TENSOR_OPS = Ops({name: _tensor_method(name) for name in NAMES}
-                 | {"maximum_": _tensor_maximum_, "add_squares_": _tensor_add_squares_, "empty_like": torch.empty_like})
+                 | {"maximum_": _tensor_maximum_, "add_squares_": _tensor_add_squares_, "empty_like": torch.empty_like,
+                    "per_matrix": _tensor_per_matrix})
 FOREACH_OPS = Ops({name: getattr(torch, "_foreach_" + name) for name in NAMES + ("maximum_",)}
-                  | {"add_squares_": _foreach_add_squares_,
+                  | {"add_squares_": _foreach_add_squares_, "per_matrix": _foreach_per_matrix,
                      "empty_like": lambda tensors: [torch.empty_like(t) for t in tensors]})
 
 

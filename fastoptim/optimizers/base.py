@@ -3,7 +3,9 @@ dicts, hooks), with every input checked before anything changes, and one step pa
 algorithms. A subclass states its algorithm, and nothing else, through the hooks below."""
 import operator
 import warnings
+from collections.abc import Callable
 from itertools import repeat
+from typing import NamedTuple
 from operator import attrgetter
 
 import torch
@@ -42,6 +44,15 @@ COMMON_ARGS = """\
             under ZeroRedundancyOptimizer): global reductions (the clipping norm) run over it."""
 
 GRADS_PATTERNS_KEPT = 8  # torch.compile's recompile limit: a step traced for more patterns recompiles anyway
+
+
+class Algorithm(NamedTuple):
+    """What steps a param group: its kernel spec (state roles, kernel scalars and flags), its math
+    (``update``) and its ``kernel_scalars`` (None: no fused kernel)."""
+
+    spec: KernelSpec
+    update: Callable
+    kernel_scalars: Callable | None
 
 
 def _formats_chosen(group):
@@ -91,7 +102,8 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
       scalar names); an algorithm without one runs its fused engines on foreach.
     - ``kernel_flags(group)``: the spec's feature flags that a group's options set (default none).
     - optionally ``_check_group`` (its own options), ``_prepare_states`` and ``_count_step`` (where
-      it keeps its step counts), ``_convert_saved_group`` (its peers' saved groups).
+      it keeps its step counts), ``_convert_saved_group`` (its peers' saved groups), and
+      ``_algorithm(group)``, where some groups run another algorithm (Muon's AdamW companions).
     Its ``__init__`` collects its hyperparameters into ``defaults`` and calls this one's.
     """
 
@@ -102,7 +114,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         super().__init_subclass__(**kwargs)
         if cls.__doc__ and COMMON_ARGS_LINE in cls.__doc__:
             cls.__doc__ = cls.__doc__.replace(COMMON_ARGS_LINE, COMMON_ARGS)
-        if "spec" in cls.__dict__:  # its fused kernels' op, which torch.compile keeps in a traced step
+        if "spec" in cls.__dict__ and cls.spec.elementwise:  # its fused kernels' op, which torch.compile keeps
             engines.fused.define_op(cls.spec)
 
     def __init__(self, params, defaults, shard_group):
@@ -146,7 +158,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
 
     def _check_group(self, group, max_grad_norm=None):
         check_hyperparameters(group, self.n_betas)
-        if group.get("sn") and not self.spec.reduced:
+        if group.get("sn") and not self._algorithm(group).spec.reduced:
             raise ValueError(f"Invalid sn: {type(self).__name__} keeps no second moment, so sn does not apply")
         if group["max_grad_norm"] != (self.defaults["max_grad_norm"] if max_grad_norm is None else max_grad_norm):
             raise ValueError("Invalid max_grad_norm: it clips by the norm over all groups, "
@@ -229,7 +241,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
     def _roles(self, group):
         """The state roles the engines update under ``group``'s options: the algorithm's, and the
         master remainders of bf16 params (a role of their own: no algorithm reads them)."""
-        roles = self.spec.kept(self.kernel_flags(group))
+        roles = self._algorithm(group).spec.kept(self.kernel_flags(group))
         return roles + (master.KEY,) if group["master_bits"] > 16 else roles
 
     def _apply(self, work, caches, batch=None):
@@ -287,13 +299,14 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             entry, grads = self._group_work(caches, index, group)
             if entry.states is None and entry.params:
                 self._use_new_states(group, entry)
-            fused = entry.engine in engines.FUSED and entry.params
+            algorithm = self._algorithm(group)
+            fused = entry.engine in engines.FUSED and entry.params and algorithm.kernel_scalars is not None
             tensors = entry.tensors | {"grad": entry.viewed(grads)} if fused else None
             for bucket_index, (bucket, _) in enumerate(entry.buckets):
                 cache = entry.bucket_caches.setdefault(bucket_index, {})  # made here, not by the traced step
                 if fused:
                     part = {role: [values[i] for i in bucket] for role, values in tensors.items()}
-                    cache["traced split"] = engines.fused.split(part, self.spec)
+                    cache["traced split"] = engines.fused.split(part, algorithm.spec)
 
     def _traced_group_work(self, entry, group):
         """A traced step's work for ``group``: the decisions ``_init_group`` took (``entry``), over
@@ -398,8 +411,9 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         if entry.states is None:  # every group is checked by now: states may be created
             self._use_new_states(group, entry)
         args, per_tensor = self._step_arguments(group, entry, grad_scale, increment)
-        plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, self.update, self.spec,
-                            getattr(self, "kernel_scalars", None), self.kernel_flags(group), args,
+        algorithm = self._algorithm(group)
+        plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, algorithm.update, algorithm.spec,
+                            algorithm.kernel_scalars, self.kernel_flags(group), args,
                             frozenset(per_tensor), found_inf, group["stochastic_rounding"],
                             warn_fallback=group["fused"] is True, absmax=entry.absmax, batch=batch)
         for index, (bucket, reduce_group) in enumerate(entry.buckets):
@@ -416,7 +430,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         """Create the missing states of ``entry``'s params and hand them to it."""
         states, context = self._prepare_states(entry.params, group)
         partitions = [subset_norm.from_record(p.shape, s) for p, s in zip(entry.params, states)]
-        entry.use_states(states, context, partitions, self.spec.reduced, self._reduce_group)
+        entry.use_states(states, context, partitions, self._algorithm(group).spec.reduced, self._reduce_group)
         entry.formats_chosen = _formats_chosen(group)  # the states' formats: checked again if an option changes
 
     def _partition(self, param, state, group):
@@ -425,16 +439,16 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         a complex param always keeps (as its states, see ``formats.for_state``)."""
         if param.is_complex():
             return None
-        if any(key in state for key in (*subset_norm.RECORDS, *self.spec.reduced)):
+        if any(key in state for key in (*subset_norm.RECORDS, *self._algorithm(group).spec.reduced)):
             return subset_norm.from_record(param.shape, state)
         return subset_norm.from_options(param.shape, group.get("subset_size")) if group.get("sn") else None
 
     def _formats(self, group, param, state):
         """The format of each state role of ``param`` that ``group``'s options keep (see
         fastoptim.states.formats), and its subset-norm partition (None: dense)."""
-        partition = self._partition(param, state, group)
-        return {role: formats.for_state(param, self.spec.role(role), group["state_bits"], partition)
-                for role in self.spec.kept(self.kernel_flags(group))}, partition
+        partition, spec = self._partition(param, state, group), self._algorithm(group).spec
+        return {role: formats.for_state(param, spec.role(role), group["state_bits"], partition)
+                for role in spec.kept(self.kernel_flags(group))}, partition
 
     def _ensure_state(self, param, group):
         """The param's state with every role of the group present: missing ones are zeros in their
@@ -445,7 +459,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             state.update(partition.record)
         for role, state_format in states_formats.items():
             if role not in state:
-                state.update(state_format.zeros(param, self.spec.role(role), partition))
+                state.update(state_format.zeros(param, self._algorithm(group).spec.role(role), partition))
         if master.dtype(param, group["master_bits"]) is not None and master.KEY not in state:
             state[master.KEY] = master.zeros(param, group["master_bits"])
         return state
@@ -456,7 +470,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         states_formats, partition = self._formats(group, param, state)
         expected = {}
         for role, state_format in states_formats.items():
-            expected |= state_format.expected(param, self.spec.role(role), partition)
+            expected |= state_format.expected(param, self._algorithm(group).spec.role(role), partition)
         remainder = master.dtype(param, group["master_bits"])
         if remainder is not None:
             expected[master.KEY] = (param.shape, remainder)
@@ -466,6 +480,10 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         """The state dicts of a group's params with grads, with missing states created, and what
         ``_step_arguments`` reads of them as ``entry.context``. Called when they change, not every step."""
         return [self._ensure_state(param, group) for param in params], None
+
+    def _algorithm(self, group):
+        """Hook: the :class:`Algorithm` that steps ``group``: the optimizer's own."""
+        return Algorithm(self.spec, self.update, getattr(self, "kernel_scalars", None))
 
     @staticmethod
     def kernel_flags(group):

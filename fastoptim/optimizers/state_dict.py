@@ -32,9 +32,11 @@ class StateDicts:
         state_dict = super().state_dict()
         state_dict["state"] = {key: dict(state) for key, state in state_dict["state"].items()}
         if self._sharded:
+            specs = {key: self._algorithm(group).spec for group in state_dict["param_groups"]
+                     for key in group["params"]}
             for key, state in state_dict["state"].items():
                 for role in [role for role in state if role + ABSMAX in state]:
-                    state = formats.convert(state, self.spec.role(role), formats.FP32)
+                    state = formats.convert(state, specs[key].role(role), formats.FP32)
                 state_dict["state"][key] = state
         return state_dict
 
@@ -106,10 +108,11 @@ class StateDicts:
             subset_norm.check_record(param.shape, state)
         except ValueError as error:
             raise ValueError(f"state of parameter {saved_id}: {error}") from None
+        spec = self._algorithm(group).spec
         for role, state_format in self._formats(group, param, state)[0].items():  # into this optimizer's formats
             if role in state:
                 try:
-                    state = formats.convert(state, self.spec.role(role), state_format)
+                    state = formats.convert(state, spec.role(role), state_format)
                 except (ValueError, RuntimeError) as error:
                     raise ValueError(f"state of parameter {saved_id}: {error}") from None
         remainder = state.pop(master.KEY, None)
@@ -117,8 +120,8 @@ class StateDicts:
             state[master.KEY] = master.convert(torch.as_tensor(remainder), group["master_bits"])
         expected = self._expected_state(group, param, state)
         records = {key for key in subset_norm.RECORDS if key in state}  # the partition: Python ints
-        unused = {key for role in self.spec.states for key in (role, role + ABSMAX)} - set(expected)
-        missing = set(expected) - set(state) - self.spec.optional - {master.KEY}  # a step creates a remainder
+        unused = {key for role in spec.states for key in (role, role + ABSMAX)} - set(expected)
+        missing = set(expected) - set(state) - spec.optional - {master.KEY}  # a step creates a remainder
         if set(state) - set(expected) - records - unused or missing:
             raise ValueError(
                 f"state of parameter {saved_id} has keys {sorted(state)}, but {type(self).__name__} "
@@ -131,7 +134,7 @@ class StateDicts:
             if value.shape != shape:
                 raise ValueError(f"state '{key}' of parameter {saved_id} has shape {tuple(value.shape)}, "
                                  f"expected {tuple(shape)}")
-            if key in self.spec.states and distributed.is_dtensor(param) and not distributed.is_dtensor(value):
+            if key in spec.states and distributed.is_dtensor(param) and not distributed.is_dtensor(value):
                 raise ValueError(f"state '{key}' of parameter {saved_id} is a plain tensor, but its param "
                                  "is a DTensor: load sharded states through torch.distributed.checkpoint "
                                  "(see the README)")

@@ -1,0 +1,251 @@
+"""Muon (Jordan et al., 2024): momentum orthogonalized by Newton–Schulz iterations, with the same
+signature and results as torch.optim.Muon, and AdamW companions for the params that are not matrices."""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import ParamsT
+
+from .. import distributed
+from ..specs import KernelSpec, Role
+from .adamw import AdamW
+from .base import Algorithm, FastOptimizer, group_lr
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+SPEC = KernelSpec("muon", roles=(Role("momentum_buffer"),), scalars=(), elementwise=False)
+DEFAULT_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, as torch.optim.Muon's
+ADJUST_LR = {  # adjust_lr_fn: the factor of lr for a matrix of rows × cols (torch.optim.Muon's)
+    "original": lambda rows, cols: math.sqrt(max(1, rows / cols)),
+    "match_rms_adamw": lambda rows, cols: 0.2 * math.sqrt(max(rows, cols)),
+}
+
+
+def _addmm(input, mat1, mat2, beta, alpha=1.0):
+    """``beta·input + alpha·mat1 @ mat2`` over batches of matrices (any number of batch dims), in
+    one rounding as ``torch.addmm``."""
+    shape = input.shape
+    flat = (-1, *shape[-2:])
+    return torch.baddbmm(input.reshape(flat), mat1.reshape(-1, *mat1.shape[-2:]), mat2.reshape(-1, *mat2.shape[-2:]),
+                         beta=beta, alpha=alpha).view(shape)
+
+
+def orthogonalize(matrices, coefficients, eps):
+    """The Newton–Schulz iterations of torch.optim.Muon, in bf16, on a batch of matrices
+    ``(n, ..., rows, cols)``: each matrix X, transposed to be wide, is scaled to a Frobenius norm
+    of at most 1, then each step's coefficients (a, b, c) take it to::
+
+        X ← a·X + (b·A + c·A²)·X,   A = X·Xᵀ
+
+    which drives its singular values towards 1 (to about 0.7–1.2 with the default quintic)."""
+    x = matrices.bfloat16()
+    tall = x.size(-2) > x.size(-1)
+    if tall:
+        x = x.mT
+    x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for a, b, c in coefficients:
+        gram = x @ x.mT
+        x = _addmm(x, _addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
+
+
+def matrix_shape(shape, flatten):
+    """The matrices Muon orthogonalizes in a param of ``shape``: the param (2-D), a batch of matrices
+    over its last two dims (3-D: expert weights), or with ``flatten`` its first dim by the rest
+    (convolution weights)."""
+    return (shape[0], math.prod(shape[1:])) if flatten else tuple(shape)
+
+
+def muon_update(ops, *, param, grad, scratch, momentum_buffer, momentum, nesterov, lr, weight_decay, grad_scale,
+                step_size, coefficients, eps, flatten):
+    """One Muon step, as torch.optim.Muon computes it::
+
+        g = grad · grad_scale           (the clip coefficient, −1 to maximize; None: 1)
+        B = B + (1−μ)·(g − B)           momentum_buffer (μ·B + (1−μ)·g, as torch's lerp)
+        U = g + μ·(B − g)               with nesterov, else U = B
+        O = NS(U)                       per matrix (see orthogonalize and matrix_shape), bf16
+        p = p·(1 − lr·wd)               decoupled weight decay
+        p = p − step_size·O             step_size = lr · adjust_lr_fn(rows, cols)
+    """
+    if grad_scale is not None:
+        ops.copy_(scratch, grad)
+        ops.mul_(scratch, grad_scale)
+        grad = scratch
+    ops.lerp_(momentum_buffer, grad, 1 - momentum)
+    if nesterov:
+        if grad_scale is None:
+            ops.copy_(scratch, grad)
+        ops.lerp_(scratch, momentum_buffer, momentum)
+    else:
+        ops.copy_(scratch, momentum_buffer)
+    orthogonal = ops.per_matrix(partial(orthogonalize, coefficients=coefficients, eps=eps), scratch,
+                                partial(matrix_shape, flatten=flatten))
+    if weight_decay:
+        ops.mul_(param, 1 - lr * weight_decay)
+    ops.addcmul_(param, orthogonal, step_size, value=-1)
+
+
+MUON = Algorithm(SPEC, muon_update, None)
+
+
+class Muon(AdamW):
+    """Muon with torch.optim.Muon's signature and results (see
+    [muon_update][fastoptim.optimizers.muon.muon_update]), and AdamW for the params that are not
+    hidden matrices, in the same optimizer: a param group with ``use_muon=False`` runs fastoptim's
+    AdamW with the group's ``lr``, ``betas``, ``adamw_eps`` and ``weight_decay``.
+
+    Args:
+        params: parameters or param groups (dicts with per-group options). A Muon group takes
+            matrices: 2-D params, 3-D params as batches of matrices over their last two dims (expert
+            weights), and with ``flatten`` any param of 2+ dims as its first dim by the rest.
+            Embeddings, the output head and 1-D params belong in a ``use_muon=False`` group.
+        lr: learning rate, a float or a one-element tensor.
+        weight_decay: decoupled: ``p·(1 − lr·wd)`` before the update.
+        momentum: μ, the momentum buffer's decay, in [0, 1).
+        nesterov: orthogonalize the Nesterov blend ``g + μ·(B − g)`` instead of the buffer.
+        ns_coefficients: the Newton–Schulz step's (a, b, c), for every step; or a sequence of
+            ``ns_steps`` such triples, one per step (schedules such as Polar Express's).
+        eps: the floor of the norm each matrix is divided by before the iterations.
+        ns_steps: the number of Newton–Schulz steps, 1 to 99.
+        adjust_lr_fn: the lr's factor for a matrix of rows × cols: ``"original"`` (None):
+            √max(1, rows/cols); ``"match_rms_adamw"``: 0.2·√max(rows, cols), so that AdamW's lr
+            and weight decay carry over.
+        flatten: orthogonalize a param of 3+ dims as its first dim by the rest (convolution
+            weights) instead of as a batch of matrices.
+        use_muon: False for a group of AdamW companions (usually set per group).
+        betas: the AdamW companions' (β1, β2).
+        adamw_eps: the AdamW companions' eps (``eps`` is the Newton–Schulz floor).
+        (the arguments of every fastoptim optimizer)
+
+    Where the Muon groups' params are, each step orthogonalizes one matrix at a time on the loop
+    engine (``foreach=False``); every other engine stacks the matrices of one shape into a batch,
+    and the fused engines run the Muon groups as foreach (the iterations are not elementwise) and
+    the AdamW companions on their fused kernels. ``sn`` and ``state_bits`` apply to the
+    companions' states; ``state_bits`` to the momentum buffer too. State per parameter: Muon's
+    ``momentum_buffer``, as torch.optim.Muon's, whose state dicts load; the companions' are
+    AdamW's. A param of a Muon group must be whole on each rank: ZeRO's partitions are, FSDP2's
+    DTensor shards are refused.
+    """
+
+    def __init__(self, params: ParamsT, lr: float | Tensor = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                 nesterov: bool = True,
+                 ns_coefficients: Sequence[float] | Sequence[Sequence[float]] = DEFAULT_COEFFICIENTS,
+                 eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None, *, flatten: bool = False,
+                 use_muon: bool = True, betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8,
+                 maximize: bool = False, foreach: bool | None = None, fused: bool | None = None,
+                 max_grad_norm: float = 0.0, stochastic_rounding: bool = False, master_bits: int = 16,
+                 sn: bool = False, subset_size: int | None = None, state_bits: int = 32,
+                 shard_group: ProcessGroup | None = None) -> None:
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
+                        flatten=flatten, use_muon=use_muon, betas=betas, adamw_eps=adamw_eps, maximize=maximize,
+                        foreach=foreach, fused=fused, max_grad_norm=max_grad_norm,
+                        stochastic_rounding=stochastic_rounding, master_bits=master_bits, sn=sn,
+                        subset_size=subset_size, state_bits=state_bits)
+        FastOptimizer.__init__(self, params, defaults, shard_group)
+
+    def add_param_group(self, param_group):
+        if param_group.get("use_muon") is False and "eps" in param_group:
+            raise ValueError("Invalid eps in a use_muon=False group: Muon's eps is the Newton–Schulz floor; "
+                             "set the AdamW companions' eps as adamw_eps")
+        super().add_param_group(param_group)
+
+    def _algorithm(self, group):
+        return MUON if group["use_muon"] else super()._algorithm(group)
+
+    def _check_group(self, group, max_grad_norm=None):
+        FastOptimizer._check_group(self, group, max_grad_norm)  # AdamW's own options are not Muon's
+        if not isinstance(group["use_muon"], bool):
+            raise ValueError(f"Invalid use_muon: {group['use_muon']!r} (must be True or False)")
+        for name in ("nesterov", "flatten"):
+            if not isinstance(group[name], bool):
+                raise ValueError(f"Invalid {name}: {group[name]!r} (must be True or False)")
+        eps = group["adamw_eps"]
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+            raise ValueError(f"Invalid adamw_eps: {eps!r} (must be a finite number >= 0)")
+        momentum = group["momentum"]
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+            raise ValueError(f"Invalid momentum: {momentum!r} (must be in [0, 1))")
+        steps = group["ns_steps"]
+        if type(steps) is not int or not 1 <= steps < 100:
+            raise ValueError(f"Invalid ns_steps: {steps!r} (must be an int from 1 to 99)")
+        self._coefficients(group)
+        if group["adjust_lr_fn"] is not None and group["adjust_lr_fn"] not in ADJUST_LR:
+            raise ValueError(f"Invalid adjust_lr_fn: {group['adjust_lr_fn']!r} (must be None, "
+                             + " or ".join(map(repr, ADJUST_LR)) + ")")
+        if group["use_muon"]:
+            for param in group.get("params", ()):
+                self._check_matrix(param, group["flatten"])
+
+    @staticmethod
+    def _coefficients(group):
+        """The group's Newton–Schulz coefficients, one (a, b, c) per step; a ValueError if they are not."""
+        coefficients, steps = group["ns_coefficients"], group["ns_steps"]
+
+        def triple(value):
+            return (isinstance(value, Sequence) and len(value) == 3 and all(
+                not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x) for x in value))
+
+        if triple(coefficients):
+            return (tuple(map(float, coefficients)),) * steps
+        if isinstance(coefficients, Sequence) and len(coefficients) == steps and all(map(triple, coefficients)):
+            return tuple(tuple(map(float, value)) for value in coefficients)
+        raise ValueError(f"Invalid ns_coefficients: {coefficients!r} (must be three finite numbers (a, b, c), or "
+                         f"ns_steps={steps} such triples, one per step)")
+
+    @staticmethod
+    def _check_matrix(param, flatten):
+        """Refuse a param that a Muon group cannot orthogonalize, saying where it belongs."""
+        if param.dim() < 2 or param.dim() > 3 and not flatten:
+            raise ValueError(
+                f"Muon orthogonalizes matrices, and a param of shape {tuple(param.shape)} is not one: put 1-D params "
+                "(and embeddings and the output head) in a param group with use_muon=False, which runs AdamW"
+                + ("" if param.dim() < 2 else ", or set flatten=True to take it as its first dim by the rest"))
+        if param.is_complex():
+            raise ValueError("Muon does not support complex params: put them in a use_muon=False group (AdamW)")
+        if distributed.is_dtensor(param):
+            raise ValueError("Muon needs each matrix whole on a rank, and a DTensor param (FSDP2) is sharded: put "
+                             "it in a use_muon=False group, or use ZeRO (shard_group), which keeps params whole")
+
+    @staticmethod
+    def kernel_flags(group):
+        return {} if group["use_muon"] else dict(amsgrad=False, first_moment=True)
+
+    def _expected_state(self, group, param, state):
+        if group["use_muon"]:
+            return FastOptimizer._expected_state(self, group, param, state)
+        return super()._expected_state(group, param, state)
+
+    def _ensure_state(self, param, group):
+        if group["use_muon"]:
+            return FastOptimizer._ensure_state(self, param, group)
+        return super()._ensure_state(param, group)
+
+    def _prepare_states(self, params, group):
+        """A Muon group's context: each param's lr factor (``adjust_lr_fn`` of its matrices' shape)."""
+        if not group["use_muon"]:
+            return super()._prepare_states(params, group)
+        states, _ = FastOptimizer._prepare_states(self, params, group)
+        adjust = ADJUST_LR[group["adjust_lr_fn"] or "original"]
+        factors = [adjust(*matrix_shape(param.shape, group["flatten"])[-2:]) for param in params]
+        return states, torch.tensor(factors, dtype=torch.float64, device=params[0].device)
+
+    def _step_arguments(self, group, entry, grad_scale, increment):
+        if not group["use_muon"]:
+            return super()._step_arguments(group | {"eps": group["adamw_eps"]}, entry, grad_scale, increment)
+        lr = group_lr(group)
+        args = dict(momentum=group["momentum"], nesterov=group["nesterov"], lr=lr,
+                    weight_decay=group["weight_decay"], grad_scale=grad_scale,
+                    step_size=(lr * entry.context).to(entry.scalar_dtype), coefficients=self._coefficients(group),
+                    eps=group["eps"], flatten=group["flatten"])
+        return args, {"step_size"}
+
+    def _count_step(self, group, entry, increment):
+        if not group["use_muon"]:
+            super()._count_step(group, entry, increment)
