@@ -86,9 +86,10 @@ def muon_update(ops, *, param, grad, scratch, momentum_buffer, momentum, nestero
         ops.copy_(scratch, momentum_buffer)
     orthogonal = ops.per_matrix(partial(orthogonalize, coefficients=coefficients, eps=eps), scratch,
                                 partial(matrix_shape, flatten=flatten))
+    ops.copy_(scratch, orthogonal)  # in fp32: a traced addcmul would round bf16 · step_size to bf16
     if weight_decay:
         ops.mul_(param, 1 - lr * weight_decay)
-    ops.addcmul_(param, orthogonal, step_size, value=-1)
+    ops.addcmul_(param, scratch, step_size, value=-1)
 
 
 MUON = Algorithm(SPEC, muon_update, None)

@@ -1,0 +1,401 @@
+"""fastoptim.Muon: the loop engine against torch.optim.Muon (every option), the AdamW companions
+against fastoptim.AdamW, 3-D and flattened params against torch's Muon on their matrices, every
+engine against the loop engine (hypothesis), low-bit momenta, master weights, GradScaler, state
+dicts (torch's Muon checkpoints included), torch.compile, and bad input."""
+import copy
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import fastoptim
+from fastoptim.optimizers import muon
+from fastoptim.states import blockwise8
+
+from .test_fused import ENGINES, fallback_warnings
+
+STEPS = 4
+# Two matrices of one shape (a batch on the batched engines), a tall, a wide and a square one.
+SHAPES = [(24, 16), (24, 16), (40, 12), (12, 40), (20, 20)]
+TORCH_OPTIONS = [dict(), dict(nesterov=False), dict(adjust_lr_fn="match_rms_adamw", weight_decay=0.0),
+                 dict(momentum=0.5, lr=0.02, weight_decay=0.3), dict(ns_steps=2, ns_coefficients=(2.0, -1.5, 0.5)),
+                 dict(eps=10.0)]  # eps above the norms: the floor is what each matrix is divided by
+
+
+def make_params(shapes=SHAPES, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=generator).to(dtype)) for shape in shapes]
+
+
+def clone(params):
+    return [torch.nn.Parameter(p.detach().clone()) for p in params]
+
+
+def grads_of(params, steps=STEPS, seed=1, scale=1.0):
+    generator = torch.Generator().manual_seed(seed)
+    return [[torch.randn(p.shape, generator=generator) * scale for p in params] for _ in range(steps)]
+
+
+def run(optimizer, params, grads_per_step, view=None):
+    """Steps ``optimizer`` with each step's grads (viewed by ``view``, param by param, if given)."""
+    for grads in grads_per_step:
+        for param, grad in zip(params, grads):
+            param.grad = (grad if view is None else view(grad, param)).to(param.dtype)
+        optimizer.step()
+    return params
+
+
+def stepped(cls, params, grads_per_step, view=None, **options):
+    """Copies of ``params`` after ``cls(copies, **options)`` took the steps (warnings kept out)."""
+    copies = clone(params)
+    with warnings.catch_warnings(record=True):
+        return run(cls(copies, **options), copies, grads_per_step, view)
+
+
+def assert_equal(actual, expected):
+    for a, e in zip(actual, expected):
+        assert torch.equal(a.detach(), e.detach())
+
+
+def test_defaults_are_torchs():
+    import inspect
+    ours, torchs = inspect.signature(fastoptim.Muon).parameters, inspect.signature(torch.optim.Muon).parameters
+    for name in torchs:
+        assert ours[name].default == torchs[name].default, name
+
+
+@pytest.mark.parametrize("tensor_lr", [False, True])
+@pytest.mark.parametrize("options", TORCH_OPTIONS, ids=str)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_every_engine_steps_as_torch_muon(engine, options, tensor_lr):
+    params = make_params()
+    grads = grads_of(params)
+    lr = options.get("lr", 1e-3)
+    options = options | (dict(lr=torch.tensor(lr)) if tensor_lr else {})
+    expected = stepped(torch.optim.Muon, params, grads, **options)
+    assert_equal(stepped(fastoptim.Muon, params, grads, **options, **ENGINES[engine]), expected)
+
+
+def test_maximize_is_torch_muon_on_the_negated_grads():
+    params = make_params()
+    grads = grads_of(params)
+    expected = stepped(torch.optim.Muon, params, [[-g for g in step] for step in grads])
+    assert_equal(stepped(fastoptim.Muon, params, grads, maximize=True), expected)
+
+
+def test_clipping_is_torch_muon_after_clip_grad_norm():
+    params = make_params()
+    grads = grads_of(params, scale=3.0)
+    reference = clone(params)
+    torch_opt = torch.optim.Muon(reference)
+    for step in grads:
+        for param, grad in zip(reference, step):
+            param.grad = grad.clone()
+        torch.nn.utils.clip_grad_norm_(reference, 1.0)
+        torch_opt.step()
+    ours = clone(params)
+    for a, e in zip(run(fastoptim.Muon(ours, max_grad_norm=1.0), ours, grads), reference):
+        torch.testing.assert_close(a.detach(), e.detach(), rtol=1e-6, atol=1e-6)
+
+
+def model_groups(params, companions):
+    return [{"params": params}, {"params": companions, "use_muon": False, "lr": 3e-3, "betas": (0.8, 0.9),
+                                 "adamw_eps": 1e-6, "weight_decay": 0.05}]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_companion_groups_step_as_adamw_and_matrices_as_torch_muon(engine):
+    matrices = make_params()
+    companions = make_params([(30,), (50, 8), (5000,)], seed=2)  # a bias, an embedding, a large 1-D param
+    grads = grads_of(matrices + companions)
+    expected = stepped(torch.optim.Muon, matrices, [g[:len(matrices)] for g in grads], lr=0.02)
+    adamw_params = clone(companions)
+    adamw = fastoptim.AdamW(adamw_params, lr=3e-3, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.05, **ENGINES[engine])
+    run(adamw, adamw_params, [g[len(matrices):] for g in grads])
+    ours = clone(matrices) + clone(companions)
+    optimizer = fastoptim.Muon(model_groups(ours[:len(matrices)], ours[len(matrices):]), lr=0.02, **ENGINES[engine])
+    with warnings.catch_warnings(record=True):
+        run(optimizer, ours, grads)
+    assert_equal(ours[:len(matrices)], expected)
+    assert_equal(ours[len(matrices):], adamw_params)
+    for param, peer in zip(ours[len(matrices):], adamw_params):
+        assert optimizer.state[param].keys() == adamw.state[peer].keys() == {"step", "exp_avg", "exp_avg_sq"}
+        assert torch.equal(optimizer.state[param]["exp_avg_sq"], adamw.state[peer]["exp_avg_sq"])
+    assert optimizer.state[ours[0]].keys() == {"momentum_buffer"}
+
+
+def test_fused_runs_the_matrices_on_foreach_with_a_warning_and_the_companions_on_the_kernel():
+    matrices, companions = make_params(), make_params([(5000,)], seed=2)
+    grads = grads_of(matrices + companions)
+    results = {}
+    for engine in ("foreach", "fused-multi"):
+        params = clone(matrices) + clone(companions)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            run(fastoptim.Muon(model_groups(params[:-1], params[-1:]), **ENGINES[engine]), params, grads)
+        results[engine] = params, fallback_warnings(record)
+    assert results["foreach"][1] == []
+    assert {str(w.message) for w in results["fused-multi"][1]} == {
+        "fastoptim: fused=True, but no fused kernel for muon yet; those tensors take the foreach engine"}
+    assert_equal(results["fused-multi"][0][:-1], results["foreach"][0][:-1])
+    torch.testing.assert_close(results["fused-multi"][0][-1], results["foreach"][0][-1], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_3d_param_is_a_batch_of_matrices_each_as_torch_muon_steps_it(engine):
+    experts = make_params([(3, 24, 16), (2, 12, 40)])
+    grads = grads_of(experts)
+    slices = [torch.nn.Parameter(matrix.detach().clone()) for expert in experts for matrix in expert]
+    run(torch.optim.Muon(slices), slices, [[m for g in step for m in g] for step in grads])
+    ours = clone(experts)
+    with warnings.catch_warnings(record=True):
+        run(fastoptim.Muon(ours, **ENGINES[engine]), ours, grads)
+    assert_equal([m for expert in ours for m in expert], slices)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_flatten_takes_a_conv_weight_as_its_first_dim_by_the_rest(engine):
+    conv = make_params([(8, 3, 3, 3), (6, 4, 5)])
+    grads = grads_of(conv)
+    matrices = [torch.nn.Parameter(p.detach().reshape(p.shape[0], -1).clone()) for p in conv]
+    run(torch.optim.Muon(matrices), matrices, [[g.reshape(g.shape[0], -1) for g in step] for step in grads])
+    ours = clone(conv)
+    with warnings.catch_warnings(record=True):
+        run(fastoptim.Muon(ours, flatten=True, **ENGINES[engine]), ours, grads)
+    assert_equal([p.reshape(p.shape[0], -1) for p in ours], matrices)
+
+
+def newton_schulz_per_step(x, coefficients, eps):
+    """The iterations with one (a, b, c) per step, one matrix at a time, as torch.optim.Muon writes
+    them (torch.addmm in bf16)."""
+    x = x.bfloat16()
+    tall = x.size(0) > x.size(1)
+    x = x.T if tall else x
+    x = x / x.norm().clamp(min=eps)
+    for a, b, c in coefficients:
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+def test_a_coefficient_schedule_takes_one_triple_per_step():
+    schedule = [(8.2, -22.5, 15.9), (4.0, -2.8, 0.5), (3.4445, -4.775, 2.0315)]
+    params = make_params()
+    grad = grads_of(params, steps=1)[0]
+    ours = clone(params)
+    run(fastoptim.Muon(ours, lr=0.1, weight_decay=0.0, momentum=0.0, nesterov=False, ns_steps=3,
+                       ns_coefficients=schedule), ours, [grad])
+    for param, before, g in zip(ours, params, grad):
+        rows, cols = g.shape
+        step = torch.tensor(0.1 * max(1, rows / cols) ** 0.5)
+        update = newton_schulz_per_step(g, schedule, 1e-7)
+        assert torch.equal(param.detach(), before.detach().addcmul(update, step, value=-1))
+    fixed, repeated = clone(params), clone(params)
+    run(fastoptim.Muon(fixed, ns_steps=3), fixed, [grad])
+    run(fastoptim.Muon(repeated, ns_steps=3, ns_coefficients=[muon.DEFAULT_COEFFICIENTS] * 3), repeated, [grad])
+    assert_equal(repeated, fixed)
+
+
+def test_the_orthogonalized_update_has_singular_values_near_one():
+    update = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
+    singular = torch.linalg.svdvals(muon.orthogonalize(update[None], [muon.DEFAULT_COEFFICIENTS] * 5, 1e-7)[0].float())
+    assert singular.min() > 0.5 and singular.max() < 1.3
+
+
+@settings(max_examples=20, deadline=None)
+@given(shapes=st.lists(st.sampled_from([(24, 16), (16, 24), (8, 8), (2, 8, 12), (70, 70)]), min_size=1, max_size=5),
+       nesterov=st.booleans(), weight_decay=st.sampled_from([0.0, 0.2]), maximize=st.booleans(),
+       max_grad_norm=st.sampled_from([0.0, 0.5]), state_bits=st.sampled_from([32, 16, 8]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), engine=st.sampled_from(["foreach", "fused-multi"]))
+def test_every_engine_matches_the_loop_engine(shapes, nesterov, weight_decay, maximize, max_grad_norm, state_bits,
+                                              dtype, engine):
+    params = make_params(shapes, dtype)
+    grads = grads_of(params, steps=3)
+    options = dict(lr=0.02, nesterov=nesterov, weight_decay=weight_decay, maximize=maximize,
+                   max_grad_norm=max_grad_norm, state_bits=state_bits)
+    loop, other = clone(params), clone(params)
+    run(fastoptim.Muon(loop, foreach=False, fused=False, **options), loop, grads)
+    with warnings.catch_warnings(record=True):
+        run(fastoptim.Muon(other, **ENGINES[engine], **options), other, grads)
+    # a batch of matrices may round in bf16 otherwise than one matrix: an ulp of a bf16 param at most
+    tolerance = dict(rtol=2**-7, atol=0) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+    for a, b in zip(other, loop):
+        torch.testing.assert_close(a.detach().float(), b.detach().float(), **tolerance)
+
+
+@pytest.mark.parametrize("state_bits", [16, 8])
+def test_low_bit_momenta_stay_close_to_fp32_ones_at_their_bytes(state_bits):
+    params = make_params([(128, 96), (64, 64)])
+    grads = grads_of(params, steps=6)
+    runs = {}
+    for bits in (32, state_bits):
+        ours = clone(params)
+        optimizer = fastoptim.Muon(ours, lr=0.02, state_bits=bits)
+        runs[bits] = run(optimizer, ours, grads), optimizer
+    (fp32, fp32_opt), (low, low_opt) = runs[32], runs[state_bits]
+    for a, b, start in zip(fp32, low, params):
+        state, reference = low_opt.state[b], fp32_opt.state[a]["momentum_buffer"]
+        if state_bits == 8:
+            assert state["momentum_buffer"].dtype == torch.uint8
+            momentum = blockwise8.dequantize(state["momentum_buffer"], state["momentum_buffer_absmax"],
+                                             blockwise8.SIGNED)
+            size = state["momentum_buffer"].nbytes + state["momentum_buffer_absmax"].nbytes
+            assert size <= 0.26 * reference.nbytes
+        else:
+            assert state["momentum_buffer"].dtype == torch.bfloat16
+            momentum = state["momentum_buffer"].float()
+        relative = 1 / 16 if state_bits == 8 else 2.0**-8  # each step's rounding of the momentum, at most
+        assert 0 < (momentum - reference).norm() <= relative * reference.norm()
+        # the bf16 iterations may round a slightly different U otherwise, and amplify it a little
+        assert 0 < (b - a).norm() <= 4 * relative * (a - start).norm()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_master_bits_32_keeps_the_fp32_trajectory_of_bf16_params(engine):
+    params = make_params()
+    grads = [[g.bfloat16().float() for g in step] for step in grads_of(params)]  # what bf16 grads hold
+    bf16 = [torch.nn.Parameter(p.detach().bfloat16()) for p in params]
+    start = [torch.nn.Parameter(p.detach().bfloat16().float()) for p in params]  # the fp32 run starts alike
+    run(fastoptim.Muon(start, lr=0.02, foreach=False, fused=False), start, grads)
+    with warnings.catch_warnings(record=True):
+        run(fastoptim.Muon(bf16, lr=0.02, master_bits=32, **ENGINES[engine]), bf16, grads)
+    assert_equal(bf16, [p.detach().bfloat16() for p in start])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_grad_scaler_skips_an_inf_step_and_unscales_the_others(engine):
+    params = make_params()
+    grads = grads_of(params)
+    plain = stepped(fastoptim.Muon, params, grads, **ENGINES[engine])
+    scaled = clone(params)
+    optimizer = fastoptim.Muon(scaled, **ENGINES[engine])
+    with warnings.catch_warnings(record=True):
+        for t, step in enumerate(grads):
+            for param, grad in zip(scaled, step):
+                param.grad = grad * 8
+            optimizer.grad_scale, optimizer.found_inf = torch.tensor(8.0), torch.tensor(0.0)
+            optimizer.step()
+            if t == 1:  # an inf step between two: no trace
+                before = [p.detach().clone() for p in scaled], [optimizer.state[p]["momentum_buffer"].clone()
+                                                                for p in scaled]
+                optimizer.found_inf = torch.tensor(1.0)
+                optimizer.step()
+                assert_equal(scaled, before[0])
+                assert_equal([optimizer.state[p]["momentum_buffer"] for p in scaled], before[1])
+    assert_equal(scaled, plain)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_torch_muon_checkpoint_loads_and_resumes_on_the_same_trajectory(engine):
+    params = make_params()
+    grads = grads_of(params, steps=6)
+    reference = clone(params)
+    torch_opt = torch.optim.Muon(reference, lr=0.02)
+    run(torch_opt, reference, grads[:3])
+    saved = copy.deepcopy(torch_opt.state_dict())  # its tensors are the live states
+    resumed = clone(reference)
+    run(torch_opt, reference, grads[3:])
+    ours = fastoptim.Muon(resumed, lr=1.0, **ENGINES[engine])
+    ours.load_state_dict(saved)
+    assert ours.param_groups[0]["lr"] == 0.02 and ours.param_groups[0]["use_muon"]
+    with warnings.catch_warnings(record=True):
+        run(ours, resumed, grads[3:])
+    assert_equal(resumed, reference)
+
+
+def test_a_state_dict_moves_between_engines_and_state_bits_with_its_companions():
+    matrices, companions = make_params([(128, 64), (64, 64)]), make_params([(5000,), (7,)], seed=2)
+    grads = grads_of(matrices + companions, steps=6)
+    straight = clone(matrices) + clone(companions)
+    run(fastoptim.Muon(model_groups(straight[:2], straight[2:]), state_bits=8), straight, grads)
+    first = clone(matrices) + clone(companions)
+    optimizer = fastoptim.Muon(model_groups(first[:2], first[2:]), state_bits=8)
+    run(optimizer, first, grads[:3])
+    saved = optimizer.state_dict()
+    assert saved["state"][0]["momentum_buffer"].dtype == torch.uint8
+    moved = clone(first)
+    wide = fastoptim.Muon(model_groups(moved[:2], moved[2:]), foreach=False, fused=False)
+    wide.load_state_dict(saved)
+    assert wide.state[moved[0]]["momentum_buffer"].dtype == torch.float32
+    assert wide.state[moved[2]]["step"] == 3
+    back = fastoptim.Muon(model_groups(clone(moved[:2]), clone(moved[2:])), state_bits=8)
+    back.load_state_dict(wide.state_dict())
+    resumed = [p for group in back.param_groups for p in group["params"]]
+    run(back, resumed, grads[3:])
+    for a, b in zip(resumed, straight):  # dequantized and quantized again: the same codes
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("engine", ["loop", "foreach"])
+def test_a_compiled_step_is_the_eager_step_without_graph_breaks(engine):
+    matrices, companions = make_params(), make_params([(30,)], seed=2)
+    grads = grads_of(matrices + companions)
+    eager, traced = clone(matrices) + clone(companions), clone(matrices) + clone(companions)
+    eager_opt = fastoptim.Muon(model_groups(eager[:-1], eager[-1:]), lr=torch.tensor(0.02), **ENGINES[engine])
+    traced_opt = fastoptim.Muon(model_groups(traced[:-1], traced[-1:]), lr=torch.tensor(0.02), **ENGINES[engine])
+    torch._dynamo.reset()
+    compiled = torch.compile(traced_opt.step, backend="aot_eager", fullgraph=True)
+    for step in grads:
+        for params in (eager, traced):
+            for param, grad in zip(params, step):
+                param.grad = grad.clone()
+        eager_opt.step()
+        compiled()
+    # the traced addcmul (torch's add with alpha, fused) rounds twice: an ulp apart at most per step
+    for a, b in zip(traced, eager):
+        torch.testing.assert_close(a, b, rtol=4e-7, atol=1e-7)
+
+
+# --- bad input: a clear error, and nothing changed ---------------------------------------------
+
+@pytest.mark.parametrize("options, message", [
+    (dict(ns_steps=0), "Invalid ns_steps"), (dict(ns_steps=100), "Invalid ns_steps"),
+    (dict(ns_steps=2.0), "Invalid ns_steps"), (dict(ns_coefficients=(1.0, 2.0)), "Invalid ns_coefficients"),
+    (dict(ns_coefficients=(1.0, float("nan"), 2.0)), "Invalid ns_coefficients"),
+    (dict(ns_coefficients=[(1.0, 2.0, 3.0)] * 4), "Invalid ns_coefficients"),
+    (dict(momentum=1.0), "Invalid momentum"), (dict(momentum=-0.1), "Invalid momentum"),
+    (dict(adjust_lr_fn="bogus"), "Invalid adjust_lr_fn"), (dict(use_muon="yes"), "Invalid use_muon"),
+    (dict(nesterov=1), "Invalid nesterov"), (dict(adamw_eps=-1.0), "Invalid adamw_eps"),
+    (dict(eps=-1.0), "Invalid eps"), (dict(lr=-1.0), "Invalid lr"), (dict(sn=True), "Invalid sn"),
+])
+def test_bad_options_are_refused_by_name(options, message):
+    with pytest.raises(ValueError, match=message):
+        fastoptim.Muon(make_params(), **options)
+
+
+@pytest.mark.parametrize("shape, message", [((7,), "use_muon=False"), (torch.Size([]), "use_muon=False"),
+                                            ((2, 3, 4, 5), "flatten=True")])
+def test_a_param_that_is_not_a_matrix_is_refused_with_what_to_do(shape, message):
+    with pytest.raises(ValueError, match=message):
+        fastoptim.Muon(make_params() + [torch.nn.Parameter(torch.zeros(shape))])
+    optimizer = fastoptim.Muon(make_params())
+    with pytest.raises(ValueError, match=message):
+        optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(shape))]})
+    assert len(optimizer.param_groups) == 1
+    fastoptim.Muon([{"params": make_params()}, {"params": [torch.nn.Parameter(torch.zeros(shape))],
+                                                "use_muon": False}])
+
+
+def test_complex_params_and_a_companion_eps_are_refused():
+    with pytest.raises(ValueError, match="complex"):
+        fastoptim.Muon([torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.complex64))])
+    with pytest.raises(ValueError, match="adamw_eps"):
+        fastoptim.Muon([{"params": make_params()}, {"params": make_params([(3,)]), "use_muon": False, "eps": 1e-8}])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_sparse_grad_raises_before_anything_changes(engine):
+    params = make_params()
+    optimizer = fastoptim.Muon(params, **ENGINES[engine])
+    with warnings.catch_warnings(record=True):
+        run(optimizer, params, grads_of(params, steps=1))
+    before = [p.detach().clone() for p in params], [optimizer.state[p]["momentum_buffer"].clone() for p in params]
+    for param in params:
+        param.grad = torch.ones_like(param)
+    params[-1].grad = torch.ones_like(params[-1]).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        optimizer.step()
+    assert_equal(params, before[0])
+    assert_equal([optimizer.state[p]["momentum_buffer"] for p in params], before[1])
