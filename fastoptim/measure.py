@@ -81,6 +81,14 @@ def params_and_sn(module):
     return params, [id(p) in linear and id(p) not in embedding for p in params]
 
 
+def muon_groups(params, matrices):
+    """Param groups as Muon takes a model: its hidden matrices (``matrices``: a flag per param, the
+    Linear weights of ``params_and_sn``) in a Muon group, the rest in an AdamW one."""
+    groups = [{"params": [p for p, m in zip(params, matrices) if m]},
+              {"params": [p for p, m in zip(params, matrices) if not m], "use_muon": False}]
+    return [group for group in groups if group["params"]]
+
+
 def sn_groups(params, sn):
     """Param groups as the seed's usage makes them: ``'sn': True`` on the chosen params."""
     groups = [{"params": [p for p, s in zip(params, sn) if s], "sn": True},

@@ -33,6 +33,28 @@ def torch_adamw(params, _sn, **options):
     return torch.optim.AdamW(params, **options)
 
 
+class TorchMuonWithAdamW:
+    """torch.optim.Muon on a model's hidden matrices and torch's fused AdamW on the rest, stepped
+    together, as its users wire the two (torch's Muon takes 2-D params only)."""
+
+    def __init__(self, params, matrices, **options):
+        self.optimizers = [torch.optim.Muon([p for p, m in zip(params, matrices) if m], **options),
+                           torch.optim.AdamW([p for p, m in zip(params, matrices) if not m], fused=True, **options)]
+        self.param_groups = [group for optimizer in self.optimizers for group in optimizer.param_groups]
+
+    @property
+    def state(self):
+        return {param: state for optimizer in self.optimizers for param, state in optimizer.state.items()}
+
+    def step(self):
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none=True):
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none)
+
+
 def timm_adan(params, _sn, **options):
     return timm_adan_class()(params, foreach=True, **options)
 

@@ -22,7 +22,7 @@ import torch
 
 import fastoptim
 
-from ..measure import state_bytes, tensor_bytes
+from ..measure import muon_groups, state_bytes, tensor_bytes
 from . import memory, peers, report
 from .models import shapes, with_gradients
 
@@ -58,12 +58,22 @@ def fastoptim_family(cls, sn, state_bits=32, master_bits=16):
     return make
 
 
+def muon_family(state_bits):
+    """fastoptim.Muon on the hidden matrices (the params the subset-norm mask marks), with AdamW companions."""
+    def make(params, matrices):
+        return fastoptim.Muon(muon_groups(params, matrices), state_bits=state_bits, **HYPERPARAMETERS)
+    return make
+
+
 def optimizers():
     """Every optimizer the benchmark knows, by name: fastoptim's engines, then the peers."""
     table = {}
     for family, options in FASTOPTIM.items():
         for engine, flags in ENGINES.items():
             table[f"{family}-{engine}"] = Optimizer(family, fastoptim_family(*options), flags)
+    for family, state_bits in (("muon", 32), ("muon-8bit", 8)):
+        for engine, flags in ENGINES.items():
+            table[f"{family}-{engine}"] = Optimizer(family, muon_family(state_bits), flags)
     table["adan-foreach-compiled"] = Optimizer("adan-compiled", fastoptim_family(fastoptim.Adan, False),
                                                ENGINES["foreach"], compiled=True)
     for name, make, options in (("torch-adam", peers.torch_adam, dict(lr=1e-4)),
@@ -72,6 +82,8 @@ def optimizers():
         for engine, flags in (("foreach", dict(foreach=True)), ("fused", dict(fused=True))):
             table[f"{name}-{engine}"] = Optimizer(f"{name}-{engine}", lambda p, s, m=make, o=options, f=flags:
                                                   m(p, s, **o, **f), library="torch")
+    table["torch-muon"] = Optimizer("torch-muon", lambda p, matrices: peers.TorchMuonWithAdamW(
+        p, matrices, **HYPERPARAMETERS), library="torch")
     for name, make, library in (("timm-adan", peers.timm_adan, "timm"),
                                 ("po-adan", peers.pytorch_optimizer_adan, "pytorch-optimizer"),
                                 ("po-adamwsn", peers.pytorch_optimizer_adamwsn, "pytorch-optimizer"),

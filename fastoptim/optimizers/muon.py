@@ -27,15 +27,6 @@ ADJUST_LR = {  # adjust_lr_fn: the factor of lr for a matrix of rows × cols (to
 }
 
 
-def _addmm(input, mat1, mat2, beta, alpha=1.0):
-    """``beta·input + alpha·mat1 @ mat2`` over batches of matrices (any number of batch dims), in
-    one rounding as ``torch.addmm``."""
-    shape = input.shape
-    flat = (-1, *shape[-2:])
-    return torch.baddbmm(input.reshape(flat), mat1.reshape(-1, *mat1.shape[-2:]), mat2.reshape(-1, *mat2.shape[-2:]),
-                         beta=beta, alpha=alpha).view(shape)
-
-
 def orthogonalize(matrices, coefficients, eps):
     """The Newton–Schulz iterations of torch.optim.Muon, in bf16, on a batch of matrices
     ``(n, ..., rows, cols)``: each matrix X, transposed to be wide, is scaled to a Frobenius norm
@@ -44,15 +35,18 @@ def orthogonalize(matrices, coefficients, eps):
         X ← a·X + (b·A + c·A²)·X,   A = X·Xᵀ
 
     which drives its singular values towards 1 (to about 0.7–1.2 with the default quintic)."""
-    x = matrices.bfloat16()
+    x = matrices.reshape(-1, *matrices.shape[-2:]).bfloat16()
+    if len(x) == 1:  # one matrix: torch's 2-D kernels, as torch.optim.Muon's (a batch of one is slower)
+        x = x[0]
+    addmm = torch.addmm if x.dim() == 2 else torch.baddbmm
     tall = x.size(-2) > x.size(-1)
     if tall:
         x = x.mT
     x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)
     for a, b, c in coefficients:
         gram = x @ x.mT
-        x = _addmm(x, _addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.mT if tall else x
+        x = addmm(x, addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return (x.mT if tall else x).reshape(matrices.shape)
 
 
 def matrix_shape(shape, flatten):

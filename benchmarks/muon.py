@@ -1,0 +1,67 @@
+"""Where a Muon step's time goes: the Newton–Schulz iterations against the elementwise rest, on a
+model's hidden matrices, for torch.optim.Muon (one matrix at a time) and fastoptim.Muon's loop and
+batched (foreach) engines. Interleaved repeats in one process; medians with their spread.
+Usage, from the repository root: .venv/bin/python -m benchmarks.muon [--model gpt2-h12-l6-d768]
+"""
+import argparse
+import statistics
+import time
+import warnings
+
+import torch
+
+import fastoptim
+from fastoptim.bench.models import with_gradients
+from fastoptim.measure import cpu_features, machine
+from fastoptim.optimizers import muon
+from fastoptim.engines.ops import FOREACH_OPS, TENSOR_OPS
+
+
+def timed(function):
+    start = time.perf_counter()
+    function()
+    return time.perf_counter() - start
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt2-h12-l6-d768")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    params, matrices = with_gradients(args.model)
+    params = [p for p, m in zip(params, matrices) if m]
+    updates = [p.grad.clone() for p in params]
+    coefficients = [muon.DEFAULT_COEFFICIENTS] * 5
+    shape = muon.matrix_shape
+
+    def iterations(ops):
+        return lambda: ops.per_matrix(lambda x: muon.orthogonalize(x, coefficients, 1e-7), updates,
+                                      lambda s: shape(s, False)) if ops is FOREACH_OPS else [
+            TENSOR_OPS.per_matrix(lambda x: muon.orthogonalize(x, coefficients, 1e-7), u, lambda s: shape(s, False))
+            for u in updates]
+
+    steps = {"torch.optim.Muon": torch.optim.Muon(params, lr=1e-4).step,
+             "fastoptim.Muon loop": fastoptim.Muon(params, lr=1e-4, foreach=False, fused=False).step,
+             "fastoptim.Muon foreach (batched)": fastoptim.Muon(params, lr=1e-4, foreach=True, fused=False).step,
+             "Newton–Schulz alone, one matrix at a time": iterations(TENSOR_OPS),
+             "Newton–Schulz alone, batched by shape": iterations(FOREACH_OPS)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in steps.values():
+            step()  # states, and the first call's allocations
+        samples = {name: [] for name in steps}
+        for _ in range(args.repeats):
+            for name, step in steps.items():
+                samples[name].append(timed(step))
+    numel = sum(p.numel() for p in params)
+    print(f"{args.model}: {len(params)} hidden matrices, {numel / 1e6:.1f}M elements; {machine()['cpu']}; "
+          f"CPU features: {cpu_features()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"{args.repeats} interleaved repeats\n")
+    print("| step | ms (median) | spread |\n|---|---|---|")
+    for name, values in samples.items():
+        median = statistics.median(values)
+        print(f"| {name} | {median * 1e3:.0f} | {(max(values) - min(values)) / median:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
