@@ -99,6 +99,20 @@ def check_flattened(param, partition):
                          "columns) or a subset size that divides its rows")
 
 
+def gathered_rows(local_tensor, group):
+    """The whole tensor whose dim-0 pieces the ranks of ``group`` hold (``local_tensor``: this
+    rank's, as DTensor's Shard(0) cuts them), on every rank, and the row where this rank's start."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    counts = [torch.zeros(1, dtype=torch.long, device=local_tensor.device) for _ in range(world)]
+    dist.all_gather(counts, torch.tensor([len(local_tensor)], device=local_tensor.device), group=group)
+    counts = [int(count) for count in counts]
+    piece = local_tensor.new_zeros((max(counts), *local_tensor.shape[1:]))
+    piece[:len(local_tensor)] = local_tensor
+    pieces = [torch.empty_like(piece) for _ in range(world)]
+    dist.all_gather(pieces, piece, group=group)
+    return torch.cat([piece[:count] for piece, count in zip(pieces, counts)]), sum(counts[:rank])
+
+
 def sum_over(tensor, group, op="sum"):
     """All-reduce ``tensor`` in place over ``group`` (its sum, or its maximum with ``op='max'``)."""
     dist.all_reduce(tensor, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)

@@ -90,10 +90,11 @@ class GroupWork:
         """The state tensors this work was built on, as the engines see them (their ``engine_view``)."""
         return list(map(engine_view, self.state_owners)) if self.viewed_states else self.state_owners
 
-    def use_states(self, states, context, partitions, reduced_roles, group):
+    def use_states(self, states, context, partitions, reduced_roles, group, whole=False):
         """Take the states (every role present), with the subset-norm partition of each param (None:
         dense): the tensors of a partitioned param are handed to the engines in its (a, b, c) view.
-        Params whose subsets span FSDP2 shards get buckets of their own, which sum over ``group``."""
+        Params whose subsets span FSDP2 shards, and every DTensor param of math that needs each
+        tensor ``whole`` (Muon's), get buckets of their own, which communicate over ``group``."""
         self.states, self.context, self.bucket_caches = states, context, {}
         keys = {key for state in states for key in state}
         self.kept = {key: list(map(dict.get, states, repeat(key))) for key in keys}
@@ -102,7 +103,8 @@ class GroupWork:
         self.partitions, self.reduced_roles = partitions if any(partitions) else None, reduced_roles
         self._read_tensors()
         spanning = {i for i, (param, part) in enumerate(zip(self.params, partitions))
-                    if part is not None and distributed.spans_shards(param, part)}
+                    if part is not None and distributed.spans_shards(param, part)
+                    or whole and distributed.is_dtensor(param)}
         self.buckets = [(part, reduce) for bucket in buckets(self.params)
                         for part, reduce in (([i for i in bucket if i not in spanning], None),
                                              ([i for i in bucket if i in spanning], group)) if part]

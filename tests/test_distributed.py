@@ -6,8 +6,8 @@ Two worker processes are started once for the module (``python -m tests.test_dis
 file rendezvous, no ports). They run every case, with a single-process run of the same case beside
 it, and write what they measure to JSON files that the tests read. Each rank feeds its half of
 every batch; DDP and FSDP2 average the halves' gradients into the whole batch's. 8-bit codes round,
-so a gradient one ulp off may take the neighbouring code: the 8-bit cases feed every rank the whole
-batch, whose averaged gradient is exactly one process's.
+so a gradient one ulp off may take the neighbouring code, and so may Muon's bf16 iterations: those
+cases feed every rank the whole batch, whose averaged gradient is exactly one process's.
 """
 import json
 import math
@@ -36,12 +36,13 @@ CLIP = 0.05
 ENGINES = {"foreach": dict(foreach=True, fused=False), "fused": dict(fused=True)}
 OPTIONS = {"adan": ("Adan", dict(lr=0.01, weight_decay=0.02, max_grad_norm=CLIP)),
            "adamw": ("AdamW", dict(lr=0.01, weight_decay=0.01)),
-           "adamwsn": ("AdamWSN", dict(lr=0.01, weight_decay=0.01))}
+           "adamwsn": ("AdamWSN", dict(lr=0.01, weight_decay=0.01)),
+           "muon": ("Muon", dict(lr=0.02, weight_decay=0.01, max_grad_norm=CLIP))}
 
 
 def case(mode, optimizer, engine, sn=None, **options):
     """A case's name and its settings: ``sn`` None (dense), "rows-columns" (subset_size None) or
-    "flattened" (subset_size 32)."""
+    "flattened" (subset_size 32); Muon's cases always group the matrices apart from b1."""
     name = "-".join([mode, optimizer, engine] + ([sn] if sn else []) + [f"{k}={v}" for k, v in options.items()])
     return name, dict(mode=mode, optimizer=optimizer, engine=engine, sn=sn, options=options)
 
@@ -55,8 +56,12 @@ CASES = dict([
     *(case("fsdp", optimizer, engine, "rows-columns") for optimizer in ("adan", "adamwsn") for engine in ENGINES),
     *(case("fsdp", "adamwsn", engine, "flattened") for engine in ENGINES),
     *(case("fsdp", "adan", engine, state_bits=8) for engine in ENGINES),
+    # Muon: w4 is one row, so rank 1 holds none of it; w2's rows split unevenly
+    *(case(mode, "muon", engine) for mode in ("zero", "fsdp") for engine in ENGINES),
+    case("fsdp", "muon", "fused", state_bits=8),
 ])
-CHECKPOINTS = dict([case("fsdp", "adan", "fused", "rows-columns"), case("fsdp", "adan", "fused", state_bits=8)])
+CHECKPOINTS = dict([case("fsdp", "adan", "fused", "rows-columns"), case("fsdp", "adan", "fused", state_bits=8),
+                    case("fsdp", "muon", "fused")])
 
 
 class Net(torch.nn.Module):
@@ -84,8 +89,11 @@ def batch(step, rank=None):
     return x[rank * half:(rank + 1) * half], target[rank * half:(rank + 1) * half]
 
 
-def param_groups(model, sn):
+def param_groups(model, sn, optimizer=None):
     named = dict(model.named_parameters())
+    if optimizer == "muon":
+        return [{"params": [p for n, p in named.items() if n != "b1"]},
+                {"params": [named["b1"]], "use_muon": False, "lr": 0.01}]
     if sn is None:
         return [{"params": list(named.values())}]
     if sn == "rows-columns":
@@ -113,13 +121,14 @@ def full_params(model):
 
 
 def fed(settings, rank):
-    """The rank whose half of each batch this case's rank feeds (None: the whole batch)."""
-    return None if settings["options"].get("state_bits") == 8 else rank
+    """The rank whose half of each batch this case's rank feeds (None: the whole batch): 8-bit codes
+    and Muon's bf16 iterations round a gradient one ulp off to their neighbouring values."""
+    return None if settings["options"].get("state_bits") == 8 or settings["optimizer"] == "muon" else rank
 
 
 def one_process(settings, steps=STEPS):
     model = Net()
-    train(model, make_optimizer(settings, param_groups(model, settings["sn"])), steps)
+    train(model, make_optimizer(settings, param_groups(model, settings["sn"], settings["optimizer"])), steps)
     return full_params(model)
 
 
@@ -135,17 +144,18 @@ def distributed_run(settings, rank):
     model = Net()
     if settings["mode"] == "fsdp":
         fully_shard(model)
-        optimizer = make_optimizer(settings, param_groups(model, settings["sn"]))
+        optimizer = make_optimizer(settings, param_groups(model, settings["sn"], settings["optimizer"]))
     elif settings["mode"] == "zero":
         model = DistributedDataParallel(model)
         cls_name, options = OPTIONS[settings["optimizer"]]
         optimizer = ZeroRedundancyOptimizer(
-            param_groups(model.module, settings["sn"]), optimizer_class=getattr(fastoptim, cls_name),
+            param_groups(model.module, settings["sn"], settings["optimizer"]),
+            optimizer_class=getattr(fastoptim, cls_name),
             shard_group=settings.get("shard_group", dist.group.WORLD), **options, **ENGINES[settings["engine"]],
             **settings["options"])
     else:
         model = DistributedDataParallel(model)
-        optimizer = make_optimizer(settings, param_groups(model.module, settings["sn"]))
+        optimizer = make_optimizer(settings, param_groups(model.module, settings["sn"], settings["optimizer"]))
     train(model, optimizer, STEPS, fed(settings, rank))
     return model.module if settings["mode"] != "fsdp" else model, optimizer
 
@@ -174,7 +184,7 @@ def checkpoint_run(settings, rank, directory):
     def build():
         model = Net()
         fully_shard(model)
-        return model, make_optimizer(settings, param_groups(model, settings["sn"]))
+        return model, make_optimizer(settings, param_groups(model, settings["sn"], settings["optimizer"]))
 
     model, optimizer = build()
     rank = fed(settings, rank)
@@ -326,15 +336,15 @@ def test_a_dcp_checkpoint_of_two_ranks_resumes_in_one_process(runs, name):
 
 def resume_in_one_process(settings, checkpoint):
     model = Net()
-    optimizer = make_optimizer(settings, param_groups(model, settings["sn"]))
-    template = make_optimizer(settings, param_groups(model, settings["sn"]), state_bits=32)
+    optimizer = make_optimizer(settings, param_groups(model, settings["sn"], settings["optimizer"]))
+    template = make_optimizer(settings, param_groups(model, settings["sn"], settings["optimizer"]), state_bits=32)
     restore(model, template, checkpoint)
     optimizer.load_state_dict(template.state_dict())
     train(model, optimizer, STEPS // 2, first=STEPS // 2)
     assert oracle.relative_error(full_params(model), one_process(settings)) < 1e-5
 
 
-@pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW, fastoptim.AdamWSN, fastoptim.RMSPropSN])
+@pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW, fastoptim.AdamWSN, fastoptim.RMSPropSN, fastoptim.Muon])
 def test_shard_group_without_a_process_group_is_a_clear_error(cls):
     with pytest.raises(ValueError, match="shard_group is given, but torch.distributed is not initialised"):
         cls(oracle.make_params(), shard_group=object())

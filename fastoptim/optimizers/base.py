@@ -430,7 +430,8 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         """Create the missing states of ``entry``'s params and hand them to it."""
         states, context = self._prepare_states(entry.params, group)
         partitions = [subset_norm.from_record(p.shape, s) for p, s in zip(entry.params, states)]
-        entry.use_states(states, context, partitions, self._algorithm(group).spec.reduced, self._reduce_group)
+        spec = self._algorithm(group).spec
+        entry.use_states(states, context, partitions, spec.reduced, self._reduce_group, not spec.elementwise)
         entry.formats_chosen = _formats_chosen(group)  # the states' formats: checked again if an option changes
 
     def _partition(self, param, state, group):

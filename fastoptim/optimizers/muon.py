@@ -11,7 +11,6 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from .. import distributed
 from ..specs import KernelSpec, Role
 from .adamw import AdamW
 from .base import Algorithm, FastOptimizer, group_lr
@@ -124,8 +123,9 @@ class Muon(AdamW):
     the AdamW companions on their fused kernels. ``sn`` and ``state_bits`` apply to the
     companions' states; ``state_bits`` to the momentum buffer too. State per parameter: Muon's
     ``momentum_buffer``, as torch.optim.Muon's, whose state dicts load; the companions' are
-    AdamW's. A param of a Muon group must be whole on each rank: ZeRO's partitions are, FSDP2's
-    DTensor shards are refused.
+    AdamW's. Under ZeRO (``shard_group``) each rank steps whole params; FSDP2's DTensor params are
+    gathered whole on every rank for the iterations, which each rank then runs on every matrix (on
+    the loop engine), keeping its rows: the results are one process's.
     """
 
     def __init__(self, params: ParamsT, lr: float | Tensor = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
@@ -204,9 +204,6 @@ class Muon(AdamW):
                 + ("" if param.dim() < 2 else ", or set flatten=True to take it as its first dim by the rest"))
         if param.is_complex():
             raise ValueError("Muon does not support complex params: put them in a use_muon=False group (AdamW)")
-        if distributed.is_dtensor(param):
-            raise ValueError("Muon needs each matrix whole on a rank, and a DTensor param (FSDP2) is sharded: put "
-                             "it in a use_muon=False group, or use ZeRO (shard_group), which keeps params whole")
 
     @staticmethod
     def kernel_flags(group):

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 import fastoptim
-from fastoptim.measure import params_and_sn, sn_groups, state_bytes
+from fastoptim.measure import muon_groups, params_and_sn, sn_groups, state_bytes
 
 from . import data, model, report
 
@@ -24,13 +24,19 @@ class Recipe:
     sn: bool = False  # subset-norm second moments on the Linear (GPT-2's Conv1D) weights
     options: dict = field(default_factory=dict)
     dtype: torch.dtype = torch.float32  # of the model's params (and so its grads and forward pass)
+    companions: dict | None = None  # Muon: the options of the AdamW group of the params that are not hidden matrices
 
     def make(self, module, lr):
-        params, sn = params_and_sn(module)
-        return self.cls(sn_groups(params, sn) if self.sn else params, lr=lr, weight_decay=self.weight_decay,
-                        fused=True, **self.options)
+        params, linear = params_and_sn(module)
+        if self.companions is not None:
+            groups = [group | self.companions if group.get("use_muon") is False else group
+                      for group in muon_groups(params, linear)]
+        else:
+            groups = sn_groups(params, linear) if self.sn else params
+        return self.cls(groups, lr=lr, weight_decay=self.weight_decay, fused=True, **self.options)
 
 
+MUON_COMPANIONS = {"use_muon": False, "lr": 1e-3, "weight_decay": 0.1, "betas": (0.9, 0.99)}
 RECIPES = {
     # nanoGPT's baby character-level GPT (config/train_shakespeare_char.py): lr 1e-3, weight decay 0.1
     "adamw": Recipe(torch.optim.AdamW, 1e-3, 0.1),
@@ -45,6 +51,10 @@ RECIPES = {
     # nanoGPT's recipe on a bf16 model: the params alone, and with a 16-bit remainder (the exact fp32 master)
     "adamw-bf16": Recipe(fastoptim.AdamW, 1e-3, 0.1, dtype=torch.bfloat16),
     "adamw-bf16-master32": Recipe(fastoptim.AdamW, 1e-3, 0.1, options={"master_bits": 32}, dtype=torch.bfloat16),
+    # Keller Jordan's Muon (lr 0.02, momentum 0.95, Nesterov) on the hidden matrices; the embeddings, head,
+    # biases and norms on nanoGPT's AdamW recipe (its char model's betas), as his MuonWithAuxAdam pairs them
+    "muon": Recipe(fastoptim.Muon, 0.02, 0.0, companions=MUON_COMPANIONS),
+    "muon-8bit": Recipe(fastoptim.Muon, 0.02, 0.0, options={"state_bits": 8}, companions=MUON_COMPANIONS),
 }
 DEFAULT_RECIPES = ["adamw", "adan", "adamwsn", "adan-sn", "adan-8bit"]  # the bf16 ones when named
 LR_SWEEP = (0.5, 1.0, 2.0)  # --lr-sweep: these multiples of each recommended lr
