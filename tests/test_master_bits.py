@@ -128,6 +128,28 @@ def test_the_fused_engines_leave_remainders_to_foreach_with_the_same_result():
     assert all(torch.equal(a, b) for a, b in zip(results["foreach"], results["fused"]))
 
 
+@pytest.mark.parametrize("bits", [16, 24, 32])
+def test_master_state_dict_holds_the_masters_in_fp32_and_the_rest_as_the_module(bits):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.LayerNorm(6), torch.nn.Linear(6, 3)).bfloat16()
+    model[1].float()  # an fp32 param beside the bf16 ones
+    model.register_buffer("count", torch.arange(3))
+    opt = fastoptim.AdamW(model.parameters(), lr=1e-2, master_bits=bits)
+    for _ in range(3):
+        for param in model.parameters():
+            param.grad = torch.randn_like(param)
+        opt.step()
+    exported, plain = opt.master_state_dict(model), model.state_dict()
+    assert exported.keys() == plain.keys()
+    for name, value in exported.items():
+        param = dict(model.named_parameters()).get(name)
+        if param is not None and param.dtype == torch.bfloat16 and bits > 16:
+            assert value.dtype == torch.float32
+            assert torch.equal(value, master.widen(param.detach(), opt.state[param][master.KEY]))
+            assert torch.equal(split(value, 32)[0], plain[name])  # the param is its master rounded
+        else:
+            assert torch.equal(value, plain[name]) and value.dtype == plain[name].dtype
+
+
 def test_fp32_params_keep_no_remainder():
     params = [torch.nn.Parameter(torch.randn(10)), torch.nn.Parameter(torch.randn(10).bfloat16())]
     opt = run(fastoptim.Lion, params, [[torch.randn(10), torch.randn(10)]], master_bits=24)

@@ -503,6 +503,25 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             return -1.0 if scale is None else -scale
         return scale
 
+    def master_state_dict(self, module: torch.nn.Module) -> dict[str, Tensor]:
+        """``module.state_dict()`` with each bf16 param that keeps a master remainder here (under
+        ``master_bits`` 24 or 32) replaced by its master, in fp32: the weights to export or evaluate
+        at the precision the optimizer trains (the module's own state dict holds the rounded bf16
+        params). Every other entry is the module's.
+
+        Args:
+            module: the model whose params (some or all) this optimizer steps.
+        """
+        masters = {id(param): state[master.KEY] for param, state in self.state.items() if master.KEY in state}
+        named = dict(module.named_parameters(remove_duplicate=False))
+        state_dict = module.state_dict()
+        for name, param in named.items():
+            remainder = masters.get(id(param))
+            if remainder is not None and name in state_dict:
+                full = master.widen(distributed.local(param.detach()), distributed.local(remainder))
+                state_dict[name] = distributed.like(full, param) if distributed.is_dtensor(param) else full
+        return state_dict
+
     def _forget_engine_caches(self):
         """Drop the step work and pointer tables, which hold the states: for when states are replaced."""
         self.__dict__.pop("_engine_caches", None)

@@ -54,7 +54,9 @@ RECIPES = {
     # Keller Jordan's Muon (lr 0.02, momentum 0.95, Nesterov) on the hidden matrices; the embeddings, head,
     # biases and norms on nanoGPT's AdamW recipe (its char model's betas), as his MuonWithAuxAdam pairs them
     "muon": Recipe(fastoptim.Muon, 0.02, 0.0, companions=MUON_COMPANIONS),
-    "muon-8bit": Recipe(fastoptim.Muon, 0.02, 0.0, options={"state_bits": 8}, companions=MUON_COMPANIONS),
+    # the momentum in 8 bits; the companions' AdamW states stay fp32
+    "muon-8bit": Recipe(fastoptim.Muon, 0.02, 0.0, options={"state_bits": 8},
+                        companions=MUON_COMPANIONS | {"state_bits": 32}),
 }
 DEFAULT_RECIPES = ["adamw", "adan", "adamwsn", "adan-sn", "adan-8bit"]  # the bf16 ones when named
 LR_SWEEP = (0.5, 1.0, 2.0)  # --lr-sweep: these multiples of each recommended lr
