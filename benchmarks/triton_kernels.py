@@ -19,11 +19,12 @@ import torch
 import triton
 
 from fastoptim.kernels import fused_triton
-from fastoptim.optimizers import adamw, adan, lion
+from fastoptim.optimizers import adamw, adan, lion, muon
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "8-bit": torch.uint8}
 PARAMS = ("fp32", "bf16", "fp16")
-SPECS = (adan.SPEC, adamw.SPEC, lion.SPEC)  # a kernel per spec (AdamW's serves AdamWSN and RMSPropSN)
+# a kernel per spec (AdamW's serves AdamWSN and RMSPropSN; Muon's momentum is the elementwise half of its step)
+SPECS = (adan.SPEC, adamw.SPEC, lion.SPEC, muon.MOMENTUM_SPEC)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
@@ -51,6 +52,8 @@ def checked_variants():
         flags = dict(stochastic=param == "bf16", subsets=bool(spec.reduced))
         if spec is adamw.SPEC:
             flags |= dict(amsgrad=i % 2 == 0, first_moment=i % 3 != 2)
+        if spec is muon.MOMENTUM_SPEC:
+            flags |= dict(nesterov=i % 2 == 0)
         yield spec, param, state, flags
     yield adan.SPEC, "fp32", "fp32", dict(stochastic=False, subsets=False)
     yield adamw.SPEC, "fp32", "fp32", dict(stochastic=False, subsets=False, amsgrad=False, first_moment=True)

@@ -14,7 +14,7 @@ import fastoptim
 from fastoptim.optimizers import muon
 from fastoptim.states import blockwise8
 
-from .test_fused import ENGINES, fallback_warnings
+from .test_fused import ENGINES, FUSED
 
 STEPS = 4
 # Two matrices of one shape (a batch on the batched engines), a tall, a wide and a square one.
@@ -126,21 +126,38 @@ def test_companion_groups_step_as_adamw_and_matrices_as_torch_muon(engine):
     assert optimizer.state[ours[0]].keys() == {"momentum_buffer"}
 
 
-def test_fused_runs_the_matrices_on_foreach_with_a_warning_and_the_companions_on_the_kernel():
-    matrices, companions = make_params(), make_params([(5000,)], seed=2)
+@pytest.mark.parametrize("state_bits", [32, 8])
+@pytest.mark.parametrize("engine", FUSED)
+def test_the_fused_engines_run_the_momentum_on_the_kernel_as_foreach_computes_it(engine, state_bits, monkeypatch):
+    matrices, companions = make_params([(128, 64), (64, 128), (128, 64)]), make_params([(5000,)], seed=2)
     grads = grads_of(matrices + companions)
     results = {}
-    for engine in ("foreach", "fused-multi"):
+    for name, flags in (("foreach", ENGINES["foreach"]), (engine, ENGINES[engine])):
+        if name == engine:  # the kernel, and nothing else, computes the momentum now
+            monkeypatch.setattr(muon, "muon_momentum", lambda ops, **kwargs: pytest.fail("muon_momentum ran on ops"))
         params = clone(matrices) + clone(companions)
-        with warnings.catch_warnings(record=True) as record:
-            warnings.simplefilter("always")
-            run(fastoptim.Muon(model_groups(params[:-1], params[-1:]), **ENGINES[engine]), params, grads)
-        results[engine] = params, fallback_warnings(record)
-    assert results["foreach"][1] == []
-    assert {str(w.message) for w in results["fused-multi"][1]} == {
-        "fastoptim: fused=True, but no fused kernel for muon yet; those tensors take the foreach engine"}
-    assert_equal(results["fused-multi"][0][:-1], results["foreach"][0][:-1])
-    torch.testing.assert_close(results["fused-multi"][0][-1], results["foreach"][0][-1], rtol=1e-6, atol=1e-7)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback
+            run(fastoptim.Muon(model_groups(params[:-1], params[-1:]), state_bits=state_bits, **flags), params, grads)
+        results[name] = params
+    assert_equal(results[engine][:-1], results["foreach"][:-1])
+    torch.testing.assert_close(results[engine][-1], results["foreach"][-1], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("state_bits", [32, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_triton_kernel_runs_the_momentum_as_foreach_computes_it(dtype, state_bits, monkeypatch):
+    """On Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py), which rounds no product into
+    a sum as a GPU's FMA does: equal to a few ulps of the directions, so of the params."""
+    pytest.importorskip("triton", reason="Triton is an optional extra: pip install fastoptim[triton]")
+    params = make_params([(96, 64), (64, 96), (48, 48)], dtype)
+    grads = grads_of(params)
+    foreach = stepped(fastoptim.Muon, params, grads, lr=0.02, state_bits=state_bits, **ENGINES["foreach"])
+    monkeypatch.setenv("FASTOPTIM_FUSED_BACKEND", "triton")
+    monkeypatch.setattr(muon, "muon_momentum", lambda ops, **kwargs: pytest.fail("muon_momentum ran on ops"))
+    triton = stepped(fastoptim.Muon, params, grads, lr=0.02, state_bits=state_bits, fused=True)
+    for a, b in zip(triton, foreach):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2**-7 if dtype == torch.bfloat16 else 1e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -11,7 +11,7 @@
    threads spin for a while; threads of our own would fight them for the cores (measured: +2 ms on
    a 4 ms step). Without an OpenMP runtime in the process, plain pthreads do the work.
 
-   The per-element math restates fastoptim/optimizers/adan.py, adamw.py, adamwsn.py and lion.py,
+   The per-element math restates fastoptim/optimizers/adan.py, adamw.py, adamwsn.py, lion.py and muon.py,
    the reference the tests hold these kernels to; the comments name the reference's steps. Each
    algorithm's math is written once, as inline functions of one element (see "The algorithms");
    one walk over memory serves them all (see "The walk"): a dense tensor, the subsets of a
@@ -545,6 +545,38 @@ INLINE void lion_update(const lion_scalars *s, float *x, float scale, int flags)
 }
 
 #define LION_VARIANTS(V, ...) V(__VA_ARGS__, plain, 0)
+
+/* --- Muon's momentum ------------------------------------------------------------------------ */
+
+/* The elementwise half of a Muon step: x[PARAM] is the direction it writes (a buffer of the
+   param's dtype, which the Newton-Schulz iterations then read), not a param. */
+typedef struct { float momentum, one_minus_momentum, grad_scale; } muon_momentum_scalars;
+
+INLINE muon_momentum_scalars muon_momentum_scalars_of(const Work *w, int64_t t) {
+    return (muon_momentum_scalars){scalar(w, MUON_MOMENTUM_MOMENTUM, t), scalar(w, MUON_MOMENTUM_ONE_MINUS_MOMENTUM, t),
+                                   scalar(w, GRAD_SCALE, t)};
+}
+
+/* Muon keeps no second moment. */
+INLINE float muon_momentum_squared(const muon_momentum_scalars *s, const float *x) { return 0; }
+INLINE void muon_momentum_second_moments(const muon_momentum_scalars *s, float *x, float q, int form, int flags) {}
+INLINE float muon_momentum_step_scale(const muon_momentum_scalars *s, const float *x, int flags) { return 0; }
+
+/* torch's lerp, start + w·(end − start) for |w| < 0.5, else end − (1 − w)·(end − start) with 1 − w
+   taken in fp32; each is one FMA where the CPU has it, as torch's vectorized lerp. */
+INLINE float lerp(float start, float end, float w) {
+    const float difference = end - start;
+    return fabsf(w) < 0.5f ? w * difference + start : (w - 1.f) * difference + end;
+}
+
+INLINE void muon_momentum_update(const muon_momentum_scalars *s, float *x, float scale, int flags) {
+    const float g = x[GRAD] * s->grad_scale;
+    const float m = lerp(x[MUON_MOMENTUM_MOMENTUM_BUFFER], g, s->one_minus_momentum);  /* μ·B + (1−μ)·g */
+    x[MUON_MOMENTUM_MOMENTUM_BUFFER] = m;
+    x[PARAM] = flags & MUON_MOMENTUM_NESTEROV ? lerp(g, m, s->momentum) : m;          /* g + μ·(B − g) */
+}
+
+#define MUON_MOMENTUM_VARIANTS(V, ...) V(__VA_ARGS__, nesterov, MUON_MOMENTUM_NESTEROV) V(__VA_ARGS__, plain, 0)
 
 /* --- The walk --------------------------------------------------------------------------------
 

@@ -34,5 +34,14 @@ enum { LION_BETA1 = COMMON_SCALARS, LION_ONE_MINUS_BETA1, LION_BETA2, LION_ONE_M
 #define LION_REDUCED {0}
 #define LION_NEEDS {0}
 
+/* muon_momentum: rows param, grad, momentum_buffer, then each state's block maxima */
+enum { MUON_MOMENTUM_MOMENTUM_BUFFER = FIRST_STATE, MUON_MOMENTUM_STATES_END };
+enum { MUON_MOMENTUM_MOMENTUM = COMMON_SCALARS, MUON_MOMENTUM_ONE_MINUS_MOMENTUM };
+enum { MUON_MOMENTUM_NESTEROV = 2 };
+/* per state, in row order: its 8-bit code table, whether it is per subset under sn, the flag it needs */
+#define MUON_MOMENTUM_TABLES {SIGNED}
+#define MUON_MOMENTUM_REDUCED {0}
+#define MUON_MOMENTUM_NEEDS {0}
+
 /* X(name, NAME) for every kernel spec */
-#define FOR_EACH_KERNEL(X) X(adamw, ADAMW) X(adan, ADAN) X(lion, LION)
+#define FOR_EACH_KERNEL(X) X(adamw, ADAMW) X(adan, ADAN) X(lion, LION) X(muon_momentum, MUON_MOMENTUM)

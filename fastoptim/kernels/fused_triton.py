@@ -547,10 +547,33 @@ def _lion_update(p, terms, states, scale, S, K: tl.constexpr, F: tl.constexpr):
     return p, (m * tl.load(S + K.beta2) + g * tl.load(S + K.one_minus_beta2),)
 
 
+# Muon's momentum (``fastoptim.optimizers.muon.muon_momentum``). States: momentum_buffer; the param
+# row holds the direction it writes (the Newton–Schulz iterations' input), not a param.
+
+
+@triton.jit
+def _lerp(start, end, w):
+    """torch's lerp: start + w·(end − start) for |w| < 0.5, else end − (1 − w)·(end − start)."""
+    difference = end - start
+    return tl.where(tl.abs(w) < 0.5, start + w * difference, end + (w - 1.0) * difference)
+
+
+@triton.jit
+def _muon_momentum_update(p, terms, states, scale, S, K: tl.constexpr, F: tl.constexpr):
+    """B = μ·B + (1−μ)·g (lerp); the direction g + μ·(B − g) with nesterov, else B."""
+    g = terms[0]
+    m = _lerp(states[0], g, tl.load(S + K.one_minus_momentum))
+    direction = m
+    if F.nesterov:
+        direction = _lerp(g, m, tl.load(S + K.momentum))
+    return direction, (m,)
+
+
 ALGORITHMS = {  # by KernelSpec.name
     "adan": Algorithm(_adan_terms, _adan_update, _adan_second_moments, _adan_step_scale),
     "adamw": Algorithm(_scaled_grad, _adamw_update, _adamw_second_moments, _adamw_step_scale),
     "lion": Algorithm(_scaled_grad, _lion_update),
+    "muon_momentum": Algorithm(_scaled_grad, _muon_momentum_update),
 }
 
 

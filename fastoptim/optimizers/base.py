@@ -250,13 +250,15 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         native call; False, having changed nothing, when one could not."""
         amp_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         # Eagerly, only the fused kernels skip an inf step on the device. The other engines look at
-        # found_inf, and so does a step that would create states: a skipped step must leave no trace.
+        # found_inf, and so do a step that would create states and one whose math is not elementwise
+        # (Muon's kernel is half its step): a skipped step must leave no trace.
         # A traced step has its states, and every engine skips in the graph (engines.amp), but the loop
         # engine of subsets that span shards, which all-reduces as it goes.
         eager = not torch.compiler.is_compiling()
         if found_inf is not None and any(
-                entry.params and (eager and (entry.engine not in engines.FUSED or entry.states is None)
-                                  or any(reduce for _, reduce in entry.buckets)) for _, entry, _ in work):
+                entry.params and (eager and (entry.engine not in engines.FUSED or entry.states is None
+                                             or not self._algorithm(group).spec.elementwise)
+                                  or any(reduce for _, reduce in entry.buckets)) for group, entry, _ in work):
             if found_inf.item():
                 return True
             found_inf = None
@@ -421,10 +423,16 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             if master.KEY in part.tensors and part.tensors[master.KEY][0] is None:  # not bf16: no remainders
                 part = part.without(master.KEY)
             part.cache = entry.bucket_caches.setdefault(index, {})
-            if reduce_group is None:
-                engines.run(entry.engine, part)
-            else:
-                engines.run_summing_over(part, reduce_group)
+            self._run_bucket(entry.engine, part, reduce_group)
+
+    @staticmethod
+    def _run_bucket(engine, part, reduce_group):
+        """Run one bucket's plan on ``engine``; over ``reduce_group`` (not None) where its math needs
+        other ranks' shards."""
+        if reduce_group is None:
+            engines.run(engine, part)
+        else:
+            engines.run_summing_over(part, reduce_group)
 
     def _use_new_states(self, group, entry):
         """Create the missing states of ``entry``'s params and hand them to it."""

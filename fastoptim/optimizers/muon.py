@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,8 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
+from .. import engines
+from ..engines.ops import FOREACH_OPS
 from ..specs import KernelSpec, Role
 from .adamw import AdamW
 from .base import Algorithm, FastOptimizer, group_lr
@@ -19,6 +22,10 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 SPEC = KernelSpec("muon", roles=(Role("momentum_buffer"),), scalars=(), elementwise=False)
+# Its elementwise first half (muon_momentum), which the fused kernels restate: the param row holds the
+# direction it writes, in the param's dtype.
+MOMENTUM_SPEC = KernelSpec("muon_momentum", roles=(Role("momentum_buffer"),),
+                           scalars=("momentum", "one_minus_momentum"), flags=("nesterov",))
 DEFAULT_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, as torch.optim.Muon's
 ADJUST_LR = {  # adjust_lr_fn: the factor of lr for a matrix of rows × cols (torch.optim.Muon's)
     "original": lambda rows, cols: math.sqrt(max(1, rows / cols)),
@@ -55,16 +62,14 @@ def matrix_shape(shape, flatten):
     return (shape[0], math.prod(shape[1:])) if flatten else tuple(shape)
 
 
-def muon_update(ops, *, param, grad, scratch, momentum_buffer, momentum, nesterov, lr, weight_decay, grad_scale,
-                step_size, coefficients, eps, flatten):
-    """One Muon step, as torch.optim.Muon computes it::
+def muon_momentum(ops, *, param, grad, scratch, momentum_buffer, momentum, nesterov, grad_scale):
+    """Muon's elementwise first half, which the fused kernels restate: the momentum, and the
+    direction to orthogonalize, written into ``param`` (a buffer of the param's shape, not the
+    param)::
 
         g = grad · grad_scale           (the clip coefficient, −1 to maximize; None: 1)
         B = B + (1−μ)·(g − B)           momentum_buffer (μ·B + (1−μ)·g, as torch's lerp)
         U = g + μ·(B − g)               with nesterov, else U = B
-        O = NS(U)                       per matrix (see orthogonalize and matrix_shape), bf16
-        p = p·(1 − lr·wd)               decoupled weight decay
-        p = p − step_size·O             step_size = lr · adjust_lr_fn(rows, cols)
     """
     if grad_scale is not None:
         ops.copy_(scratch, grad)
@@ -72,17 +77,41 @@ def muon_update(ops, *, param, grad, scratch, momentum_buffer, momentum, nestero
         grad = scratch
     ops.lerp_(momentum_buffer, grad, 1 - momentum)
     if nesterov:
-        if grad_scale is None:
-            ops.copy_(scratch, grad)
-        ops.lerp_(scratch, momentum_buffer, momentum)
+        ops.copy_(param, grad)
+        ops.lerp_(param, momentum_buffer, momentum)
     else:
-        ops.copy_(scratch, momentum_buffer)
-    orthogonal = ops.per_matrix(partial(orthogonalize, coefficients=coefficients, eps=eps), scratch,
-                                partial(matrix_shape, flatten=flatten))
-    ops.copy_(scratch, orthogonal)  # in fp32: a traced addcmul would round bf16 · step_size to bf16
+        ops.copy_(param, momentum_buffer)
+
+
+def muon_apply(ops, *, param, grad, scratch, lr, weight_decay, step_size):
+    """Muon's second half, with ``grad`` the orthogonalized direction O (bf16)::
+
+        p = p·(1 − lr·wd)               decoupled weight decay
+        p = p − step_size·O             step_size = lr · adjust_lr_fn(rows, cols)
+    """
+    ops.copy_(scratch, grad)  # in fp32: a traced addcmul would round bf16 · step_size to bf16
     if weight_decay:
         ops.mul_(param, 1 - lr * weight_decay)
     ops.addcmul_(param, scratch, step_size, value=-1)
+
+
+def muon_update(ops, *, param, grad, scratch, momentum_buffer, momentum, nesterov, lr, weight_decay, grad_scale,
+                step_size, coefficients, eps, flatten):
+    """One Muon step, as torch.optim.Muon computes it: :func:`muon_momentum`, then O = NS(U) per
+    matrix (see :func:`orthogonalize` and :func:`matrix_shape`, in bf16), then :func:`muon_apply`."""
+    direction = ops.empty_like(param)
+    muon_momentum(ops, param=direction, grad=grad, scratch=scratch, momentum_buffer=momentum_buffer,
+                  momentum=momentum, nesterov=nesterov, grad_scale=grad_scale)
+    orthogonal = ops.per_matrix(partial(orthogonalize, coefficients=coefficients, eps=eps), direction,
+                                partial(matrix_shape, flatten=flatten))
+    muon_apply(ops, param=param, grad=orthogonal, scratch=scratch, lr=lr, weight_decay=weight_decay,
+               step_size=step_size)
+
+
+def momentum_kernel_scalars(args):
+    """``muon_momentum``'s arguments as the fused kernels take them."""
+    return dict(momentum=args["momentum"], one_minus_momentum=1 - args["momentum"],
+                grad_scale=1.0 if args["grad_scale"] is None else args["grad_scale"])
 
 
 MUON = Algorithm(SPEC, muon_update, None)
@@ -117,10 +146,11 @@ class Muon(AdamW):
         adamw_eps: the AdamW companions' eps (``eps`` is the Newton–Schulz floor).
         (the arguments of every fastoptim optimizer)
 
-    Where the Muon groups' params are, each step orthogonalizes one matrix at a time on the loop
-    engine (``foreach=False``); every other engine stacks the matrices of one shape into a batch,
-    and the fused engines run the Muon groups as foreach (the iterations are not elementwise) and
-    the AdamW companions on their fused kernels. ``sn`` and ``state_bits`` apply to the
+    The loop engine (``foreach=False, fused=False``) orthogonalizes one matrix at a time; every
+    other engine stacks the matrices of one shape into a batch. The fused engines run the momentum
+    (``muon_momentum``, the elementwise half, with 8-bit states inside the kernel) in the C or Triton
+    kernel, and the AdamW companions on theirs; a step that torch.compile traces runs the Muon
+    groups as foreach. ``sn`` and ``state_bits`` apply to the
     companions' states; ``state_bits`` to the momentum buffer too. State per parameter: Muon's
     ``momentum_buffer``, as torch.optim.Muon's, whose state dicts load; the companions' are
     AdamW's. Under ZeRO (``shard_group``) each rank steps whole params; FSDP2's DTensor params are
@@ -237,6 +267,36 @@ class Muon(AdamW):
                     step_size=(lr * entry.context).to(entry.scalar_dtype), coefficients=self._coefficients(group),
                     eps=group["eps"], flatten=group["flatten"])
         return args, {"step_size"}
+
+    def _run_bucket(self, engine, part, reduce_group):
+        """A Muon bucket on a fused engine: the kernel runs ``muon_momentum`` into fresh direction
+        buffers, the matrices of one shape are orthogonalized as a batch, and the foreach engine
+        applies them to the params (with their rounding or master remainders). Traced by
+        torch.compile, or over FSDP2 shards, it runs as the other engines do."""
+        if (part.spec is not SPEC or engine not in engines.FUSED or reduce_group is not None
+                or torch.compiler.is_compiling()):
+            super()._run_bucket(engine, part, reduce_group)
+            return
+        if part.batch is not None:  # the directions are read before the step's other launches would run
+            raise engines.fused.Unbatched
+        grads, args = part.tensors["grad"], part.args
+        grad_scale = args["grad_scale"]
+        if isinstance(grad_scale, Tensor):  # a clip or GradScaler coefficient: the kernel would fuse the product
+            grads = torch._foreach_mul([grad.float() for grad in grads], grad_scale)  # into the lerp; the
+            grad_scale = None  # reference rounds it first, in fp32
+        directions = [torch.empty_like(grad) for grad in grads]  # the kernel's param row: the grads' dtype
+        engines.run(engine, replace(
+            part, tensors={"param": directions, "grad": grads, "momentum_buffer": part.tensors["momentum_buffer"]},
+            update=muon_momentum, spec=MOMENTUM_SPEC, kernel_scalars=momentum_kernel_scalars,
+            flags=dict(nesterov=args["nesterov"]), per_tensor=frozenset(), stochastic_rounding=False,
+            args=dict(momentum=args["momentum"], nesterov=args["nesterov"], grad_scale=grad_scale),
+            cache={}))  # the directions are new each step: tables bound to the last ones would write there
+        orthogonal = FOREACH_OPS.per_matrix(partial(orthogonalize, coefficients=args["coefficients"], eps=args["eps"]),
+                                            directions, partial(matrix_shape, flatten=args["flatten"]))
+        engines.run("foreach", replace(
+            part, tensors={role: tensors for role, tensors in part.tensors.items() if role != "momentum_buffer"}
+            | {"grad": orthogonal}, update=muon_apply, absmax={},
+            args={name: args[name] for name in ("lr", "weight_decay", "step_size")}))
 
     def _count_step(self, group, entry, increment):
         if not group["use_muon"]:
