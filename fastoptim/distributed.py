@@ -15,6 +15,7 @@ subsets) or replicated (columns: every rank holds, and updates alike, all the co
 block maxima of 8-bit states are plain tensors over the local shard's blocks, which other world
 sizes cut elsewhere; so ``state_dict()`` hands out the 8-bit states of DTensor params dequantized.
 """
+import math
 import sys
 
 import torch
@@ -99,18 +100,48 @@ def check_flattened(param, partition):
                          "columns) or a subset size that divides its rows")
 
 
-def gathered_rows(local_tensor, group):
-    """The whole tensor whose dim-0 pieces the ranks of ``group`` hold (``local_tensor``: this
-    rank's, as DTensor's Shard(0) cuts them), on every rank, and the row where this rank's start."""
+def by_owners(function, pieces, group):
+    """``function`` of each whole tensor whose dim-0 pieces the ranks of ``group`` hold (``pieces``:
+    this rank's, as DTensor's Shard(0) cuts them), each computed once, on its owner: the tensors go
+    to the ranks by size, the largest first to the least loaded. Each piece is sent to its owner
+    and its rows of the result come back (padded to the largest piece, asynchronously, so that the
+    owners compute at once). Returns this rank's rows of each result, in its pieces' dtype."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    counts = [torch.zeros(1, dtype=torch.long, device=local_tensor.device) for _ in range(world)]
-    dist.all_gather(counts, torch.tensor([len(local_tensor)], device=local_tensor.device), group=group)
-    counts = [int(count) for count in counts]
-    piece = local_tensor.new_zeros((max(counts), *local_tensor.shape[1:]))
-    piece[:len(local_tensor)] = local_tensor
-    pieces = [torch.empty_like(piece) for _ in range(world)]
-    dist.all_gather(pieces, piece, group=group)
-    return torch.cat([piece[:count] for piece, count in zip(pieces, counts)]), sum(counts[:rank])
+    device = pieces[0].device
+    local_rows = torch.tensor([len(piece) for piece in pieces], device=device)
+    every_rows = [torch.empty_like(local_rows) for _ in range(world)]
+    dist.all_gather(every_rows, local_rows, group=group)
+    counts = torch.stack(every_rows).T.tolist()  # per tensor, the rows of each rank
+    sizes = [sum(rows) * math.prod(piece.shape[1:]) for rows, piece in zip(counts, pieces)]
+    owners, load = [0] * len(pieces), [0] * world
+    for i in sorted(range(len(pieces)), key=lambda i: -sizes[i]):
+        owners[i] = min(range(world), key=load.__getitem__)
+        load[owners[i]] += sizes[i]
+    padded = [_padded(piece, max(rows)) for piece, rows in zip(pieces, counts)]
+    gathered = {i: [torch.empty_like(block) for _ in range(world)] for i, block in enumerate(padded)
+                if owners[i] == rank}
+    _wait([dist.gather(block, gathered.get(i), dst=dist.get_global_rank(group, owners[i]), group=group,
+                       async_op=True) for i, block in enumerate(padded)])
+    results = {}
+    for i, blocks in gathered.items():
+        result = function(torch.cat([block[:rows] for block, rows in zip(blocks, counts[i])])).to(pieces[i].dtype)
+        results[i] = [_padded(rows, len(padded[i])) for rows in result.split(counts[i])]
+    received = [torch.empty_like(block) for block in padded]
+    _wait([dist.scatter(block, results.get(i), src=dist.get_global_rank(group, owners[i]), group=group,
+                        async_op=True) for i, block in enumerate(received)])
+    return [block[:len(piece)] for block, piece in zip(received, pieces)]
+
+
+def _padded(piece, rows):
+    """``piece`` with zero rows after it, ``rows`` in all."""
+    block = piece.new_zeros((rows, *piece.shape[1:]))
+    block[:len(piece)] = piece
+    return block
+
+
+def _wait(works):
+    for work in works:
+        work.wait()
 
 
 def sum_over(tensor, group, op="sum"):

@@ -231,6 +231,18 @@ def worker(rank, directory):
         train(model, optimizer, 1, rank)
     record("flattened-straddling", straddling)
 
+    def orthogonalized():
+        """How many matrices this rank orthogonalized in an FSDP2 Muon run: each once, on its owner."""
+        from fastoptim.optimizers import muon
+        calls, original = [], muon.orthogonalize
+        muon.orthogonalize = lambda matrices, **kwargs: calls.append(len(matrices)) or original(matrices, **kwargs)
+        try:
+            distributed_run(CASES["fsdp-muon-foreach"], rank)
+        finally:
+            muon.orthogonalize = original
+        return sum(calls)
+    record("orthogonalized", orthogonalized)
+
     def refusals():
         """The messages of the params that DTensor params cannot go with."""
         model = Net()
@@ -284,6 +296,11 @@ def result(runs, name):
 def test_a_distributed_run_gives_the_parameters_of_one_process(runs, name):
     for error in result(runs, name):
         assert error < 1e-5
+
+
+def test_under_fsdp2_each_matrix_is_orthogonalized_once_by_one_rank(runs):
+    per_rank = result(runs, "orthogonalized")
+    assert sum(per_rank) == 4 * STEPS and min(per_rank) > 0  # w1..w4 each step, spread over both ranks
 
 
 def test_the_clipping_norm_is_global_under_zero(runs):

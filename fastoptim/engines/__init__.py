@@ -90,15 +90,13 @@ def run_batch(launches):
 
 
 def run_summing_over(plan, group):
-    """Params whose math needs other ranks' FSDP2 shards: subsets that span them (columns of a matrix
-    with fewer rows than columns), whose sums are all-reduced over ``group`` before they enter the
-    second moment, and Muon's matrices, gathered whole. The loop engine: one update per param, so
-    every rank makes the same collectives in the same order; the fused kernels sum subsets inside
-    themselves, and foreach may cut a param into pieces."""
+    """Params whose subsets span FSDP2 shards (columns of a matrix with fewer rows than columns): the
+    loop engine, which all-reduces each param's subset sums over ``group`` before they enter the
+    second moment. One update per param, so every rank makes the same all-reduces in the same order;
+    the fused kernels sum subsets inside themselves, and foreach may cut a param into pieces."""
     if plan.warn_fallback:
-        fused.warn("fastoptim: fused=True, but the math of these tensors needs other ranks' FSDP2 shards (subset "
-                   "sums that span them, or whole matrices), which the kernel cannot reach; they take the loop "
-                   "engine", stacklevel=4)
+        fused.warn("fastoptim: fused=True, but subset-norm sums that span FSDP2 shards are all-reduced between ranks, "
+                   "which the kernel cannot do; those tensors take the loop engine", stacklevel=4)
     plan.sum_group = group
     loop.run(plan)
 

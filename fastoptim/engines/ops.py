@@ -84,18 +84,12 @@ FOREACH_OPS = Ops({name: getattr(torch, "_foreach_" + name) for name in NAMES + 
 
 
 def summing_over(group):
-    """``TENSOR_OPS`` for tensors whose math needs the other ranks' shards (FSDP2's dim-0 shards,
-    over ``group``): subset sums are all-reduced before they are added (each rank adds its part of
-    the sum), and a function of matrices runs on the whole matrices, gathered on every rank, of
-    which each rank keeps its rows."""
+    """``TENSOR_OPS`` whose subset sums are all-reduced over ``group`` before they are added: for
+    subsets whose elements several ranks hold (each adds its part of the sum)."""
     def add_squares_(moment, x, value):
         sums = torch.linalg.vector_norm(x, dim=1, keepdim=True).square_()
         moment.add_(distributed.sum_over(sums, group), alpha=value)
-
-    def per_matrix(function, x, shape_of):
-        whole, start = distributed.gathered_rows(x, group)
-        return _tensor_per_matrix(function, whole, shape_of)[start:start + len(x)]
-    return Ops(vars(TENSOR_OPS) | {"add_squares_": add_squares_, "per_matrix": per_matrix})
+    return Ops(vars(TENSOR_OPS) | {"add_squares_": add_squares_})
 
 
 def round_into(dst, src, stochastic):

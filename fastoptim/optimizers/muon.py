@@ -12,8 +12,8 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
-from .. import engines
-from ..engines.ops import FOREACH_OPS
+from .. import distributed, engines
+from ..engines.ops import FOREACH_OPS, TENSOR_OPS
 from ..specs import KernelSpec, Role
 from .adamw import AdamW
 from .base import Algorithm, FastOptimizer, group_lr
@@ -153,9 +153,9 @@ class Muon(AdamW):
     groups as foreach. ``sn`` and ``state_bits`` apply to the
     companions' states; ``state_bits`` to the momentum buffer too. State per parameter: Muon's
     ``momentum_buffer``, as torch.optim.Muon's, whose state dicts load; the companions' are
-    AdamW's. Under ZeRO (``shard_group``) each rank steps whole params; FSDP2's DTensor params are
-    gathered whole on every rank for the iterations, which each rank then runs on every matrix (on
-    the loop engine), keeping its rows: the results are one process's.
+    AdamW's. Under ZeRO (``shard_group``) each rank steps whole params. Under FSDP2, each matrix is
+    gathered to one owner rank (the matrices spread over the ranks by size), orthogonalized there,
+    and its rows sent back: the results are one process's.
     """
 
     def __init__(self, params: ParamsT, lr: float | Tensor = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
@@ -269,30 +269,37 @@ class Muon(AdamW):
         return args, {"step_size"}
 
     def _run_bucket(self, engine, part, reduce_group):
-        """A Muon bucket on a fused engine: the kernel runs ``muon_momentum`` into fresh direction
-        buffers, the matrices of one shape are orthogonalized as a batch, and the foreach engine
-        applies them to the params (with their rounding or master remainders). Traced by
-        torch.compile, or over FSDP2 shards, it runs as the other engines do."""
-        if (part.spec is not SPEC or engine not in engines.FUSED or reduce_group is not None
-                or torch.compiler.is_compiling()):
+        """A Muon bucket in three parts, on a fused engine or over FSDP2 shards: ``muon_momentum``
+        into fresh direction buffers (the kernel's work on a fused engine), the iterations (the
+        matrices of one shape as a batch; over shards, each matrix on one owner rank, see
+        distributed.by_owners), then ``muon_apply`` on the foreach engine (with the params' rounding
+        or master remainders). The loop and foreach engines, and fused ones in a step that
+        torch.compile traces, run ``muon_update`` whole."""
+        kernel = engine in engines.FUSED and not torch.compiler.is_compiling()
+        if part.spec is not SPEC or not kernel and reduce_group is None:
             super()._run_bucket(engine, part, reduce_group)
             return
         if part.batch is not None:  # the directions are read before the step's other launches would run
             raise engines.fused.Unbatched
         grads, args = part.tensors["grad"], part.args
         grad_scale = args["grad_scale"]
-        if isinstance(grad_scale, Tensor):  # a clip or GradScaler coefficient: the kernel would fuse the product
-            grads = torch._foreach_mul([grad.float() for grad in grads], grad_scale)  # into the lerp; the
-            grad_scale = None  # reference rounds it first, in fp32
+        if kernel and isinstance(grad_scale, Tensor):  # a clip or GradScaler coefficient: the kernel would fuse
+            grads = torch._foreach_mul([grad.float() for grad in grads], grad_scale)  # the product into the lerp;
+            grad_scale = None  # the reference rounds it first, in fp32
         directions = [torch.empty_like(grad) for grad in grads]  # the kernel's param row: the grads' dtype
-        engines.run(engine, replace(
+        engines.run(engine if kernel else "foreach", replace(
             part, tensors={"param": directions, "grad": grads, "momentum_buffer": part.tensors["momentum_buffer"]},
             update=muon_momentum, spec=MOMENTUM_SPEC, kernel_scalars=momentum_kernel_scalars,
             flags=dict(nesterov=args["nesterov"]), per_tensor=frozenset(), stochastic_rounding=False,
             args=dict(momentum=args["momentum"], nesterov=args["nesterov"], grad_scale=grad_scale),
             cache={}))  # the directions are new each step: tables bound to the last ones would write there
-        orthogonal = FOREACH_OPS.per_matrix(partial(orthogonalize, coefficients=args["coefficients"], eps=args["eps"]),
-                                            directions, partial(matrix_shape, flatten=args["flatten"]))
+        function = partial(orthogonalize, coefficients=args["coefficients"], eps=args["eps"])
+        shape_of = partial(matrix_shape, flatten=args["flatten"])
+        if reduce_group is None:
+            orthogonal = FOREACH_OPS.per_matrix(function, directions, shape_of)
+        else:
+            orthogonal = distributed.by_owners(partial(TENSOR_OPS.per_matrix, function, shape_of=shape_of),
+                                               directions, reduce_group)
         engines.run("foreach", replace(
             part, tensors={role: tensors for role, tensors in part.tensors.items() if role != "momentum_buffer"}
             | {"grad": orthogonal}, update=muon_apply, absmax={},
