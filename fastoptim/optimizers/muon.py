@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from .. import distributed, engines
+from ..engines import foreach
 from ..engines.ops import FOREACH_OPS, TENSOR_OPS
 from ..specs import KernelSpec, Role
 from .adamw import AdamW
@@ -269,11 +270,10 @@ class Muon(AdamW):
         return args, {"step_size"}
 
     def _run_bucket(self, engine, part, reduce_group):
-        """A Muon bucket in three parts, on a fused engine or over FSDP2 shards: ``muon_momentum``
-        into fresh direction buffers (the kernel's work on a fused engine), the iterations (the
-        matrices of one shape as a batch; over shards, each matrix on one owner rank, see
-        distributed.by_owners), then ``muon_apply`` on the foreach engine (with the params' rounding
-        or master remainders). The loop and foreach engines, and fused ones in a step that
+        """A Muon bucket on a fused engine or over FSDP2 shards runs in three parts (see
+        ``_run_in_three_parts``), slice by slice as foreach's, to bound the directions' memory; over
+        shards, whole (ranks whose shards differ in size would cut it otherwise, and their
+        collectives must pair up). The loop and foreach engines, and fused ones in a step that
         torch.compile traces, run ``muon_update`` whole."""
         kernel = engine in engines.FUSED and not torch.compiler.is_compiling()
         if part.spec is not SPEC or not kernel and reduce_group is None:
@@ -281,6 +281,19 @@ class Muon(AdamW):
             return
         if part.batch is not None:  # the directions are read before the step's other launches would run
             raise engines.fused.Unbatched
+        if reduce_group is None:
+            for piece in foreach.slices(part.tensors["param"]):
+                self._run_in_three_parts(engine, part.subset(range(piece.start, piece.stop)), None)
+        else:
+            self._run_in_three_parts(engine, part, reduce_group)
+
+    @staticmethod
+    def _run_in_three_parts(engine, part, reduce_group):
+        """``muon_momentum`` into fresh direction buffers (the kernel's work on a fused engine), the
+        iterations (the matrices of one shape as a batch; over shards, each matrix on one owner
+        rank, see distributed.by_owners), then ``muon_apply`` on the foreach engine (with the
+        params' rounding or master remainders)."""
+        kernel = engine in engines.FUSED and not torch.compiler.is_compiling()
         grads, args = part.tensors["grad"], part.args
         grad_scale = args["grad_scale"]
         if kernel and isinstance(grad_scale, Tensor):  # a clip or GradScaler coefficient: the kernel would fuse
