@@ -1,6 +1,6 @@
 """Where a Muon step's time goes: the Newton–Schulz iterations against the elementwise rest, on a
-model's hidden matrices, for torch.optim.Muon (one matrix at a time) and fastoptim.Muon's loop and
-batched (foreach) engines. Interleaved repeats in one process; medians with their spread.
+model's hidden matrices, for torch.optim.Muon (one matrix at a time) and fastoptim.Muon's loop,
+batched (foreach) and fused engines. Interleaved repeats in one process; medians with their spread.
 Usage, from the repository root: .venv/bin/python -m benchmarks.muon [--model gpt2-h12-l6-d768]
 """
 import argparse
@@ -43,6 +43,8 @@ def main():
     steps = {"torch.optim.Muon": torch.optim.Muon(params, lr=1e-4).step,
              "fastoptim.Muon loop": fastoptim.Muon(params, lr=1e-4, foreach=False, fused=False).step,
              "fastoptim.Muon foreach (batched)": fastoptim.Muon(params, lr=1e-4, foreach=True, fused=False).step,
+             "fastoptim.Muon fused": fastoptim.Muon(params, lr=1e-4, fused=True).step,
+             "fastoptim.Muon fused, 8-bit momentum": fastoptim.Muon(params, lr=1e-4, fused=True, state_bits=8).step,
              "Newton–Schulz alone, one matrix at a time": iterations(TENSOR_OPS),
              "Newton–Schulz alone, batched by shape": iterations(FOREACH_OPS)}
     with warnings.catch_warnings():
