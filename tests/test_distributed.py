@@ -361,7 +361,8 @@ def resume_in_one_process(settings, checkpoint):
     assert oracle.relative_error(full_params(model), one_process(settings)) < 1e-5
 
 
-@pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW, fastoptim.AdamWSN, fastoptim.RMSPropSN, fastoptim.Muon])
+@pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW, fastoptim.AdamWSN, fastoptim.RMSPropSN,
+                                 fastoptim.Muon])
 def test_shard_group_without_a_process_group_is_a_clear_error(cls):
     with pytest.raises(ValueError, match="shard_group is given, but torch.distributed is not initialised"):
         cls(oracle.make_params(), shard_group=object())
