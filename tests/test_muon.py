@@ -416,3 +416,15 @@ def test_a_sparse_grad_raises_before_anything_changes(engine):
         optimizer.step()
     assert_equal(params, before[0])
     assert_equal([optimizer.state[p]["momentum_buffer"] for p in params], before[1])
+
+
+def test_a_bf16_momentum_without_nesterov_is_not_rescaled_by_the_iterations():
+    """torch.optim.Muon (2.13) divides a bf16 buffer by its norm in place when it orthogonalizes it
+    directly (nesterov=False): fastoptim's buffer stays the momentum."""
+    param = torch.nn.Parameter(torch.randn(8, 4).bfloat16())
+    grad = torch.randn(8, 4).bfloat16()
+    optimizer = fastoptim.Muon([param], nesterov=False, foreach=False, fused=False)
+    param.grad = grad
+    optimizer.step()
+    buffer = optimizer.state[param]["momentum_buffer"].float()
+    torch.testing.assert_close(buffer, 0.05 * grad.float(), rtol=2**-7, atol=0)
