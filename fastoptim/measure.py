@@ -81,16 +81,20 @@ def params_and_sn(module):
     return params, [id(p) in linear and id(p) not in embedding for p in params]
 
 
+def two_groups(params, chosen, options, others=None):
+    """Two param groups: the params ``chosen`` marks (a flag per param) with ``options``, the rest
+    with ``others``; an empty one is left out."""
+    groups = [{"params": [p for p, c in zip(params, chosen) if c]} | options,
+              {"params": [p for p, c in zip(params, chosen) if not c]} | (others or {})]
+    return [group for group in groups if group["params"]]
+
+
 def muon_groups(params, matrices):
     """Param groups as Muon takes a model: its hidden matrices (``matrices``: a flag per param, the
     Linear weights of ``params_and_sn``) in a Muon group, the rest in an AdamW one."""
-    groups = [{"params": [p for p, m in zip(params, matrices) if m]},
-              {"params": [p for p, m in zip(params, matrices) if not m], "use_muon": False}]
-    return [group for group in groups if group["params"]]
+    return two_groups(params, matrices, {}, {"use_muon": False})
 
 
 def sn_groups(params, sn):
     """Param groups as the seed's usage makes them: ``'sn': True`` on the chosen params."""
-    groups = [{"params": [p for p, s in zip(params, sn) if s], "sn": True},
-              {"params": [p for p, s in zip(params, sn) if not s]}]
-    return [group for group in groups if group["params"]]
+    return two_groups(params, sn, {"sn": True})

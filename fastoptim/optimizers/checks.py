@@ -29,14 +29,12 @@ def check_hyperparameters(group, n_betas):
         lr = lr.item()  # construction time only, never in step()
     for name, value in (("lr", lr), *((name, group[name]) for name in ("eps", "weight_decay", "max_grad_norm")
                                       if name in group)):  # an algorithm may take no eps (Lion)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0.0 <= value < math.inf):
-            raise ValueError(f"Invalid {name}: {value!r} (must be a finite number >= 0)")
+        check_number(name, value)
     betas = group["betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != n_betas:
         raise ValueError(f"Invalid betas: {betas!r} (expected {n_betas} numbers)")
     for i, beta in enumerate(betas):
-        if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
-            raise ValueError(f"Invalid betas[{i}]: {beta!r} (must be in [0, 1))")
+        check_number(f"betas[{i}]", beta, below=1.0)
     for flag in ("foreach", "fused"):
         if group[flag] not in (None, True, False):
             raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be None, True or False)")
@@ -52,6 +50,13 @@ def check_hyperparameters(group, n_betas):
     if type(group["state_bits"]) is not int or group["state_bits"] not in (8, 16, 32):
         raise ValueError(f"Invalid state_bits: {group['state_bits']!r} (must be 32, 16 for bf16 states or 8 for "
                          "8-bit blockwise states)")
+
+
+def check_number(name, value, below=math.inf):
+    """Raise a ValueError naming ``name`` unless ``value`` is a number (not a bool) in [0, ``below``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < below:
+        requirement = "a finite number >= 0" if below == math.inf else f"in [0, {below:g})"
+        raise ValueError(f"Invalid {name}: {value!r} (must be {requirement})")
 
 
 def check_tensor_lr(lr, device=None):

@@ -18,6 +18,7 @@ from ..engines.ops import FOREACH_OPS, TENSOR_OPS
 from ..specs import KernelSpec, Role
 from .adamw import AdamW
 from .base import Algorithm, FastOptimizer, group_lr
+from .checks import check_number
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -192,12 +193,8 @@ class Muon(AdamW):
         for name in ("nesterov", "flatten"):
             if not isinstance(group[name], bool):
                 raise ValueError(f"Invalid {name}: {group[name]!r} (must be True or False)")
-        eps = group["adamw_eps"]
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
-            raise ValueError(f"Invalid adamw_eps: {eps!r} (must be a finite number >= 0)")
-        momentum = group["momentum"]
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
-            raise ValueError(f"Invalid momentum: {momentum!r} (must be in [0, 1))")
+        check_number("adamw_eps", group["adamw_eps"])
+        check_number("momentum", group["momentum"], below=1.0)
         steps = group["ns_steps"]
         if type(steps) is not int or not 1 <= steps < 100:
             raise ValueError(f"Invalid ns_steps: {steps!r} (must be an int from 1 to 99)")
@@ -281,26 +278,27 @@ class Muon(AdamW):
             return
         if part.batch is not None:  # the directions are read before the step's other launches would run
             raise engines.fused.Unbatched
+        momentum_engine = engine if kernel else "foreach"
         if reduce_group is None:
             for piece in foreach.slices(part.tensors["param"]):
-                self._run_in_three_parts(engine, part.subset(range(piece.start, piece.stop)), None)
+                self._run_in_three_parts(momentum_engine, part.subset(range(piece.start, piece.stop)), None)
         else:
-            self._run_in_three_parts(engine, part, reduce_group)
+            self._run_in_three_parts(momentum_engine, part, reduce_group)
 
     @staticmethod
-    def _run_in_three_parts(engine, part, reduce_group):
-        """``muon_momentum`` into fresh direction buffers (the kernel's work on a fused engine), the
-        iterations (the matrices of one shape as a batch; over shards, each matrix on one owner
-        rank, see distributed.by_owners), then ``muon_apply`` on the foreach engine (with the
-        params' rounding or master remainders)."""
-        kernel = engine in engines.FUSED and not torch.compiler.is_compiling()
+    def _run_in_three_parts(momentum_engine, part, reduce_group):
+        """``muon_momentum`` into fresh direction buffers on ``momentum_engine`` (the kernel's work
+        on a fused one), the iterations (the matrices of one shape as a batch; over shards, each
+        matrix on one owner rank, see distributed.by_owners), then ``muon_apply`` on the foreach
+        engine (with the params' rounding or master remainders)."""
+        kernel = momentum_engine in engines.FUSED
         grads, args = part.tensors["grad"], part.args
         grad_scale = args["grad_scale"]
         if kernel and isinstance(grad_scale, Tensor):  # a clip or GradScaler coefficient: the kernel would fuse
             grads = torch._foreach_mul([grad.float() for grad in grads], grad_scale)  # the product into the lerp;
             grad_scale = None  # the reference rounds it first, in fp32
         directions = [torch.empty_like(grad) for grad in grads]  # the kernel's param row: the grads' dtype
-        engines.run(engine if kernel else "foreach", replace(
+        engines.run(momentum_engine, replace(
             part, tensors={"param": directions, "grad": grads, "momentum_buffer": part.tensors["momentum_buffer"]},
             update=muon_momentum, spec=MOMENTUM_SPEC, kernel_scalars=momentum_kernel_scalars,
             flags=dict(nesterov=args["nesterov"]), per_tensor=frozenset(), stochastic_rounding=False,
