@@ -374,7 +374,8 @@ def test_a_compiled_step_is_the_eager_step_without_graph_breaks(engine):
     (dict(ns_coefficients=[(1.0, 2.0, 3.0)] * 4), "Invalid ns_coefficients"),
     (dict(momentum=1.0), "Invalid momentum"), (dict(momentum=-0.1), "Invalid momentum"),
     (dict(adjust_lr_fn="bogus"), "Invalid adjust_lr_fn"), (dict(use_muon="yes"), "Invalid use_muon"),
-    (dict(nesterov=1), "Invalid nesterov"), (dict(adamw_eps=-1.0), "Invalid adamw_eps"),
+    (dict(nesterov=1), "Invalid nesterov"), (dict(flatten="yes"), "Invalid flatten"),
+    (dict(adamw_eps=-1.0), "Invalid adamw_eps"), (dict(adamw_eps=float("inf")), "Invalid adamw_eps"),
     (dict(eps=-1.0), "Invalid eps"), (dict(lr=-1.0), "Invalid lr"), (dict(sn=True), "Invalid sn"),
 ])
 def test_bad_options_are_refused_by_name(options, message):
