@@ -57,7 +57,7 @@ def companded_second_moment(v, group):
 
 def blockwise(role):
     """fastoptim's 8-bit blockwise format for AdamW's state ``role``: stored and read back."""
-    codes = formats.Q8.codes(fastoptim.AdamW.spec.role(role))
+    codes = formats.Q8.codes(fastoptim.AdamW.algorithm.spec.role(role))
     return lambda x: blockwise8.dequantize(*blockwise8.quantize(x.reshape(-1), codes), codes).reshape(x.shape)
 
 

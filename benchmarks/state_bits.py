@@ -44,7 +44,7 @@ def direction_error(states, block):
 
 
 class AdanAll8Bit(fastoptim.Adan):
-    spec = replace(fastoptim.Adan.spec, roles=tuple(replace(role, half=False) for role in fastoptim.Adan.spec.roles))
+    spec = replace(fastoptim.Adan.algorithm.spec, roles=tuple(replace(role, half=False) for role in fastoptim.Adan.algorithm.spec.roles))
 
 
 def main():

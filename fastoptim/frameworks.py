@@ -25,5 +25,5 @@ def register_timm(registry=None):
         parameters = inspect.signature(cls).parameters
         registry.register(OptimInfo(name=timm_name(cls), opt_class=cls, description=f"fastoptim.{cls.__name__}",
                                     has_eps="eps" in parameters, has_betas="betas" in parameters,
-                                    num_betas=cls.n_betas))
+                                    num_betas=cls.algorithm.n_betas))
     return [timm_name(cls) for cls in CLASSES]

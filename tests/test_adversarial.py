@@ -235,7 +235,7 @@ def test_load_hooks_follow_torchs_contract(cls):
     params, optimizer = make(cls)
     run(optimizer, params)
     old = copy.deepcopy(optimizer.state_dict())
-    key = next(key for key in cls.spec.states if key in old["state"][0])  # a state every optimizer keeps
+    key = next(key for key in cls.algorithm.spec.states if key in old["state"][0])  # a state every optimizer keeps
     for state in old["state"].values():
         state["old_" + key] = state.pop(key)
     seen = []
@@ -346,7 +346,7 @@ def test_hyperparameters_are_checked_before_the_params(cls):
     with pytest.raises(ValueError, match="Invalid lr"):
         cls(None, lr=-1.0)
     with pytest.raises(ValueError, match="Invalid betas"):
-        cls(None, betas=(1.5,) * cls.n_betas)
+        cls(None, betas=(1.5,) * cls.algorithm.n_betas)
 
 
 @pytest.mark.parametrize("cls", OPTIMIZERS)

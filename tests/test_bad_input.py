@@ -40,7 +40,7 @@ def test_invalid_hyperparameters_name_the_argument(info, name, value):
 
 @pytest.mark.parametrize("info", WITH_BETAS, ids=repr)
 def test_invalid_betas(info):
-    n = info.cls.n_betas
+    n = info.cls.algorithm.n_betas
     for betas, message in [((0.9, 1.0, 0.9)[:n], r"Invalid betas\[1\]"), ((-0.1, 0.9, 0.9)[:n], r"Invalid betas\[0\]"),
                            ((1.0, 0.9, 0.9)[:n], r"Invalid betas\[0\]"),
                            ((0.9, float("nan"), 0.9)[:n], r"Invalid betas\[1\]"),

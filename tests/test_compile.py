@@ -10,6 +10,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import fastoptim
+from fastoptim.optimizers.algorithm import PER_PARAM
 
 from .registry import ADAMW, ADAN, OPTIMIZERS
 
@@ -139,13 +140,12 @@ def graph_targets(cls, options, step):
     return [getattr(t, "__name__", str(t)) for t in targets]
 
 
-@pytest.mark.parametrize("cls, op", [(info.cls, f"{info.cls.spec.name}_step") for info in OPTIMIZERS])
+@pytest.mark.parametrize("cls, op", [(info.cls, f"{info.cls.algorithm.spec.name}_step") for info in OPTIMIZERS])
 def test_the_compiled_graph_calls_the_kernel_op_and_no_foreach_op(cls, op):
     targets = graph_targets(cls, dict(state_bits=8, max_grad_norm=1.0), lambda opt, params: opt.step())
     assert op in str(targets) and "grad_norm_total" in str(targets), targets
-    # AdamW's family keeps per-param step counts, one 0-d tensor each as torch keeps them, which advance
-    # by one _foreach_add_
-    counts = ["_foreach_add_"] if issubclass(cls, fastoptim.AdamW) else []
+    # per-param step counts, one 0-d tensor each as torch keeps them, advance by one _foreach_add_
+    counts = ["_foreach_add_"] if cls.algorithm.counts == PER_PARAM else []
     assert [t for t in targets if "_foreach_" in t] == counts, targets
 
 
@@ -328,7 +328,7 @@ def test_a_fallback_in_a_compiled_step_warns_once_at_tracing():
 
 def test_the_op_refuses_what_its_kernel_cannot_take_and_lists_of_other_lengths():
     def call(params, grads, exp_avgs):
-        lion_scalars = [torch.tensor(0.0)] * len(fastoptim.Lion.spec.all_scalars)
+        lion_scalars = [torch.tensor(0.0)] * len(fastoptim.Lion.algorithm.spec.all_scalars)
         torch.ops.fastoptim.lion_step(params, grads, exp_avgs, [], lion_scalars, 0, False)
 
     params = [torch.zeros(4, dtype=torch.float64)]

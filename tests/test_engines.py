@@ -68,7 +68,7 @@ def test_foreach_matches_loop_across_slices_and_pieces_of_large_tensors(monkeypa
     monkeypatch.setattr(foreach, "SLICE_NUMEL", 16)
     shapes = [(7,), (5, 3), (40,), (2, 2), (3,), (6, 7)]  # (40,) and (6, 7) are cut into flat views
     params = oracle.make_params(shapes, dtype)
-    plan = fastoptim.engines.Plan({"param": params, "grad": params}, update=None, spec=cls.spec,
+    plan = fastoptim.engines.Plan({"param": params, "grad": params}, update=None, spec=cls.algorithm.spec,
                                   args={"x": torch.arange(6.0)}, per_tensor=frozenset({"x"}))
     cut = foreach.pieces(plan, 16)
     assert [t.numel() for t in cut.tensors["param"]] == [7, 15, 16, 16, 8, 4, 3, 16, 16, 10]

@@ -462,7 +462,8 @@ def test_channels_last_param_with_channels_last_grad_runs_fused(cls, engine):
     run_with_layouts(optimizer, params, 3, torch.channels_last, record=records)
     run_with_layouts(cls(loop_params, lr=0.01, weight_decay=0.02, **LOOP), loop_params, 3, torch.channels_last)
     assert not any(fallback_warnings(caught) for caught in records)
-    state = optimizer.state[params[1]][optimizer.spec.kept(optimizer.kernel_flags(optimizer.param_groups[0]))[0]]
+    algorithm = optimizer.algorithm
+    state = optimizer.state[params[1]][algorithm.spec.kept(algorithm.flags(optimizer.param_groups[0]))[0]]
     assert state.is_contiguous(memory_format=torch.channels_last)
     assert_same_values(params, loop_params)
 

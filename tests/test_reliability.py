@@ -35,7 +35,7 @@ def test_the_step_ops_refuse_bad_arguments_by_name_and_change_nothing():
     out = python("""
         import torch, fastoptim
         lion = torch.ops.fastoptim.lion_step
-        n_scalars = len(fastoptim.Lion.spec.all_scalars)
+        n_scalars = len(fastoptim.Lion.algorithm.spec.all_scalars)
         scalars = [torch.tensor(0.1)] * n_scalars
         p, codes = torch.zeros(8192), torch.full((8192,), 127, dtype=torch.uint8)
         shared = torch.zeros(8)
@@ -64,7 +64,7 @@ def test_the_step_ops_refuse_bad_arguments_by_name_and_change_nothing():
             "flags": lambda: lion([p], [torch.ones(8192)], [torch.zeros(8192)], [], scalars, 1 << 5, False),
             "max_exp_avg_sq must hold": lambda: torch.ops.fastoptim.adamw_step(
                 [p], [torch.ones(8192)], [torch.zeros(8192)], [torch.zeros(8192)], [], [], [], [],
-                [torch.tensor(0.1)] * len(fastoptim.AdamW.spec.all_scalars), 0b110, False),
+                [torch.tensor(0.1)] * len(fastoptim.AdamW.algorithm.spec.all_scalars), 0b110, False),
         }
         for pattern, call in CASES.items():
             before = [t.clone() for t in (p, codes, shared)]
@@ -87,10 +87,10 @@ def test_the_step_op_checks_again_when_the_same_tensors_come_with_other_flags():
     out = python("""
         import torch, fastoptim
         adamw = torch.ops.fastoptim.adamw_step
-        scalars = [torch.tensor(0.1)] * len(fastoptim.AdamW.spec.all_scalars)
+        scalars = [torch.tensor(0.1)] * len(fastoptim.AdamW.algorithm.spec.all_scalars)
         p, g, m, v = torch.zeros(64), torch.ones(64), torch.zeros(64), torch.zeros(64)
-        first_moment = 1 << (1 + fastoptim.AdamW.spec.flags.index("first_moment"))
-        amsgrad = 1 << (1 + fastoptim.AdamW.spec.flags.index("amsgrad"))
+        first_moment = 1 << (1 + fastoptim.AdamW.algorithm.spec.flags.index("first_moment"))
+        amsgrad = 1 << (1 + fastoptim.AdamW.algorithm.spec.flags.index("amsgrad"))
         adamw([p], [g], [m], [v], [], [], [], [], scalars, first_moment, False)
         before = p.clone()
         try:

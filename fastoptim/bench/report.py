@@ -2,7 +2,6 @@
 PNG plots, and a side-by-side view of two runs."""
 import json
 import os
-import platform
 import textwrap
 from pathlib import Path
 

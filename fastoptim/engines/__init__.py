@@ -79,6 +79,15 @@ def run(engine, plan):
         amp.run_unless_inf(ENGINES[engine], plan)
 
 
+def run_bucket(engine, plan, reduce_group=None):
+    """Run one bucket's ``plan`` on ``engine``; over ``reduce_group`` (not None) where its math needs
+    other ranks' shards (see :func:`run_summing_over`)."""
+    if reduce_group is None:
+        run(engine, plan)
+    else:
+        run_summing_over(plan, reduce_group)
+
+
 def run_batch(launches):
     """Run the (backend, launch) pairs that plans with a ``batch`` collected, checked together before
     any runs; False, having changed nothing, when a tensor moved, a grad does not fit, or the launches

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from ..engines.ops import sqrt
 from ..specs import KernelSpec, Role
-from .base import FastOptimizer, group_lr
+from .algorithm import PER_PARAM, Algorithm, StepInputs
+from .base import FastOptimizer
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -68,6 +68,32 @@ def adamw_update(ops, *, param, grad, scratch, exp_avg=None, exp_avg_sq, max_exp
         ops.mul_(param, 1 - lr * weight_decay)
 
 
+def adamw_arguments(group: dict, inputs: StepInputs) -> tuple[dict, set[str]]:
+    """``adamw_update``'s arguments for a step of AdamW: torch's bias corrections of each param's count."""
+    beta1, beta2 = group["betas"]
+    t, lr = inputs.count, inputs.lr
+    args = dict(beta1=beta1, beta2=beta2, eps=group["eps"], lr=lr, weight_decay=group["weight_decay"],
+                grad_scale=inputs.grad_scale, step_size=(lr / (1 - beta1**t)).to(inputs.wide),
+                bias_correction2_sqrt=sqrt(1 - beta2**t).to(inputs.wide))
+    return args, {"step_size", "bias_correction2_sqrt"}
+
+
+def adamw_kernel_scalars(args: dict) -> dict:
+    """``adamw_update``'s arguments as the fused kernels take them: weight decay as a factor before
+    the update or after it."""
+    decay, after = 1 - args["lr"] * args["weight_decay"], args.get("decay_after", False)
+    correction = args.get("bias_correction2_sqrt")
+    return {name: args[name] for name in ("beta2", "eps", "step_size")} | dict(
+        one_minus_beta1=1 - args["beta1"], one_minus_beta2=1 - args["beta2"],
+        grad_scale=1.0 if args["grad_scale"] is None else args["grad_scale"],
+        bias_correction2_sqrt=1.0 if correction is None else correction,
+        decay_mul=1.0 if after else decay, decay_after=decay if after else 1.0)
+
+
+ADAMW = Algorithm(SPEC, adamw_update, adamw_arguments, adamw_kernel_scalars,
+                  flags=lambda group: dict(amsgrad=group["amsgrad"], first_moment=True), counts=PER_PARAM)
+
+
 class AdamW(FastOptimizer):
     """AdamW with torch.optim.AdamW's signature and results (see
     [adamw_update][fastoptim.optimizers.adamw.adamw_update]).
@@ -91,9 +117,7 @@ class AdamW(FastOptimizer):
     float64 states and math.
     """
 
-    n_betas = 2
-    update = staticmethod(adamw_update)
-    spec = SPEC
+    algorithm = ADAMW
 
     def __init__(self, params: ParamsT, lr: float | Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
@@ -118,66 +142,3 @@ class AdamW(FastOptimizer):
         if group["differentiable"] is not False:
             raise ValueError(f"Invalid differentiable: {group['differentiable']!r}: fastoptim's step runs "
                              "without autograd and updates in place; pass differentiable=False")
-
-    @staticmethod
-    def kernel_flags(group):
-        return dict(amsgrad=group["amsgrad"], first_moment=True)
-
-    def _expected_state(self, group, param, state):
-        return {"step": (torch.Size([]), torch.float32)} | super()._expected_state(group, param, state)
-
-    def _ensure_state(self, param, group):
-        state = self.state[param]
-        if "step" not in state:  # first, as torch orders its state
-            state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-        return super()._ensure_state(param, group)
-
-    def _prepare_states(self, params, group):
-        """The states, each ``state['step']`` made a view into one tensor of counts (the context),
-        so a step adds to them in one op: 2000 separate 0-d tensors cost milliseconds of dispatch."""
-        states, _ = super()._prepare_states(params, group)
-        steps = [state["step"] for state in states]
-        if torch.compiler.is_compiling():  # a traced step adds to each count; views would retrace
-            return states, None
-        base = steps[0]._base
-        if base is None or base.shape != (len(steps),) or not all(
-                step._base is base and step.storage_offset() == i for i, step in enumerate(steps)):
-            base = torch.stack(steps)
-            for i, state in enumerate(states):
-                state["step"] = base[i]
-        return states, base
-
-    @staticmethod
-    def _next_counts(entry, increment):
-        """This step's count of each param, float64 (1 − β^t needs it); ``_count_step`` stores them."""
-        steps = entry.context  # one count per param, as torch keeps them
-        if steps is None:
-            steps = torch.stack([state["step"] for state in entry.states])
-        return steps.to(torch.float64) + increment
-
-    def _step_arguments(self, group, entry, grad_scale, increment):
-        t = self._next_counts(entry, increment)
-        beta1, beta2 = group["betas"]
-        lr, wide = group_lr(group), entry.scalar_dtype
-        args = dict(beta1=beta1, beta2=beta2, eps=group["eps"], lr=lr, weight_decay=group["weight_decay"],
-                    grad_scale=grad_scale, step_size=(lr / (1 - beta1**t)).to(wide),
-                    bias_correction2_sqrt=sqrt(1 - beta2**t).to(wide))
-        return args, {"step_size", "bias_correction2_sqrt"}
-
-    def _count_step(self, group, entry, increment):
-        if entry.context is not None:
-            entry.context += increment
-        elif entry.params:
-            torch._foreach_add_([state["step"] for state in entry.states], increment)
-
-    @staticmethod
-    def kernel_scalars(args):
-        """``adamw_update``'s arguments as the fused kernels take them: weight decay as a factor
-        before the update or after it."""
-        decay, after = 1 - args["lr"] * args["weight_decay"], args.get("decay_after", False)
-        correction = args.get("bias_correction2_sqrt")
-        return {name: args[name] for name in ("beta2", "eps", "step_size")} | dict(
-            one_minus_beta1=1 - args["beta1"], one_minus_beta2=1 - args["beta2"],
-            grad_scale=1.0 if args["grad_scale"] is None else args["grad_scale"],
-            bias_correction2_sqrt=1.0 if correction is None else correction,
-            decay_mul=1.0 if after else decay, decay_after=decay if after else 1.0)

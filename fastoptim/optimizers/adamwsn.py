@@ -8,11 +8,28 @@ from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from ..engines.ops import sqrt
-from .adamw import AdamW
-from .base import FastOptimizer, group_lr
+from .adamw import ADAMW, AdamW
+from .algorithm import StepInputs
+from .base import FastOptimizer
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+
+
+def adamwsn_arguments(group: dict, inputs: StepInputs) -> tuple[dict, set[str]]:
+    """``adamw_update``'s arguments for a step of AdamWSN: the reference's bias corrections, both in
+    the step size (or none without ``correct_bias``), and weight decay after the update."""
+    beta1, beta2 = group["betas"]
+    t, lr = inputs.count, inputs.lr
+    step_size = (lr * sqrt(1 - beta2**t) / (1 - beta1**t)) if group["correct_bias"] else lr + 0 * t
+    args = dict(beta1=beta1, beta2=beta2, eps=group["eps"], lr=lr, weight_decay=group["weight_decay"],
+                grad_scale=inputs.grad_scale, step_size=step_size.to(inputs.wide), decay_after=True)
+    return args, {"step_size"}
+
+
+# AdamW's kernel family, with no bias correction inside the root and no first moment where β1 = 0
+ADAMWSN = ADAMW._replace(arguments=adamwsn_arguments,
+                         flags=lambda group: dict(amsgrad=False, first_moment=group["betas"][0] != 0))
 
 
 class AdamWSN(AdamW):
@@ -43,7 +60,7 @@ class AdamWSN(AdamW):
     columns) or ``subset_size``, so a resumed run keeps it. The reference's state dicts load.
     """
 
-    n_betas = 2
+    algorithm = ADAMWSN
 
     def __init__(self, params: ParamsT, lr: float | Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.0, subset_size: int | None = None,
@@ -61,21 +78,6 @@ class AdamWSN(AdamW):
         FastOptimizer._check_group(self, group, max_grad_norm)  # AdamW's adds its torch options, not taken here
         if not isinstance(group["correct_bias"], bool):
             raise ValueError(f"Invalid correct_bias: {group['correct_bias']!r} (must be True or False)")
-
-    @staticmethod
-    def kernel_flags(group):
-        """AdamW's kernel family: weight decay after the update, no bias correction inside the root."""
-        return dict(amsgrad=False, first_moment=group["betas"][0] != 0)
-
-    def _step_arguments(self, group, entry, grad_scale, increment):
-        t = self._next_counts(entry, increment)
-        beta1, beta2 = group["betas"]
-        lr = group_lr(group)
-        step_size = (lr * sqrt(1 - beta2**t) / (1 - beta1**t)) if group["correct_bias"] else lr + 0 * t
-        args = dict(beta1=beta1, beta2=beta2, eps=group["eps"], lr=lr, weight_decay=group["weight_decay"],
-                    grad_scale=grad_scale, step_size=step_size.to(entry.scalar_dtype), decay_after=True)
-        return args, {"step_size"}
-
 
 
 class RMSPropSN(AdamWSN):

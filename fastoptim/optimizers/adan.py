@@ -9,7 +9,8 @@ from torch.optim.optimizer import ParamsT
 
 from ..specs import KernelSpec, Role
 from ..engines.ops import sqrt
-from .base import FastOptimizer, count_after, group_lr, in_dtype
+from .algorithm import PER_GROUP, Algorithm, StepInputs
+from .base import FastOptimizer, in_dtype
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -74,6 +75,34 @@ def adan_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, exp_avg_diff,
         ops.div_(param, 1 + lr * weight_decay)
 
 
+def adan_arguments(group: dict, inputs: StepInputs) -> tuple[dict, set[str]]:
+    """``adan_update``'s arguments for a step of Adan: the bias corrections of the group's count, and
+    the weight of g − g_prev, 0 at a param's first step (official Adan sets g_prev = g when
+    ``neg_pre_grad`` is missing or the count is 1)."""
+    t, lr, wide, first_reads = inputs.count, inputs.lr, inputs.wide, inputs.first_reads
+    beta1, beta2, beta3 = group["betas"]
+    args = dict(beta1=beta1, beta2=beta2, beta3=beta3, eps=group["eps"], lr=lr, weight_decay=group["weight_decay"],
+                no_prox=group["no_prox"], grad_scale=inputs.grad_scale,
+                pre_grad_weight=1.0 * (t > 1) if first_reads is None else (t > 1) * first_reads,
+                bias_correction3_sqrt=in_dtype(sqrt(1 - beta3**t), wide), step_size=in_dtype(lr / (1 - beta1**t), wide),
+                diff_ratio=in_dtype(beta2 * (1 - beta1**t) / (1 - beta2**t), wide))
+    return args, set() if first_reads is None else {"pre_grad_weight"}
+
+
+def adan_kernel_scalars(args: dict) -> dict:
+    """``adan_update``'s arguments as the fused kernels take them: weight decay as a factor before
+    the update and a divisor after it (1 where it does not apply)."""
+    decay = args["lr"] * args["weight_decay"]
+    return {name: args[name] for name in ("beta1", "beta2", "beta3", "eps", "pre_grad_weight",
+                                           "bias_correction3_sqrt", "step_size", "diff_ratio")} | dict(
+        one_minus_beta1=1 - args["beta1"], one_minus_beta2=1 - args["beta2"], one_minus_beta3=1 - args["beta3"],
+        grad_scale=1.0 if args["grad_scale"] is None else args["grad_scale"],
+        decay_mul=1 - decay if args["no_prox"] else 1.0, decay_div=1.0 if args["no_prox"] else 1 + decay)
+
+
+ADAN = Algorithm(SPEC, adan_update, adan_arguments, adan_kernel_scalars, counts=PER_GROUP, n_betas=3)
+
+
 class Adan(FastOptimizer):
     """Adan, computing exactly what official sail-sg/Adan computes (see
     [adan_update][fastoptim.optimizers.adan.adan_update]).
@@ -102,9 +131,7 @@ class Adan(FastOptimizer):
     ``step``) load and resume on the same trajectory.
     """
 
-    n_betas = 3
-    update = staticmethod(adan_update)
-    spec = SPEC
+    algorithm = ADAN
 
     def __init__(self, params: ParamsT, lr: float | Tensor = 1e-3,
                  betas: tuple[float, float, float] = (0.98, 0.92, 0.99), eps: float = 1e-8,
@@ -118,74 +145,12 @@ class Adan(FastOptimizer):
                         subset_size=subset_size, state_bits=state_bits)
         super().__init__(params, defaults, shard_group)
 
-    def add_param_group(self, param_group):
-        super().add_param_group(param_group)
-        self._group_step(self.param_groups[-1])  # now, not at the first step: a compiled step must find it
-
     @torch.no_grad()
     def restart_opt(self) -> None:
         """Restart as the official code does: step 0, zero moments, and the next gradient is g_prev."""
         for group in self.param_groups:
-            group["step"] = torch.zeros_like(self._group_step(group))
+            group["step"] = torch.zeros_like(self._group_count(group))
             for param in group["params"]:
                 if param.requires_grad:
                     self.state[param].clear()
         self._forget_engine_caches()
-
-    def _prepare_states(self, params, group):
-        """The states, and as ``context`` the weights of g − g_prev for the step that creates them:
-        0 for a param without ``neg_pre_grad`` (its first step, whenever it comes), 1 for the others.
-        Official Adan sets g_prev = g when ``neg_pre_grad`` is missing or the step count is 1."""
-        weights = [float("neg_pre_grad" in self.state.get(param, ())) for param in params]
-        states, _ = super()._prepare_states(params, group)
-        return states, torch.tensor(weights, device=params[0].device) if 0.0 in weights else None
-
-    def _step_arguments(self, group, entry, grad_scale, increment):
-        first_step_weights, entry.context = entry.context, None  # for one step: then every param has a g_prev
-        lr, wide = group_lr(group), entry.scalar_dtype
-        t = count_after(self._group_step(group), increment, lr)  # float64: 1 − β^t in fp32 would lose digits
-        pre_grad_weight = 1.0 * (t > 1) if first_step_weights is None else (t > 1) * first_step_weights
-        if first_step_weights is not None and torch.compiler.is_compiling():
-            # a compiled step reads the weights again on every call: a step that counts gives every param a g_prev
-            first_step_weights.clamp_(min=increment)
-        beta1, beta2, beta3 = group["betas"]
-        args = dict(beta1=beta1, beta2=beta2, beta3=beta3, eps=group["eps"], lr=lr,
-                    weight_decay=group["weight_decay"], no_prox=group["no_prox"], grad_scale=grad_scale,
-                    pre_grad_weight=pre_grad_weight, bias_correction3_sqrt=in_dtype(sqrt(1 - beta3**t), wide),
-                    step_size=in_dtype(lr / (1 - beta1**t), wide),
-                    diff_ratio=in_dtype(beta2 * (1 - beta1**t) / (1 - beta2**t), wide))
-        return args, () if first_step_weights is None else {"pre_grad_weight"}
-
-    def _count_step(self, group, entry, increment):
-        """The step count is the group's, and it advances whether or not any param had a grad, as
-        in official Adan."""
-        self._group_step(group).add_(increment)
-
-    @staticmethod
-    def _group_step(group):
-        if "step" not in group:
-            device = group["params"][0].device if group["params"] else None
-            group["step"] = torch.zeros((), dtype=torch.float32, device=device)
-        return group["step"]
-
-    @staticmethod
-    def kernel_scalars(args):
-        """``adan_update``'s arguments as the fused kernels take them: weight decay as a factor
-        before the update and a divisor after it (1 where it does not apply)."""
-        decay = args["lr"] * args["weight_decay"]
-        return {name: args[name] for name in ("beta1", "beta2", "beta3", "eps", "pre_grad_weight",
-                                               "bias_correction3_sqrt", "step_size", "diff_ratio")} | dict(
-            one_minus_beta1=1 - args["beta1"], one_minus_beta2=1 - args["beta2"], one_minus_beta3=1 - args["beta3"],
-            grad_scale=1.0 if args["grad_scale"] is None else args["grad_scale"],
-            decay_mul=1 - decay if args["no_prox"] else 1.0, decay_div=1.0 if args["no_prox"] else 1 + decay)
-
-    def _convert_saved_group(self, group):
-        step = group.get("step", 0)  # official and timm keep an integer, and none before their first step
-        if isinstance(step, bool) or not isinstance(step, (int, float, torch.Tensor)) or torch.as_tensor(step).dim():
-            raise ValueError(f"Invalid step: {step!r} (must be a number or a 0-d tensor)")
-        step = torch.as_tensor(step, dtype=torch.float32)
-        if not (step >= 0 and step == step.floor() and step.isfinite()):
-            raise ValueError(f"Invalid step: {step.item()!r} (must be a whole number >= 0)")
-        device = group["params"][0].device if group["params"] else None
-        group["step"] = step.to(device=device, copy=True)
-

@@ -1,9 +1,9 @@
 """The contract every fastoptim optimizer keeps: torch.optim's (param groups, ``step``, state
 dicts, hooks), with every input checked before anything changes, and one step path for all
-algorithms. A subclass states its algorithm, and nothing else, through the hooks below."""
+algorithms. A subclass declares its algorithm (an :class:`Algorithm` record) and its options; this
+class creates the states, counts the steps and runs them."""
 import operator
 import warnings
-from collections.abc import Callable
 from itertools import repeat
 from typing import NamedTuple
 from operator import attrgetter
@@ -13,9 +13,10 @@ from torch import Tensor
 
 from .. import distributed, engines
 from ..clip import GradTables, clip_coefficient
-from ..specs import ABSMAX, KernelSpec
+from ..specs import ABSMAX
 from ..states import formats, master, subset_norm
 from ..step_cache import DEVICE, DTYPE, SHAPE, BoundStep, GroupWork, OptimizerState, Signature, engine_view
+from .algorithm import PER_GROUP, PER_PARAM, Algorithm, StepInputs
 from .checks import check_hyperparameters, check_params, check_tensor_lr, normalize_betas
 from .state_dict import StateDicts
 
@@ -46,13 +47,14 @@ COMMON_ARGS = """\
 GRADS_PATTERNS_KEPT = 8  # torch.compile's recompile limit: a step traced for more patterns recompiles anyway
 
 
-class Algorithm(NamedTuple):
-    """What steps a param group: its kernel spec (state roles, kernel scalars and flags), its math
-    (``update``) and its ``kernel_scalars`` (None: no fused kernel)."""
+class StateContext(NamedTuple):
+    """What a group's step reads of its states besides the tensors, made when they change (see
+    ``_prepare_states``): the params' ``step`` counts as views of one tensor (``PER_PARAM``; None:
+    separate tensors), the algorithm's ``param_factors`` and :class:`StepInputs`' ``first_reads``."""
 
-    spec: KernelSpec
-    update: Callable
-    kernel_scalars: Callable | None
+    counts: Tensor | None = None
+    factors: Tensor | None = None
+    first_reads: Tensor | None = None
 
 
 def _formats_chosen(group):
@@ -90,32 +92,23 @@ def group_lr(group):
 
 
 class FastOptimizer(StateDicts, torch.optim.Optimizer):
-    """The base of every fastoptim optimizer. An algorithm provides:
+    """The base of every fastoptim optimizer. A subclass gives:
 
-    - ``spec``: its :class:`fastoptim.specs.KernelSpec` (state roles, kernel scalars and flags);
-      ``n_betas``: how many betas it takes.
-    - ``update(ops, *, param, grad, scratch, <states>, <args>)``: its math, written once in the
-      ``ops`` vocabulary (fastoptim.engines.ops), which the loop and foreach engines run.
-    - ``_step_arguments(group, entry, grad_scale, increment)``: ``update``'s arguments for this
-      step, and the names of those that hold one value per param.
-    - ``kernel_scalars(args)``: those arguments as its fused kernels take them (by the spec's
-      scalar names); an algorithm without one runs its fused engines on foreach.
-    - ``kernel_flags(group)``: the spec's feature flags that a group's options set (default none).
-    - optionally ``_check_group`` (its own options), ``_prepare_states`` and ``_count_step`` (where
-      it keeps its step counts), ``_convert_saved_group`` (its peers' saved groups), and
-      ``_algorithm(group)``, where some groups run another algorithm (Muon's AdamW companions).
-    Its ``__init__`` collects its hyperparameters into ``defaults`` and calls this one's.
+    - ``algorithm``: its :class:`Algorithm` (fastoptim.optimizers.algorithm), declared beside its math;
+    - ``__init__``: its signature and defaults, collected into ``defaults`` for this one's;
+    - optionally ``_check_group`` (its own options), and ``_algorithm(group)`` where some groups run
+      another algorithm (Muon's AdamW companions).
     """
 
-    n_betas: int
-    spec: KernelSpec
+    algorithm: Algorithm
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if cls.__doc__ and COMMON_ARGS_LINE in cls.__doc__:
             cls.__doc__ = cls.__doc__.replace(COMMON_ARGS_LINE, COMMON_ARGS)
-        if "spec" in cls.__dict__ and cls.spec.elementwise:  # its fused kernels' op, which torch.compile keeps
-            engines.fused.define_op(cls.spec)
+        spec = cls.__dict__["algorithm"].spec if "algorithm" in cls.__dict__ else None
+        if spec is not None and spec.elementwise:  # its fused kernels' op, which torch.compile keeps
+            engines.fused.define_op(spec)
 
     def __init__(self, params, defaults, shard_group):
         """``shard_group``: the process group whose ranks' params, together, are the model's, each
@@ -152,13 +145,16 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                                  "fp16 param's bits do not split that way. Use bf16 (or fp32) params, or "
                                  "master_bits=16")
             self._find_reduce_group()
+            if self._algorithm(group).counts == PER_GROUP:
+                self._group_count(group)  # now, not at the first step: a compiled step must find it
         except Exception:
             self.param_groups.pop()
             raise
 
     def _check_group(self, group, max_grad_norm=None):
-        check_hyperparameters(group, self.n_betas)
-        if group.get("sn") and not self._algorithm(group).spec.reduced:
+        algorithm = self._algorithm(group)
+        check_hyperparameters(group, algorithm.n_betas)
+        if group.get("sn") and not algorithm.spec.reduced:
             raise ValueError(f"Invalid sn: {type(self).__name__} keeps no second moment, so sn does not apply")
         if group["max_grad_norm"] != (self.defaults["max_grad_norm"] if max_grad_norm is None else max_grad_norm):
             raise ValueError("Invalid max_grad_norm: it clips by the norm over all groups, "
@@ -241,7 +237,8 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
     def _roles(self, group):
         """The state roles the engines update under ``group``'s options: the algorithm's, and the
         master remainders of bf16 params (a role of their own: no algorithm reads them)."""
-        roles = self._algorithm(group).spec.kept(self.kernel_flags(group))
+        algorithm = self._algorithm(group)
+        roles = algorithm.spec.kept(algorithm.flags(group))
         return roles + (master.KEY,) if group["master_bits"] > 16 else roles
 
     def _apply(self, work, caches, batch=None):
@@ -412,10 +409,10 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
     def _step_group(self, group, entry, grads, grad_scale, found_inf, increment, batch=None):
         if entry.states is None:  # every group is checked by now: states may be created
             self._use_new_states(group, entry)
-        args, per_tensor = self._step_arguments(group, entry, grad_scale, increment)
         algorithm = self._algorithm(group)
+        args, per_tensor = self._step_arguments(algorithm, group, entry, grad_scale, increment)
         plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, algorithm.update, algorithm.spec,
-                            algorithm.kernel_scalars, self.kernel_flags(group), args,
+                            algorithm.kernel_scalars, algorithm.flags(group), args,
                             frozenset(per_tensor), found_inf, group["stochastic_rounding"],
                             warn_fallback=group["fused"] is True, absmax=entry.absmax, batch=batch)
         for index, (bucket, reduce_group) in enumerate(entry.buckets):
@@ -423,16 +420,28 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             if master.KEY in part.tensors and part.tensors[master.KEY][0] is None:  # not bf16: no remainders
                 part = part.without(master.KEY)
             part.cache = entry.bucket_caches.setdefault(index, {})
-            self._run_bucket(entry.engine, part, reduce_group)
+            algorithm.run(entry.engine, part, reduce_group)
 
-    @staticmethod
-    def _run_bucket(engine, part, reduce_group):
-        """Run one bucket's plan on ``engine``; over ``reduce_group`` (not None) where its math needs
-        other ranks' shards."""
-        if reduce_group is None:
-            engines.run(engine, part)
+    def _step_arguments(self, algorithm, group, entry, grad_scale, increment):
+        """``algorithm``'s arguments for this step of ``group`` (see :class:`StepInputs`), and the
+        names of those that hold one value per param. A step that counts by ``increment`` (1, or 0
+        on a step GradScaler skipped) reads the counts after it."""
+        lr, context = group_lr(group), entry.context
+        if algorithm.counts == PER_PARAM:
+            counts = context.counts
+            if counts is None:
+                counts = torch.stack([state["step"] for state in entry.states])
+            count = counts.to(torch.float64) + increment  # float64: 1 − β^t in fp32 would lose digits
         else:
-            engines.run_summing_over(part, reduce_group)
+            count = count_after(self._group_count(group), increment, lr) if algorithm.counts == PER_GROUP else None
+        first_reads = context.first_reads
+        args = algorithm.arguments(group, StepInputs(lr, grad_scale, count, entry.scalar_dtype, first_reads,
+                                                     context.factors))
+        if first_reads is not None:  # for one step: then every param has its optional states
+            entry.context = context._replace(first_reads=None)
+            if torch.compiler.is_compiling():  # a compiled step reads them again on every call, and a step
+                first_reads.clamp_(min=increment)  # that counts gave every param its optional states
+        return args
 
     def _use_new_states(self, group, entry):
         """Create the missing states of ``entry``'s params and hand them to it."""
@@ -455,14 +464,17 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
     def _formats(self, group, param, state):
         """The format of each state role of ``param`` that ``group``'s options keep (see
         fastoptim.states.formats), and its subset-norm partition (None: dense)."""
-        partition, spec = self._partition(param, state, group), self._algorithm(group).spec
-        return {role: formats.for_state(param, spec.role(role), group["state_bits"], partition)
-                for role in spec.kept(self.kernel_flags(group))}, partition
+        partition, algorithm = self._partition(param, state, group), self._algorithm(group)
+        return {role: formats.for_state(param, algorithm.spec.role(role), group["state_bits"], partition)
+                for role in algorithm.spec.kept(algorithm.flags(group))}, partition
 
     def _ensure_state(self, param, group):
         """The param's state with every role of the group present: missing ones are zeros in their
-        format, second moments in the param's partition (recorded in the state when it is new)."""
+        format, second moments in the param's partition (recorded in the state when it is new), and
+        a ``step`` count first where the algorithm counts per param (as torch orders its state)."""
         state = self.state[param]
+        if self._algorithm(group).counts == PER_PARAM and "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
         states_formats, partition = self._formats(group, param, state)
         if partition is not None:
             state.update(partition.record)
@@ -477,7 +489,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         """The (shape, dtype) of each state tensor that a param's state must have, companions
         (an 8-bit state's block maxima) included."""
         states_formats, partition = self._formats(group, param, state)
-        expected = {}
+        expected = {"step": (torch.Size([]), torch.float32)} if self._algorithm(group).counts == PER_PARAM else {}
         for role, state_format in states_formats.items():
             expected |= state_format.expected(param, self._algorithm(group).spec.role(role), partition)
         remainder = master.dtype(param, group["master_bits"])
@@ -486,22 +498,53 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         return expected
 
     def _prepare_states(self, params, group):
-        """The state dicts of a group's params with grads, with missing states created, and what
-        ``_step_arguments`` reads of them as ``entry.context``. Called when they change, not every step."""
-        return [self._ensure_state(param, group) for param in params], None
+        """The state dicts of a group's params with grads, with missing states created, and their
+        :class:`StateContext`, which ``_step_arguments`` reads. Called when they change, not every
+        step. Per-param counts become views of one tensor, so a step adds to them in one op (2000
+        separate 0-d tensors cost milliseconds of dispatch), except in a traced step (views would
+        retrace)."""
+        algorithm, device = self._algorithm(group), params[0].device
+        optional = algorithm.spec.optional
+        first_reads = [float(all(role in self.state.get(param, ()) for role in optional)) for param in params]
+        states = [self._ensure_state(param, group) for param in params]
+        counts = None
+        if algorithm.counts == PER_PARAM and not torch.compiler.is_compiling():
+            steps = [state["step"] for state in states]
+            counts = steps[0]._base
+            if counts is None or counts.shape != (len(steps),) or not all(
+                    step._base is counts and step.storage_offset() == i for i, step in enumerate(steps)):
+                counts = torch.stack(steps)
+                for i, state in enumerate(states):
+                    state["step"] = counts[i]
+        factors = None if algorithm.param_factors is None else torch.tensor(
+            [algorithm.param_factors(group, param) for param in params], dtype=torch.float64, device=device)
+        first_reads = torch.tensor(first_reads, device=device) if optional and 0.0 in first_reads else None
+        return states, StateContext(counts, factors, first_reads)
 
     def _algorithm(self, group):
-        """Hook: the :class:`Algorithm` that steps ``group``: the optimizer's own."""
-        return Algorithm(self.spec, self.update, getattr(self, "kernel_scalars", None))
+        """The :class:`Algorithm` that steps ``group``: the optimizer's own."""
+        return self.algorithm
 
-    @staticmethod
-    def kernel_flags(group):
-        """Hook: the spec's feature flags (name: bool) that ``group``'s options set."""
-        return {}
+    def _group_count(self, group):
+        """A ``PER_GROUP`` algorithm's step count: ``group["step"]``, a 0-d fp32 tensor on the
+        group's device (created at 0)."""
+        if "step" not in group:
+            device = group["params"][0].device if group["params"] else None
+            group["step"] = torch.zeros((), dtype=torch.float32, device=device)
+        return group["step"]
 
     def _count_step(self, group, entry, increment):
-        """Hook: advance the step counts by ``increment`` (1, or 0 on a step GradScaler skipped),
-        after the update, for every group, whether or not its params had grads."""
+        """Advance the group's step counts by ``increment`` (1, or 0 on a step GradScaler skipped),
+        after the update: a ``PER_GROUP`` count whether or not its params had grads, ``PER_PARAM``
+        counts of the params that had."""
+        counts = self._algorithm(group).counts
+        if counts == PER_GROUP:
+            self._group_count(group).add_(increment)
+        elif counts == PER_PARAM and entry.params:
+            if entry.context.counts is not None:
+                entry.context.counts.add_(increment)
+            else:
+                torch._foreach_add_([state["step"] for state in entry.states], increment)
 
     def _grad_scale(self, group, clip, inv_scale):
         """What the gradient is multiplied by: the clip coefficient, GradScaler's 1/scale, and −1

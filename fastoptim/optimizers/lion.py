@@ -7,7 +7,8 @@ from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from ..specs import KernelSpec, Role
-from .base import FastOptimizer, group_lr
+from .algorithm import Algorithm, StepInputs
+from .base import FastOptimizer
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -41,6 +42,23 @@ def lion_update(ops, *, param, grad, scratch, exp_avg, beta1, beta2, lr, weight_
     ops.add_(exp_avg, grad, alpha=1 - beta2)
 
 
+def lion_arguments(group: dict, inputs: StepInputs) -> tuple[dict, set[str]]:
+    """``lion_update``'s arguments for a step of Lion."""
+    beta1, beta2 = group["betas"]
+    return dict(beta1=beta1, beta2=beta2, lr=inputs.lr, weight_decay=group["weight_decay"],
+                grad_scale=inputs.grad_scale), set()
+
+
+def lion_kernel_scalars(args: dict) -> dict:
+    """``lion_update``'s arguments as the fused kernels take them."""
+    return dict(beta1=args["beta1"], one_minus_beta1=1 - args["beta1"], beta2=args["beta2"],
+                one_minus_beta2=1 - args["beta2"], lr=args["lr"], decay_mul=1 - args["lr"] * args["weight_decay"],
+                grad_scale=1.0 if args["grad_scale"] is None else args["grad_scale"])
+
+
+LION = Algorithm(SPEC, lion_update, lion_arguments, lion_kernel_scalars)
+
+
 class Lion(FastOptimizer):
     """Lion (see [lion_update][fastoptim.optimizers.lion.lion_update]): one momentum state, and an
     update of the same size ``lr`` for every element, so ``lr`` is usually 3–10 times smaller than
@@ -57,9 +75,7 @@ class Lion(FastOptimizer):
     parameter: ``exp_avg``, as timm's Lion, whose state dicts load (its cautious variant is refused).
     """
 
-    n_betas = 2
-    spec = SPEC
-    update = staticmethod(lion_update)
+    algorithm = LION
 
     def __init__(self, params: ParamsT, lr: float | Tensor = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
                  weight_decay: float = 0.0, *, maximize: bool = False, foreach: bool | None = None,
@@ -69,16 +85,3 @@ class Lion(FastOptimizer):
                         fused=fused, max_grad_norm=max_grad_norm, stochastic_rounding=stochastic_rounding,
                         master_bits=master_bits, state_bits=state_bits)
         super().__init__(params, defaults, shard_group)
-
-    def _step_arguments(self, group, entry, grad_scale, increment):
-        beta1, beta2 = group["betas"]
-        args = dict(beta1=beta1, beta2=beta2, lr=group_lr(group), weight_decay=group["weight_decay"],
-                    grad_scale=grad_scale)
-        return args, ()
-
-    @staticmethod
-    def kernel_scalars(args):
-        """``lion_update``'s arguments as the fused kernels take them."""
-        return dict(beta1=args["beta1"], one_minus_beta1=1 - args["beta1"], beta2=args["beta2"],
-                    one_minus_beta2=1 - args["beta2"], lr=args["lr"], decay_mul=1 - args["lr"] * args["weight_decay"],
-                    grad_scale=1.0 if args["grad_scale"] is None else args["grad_scale"])

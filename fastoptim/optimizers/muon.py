@@ -16,8 +16,9 @@ from .. import distributed, engines
 from ..engines import foreach
 from ..engines.ops import FOREACH_OPS, TENSOR_OPS
 from ..specs import KernelSpec, Role
-from .adamw import AdamW
-from .base import Algorithm, FastOptimizer, group_lr
+from .adamw import ADAMW, adamw_arguments
+from .algorithm import Algorithm, StepInputs
+from .base import FastOptimizer
 from .checks import check_number
 
 if TYPE_CHECKING:
@@ -116,10 +117,95 @@ def momentum_kernel_scalars(args):
                 grad_scale=1.0 if args["grad_scale"] is None else args["grad_scale"])
 
 
-MUON = Algorithm(SPEC, muon_update, None)
+def coefficients(group: dict) -> tuple[tuple[float, float, float], ...]:
+    """The group's Newton–Schulz coefficients, one (a, b, c) per step; a ValueError if they are not."""
+    given, steps = group["ns_coefficients"], group["ns_steps"]
+
+    def triple(value):
+        return (isinstance(value, Sequence) and len(value) == 3 and all(
+            not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x) for x in value))
+
+    if triple(given):
+        return (tuple(map(float, given)),) * steps
+    if isinstance(given, Sequence) and len(given) == steps and all(map(triple, given)):
+        return tuple(tuple(map(float, value)) for value in given)
+    raise ValueError(f"Invalid ns_coefficients: {given!r} (must be three finite numbers (a, b, c), or "
+                     f"ns_steps={steps} such triples, one per step)")
 
 
-class Muon(AdamW):
+def lr_factor(group: dict, param: Tensor) -> float:
+    """``adjust_lr_fn``'s factor of lr for the matrices of ``param``."""
+    return ADJUST_LR[group["adjust_lr_fn"] or "original"](*matrix_shape(param.shape, group["flatten"])[-2:])
+
+
+def muon_arguments(group: dict, inputs: StepInputs) -> tuple[dict, set[str]]:
+    """``muon_update``'s arguments for a step of Muon: each matrix's step size is lr times its factor."""
+    args = dict(momentum=group["momentum"], nesterov=group["nesterov"], lr=inputs.lr,
+                weight_decay=group["weight_decay"], grad_scale=inputs.grad_scale,
+                step_size=(inputs.lr * inputs.factors).to(inputs.wide), coefficients=coefficients(group),
+                eps=group["eps"], flatten=group["flatten"])
+    return args, {"step_size"}
+
+
+def run_muon_bucket(engine: str, part: engines.Plan, reduce_group=None) -> None:
+    """A Muon bucket on a fused engine or over FSDP2 shards runs in three parts (see
+    :func:`run_in_three_parts`), slice by slice as foreach's, to bound the directions' memory; over
+    shards, whole (ranks whose shards differ in size would cut it otherwise, and their collectives
+    must pair up). The loop and foreach engines, and fused ones in a step that torch.compile
+    traces, run ``muon_update`` whole."""
+    kernel = engine in engines.FUSED and not torch.compiler.is_compiling()
+    if not kernel and reduce_group is None:
+        engines.run_bucket(engine, part)
+        return
+    if part.batch is not None:  # the directions are read before the step's other launches would run
+        raise engines.fused.Unbatched
+    momentum_engine = engine if kernel else "foreach"
+    if reduce_group is None:
+        for piece in foreach.slices(part.tensors["param"]):
+            run_in_three_parts(momentum_engine, part.subset(range(piece.start, piece.stop)), None)
+    else:
+        run_in_three_parts(momentum_engine, part, reduce_group)
+
+
+def run_in_three_parts(momentum_engine: str, part: engines.Plan, reduce_group=None) -> None:
+    """``muon_momentum`` into fresh direction buffers on ``momentum_engine`` (the kernel's work on a
+    fused one), the iterations (the matrices of one shape as a batch; over shards, each matrix on
+    one owner rank, see distributed.by_owners), then ``muon_apply`` on the foreach engine (with the
+    params' rounding or master remainders)."""
+    kernel = momentum_engine in engines.FUSED
+    grads, args = part.tensors["grad"], part.args
+    grad_scale = args["grad_scale"]
+    if kernel and isinstance(grad_scale, Tensor):  # a clip or GradScaler coefficient: the kernel would fuse
+        grads = torch._foreach_mul([grad.float() for grad in grads], grad_scale)  # the product into the lerp;
+        grad_scale = None  # the reference rounds it first, in fp32
+    directions = [torch.empty_like(grad) for grad in grads]  # the kernel's param row: the grads' dtype
+    engines.run(momentum_engine, replace(
+        part, tensors={"param": directions, "grad": grads, "momentum_buffer": part.tensors["momentum_buffer"]},
+        update=muon_momentum, spec=MOMENTUM_SPEC, kernel_scalars=momentum_kernel_scalars,
+        flags=dict(nesterov=args["nesterov"]), per_tensor=frozenset(), stochastic_rounding=False,
+        args=dict(momentum=args["momentum"], nesterov=args["nesterov"], grad_scale=grad_scale),
+        cache={}))  # the directions are new each step: tables bound to the last ones would write there
+    function = partial(orthogonalize, coefficients=args["coefficients"], eps=args["eps"])
+    shape_of = partial(matrix_shape, flatten=args["flatten"])
+    if reduce_group is None:
+        orthogonal = FOREACH_OPS.per_matrix(function, directions, shape_of)
+    else:
+        orthogonal = distributed.by_owners(partial(TENSOR_OPS.per_matrix, function, shape_of=shape_of),
+                                           directions, reduce_group)
+    engines.run("foreach", replace(
+        part, tensors={role: tensors for role, tensors in part.tensors.items() if role != "momentum_buffer"}
+        | {"grad": orthogonal}, update=muon_apply, absmax={},
+        args={name: args[name] for name in ("lr", "weight_decay", "step_size")}))
+
+
+MUON = Algorithm(SPEC, muon_update, muon_arguments, param_factors=lr_factor, run=run_muon_bucket)
+# use_muon=False groups: AdamW, with the companions' eps (Muon's eps is the Newton–Schulz floor)
+COMPANIONS = ADAMW._replace(
+    arguments=lambda group, inputs: adamw_arguments(group | {"eps": group["adamw_eps"]}, inputs),
+    flags=lambda group: dict(amsgrad=False, first_moment=True))
+
+
+class Muon(FastOptimizer):
     """Muon with torch.optim.Muon's signature and results (see
     [muon_update][fastoptim.optimizers.muon.muon_update]), and AdamW for the params that are not
     hidden matrices, in the same optimizer: a param group with ``use_muon=False`` runs fastoptim's
@@ -160,6 +246,8 @@ class Muon(AdamW):
     and its rows sent back: the results are one process's.
     """
 
+    algorithm = MUON
+
     def __init__(self, params: ParamsT, lr: float | Tensor = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True,
                  ns_coefficients: Sequence[float] | Sequence[Sequence[float]] = DEFAULT_COEFFICIENTS,
@@ -175,7 +263,7 @@ class Muon(AdamW):
                         foreach=foreach, fused=fused, max_grad_norm=max_grad_norm,
                         stochastic_rounding=stochastic_rounding, master_bits=master_bits, sn=sn,
                         subset_size=subset_size, state_bits=state_bits)
-        FastOptimizer.__init__(self, params, defaults, shard_group)
+        super().__init__(params, defaults, shard_group)
 
     def add_param_group(self, param_group):
         if param_group.get("use_muon") is False and "eps" in param_group:
@@ -184,10 +272,10 @@ class Muon(AdamW):
         super().add_param_group(param_group)
 
     def _algorithm(self, group):
-        return MUON if group["use_muon"] else super()._algorithm(group)
+        return MUON if group["use_muon"] else COMPANIONS
 
     def _check_group(self, group, max_grad_norm=None):
-        FastOptimizer._check_group(self, group, max_grad_norm)  # AdamW's own options are not Muon's
+        super()._check_group(group, max_grad_norm)
         if not isinstance(group["use_muon"], bool):
             raise ValueError(f"Invalid use_muon: {group['use_muon']!r} (must be True or False)")
         for name in ("nesterov", "flatten"):
@@ -198,29 +286,13 @@ class Muon(AdamW):
         steps = group["ns_steps"]
         if type(steps) is not int or not 1 <= steps < 100:
             raise ValueError(f"Invalid ns_steps: {steps!r} (must be an int from 1 to 99)")
-        self._coefficients(group)
+        coefficients(group)
         if group["adjust_lr_fn"] is not None and group["adjust_lr_fn"] not in ADJUST_LR:
             raise ValueError(f"Invalid adjust_lr_fn: {group['adjust_lr_fn']!r} (must be None, "
                              + " or ".join(map(repr, ADJUST_LR)) + ")")
         if group["use_muon"]:
             for param in group.get("params", ()):
                 self._check_matrix(param, group["flatten"])
-
-    @staticmethod
-    def _coefficients(group):
-        """The group's Newton–Schulz coefficients, one (a, b, c) per step; a ValueError if they are not."""
-        coefficients, steps = group["ns_coefficients"], group["ns_steps"]
-
-        def triple(value):
-            return (isinstance(value, Sequence) and len(value) == 3 and all(
-                not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x) for x in value))
-
-        if triple(coefficients):
-            return (tuple(map(float, coefficients)),) * steps
-        if isinstance(coefficients, Sequence) and len(coefficients) == steps and all(map(triple, coefficients)):
-            return tuple(tuple(map(float, value)) for value in coefficients)
-        raise ValueError(f"Invalid ns_coefficients: {coefficients!r} (must be three finite numbers (a, b, c), or "
-                         f"ns_steps={steps} such triples, one per step)")
 
     @staticmethod
     def _check_matrix(param, flatten):
@@ -232,90 +304,3 @@ class Muon(AdamW):
                 + ("" if param.dim() < 2 else ", or set flatten=True to take it as its first dim by the rest"))
         if param.is_complex():
             raise ValueError("Muon does not support complex params: put them in a use_muon=False group (AdamW)")
-
-    @staticmethod
-    def kernel_flags(group):
-        return {} if group["use_muon"] else dict(amsgrad=False, first_moment=True)
-
-    def _expected_state(self, group, param, state):
-        if group["use_muon"]:
-            return FastOptimizer._expected_state(self, group, param, state)
-        return super()._expected_state(group, param, state)
-
-    def _ensure_state(self, param, group):
-        if group["use_muon"]:
-            return FastOptimizer._ensure_state(self, param, group)
-        return super()._ensure_state(param, group)
-
-    def _prepare_states(self, params, group):
-        """A Muon group's context: each param's lr factor (``adjust_lr_fn`` of its matrices' shape)."""
-        if not group["use_muon"]:
-            return super()._prepare_states(params, group)
-        states, _ = FastOptimizer._prepare_states(self, params, group)
-        adjust = ADJUST_LR[group["adjust_lr_fn"] or "original"]
-        factors = [adjust(*matrix_shape(param.shape, group["flatten"])[-2:]) for param in params]
-        return states, torch.tensor(factors, dtype=torch.float64, device=params[0].device)
-
-    def _step_arguments(self, group, entry, grad_scale, increment):
-        if not group["use_muon"]:
-            return super()._step_arguments(group | {"eps": group["adamw_eps"]}, entry, grad_scale, increment)
-        lr = group_lr(group)
-        args = dict(momentum=group["momentum"], nesterov=group["nesterov"], lr=lr,
-                    weight_decay=group["weight_decay"], grad_scale=grad_scale,
-                    step_size=(lr * entry.context).to(entry.scalar_dtype), coefficients=self._coefficients(group),
-                    eps=group["eps"], flatten=group["flatten"])
-        return args, {"step_size"}
-
-    def _run_bucket(self, engine, part, reduce_group):
-        """A Muon bucket on a fused engine or over FSDP2 shards runs in three parts (see
-        ``_run_in_three_parts``), slice by slice as foreach's, to bound the directions' memory; over
-        shards, whole (ranks whose shards differ in size would cut it otherwise, and their
-        collectives must pair up). The loop and foreach engines, and fused ones in a step that
-        torch.compile traces, run ``muon_update`` whole."""
-        kernel = engine in engines.FUSED and not torch.compiler.is_compiling()
-        if part.spec is not SPEC or not kernel and reduce_group is None:
-            super()._run_bucket(engine, part, reduce_group)
-            return
-        if part.batch is not None:  # the directions are read before the step's other launches would run
-            raise engines.fused.Unbatched
-        momentum_engine = engine if kernel else "foreach"
-        if reduce_group is None:
-            for piece in foreach.slices(part.tensors["param"]):
-                self._run_in_three_parts(momentum_engine, part.subset(range(piece.start, piece.stop)), None)
-        else:
-            self._run_in_three_parts(momentum_engine, part, reduce_group)
-
-    @staticmethod
-    def _run_in_three_parts(momentum_engine, part, reduce_group):
-        """``muon_momentum`` into fresh direction buffers on ``momentum_engine`` (the kernel's work
-        on a fused one), the iterations (the matrices of one shape as a batch; over shards, each
-        matrix on one owner rank, see distributed.by_owners), then ``muon_apply`` on the foreach
-        engine (with the params' rounding or master remainders)."""
-        kernel = momentum_engine in engines.FUSED
-        grads, args = part.tensors["grad"], part.args
-        grad_scale = args["grad_scale"]
-        if kernel and isinstance(grad_scale, Tensor):  # a clip or GradScaler coefficient: the kernel would fuse
-            grads = torch._foreach_mul([grad.float() for grad in grads], grad_scale)  # the product into the lerp;
-            grad_scale = None  # the reference rounds it first, in fp32
-        directions = [torch.empty_like(grad) for grad in grads]  # the kernel's param row: the grads' dtype
-        engines.run(momentum_engine, replace(
-            part, tensors={"param": directions, "grad": grads, "momentum_buffer": part.tensors["momentum_buffer"]},
-            update=muon_momentum, spec=MOMENTUM_SPEC, kernel_scalars=momentum_kernel_scalars,
-            flags=dict(nesterov=args["nesterov"]), per_tensor=frozenset(), stochastic_rounding=False,
-            args=dict(momentum=args["momentum"], nesterov=args["nesterov"], grad_scale=grad_scale),
-            cache={}))  # the directions are new each step: tables bound to the last ones would write there
-        function = partial(orthogonalize, coefficients=args["coefficients"], eps=args["eps"])
-        shape_of = partial(matrix_shape, flatten=args["flatten"])
-        if reduce_group is None:
-            orthogonal = FOREACH_OPS.per_matrix(function, directions, shape_of)
-        else:
-            orthogonal = distributed.by_owners(partial(TENSOR_OPS.per_matrix, function, shape_of=shape_of),
-                                               directions, reduce_group)
-        engines.run("foreach", replace(
-            part, tensors={role: tensors for role, tensors in part.tensors.items() if role != "momentum_buffer"}
-            | {"grad": orthogonal}, update=muon_apply, absmax={},
-            args={name: args[name] for name in ("lr", "weight_decay", "step_size")}))
-
-    def _count_step(self, group, entry, increment):
-        if not group["use_muon"]:
-            super()._count_step(group, entry, increment)

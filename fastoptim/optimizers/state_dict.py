@@ -9,6 +9,7 @@ import torch
 from .. import distributed
 from ..specs import ABSMAX
 from ..states import formats, master, subset_norm
+from .algorithm import PER_GROUP
 from .checks import normalize_betas
 
 # Options that say how a step runs, not what it computes: a loaded state dict leaves them as they are.
@@ -87,10 +88,11 @@ class StateDicts:
             try:
                 normalize_betas(merged)
                 self._check_group(merged, max_grad_norm)
-                self._convert_saved_group(merged)
+                self._convert_saved_count(merged)
             except ValueError as error:
+                n_betas = self._algorithm(merged).n_betas
                 raise ValueError(f"loaded param group {index}: {error}. Is it a state dict of another "
-                                 f"optimizer? {type(self).__name__} expects {self.n_betas} betas.") from None
+                                 f"optimizer? {type(self).__name__} expects {n_betas} betas.") from None
             for saved_id, param in zip(saved["params"], group["params"]):
                 if saved_id in state_dict["state"]:
                     new_state[param] = self._load_state(dict(state_dict["state"][saved_id]), merged, param, saved_id)
@@ -141,5 +143,17 @@ class StateDicts:
             state[key] = value.to(device=param.device, dtype=dtype, copy=True)
         return state
 
-    def _convert_saved_group(self, group):
-        """Bring a saved param group into this optimizer's layout, in place; a ValueError if it cannot."""
+    def _convert_saved_count(self, group):
+        """A ``PER_GROUP`` algorithm's saved ``step`` as a 0-d fp32 tensor on the group's device, in
+        place (official Adan and timm keep an integer, and none before their first step); a
+        ValueError if it is not a whole number >= 0."""
+        if self._algorithm(group).counts != PER_GROUP:
+            return
+        step = group.get("step", 0)
+        if isinstance(step, bool) or not isinstance(step, (int, float, torch.Tensor)) or torch.as_tensor(step).dim():
+            raise ValueError(f"Invalid step: {step!r} (must be a number or a 0-d tensor)")
+        step = torch.as_tensor(step, dtype=torch.float32)
+        if not (step >= 0 and step == step.floor() and step.isfinite()):
+            raise ValueError(f"Invalid step: {step.item()!r} (must be a whole number >= 0)")
+        device = group["params"][0].device if group["params"] else None
+        group["step"] = step.to(device=device, copy=True)

@@ -1,0 +1,71 @@
+"""What an algorithm is, declared as one record beside its math (each optimizer's module): the
+base class (fastoptim.optimizers.base) reads it to create the states, count the steps, compute each
+step's arguments and hand the engines their plan. An optimizer class adds its signature, its
+defaults and the checks of its own options."""
+from collections.abc import Callable, Collection
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .. import engines
+from ..specs import KernelSpec
+
+PER_PARAM = "param"  # a 0-d fp32 ``step`` in each param's state, as torch.optim keeps it
+PER_GROUP = "group"  # the group's ``step``, advanced on every step, grads or not, as official Adan keeps it
+
+
+class StepInputs(NamedTuple):
+    """What a step's arguments are computed from, besides the group's options.
+
+    ``lr``: the group's lr (a number, or a 0-d view of its tensor lr). ``grad_scale``: what the
+    gradient is multiplied by (clip coefficient, GradScaler's 1/scale, −1 to maximize; None: 1).
+    ``count``: this step's count, in float64: a 1-d tensor of one per param (``PER_PARAM``), the
+    group's (a float or 0-d tensor, ``PER_GROUP``), or None (the algorithm counts no steps).
+    ``wide``: the dtype of scalars that hold one value per param (float64 where a param's math is).
+    ``first_reads``: per param, 0.0 where this step is the first to read the algorithm's optional
+    states (``Role.optional``: they were just created) and 1.0 elsewhere; None where no param is.
+    ``factors``: the algorithm's ``param_factors``, one float64 per param (None without them).
+    """
+
+    lr: float | Tensor
+    grad_scale: float | Tensor | None
+    count: float | Tensor | None
+    wide: torch.dtype
+    first_reads: Tensor | None
+    factors: Tensor | None
+
+
+def no_flags(group: dict) -> dict:
+    """The feature flags of an algorithm whose spec declares none."""
+    return {}
+
+
+class Algorithm(NamedTuple):
+    """An algorithm, declared once.
+
+    ``spec``: its :class:`fastoptim.specs.KernelSpec` (state roles, kernel scalars, flags).
+    ``update(ops, *, param, grad, scratch, <states>, <args>)``: its math, written once in the ``ops``
+    vocabulary (fastoptim.engines.ops), which the loop and foreach engines run.
+    ``arguments(group, inputs)``: ``update``'s arguments for this step from the group's options and
+    a :class:`StepInputs`, and the names of those that hold one value per param.
+    ``kernel_scalars(args)``: those arguments as its fused kernels take them (by the spec's scalar
+    names); None: its fused engines run it on foreach.
+    ``flags(group)``: the spec's feature flags (name: bool) that a group's options set.
+    ``counts``: where it counts steps: ``PER_PARAM``, ``PER_GROUP`` or None.
+    ``param_factors(group, param)``: a number per param that its arguments read, computed when the
+    params' states change rather than every step (Muon's lr factor of a matrix's shape); None.
+    ``n_betas``: how many betas its groups take.
+    ``run(engine, plan, reduce_group)``: how a bucket's plan runs, where the engines' own way does
+    not fit (Muon's, whose math needs whole matrices between two elementwise halves).
+    """
+
+    spec: KernelSpec
+    update: Callable
+    arguments: Callable[[dict, StepInputs], tuple[dict, Collection[str]]]
+    kernel_scalars: Callable[[dict], dict] | None = None
+    flags: Callable[[dict], dict] = no_flags
+    counts: str | None = None
+    param_factors: Callable[[dict, Tensor], float] | None = None
+    n_betas: int = 2
+    run: Callable = engines.run_bucket
