@@ -1,6 +1,7 @@
 """What ``fastoptim bench`` and ``fastoptim train`` share: the machine a figure was measured on, byte
 counts and number formatting, and how a model's params are grouped (which get subset-norm states,
 as the seed's usage picks them). Both import it; neither imports the other."""
+import argparse
 import os
 import platform
 
@@ -98,3 +99,11 @@ def muon_groups(params, matrices):
 def sn_groups(params, sn):
     """Param groups as the seed's usage makes them: ``'sn': True`` on the chosen params."""
     return two_groups(params, sn, {"sn": True})
+
+
+def positive(text):
+    """An argparse type: an int of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value

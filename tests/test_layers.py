@@ -3,6 +3,8 @@ module, at its top or inside a function, read from the source. A module imports 
 layers and of its own part, never a higher layer or a sibling part of its own layer (bench and
 train share their helpers through ``fastoptim.measure``), and no imports form a cycle."""
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import fastoptim
@@ -91,3 +93,11 @@ def test_the_graph_sees_imports_of_every_kind():
     assert {"fastoptim.engines.backends", "fastoptim.multi_tensor"} <= GRAPH["fastoptim.clip"]
     assert "fastoptim.distributed" in GRAPH["fastoptim.engines.ops"]  # from .. import distributed
     assert "fastoptim.optimizers.adan" in GRAPH["fastoptim.bench.run"]  # inside a function
+
+
+def test_fastoptim_info_imports_neither_bench_nor_train():
+    """``cli`` imports a subcommand's module only when that subcommand runs."""
+    code = ("import sys; from fastoptim import cli; cli.main(['info']); "
+            "print(sorted(m for m in sys.modules if m.startswith(('fastoptim.bench', 'fastoptim.train'))))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.splitlines()[-1] == "[]", result.stdout

@@ -46,8 +46,8 @@ def rounded_like(value, stored, spec, key):
 
 def dense_states(optimizer, param):
     """The param's states as fp32 values, 8-bit ones dequantized."""
-    state = optimizer.state[param]
-    return {key: blockwise8.dequantize(value, state[key + "_absmax"], formats.Q8.codes(optimizer.algorithm.spec.role(key)))
+    state, spec = optimizer.state[param], optimizer.algorithm.spec
+    return {key: blockwise8.dequantize(value, state[key + "_absmax"], formats.Q8.codes(spec.role(key)))
             if value.dtype == torch.uint8 else value.float()
             for key, value in state.items() if isinstance(value, torch.Tensor) and not key.endswith("_absmax")}
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import fastoptim
 from fastoptim import cli
+from fastoptim.bench import command as bench_command
 from fastoptim.engines.backends.triton import fused_triton
 
 from . import oracle
@@ -344,10 +345,10 @@ def test_a_cuda_step_picks_triton_by_itself(monkeypatch, launches):
 def test_the_gpu_benchmark_runs_its_fused_engines_in_the_interpreter(tmp_path, launches):
     """The code path of ``fastoptim bench --device cuda`` for fastoptim's engines, on a tiny model's CPU
     tensors in the interpreter: what only a GPU adds is CUDA's clock and memory counters."""
-    cli.main(["bench", "--models", "gpt2-tiny", "--optimizers", *cli.GPU_OURS, "--steps", "1", "--repeats", "1",
-              "--no-memory", "--random-grads", "--out", str(tmp_path)])
+    cli.main(["bench", "--models", "gpt2-tiny", "--optimizers", *bench_command.GPU_OURS, "--steps", "1",
+              "--repeats", "1", "--no-memory", "--random-grads", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "results.json").read_text())["models"][0]["optimizers"]
-    assert [row["optimizer"] for row in rows] == cli.GPU_OURS
+    assert [row["optimizer"] for row in rows] == bench_command.GPU_OURS
     assert all(row["status"] == "ok" for row in rows), rows
     assert {spec.name for spec, _, _ in launches} == {"adan", "adamw"}
 
