@@ -19,12 +19,13 @@ import torch
 import triton
 
 from fastoptim.kernels import fused_triton
-from fastoptim.optimizers import adamw, adan, lion, muon
+from fastoptim.optimizers import adamw, adan
+from fastoptim.specs import declared_specs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "8-bit": torch.uint8}
 PARAMS = ("fp32", "bf16", "fp16")
 # a kernel per spec (AdamW's serves AdamWSN and RMSPropSN; Muon's momentum is the elementwise half of its step)
-SPECS = (adan.SPEC, adamw.SPEC, lion.SPEC, muon.MOMENTUM_SPEC)
+SPECS = declared_specs()  # every kernel spec the optimizers declare
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
@@ -49,11 +50,9 @@ def checked_variants():
     fp32 ones that reach 128-bit accesses most simply."""
     for spec, (i, (param, state)) in itertools.product(SPECS, enumerate(
             itertools.product(PARAMS, ("fp32", "bf16", "8-bit")))):
-        flags = dict(stochastic=param == "bf16", subsets=bool(spec.reduced))
-        if spec is adamw.SPEC:
-            flags |= dict(amsgrad=i % 2 == 0, first_moment=i % 3 != 2)
-        if spec is muon.MOMENTUM_SPEC:
-            flags |= dict(nesterov=i % 2 == 0)
+        # each of the spec's flags on in some variants and off in others (the k-th flag: bit k of i)
+        flags = dict(stochastic=param == "bf16", subsets=bool(spec.reduced)) | {
+            flag: (i >> k) % 2 == 0 for k, flag in enumerate(spec.flags)}
         yield spec, param, state, flags
     yield adan.SPEC, "fp32", "fp32", dict(stochastic=False, subsets=False)
     yield adamw.SPEC, "fp32", "fp32", dict(stochastic=False, subsets=False, amsgrad=False, first_moment=True)

@@ -6,9 +6,12 @@ test_engines.py and test_triton.py draw each one's options from its entry too.""
 import inspect
 from dataclasses import dataclass, field
 
+import torch
 from hypothesis import strategies as st
+from torch import Tensor
 
 import fastoptim
+from fastoptim.measure import muon_groups
 
 
 @dataclass(frozen=True)
@@ -19,13 +22,18 @@ class OptimizerInfo:
     that ``sn`` applies. ``sign_update``: its update is a sign, so another fp32 rounding of the
     same math may move an element by 2·lr instead of a few ulps (its own tests bound how often).
     ``own_options``: options of its own that change its math, which the generic tests combine with
-    the options every optimizer takes."""
+    the options every optimizer takes. ``kernel_takes_matrices``: False where its fused kernel reads
+    and writes buffers of its own in place of a matrix param (Muon's momentum half writes fresh
+    directions), so a matrix's layout never sends it to foreach. ``param_dtypes``: those of its params
+    on which every engine agrees with the loop engine to an ulp of the param."""
 
     cls: type
     exact_betas: tuple
     second_moment: bool = True
     sign_update: bool = False
     own_options: dict = field(default_factory=dict)
+    kernel_takes_matrices: bool = True
+    param_dtypes: tuple = (torch.float32, torch.bfloat16, torch.float16)
 
     @property
     def name(self):
@@ -58,6 +66,47 @@ ADAMWSN = OptimizerInfo(fastoptim.AdamWSN, exact_betas=ADAMW.exact_betas, own_op
 RMSPROPSN = OptimizerInfo(fastoptim.RMSPropSN, exact_betas=(), own_options=dict(correct_bias=False))
 LION = OptimizerInfo(fastoptim.Lion, exact_betas=((0.875, 1 - 2**-7),), second_moment=False, sign_update=True)
 
-OPTIMIZERS = (ADAN, ADAMW, ADAMWSN, RMSPROPSN, LION)
+
+
+def by_use(group):
+    """``group`` as param groups of Muon: as it is where it sets ``use_muon`` (or holds a bare
+    tensor, which torch refuses), else its real matrices with Muon and the rest with AdamW."""
+    params = group["params"]
+    if "use_muon" in group or isinstance(params, Tensor):
+        return [group]
+    params = list(params)
+    matrices = [param.dim() == 2 and not param.is_complex() for param in params]
+    return [group | part for part in muon_groups(params, matrices)] or [group | {"params": params}]
+
+
+class MuonWithCompanions(fastoptim.Muon):
+    """Muon as a model's optimizer is built, for the generic tests, which hand it params as any
+    optimizer takes them: of a list of params, or of a group that does not set ``use_muon``, the
+    real matrices go in a Muon group and the others in a ``use_muon=False`` group (AdamW), so that
+    a complex param and its real view (a 3-D param) both go to AdamW. tests/test_muon.py covers
+    batches of matrices."""
+
+    def __init__(self, params, *args, **kwargs):
+        if isinstance(params, (list, tuple)) and params:
+            groups = params if isinstance(params[0], dict) else [{"params": params}]
+            params = [part for group in groups for part in by_use(group)]
+        super().__init__(params, *args, **kwargs)
+
+    def add_param_group(self, param_group):
+        for part in by_use(param_group):
+            super().add_param_group(part)
+
+
+MuonWithCompanions.__signature__ = inspect.signature(fastoptim.Muon)  # what the tests read of its arguments
+
+
+MUON = OptimizerInfo(MuonWithCompanions, exact_betas=ADAMW.exact_betas, second_moment=False,
+                     own_options=dict(nesterov=False, adjust_lr_fn="match_rms_adamw"), kernel_takes_matrices=False,
+                     # an fp16 direction rounds to fp16, then bf16, on the fused engines (as in torch.optim.Muon), and
+                     # once on the loop engine, whose direction stays fp32: the iterations move an element by 2 ulps
+                     param_dtypes=(torch.float32, torch.bfloat16))
+
+OPTIMIZERS = (ADAN, ADAMW, ADAMWSN, RMSPROPSN, LION, MUON)
+BY_CLASS = {info.cls: info for info in OPTIMIZERS}
 # Those that take betas as a tuple (RMSPropSN takes beta2 alone).
 WITH_BETAS = tuple(info for info in OPTIMIZERS if info.exact_betas)

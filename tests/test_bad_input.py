@@ -65,9 +65,10 @@ def test_sn_is_refused_where_no_second_moment_is_kept(info):
     with pytest.raises(ValueError, match=f"Invalid sn: {info.name} keeps no second moment"):
         info.cls([{"params": params[:2], "sn": True}, {"params": params[2:]}])
     optimizer = info.cls(params[:2])
+    groups = len(optimizer.param_groups)
     with pytest.raises(ValueError, match="Invalid sn"):
         optimizer.add_param_group({"params": params[2:], "sn": True})
-    assert len(optimizer.param_groups) == 1
+    assert len(optimizer.param_groups) == groups
     saved = optimizer.state_dict()
     saved["param_groups"][0]["sn"] = True
     with pytest.raises(ValueError, match="Invalid sn"):
@@ -79,13 +80,14 @@ def test_sn_is_refused_where_no_second_moment_is_kept(info):
 def test_invalid_group_options_leave_the_groups_as_they_were(cls):
     params = oracle.make_params()
     opt = cls(params[:2])
+    groups = len(opt.param_groups)
     with pytest.raises(ValueError, match="Invalid lr"):
         opt.add_param_group({"params": params[2:], "lr": -1})
     with pytest.raises(ValueError, match="Invalid max_grad_norm"):
         opt.add_param_group({"params": params[2:], "max_grad_norm": 3.0})
     with pytest.raises(ValueError, match="Invalid foreach"):
         opt.add_param_group({"params": params[2:], "foreach": "yes"})
-    assert len(opt.param_groups) == 1
+    assert len(opt.param_groups) == groups
 
 
 @pytest.mark.parametrize("cls", ALL)

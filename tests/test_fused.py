@@ -21,7 +21,7 @@ from fastoptim.multi_tensor import CHUNK_NUMEL
 
 from . import oracle
 from .registry import OPTIMIZERS as REGISTRY
-from .registry import WITH_BETAS
+from .registry import BY_CLASS, WITH_BETAS
 
 OPTIMIZERS = [info.cls for info in REGISTRY]
 LOOP = dict(foreach=False, fused=False)
@@ -421,10 +421,12 @@ def test_fallback_warns_once_per_step_and_matches_loop(cls, kind, engine):
     records = []
     run_with_layouts(cls(params, lr=0.01, weight_decay=0.02, **FUSED[engine]), params, 3, record=records)
     run_with_layouts(cls(loop_params, lr=0.01, weight_decay=0.02, **LOOP), loop_params, 3)
+    # Muon's kernel writes fresh directions for a matrix, not the strided param: nothing falls back
+    expected = 0 if kind == "strided view" and not BY_CLASS[cls].kernel_takes_matrices else 1
     for caught in records:
         fallbacks = fallback_warnings(caught)
-        assert len(fallbacks) == 1 and issubclass(fallbacks[0].category, UserWarning)
-        assert "foreach" in str(fallbacks[0].message)
+        assert len(fallbacks) == expected and all(issubclass(w.category, UserWarning) for w in fallbacks)
+        assert all("foreach" in str(w.message) for w in fallbacks)
     assert_same_values(params, loop_params)
 
 
@@ -462,8 +464,8 @@ def test_channels_last_param_with_channels_last_grad_runs_fused(cls, engine):
     run_with_layouts(optimizer, params, 3, torch.channels_last, record=records)
     run_with_layouts(cls(loop_params, lr=0.01, weight_decay=0.02, **LOOP), loop_params, 3, torch.channels_last)
     assert not any(fallback_warnings(caught) for caught in records)
-    algorithm = optimizer.algorithm
-    state = optimizer.state[params[1]][algorithm.spec.kept(algorithm.flags(optimizer.param_groups[0]))[0]]
+    state = next(value for value in optimizer.state[params[1]].values() if isinstance(value, torch.Tensor)
+                 and value.shape == params[1].shape)  # a state of the param's shape (Muon's: its companions')
     assert state.is_contiguous(memory_format=torch.channels_last)
     assert_same_values(params, loop_params)
 
@@ -491,9 +493,10 @@ def test_missing_build_falls_back_to_foreach(monkeypatch, cls, engine):
     loop_params = clone(params)
     flags = dict(foreach=None, fused=None) if engine == "auto" else FUSED[engine]
     records = []
-    run_with_layouts(cls(params, lr=0.01, weight_decay=0.02, **flags), params, 3, record=records)
+    optimizer = cls(params, lr=0.01, weight_decay=0.02, **flags)
+    run_with_layouts(optimizer, params, 3, record=records)
     run_with_layouts(cls(loop_params, lr=0.01, weight_decay=0.02, **LOOP), loop_params, 3)
-    expected = 0 if engine == "auto" else 1
+    expected = 0 if engine == "auto" else len(optimizer.param_groups)  # one per group that falls back
     for caught in records:
         fallbacks = fallback_warnings(caught)
         assert len(fallbacks) == expected and all("not built" in str(w.message) for w in fallbacks)

@@ -44,9 +44,15 @@ def rounded_like(value, stored, spec, key):
     return value.to(stored.dtype).float() if stored.dtype == torch.bfloat16 else value
 
 
+def spec_of(optimizer, param):
+    """The kernel spec of the algorithm that steps ``param`` (Muon's companions: AdamW's)."""
+    return optimizer._algorithm(next(group for group in optimizer.param_groups
+                                     if any(p is param for p in group["params"]))).spec
+
+
 def dense_states(optimizer, param):
     """The param's states as fp32 values, 8-bit ones dequantized."""
-    state, spec = optimizer.state[param], optimizer.algorithm.spec
+    state, spec = optimizer.state[param], spec_of(optimizer, param)
     return {key: blockwise8.dequantize(value, state[key + "_absmax"], formats.Q8.codes(spec.role(key)))
             if value.dtype == torch.uint8 else value.float()
             for key, value in state.items() if isinstance(value, torch.Tensor) and not key.endswith("_absmax")}
@@ -72,7 +78,7 @@ def test_the_loop_engine_is_the_fp32_optimizer_with_its_states_rounded_after_eac
             stored, state = optimizer.state[param], reference.state[reference_param]
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dtype == torch.float32 and value.dim():
-                    state[key] = rounded_like(value, stored[key], optimizer.algorithm.spec, key)
+                    state[key] = rounded_like(value, stored[key], spec_of(optimizer, param), key)
             torch.testing.assert_close(param, reference_param, rtol=0, atol=0)
     low_bit = {value.dtype for param in params for value in optimizer.state[param].values()
                if isinstance(value, torch.Tensor)}
@@ -169,11 +175,11 @@ def test_state_dicts_convert_between_formats(cls):
     back.load_state_dict(eight.state_dict())  # dequantized
     for param, p8, p16, p32 in zip(params, params8, params16, params32):
         for key, value in dense_states(full, param).items():
-            expected = rounded_like(value, eight.state[p8][key], eight.algorithm.spec, key)
+            expected = rounded_like(value, eight.state[p8][key], spec_of(eight, p8), key)
             torch.testing.assert_close(dense_states(eight, p8)[key], expected, rtol=0, atol=0)
             torch.testing.assert_close(dense_states(back, p32)[key], expected, rtol=0, atol=0)
             assert back.state[p32][key].dtype == torch.float32
-        role = "exp_avg" if "exp_avg" in full.state[param] else "exp_avg_sq"  # RMSPropSN keeps no first moment
+        role = next(role for role in spec_of(full, param).states if role in full.state[param])  # its first kept
         if param.numel() >= blockwise8.MIN_NUMEL:
             assert eight.state[p8][role].dtype == torch.uint8
         assert sixteen.state[p16][role].dtype == torch.bfloat16

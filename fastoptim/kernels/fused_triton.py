@@ -553,9 +553,10 @@ def _lion_update(p, terms, states, scale, S, K: tl.constexpr, F: tl.constexpr):
 
 @triton.jit
 def _lerp(start, end, w):
-    """torch's lerp: start + w·(end − start) for |w| < 0.5, else end − (1 − w)·(end − start)."""
+    """torch's lerp: start + w·(end − start) for |w| < 0.5, else end − (1 − w)·(end − start), each one
+    FMA as torch's and the C kernel's (the interpreter too: a separate product rounds once more)."""
     difference = end - start
-    return tl.where(tl.abs(w) < 0.5, start + w * difference, end + (w - 1.0) * difference)
+    return tl.where(tl.abs(w) < 0.5, tl.fma(w, difference, start), tl.fma(w - 1.0, difference, end))
 
 
 @triton.jit

@@ -31,7 +31,7 @@ MOMENTUM_SPEC = KernelSpec("muon_momentum", roles=(Role("momentum_buffer"),),
                            scalars=("momentum", "one_minus_momentum"), flags=("nesterov",))
 DEFAULT_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, as torch.optim.Muon's
 ADJUST_LR = {  # adjust_lr_fn: the factor of lr for a matrix of rows × cols (torch.optim.Muon's)
-    "original": lambda rows, cols: math.sqrt(max(1, rows / cols)),
+    "original": lambda rows, cols: math.sqrt(max(1, rows / cols)) if cols else 1.0,  # an empty one: no update
     "match_rms_adamw": lambda rows, cols: 0.2 * math.sqrt(max(rows, cols)),
 }
 
@@ -44,7 +44,7 @@ def orthogonalize(matrices, coefficients, eps):
         X ← a·X + (b·A + c·A²)·X,   A = X·Xᵀ
 
     which drives its singular values towards 1 (to about 0.7–1.2 with the default quintic)."""
-    x = matrices.reshape(-1, *matrices.shape[-2:]).bfloat16()
+    x = matrices.reshape(math.prod(matrices.shape[:-2]), *matrices.shape[-2:]).bfloat16()  # (n, 0, k) too
     if len(x) == 1:  # one matrix: torch's 2-D kernels, as torch.optim.Muon's (a batch of one is slower)
         x = x[0]
     addmm = torch.addmm if x.dim() == 2 else torch.baddbmm

@@ -81,8 +81,10 @@ class StateDicts:
                         f"{type(self).__name__} does not implement, so it would continue as another algorithm. "
                         f"Resume it with the optimizer that saved it, or set {option} to {plain!r} in the saved "
                         "groups to continue with the plain algorithm")
-            merged = {**self.defaults, "max_grad_norm": max_grad_norm, **saved,
-                      **{key: group[key] for key in own_options}, "params": group["params"]}
+            # the saved keys in their order (as torch keeps them), then defaults the saved group lacks
+            merged = saved | {key: value for key, value in self.defaults.items() if key not in saved}
+            merged |= {"max_grad_norm": max_grad_norm, **{key: group[key] for key in own_options},
+                       "params": group["params"]}
             if "param_names" in group and "param_names" not in saved:
                 merged["param_names"] = group["param_names"]
             try:
