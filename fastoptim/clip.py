@@ -6,6 +6,7 @@ across all of them, and the scaling is one more. Elsewhere ``torch._foreach_norm
 """
 import math
 import operator
+import weakref
 from collections.abc import Iterable
 from itertools import repeat
 
@@ -15,6 +16,12 @@ from . import distributed
 from .engines import backends
 from .multi_tensor import buckets, chunk_plan, data_pointers, spans_disjoint
 from .step_cache import OpCache
+
+
+# Params whose grads an optimizer releases (steps and frees in backward: enable_gradient_release), by id,
+# which clip_grad_norm_ refuses: after backward they have no grads to clip. (A WeakSet would compare
+# tensors with ==.)
+RELEASED = weakref.WeakValueDictionary()
 
 
 def _clip_backend(grads):
@@ -192,6 +199,9 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         float64, else fp32).
     """
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if RELEASED and any(RELEASED.get(id(param)) is param for param in parameters):
+        raise RuntimeError("fastoptim: gradient release stepped these params and freed their grads in backward, "
+                           "so there are none to clip; remove the release handle to clip")
     max_norm, norm_type = float(max_norm), float(norm_type)
     if not max_norm >= 0:
         raise ValueError(f"max_norm must be a non-negative number, not {max_norm}")

@@ -17,6 +17,7 @@ from ..specs import ABSMAX
 from ..states import formats, master, subset_norm
 from ..step_cache import DEVICE, DTYPE, SHAPE, BoundStep, GroupWork, OptimizerState, Signature, engine_view
 from .algorithm import PER_GROUP, PER_PARAM, Algorithm, StepInputs
+from . import release
 from .checks import check_hyperparameters, check_params, check_tensor_lr, normalize_betas
 from .state_dict import StateDicts
 
@@ -62,9 +63,9 @@ def _formats_chosen(group):
     return group["state_bits"], group["master_bits"]
 
 
-def _grads_pattern(group):
-    """Which of ``group``'s params have grads: their positions in it."""
-    return tuple(i for i, param in enumerate(group["params"]) if param.grad is not None)
+def _grads_pattern(params):
+    """Which of ``params`` have grads: their positions."""
+    return tuple(i for i, param in enumerate(params) if param.grad is not None)
 
 
 def count_after(count, increment, lr):
@@ -206,8 +207,13 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         if torch.compiler.is_compiling():
             self._init_group()  # run eagerly by torch.compile, at tracing
             caches = self._engine_caches
-            self._apply([(group, *self._traced_group_work(caches["patterns"][index, _grads_pattern(group)], group))
+            self._apply([(group, *self._traced_group_work(caches["patterns"][index, _grads_pattern(group["params"])],
+                                                          group))
                          for index, group in enumerate(self.param_groups)], caches)
+            return loss
+        release = self.__dict__.get("_release")
+        if release is not None:
+            release.step()
             return loss
         caches = self.__dict__.setdefault("_engine_caches", {})
         bound = caches.pop("bound", None)
@@ -241,10 +247,11 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         roles = algorithm.spec.kept(algorithm.flags(group))
         return roles + (master.KEY,) if group["master_bits"] > 16 else roles
 
-    def _apply(self, work, caches, batch=None):
+    def _apply(self, work, caches, batch=None, whole_step=True):
         """Step every group of ``work`` ((group, GroupWork, grads) per group, all checked). With a
         ``batch`` (a list), the fused engine collects the tables' launches in it and they run in one
-        native call; False, having changed nothing, when one could not."""
+        native call; False, having changed nothing, when one could not. A released bucket is not a
+        ``whole_step``: the per-group counts advance once, at ``step()``."""
         amp_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
         # Eagerly, only the fused kernels skip an inf step on the device. The other engines look at
         # found_inf, and so do a step that would create states and one whose math is not elementwise
@@ -280,7 +287,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         if batch and not engines.run_batch(batch):
             return False
         for group, entry, _ in work:
-            self._count_step(group, entry, increment)
+            self._count_step(group, entry, increment, whole_step)
         return True
 
     def _init_group(self):
@@ -314,19 +321,21 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         params, local_params, grads = self._with_grads(group)
         return entry.traced(params, local_params, [self.state[param] for param in params]), grads
 
-    def _with_grads(self, group):
-        """The group's params that have grads, what the engines update of them (``engine_view``: the
-        local shards of DTensors, the real views of complex params) and their grads, viewed alike."""
-        params = [param for param in group["params"] if param.grad is not None]
+    def _with_grads(self, group, params=None):
+        """The group's params that have grads (of ``params``, some of them, if given), what the engines
+        update of them (``engine_view``: the local shards of DTensors, the real views of complex
+        params) and their grads, viewed alike."""
+        params = [param for param in (group["params"] if params is None else params) if param.grad is not None]
         grads = [param.grad for param in params]
         if not self._viewed:
             return params, params, grads
         return params, list(map(engine_view, params)), list(map(engine_view, grads))
 
-    def _group_work(self, caches, index, group):
+    def _group_work(self, caches, index, group, some=None):
         """The group's :class:`GroupWork` and its params' grads (local shards of DTensors), all
-        checked; nothing is changed."""
-        params, local_params, grads = self._with_grads(group)
+        checked; nothing is changed. ``some``: only these of its params (a released bucket), with
+        ``index`` a key of their own."""
+        params, local_params, grads = self._with_grads(group, some)
         roles = self._roles(group)
         engine = engines.engine_name(group["foreach"], group["fused"])
         self._check_lr(group, params)
@@ -335,7 +344,8 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             check_params(params, type(self).__name__)  # a param's storage may have changed since it was added
             # The work of each pattern of grads seen is kept: a model whose frozen parts alternate
             # (a GAN's) comes back to one, and a compiled step to the graph it traced for it.
-            patterns, key = caches.setdefault("patterns", {}), (index, _grads_pattern(group))
+            patterns = caches.setdefault("patterns", {})
+            key = (index, _grads_pattern(group["params"] if some is None else some))
             entry = patterns.get(key)
             if entry is None or not entry.fits(roles, engine, params, local_params):
                 if key not in patterns and len(patterns) >= GRADS_PATTERNS_KEPT:
@@ -533,12 +543,12 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             group["step"] = torch.zeros((), dtype=torch.float32, device=device)
         return group["step"]
 
-    def _count_step(self, group, entry, increment):
+    def _count_step(self, group, entry, increment, whole_step=True):
         """Advance the group's step counts by ``increment`` (1, or 0 on a step GradScaler skipped),
-        after the update: a ``PER_GROUP`` count whether or not its params had grads, ``PER_PARAM``
-        counts of the params that had."""
+        after the update: a ``PER_GROUP`` count whether or not its params had grads (on a
+        ``whole_step``: not for each released bucket), ``PER_PARAM`` counts of the params that had."""
         counts = self._algorithm(group).counts
-        if counts == PER_GROUP:
+        if counts == PER_GROUP and whole_step:
             self._group_count(group).add_(increment)
         elif counts == PER_PARAM and entry.params:
             if entry.context.counts is not None:
@@ -553,6 +563,52 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         if group["maximize"]:
             return -1.0 if scale is None else -scale
         return scale
+
+    def enable_gradient_release(self, bucket_numel: int = release.BUCKET_NUMEL) -> release.GradientRelease:
+        """Step each bucket of params in backward, as soon as all its grads are ready, and free those
+        grads there: a model's grads are then never all held at once. ``step()`` steps what backward
+        left (the buckets whose params did not all get a grad) and advances the step counts;
+        ``zero_grad()`` finds nothing to clear. Without stochastic rounding, the results are a normal
+        ``backward(); step()``'s bit for bit (with it, the same distribution: the random bits are
+        drawn per bucket).
+
+        Refused, before anything changes, where release cannot be exact: ``max_grad_norm`` (the
+        norm of all grads), a process group (DDP and FSDP reduce the grads after backward), or release
+        already on. After it, a second backward before ``step()`` (gradient accumulation) raises in
+        backward, ``fastoptim.clip_grad_norm_`` refuses the released params, and ``step()`` refuses
+        GradScaler's scale (the steps in backward took the scaled grads); torch's own
+        ``clip_grad_norm_`` would find no grads.
+
+        Args:
+            bucket_numel: the elements of the params stepped together (each param group's, in
+                reverse order, as backward reaches them); at least 1.
+
+        Returns:
+            The handle: ``handle.remove()`` turns release off.
+        """
+        if type(bucket_numel) is not int or bucket_numel < 1:
+            raise ValueError(f"Invalid bucket_numel: {bucket_numel!r} (must be an int >= 1)")
+        reason = release.refusal(self)
+        if reason is not None:
+            raise RuntimeError(f"fastoptim: gradient release is refused: {reason}")
+        self._release = release.GradientRelease(self, bucket_numel)
+        return self._release
+
+    @torch.no_grad()
+    def _step_released(self, bucket, group_index, params):
+        """Step ``params`` of group ``group_index`` (released bucket ``bucket``) on their grads,
+        checked as a step checks them; the group's per-group count advances at ``step()``."""
+        caches = self.__dict__.setdefault("_engine_caches", {})
+        caches.pop("bound", None)  # the next normal step is checked again
+        group = self.param_groups[group_index]
+        self._apply([(group, *self._group_work(caches, ("released", bucket), group, params))], caches,
+                    whole_step=False)
+
+    def _count_released_step(self):
+        """The per-group step counts of a released step, once."""
+        for group in self.param_groups:
+            if self._algorithm(group).counts == PER_GROUP:
+                self._group_count(group).add_(1)
 
     def master_state_dict(self, module: torch.nn.Module) -> dict[str, Tensor]:
         """``module.state_dict()`` with each bf16 param that keeps a master remainder here (under

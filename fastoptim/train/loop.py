@@ -51,6 +51,12 @@ RECIPES = {
     # nanoGPT's recipe on a bf16 model: the params alone, and with a 16-bit remainder (the exact fp32 master)
     "adamw-bf16": Recipe(fastoptim.AdamW, 1e-3, 0.1, dtype=torch.bfloat16),
     "adamw-bf16-master32": Recipe(fastoptim.AdamW, 1e-3, 0.1, options={"master_bits": 32}, dtype=torch.bfloat16),
+    # the lean states on that bf16 model: an 8-bit remainder (master_bits=24) or stochastic rounding, with 8-bit
+    # moments (these runs clip the grads, which gradient release refuses; its steps are the same, bit for bit)
+    "adamw-bf16-m24-8bit": Recipe(fastoptim.AdamW, 1e-3, 0.1, options={"master_bits": 24, "state_bits": 8},
+                                  dtype=torch.bfloat16),
+    "adamw-bf16-sr-8bit": Recipe(fastoptim.AdamW, 1e-3, 0.1, options={"stochastic_rounding": True, "state_bits": 8},
+                                 dtype=torch.bfloat16),
     # Keller Jordan's Muon (lr 0.02, momentum 0.95, Nesterov) on the hidden matrices; the embeddings, head,
     # biases and norms on nanoGPT's AdamW recipe (its char model's betas), as his MuonWithAuxAdam pairs them
     "muon": Recipe(fastoptim.Muon, 0.02, 0.0, companions=MUON_COMPANIONS),
