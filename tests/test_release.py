@@ -118,9 +118,12 @@ def test_what_release_cannot_make_exact_is_refused_before_anything_changes(monke
     with pytest.raises(RuntimeError, match="one process"):
         opt.enable_gradient_release()
     monkeypatch.undo()
-    opt.enable_gradient_release()
+    handle = opt.enable_gradient_release()
     with pytest.raises(RuntimeError, match="on already"):
         opt.enable_gradient_release()
+    with pytest.raises(RuntimeError, match="release is on"):  # its params would never be stepped
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+    assert len(opt.param_groups) == 1 and handle.buckets
     train(module, opt, steps=1)
     x = batches(1)[0]
     module(x).sum().backward()  # stepped in backward

@@ -125,6 +125,9 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         self.state = OptimizerState(self.state)  # counts its changes: see BoundStep
 
     def add_param_group(self, param_group):
+        if self.__dict__.get("_release") is not None:  # its params would have no hooks, and never be stepped
+            raise RuntimeError("fastoptim: gradient release is on: call remove() on its handle, add the group, "
+                               "then enable_gradient_release() again")
         params = param_group["params"]
         if not isinstance(params, (Tensor, set)):  # torch refuses a set; a generator is read once, here
             param_group["params"] = list(params)
