@@ -10,6 +10,8 @@ import fastoptim
 
 from .registry import OPTIMIZERS
 from .test_adversarial import ENGINES
+from .test_bad_input import assert_unchanged, snapshot
+from .test_compile import assert_same
 
 SMALL_BUCKETS = 300  # elements: the model below is cut into several buckets
 
@@ -33,10 +35,9 @@ def train(module, optimizer, steps=4, dtype=torch.float32, check_freed=False):
         optimizer.zero_grad()
 
 
-def states_equal(a, b):
-    for (_, sa), (_, sb) in zip(sorted(a.state_dict()["state"].items()), sorted(b.state_dict()["state"].items())):
-        for key, value in sa.items():
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(sb[key])), key
+def assert_equal_runs(normal, plain, released, opt):
+    """Params and states bit for bit."""
+    assert_same((list(normal.parameters()), plain), (list(released.parameters()), opt))
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -52,9 +53,7 @@ def test_a_released_run_is_a_normal_run_bit_for_bit(info, engine):
         assert len(handle.buckets) > 1
         train(normal, plain)
         train(released, opt, check_freed=True)
-    for a, b in zip(normal.parameters(), released.parameters()):
-        assert torch.equal(a, b)
-    states_equal(plain, opt)
+    assert_equal_runs(normal, plain, released, opt)
     assert [g.get("step") for g in plain.param_groups] == [g.get("step") for g in opt.param_groups]
 
 
@@ -67,8 +66,7 @@ def test_lean_options_compose_with_release(cls):
     opt.enable_gradient_release(bucket_numel=SMALL_BUCKETS)
     train(normal, plain, dtype=torch.bfloat16)
     train(released, opt, dtype=torch.bfloat16, check_freed=True)
-    assert all(torch.equal(a, b) for a, b in zip(normal.parameters(), released.parameters()))
-    states_equal(plain, opt)
+    assert_equal_runs(normal, plain, released, opt)
 
 
 def test_a_bucket_whose_params_got_no_grad_is_stepped_by_step():
@@ -103,10 +101,6 @@ def test_remove_turns_release_off():
     assert opt.enable_gradient_release() is not None  # and on again
 
 
-def snapshot(module, optimizer):
-    return [p.detach().clone() for p in module.parameters()], str(optimizer.state_dict())
-
-
 def test_what_release_cannot_make_exact_is_refused_before_anything_changes(monkeypatch):
     module = model()
     with pytest.raises(RuntimeError, match="max_grad_norm"):
@@ -126,20 +120,19 @@ def test_what_release_cannot_make_exact_is_refused_before_anything_changes(monke
     assert len(opt.param_groups) == 1 and handle.buckets
     train(module, opt, steps=1)
     x = batches(1)[0]
+    params = list(module.parameters())
     module(x).sum().backward()  # stepped in backward
-    stepped = snapshot(module, opt)
+    stepped = snapshot(params, opt)
     with pytest.raises(RuntimeError, match="accumulation"):
         module(x).sum().backward()  # a second backward before step(): its first bucket refuses
-    after = snapshot(module, opt)
-    assert all(torch.equal(a, b) for a, b in zip(after[0], stepped[0])) and after[1] == stepped[1]
+    assert_unchanged(params, opt, stepped)
     opt.step()
     opt.zero_grad()
     with pytest.raises(RuntimeError, match="gradient release"):
         fastoptim.clip_grad_norm_(module.parameters(), 1.0)
     module(x).sum().backward()
-    after_backward = snapshot(module, opt)
+    after_backward = snapshot(params, opt)
     opt.grad_scale = torch.tensor(256.0)  # as GradScaler hands it to step()
     with pytest.raises(RuntimeError, match="GradScaler"):
         opt.step()
-    after = snapshot(module, opt)
-    assert all(torch.equal(a, b) for a, b in zip(after[0], after_backward[0])) and after[1] == after_backward[1]
+    assert_unchanged(params, opt, after_backward)

@@ -517,8 +517,9 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         separate 0-d tensors cost milliseconds of dispatch), except in a traced step (views would
         retrace)."""
         algorithm, device = self._algorithm(group), params[0].device
-        optional = algorithm.spec.optional
-        first_reads = [float(all(role in self.state.get(param, ()) for role in optional)) for param in params]
+        optional = algorithm.spec.optional  # read before the states are created
+        first_reads = [float(all(role in self.state.get(param, ()) for role in optional)) for param in params
+                       ] if optional else []
         states = [self._ensure_state(param, group) for param in params]
         counts = None
         if algorithm.counts == PER_PARAM and not torch.compiler.is_compiling():
@@ -531,7 +532,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                     state["step"] = counts[i]
         factors = None if algorithm.param_factors is None else torch.tensor(
             [algorithm.param_factors(group, param) for param in params], dtype=torch.float64, device=device)
-        first_reads = torch.tensor(first_reads, device=device) if optional and 0.0 in first_reads else None
+        first_reads = torch.tensor(first_reads, device=device) if 0.0 in first_reads else None
         return states, StateContext(counts, factors, first_reads)
 
     def _algorithm(self, group):
@@ -549,11 +550,12 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
     def _count_step(self, group, entry, increment, whole_step=True):
         """Advance the group's step counts by ``increment`` (1, or 0 on a step GradScaler skipped),
         after the update: a ``PER_GROUP`` count whether or not its params had grads (on a
-        ``whole_step``: not for each released bucket), ``PER_PARAM`` counts of the params that had."""
+        ``whole_step``: not for each released bucket), ``PER_PARAM`` counts of the params of
+        ``entry`` that had (None: the per-group counts of a released step alone)."""
         counts = self._algorithm(group).counts
         if counts == PER_GROUP and whole_step:
             self._group_count(group).add_(increment)
-        elif counts == PER_PARAM and entry.params:
+        elif counts == PER_PARAM and entry is not None and entry.params:
             if entry.context.counts is not None:
                 entry.context.counts.add_(increment)
             else:
@@ -606,12 +608,6 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         group = self.param_groups[group_index]
         self._apply([(group, *self._group_work(caches, ("released", bucket), group, params))], caches,
                     whole_step=False)
-
-    def _count_released_step(self):
-        """The per-group step counts of a released step, once."""
-        for group in self.param_groups:
-            if self._algorithm(group).counts == PER_GROUP:
-                self._group_count(group).add_(1)
 
     def master_state_dict(self, module: torch.nn.Module) -> dict[str, Tensor]:
         """``module.state_dict()`` with each bf16 param that keeps a master remainder here (under

@@ -67,8 +67,7 @@ class GradientRelease:
                 "optimizer.step() after each backward, or remove the release handle to accumulate")
         ready = self.ready[bucket]
         ready.add(id(param))
-        group_index, params = self.buckets[bucket]
-        if len(ready) == len(params):
+        if len(ready) == len(self.buckets[bucket][1]):
             self._step(bucket)
 
     def _step(self, bucket: int) -> None:
@@ -89,7 +88,8 @@ class GradientRelease:
         for bucket in range(len(self.buckets)):
             if bucket not in self.stepped and any(param.grad is not None for param in self.buckets[bucket][1]):
                 self._step(bucket)
-        self.optimizer._count_released_step()
+        for group in self.optimizer.param_groups:  # the per-group counts, once
+            self.optimizer._count_step(group, None, 1)
         self.stepped.clear()
         for ready in self.ready:
             ready.clear()
