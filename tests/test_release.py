@@ -106,8 +106,10 @@ def test_what_release_cannot_make_exact_is_refused_before_anything_changes(monke
     with pytest.raises(RuntimeError, match="max_grad_norm"):
         fastoptim.Adan(module.parameters(), max_grad_norm=1.0).enable_gradient_release()
     opt = fastoptim.AdamW(module.parameters())
-    with pytest.raises(ValueError, match="bucket_numel"):
-        opt.enable_gradient_release(bucket_numel=0)
+    for bad in (0, -5, 2.5, True):
+        with pytest.raises(ValueError, match="bucket_numel"):
+            opt.enable_gradient_release(bucket_numel=bad)
+    assert opt.__dict__.get("_release") is None
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     with pytest.raises(RuntimeError, match="one process"):
         opt.enable_gradient_release()
