@@ -4,6 +4,9 @@
 # (the native library built here travels with it: carry fastoptim/_C.abi3.so). Logs go to $OUT.
 #   bash benchmarks/gpu.sh tests   the Triton tests on CUDA tensors, then the CPU suites' steps on the GPU
 #   bash benchmarks/gpu.sh bench   host time, `fastoptim bench --device cuda`, and compiled against eager
+#   bash benchmarks/gpu.sh quick   one call of about 7 minutes: the Triton, release, master-bits and Muon tests on CUDA,
+#                                  host time, and `fastoptim bench` on GPT-2 124M (fp32 and bf16 rows)
+#   bash benchmarks/gpu.sh profile where the host time of a CUDA step goes (Adan, AdamW) and Muon's time on GPT-2 124M
 #   bash benchmarks/gpu.sh compile the compile tests with the machine's torch, and the code inductor makes of
 #                                  a CUDA step (output-code.log: what the op's mutated tensors cost)
 set -u
@@ -19,6 +22,17 @@ print(f"torch {torch.__version__}, Triton {triton.__version__}, {torch.cuda.get_
       f"native library loaded: {fused_cpu.AVAILABLE}, CPU features: {' '.join(cpu_features())}")
 PY
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee -a "$OUT/facts.txt"
+# where the host time of a step of fastoptim.$1 on 148 tiny CUDA params goes
+host_profile() {
+    timeout 60 python3 -c "
+import cProfile, pstats, torch, fastoptim
+params = [torch.nn.Parameter(torch.randn(16, device='cuda')) for _ in range(148)]
+for p in params: p.grad = torch.randn_like(p)
+opt = fastoptim.$1(params, lr=1e-3)
+for _ in range(5): opt.step()
+cProfile.run('for _ in range(100): opt.step()', '/tmp/profile')
+pstats.Stats('/tmp/profile').sort_stats('tottime').print_stats(25)"
+}
 case "${1:-tests}" in
 tests)
     timeout 170 python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 120 tests/test_triton.py -k "cuda" -rfE 2>&1 \
@@ -28,15 +42,7 @@ tests)
     ;;
 bench)
     timeout 120 python3 -m benchmarks.host_time --device cuda --steps 20 --repeats 5 2>&1 | tee "$OUT/host-time.md"
-    # where the host time of a step on 148 tiny CUDA params goes
-    timeout 60 python3 -c "
-import cProfile, pstats, torch, fastoptim
-params = [torch.nn.Parameter(torch.randn(16, device='cuda')) for _ in range(148)]
-for p in params: p.grad = torch.randn_like(p)
-opt = fastoptim.Adan(params, lr=1e-3)
-for _ in range(5): opt.step()
-cProfile.run('for _ in range(100): opt.step()', '/tmp/profile')
-pstats.Stats('/tmp/profile').sort_stats('tottime').print_stats(25)" > "$OUT/profile.txt" 2>&1
+    host_profile Adan > "$OUT/profile.txt" 2>&1
     # no torch.compile'd Adan here: its first call takes minutes per model on this machine
     timeout 330 python3 -m fastoptim.cli bench --device cuda --models gpt2-124m llama-60m small-tensors \
         --optimizers torch-adam-foreach torch-adam-fused torch-adamw-foreach torch-adamw-fused \
@@ -44,6 +50,24 @@ pstats.Stats('/tmp/profile').sort_stats('tottime').print_stats(25)" > "$OUT/prof
         adamwsn-fused-multi adan-8bit-fused-multi adamw-8bit-fused-multi --out "$OUT/bench" 2>&1 | tr '\r' '\n' | grep -v "step/s\]"
     timeout 100 python3 -m benchmarks.dispatch --device cuda --models "GPT-2 124M" --steps 20 2>&1 \
         | tee "$OUT/dispatch.md"
+    ;;
+quick)
+    timeout 100 python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 90 tests/test_triton.py -k "cuda" -rfE 2>&1 \
+        | tee "$OUT/triton-cuda.log" | tail -15
+    FASTOPTIM_TEST_DEVICE=cuda timeout 130 python3 -m pytest -q -p no:cacheprovider -n 12 --timeout 90 -rfE \
+        tests/test_release.py tests/test_master_bits.py tests/test_muon.py 2>&1 | tee "$OUT/lean-on-cuda.log" | tail -25
+    timeout 70 python3 -m benchmarks.host_time --device cuda --steps 20 --repeats 5 2>&1 | tee "$OUT/host-time.md"
+    timeout 80 python3 -m fastoptim.cli bench --device cuda --models gpt2-124m --optimizers torch-adamw-fused \
+        adan-fused-multi adamw-fused-multi adamwsn-fused-multi adamw-8bit-fused-multi muon-fused-multi torch-muon \
+        --out "$OUT/fp32" 2>&1 | tr '\r' '\n' | grep -v "step/s\]"
+    timeout 60 python3 -m fastoptim.cli bench --device cuda --dtype bf16 --models gpt2-124m --optimizers \
+        torch-adamw-fused adamw-fused-multi adamw-master32-fused-multi --out "$OUT/bf16" 2>&1 | tr '\r' '\n' \
+        | grep -v "step/s\]"
+    ;;
+profile)
+    host_profile Adan > "$OUT/profile-adan.txt" 2>&1
+    host_profile AdamW > "$OUT/profile-adamw.txt" 2>&1
+    timeout 150 python3 -m benchmarks.muon --device cuda --model gpt2-124m 2>&1 | tee "$OUT/muon.md"
     ;;
 compile)
     timeout 140 python3 -m pytest -q -p no:cacheprovider -n 14 --timeout 120 -rfE tests/test_compile.py 2>&1 \

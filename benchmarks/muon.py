@@ -1,7 +1,7 @@
 """Where a Muon step's time goes: the Newton–Schulz iterations against the elementwise rest, on a
 model's hidden matrices, for torch.optim.Muon (one matrix at a time) and fastoptim.Muon's loop,
 batched (foreach) and fused engines. Interleaved repeats in one process; medians with their spread.
-Usage, from the repository root: .venv/bin/python -m benchmarks.muon [--model gpt2-h12-l6-d768]
+Usage, from the repository root: .venv/bin/python -m benchmarks.muon [--model gpt2-h12-l6-d768] [--device cuda]
 """
 import argparse
 import statistics
@@ -17,9 +17,11 @@ from fastoptim.optimizers import muon
 from fastoptim.engines.ops import FOREACH_OPS, TENSOR_OPS
 
 
-def timed(function):
+def timed(function, device):
     start = time.perf_counter()
     function()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
@@ -27,8 +29,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt2-h12-l6-d768")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
-    params, matrices = with_gradients(args.model)
+    device = torch.device(args.device)
+    params, matrices = with_gradients(args.model, device=device)
     params = [p for p, m in zip(params, matrices) if m]
     updates = [p.grad.clone() for p in params]
     coefficients = [muon.DEFAULT_COEFFICIENTS] * 5
@@ -54,15 +58,16 @@ def main():
         samples = {name: [] for name in steps}
         for _ in range(args.repeats):
             for name, step in steps.items():
-                samples[name].append(timed(step))
+                samples[name].append(timed(step, device))
     numel = sum(p.numel() for p in params)
     print(f"{args.model}: {len(params)} hidden matrices, {numel / 1e6:.1f}M elements; {machine()['cpu']}; "
           f"CPU features: {cpu_features()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"{args.repeats} interleaved repeats\n")
+          f"{args.repeats} interleaved repeats"
+          f"{'; ' + torch.cuda.get_device_name() if device.type == 'cuda' else ''}\n")
     print("| step | ms (median) | spread |\n|---|---|---|")
     for name, values in samples.items():
         median = statistics.median(values)
-        print(f"| {name} | {median * 1e3:.0f} | {(max(values) - min(values)) / median:.0%} |")
+        print(f"| {name} | {median * 1e3:.1f} | {(max(values) - min(values)) / median:.0%} |")
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ def _total(grads, inf, kernel, tables):
     :class:`GradTables`), else in the grads' widest dtype from ``torch._foreach_norm``, per device."""
     parts = _kernel_partials(grads, inf, kernel, tables) if kernel else None
     if parts is not None:
-        partials = torch.cat([torch.zeros(1, dtype=torch.float64)] + parts)
+        partials = torch.cat([parts[0].new_zeros(1)] + parts)
         return partials.max() if inf else partials.sum()
     wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     device, parts = grads[0].device, []

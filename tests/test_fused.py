@@ -789,3 +789,33 @@ def test_pthreads_give_the_same_result_as_openmp_threads(cls):
         fused_cpu.use_threads(torch_openmp)
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+def steps_under_a_default_device(info, default_device):
+    """Params after three fused multi-tensor steps of ``info``'s variant (8-bit states, clipping, maximize,
+    sn) and fastoptim's clip_grad_norm_, with ``torch.set_default_device(default_device)`` around the steps:
+    a kernel's host-side tensors (pointer arrays, partial sums) must not follow the user's default device."""
+    params = oracle.make_params([(64, 80), (80,), (70, 70), (5000,)])
+    optimizer = info.cls(params, lr=0.01, **FUSED["fused-multi"], **info.variant())
+    sequence = list(oracle.grad_sequence([p.shape for p in params], 3))
+    torch.set_default_device(default_device)
+    try:
+        for grads in sequence:
+            for param, grad in zip(params, grads):
+                param.grad = grad
+            fastoptim.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+    finally:
+        torch.set_default_device(None)
+    return params
+
+
+@pytest.mark.parametrize("info", REGISTRY, ids=str)
+def test_a_default_device_set_by_the_user_changes_nothing(info):
+    """torch.set_default_device("cuda") in a training script (found on a GPU: the Triton engine's pointer
+    array went to the GPU); "meta" stands for it on any machine."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Muon's 8-bit companions of small params fall back
+        expected = steps_under_a_default_device(info, None)
+        for actual, wanted in zip(steps_under_a_default_device(info, "meta"), expected):
+            assert torch.equal(actual, wanted)

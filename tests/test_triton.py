@@ -19,6 +19,7 @@ from fastoptim.engines.backends.triton import fused_triton
 from . import oracle
 from . import test_state_bits as state_bits
 from .registry import OPTIMIZERS
+from . import test_fused
 from .test_fused import FUSED, LOOP, assert_params_match_loop, clone, fallback_warnings
 
 triton = pytest.importorskip("triton", reason="Triton is an optional extra: pip install fastoptim[triton]")
@@ -399,3 +400,8 @@ def test_a_cuda_graph_replays_the_step(cls):
     oracle.run(reference, eager, [[g.cuda() for g in step] for step in grads])
     assert_params_match_loop([p.cpu() for p in params], [p.cpu() for p in eager], torch.float32)
 
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=str)
+def test_a_default_device_set_by_the_user_changes_nothing_in_triton(info):
+    test_fused.test_a_default_device_set_by_the_user_changes_nothing(info)

@@ -27,7 +27,7 @@ from ..states import blockwise8
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernels take of params and grads
 STEPPED, STALE, GRADS_UNFIT = 0, 1, 2  # what a bound step answers (native.cpp's bound_step)
 TAKEN, PLAN_STALE, NOT_TAKEN = 0, 1, 2  # what the clip kernels answer (native.cpp's grad_norm_partials)
-_EMPTY = torch.empty(0)  # a table's entry for a tensor that has none in its role (no block maxima)
+_EMPTY = torch.empty(0, device="cpu")  # a table's entry for a tensor that has none in its role (no block maxima)
 
 
 def _load():
@@ -81,7 +81,7 @@ def use_f16c(enable):
 
 def _torch_openmp():
     """The path of the OpenMP runtime that torch has loaded (read from /proc/self/maps), or None."""
-    torch.ones(1 << 16).sum()  # make sure torch has started its runtime
+    torch.ones(1 << 16, device="cpu").sum()  # make sure torch has started its runtime
     try:
         with open("/proc/self/maps") as maps:
             paths = {line.split()[-1] for line in maps if "/lib" in line}
@@ -159,7 +159,7 @@ def step(launches):
 def check(tables, grads):
     """Check bound ``tables`` (each taking the next of ``grads``, as :func:`step` does) without running
     them: STEPPED and the grads' data pointers (an int64 array), or STALE or GRADS_UNFIT and None."""
-    pointers = torch.empty(len(grads), dtype=torch.int64)
+    pointers = torch.empty(len(grads), dtype=torch.int64, device="cpu")  # host memory whatever the default device
     status = torch.ops.fastoptim.check_bound([table.handle for table in tables], grads, pointers)
     return status, pointers.numpy() if status == STEPPED else None
 
@@ -174,7 +174,7 @@ def grad_norm_partials(grads, chunks, inf):
     """Per chunk of ``chunks`` (a chunk plan over ``grads``): the sum of squares, or with ``inf`` the
     largest magnitude, as a float64 tensor, and TAKEN; or None and NOT_TAKEN (the grads are not
     dense CPU tensors of one kernel dtype) or PLAN_STALE (the plan was made for other grads)."""
-    partials = torch.empty(len(chunks), dtype=torch.float64)
+    partials = torch.empty(len(chunks), dtype=torch.float64, device="cpu")
     status = torch.ops.fastoptim.grad_norm_partials(grads, torch.from_numpy(chunks), inf, partials)
     return status, partials if status == TAKEN else None
 
@@ -188,14 +188,14 @@ def scale_grads(grads, chunks, factor):
 def quantize(values, codes):
     """The kernels' quantizer on a contiguous fp32 CPU tensor: (uint8 codes, absmax), as
     ``blockwise8.quantize(values, codes)`` computes them."""
-    indices = torch.empty(values.shape, dtype=torch.uint8)
-    absmax = torch.empty(blockwise8.n_blocks(values.numel()))
+    indices = torch.empty(values.shape, dtype=torch.uint8, device="cpu")
+    absmax = torch.empty(blockwise8.n_blocks(values.numel()), device="cpu")
     torch.ops.fastoptim.quantize(values, int(codes.signed), indices, absmax)
     return indices, absmax
 
 
 def dequantize(indices, absmax, codes):
     """The kernels' dequantizer, as ``blockwise8.dequantize(indices, absmax, codes)`` computes it."""
-    values = torch.empty(indices.shape)
+    values = torch.empty(indices.shape, device="cpu")
     torch.ops.fastoptim.dequantize(indices, absmax, int(codes.signed), values)
     return values

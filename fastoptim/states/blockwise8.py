@@ -40,7 +40,7 @@ MIN_NUMEL = 4096  # smaller tensors keep 32-bit states: their absmax and bookkee
 
 def fp16_codes(count):
     """The first ``count`` non-negative fp16 numbers with 3 mantissa bits, ascending, as fp32 (exact)."""
-    return (torch.arange(count, dtype=torch.int16) << 7).view(torch.float16).float()
+    return (torch.arange(count, dtype=torch.int16, device="cpu") << 7).view(torch.float16).float()
 
 
 NAN_INDEX = 255  # the index of NaN in both tables (and of ±inf in the signed one)
@@ -68,7 +68,7 @@ def code_table(count, signed):
     if signed:
         values = torch.cat([-values[1:].flip(0), values])
     inf_index = NAN_INDEX if signed else count
-    decoded = torch.cat([values, torch.full((256 - len(values),), float("nan"))])
+    decoded = torch.cat([values, torch.full((256 - len(values),), float("nan"), device="cpu")])
     if not signed:
         decoded[inf_index] = float("inf")
     return Codes(values, (magnitudes[1:] + magnitudes[:-1]) / 2, top.item(), count - 1 if signed else 0, signed,
