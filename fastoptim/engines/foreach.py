@@ -3,7 +3,9 @@
 A slice holds at most ``SLICE_NUMEL`` elements: a larger contiguous tensor is cut into flat views
 of that size first. So the one scratch buffer the math needs (and, for bf16 or fp16 params, the fp32
 copies of param and grad) never exceeds it, however large the model: official Adan's foreach path
-holds two temporaries the size of all parameters.
+holds two temporaries the size of all parameters. Math that needs each tensor whole (Muon's
+matrices, batched by shape) takes slices of ``MATRIX_SLICE_NUMEL``: on a GPU, each batch of
+iterations costs a few launches whatever its size, so a slice must hold many matrices.
 """
 import torch
 
@@ -12,6 +14,12 @@ from . import lowbit
 from .ops import FOREACH_OPS, LOW_PRECISION, widened, write_back
 
 SLICE_NUMEL = 1 << 22
+MATRIX_SLICE_NUMEL = 1 << 24
+
+
+def slice_numel(spec):
+    """The elements a slice of ``spec``'s math holds at most."""
+    return SLICE_NUMEL if spec.elementwise else MATRIX_SLICE_NUMEL
 
 
 def slices(tensors, limit=SLICE_NUMEL):
@@ -64,8 +72,9 @@ def pieces(plan, limit=SLICE_NUMEL):
 
 
 def run(plan):
-    plan = pieces(plan, SLICE_NUMEL)
-    for part in slices(plan.tensors["param"], SLICE_NUMEL):
+    limit = slice_numel(plan.spec)
+    plan = pieces(plan, limit)
+    for part in slices(plan.tensors["param"], limit):
         tensors = {role: tensors[part] for role, tensors in plan.tensors.items()}
         params, remainders = tensors["param"], tensors.pop(master.KEY, None)
         low_precision = params[0].dtype in LOW_PRECISION

@@ -147,6 +147,14 @@ def muon_arguments(group: dict, inputs: StepInputs) -> tuple[dict, set[str]]:
     return args, {"step_size"}
 
 
+def by_matrix_shape(part: engines.Plan) -> engines.Plan:
+    """``part`` with the params of one matrix shape next to each other (else in their order), so that a
+    slice's matrices make few batches. Not over shards: each rank's shards have shapes of their own."""
+    shapes = [matrix_shape(param.shape, part.args["flatten"]) for param in part.tensors["param"]]
+    order = sorted(range(len(shapes)), key=shapes.__getitem__)
+    return part if order == list(range(len(shapes))) else part.subset(order)
+
+
 def run_muon_bucket(engine: str, part: engines.Plan, reduce_group=None) -> None:
     """A Muon bucket on a fused engine or over FSDP2 shards runs in three parts (see
     :func:`run_in_three_parts`), slice by slice as foreach's, to bound the directions' memory; over
@@ -154,6 +162,8 @@ def run_muon_bucket(engine: str, part: engines.Plan, reduce_group=None) -> None:
     must pair up). The loop and foreach engines, and fused ones in a step that torch.compile
     traces, run ``muon_update`` whole."""
     kernel = engine in engines.FUSED and not torch.compiler.is_compiling()
+    if reduce_group is None:
+        part = by_matrix_shape(part)
     if not kernel and reduce_group is None:
         engines.run_bucket(engine, part)
         return
@@ -161,7 +171,7 @@ def run_muon_bucket(engine: str, part: engines.Plan, reduce_group=None) -> None:
         raise engines.fused.Unbatched
     momentum_engine = engine if kernel else "foreach"
     if reduce_group is None:
-        for piece in foreach.slices(part.tensors["param"]):
+        for piece in foreach.slices(part.tensors["param"], foreach.MATRIX_SLICE_NUMEL):
             run_in_three_parts(momentum_engine, part.subset(range(piece.start, piece.stop)), None)
     else:
         run_in_three_parts(momentum_engine, part, reduce_group)
