@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu.sh quick   one call of about 7 minutes: the Triton, release, master-bits and Muon tests on CUDA,
 #                                  host time, and `fastoptim bench` on GPT-2 124M (fp32 and bf16 rows)
 #   bash benchmarks/gpu.sh profile where the host time of a CUDA step goes (Adan, AdamW) and Muon's time on GPT-2 124M
+#   bash benchmarks/gpu.sh lean    master remainders on CUDA (tests and GPT-2 124M in bf16), Muon batched by shape
 #   bash benchmarks/gpu.sh compile the compile tests with the machine's torch, and the code inductor makes of
 #                                  a CUDA step (output-code.log: what the op's mutated tensors cost)
 set -u
@@ -68,6 +69,15 @@ profile)
     host_profile Adan > "$OUT/profile-adan.txt" 2>&1
     host_profile AdamW > "$OUT/profile-adamw.txt" 2>&1
     timeout 150 python3 -m benchmarks.muon --device cuda --model gpt2-124m 2>&1 | tee "$OUT/muon.md"
+    ;;
+lean)
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 90 -rfE tests/test_triton.py \
+        tests/test_master_bits.py -k "cuda" 2>&1 | tee "$OUT/lean-tests.log" | tail -15
+    timeout 90 python3 -m fastoptim.cli bench --device cuda --dtype bf16 --models gpt2-124m --optimizers \
+        torch-adamw-fused adamw-fused-multi adamw-master24-fused-multi adamw-master32-fused-multi \
+        adamw-8bit-fused-multi adamwsn-8bit-master24-fused-multi --out "$OUT/bf16" 2>&1 | tr '\r' '\n' \
+        | grep -v "step/s\]" | grep -v "^gpt2-124m: "
+    timeout 80 python3 -m benchmarks.muon --device cuda --model gpt2-124m 2>&1 | tee "$OUT/muon.md"
     ;;
 compile)
     timeout 140 python3 -m pytest -q -p no:cacheprovider -n 14 --timeout 120 -rfE tests/test_compile.py 2>&1 \

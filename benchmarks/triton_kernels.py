@@ -55,14 +55,20 @@ def checked_variants():
             flag: (i >> k) % 2 == 0 for k, flag in enumerate(spec.flags)}
         yield spec, param, state, flags
     yield adan.SPEC, "fp32", "fp32", dict(stochastic=False, subsets=False)
+    # bf16 params beside master remainders (master_bits 32: 16 bits; 24: 8 bits)
+    yield adan.SPEC, "bf16", "fp32", dict(stochastic=False, subsets=True, remainder16=True)
+    yield adamw.SPEC, "bf16", "8-bit", dict(stochastic=False, subsets=True, remainder8=True, amsgrad=True,
+                                            first_moment=True)
     yield adamw.SPEC, "fp32", "fp32", dict(stochastic=False, subsets=False, amsgrad=False, first_moment=True)
 
 
 def compile_report(capability, spec, param, state, flags):
     """Compile one variant for ``capability`` (80, 90) and read what it became."""
     stochastic, subsets = flags["stochastic"], flags["subsets"]
+    remainder_bits = 16 if flags.get("remainder16") else 8 if flags.get("remainder8") else 0
     compiled = fused_triton.compile_for(capability, spec, DTYPES[param], DTYPES[state], stochastic=stochastic,
-                                        subsets=subsets, flags={name: flags[name] for name in spec.flags})
+                                        subsets=subsets, flags={name: flags[name] for name in spec.flags},
+                                        remainder_bits=remainder_bits)
     ptx = compiled.asm["ptx"]
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])

@@ -4,7 +4,8 @@ optimizer's ``SPEC``). The engines, the C binding, the Triton kernels and the st
 and a test fails when the committed header differs from what they generate.
 
 A kernel takes one pointer table: a row of data pointers per role, in :attr:`KernelSpec.rows`
-order (param, grad, each state, then each state's block maxima under 8-bit states), and one row of
+order (param, grad, each state, each state's block maxima under 8-bit states, then the master
+remainders of bf16 params under ``master_bits``: fastoptim.states.master), and one row of
 fp32 scalars per tensor (or one shared row) in :attr:`KernelSpec.all_scalars` order. Its feature
 flags are compile-time switches: bit 0 is stochastic rounding, bit i + 1 the spec's i-th flag.
 """
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 COMMON_SCALARS = ("found_inf", "seed", "grad_scale")  # every kernel's first scalars, in this order
 ABSMAX = "_absmax"  # the suffix of an 8-bit state's block maxima, as a role and as a state-dict key
+REMAINDER = "master_remainder"  # the role and state-dict key of a bf16 param's master remainder
 STOCHASTIC_ROUNDING = 1  # the flag bit every kernel has
 _DECLARED = {}  # every kernel spec, by name, in the order they were declared
 
@@ -65,7 +67,7 @@ class KernelSpec:
 
     @property
     def rows(self):
-        return ("param", "grad") + self.states + tuple(name + ABSMAX for name in self.states)
+        return ("param", "grad") + self.states + tuple(name + ABSMAX for name in self.states) + (REMAINDER,)
 
     @property
     def all_scalars(self):

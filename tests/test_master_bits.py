@@ -1,8 +1,6 @@
 """Compressed master weights (``master_bits``, fastoptim/states/master.py): bf16 params with a
 remainder in their state. With 32 bits the run is the fp32 run, bit for bit; with 24 it stays
 within its bound; the option is checked, converted by state dicts, and refused mid-run changes."""
-import warnings
-
 import pytest
 import torch
 
@@ -11,9 +9,10 @@ from fastoptim.states import master
 
 from . import oracle
 from .registry import OPTIMIZERS
+from .test_fused import FUSED
 
 SHAPES = [(40, 70), (300,), (3,)]
-ENGINES = {"loop": dict(foreach=False, fused=False), "foreach": dict(foreach=True, fused=False)}
+ENGINES = {"loop": dict(foreach=False, fused=False), "foreach": dict(foreach=True, fused=False), **FUSED}
 STEPS = 12
 
 
@@ -77,11 +76,11 @@ def bf16_start(seed=0):
     return [torch.nn.Parameter(p.bfloat16()) for p in oracle.make_params(SHAPES, seed=seed)]
 
 
-def assert_master_is_the_fp32_run(cls, shapes, steps, **options):
+def assert_master_is_the_fp32_run(cls, shapes, steps, device="cpu", **options):
     """bf16 params with a 16-bit remainder against fp32 params from the same start on the same
-    (bf16) grads: the master equals the fp32 param at every step, and the param is it rounded."""
-    grads = [[g.bfloat16() for g in step] for step in oracle.grad_sequence(shapes, steps)]
-    params = [torch.nn.Parameter(p.bfloat16()) for p in oracle.make_params(shapes)]
+    (bf16) grads, on ``device``: the master equals the fp32 param at every step, and the param is it rounded."""
+    grads = [[g.to(device, torch.bfloat16) for g in step] for step in oracle.grad_sequence(shapes, steps)]
+    params = [torch.nn.Parameter(p.to(device, torch.bfloat16)) for p in oracle.make_params(shapes)]
     reference = [torch.nn.Parameter(p.detach().float()) for p in params]
     opt, ref = cls(params, master_bits=32, **options), cls(reference, **options)
     for step_grads in grads:
@@ -91,7 +90,7 @@ def assert_master_is_the_fp32_run(cls, shapes, steps, **options):
         ref.step()
         for param, ref_param in zip(params, reference):
             assert torch.equal(master.widen(param, opt.state[param][master.KEY]), ref_param.detach())
-            assert torch.equal(param.detach(), split(ref_param.detach(), 32)[0])
+            assert torch.equal(param.detach().cpu(), split(ref_param.detach().cpu(), 32)[0])
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -114,18 +113,35 @@ def test_master_bits_24_keeps_what_bf16_alone_loses():
     assert errors[24] < errors[16] / 20, errors
 
 
-def test_the_fused_engines_leave_remainders_to_foreach_with_the_same_result():
-    grads = oracle.grad_sequence(SHAPES, 3)
-    results = {}
-    for name, options in (("foreach", dict(foreach=True, fused=False)), ("fused", dict(fused=True))):
-        params = bf16_start()
-        with warnings.catch_warnings(record=True) as record:
-            warnings.simplefilter("always")
-            opt = run(fastoptim.Adan, params, grads, master_bits=32, **options)
-        if name == "fused":
-            assert any("master_bits" in str(w.message) for w in record)
-        results[name] = [master.widen(p, opt.state[p][master.KEY]) for p in params]
-    assert all(torch.equal(a, b) for a, b in zip(results["foreach"], results["fused"]))
+@pytest.mark.parametrize("backend, device", [("cpu", "cpu"), ("triton", "cpu")] + (
+    [("triton", "cuda")] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("engine", FUSED)
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=lambda info: info.name)
+def test_an_8_bit_remainder_is_the_kernels_fp32_step_split(info, engine, backend, device, monkeypatch):
+    """On the C and Triton kernels, each step of a bf16 param with an 8-bit remainder is the same kernel's fp32
+    step of its master, split as fastoptim.states.master splits it (the states do not depend on the
+    params), over floats of every exponent, subnormals, zeros, infinities and rounding ties."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setenv("FASTOPTIM_FUSED_BACKEND", backend)
+    monkeypatch.setattr(fastoptim.engines.foreach, "run", lambda plan: pytest.fail("a tensor took foreach"))
+    shapes = [(40, 70), (5000,), floats().shape]
+    start = [p.to(device, torch.bfloat16) for p in oracle.make_params(shapes[:2])] + [split(floats(), 24)[0].to(device)]
+    params = [torch.nn.Parameter(p) for p in start]
+    reference = [torch.nn.Parameter(p.float()) for p in start]
+    opt = info.cls(params, lr=1e-2, weight_decay=0.1, master_bits=24, **FUSED[engine], **info.own_options)
+    ref = info.cls(reference, lr=1e-2, weight_decay=0.1, **FUSED[engine], **info.own_options)
+    for step_grads in oracle.grad_sequence(shapes, 4):
+        for param, ref_param, grad in zip(params, reference, step_grads):
+            param.grad, ref_param.grad = grad.to(device, torch.bfloat16), grad.to(device, torch.bfloat16).float()
+            with torch.no_grad():
+                ref_param.copy_(master.widen(param, opt.state[param][master.KEY]) if opt.state[param] else param)
+        opt.step()
+        ref.step()
+        for param, ref_param in zip(params, reference):
+            expected = split(ref_param.detach().cpu(), 24)
+            assert torch.equal(param.detach().cpu(), expected[0])
+            assert torch.equal(opt.state[param][master.KEY].cpu(), expected[1])
 
 
 @pytest.mark.parametrize("bits", [16, 24, 32])

@@ -305,7 +305,21 @@ def test_the_native_ops_refuse_chunks_outside_their_tensors():
     assert torch.ops.fastoptim.scale_grads_in_chunks(grads, chunks, torch.tensor(2.0)) == fused_cpu.PLAN_STALE
     assert torch.equal(grads[0], torch.ones(10))
     with pytest.raises(RuntimeError, match="reaches outside its tensor"):
+        torch.ops.fastoptim.bind("adan", [torch.ones(10)] * 5, [0, 2, 3, 4, 5], 1, 11, 16, chunks, None)
+    with pytest.raises(RuntimeError, match="adan kernel reads 11 rows of pointers, not 10"):  # its remainders' too
         torch.ops.fastoptim.bind("adan", [torch.ones(10)] * 5, [0, 2, 3, 4, 5], 1, 10, 16, chunks, None)
+
+
+@pytest.mark.parametrize("remainder, message", [
+    (torch.zeros(10, dtype=torch.int32), "int8 or int16"),
+    (torch.zeros(20, dtype=torch.int8)[::2], "walked as its bf16 param"),
+    (torch.zeros(5, dtype=torch.int8), "walked as its bf16 param")])
+def test_bind_refuses_master_remainders_the_kernel_cannot_walk(remainder, message):
+    param = torch.ones(10, dtype=torch.bfloat16)
+    states = [torch.zeros(10)] * 4
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.fastoptim.bind("adan", [param, *states, remainder], [0, 2, 3, 4, 5, 10], 1, 11, 16,
+                                 torch.tensor([[0, 0, 10, 0]]), None)
 
 
 def test_a_library_that_cannot_be_loaded_leaves_the_fused_engine_to_foreach_with_a_warning(tmp_path):

@@ -19,7 +19,7 @@ from fastoptim.engines.backends.triton import fused_triton
 from . import oracle
 from . import test_state_bits as state_bits
 from .registry import OPTIMIZERS
-from . import test_fused
+from . import test_fused, test_master_bits
 from .test_fused import FUSED, LOOP, assert_params_match_loop, clone, fallback_warnings
 
 triton = pytest.importorskip("triton", reason="Triton is an optional extra: pip install fastoptim[triton]")
@@ -405,3 +405,13 @@ def test_a_cuda_graph_replays_the_step(cls):
 @pytest.mark.parametrize("info", OPTIMIZERS, ids=str)
 def test_a_default_device_set_by_the_user_changes_nothing_in_triton(info):
     test_fused.test_a_default_device_set_by_the_user_changes_nothing(info)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("engine", FUSED)
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=str)
+def test_master_bits_32_is_the_fp32_run_bit_for_bit_in_triton(info, engine, device):
+    """bf16 params with 16-bit remainders on the Triton kernel, with 8-bit states, clipping, maximize
+    and sn: the kernel's own fp32 run, bit for bit (tests/test_master_bits.py: the 8-bit remainder)."""
+    test_master_bits.assert_master_is_the_fp32_run(info.cls, [(64, 80), (5000,), (7,)], 3, device, lr=1e-2,
+                                                   **FUSED[engine], **info.variant())

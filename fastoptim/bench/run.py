@@ -33,7 +33,9 @@ ENGINES = {"loop": dict(foreach=False, fused=False), "foreach": dict(foreach=Tru
 FASTOPTIM = {"adan": (fastoptim.Adan, False, 32, 16), "adamw": (fastoptim.AdamW, False, 32, 16),
              "adan-sn": (fastoptim.Adan, True, 32, 16), "adamwsn": (fastoptim.AdamWSN, True, 32, 16),
              "adan-8bit": (fastoptim.Adan, False, 8, 16), "adamw-8bit": (fastoptim.AdamW, False, 8, 16),
-             "adamw-master32": (fastoptim.AdamW, False, 32, 32)}
+             "adamw-master24": (fastoptim.AdamW, False, 32, 24), "adamw-master32": (fastoptim.AdamW, False, 32, 32),
+             # issue 33's lean AdamW: with bf16 params, 4 bytes per parameter of params and states
+             "adamwsn-8bit-master24": (fastoptim.AdamW, True, 8, 24)}
 PROBE_NUMEL = 1 << 24  # per role: 64 MiB of fp32, far beyond the caches; 6 such fit beside a large model
 # The states a round holds at once, beyond the first family: with a large model's params and grads and
 # the probe, the quick default then peaks under 4 GiB of resident memory.

@@ -47,9 +47,9 @@ def state_format(param, states, spec):
     return kept
 
 
-def _refusal(backend, param, grad, states, states_format):
+def _refusal(backend, param, grad, states, states_format, remainder):
     """Why ``backend``'s kernel cannot take this tensor (``states``: role to tensor,
-    ``states_format``: their state_format), or None."""
+    ``states_format``: their state_format, ``remainder``: its master remainder or None), or None."""
     why = backend.refusal(param)
     if why:
         return why
@@ -57,6 +57,8 @@ def _refusal(backend, param, grad, states, states_format):
         return "its states mix formats in a way the kernel does not know"
     if param.numel() == 0:  # nothing to walk, whatever the strides
         return None
+    if remainder is not None and not same_layout(remainder, param):
+        return "a master remainder is not laid out as its param"
     if states_format.block > 1 and not all(t.is_contiguous() for t in (param, grad, *states.values())):
         return f"{states_format} states need a contiguous param and grad"
     states = list(states.values())
@@ -77,14 +79,15 @@ def same_layout(a, b):
 def _split(tensors, spec, backend):
     """Indices of the tensors (``tensors``: role to one tensor per param) that ``backend``'s kernel
     takes, with their states' formats, and those left to the foreach engine with the first reason."""
-    if master.KEY in tensors:
-        return [], [], list(range(len(tensors["param"]))), "no fused kernel keeps master_bits remainders yet"
-    state_roles = [role for role in tensors if role not in ("param", "grad")]
+    remainders = tensors.get(master.KEY)
+    if remainders is not None and not backend.REMAINDERS:
+        return [], [], list(range(len(tensors["param"]))), f"the {backend.NAME} kernels keep no master_bits remainders"
+    state_roles = [role for role in tensors if role not in ("param", "grad", master.KEY)]
     taken, taken_formats, left, reason = [], [], [], None
     for i, (param, grad) in enumerate(zip(tensors["param"], tensors["grad"])):
         states = {role: tensors[role][i] for role in state_roles}
         states_format = state_format(param, states, spec)
-        why = _refusal(backend, param, grad, states, states_format)
+        why = _refusal(backend, param, grad, states, states_format, None if remainders is None else remainders[i])
         if why:
             left.append(i)
             reason = reason or why
@@ -97,6 +100,8 @@ def _split(tensors, spec, backend):
 def split(tensors, spec):
     """Indices of the tensors (``tensors``: role to one tensor per param) that their device's kernel
     takes, those left to the foreach engine, and why: a traced step's split, decided before tracing."""
+    if master.KEY in tensors:  # the step ops take no remainders
+        return [], list(range(len(tensors["param"]))), "a compiled step's kernels keep no master_bits remainders"
     taken, _, left, reason = _split(tensors, spec, backends.for_device(tensors["param"][0].device))
     return taken, left, reason
 

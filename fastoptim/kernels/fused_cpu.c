@@ -18,7 +18,7 @@
    subset-norm one, 8-bit blocks. Its rows, scalars, flags and states come from the kernel specs,
    through the generated fused_cpu_specs.h, and FOR_EACH_KERNEL instantiates its chunk functions
    and entry point fastoptim_<name> for every kernel. Options that change the loop (dtype, the
-   algorithm's flags such as amsgrad, stochastic rounding, the states' format) are compile-time
+   algorithm's flags such as amsgrad, the param's rounding or master remainder, the states' format) are compile-time
    constants of the walk, specialised by always-inline; the rest (weight decay, prox, maximize,
    clipping) are scalars.
 
@@ -43,7 +43,6 @@
 
 #include "fused_cpu_specs.h"  /* per kernel: its rows, scalars, flag bits and states (fastoptim/specs.py) */
 
-enum { FP32, BF16, FP16, Q8 };  /* element formats: params take the first three */
 
 /* One scalar argument: a shared value (stride 0) or one value per tensor (stride 1). A pointer,
    not a value, so a tensor lr or clip coefficient is read here without a host sync in Python. */
@@ -536,11 +535,13 @@ INLINE float sign(float x) { return x > 0 ? 1.f : x < 0 ? -1.f : 0.f; }
 
 /* The sums are written (1−β)·g first: that is the product a CPU with FMA fuses into the sum, as
    torch's add_(g, alpha=1−β) does, so exp_avg and c match the loop engine's bit for bit there.
-   p·(1 − lr·wd) − lr·sign(c) is one FMA, one rounding fewer than the loop's mul_ then sub_. */
+   p·(1 − lr·wd) − lr·sign(c) is one FMA, one rounding fewer than the loop's mul_ then sub_: written
+   as one, since the compiler contracted it in some of the walk's specialisations and not in others
+   (a bf16 param with a master remainder then left the fp32 run by an ulp). */
 INLINE void lion_update(const lion_scalars *s, float *x, float scale, int flags) {
     const float g = x[GRAD] * s->grad_scale;
     const float c = g * s->one_minus_beta1 + x[LION_EXP_AVG] * s->beta1;      /* β1·m + (1−β1)·g */
-    x[PARAM] = x[PARAM] * s->decay_mul - s->lr * sign(c);                      /* decay_mul = 1 − lr·wd */
+    x[PARAM] = fmaf(x[PARAM], s->decay_mul, -s->lr * sign(c));                 /* decay_mul = 1 − lr·wd */
     x[LION_EXP_AVG] = g * s->one_minus_beta2 + x[LION_EXP_AVG] * s->beta2;    /* m = β2·m + (1−β2)·g */
 }
 
@@ -583,7 +584,7 @@ INLINE void muon_momentum_update(const muon_momentum_scalars *s, float *x, float
    walk() updates one chunk of one tensor for any algorithm: dense, each element with its own
    second moment; rows (c = 1), the subsets' sums of q², then their elements; columns, the same
    column by column. 8-bit states are opened and closed block by block around the elements. It is
-   specialised (always-inline) for the kernel, the param dtype, stochastic rounding, the flags and
+   specialised (always-inline) for the kernel, the param dtype, its rounding, the flags and
    the states' format, all compile-time constants, so every branch on them below folds away. The
    kernel is an index, by which the walk calls its algorithm's functions. */
 
@@ -620,7 +621,9 @@ typedef struct { int table, reduced, needs; } Role;
 #define ROLE_OF(name, NAME) if (kernel == KERNEL_##NAME) {                                                \
         static const int tables[] = NAME##_TABLES, reduced[] = NAME##_REDUCED, needs[] = NAME##_NEEDS;      \
         return (Role){tables[row - FIRST_STATE], reduced[row - FIRST_STATE], needs[row - FIRST_STATE]}; }
+#define REMAINDER_OF(name, NAME) if (kernel == KERNEL_##NAME) return NAME##_REMAINDER;
 INLINE int states_end(int kernel) { FOR_EACH_KERNEL(STATES_END_OF) return FIRST_STATE; }
+INLINE int remainder_row(int kernel) { FOR_EACH_KERNEL(REMAINDER_OF) return 0; }
 INLINE Role role(int kernel, int row) { FOR_EACH_KERNEL(ROLE_OF) return (Role){0}; }
 
 /* For each state row r of a kernel: unrolled, so that each state is its own variables. */
@@ -646,16 +649,51 @@ typedef struct {
     State states[FIRST_STATE + MAX_STATES];
     void *param;
     const void *grad;
+    void *remainder;  /* the param's master remainder (int8 or int16), under REMAINDER8 or REMAINDER16 */
     uint32_t seed;
     int64_t t;
 } Tensor;
 
+/* How a bf16 param holds its fp32 value (fastoptim/states/master.py): rounded to nearest even or
+   stochastically, or beside an 8- or 16-bit remainder, which the param's bits shifted up plus the
+   remainder (shifted by the bits it drops) make the fp32 master. */
+enum { NEAREST, STOCHASTIC, REMAINDER8, REMAINDER16 };
+#define DROPPED_BITS 8  /* the low bits of the 16-bit difference that an 8-bit remainder drops */
+
+INLINE float load_param(const Tensor *T, int64_t i, int dtype, int rounding) {
+    if (rounding < REMAINDER8) return load(T->param, i, dtype);
+    const int32_t low = rounding == REMAINDER16 ? ((const int16_t *)T->remainder)[i]
+                                                : ((const int8_t *)T->remainder)[i] * (1 << DROPPED_BITS);
+    const uint32_t bits = ((uint32_t)((const uint16_t *)T->param)[i] << 16) + (uint32_t)low;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+/* The fp32 result back into the param: rounded (store), or split into the param, the master's bits
+   rounded to nearest with ties away from zero, and the remainder, their signed difference (for 8
+   bits its top 8, rounded, at most 127). A NaN goes to the param with a zero remainder. */
+INLINE void store_param(Tensor *T, int64_t i, float x, int dtype, int rounding) {
+    if (rounding < REMAINDER8) {
+        store(T->param, i, x, dtype, rounding == STOCHASTIC, T->seed, T->t);
+        return;
+    }
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    const uint32_t top = (bits + 0x8000u) & 0xffff0000u;
+    const int32_t difference = (int32_t)(bits - top);
+    const int32_t kept = (difference + (1 << (DROPPED_BITS - 1))) >> DROPPED_BITS;
+    ((uint16_t *)T->param)[i] = isnan(x) ? (uint16_t)((bits >> 16) | 0x40u) : (uint16_t)(top >> 16);
+    if (rounding == REMAINDER16) ((int16_t *)T->remainder)[i] = isnan(x) ? 0 : (int16_t)difference;
+    else ((int8_t *)T->remainder)[i] = isnan(x) ? 0 : (int8_t)(kept < 127 ? kept : 127);
+}
+
 /* Element i: its values into x, its second moment's update when it has its own (dense) and else
    the scale of its subset's, the algorithm's update, and the values back. */
-INLINE void update_element(int kernel, Tensor *T, int64_t i, float scale, int dense, int dtype, int stochastic,
+INLINE void update_element(int kernel, Tensor *T, int64_t i, float scale, int dense, int dtype, int rounding,
                            int flags, int states) {
     float x[FIRST_STATE + MAX_STATES] = {0};
-    x[PARAM] = load(T->param, i, dtype);
+    x[PARAM] = load_param(T, i, dtype, rounding);
     x[GRAD] = load(T->grad, i, dtype);
     EACH_STATE(kernel, r) if (per_element(kernel, r, flags, !dense)) x[r] = get(&T->states[r], i, states);
     if (dense) {
@@ -664,7 +702,7 @@ INLINE void update_element(int kernel, Tensor *T, int64_t i, float scale, int de
     }
     update(kernel, &T->s, x, scale, flags);
     EACH_STATE(kernel, r) if (per_element(kernel, r, flags, !dense)) put(&T->states[r], i, x[r], states);
-    store(T->param, i, x[PARAM], dtype, stochastic, T->seed, T->t);
+    store_param(T, i, x[PARAM], dtype, rounding);
 }
 
 /* q of element i for the subset sums, before the element's update: from its grad and the states
@@ -699,14 +737,14 @@ enum { DENSE, ROWS, COLUMNS };  /* how update_elements finds an element's second
    each with its own second moment; ROWS, subset k's elements [k·b, (k+1)·b) with its scale;
    COLUMNS, rows of c elements, each with the scale of its column's. */
 INLINE void update_elements(int kernel, Tensor *T, int64_t from, int64_t to, int64_t b, int64_t c, int layout,
-                            int dtype, int stochastic, int flags, int states) {
+                            int dtype, int rounding, int flags, int states) {
     const int subsets = layout != DENSE;
     for (int64_t i0 = from, i1; i0 < to; i0 = i1) {
         i1 = block_end(i0, to, states);
         EACH_STATE(kernel, r) if (per_element(kernel, r, flags, subsets)) open_block(&T->states[r], i0, i1, states);
         if (!subsets) {
             IVDEP for (int64_t i = i0; i < i1; i++)
-                update_element(kernel, T, i, 0, 1, dtype, stochastic, flags, states);
+                update_element(kernel, T, i, 0, 1, dtype, rounding, flags, states);
         } else {
             const int64_t size = layout == ROWS ? b : c;  /* the block cut into subsets, or into rows */
             for (int64_t k = i0 / size; k * size < i1; k++) {
@@ -714,10 +752,10 @@ INLINE void update_elements(int kernel, Tensor *T, int64_t from, int64_t to, int
                 if (layout == ROWS) {
                     const float scale = subset_scale(kernel, T, k, flags);
                     IVDEP for (int64_t i = first; i < last; i++)
-                        update_element(kernel, T, i, scale, 0, dtype, stochastic, flags, states);
+                        update_element(kernel, T, i, scale, 0, dtype, rounding, flags, states);
                 } else {
                     IVDEP for (int64_t i = first; i < last; i++)
-                        update_element(kernel, T, i, subset_scale(kernel, T, i - k * c, flags), 0, dtype, stochastic,
+                        update_element(kernel, T, i, subset_scale(kernel, T, i - k * c, flags), 0, dtype, rounding,
                                        flags, states);
                 }
             }
@@ -727,18 +765,18 @@ INLINE void update_elements(int kernel, Tensor *T, int64_t from, int64_t to, int
 }
 
 /* ``states``: the format of the param-shaped states (see the top of the file). */
-INLINE void walk(int kernel, const Work *w, int64_t t, int64_t start, int64_t count, int dtype, int stochastic,
+INLINE void walk(int kernel, const Work *w, int64_t t, int64_t start, int64_t count, int dtype, int rounding,
                  int flags, int states) {
     float blocks[MAX_STATES][BLOCK];
     Tensor T = {.s = scalars_of(kernel, w, t), .param = row(w, PARAM, t), .grad = row(w, GRAD, t),
-                .seed = (uint32_t)scalar(w, SEED, t), .t = t};
+                .remainder = row(w, remainder_row(kernel), t), .seed = (uint32_t)scalar(w, SEED, t), .t = t};
     EACH_STATE(kernel, r)  /* the rows of the states' block maxima follow the states' */
         if (kept(kernel, r, flags))
             T.states[r] = (State){row(w, r, t), row(w, r - FIRST_STATE + states_end(kernel), t), role(kernel, r).table,
                                   blocks[r - FIRST_STATE], 0};
     const int64_t b = layout(w, t, SUBSET_ROWS), c = layout(w, t, SUBSET_COLUMNS), end = start + count;
     if (b == 1) {                                           /* dense: each element its own second moment */
-        update_elements(kernel, &T, start, end, b, c, DENSE, dtype, stochastic, flags, states);
+        update_elements(kernel, &T, start, end, b, c, DENSE, dtype, rounding, flags, states);
         return;
     }
     if (c == 1) {                                           /* rows: subset k is elements [k·b, (k+1)·b) */
@@ -750,7 +788,7 @@ INLINE void walk(int kernel, const Work *w, int64_t t, int64_t start, int64_t co
             }
             subset_moments(kernel, &T, k, sum, SUBSET, flags);
         }
-        update_elements(kernel, &T, start, end, b, c, ROWS, dtype, stochastic, flags, states);
+        update_elements(kernel, &T, start, end, b, c, ROWS, dtype, rounding, flags, states);
         return;
     }
     /* columns: the chunk's elements / b of b rows; under Q8 all c of them (the chunk plan makes
@@ -764,7 +802,7 @@ INLINE void walk(int kernel, const Work *w, int64_t t, int64_t start, int64_t co
     IVDEP for (int64_t j = j0; j < j1; j++) subset_moments(kernel, &T, j, 0, COLUMN_END, flags);
     for (int64_t r = 0; r < (states == Q8 ? 1 : b); r++)
         update_elements(kernel, &T, states == Q8 ? 0 : r * c + j0, states == Q8 ? b * c : r * c + j1, b, c, COLUMNS,
-                        dtype, stochastic, flags, states);
+                        dtype, rounding, flags, states);
 }
 
 /* The trivial-math twin of Adan's traffic (6 reads, 5 writes of fp32): the bandwidth it reaches
@@ -817,11 +855,13 @@ INLINE void scale_body(const Work *w, int64_t t, int64_t start, int64_t count, i
 #define CHUNK(k) const int64_t t = w->chunks[4 * k], s = w->chunks[4 * k + 1], c = w->chunks[4 * k + 2]
 #define WALK_CHUNK(NAME, KERNEL, DTYPE, SR, FLAGS) VECTORISED static void NAME(const Work *w, int64_t k) { \
     CHUNK(k); BY_STATES(w, t, walk, KERNEL, w, t, s, c, DTYPE, SR, FLAGS) }
-#define VARIANT_CHUNKS(name, NAME, variant, FLAGS)                          \
-    WALK_CHUNK(name##_##variant##_fp32, KERNEL_##NAME, FP32, 0, FLAGS)      \
-    WALK_CHUNK(name##_##variant##_bf16, KERNEL_##NAME, BF16, 0, FLAGS)      \
-    WALK_CHUNK(name##_##variant##_bf16_sr, KERNEL_##NAME, BF16, 1, FLAGS)   \
-    WALK_CHUNK(name##_##variant##_fp16, KERNEL_##NAME, FP16, 0, FLAGS)
+#define VARIANT_CHUNKS(name, NAME, variant, FLAGS)                                   \
+    WALK_CHUNK(name##_##variant##_fp32, KERNEL_##NAME, FP32, NEAREST, FLAGS)         \
+    WALK_CHUNK(name##_##variant##_bf16, KERNEL_##NAME, BF16, NEAREST, FLAGS)         \
+    WALK_CHUNK(name##_##variant##_bf16_sr, KERNEL_##NAME, BF16, STOCHASTIC, FLAGS)   \
+    WALK_CHUNK(name##_##variant##_bf16_r8, KERNEL_##NAME, BF16, REMAINDER8, FLAGS)   \
+    WALK_CHUNK(name##_##variant##_bf16_r16, KERNEL_##NAME, BF16, REMAINDER16, FLAGS) \
+    WALK_CHUNK(name##_##variant##_fp16, KERNEL_##NAME, FP16, NEAREST, FLAGS)
 #define KERNEL_CHUNKS(name, NAME) NAME##_VARIANTS(VARIANT_CHUNKS, name, NAME)
 FOR_EACH_KERNEL(KERNEL_CHUNKS)
 VECTORISED static void probe_fp32(const Work *w, int64_t k) { CHUNK(k); probe_body(w, t, s, c); }
@@ -920,10 +960,10 @@ static int run(ChunkFn chunk, const int64_t *pointers, int64_t n_tensors, const 
     return 0;
 }
 
-static ChunkFn pick(ChunkFn fp32, ChunkFn bf16, ChunkFn bf16_sr, ChunkFn fp16, int32_t dtype, int32_t flags) {
+static ChunkFn pick(ChunkFn fp32, ChunkFn bf16, ChunkFn fp16, int32_t dtype) {
     switch (dtype) {
         case FP32: return fp32;
-        case BF16: return flags & STOCHASTIC_ROUNDING ? bf16_sr : bf16;
+        case BF16: return bf16;
         case FP16: return fp16;
         default: return NULL;
     }
@@ -933,8 +973,10 @@ static ChunkFn pick(ChunkFn fp32, ChunkFn bf16, ChunkFn bf16_sr, ChunkFn fp16, i
    variants are refused, as a dtype without a kernel is) and its dtype. */
 #define PICK_VARIANT(name, NAME, variant, FLAGS)                                                          \
     if ((flags & ~STOCHASTIC_ROUNDING) == (FLAGS))                                                      \
-        chunk = pick(name##_##variant##_fp32, name##_##variant##_bf16, name##_##variant##_bf16_sr,      \
-                     name##_##variant##_fp16, dtype, flags);
+        chunk = dtype == BF16_R8 ? name##_##variant##_bf16_r8                                            \
+              : dtype == BF16_R16 ? name##_##variant##_bf16_r16                                          \
+              : pick(name##_##variant##_fp32, flags & STOCHASTIC_ROUNDING ? name##_##variant##_bf16_sr       \
+                     : name##_##variant##_bf16, name##_##variant##_fp16, dtype);
 #define ENTRY_POINT(name, NAME)                                                                           \
     int fastoptim_##name(const int64_t *pointers, int64_t n_tensors, const int64_t *chunks, int64_t chunk_begin, \
                          int64_t chunk_end, const int64_t *layouts, const Scalar *scalars, int32_t dtype,         \
@@ -954,13 +996,13 @@ int fastoptim_probe(const int64_t *pointers, int64_t n_tensors, const int64_t *c
 /* ``inf``: the largest magnitude, else the sum of squares, of each chunk into partials[chunk]. */
 int fastoptim_grad_norm(const int64_t *pointers, int64_t n_tensors, const int64_t *chunks, int64_t n_chunks,
                         int32_t dtype, int32_t inf, double *partials, int32_t n_threads) {
-    ChunkFn chunk = inf ? pick(norm_inf_fp32, norm_inf_bf16, norm_inf_bf16, norm_inf_fp16, dtype, 0)
-                        : pick(norm2_fp32, norm2_bf16, norm2_bf16, norm2_fp16, dtype, 0);
+    ChunkFn chunk = inf ? pick(norm_inf_fp32, norm_inf_bf16, norm_inf_fp16, dtype)
+                        : pick(norm2_fp32, norm2_bf16, norm2_fp16, dtype);
     return run(chunk, pointers, n_tensors, chunks, 0, n_chunks, NULL, NULL, partials, n_threads);
 }
 
 int fastoptim_scale_grads(const int64_t *pointers, int64_t n_tensors, const int64_t *chunks, int64_t n_chunks,
                           int32_t dtype, const float *factor, int32_t n_threads) {
-    ChunkFn chunk = pick(scale_fp32, scale_bf16, scale_bf16, scale_fp16, dtype, 0);
+    ChunkFn chunk = pick(scale_fp32, scale_bf16, scale_fp16, dtype);
     return run(chunk, pointers, n_tensors, chunks, 0, n_chunks, NULL, NULL, (void *)factor, n_threads);
 }

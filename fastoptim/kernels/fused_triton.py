@@ -2,7 +2,8 @@
 
 A launch reads two device tables, built once per bucket and cached (``fastoptim.multi_tensor``):
 - ``pointers``: int64 data pointers, one row per role in the algorithm's ``KernelSpec.rows`` order
-  (param, grad, each state, then each state's block maxima), one column per tensor. A program loads
+  (param, grad, each state, each state's block maxima, then the params' master remainders), one
+  column per tensor. A program loads
   the addresses it needs from it, so the launch takes three pointers whatever the number of
   tensors: no 4 KB argument limit, and no copy of addresses per step.
 - ``work``: one row per program, ``WORK_COLUMNS`` int64s: a tensor, its chunk (first element and
@@ -34,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..specs import ABSMAX
+from ..specs import ABSMAX, REMAINDER
 from ..states import blockwise8
 
 WORK_COLUMNS = tl.constexpr(6)
@@ -99,13 +100,59 @@ def _random_bits(seed, t, index):
     return h
 
 
+# How a param holds its fp32 value (ROUNDING, as the C kernels' rounding): rounded to nearest (even),
+# STOCHASTIC (bf16), or a bf16 param beside a master remainder of 8 or 16 bits (fastoptim/states/master.py).
+NEAREST, STOCHASTIC, REMAINDER8, REMAINDER16 = (tl.constexpr(i) for i in (0, 1, 8, 16))
+# The low bits of the 16-bit difference that an 8-bit remainder drops: their count, and 2 to its power
+DROPPED_BITS, DROPPED_UNIT = tl.constexpr(8), tl.constexpr(256)
+
+
 @triton.jit
-def _store_param(pointer, index, value, mask, seed, t, STOCHASTIC: tl.constexpr):
-    """The param's fp32 result into its dtype: to nearest even, or for bf16 with STOCHASTIC, up with
-    probability equal to the dropped fraction, with the C kernels' random bits."""
-    if STOCHASTIC and pointer.dtype.element_ty == tl.bfloat16:
-        value = _round_bf16(value, _random_bits(seed, t, index) >> 16)  # exact in bf16: _store keeps it
-    _store(pointer, index, value, mask)
+def _param_stream(pointers, n_tensors, PARAM: tl.constexpr, REMAINDER_ROW: tl.constexpr, t, PARAM_TYPE: tl.constexpr,
+                  ROUNDING: tl.constexpr):
+    """The param's data and its master remainder's (0 where it keeps none), declared as _stream does."""
+    remainder = 0
+    if ROUNDING == REMAINDER16:
+        remainder = _stream(pointers, n_tensors, REMAINDER_ROW, t, tl.int16)
+    elif ROUNDING == REMAINDER8:
+        remainder = _stream(pointers, n_tensors, REMAINDER_ROW, t, tl.int8)
+    return _stream(pointers, n_tensors, PARAM, t, PARAM_TYPE), remainder
+
+
+@triton.jit
+def _load_param(param, index, mask, ROUNDING: tl.constexpr):
+    """The param's fp32 value: its bits shifted up plus the remainder (shifted by the bits it drops)."""
+    if ROUNDING < REMAINDER8:
+        value = _load(param[0], index, mask)
+    else:
+        low = tl.load(param[1] + index, mask=mask).to(tl.int32)
+        if ROUNDING == REMAINDER8:
+            low = low * DROPPED_UNIT
+        high = tl.load(param[0] + index, mask=mask).to(tl.uint16, bitcast=True).to(tl.uint32) << 16
+        value = (high + low.to(tl.uint32, bitcast=True)).to(tl.float32, bitcast=True)
+    return value
+
+
+@triton.jit
+def _store_param(param, index, value, mask, seed, t, ROUNDING: tl.constexpr):
+    """The param's fp32 result into its dtype: to nearest even, or for bf16 STOCHASTIC, up with
+    probability equal to the dropped fraction, with the C kernels' random bits; or split into the
+    param, the bits rounded to nearest with ties away from zero, and the remainder, their signed
+    difference (for 8 bits its top 8, rounded, at most 127). A NaN goes to the param, with a zero remainder."""
+    if ROUNDING < REMAINDER8:
+        if ROUNDING == STOCHASTIC and param[0].dtype.element_ty == tl.bfloat16:
+            value = _round_bf16(value, _random_bits(seed, t, index) >> 16)  # exact in bf16: _store keeps it
+        _store(param[0], index, value, mask)
+    else:
+        bits = value.to(tl.uint32, bitcast=True)
+        top = (bits + 0x8000) & 0xFFFF0000
+        nan = value != value
+        difference = tl.where(nan, 0, (bits - top).to(tl.int32, bitcast=True))
+        high = tl.where(nan, (bits >> 16) | 0x40, top >> 16).to(tl.uint16)
+        tl.store(param[0] + index, high.to(tl.bfloat16, bitcast=True), mask=mask)
+        if ROUNDING == REMAINDER8:
+            difference = tl.minimum((difference + DROPPED_UNIT // 2) >> DROPPED_BITS, 127)
+        tl.store(param[1] + index, difference.to(param[1].dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -288,7 +335,7 @@ def _moments_scale(moments, moments_absmax, index, mask, block, x, S, K: tl.cons
 @triton.jit
 def _tile(param, grad, states, states_absmax, moments, moments_absmax, reduced, index, mask, block, b, c, S, seed, t,
           K: tl.constexpr, F: tl.constexpr, STATES: tl.constexpr, MOMENTS: tl.constexpr, TERMS: tl.constexpr,
-          SECOND_MOMENTS: tl.constexpr, STEP_SCALE: tl.constexpr, UPDATE: tl.constexpr, STOCHASTIC: tl.constexpr,
+          SECOND_MOMENTS: tl.constexpr, STEP_SCALE: tl.constexpr, UPDATE: tl.constexpr, ROUNDING: tl.constexpr,
           REDUCED_MOMENTS: tl.constexpr):
     """The elements ``index`` (``mask`` None: all of them): a tile of a dense chunk, or 8-bit block
     number ``block`` (its states' block maxima in ``*_absmax``; None for a dense tile). With
@@ -308,9 +355,9 @@ def _tile(param, grad, states, states_absmax, moments, moments_absmax, reduced, 
                                    SECOND_MOMENTS, STEP_SCALE)
     else:
         scale = 0
-    p, values = UPDATE(_load(param, index, mask), terms, values, scale, S, K, F)
+    p, values = UPDATE(_load_param(param, index, mask, ROUNDING), terms, values, scale, S, K, F)
     _store_states(states, states_absmax, STATES, index, mask, block, values)
-    _store_param(param, index, p, mask, seed, t, STOCHASTIC)
+    _store_param(param, index, p, mask, seed, t, ROUNDING)
 
 
 @triton.jit
@@ -335,7 +382,7 @@ def _subset_sums(grad, states, states_absmax, reduced, start, count, b, c, S, K:
 @triton.jit
 def _subset_updates(param, grad, states, reduced, start, count, b, c, S, seed, t, K: tl.constexpr, F: tl.constexpr,
                     STATES: tl.constexpr, MOMENTS: tl.constexpr, TERMS: tl.constexpr, STEP_SCALE: tl.constexpr,
-                    UPDATE: tl.constexpr, STOCHASTIC: tl.constexpr):
+                    UPDATE: tl.constexpr, ROUNDING: tl.constexpr):
     """After ``_subset_sums``: the elements of the chunk's subsets (fp32 or bf16 states)."""
     last = (start + count) // b
     for first in range(start // b, last, SUBSET_TILE):
@@ -344,18 +391,18 @@ def _subset_updates(param, grad, states, reduced, start, count, b, c, S, seed, t
         for j in range(0, b, MEMBER_TILE):
             index, mask = _subset_tile(subsets, last, j, b, c)
             values = _load_states(states, None, STATES, index, mask, None)
-            p, values = UPDATE(_load(param, index, mask), TERMS(_load(grad, index, mask), values, S, K, F), values,
-                               scale, S, K, F)
+            p, values = UPDATE(_load_param(param, index, mask, ROUNDING), TERMS(_load(grad, index, mask), values, S,
+                               K, F), values, scale, S, K, F)
             _store_states(states, None, STATES, index, mask, None, values)
-            _store_param(param, index, p, mask, seed, t, STOCHASTIC)
+            _store_param(param, index, p, mask, seed, t, ROUNDING)
 
 
 @triton.jit
 def step_kernel(pointers, n_tensors, work, scalars, scalar_stride, TERMS: tl.constexpr,
                 SECOND_MOMENTS: tl.constexpr, STEP_SCALE: tl.constexpr, UPDATE: tl.constexpr, K: tl.constexpr,
                 F: tl.constexpr, PARAM: tl.constexpr, GRAD: tl.constexpr, STATES: tl.constexpr,
-                MOMENTS: tl.constexpr, PARAM_TYPE: tl.constexpr, STATE_TYPE: tl.constexpr,
-                STOCHASTIC: tl.constexpr, SUBSETS: tl.constexpr):
+                MOMENTS: tl.constexpr, REMAINDER_ROW: tl.constexpr, PARAM_TYPE: tl.constexpr,
+                STATE_TYPE: tl.constexpr, ROUNDING: tl.constexpr, SUBSETS: tl.constexpr):
     """One chunk of an algorithm's step per program (see the module docstring and ``_variant``).
     SUBSETS: the bucket holds subset-norm tensors (compiles their path). STATE_TYPE uint8: 8-bit
     states, with the ``half`` ones in bf16."""
@@ -365,7 +412,7 @@ def step_kernel(pointers, n_tensors, work, scalars, scalar_stride, TERMS: tl.con
     S = scalars + t * scalar_stride * len(K)
     if tl.load(S + K.found_inf) == 0:  # else GradScaler found an inf: skip the step
         seed = tl.load(S + K.seed).to(tl.uint32)
-        param = _stream(pointers, n_tensors, PARAM, t, PARAM_TYPE)
+        param = _param_stream(pointers, n_tensors, PARAM, REMAINDER_ROW, t, PARAM_TYPE, ROUNDING)  # and remainder
         grad = _stream(pointers, n_tensors, GRAD, t, PARAM_TYPE)
         states = _state_pointers(pointers, n_tensors, STATES, t, STATE_TYPE)
         moments = _state_pointers(pointers, n_tensors, MOMENTS, t, STATE_TYPE)
@@ -381,14 +428,14 @@ def step_kernel(pointers, n_tensors, work, scalars, scalar_stride, TERMS: tl.con
                 index = first + tl.arange(0, BLOCK8)
                 _tile(param, grad, states, states_absmax, moments, moments_absmax, reduced, index,
                       index < start + count, first // BLOCK8, b, c, S, seed, t, K, F, STATES, MOMENTS, TERMS,
-                      SECOND_MOMENTS, STEP_SCALE, UPDATE, STOCHASTIC, True)
+                      SECOND_MOMENTS, STEP_SCALE, UPDATE, ROUNDING, True)
         else:
             if SUBSETS:
                 if b != 1:
                     _subset_sums(grad, states, None, reduced, start, count, b, c, S, K, F, STATES, MOMENTS, TERMS,
                                  SECOND_MOMENTS)
                     _subset_updates(param, grad, states, reduced, start, count, b, c, S, seed, t, K, F, STATES,
-                                    MOMENTS, TERMS, STEP_SCALE, UPDATE, STOCHASTIC)
+                                    MOMENTS, TERMS, STEP_SCALE, UPDATE, ROUNDING)
             # A dense chunk: full tiles of 16-byte aligned streams with no mask (128-bit accesses: the
             # pointers are declared aligned where they are loaded, see _stream), then the rest with a mask.
             dense = tl.where(b == 1, count, 0)
@@ -396,11 +443,11 @@ def step_kernel(pointers, n_tensors, work, scalars, scalar_stride, TERMS: tl.con
             for offset in range(0, full, BLOCK):
                 index = tl.multiple_of(start + offset, BLOCK) + tl.arange(0, BLOCK)
                 _tile(param, grad, states, None, moments, None, reduced, index, None, None, b, c, S, seed, t, K, F,
-                      STATES, MOMENTS, TERMS, SECOND_MOMENTS, STEP_SCALE, UPDATE, STOCHASTIC, False)
+                      STATES, MOMENTS, TERMS, SECOND_MOMENTS, STEP_SCALE, UPDATE, ROUNDING, False)
             for offset in range(full, dense, BLOCK):
                 index = start + offset + tl.arange(0, BLOCK)
                 _tile(param, grad, states, None, moments, None, reduced, index, index < start + dense, None, b, c, S,
-                      seed, t, K, F, STATES, MOMENTS, TERMS, SECOND_MOMENTS, STEP_SCALE, UPDATE, STOCHASTIC, False)
+                      seed, t, K, F, STATES, MOMENTS, TERMS, SECOND_MOMENTS, STEP_SCALE, UPDATE, ROUNDING, False)
 
 
 # --- the math the algorithms share, with scalars named by their position in a row ------------
@@ -615,37 +662,43 @@ def _variant(spec, flags):
     return dict(TERMS=algorithm.terms, SECOND_MOMENTS=algorithm.second_moments, STEP_SCALE=algorithm.step_scale,
                 UPDATE=algorithm.update, K=scalars(*range(len(spec.all_scalars))),
                 F=feature_flags(*(flags[name] for name in spec.flags)), PARAM=rows.index("param"),
-                GRAD=rows.index("grad"), STATES=slots([role for role in spec.roles if not role.reduced]),
+                GRAD=rows.index("grad"), REMAINDER_ROW=rows.index(REMAINDER),
+                STATES=slots([role for role in spec.roles if not role.reduced]),
                 MOMENTS=slots([role for role in spec.roles if role.reduced]))
 
 
-def _options(spec, param_dtype, state_dtype, stochastic, subsets, flags):
-    """The compile-time arguments of a kernel variant (``flags``: name to bool, a missing one off)."""
+def _options(spec, param_dtype, state_dtype, stochastic, subsets, flags, remainder_bits=0):
+    """The compile-time arguments of a kernel variant (``flags``: name to bool, a missing one off;
+    ``remainder_bits``: 8 or 16 for bf16 params beside master remainders, else 0)."""
     flags = flags or {}
     unknown = set(flags) - set(spec.flags)
     if unknown:
         raise ValueError(f"kernel spec {spec.name!r} has no flags {sorted(unknown)}")
     variant = _variant(spec, tuple((name, bool(flags.get(name, False))) for name in spec.flags))
-    return variant | dict(PARAM_TYPE=TYPES[param_dtype], STATE_TYPE=TYPES[state_dtype], STOCHASTIC=bool(stochastic),
+    rounding = {8: REMAINDER8, 16: REMAINDER16}[remainder_bits] if remainder_bits else (
+        STOCHASTIC if stochastic else NEAREST)
+    return variant | dict(PARAM_TYPE=TYPES[param_dtype], STATE_TYPE=TYPES[state_dtype], ROUNDING=rounding,
                           SUBSETS=bool(subsets) and bool(spec.reduced))
 
 
 def launch(spec, pointers, n_tensors, work, scalars, param_dtype, state_dtype, *, stochastic=False, subsets=False,
-           flags=None):
+           flags=None, remainder_bits=0):
     """Run ``spec``'s algorithm with one program per row of ``work`` (device tensors, see the module
     docstring); ``scalars`` holds one row per tensor, or one shared row. ``flags``: the spec's
-    feature flags (name: bool; a missing one is off)."""
-    options = _options(spec, param_dtype, state_dtype, stochastic, subsets, flags)
+    feature flags (name: bool; a missing one is off). ``remainder_bits``: 8 or 16 where the bf16
+    params keep master remainders (their row: the table's last)."""
+    options = _options(spec, param_dtype, state_dtype, stochastic, subsets, flags, remainder_bits)
     step_kernel[(len(work),)](pointers, n_tensors, work, scalars, int(scalars.shape[0] > 1), **options,
                               num_warps=NUM_WARPS)
 
 
-def compile_for(capability, spec, param_dtype, state_dtype, *, stochastic=False, subsets=False, flags=None):
+def compile_for(capability, spec, param_dtype, state_dtype, *, stochastic=False, subsets=False, flags=None,
+                remainder_bits=0):
     """Compile a kernel variant ahead of time for a CUDA GPU of compute ``capability`` (80: A100,
     90: H100), with no GPU present: its ``asm`` holds the PTX and the cubin."""
     from triton.backends.compiler import GPUTarget
 
-    options = _options(spec, param_dtype, state_dtype, stochastic, subsets, flags)
+    options = _options(spec, param_dtype, state_dtype, stochastic, subsets, flags, remainder_bits)
     signature = dict(pointers="*i64", n_tensors="i32", work="*i64", scalars="*fp32", scalar_stride="i32")
     source = triton.compiler.ASTSource(fn=step_kernel, signature=signature | dict.fromkeys(options, "constexpr"),
                                        constexprs=options)

@@ -22,8 +22,9 @@ def _spec(spec):
     tables = ["BF16_VALUES" if role.half else "SIGNED" if role.signed else "UNSIGNED" for role in spec.roles]
     needs = [f"{prefix}{role.when.upper()}" if role.when else "0" for role in spec.roles]
     lines = [
-        f"/* {spec.name}: rows param, grad, {', '.join(spec.states)}, then each state's block maxima */",
+        f"/* {spec.name}: rows param, grad, {', '.join(spec.states)}, each state's block maxima, the remainders */",
         _enum(states + [prefix + "states_end"], "FIRST_STATE"),
+        f"enum {{ {prefix}REMAINDER = {len(spec.rows) - 1} }};",
         _enum([prefix + name for name in spec.scalars], "COMMON_SCALARS"),
     ]
     if spec.flags:
@@ -44,6 +45,9 @@ def c_header(specs):
         "/* Generated from the kernel specs (fastoptim/specs.py, each optimizer's SPEC) by\n"
         "   `python -m fastoptim.kernels.header`: do not edit. tests/test_specs.py checks it. */",
         "enum { PARAM, GRAD, FIRST_STATE };  /* the first rows of every pointer table */",
+        "/* element formats: of params FP32, BF16, FP16, and a bf16 param beside its 8- or 16-bit master\n"
+        "   remainder (BF16_R8, BF16_R16: fastoptim/states/master.py); of states FP32, BF16 and Q8 (8-bit codes) */\n"
+        "enum { FP32, BF16, FP16, Q8, BF16_R8, BF16_R16 };",
         _enum(COMMON_SCALARS + ("common_scalars",)) + "  /* every kernel's first scalars */",
         f"enum {{ STOCHASTIC_ROUNDING = {STOCHASTIC_ROUNDING} }};  /* every kernel's first flag bit */",
         f"enum {{ MAX_STATES = {max(len(spec.states) for spec in specs)} }};  /* the most states of any kernel */",

@@ -57,8 +57,8 @@ using torch::stable::Tensor;
 typedef int (*KernelFn)(const int64_t *, int64_t, const int64_t *, int64_t, int64_t, const int64_t *,
                         const Scalar *, int32_t, int32_t, int32_t);
 
-struct Kernel { const char *name; KernelFn run; };
-#define KERNEL_ENTRY(name, NAME) {#name, fastoptim_##name},
+struct Kernel { const char *name; KernelFn run; int64_t n_rows; };  // its table's rows: up to its remainders'
+#define KERNEL_ENTRY(name, NAME) {#name, fastoptim_##name, NAME##_REMAINDER + 1},
 const Kernel KERNELS[] = {FOR_EACH_KERNEL(KERNEL_ENTRY)};
 #undef KERNEL_ENTRY
 
@@ -126,19 +126,30 @@ struct Layout {
     }
 };
 
-// A grad fits its param when it has the param's dtype, device, sizes and the strides of every dim of
-// more than one element (a size-1 dim's stride is free): then it is walked as the param is, from
-// ``pointer`` (0 for an empty one, which is never read).
-bool fits(const Tensor &grad, const Layout &param, int64_t *pointer) {
-    if (!grad.defined()) return false;
-    const Read r(grad);
-    if (r.dtype != param.dtype || !param.on_device_of(r) || r.dim != static_cast<int64_t>(param.sizes.size()))
-        return false;
+// Whether a tensor is walked as ``param`` is: on its device, with its sizes and the strides of every
+// dim of more than one element (a size-1 dim's stride is free).
+bool walked_as(const Read &r, const Layout &param) {
+    if (!param.on_device_of(r) || r.dim != static_cast<int64_t>(param.sizes.size())) return false;
     for (int64_t d = 0; d < r.dim; d++)
         if (r.sizes[d] != param.sizes[d] || (!param.empty && r.sizes[d] != 1 && r.strides[d] != param.strides[d]))
             return false;
+    return true;
+}
+
+// A grad fits its param when it has the param's dtype and is walked as the param is, from ``pointer``
+// (0 for an empty one, which is never read).
+bool fits(const Tensor &grad, const Layout &param, int64_t *pointer) {
+    if (!grad.defined()) return false;
+    const Read r(grad);
+    if (r.dtype != param.dtype || !walked_as(r, param)) return false;
     *pointer = param.empty ? 0 : reinterpret_cast<int64_t>(r.data);
     return true;
+}
+
+// The element format of bf16 params beside master remainders of shim dtype code ``dtype`` (int8:
+// BF16_R8, int16: BF16_R16), or -1.
+int32_t remainder_format(int32_t dtype) {
+    return dtype == aoti_torch_dtype_int8() ? BF16_R8 : dtype == aoti_torch_dtype_int16() ? BF16_R16 : -1;
 }
 
 int64_t address(const Tensor &t) { return t.numel() ? reinterpret_cast<int64_t>(t.data_ptr()) : 0; }
@@ -265,7 +276,8 @@ struct Locked {
 };
 
 /* Bind ``held`` (row ``rows[k]`` of the table holds tensors held[k * n_tensors ...], in tensor order;
-   row 0 holds the params, and row GRAD is left to the calls), the chunk table and the layouts
+   row 0 holds the params, row GRAD is left to the calls, and the last row, n_rows - 1, holds the master
+   remainders of bf16 params where they keep them: fastoptim/specs.py), the chunk table and the layouts
    ([tensor][3] int64, or None for all dense fp32) to CPU kernel ``kernel``, or with "" to none (the
    tensors may then be on any device). Returns the handle. */
 int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> rows, int64_t n_tensors,
@@ -276,6 +288,8 @@ int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> 
                     op, ": held must be the params' row, then other rows, n_tensors each");
     auto table = std::make_shared<Bound>();
     table->run = kernel.empty() ? nullptr : kernel_named(kernel).run;
+    STD_TORCH_CHECK(kernel.empty() || n_rows == kernel_named(kernel).n_rows, op, ": the ", kernel, " kernel reads ",
+                    kernel.empty() ? 0 : kernel_named(kernel).n_rows, " rows of pointers, not ", n_rows);
     const Read first(held[0]);
     table->dtype = kernel_dtype(first.dtype);
     STD_TORCH_CHECK(table->dtype >= 0, op, ": no kernel for the params' dtype");
@@ -289,10 +303,18 @@ int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> 
         for (int64_t t = 0; t < n_tensors; t++) {
             const Tensor &tensor = held[k * n_tensors + t];
             STD_TORCH_CHECK(!table->run || tensor.is_cpu(), op, ": tensor ", t, " of row ", rows[k], " is not on the CPU");
-            table->layouts_then.emplace_back(Read(tensor));
+            const Read read(tensor);
+            table->layouts_then.emplace_back(read);
             if (k == 0) {
                 numels[t] = tensor.numel();
-                STD_TORCH_CHECK(table->layouts_then.back().dtype == first.dtype, op, ": the params mix dtypes");
+                STD_TORCH_CHECK(read.dtype == first.dtype, op, ": the params mix dtypes");
+            } else if (rows[k] == n_rows - 1) {  // the remainders: the params are read beside them
+                const int32_t format = remainder_format(read.dtype);
+                STD_TORCH_CHECK(first.dtype == aoti_torch_dtype_bfloat16() && format >= 0
+                                    && (t == 0 || format == table->dtype) && walked_as(read, table->layouts_then[t]),
+                                op, ": the master remainders must be int8 or int16 tensors, one dtype for all, each ",
+                                "walked as its bf16 param");
+                table->dtype = format;
             }
             table->pointers[rows[k] * n_tensors + t] = address(tensor);
         }

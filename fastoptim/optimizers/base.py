@@ -39,7 +39,7 @@ COMMON_ARGS = """\
         master_bits: for bf16 params, the bits of the fp32 value the optimizer updates: 16 (the
             param alone), 24 (an 8-bit remainder beside it in the state, ``master_remainder``) or 32
             (a 16-bit remainder: the exact fp32 master, at 2 bytes per element instead of a 4-byte
-            copy). See fastoptim.states.master; no fused kernel keeps the remainders yet.
+            copy), which the fused kernels read and write in their one pass. See fastoptim.states.master.
         state_bits: 32 (fp32 states), 16 (bf16) or 8 (8-bit blockwise codes beside their block
             maxima, for params of 4096+ elements). State dicts convert between formats on load.
         shard_group: the process group whose ranks each hold a partition of the model's params (as

@@ -13,7 +13,9 @@ split this way (the optimizers refuse fp16 params with ``master_bits`` above 16)
 """
 import torch
 
-KEY = "master_remainder"
+from ..specs import REMAINDER
+
+KEY = REMAINDER  # the state-dict key, and the role of the kernels' table row
 DTYPES = {32: torch.int16, 24: torch.int8}
 BITS = (16, 24, 32)
 _HALF = 1 << 15  # added to the bits before their top half is taken: rounds to nearest, ties away from zero

@@ -2,6 +2,7 @@
 declares ``NAME``, ``DEVICE_TYPES`` (the device types it is picked for), ``SPLITS_FORMATS`` (its
 kernels are compiled for one state format, so each format gets a table of its own),
 ``CHECKS_NATIVELY`` (its calls check every tensor's pointer and layout, so Python need not),
+``REMAINDERS`` (its kernels read and write bf16 params' master remainders; else those take foreach),
 ``CLIPS`` (it has the clip's kernels, ``grad_norm_partials(grads, chunks, inf)`` and
 ``scale_grads(grads, chunks, factor)``, which answer ``TAKEN``, ``PLAN_STALE`` (a chunk plan made
 for other grads) or another status when they cannot take the grads and changed nothing),

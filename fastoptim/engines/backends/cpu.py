@@ -10,6 +10,7 @@ DEVICE_TYPES = ("cpu",)
 SPLITS_FORMATS = False  # the C kernel reads each tensor's state format from its layout row
 CLIPS = True  # it has the clip's kernels, which check the grads themselves: grad_norm_partials, scale_grads
 CHECKS_NATIVELY = True  # a call refuses a moved tensor or an unfit grad: Python checks no layout per step
+REMAINDERS = True  # it reads and writes bf16 params' master remainders (master_bits 24 and 32)
 
 
 def available():

@@ -10,6 +10,7 @@ import torch
 
 from ...kernels import fused_cpu
 from ...multi_tensor import PointerTable, data_pointers
+from ...states import master
 
 try:
     from ...kernels import fused_triton
@@ -23,6 +24,7 @@ DEVICE_TYPES = ("cuda",)
 SPLITS_FORMATS = True  # a kernel is compiled for one state dtype
 CLIPS = False  # the clip runs torch's foreach ops on CUDA tensors
 CHECKS_NATIVELY = fused_cpu.AVAILABLE  # else the step work and the engine check the tensors in Python
+REMAINDERS = True  # it reads and writes bf16 params' master remainders (master_bits 24 and 32)
 
 
 def available():
@@ -62,10 +64,12 @@ def scalars(values, names, rows, table, device):
 
 class Table(NamedTuple):
     """A table as the launches read it: its pointer table, which is sent to the device, the native
-    binding of its tensors (None without the native library), which checks them, and its params."""
+    binding of its tensors (None without the native library), which checks them, its params, and the
+    bits of their master remainders (0: none)."""
     pointers: PointerTable
     native: "fused_cpu.BoundTable | None"
     params: list
+    remainder_bits: int
 
 
 class Launch(NamedTuple):
@@ -82,8 +86,9 @@ class Launch(NamedTuple):
 
 def bind(spec, tensors, table):
     """The pointer table, and its params, states and block maxima bound to native code."""
+    remainders = tensors.get(master.KEY)
     return Table(table, fused_cpu.BoundTable(spec, tensors, table, runs=False) if CHECKS_NATIVELY else None,
-                 tensors["param"])
+                 tensors["param"], 0 if remainders is None else remainders[0].element_size() * 8)
 
 
 def launch(spec, bound, grads, per_tensor, state_format, values, flags, stochastic):
@@ -119,4 +124,5 @@ def _run(launch, grad_pointers):
     for first, last in ranges:
         fused_triton.launch(launch.spec, pointers, n_tensors, work[first:last], array, table.dtype,
                             launch.state_format.dtype, stochastic=launch.stochastic,
+                            remainder_bits=launch.table.remainder_bits,
                             subsets=bool((table.subsets > 1).any()), flags=launch.flags)
