@@ -57,6 +57,13 @@ RECIPES = {
                                   dtype=torch.bfloat16),
     "adamw-bf16-sr-8bit": Recipe(fastoptim.AdamW, 1e-3, 0.1, options={"stochastic_rounding": True, "state_bits": 8},
                                  dtype=torch.bfloat16),
+    # Lion's paper: an lr 3-10x below AdamW's and a weight decay as much above (the low end: 3x); and its lean states
+    "lion": Recipe(fastoptim.Lion, 3e-4, 0.3),
+    "lion-bf16-m24-8bit": Recipe(fastoptim.Lion, 3e-4, 0.3, options={"master_bits": 24, "state_bits": 8},
+                                 dtype=torch.bfloat16),
+    # Adan's lean states: its previous gradient stays bf16 beside the 8-bit moments
+    "adan-bf16-m24-8bit": Recipe(fastoptim.Adan, 5e-3, 0.02, options={"master_bits": 24, "state_bits": 8},
+                                 dtype=torch.bfloat16),
     # Keller Jordan's Muon (lr 0.02, momentum 0.95, Nesterov) on the hidden matrices; the embeddings, head,
     # biases and norms on nanoGPT's AdamW recipe (its char model's betas), as his MuonWithAuxAdam pairs them
     "muon": Recipe(fastoptim.Muon, 0.02, 0.0, companions=MUON_COMPANIONS),
