@@ -98,6 +98,16 @@ def subset_layouts(tensors):
     return np.array(layouts, dtype=np.int64).reshape(-1, 2)
 
 
+def sent_to(values, device):
+    """``values`` (a numpy array or a list of numbers) as a tensor on ``device``, sent without waiting
+    for the work queued there: to a GPU from pinned memory, asynchronously (a copy from pageable
+    memory waits until the stream has run everything before it, which stalls the host each step)."""
+    tensor = torch.from_numpy(np.array(values))
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def data_pointers(tensors):
     """The tensors' data pointers (0 for None)."""
     return np.fromiter((0 if t is None else t.data_ptr() for t in tensors), dtype=np.int64, count=len(tensors))
@@ -149,12 +159,11 @@ class PointerTable:
         tensor = self.chunks[:, 0]
         work = np.column_stack([self.chunks[:, :3], self.subsets[tensor], aligned[tensor]]).astype(np.int64)
         if not same_device:
-            self.on_device = (self.pointers.copy(), work, torch.tensor(self.pointers, device=device),
-                              torch.tensor(work, device=device))
+            self.on_device = (self.pointers.copy(), work, sent_to(self.pointers, device), sent_to(work, device))
         else:
             sent[0][:] = self.pointers
-            sent[2].copy_(torch.from_numpy(self.pointers))
+            sent[2].copy_(sent_to(self.pointers, device))
             if not np.array_equal(sent[1], work):
                 sent[1][:] = work
-                sent[3].copy_(torch.from_numpy(work))
+                sent[3].copy_(sent_to(work, device))
         return self.on_device[2], self.on_device[3]

@@ -415,3 +415,24 @@ def test_master_bits_32_is_the_fp32_run_bit_for_bit_in_triton(info, engine, devi
     and sn: the kernel's own fp32 run, bit for bit (tests/test_master_bits.py: the 8-bit remainder)."""
     test_master_bits.assert_master_is_the_fp32_run(info.cls, [(64, 80), (5000,), (7,)], 3, device, lr=1e-2,
                                                    **FUSED[engine], **info.variant())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA test")
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=str)
+def test_a_cuda_step_never_waits_for_the_gpu(info):
+    """With an lr that changes every step and grads made afresh (new scalars, maybe new pointers), a
+    step sends its scalars and tables from pinned memory: nothing in it waits for the GPU's queued
+    work (a copy from pageable memory did, at each step of a learning-rate schedule)."""
+    params = [torch.nn.Parameter(torch.randn(shape, device="cuda")) for shape in [(64, 80), (5000,), (7,)]]
+    optimizer = info.cls(params, lr=1e-3, fused=True)
+    for step in range(4):
+        for param in params:
+            param.grad = torch.randn_like(param)
+        for group in optimizer.param_groups:
+            group["lr"] = 1e-3 * (step + 1)
+        if step > 0:  # the first step makes the states and compiles the kernels
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            optimizer.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)

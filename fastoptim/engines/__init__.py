@@ -4,9 +4,10 @@ only in how they walk the tensors."""
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-import torch
+import numpy as np
 from torch import Tensor
 
+from ..multi_tensor import sent_to
 from ..specs import KernelSpec
 from . import amp, backends, foreach, fused, loop
 
@@ -61,9 +62,11 @@ class Plan:
         if tensors is None:
             tensors = {role: [values[i] for i in owners] for role, values in self.tensors.items()}
             absmax = {role: [values[i] for i in owners] for role, values in self.absmax.items()}
-        index = torch.tensor(owners, dtype=torch.long, device=self.tensors["param"][0].device)
-        return replace(self, tensors=tensors, absmax=absmax, cache={}, sum_group=None,
-                       args={k: v[index] if k in self.per_tensor else v for k, v in self.args.items()})
+        args = self.args
+        if self.per_tensor & args.keys():
+            index = sent_to(np.array(owners, dtype=np.int64), self.tensors["param"][0].device)
+            args = {k: v[index] if k in self.per_tensor else v for k, v in args.items()}
+        return replace(self, tensors=tensors, absmax=absmax, cache={}, sum_group=None, args=args)
 
 
 ENGINES = {"loop": loop.run, "foreach": foreach.run, "fused-single": fused.run_single, "fused-multi": fused.run_multi}

@@ -6,10 +6,11 @@ does for the C kernel, whose tables it runs too), so a step checks no tensor in 
 import os
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from ...kernels import fused_cpu
-from ...multi_tensor import PointerTable, data_pointers
+from ...multi_tensor import PointerTable, data_pointers, sent_to
 from ...states import master
 
 try:
@@ -53,7 +54,7 @@ def scalars(values, names, rows, table, device):
     tensors = [isinstance(values[n], torch.Tensor) for n in names]
     numbers = tuple(0.0 if tensor else float(values[n]) for n, tensor in zip(names, tensors))
     if table.numbers is None or table.numbers[0] != numbers:
-        table.numbers = numbers, torch.tensor(numbers, device=device)
+        table.numbers = numbers, sent_to(np.array(numbers, dtype=np.float32), device)
     if not any(tensors):
         return table.numbers[1][None]
     rows = rows if any(values[n].dim() == 1 for n, tensor in zip(names, tensors) if tensor) else 1
