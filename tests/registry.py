@@ -25,7 +25,9 @@ class OptimizerInfo:
     the options every optimizer takes. ``kernel_takes_matrices``: False where its fused kernel reads
     and writes buffers of its own in place of a matrix param (Muon's momentum half writes fresh
     directions), so a matrix's layout never sends it to foreach. ``param_dtypes``: those of its params
-    on which every engine agrees with the loop engine to an ulp of the param."""
+    on which every engine agrees with the loop engine to an ulp of the param. ``batches_matrices``: its
+    foreach and fused engines multiply the matrices of one shape as one batch, which cuBLAS rounds
+    apart from one matrix at a time for some shapes (docs/optimizers.md), on CUDA only."""
 
     cls: type
     exact_betas: tuple
@@ -34,6 +36,7 @@ class OptimizerInfo:
     own_options: dict = field(default_factory=dict)
     kernel_takes_matrices: bool = True
     param_dtypes: tuple = (torch.float32, torch.bfloat16, torch.float16)
+    batches_matrices: bool = False
 
     @property
     def name(self):
@@ -102,6 +105,7 @@ MuonWithCompanions.__signature__ = inspect.signature(fastoptim.Muon)  # what the
 
 MUON = OptimizerInfo(MuonWithCompanions, exact_betas=ADAMW.exact_betas, second_moment=False,
                      own_options=dict(nesterov=False, adjust_lr_fn="match_rms_adamw"), kernel_takes_matrices=False,
+                     batches_matrices=True,
                      # an fp16 direction rounds to fp16, then bf16, on the fused engines (as in torch.optim.Muon), and
                      # once on the loop engine, whose direction stays fp32: the iterations move an element by 2 ulps
                      param_dtypes=(torch.float32, torch.bfloat16))
