@@ -15,7 +15,8 @@ MIN_COLUMNS = 64  # a column chunk reads its rows in runs of at least 256 bytes 
 # On the CPU, a column chunk reads its rows twice (the sums, then the update) and is best as whole
 # rows: strips of 64 to 1536 of GPT-2's 3072 columns made an sn step 1.7-2.9x slower than whole rows
 # (short runs defeat the prefetchers and DRAM pages). Only tensors past this size are cut, so threads
-# share them. A GPU program is one chunk: there, column chunks stay chunk-sized, for parallelism.
+# share them. A GPU program is one chunk: there, column chunks stay chunk-sized, for parallelism. Each
+# backend says which it takes (its COLUMN_NUMEL).
 CPU_COLUMN_CHUNK_NUMEL = 1 << 22
 
 
@@ -57,7 +58,8 @@ def disjoint(tensors):
         (n - 1) * s for n, s in zip(t.shape, t.stride()))) for t in tensors])
 
 
-def chunk_plan(numels, layouts=None, chunk_numel=CHUNK_NUMEL, blocks=None, column_numel=CHUNK_NUMEL):
+def chunk_plan(numels, layouts=None, chunk_numel=CHUNK_NUMEL, blocks=None, column_numel=CHUNK_NUMEL,
+               block_columns=False):
     """Rows (tensor, first element, element count, elements in all rows before) covering every
     tensor in chunks of about ``chunk_numel`` elements, and each tensor's first row (one more entry
     than tensors). The running count lets a kernel give each thread an equal share.
@@ -68,7 +70,9 @@ def chunk_plan(numels, layouts=None, chunk_numel=CHUNK_NUMEL, blocks=None, colum
 
     ``blocks`` (one per tensor; None: all 1) makes a tensor's chunks hold whole blocks of that many
     row-major elements, as its 8-bit states need: runs of blocks, runs of whole subsets of a whole
-    number of blocks, or all columns (the rows of a column run are not whole blocks)."""
+    number of blocks, or all columns (the rows of a column run are not whole blocks); with
+    ``block_columns``, where its rows are whole blocks, runs of a whole number of blocks of columns
+    (each row's part of the run is then whole blocks: a kernel that walks it row by row may take it)."""
     numels = np.asarray(numels, dtype=np.int64)
     if layouts is None:
         layouts = np.ones((len(numels), 2), dtype=np.int64)
@@ -78,7 +82,9 @@ def chunk_plan(numels, layouts=None, chunk_numel=CHUNK_NUMEL, blocks=None, colum
     units = numels // unit
     per_chunk = np.maximum(np.where(columns, column_numel, chunk_numel) // unit, np.where(columns, MIN_COLUMNS, 1))
     whole_blocks = blocks // np.gcd(unit, blocks)  # units per block boundary
-    per_chunk = np.where(columns & (blocks > 1), np.maximum(units, 1), -(-per_chunk // whole_blocks) * whole_blocks)
+    block_runs = columns & (blocks > 1) & block_columns & (units % blocks == 0)  # columns in runs of blocks
+    per_chunk = np.where(block_runs, -(-per_chunk // blocks) * blocks,
+                         np.where(columns & (blocks > 1), np.maximum(units, 1), -(-per_chunk // whole_blocks) * whole_blocks))
     counts = -(-units // per_chunk)  # empty tensors get no chunk
     first_chunk = np.concatenate([[0], np.cumsum(counts)])
     tensor = np.repeat(np.arange(len(numels)), counts)
@@ -122,9 +128,10 @@ class PointerTable:
 
     ``layouts`` holds each tensor's subset-norm (b, c) and its ``state_formats`` entry (a kernel's
     code for the format of its states; None: all 0), or is None when all of it is (1, 1, 0).
-    ``blocks`` is passed on to :func:`chunk_plan`."""
+    ``blocks``, ``column_numel`` and ``block_columns`` are passed on to :func:`chunk_plan`."""
 
-    def __init__(self, tensors, roles, state_formats=None, blocks=None):
+    def __init__(self, tensors, roles, state_formats=None, blocks=None, column_numel=CHUNK_NUMEL,
+                 block_columns=False):
         self.roles = roles
         self.dtype, self.device = tensors["param"][0].dtype, tensors["param"][0].device
         self.pointers = np.zeros((len(roles), len(tensors["param"])), dtype=np.int64)
@@ -136,9 +143,8 @@ class PointerTable:
         self.layouts = np.ascontiguousarray(np.column_stack([subsets, formats]), dtype=np.int64)
         if not (subsets > 1).any() and not formats.any():
             self.layouts = None
-        column_numel = CPU_COLUMN_CHUNK_NUMEL if self.device.type == "cpu" else CHUNK_NUMEL  # one device: a bucket
         self.chunks, self.first_chunk = chunk_plan([t.numel() for t in tensors["param"]], subsets, blocks=blocks,
-                                                   column_numel=column_numel)
+                                                   column_numel=column_numel, block_columns=block_columns)
         self.subsets = subsets
         self.on_device = None  # (pointers, work) as sent to the device, and the device tensors
         self.numbers = None  # the Triton engine's plain scalars as sent to the device: (values, tensor)

@@ -10,6 +10,7 @@ import torch
 
 import fastoptim
 
+from fastoptim.engines.backends import cpu, triton
 from fastoptim.multi_tensor import CHUNK_NUMEL, CPU_COLUMN_CHUNK_NUMEL, MIN_COLUMNS, PointerTable
 
 from . import oracle
@@ -209,15 +210,17 @@ def test_the_fused_kernel_takes_subset_norm_states_and_matches_the_loop_engine(c
                 torch.testing.assert_close(fused.state[a][key], value, rtol=1e-4, atol=1e-6 * float(value.abs().max()))
 
 
-def test_the_cpu_plan_cuts_column_subsets_in_whole_rows_and_a_gpu_plan_in_chunk_sized_strips():
-    """A (768, 3072) column-subset param (GPT-2's c_fc): one CPU chunk of all its rows and columns; on
-    the meta device (as on a GPU, where a chunk is one program) strips of CHUNK_NUMEL // 768 columns,
-    at least MIN_COLUMNS."""
-    for device, columns in (("cpu", 3072), ("meta", max(CHUNK_NUMEL // 768, MIN_COLUMNS))):
-        param, state = torch.zeros(1, 768, 3072, device=device), torch.zeros(1, 1, 3072, device=device)
-        table = PointerTable({"param": [param], "exp_avg_sq": [state]}, ("param", "exp_avg_sq"))
-        assert table.chunks[:, 2].tolist() == [768 * columns] * (3072 // columns)
-        assert table.chunks[:, 1].tolist() == [768 * columns * k for k in range(3072 // columns)]
+@pytest.mark.parametrize("backend, blocks, columns", [
+    (cpu, 1, 3072), (triton, 1, max(CHUNK_NUMEL // 768, MIN_COLUMNS)), (cpu, 256, 3072), (triton, 256, 256)])
+def test_the_cpu_plan_cuts_column_subsets_in_whole_rows_and_a_gpu_plan_in_chunk_sized_strips(backend, blocks, columns):
+    """A (768, 3072) column-subset param (GPT-2's c_fc): one CPU chunk of all its rows and columns; for
+    the Triton kernels (a chunk is one program) strips of CHUNK_NUMEL // 768 columns, at least
+    MIN_COLUMNS, and with 8-bit states (blocks of 256) strips of whole blocks of columns."""
+    param, state = torch.zeros(1, 768, 3072, device="meta"), torch.zeros(1, 1, 3072, device="meta")
+    table = PointerTable({"param": [param], "exp_avg_sq": [state]}, ("param", "exp_avg_sq"), blocks=[blocks],
+                         column_numel=backend.COLUMN_NUMEL, block_columns=backend.BLOCK_COLUMNS)
+    assert table.chunks[:, 2].tolist() == [768 * columns] * (3072 // columns)
+    assert table.chunks[:, 1].tolist() == [768 * columns * k for k in range(3072 // columns)]
 
 
 # --- what the partitions refuse ---------------------------------------------------------------------

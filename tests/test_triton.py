@@ -438,3 +438,20 @@ def test_a_cuda_step_never_waits_for_the_gpu(info):
             optimizer.step()
         finally:
             torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.Adan])
+def test_8_bit_column_subsets_in_runs_of_whole_blocks_match_the_loop_engine(cls, device, launches, monkeypatch):
+    """A column-subset param whose rows are whole 256-element blocks (24 × 768) with 8-bit states: the
+    kernel takes it in three runs of 256 columns, each program walking its rows' segments (on an H200,
+    one program per such tensor made GPT-2 124M's step 12× slower); the loop engine's results."""
+    monkeypatch.setattr("fastoptim.engines.backends.triton.COLUMN_NUMEL", 24 * 256)  # a chunk of 256 of its 24-row columns
+    engines = FUSED | {"loop": LOOP}
+    runs, optimizers = steps_in_lockstep(
+        lambda params, engine: cls([{"params": params[:1], "sn": True}, {"params": params[1:]}], lr=0.01,
+                                   state_bits=8, **engines[engine]), [(24, 768), (5000,)], torch.float32, device,
+        FUSED)
+    state = optimizers["fused-multi"].state[runs["fused-multi"][0]]
+    assert state["exp_avg"].dtype == torch.uint8 and state["exp_avg_sq"].shape == (1, 768)  # 8-bit, per column
+    assert max(programs for _, _, programs in launches) == 3

@@ -153,7 +153,7 @@ class Tables:
             part = {role: [t[i] for i in indices] for role, t in tensors.items()}
             part |= {role + ABSMAX: [values[i] for i in indices] for role, values in absmax.items()}
             table = PointerTable(part, spec.rows, [formats[i].kernel_code for i in indices],
-                                 [formats[i].block for i in indices])
+                                 [formats[i].block for i in indices], backend.COLUMN_NUMEL, backend.BLOCK_COLUMNS)
             index = None if len(indices) == len(formats) else torch.tensor(indices, device=tensors["param"][0].device)
             self.tables.append((indices, index, backend.bind(spec, part, table), table_format))
         self.grad_strides = list(map(torch.Tensor.stride, tensors["grad"]))

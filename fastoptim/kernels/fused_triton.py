@@ -424,11 +424,17 @@ def step_kernel(pointers, n_tensors, work, scalars, scalar_stride, TERMS: tl.con
                 if b != 1:
                     _subset_sums(grad, states, states_absmax, reduced, start, count, b, c, S, K, F, STATES, MOMENTS,
                                  TERMS, SECOND_MOMENTS)
-            for first in range(start, start + count, BLOCK8):  # the chunk plan cuts 8-bit chunks at blocks
-                index = first + tl.arange(0, BLOCK8)
-                _tile(param, grad, states, states_absmax, moments, moments_absmax, reduced, index,
-                      index < start + count, first // BLOCK8, b, c, S, seed, t, K, F, STATES, MOMENTS, TERMS,
-                      SECOND_MOMENTS, STEP_SCALE, UPDATE, ROUNDING, True)
+            # The chunk plan cuts 8-bit chunks at blocks: a run of whole blocks, or a run of columns of a
+            # tensor whose rows are whole blocks, walked as its rows' segments [r·c + j0, r·c + j1).
+            segments = (c > 1) & (c % BLOCK8 == 0)
+            length = tl.where(segments, count // b, count)
+            for r in range(0, tl.where(segments, b, 1)):
+                base = tl.where(segments, r * c + start // b, start)
+                for offset in range(0, length, BLOCK8):
+                    index = base + offset + tl.arange(0, BLOCK8)
+                    _tile(param, grad, states, states_absmax, moments, moments_absmax, reduced, index,
+                          offset + tl.arange(0, BLOCK8) < length, (base + offset) // BLOCK8, b, c, S, seed, t, K, F,
+                          STATES, MOMENTS, TERMS, SECOND_MOMENTS, STEP_SCALE, UPDATE, ROUNDING, True)
         else:
             if SUBSETS:
                 if b != 1:

@@ -4,6 +4,7 @@ states and checks them and the grads at every call (``fused_cpu.BoundTable``).""
 import torch
 
 from ...kernels import fused_cpu
+from ...multi_tensor import CPU_COLUMN_CHUNK_NUMEL
 
 NAME = "cpu"
 DEVICE_TYPES = ("cpu",)
@@ -11,6 +12,8 @@ SPLITS_FORMATS = False  # the C kernel reads each tensor's state format from its
 CLIPS = True  # it has the clip's kernels, which check the grads themselves: grad_norm_partials, scale_grads
 CHECKS_NATIVELY = True  # a call refuses a moved tensor or an unfit grad: Python checks no layout per step
 REMAINDERS = True  # it reads and writes bf16 params' master remainders (master_bits 24 and 32)
+COLUMN_NUMEL = CPU_COLUMN_CHUNK_NUMEL  # a column-subset chunk: whole rows, which stream best from DRAM
+BLOCK_COLUMNS = False  # its walk reads an 8-bit column-subset tensor whole, all its columns in one chunk
 
 
 def available():

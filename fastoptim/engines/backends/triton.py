@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ...kernels import fused_cpu
-from ...multi_tensor import PointerTable, data_pointers, sent_to
+from ...multi_tensor import CHUNK_NUMEL, PointerTable, data_pointers, sent_to
 from ...states import master
 
 try:
@@ -26,6 +26,8 @@ SPLITS_FORMATS = True  # a kernel is compiled for one state dtype
 CLIPS = False  # the clip runs torch's foreach ops on CUDA tensors
 CHECKS_NATIVELY = fused_cpu.AVAILABLE  # else the step work and the engine check the tensors in Python
 REMAINDERS = True  # it reads and writes bf16 params' master remainders (master_bits 24 and 32)
+COLUMN_NUMEL = CHUNK_NUMEL  # a column-subset chunk: one program's share, for the GPU's parallelism
+BLOCK_COLUMNS = True  # a program takes a run of whole blocks of columns (a GPU needs the parallelism)
 
 
 def available():
