@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from fastoptim.kernels import fused_cpu
+from fastoptim.specs import declared_specs
+from fastoptim.states import master
 from fastoptim.step_cache import ParamState
 
 from .registry import OPTIMIZERS
@@ -338,3 +340,12 @@ def test_a_library_that_cannot_be_loaded_leaves_the_fused_engine_to_foreach_with
                             cwd=Path(__file__).parent.parent, env=dict(os.environ, FASTOPTIM_NATIVE_LIBRARY=str(broken)))
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["False", "1", "1"]
+
+
+def test_the_library_reads_each_specs_rows():
+    """A library built from other specs would read rows that a table lacks: each kernel's row count is
+    the spec's (the remainders' row last), and a library without kernel_rows (older than the remainders'
+    row) is not loaded at all (fused_cpu._load)."""
+    for spec in declared_specs():
+        assert torch.ops.fastoptim.kernel_rows(spec.name) == len(spec.rows) and spec.rows[-1] == master.KEY
+    assert torch.ops.fastoptim.kernel_rows("no such kernel") == -1

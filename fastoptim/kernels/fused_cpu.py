@@ -50,6 +50,12 @@ def _load():
                       f"({error}); the fused CPU engine is unavailable and its steps take the foreach engine. "
                       "Reinstall fastoptim against this torch (pip install --no-build-isolation).")
         return None
+    if not hasattr(torch.ops.fastoptim, "kernel_rows"):  # a newer library's bind checks each kernel's rows
+        warnings.warn(f"fastoptim: the native library {path} was built from older sources than this fastoptim "
+                      "(its pointer tables lack rows that this one's kernels take); the fused CPU engine is "
+                      "unavailable and its steps take the foreach engine. Rebuild it: pip install "
+                      "--no-build-isolation -e . (or python setup.py build_ext --inplace).")
+        return None
     return path
 
 

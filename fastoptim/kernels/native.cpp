@@ -78,6 +78,14 @@ int32_t kernel_dtype(int32_t dtype) {
     return found == codes + 3 ? -1 : static_cast<int32_t>(found - codes);
 }
 
+// The rows of kernel ``kernel``'s pointer table as this library was built (fused_cpu_specs.h), or -1 for no
+// such kernel. Python compares them with its specs: a library built from other sources is not used.
+int64_t kernel_rows(std::string kernel) {
+    for (const Kernel &k : KERNELS)
+        if (kernel == k.name) return k.n_rows;
+    return -1;
+}
+
 int32_t threads() { return static_cast<int32_t>(torch::stable::get_num_threads()); }
 
 // A tensor's pointer, dtype, device type, sizes and strides, read through the C shim directly: the
@@ -551,6 +559,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(fastoptim, m) {
     m.def("bind(str kernel, Tensor[] held, int[] rows, int n_tensors, int n_rows, int n_scalars, Tensor chunks, "
           "Tensor? layouts) -> int");
     m.def("unbind(int handle) -> ()");
+    m.def("kernel_rows(str kernel) -> int");
     m.def("bound_step(int[] handles, Tensor[] grads, float[] numbers, Tensor[] tensor_scalars, int[] slots, int[] flags, "
           "int[] per_tensor) -> int");
     m.def("check_bound(int[] handles, Tensor[] grads, Tensor(a!) grad_pointers) -> int");
@@ -566,6 +575,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(fastoptim, m) {
 STABLE_TORCH_LIBRARY_IMPL(fastoptim, CompositeExplicitAutograd, m) {
     m.impl("bind", TORCH_BOX(&bind));
     m.impl("unbind", TORCH_BOX(&unbind));
+    m.impl("kernel_rows", TORCH_BOX(&kernel_rows));
     m.impl("bound_step", TORCH_BOX(&bound_step));
     m.impl("check_bound", TORCH_BOX(&check_bound));
     m.impl("grad_norm_partials", TORCH_BOX(&grad_norm_partials));
