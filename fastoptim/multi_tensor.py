@@ -104,14 +104,17 @@ def subset_layouts(tensors):
     return np.array(layouts, dtype=np.int64).reshape(-1, 2)
 
 
-def sent_to(values, device):
-    """``values`` (a numpy array or a list of numbers) as a tensor on ``device``, sent without waiting
-    for the work queued there: to a GPU from pinned memory, asynchronously (a copy from pageable
-    memory waits until the stream has run everything before it, which stalls the host each step)."""
+def staged(values, device):
+    """``values`` (a numpy array or a list of numbers) as a CPU tensor that a copy to ``device`` need
+    not wait for: pinned for a GPU, so the copy is asynchronous (a copy from pageable memory waits
+    until the stream has run everything before it, which stalls the host each step)."""
     tensor = torch.from_numpy(np.array(values))
-    if torch.device(device).type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.pin_memory() if torch.device(device).type == "cuda" else tensor
+
+
+def sent_to(values, device):
+    """``values`` as a tensor on ``device``, sent from :func:`staged` memory."""
+    return staged(values, device).to(device, non_blocking=True)
 
 
 def data_pointers(tensors):
@@ -168,8 +171,8 @@ class PointerTable:
             self.on_device = (self.pointers.copy(), work, sent_to(self.pointers, device), sent_to(work, device))
         else:
             sent[0][:] = self.pointers
-            sent[2].copy_(sent_to(self.pointers, device))
+            sent[2].copy_(staged(self.pointers, device), non_blocking=True)
             if not np.array_equal(sent[1], work):
                 sent[1][:] = work
-                sent[3].copy_(sent_to(work, device))
+                sent[3].copy_(staged(work, device), non_blocking=True)
         return self.on_device[2], self.on_device[3]

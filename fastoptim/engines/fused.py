@@ -80,8 +80,6 @@ def _split(tensors, spec, backend):
     """Indices of the tensors (``tensors``: role to one tensor per param) that ``backend``'s kernel
     takes, with their states' formats, and those left to the foreach engine with the first reason."""
     remainders = tensors.get(master.KEY)
-    if remainders is not None and all(remainder is None for remainder in remainders):  # an fp32 bucket's
-        remainders = None
     if remainders is not None and not backend.REMAINDERS:
         return [], [], list(range(len(tensors["param"]))), f"the {backend.NAME} kernels keep no master_bits remainders"
     state_roles = [role for role in tensors if role not in ("param", "grad", master.KEY)]
@@ -102,7 +100,7 @@ def _split(tensors, spec, backend):
 def split(tensors, spec):
     """Indices of the tensors (``tensors``: role to one tensor per param) that their device's kernel
     takes, those left to the foreach engine, and why: a traced step's split, decided before tracing."""
-    if any(remainder is not None for remainder in tensors.get(master.KEY, ())):  # the step ops take none
+    if master.KEY in tensors:  # the step ops take no remainders
         return [], list(range(len(tensors["param"]))), "a compiled step's kernels keep no master_bits remainders"
     taken, _, left, reason = _split(tensors, spec, backends.for_device(tensors["param"][0].device))
     return taken, left, reason

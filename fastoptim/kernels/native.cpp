@@ -62,11 +62,11 @@ struct Kernel { const char *name; KernelFn run; int64_t n_rows; };  // its table
 const Kernel KERNELS[] = {FOR_EACH_KERNEL(KERNEL_ENTRY)};
 #undef KERNEL_ENTRY
 
-const Kernel &kernel_named(const std::string &name) {
+// The kernel named ``name``, or null.
+const Kernel *find_kernel(const std::string &name) {
     for (const Kernel &kernel : KERNELS)
-        if (name == kernel.name) return kernel;
-    STD_TORCH_CHECK(false, "fastoptim: no fused CPU kernel named ", name);
-    return KERNELS[0];  // not reached
+        if (name == kernel.name) return &kernel;
+    return nullptr;
 }
 
 // The kernels' element format (fused_cpu.c's FP32, BF16, FP16) of a tensor of shim dtype code
@@ -81,9 +81,8 @@ int32_t kernel_dtype(int32_t dtype) {
 // The rows of kernel ``kernel``'s pointer table as this library was built (fused_cpu_specs.h), or -1 for no
 // such kernel. Python compares them with its specs: a library built from other sources is not used.
 int64_t kernel_rows(std::string kernel) {
-    for (const Kernel &k : KERNELS)
-        if (kernel == k.name) return k.n_rows;
-    return -1;
+    const Kernel *found = find_kernel(kernel);
+    return found ? found->n_rows : -1;
 }
 
 int32_t threads() { return static_cast<int32_t>(torch::stable::get_num_threads()); }
@@ -295,9 +294,11 @@ int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> 
                         && !rows.empty() && rows[0] == PARAM,
                     op, ": held must be the params' row, then other rows, n_tensors each");
     auto table = std::make_shared<Bound>();
-    table->run = kernel.empty() ? nullptr : kernel_named(kernel).run;
-    STD_TORCH_CHECK(kernel.empty() || n_rows == kernel_named(kernel).n_rows, op, ": the ", kernel, " kernel reads ",
-                    kernel.empty() ? 0 : kernel_named(kernel).n_rows, " rows of pointers, not ", n_rows);
+    const Kernel *named = kernel.empty() ? nullptr : find_kernel(kernel);
+    STD_TORCH_CHECK(kernel.empty() || named, op, ": no fused CPU kernel named ", kernel);
+    STD_TORCH_CHECK(!named || n_rows == named->n_rows, op, ": the ", kernel, " kernel reads ",
+                    named ? named->n_rows : 0, " rows of pointers, not ", n_rows);
+    table->run = named ? named->run : nullptr;
     const Read first(held[0]);
     table->dtype = kernel_dtype(first.dtype);
     STD_TORCH_CHECK(table->dtype >= 0, op, ": no kernel for the params' dtype");

@@ -68,6 +68,12 @@ def _grads_pattern(params):
     return tuple(i for i, param in enumerate(params) if param.grad is not None)
 
 
+def _keeps_no_remainders(tensors):
+    """Whether a bucket's ``tensors`` (role to one tensor per param) hold the remainders' role with
+    none in it: a group with master_bits keeps them for its bf16 params, and a bucket has one dtype."""
+    return master.KEY in tensors and tensors[master.KEY][0] is None
+
+
 def count_after(count, increment, lr):
     """This step's count, ``count + increment``, for the step's scalars (bias corrections), which
     need float64: a Python float where all of it lives on the host (a CPU ``count``, a number
@@ -315,6 +321,8 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                 cache = entry.bucket_caches.setdefault(bucket_index, {})  # made here, not by the traced step
                 if fused:
                     part = {role: [values[i] for i in bucket] for role, values in tensors.items()}
+                    if _keeps_no_remainders(part):
+                        del part[master.KEY]
                     cache["traced split"] = engines.fused.split(part, algorithm.spec)
 
     def _traced_group_work(self, entry, group):
@@ -430,7 +438,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                             warn_fallback=group["fused"] is True, absmax=entry.absmax, batch=batch)
         for index, (bucket, reduce_group) in enumerate(entry.buckets):
             part = plan if len(bucket) == len(entry.params) else plan.subset(bucket)
-            if master.KEY in part.tensors and part.tensors[master.KEY][0] is None:  # not bf16: no remainders
+            if _keeps_no_remainders(part.tensors):
                 part = part.without(master.KEY)
             part.cache = entry.bucket_caches.setdefault(index, {})
             algorithm.run(entry.engine, part, reduce_group)

@@ -171,7 +171,7 @@ def run_muon_bucket(engine: str, part: engines.Plan, reduce_group=None) -> None:
         raise engines.fused.Unbatched
     momentum_engine = engine if kernel else "foreach"
     if reduce_group is None:
-        for piece in foreach.slices(part.tensors["param"], foreach.MATRIX_SLICE_NUMEL):
+        for piece in foreach.slices(part.tensors["param"], foreach.slice_numel(part.spec)):
             run_in_three_parts(momentum_engine, part.subset(range(piece.start, piece.stop)), None)
     else:
         run_in_three_parts(momentum_engine, part, reduce_group)
