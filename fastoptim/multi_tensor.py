@@ -1,4 +1,5 @@
-"""Grouping of tensors for one engine call, and the tables a fused kernel walks.
+"""Grouping of tensors for one engine call, the flat buffers of states, and the tables a fused
+kernel walks.
 
 A bucket holds one device and one dtype. A fused kernel reads a :class:`PointerTable`: the data
 pointers of every tensor by role, and a chunk plan that cuts all tensors into fixed-size chunks,
@@ -26,6 +27,42 @@ def buckets(params):
     for i, param in enumerate(params):
         groups.setdefault((param.device, param.dtype), []).append(i)
     return list(groups.values())
+
+
+def in_flat_buffer(tensor):
+    """Whether ``tensor`` is a view of a flat buffer (a contiguous 1-d tensor), as gathered states are."""
+    base = tensor._base
+    return base is not None and base.dim() == 1 and base.is_contiguous()
+
+
+def gather_states(states):
+    """Move the state tensors of ``states`` (param state dicts) that are not views of a flat buffer
+    into one, per key, dtype and device: each becomes a view of the buffer with its old shape,
+    strides and values, in the dicts' order. A fused step's native code then checks a few buffers
+    instead of a tensor per state, and per-param step counts are one tensor to add to.
+
+    Left as they are: states already in a buffer (so that steps over other subsets of the params
+    never gather the same states twice), DTensors and complex tensors (whose engine views differ),
+    tensors that are not dense, and a lone tensor of its kind. A buffer lives while any of its
+    states does. One key at a time, so gathering holds at most one key's states twice."""
+    for key in dict.fromkeys(key for state in states for key in state):
+        loose = {}
+        for state in states:
+            tensor = state.get(key)
+            if (isinstance(tensor, torch.Tensor) and type(tensor) in (torch.Tensor, torch.nn.Parameter)
+                    and tensor.numel() and not tensor.is_complex() and not in_flat_buffer(tensor) and is_dense(tensor)):
+                loose.setdefault((tensor.dtype, tensor.device), []).append(state)
+        for (dtype, device), holders in loose.items():
+            if len(holders) < 2:
+                continue
+            buffer = torch.empty(sum(state[key].numel() for state in holders), dtype=dtype, device=device)
+            offset = 0
+            for state in holders:
+                tensor = state[key]
+                view = buffer.as_strided(tensor.shape, tensor.stride(), offset)
+                view.copy_(tensor)
+                state[key] = view
+                offset += tensor.numel()
 
 
 def is_dense(tensor):

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import fastoptim
 
@@ -64,6 +65,46 @@ def test_closure_hooks_and_zero_grad(cls):
     assert isinstance(loss, torch.Tensor) and calls == ["pre", "post"]
     opt.zero_grad()
     assert all(p.grad is None for p in model.parameters())
+
+
+def step_hook_calls(optimizer):
+    """What the step hooks (global and the optimizer's, pre and post) saw of two steps, the second with
+    a closure that a pre-hook replaces, and what the step returned."""
+    calls = []
+
+    def swap_closure(opt, args, kwargs):
+        calls.append(("pre", type(opt).__name__, len(args), sorted(kwargs)))
+        if kwargs:
+            return args, {"closure": lambda: "replaced"}
+
+    handles = [register_optimizer_step_pre_hook(lambda opt, a, k: calls.append("global pre")),
+               register_optimizer_step_post_hook(lambda opt, a, k: calls.append("global post")),
+               optimizer.register_step_pre_hook(swap_closure),
+               optimizer.register_step_post_hook(lambda opt, a, k: calls.append(("post", sorted(k))))]
+    try:
+        calls.append(optimizer.step())
+        calls.append(optimizer.step(closure=lambda: "original"))
+        with pytest.raises(RuntimeError, match="must return None or a tuple"):
+            optimizer.register_step_pre_hook(lambda *a: "bad")
+            optimizer.step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [call if not isinstance(call, tuple) or call[0] != "pre" else call[0::2] for call in calls]
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_step_hooks_and_the_profiler_range_are_torchs(cls):
+    """The step's wrapper is leaner than torch's (its profiler range only while a profiler runs), and
+    runs the hooks as torch's does: the same calls, in the same order, as torch's AdamW sees."""
+    def make(optimizer_cls):
+        return optimizer_cls([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    assert step_hook_calls(make(cls)) == step_hook_calls(make(torch.optim.AdamW))
+    opt = make(cls)
+    opt.param_groups[0]["params"][0].grad = torch.ones(3)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        opt.step()
+    assert f"Optimizer.step#{cls.__name__}.step" in {event.name for event in profile.events()}
 
 
 @pytest.mark.parametrize("cls", OPTIMIZERS)

@@ -307,9 +307,13 @@ def test_the_native_ops_refuse_chunks_outside_their_tensors():
     assert torch.ops.fastoptim.scale_grads_in_chunks(grads, chunks, torch.tensor(2.0)) == fused_cpu.PLAN_STALE
     assert torch.equal(grads[0], torch.ones(10))
     with pytest.raises(RuntimeError, match="reaches outside its tensor"):
-        torch.ops.fastoptim.bind("adan", [torch.ones(10)] * 5, [0, 2, 3, 4, 5], 1, 11, 16, chunks, None)
+        torch.ops.fastoptim.bind("adan", [torch.ones(10)] * 5, [0, 2, 3, 4, 5], 1, 11, 16, chunks, None, [])
     with pytest.raises(RuntimeError, match="adan kernel reads 11 rows of pointers, not 10"):  # its remainders' too
-        torch.ops.fastoptim.bind("adan", [torch.ones(10)] * 5, [0, 2, 3, 4, 5], 1, 10, 16, chunks, None)
+        torch.ops.fastoptim.bind("adan", [torch.ones(10)] * 5, [0, 2, 3, 4, 5], 1, 10, 16, chunks, None, [])
+    for owner in (torch.ones(2, 10), torch.ones(20)[::2], torch.ones(0)):  # a flat buffer is contiguous 1-d
+        with pytest.raises(RuntimeError, match="an owner must be a non-empty contiguous 1-d tensor"):
+            torch.ops.fastoptim.bind("adan", [torch.ones(10)] * 5, [0, 2, 3, 4, 5], 1, 11, 16,
+                                     torch.tensor([[0, 0, 10, 0]]), None, [owner])
 
 
 @pytest.mark.parametrize("remainder, message", [
@@ -321,7 +325,7 @@ def test_bind_refuses_master_remainders_the_kernel_cannot_walk(remainder, messag
     states = [torch.zeros(10)] * 4
     with pytest.raises(RuntimeError, match=message):
         torch.ops.fastoptim.bind("adan", [param, *states, remainder], [0, 2, 3, 4, 5, 10], 1, 11, 16,
-                                 torch.tensor([[0, 0, 10, 0]]), None)
+                                 torch.tensor([[0, 0, 10, 0]]), None, [])
 
 
 def test_a_library_that_cannot_be_loaded_leaves_the_fused_engine_to_foreach_with_a_warning(tmp_path):
@@ -344,8 +348,8 @@ def test_a_library_that_cannot_be_loaded_leaves_the_fused_engine_to_foreach_with
 
 def test_the_library_reads_each_specs_rows():
     """A library built from other specs would read rows that a table lacks: each kernel's row count is
-    the spec's (the remainders' row last), and a library without kernel_rows (older than the remainders'
-    row) is not loaded at all (fused_cpu._load)."""
+    the spec's (the remainders' row last), and a library whose bind takes no flat state buffers (older
+    than the remainders' row and the buffers) is not loaded at all (fused_cpu._load)."""
     for spec in declared_specs():
         assert torch.ops.fastoptim.kernel_rows(spec.name) == len(spec.rows) and spec.rows[-1] == master.KEY
     assert torch.ops.fastoptim.kernel_rows("no such kernel") == -1

@@ -2,8 +2,11 @@
 ``GroupWork``). Whatever a user changes between steps must be seen: a param's storage, shape or
 dtype, a state cleared or replaced, new grads. A change that cannot go on gets a clear error before
 anything is touched, and a step never keeps the grads alive past itself."""
+import contextlib
+import copy
 import gc
 import weakref
+from unittest import mock
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ import torch
 import fastoptim
 from fastoptim.bench.peers import timm_adan_class
 
-from . import oracle
+from . import oracle, registry
 from .test_bad_input import assert_unchanged, snapshot
 
 OPTIMIZERS = [fastoptim.Adan, fastoptim.AdamW]
@@ -199,3 +202,94 @@ def test_load_state_dict_takes_the_saved_max_grad_norm(cls):
     other = cls([{"params": params}, {"params": []}], lr=0.01)
     with pytest.raises(ValueError, match="disagree on max_grad_norm"):
         other.load_state_dict(state)
+
+
+# --- flat state buffers -------------------------------------------------------------------------
+
+def buffers_by_key(optimizer, params=None):
+    """Each state key's tensors' buffers (of ``params``, default all): key to {dtype: set of buffer
+    ids} (None: a loose tensor)."""
+    found = {}
+    for state in (optimizer.state.values() if params is None else [optimizer.state[p] for p in params]):
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                base = value._base
+                found.setdefault(key, {}).setdefault(value.dtype, set()).add(None if base is None else id(base))
+    return found
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("info", registry.OPTIMIZERS, ids=repr)
+def test_the_states_of_a_group_live_in_one_flat_buffer_per_key_and_dtype(info, engine):
+    """Every state (counts, 8-bit codes and maxima, remainders) is a view of one buffer per key and
+    dtype, with its param's shape and strides (channels_last too), and the steps are those with
+    loose states (per-param counts were always gathered): the buffers change where the states
+    live, not what they hold."""
+    shapes = [(64, 80), (3, 8, 5, 5), (70, 90), (9,)]
+
+    def run(gathered):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(shape, dtype=torch.bfloat16)) for shape in shapes]
+        params[1].data = params[1].data.to(memory_format=torch.channels_last)
+        options = dict(state_bits=8, master_bits=24) | (dict(sn=True) if info.second_moment else {})
+        optimizer = info.cls(params, lr=1e-2, **ENGINES[engine], **options, **info.own_options)
+        with contextlib.nullcontext() if gathered else mock.patch("fastoptim.optimizers.base.gather_states"):
+            for grads in oracle.grad_sequence(shapes, 3):
+                for param, grad in zip(params, grads):
+                    param.grad = torch.empty_like(param).copy_(grad)  # laid out as its param
+                optimizer.step()
+        return params, optimizer
+
+    params, optimizer = run(gathered=True)
+    for group in optimizer.param_groups:  # Muon's matrices and their AdamW companions: two groups
+        for key, by_dtype in buffers_by_key(optimizer, group["params"]).items():
+            assert all(len(ids) == 1 and None not in ids for ids in by_dtype.values()), key
+    for param in params:
+        for key, value in optimizer.state[param].items():
+            if torch.is_tensor(value) and value.shape == param.shape:
+                assert value.stride() == param.stride(), key
+    loose_params, loose = run(gathered=False)
+    assert all(None in ids for key, by_dtype in buffers_by_key(loose).items() if key != "step"  # always gathered
+               for ids in by_dtype.values())
+    assert all(torch.equal(a, b) for a, b in zip(params, loose_params))
+    for param, loose_param in zip(params, loose_params):
+        state, loose_state = optimizer.state[param], loose.state[loose_param]
+        assert state.keys() == loose_state.keys()
+        assert all(torch.equal(state[key], loose_state[key]) for key in state if torch.is_tensor(state[key]))
+
+
+@pytest.mark.parametrize("engine", ["fused-multi", "foreach"])
+def test_loaded_states_are_gathered_at_the_next_step_and_resume_exactly(engine):
+    params, optimizer = stepped(fastoptim.AdamW, ENGINES[engine], steps=2)
+    saved = copy.deepcopy(optimizer.state_dict())
+    resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    resumed = fastoptim.AdamW(resumed_params, lr=0.01, weight_decay=0.02, **ENGINES[engine])
+    resumed.load_state_dict(saved)
+    assert all(None in ids for by_dtype in buffers_by_key(resumed).values() for ids in by_dtype.values())
+    grads = oracle.grad_sequence(SHAPES, 3, seed=5)
+    oracle.run(optimizer, params, grads)
+    oracle.run(resumed, resumed_params, grads)
+    assert all(torch.equal(a, b) for a, b in zip(params, resumed_params))
+    assert all(len(ids) == 1 and None not in ids for by_dtype in buffers_by_key(resumed).values()
+               for ids in by_dtype.values())
+
+
+@pytest.mark.parametrize("engine", ["fused-multi", "fused-single"])
+def test_steps_over_alternating_grads_gather_each_state_once(engine):
+    """A model whose frozen parts alternate: each pattern's new states are gathered once, and states
+    already in a buffer stay where they are (no copy per step), so the steps match the loop engine's."""
+    runs = []
+    for flags in (ENGINES[engine], ENGINES["loop"]):
+        params = oracle.make_params(SHAPES)
+        optimizer = fastoptim.Adan(params, lr=0.01, **flags)
+        grads = oracle.grad_sequence(SHAPES, 8)
+        pointers = []
+        for step, step_grads in enumerate(grads):
+            for i, (param, grad) in enumerate(zip(params, step_grads)):
+                param.grad = grad.clone() if (i + step) % 2 or i == 1 else None
+            optimizer.step()
+            pointers.append({key: value.data_ptr() for param in params for key, value in optimizer.state[param].items()
+                             if torch.is_tensor(value)})
+        assert all(a == b for a, b in zip(pointers[1:], pointers[2:]))
+        runs.append(params)
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(*runs))

@@ -50,9 +50,9 @@ def _load():
                       f"({error}); the fused CPU engine is unavailable and its steps take the foreach engine. "
                       "Reinstall fastoptim against this torch (pip install --no-build-isolation).")
         return None
-    if not hasattr(torch.ops.fastoptim, "kernel_rows"):  # a newer library's bind checks each kernel's rows
+    if "owners" not in str(torch.ops.fastoptim.bind.default._schema):  # a newer library binds flat state buffers
         warnings.warn(f"fastoptim: the native library {path} was built from older sources than this fastoptim "
-                      "(its pointer tables lack rows that this one's kernels take); the fused CPU engine is "
+                      "(it binds no flat state buffers, which this one's tables hand it); the fused CPU engine is "
                       "unavailable and its steps take the foreach engine. Rebuild it: pip install "
                       "--no-build-isolation -e . (or python setup.py build_ext --inplace).")
         return None
@@ -102,6 +102,17 @@ if AVAILABLE:
     use_threads(_torch_openmp())
 
 
+def flat_buffers(states):
+    """The flat buffers that ``states`` are views of (see ``multi_tensor.gather_states``), each once:
+    native code holds and checks a buffer in place of the states in it."""
+    bases = {}
+    for state in states:
+        base = state._base
+        if base is not None and base.dim() == 1 and base.is_contiguous() and base.numel():
+            bases[id(base)] = base
+    return list(bases.values())
+
+
 class BoundTable:
     """``spec``'s kernel bound to a table's tensors (``tensors``: role to one tensor per param, None
     where a tensor has none in a role; ``table``: their :class:`~fastoptim.multi_tensor.PointerTable`,
@@ -120,7 +131,7 @@ class BoundTable:
         self.params = tensors["param"]  # whose version counters a step bumps
         self.handle = torch.ops.fastoptim.bind(spec.name if runs else "", held, rows, len(tensors["param"]),
                                                len(spec.rows), len(spec.all_scalars), torch.from_numpy(table.chunks),
-                                               layouts)
+                                               layouts, flat_buffers(held[len(self.params):]))
         weakref.finalize(self, torch.ops.fastoptim.unbind, self.handle).atexit = False
 
 

@@ -109,6 +109,22 @@ struct Read {
     }
 
     bool empty() const { return std::find(sizes, sizes + dim, 0) != sizes + dim; }
+
+    // One past the last byte its elements reach, or 0 when a stride is negative.
+    uintptr_t end() const {
+        int64_t last = 0;
+        for (int64_t d = 0; d < dim; d++) {
+            if (strides[d] < 0) return 0;
+            last += (sizes[d] - 1) * strides[d];
+        }
+        return reinterpret_cast<uintptr_t>(data) + (last + 1) * aoti_torch_dtype_element_size(dtype);
+    }
+
+    // Whether its elements lie in ``owner``'s (a contiguous 1-d tensor's), on its device.
+    bool within(const Read &owner) const {
+        return !empty() && device_type == owner.device_type && device_index == owner.device_index && end() != 0
+            && reinterpret_cast<uintptr_t>(data) >= reinterpret_cast<uintptr_t>(owner.data) && end() <= owner.end();
+    }
 };
 
 // What a held tensor was when it was bound; a call whose tensor differs in any of it is STALE. An
@@ -124,6 +140,18 @@ struct Layout {
           sizes(r.sizes, r.sizes + r.dim), strides(r.strides, r.strides + r.dim) {}
 
     bool on_device_of(const Read &r) const { return r.device_type == device_type && r.device_index == device_index; }
+
+    // Whether a view of an owner no longer has the pointer and sizes it had (set_, .data =, resize_,
+    // share_memory_): the owner still holds its memory, but the state the user sees is elsewhere.
+    bool moved_out(const Tensor &t) const {
+        void *now;
+        int64_t dim_now, *sizes_now;
+        return aoti_torch_get_data_ptr(t.get(), &now) != AOTI_TORCH_SUCCESS || now != data
+            || aoti_torch_get_dim(t.get(), &dim_now) != AOTI_TORCH_SUCCESS
+            || dim_now != static_cast<int64_t>(sizes.size())
+            || aoti_torch_get_sizes(t.get(), &sizes_now) != AOTI_TORCH_SUCCESS
+            || !std::equal(sizes.begin(), sizes.end(), sizes_now);
+    }
 
     bool describes(const Tensor &t) const {
         const Read r(t);
@@ -238,15 +266,17 @@ struct StepScalars {
 
 // --- bound tables ------------------------------------------------------------------------------
 
-// Held tensors and the kernel's tables over them. ``pointers`` is [row][tensor], the grads' row
+// Held tensors (the params, the states that lie in no owner, then the owners), the states that lie in
+// an owner (``views``: only their pointers and sizes are checked, see moved_out), and the kernel's tables
+// over them. ``pointers`` is [row][tensor], the grads' row
 // filled in at each call; ``layouts`` is [tensor][3] or empty. A table bound to no kernel (run is
 // null: a GPU kernel's, which Python launches) is only checked, by check_bound.
 struct Bound {
     KernelFn run;
     int32_t dtype;
     int64_t n_tensors, n_rows, n_scalars;
-    std::vector<Tensor> held;
-    std::vector<Layout> layouts_then;  // one per held tensor
+    std::vector<Tensor> held, views;
+    std::vector<Layout> layouts_then, views_then;  // one per held tensor, one per view
     std::vector<int64_t> pointers, chunks, layouts;
     // Held by a step while it checks and runs the table, whose grads' row it writes: two steps of
     // one table (an optimizer stepped from two threads) take turns instead of racing.
@@ -286,9 +316,15 @@ struct Locked {
    row 0 holds the params, row GRAD is left to the calls, and the last row, n_rows - 1, holds the master
    remainders of bf16 params where they keep them: fastoptim/specs.py), the chunk table and the layouts
    ([tensor][3] int64, or None for all dense fp32) to CPU kernel ``kernel``, or with "" to none (the
-   tensors may then be on any device). Returns the handle. */
+   tensors may then be on any device). Returns the handle.
+
+   ``owners`` are flat state buffers (contiguous 1-d tensors): a state whose elements lie in one is
+   checked through it, so a call reads a few buffers' layouts instead of every state's. Its pointer stays
+   within memory that the held buffer owns while the buffer keeps its pointer and size; of the state
+   itself a call reads only its pointer and sizes (moved_out). */
 int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> rows, int64_t n_tensors,
-             int64_t n_rows, int64_t n_scalars, Tensor chunks, std::optional<Tensor> layouts) {
+             int64_t n_rows, int64_t n_scalars, Tensor chunks, std::optional<Tensor> layouts,
+             std::vector<Tensor> owners) {
     const char *op = "fastoptim::bind";
     STD_TORCH_CHECK(n_tensors > 0 && static_cast<int64_t>(held.size()) == n_tensors * static_cast<int64_t>(rows.size())
                         && !rows.empty() && rows[0] == PARAM,
@@ -306,6 +342,13 @@ int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> 
     table->n_rows = n_rows;
     table->n_scalars = n_scalars;
     table->pointers.assign(n_rows * n_tensors, 0);
+    std::vector<Read> flat;
+    for (const Tensor &owner : owners) {
+        flat.emplace_back(owner);
+        STD_TORCH_CHECK(flat.back().dim == 1 && flat.back().strides[0] == 1 && !flat.back().empty()
+                            && (!table->run || owner.is_cpu()),
+                        op, ": an owner must be a non-empty contiguous 1-d tensor (on the CPU for a CPU kernel)");
+    }
     std::vector<int64_t> numels(n_tensors);
     for (size_t k = 0; k < rows.size(); k++) {
         STD_TORCH_CHECK(rows[k] >= 0 && rows[k] < n_rows && rows[k] != GRAD, op, ": bad row ", rows[k]);
@@ -313,7 +356,10 @@ int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> 
             const Tensor &tensor = held[k * n_tensors + t];
             STD_TORCH_CHECK(!table->run || tensor.is_cpu(), op, ": tensor ", t, " of row ", rows[k], " is not on the CPU");
             const Read read(tensor);
-            table->layouts_then.emplace_back(read);
+            const bool owned =
+                k > 0 && std::any_of(flat.begin(), flat.end(), [&](const Read &o) { return read.within(o); });
+            (owned ? table->views : table->held).push_back(tensor);
+            (owned ? table->views_then : table->layouts_then).emplace_back(read);
             if (k == 0) {
                 numels[t] = tensor.numel();
                 STD_TORCH_CHECK(read.dtype == first.dtype, op, ": the params mix dtypes");
@@ -328,6 +374,10 @@ int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> 
             table->pointers[rows[k] * n_tensors + t] = address(tensor);
         }
     }
+    for (size_t k = 0; k < owners.size(); k++) {  // after the params, which are the first n_tensors held
+        table->held.push_back(owners[k]);
+        table->layouts_then.emplace_back(flat[k]);
+    }
     const int64_t *rows_of_chunks = checked_chunks(chunks, numels, op);
     table->chunks.assign(rows_of_chunks, rows_of_chunks + 4 * chunks.size(0));
     if (layouts.has_value()) {
@@ -338,7 +388,6 @@ int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> 
         const int64_t *values = static_cast<const int64_t *>(l.data_ptr());
         table->layouts.assign(values, values + 3 * n_tensors);
     }
-    table->held = std::move(held);
     std::lock_guard<std::mutex> guard(registry_lock);
     registry[next_handle] = std::move(table);
     return next_handle++;
@@ -359,6 +408,8 @@ int64_t check(Bound &table, const std::vector<Tensor> &grads, size_t first, cons
     STD_TORCH_CHECK(first + n <= grads.size(), op, ": fewer grads than the tables take");
     for (size_t i = 0; i < table.held.size(); i++)
         if (!table.layouts_then[i].describes(table.held[i])) return STALE;
+    for (size_t i = 0; i < table.views.size(); i++)
+        if (table.views_then[i].moved_out(table.views[i])) return STALE;
     for (int64_t t = 0; t < n; t++)
         if (!fits(grads[first + t], table.layouts_then[t], &table.pointers[GRAD * n + t])) return GRADS_UNFIT;
     return STEPPED;
@@ -558,7 +609,7 @@ int64_t use_f16c(bool enable) { return fastoptim_use_f16c(enable); }
 
 STABLE_TORCH_LIBRARY_FRAGMENT(fastoptim, m) {
     m.def("bind(str kernel, Tensor[] held, int[] rows, int n_tensors, int n_rows, int n_scalars, Tensor chunks, "
-          "Tensor? layouts) -> int");
+          "Tensor? layouts, Tensor[] owners) -> int");
     m.def("unbind(int handle) -> ()");
     m.def("kernel_rows(str kernel) -> int");
     m.def("bound_step(int[] handles, Tensor[] grads, float[] numbers, Tensor[] tensor_scalars, int[] slots, int[] flags, "

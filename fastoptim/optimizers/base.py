@@ -2,6 +2,7 @@
 dicts, hooks), with every input checked before anything changes, and one step path for all
 algorithms. A subclass declares its algorithm (an :class:`Algorithm` record) and its options; this
 class creates the states, counts the steps and runs them."""
+import functools
 import operator
 import warnings
 from itertools import repeat
@@ -10,9 +11,11 @@ from operator import attrgetter
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from .. import distributed, engines
 from ..clip import GradTables, clip_coefficient
+from ..multi_tensor import gather_states
 from ..specs import ABSMAX
 from ..states import formats, master, subset_norm
 from ..step_cache import DEVICE, DTYPE, SHAPE, BoundStep, GroupWork, OptimizerState, Signature, engine_view
@@ -96,6 +99,22 @@ def group_lr(group):
     a scheduler may change in place)."""
     lr = group["lr"]
     return lr.view(()) if isinstance(lr, Tensor) else lr
+
+
+def _run_step_hooks(step, optimizer, args, kwargs):
+    """``step(*args, **kwargs)`` between the optimizer's step hooks, as torch.optim runs them (``args``
+    begins with the optimizer; a pre-hook may return new (args, kwargs))."""
+    for pre_hook in (*_global_optimizer_pre_hooks.values(), *optimizer._optimizer_step_pre_hooks.values()):
+        result = pre_hook(optimizer, args, kwargs)
+        if result is not None:
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise RuntimeError(f"{step} must return None or a tuple of (new_args, new_kwargs), but got {result}.")
+            args, kwargs = result
+    out = step(*args, **kwargs)
+    optimizer._optimizer_step_code()
+    for post_hook in (*optimizer._optimizer_step_post_hooks.values(), *_global_optimizer_post_hooks.values()):
+        post_hook(optimizer, args, kwargs)
+    return out
 
 
 class FastOptimizer(StateDicts, torch.optim.Optimizer):
@@ -195,6 +214,19 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         self._find_reduce_group()
 
     # --- step -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def profile_hook_step(func):
+        """torch's wrapper of ``step`` (its pre- and post-hooks, global ones first and last, and a
+        profiler range), except that the range is entered only while a profiler runs (or dynamo
+        traces): entering it costs more than a bound step's Python."""
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):
+            if not (torch.compiler.is_compiling() or torch._C._autograd._profiler_enabled()):
+                return _run_step_hooks(func, args[0], args, kwargs)
+            with torch.autograd.profiler.record_function(f"Optimizer.step#{type(args[0]).__name__}.step"):
+                return _run_step_hooks(func, args[0], args, kwargs)
+        return wrapper
 
     # GradScaler hands its scale and found_inf to step() (as attributes) instead of unscaling the
     # grads itself: the fused kernels consume them in the same pass, with no host sync.
@@ -521,15 +553,18 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
     def _prepare_states(self, params, group):
         """The state dicts of a group's params with grads, with missing states created, and their
         :class:`StateContext`, which ``_step_arguments`` reads. Called when they change, not every
-        step. Per-param counts become views of one tensor, so a step adds to them in one op (2000
-        separate 0-d tensors cost milliseconds of dispatch), except in a traced step (views would
-        retrace)."""
+        step. The states move into flat buffers (``gather_states``): a fused step checks a buffer
+        per key instead of a tensor per state, and per-param counts are views of one tensor, so a
+        step adds to them in one op (2000 separate 0-d tensors cost milliseconds of dispatch); not
+        in a traced step (views would retrace)."""
         algorithm, device = self._algorithm(group), params[0].device
         optional = algorithm.spec.optional  # read before the states are created
         first_reads = [float(all(role in self.state.get(param, ()) for role in optional)) for param in params
                        ] if optional else []
         states = [self._ensure_state(param, group) for param in params]
         counts = None
+        if not torch.compiler.is_compiling() and not self._viewed:  # views would retrace a compiled step
+            gather_states(states)
         if algorithm.counts == PER_PARAM and not torch.compiler.is_compiling():
             steps = [state["step"] for state in states]
             counts = steps[0]._base

@@ -29,8 +29,9 @@ def dtype(param, master_bits):
 
 
 def zeros(param, master_bits):
-    """The remainder of a bf16 param that is its own master so far."""
-    return torch.zeros(param.shape, dtype=DTYPES[master_bits], device=param.device)
+    """The remainder of a bf16 param that is its own master so far, laid out as the param (a
+    channels_last param's too: the fused kernels walk them as one)."""
+    return torch.zeros_like(param, dtype=DTYPES[master_bits])
 
 
 def widen(param, remainder):
