@@ -96,8 +96,9 @@ struct Read {
     int64_t dim = 0;
     int64_t *sizes = nullptr, *strides = nullptr;
 
-    explicit Read(const Tensor &t) {
-        AtenTensorHandle h = t.get();
+    explicit Read(const Tensor &t) : Read(t.get()) {}
+
+    explicit Read(AtenTensorHandle h) {
         STD_TORCH_CHECK(aoti_torch_get_data_ptr(h, &data) == AOTI_TORCH_SUCCESS
                             && aoti_torch_get_dtype(h, &dtype) == AOTI_TORCH_SUCCESS
                             && aoti_torch_get_device_type(h, &device_type) == AOTI_TORCH_SUCCESS
@@ -173,8 +174,8 @@ bool walked_as(const Read &r, const Layout &param) {
 
 // A grad fits its param when it has the param's dtype and is walked as the param is, from ``pointer``
 // (0 for an empty one, which is never read).
-bool fits(const Tensor &grad, const Layout &param, int64_t *pointer) {
-    if (!grad.defined()) return false;
+bool fits(AtenTensorHandle grad, const Layout &param, int64_t *pointer) {
+    if (grad == nullptr) return false;
     const Read r(grad);
     if (r.dtype != param.dtype || !walked_as(r, param)) return false;
     *pointer = param.empty ? 0 : reinterpret_cast<int64_t>(r.data);
@@ -403,7 +404,7 @@ enum { STEPPED = 0, STALE = 1, GRADS_UNFIT = 2 };
 // Whether ``table`` may run with ``grads`` from ``first``: STALE when a held tensor moved or changed
 // its layout, GRADS_UNFIT when a grad is not walked as its param, else STEPPED, with the table's
 // grads' row refreshed.
-int64_t check(Bound &table, const std::vector<Tensor> &grads, size_t first, const char *op) {
+int64_t check(Bound &table, const std::vector<AtenTensorHandle> &grads, size_t first, const char *op) {
     const int64_t n = table.n_tensors;
     STD_TORCH_CHECK(first + n <= grads.size(), op, ": fewer grads than the tables take");
     for (size_t i = 0; i < table.held.size(); i++)
@@ -421,7 +422,7 @@ int64_t check(Bound &table, const std::vector<Tensor> &grads, size_t first, cons
    ``per_tensor[k]`` one per tensor (as the seeds' FusedAdan steps). Every table is checked before
    any runs, so an answer other than STEPPED changed nothing: STALE when a held tensor moved or
    changed its layout, GRADS_UNFIT when a grad is not a tensor its param's walk takes. */
-int64_t bound_step(std::vector<int64_t> handles, std::vector<Tensor> grads, std::vector<double> numbers,
+int64_t bound_step(std::vector<int64_t> handles, const std::vector<AtenTensorHandle> &grads, std::vector<double> numbers,
                    std::vector<Tensor> tensor_scalars, std::vector<int64_t> slots, std::vector<int64_t> flags,
                    std::vector<int64_t> per_tensor) {
     const char *op = "fastoptim::bound_step";
@@ -465,7 +466,7 @@ int64_t bound_step(std::vector<int64_t> handles, std::vector<Tensor> grads, std:
 /* Check tables ``handles`` (as bound_step does, each taking the next n_tensors of ``grads``) and
    write their grads' data pointers, in order, into ``grad_pointers`` (int64, one per grad): what a
    GPU kernel's launch needs. STEPPED when all fit, else STALE or GRADS_UNFIT (see check). */
-int64_t check_bound(std::vector<int64_t> handles, std::vector<Tensor> grads, Tensor grad_pointers) {
+int64_t check_bound(std::vector<int64_t> handles, const std::vector<AtenTensorHandle> &grads, Tensor grad_pointers) {
     const char *op = "fastoptim::check_bound";
     STD_TORCH_CHECK(grad_pointers.is_cpu() && grad_pointers.scalar_type() == ScalarType::Long
                         && grad_pointers.is_contiguous() && grad_pointers.numel() == static_cast<int64_t>(grads.size()),
@@ -482,6 +483,61 @@ int64_t check_bound(std::vector<int64_t> handles, std::vector<Tensor> grads, Ten
     }
     STD_TORCH_CHECK(first_grad == grads.size(), op, ": the grads must be the tables' own, all of them");
     return STEPPED;
+}
+
+// A step's grads as the boxed call hands them: one tensor handle each, owned here and deleted with
+// this, without the Tensor (and its shared count) that generic unboxing wraps each element in. A
+// step's grads are most of its arguments: this halves what passing them costs.
+struct GradHandles {
+    std::vector<AtenTensorHandle> handles;
+
+    explicit GradHandles(StableIValue list) {
+        StableListHandle items = torch::stable::detail::to<StableListHandle>(list);
+        size_t n = 0;
+        bool read = torch_list_size(items, &n) == AOTI_TORCH_SUCCESS;
+        handles.reserve(n);
+        for (size_t i = 0; read && i < n; i++) {
+            StableIValue item;
+            read = torch_list_get_item(items, i, &item) == AOTI_TORCH_SUCCESS;
+            if (read) handles.push_back(torch::stable::detail::to<AtenTensorHandle>(item));
+        }
+        torch_delete_list(items);
+        if (!read) release();
+        STD_TORCH_CHECK(read, "fastoptim: a list of grads that cannot be read");
+    }
+    GradHandles(const GradHandles &) = delete;
+    GradHandles &operator=(const GradHandles &) = delete;
+    ~GradHandles() { release(); }
+
+    void release() {
+        for (AtenTensorHandle h : handles)
+            if (h != nullptr) aoti_torch_delete_tensor_object(h);
+        handles.clear();
+    }
+};
+
+// bound_step and check_bound, boxed by hand around their grads (argument 1; every other argument is
+// unboxed as TORCH_BOX does).
+void bound_step_boxed(StableIValue *stack, uint64_t num_args, uint64_t num_outputs) {
+    using torch::stable::detail::to;
+    STD_TORCH_CHECK(num_args == 7 && num_outputs == 1, "fastoptim::bound_step: a schema of 7 arguments, 1 output");
+    auto handles = to<std::vector<int64_t>>(stack[0]);
+    const GradHandles grads(stack[1]);
+    auto numbers = to<std::vector<double>>(stack[2]);
+    auto tensor_scalars = to<std::vector<Tensor>>(stack[3]);
+    auto slots = to<std::vector<int64_t>>(stack[4]), flags = to<std::vector<int64_t>>(stack[5]),
+         per_tensor = to<std::vector<int64_t>>(stack[6]);
+    stack[0] = torch::stable::detail::from(bound_step(handles, grads.handles, numbers, tensor_scalars, slots, flags,
+                                                      per_tensor));
+}
+
+void check_bound_boxed(StableIValue *stack, uint64_t num_args, uint64_t num_outputs) {
+    using torch::stable::detail::to;
+    STD_TORCH_CHECK(num_args == 3 && num_outputs == 1, "fastoptim::check_bound: a schema of 3 arguments, 1 output");
+    auto handles = to<std::vector<int64_t>>(stack[0]);
+    const GradHandles grads(stack[1]);
+    auto grad_pointers = to<Tensor>(stack[2]);
+    stack[0] = torch::stable::detail::from(check_bound(handles, grads.handles, grad_pointers));
 }
 
 // --- the clip kernels, the probe and the 8-bit codes --------------------------------------------
@@ -628,8 +684,8 @@ STABLE_TORCH_LIBRARY_IMPL(fastoptim, CompositeExplicitAutograd, m) {
     m.impl("bind", TORCH_BOX(&bind));
     m.impl("unbind", TORCH_BOX(&unbind));
     m.impl("kernel_rows", TORCH_BOX(&kernel_rows));
-    m.impl("bound_step", TORCH_BOX(&bound_step));
-    m.impl("check_bound", TORCH_BOX(&check_bound));
+    m.impl("bound_step", &bound_step_boxed);
+    m.impl("check_bound", &check_bound_boxed);
     m.impl("grad_norm_partials", TORCH_BOX(&grad_norm_partials));
     m.impl("scale_grads_in_chunks", TORCH_BOX(&scale_grads_in_chunks));
     m.impl("probe", TORCH_BOX(&probe));

@@ -9,7 +9,7 @@ from torch.optim.optimizer import ParamsT
 from ..engines.ops import sqrt
 from ..specs import KernelSpec, Role
 from .algorithm import PER_PARAM, Algorithm, StepInputs
-from .base import FastOptimizer
+from .base import FastOptimizer, in_dtype
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -73,9 +73,9 @@ def adamw_arguments(group: dict, inputs: StepInputs) -> tuple[dict, set[str]]:
     beta1, beta2 = group["betas"]
     t, lr = inputs.count, inputs.lr
     args = dict(beta1=beta1, beta2=beta2, eps=group["eps"], lr=lr, weight_decay=group["weight_decay"],
-                grad_scale=inputs.grad_scale, step_size=(lr / (1 - beta1**t)).to(inputs.wide),
-                bias_correction2_sqrt=sqrt(1 - beta2**t).to(inputs.wide))
-    return args, {"step_size", "bias_correction2_sqrt"}
+                grad_scale=inputs.grad_scale, step_size=in_dtype(lr / (1 - beta1**t), inputs.wide),
+                bias_correction2_sqrt=in_dtype(sqrt(1 - beta2**t), inputs.wide))
+    return args, inputs.per_param({"step_size", "bias_correction2_sqrt"})
 
 
 def adamw_kernel_scalars(args: dict) -> dict:

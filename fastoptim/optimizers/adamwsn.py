@@ -10,7 +10,7 @@ from torch.optim.optimizer import ParamsT
 from ..engines.ops import sqrt
 from .adamw import ADAMW, AdamW
 from .algorithm import StepInputs
-from .base import FastOptimizer
+from .base import FastOptimizer, in_dtype
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -23,8 +23,8 @@ def adamwsn_arguments(group: dict, inputs: StepInputs) -> tuple[dict, set[str]]:
     t, lr = inputs.count, inputs.lr
     step_size = (lr * sqrt(1 - beta2**t) / (1 - beta1**t)) if group["correct_bias"] else lr + 0 * t
     args = dict(beta1=beta1, beta2=beta2, eps=group["eps"], lr=lr, weight_decay=group["weight_decay"],
-                grad_scale=inputs.grad_scale, step_size=step_size.to(inputs.wide), decay_after=True)
-    return args, {"step_size"}
+                grad_scale=inputs.grad_scale, step_size=in_dtype(step_size, inputs.wide), decay_after=True)
+    return args, inputs.per_param({"step_size"})
 
 
 # AdamW's kernel family, with no bias correction inside the root and no first moment where β1 = 0

@@ -20,8 +20,9 @@ class StepInputs(NamedTuple):
 
     ``lr``: the group's lr (a number, or a 0-d view of its tensor lr). ``grad_scale``: what the
     gradient is multiplied by (clip coefficient, GradScaler's 1/scale, −1 to maximize; None: 1).
-    ``count``: this step's count, in float64: a 1-d tensor of one per param (``PER_PARAM``), the
-    group's (a float or 0-d tensor, ``PER_GROUP``), or None (the algorithm counts no steps).
+    ``count``: this step's count, in float64: a 1-d tensor of one per param (``PER_PARAM``; a float
+    where every param has the same count on the host), the group's (a float or 0-d tensor,
+    ``PER_GROUP``), or None (the algorithm counts no steps).
     ``wide``: the dtype of scalars that hold one value per param (float64 where a param's math is).
     ``first_reads``: per param, 0.0 where this step is the first to read the algorithm's optional
     states (``Role.optional``: they were just created) and 1.0 elsewhere; None where no param is.
@@ -34,6 +35,10 @@ class StepInputs(NamedTuple):
     wide: torch.dtype
     first_reads: Tensor | None
     factors: Tensor | None
+
+    def per_param(self, names: set[str]) -> set[str]:
+        """``names`` (arguments computed from ``count``) where the count is one per param, else none."""
+        return names if isinstance(self.count, Tensor) and self.count.dim() == 1 else set()
 
 
 def no_flags(group: dict) -> dict:

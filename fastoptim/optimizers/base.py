@@ -78,14 +78,19 @@ def _keeps_no_remainders(tensors):
 
 
 def count_after(count, increment, lr):
-    """This step's count, ``count + increment``, for the step's scalars (bias corrections), which
-    need float64: a Python float where all of it lives on the host (a CPU ``count``, a number
-    ``increment`` and ``lr``) and no trace is running, as torch.optim reads a CPU step count, since
-    the scalars then cost Python arithmetic, bit for bit what float64 tensors give, instead of a
-    dozen tensor ops; else a float64 tensor (on a GPU, or in a compiled step, nothing is read)."""
+    """This step's count, ``count + increment`` (``count``: a group's 0-d count, or a 1-d tensor of
+    each param's), for the step's scalars (bias corrections), which need float64. A Python float
+    where all of it lives on the host (a CPU ``count``, a number ``increment`` and ``lr``), no trace
+    is running and every param has the same count, as torch.optim reads a CPU step count: the
+    scalars then cost Python arithmetic instead of a dozen tensor ops. Else a float64 tensor (on a
+    GPU, or in a compiled step, nothing is read; params that started at other steps keep their own)."""
     if (count.device.type == "cpu" and not isinstance(increment, Tensor) and not isinstance(lr, Tensor)
             and not torch.compiler.is_compiling()):
-        return count.item() + increment
+        if count.dim() == 0:
+            return count.item() + increment
+        values = count.numpy()
+        if (values == values[0]).all():
+            return float(values[0]) + increment
     return count.to(torch.float64) + increment
 
 
@@ -310,7 +315,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         increment = 1 if found_inf is None else (found_inf == 0).float()  # a skipped step does not count
         inv_scale = None if amp_scale is None else amp_scale.double().reciprocal().float()
         max_norm = self.defaults["max_grad_norm"]
-        all_grads = [grad for _, _, grads in work for grad in grads]
+        all_grads = [grad for _, _, grads in work for grad in grads] if max_norm > 0 else None
         clip = None
         if max_norm > 0 and (all_grads or self._reduce_group is not None):  # each rank joins the reduction
             # official Adan takes eps for the clip from the last group; an algorithm without an eps (Lion),
@@ -484,7 +489,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             counts = context.counts
             if counts is None:
                 counts = torch.stack([state["step"] for state in entry.states])
-            count = counts.to(torch.float64) + increment  # float64: 1 − β^t in fp32 would lose digits
+            count = count_after(counts, increment, lr)
         else:
             count = count_after(self._group_count(group), increment, lr) if algorithm.counts == PER_GROUP else None
         first_reads = context.first_reads
