@@ -11,6 +11,7 @@ refreshed every step.
 import numpy as np
 import torch
 
+ALIGNMENT = 64  # bytes: a cache line, and torch's CPU allocator's alignment
 CHUNK_NUMEL = 1 << 15  # 128 KiB of fp32 per stream: large enough to amortise, small enough to balance
 MIN_COLUMNS = 64  # a column chunk reads its rows in runs of at least 256 bytes of fp32
 # On the CPU, a column chunk reads its rows twice (the sums, then the update) and is best as whole
@@ -39,7 +40,9 @@ def gather_states(states):
     """Move the state tensors of ``states`` (param state dicts) that are not views of a flat buffer
     into one, per key, dtype and device: each becomes a view of the buffer with its old shape,
     strides and values, in the dicts' order. A fused step's native code then checks a few buffers
-    instead of a tensor per state, and per-param step counts are one tensor to add to.
+    instead of a tensor per state, and per-param step counts are one tensor to add to. Each view
+    begins on an ``ALIGNMENT``-byte boundary, as torch's allocator aligns a tensor of its own: the
+    kernels' vector loads and stores would otherwise straddle cache lines.
 
     Left as they are: states already in a buffer (so that steps over other subsets of the params
     never gather the same states twice), DTensors and complex tensors (whose engine views differ),
@@ -55,14 +58,15 @@ def gather_states(states):
         for (dtype, device), holders in loose.items():
             if len(holders) < 2:
                 continue
-            buffer = torch.empty(sum(state[key].numel() for state in holders), dtype=dtype, device=device)
-            offset = 0
-            for state in holders:
+            first = holders[0][key]  # a 0-d one (a step count) is never walked by vector loads
+            align = max(1, ALIGNMENT // first.element_size()) if first.dim() else 1
+            offsets = np.cumsum([0] + [-(-state[key].numel() // align) * align for state in holders])
+            buffer = torch.empty(int(offsets[-1]), dtype=dtype, device=device)
+            for state, offset in zip(holders, offsets.tolist()):
                 tensor = state[key]
                 view = buffer.as_strided(tensor.shape, tensor.stride(), offset)
                 view.copy_(tensor)
                 state[key] = view
-                offset += tensor.numel()
 
 
 def is_dense(tensor):
