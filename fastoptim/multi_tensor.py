@@ -36,37 +36,59 @@ def in_flat_buffer(tensor):
     return base is not None and base.dim() == 1 and base.is_contiguous()
 
 
-def gather_states(states):
-    """Move the state tensors of ``states`` (param state dicts) that are not views of a flat buffer
-    into one, per key, dtype and device: each becomes a view of the buffer with its old shape,
-    strides and values, in the dicts' order. A fused step's native code then checks a few buffers
-    instead of a tensor per state, and per-param step counts are one tensor to add to. Each view
-    begins on an ``ALIGNMENT``-byte boundary, as torch's allocator aligns a tensor of its own: the
-    kernels' vector loads and stores would otherwise straddle cache lines.
+def _aligned(offset, shape, dtype):
+    """Where a state of ``shape`` and ``dtype`` begins in its buffer at or after ``offset``: on an
+    ``ALIGNMENT``-byte boundary, as torch's allocator aligns a tensor of its own (vector loads and
+    stores would otherwise straddle cache lines); a 0-d one (a step count) right there: no kernel
+    walks it, and a group's counts stay one packed tensor."""
+    align = max(1, ALIGNMENT // dtype.itemsize) if len(shape) else 1
+    return -(-offset // align) * align
 
-    Left as they are: states already in a buffer (so that steps over other subsets of the params
-    never gather the same states twice), DTensors and complex tensors (whose engine views differ),
-    tensors that are not dense, and a lone tensor of its kind. A buffer lives while any of its
-    states does. One key at a time, so gathering holds at most one key's states twice."""
+
+class FlatStates:
+    """Zeroed flat buffers for the states ``layouts`` describes (one dict per param: state key to
+    (shape, dtype)), one buffer per key and dtype on ``device``, cut into a slot per state in the
+    params' order. :meth:`take` moves a state into its slot. A fused step's native code then
+    checks a few buffers instead of a tensor per state, and per-param step counts are one tensor."""
+
+    def __init__(self, layouts, device):
+        self.layouts, self.offsets, sizes = layouts, [], {}
+        for layout in layouts:
+            offsets = {}
+            for key, (shape, dtype) in layout.items():
+                offsets[key] = _aligned(sizes.get((key, dtype), 0), shape, dtype)
+                sizes[key, dtype] = offsets[key] + torch.Size(shape).numel()
+            self.offsets.append(offsets)
+        self.buffers = {kind: torch.zeros(numel, dtype=kind[1], device=device) for kind, numel in sizes.items() if numel}
+
+    def take(self, index, key, tensor):
+        """``tensor``, param ``index``'s state ``key``, copied into its slot: the view, with the
+        tensor's shape and strides; or ``tensor`` itself where the slot was cut for another shape,
+        dtype or device, or it is not a dense plain tensor (a DTensor, a complex one)."""
+        offset, layout = self.offsets[index].get(key), self.layouts[index].get(key)
+        buffer = None if layout is None else self.buffers.get((key, layout[1]))
+        if (buffer is None or (tensor.shape, tensor.dtype, tensor.device) != (layout[0], layout[1], buffer.device)
+                or type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.is_complex() or not is_dense(tensor)):
+            return tensor
+        view = buffer.as_strided(tensor.shape, tensor.stride(), offset)
+        view.copy_(tensor)
+        return view
+
+
+def gather_states(states):
+    """Move the tensors of ``states`` (param state dicts, just loaded) into flat buffers (see
+    :class:`FlatStates`), one key at a time, so that at most one key's states are held twice. A
+    tensor already in a buffer, or the only one of its key, dtype and device, stays where it is."""
     for key in dict.fromkeys(key for state in states for key in state):
-        loose = {}
-        for state in states:
-            tensor = state.get(key)
-            if (isinstance(tensor, torch.Tensor) and type(tensor) in (torch.Tensor, torch.nn.Parameter)
-                    and tensor.numel() and not tensor.is_complex() and not in_flat_buffer(tensor) and is_dense(tensor)):
-                loose.setdefault((tensor.dtype, tensor.device), []).append(state)
-        for (dtype, device), holders in loose.items():
-            if len(holders) < 2:
+        holders = [state for state in states if isinstance(state.get(key), torch.Tensor) and state[key].numel()
+                   and not in_flat_buffer(state[key])]
+        for device in dict.fromkeys(state[key].device for state in holders):
+            on_device = [state for state in holders if state[key].device == device]
+            if len(on_device) < 2:
                 continue
-            first = holders[0][key]  # a 0-d one (a step count) is never walked by vector loads
-            align = max(1, ALIGNMENT // first.element_size()) if first.dim() else 1
-            offsets = np.cumsum([0] + [-(-state[key].numel() // align) * align for state in holders])
-            buffer = torch.empty(int(offsets[-1]), dtype=dtype, device=device)
-            for state, offset in zip(holders, offsets.tolist()):
-                tensor = state[key]
-                view = buffer.as_strided(tensor.shape, tensor.stride(), offset)
-                view.copy_(tensor)
-                state[key] = view
+            flat = FlatStates([{key: (state[key].shape, state[key].dtype)} for state in on_device], device)
+            for index, state in enumerate(on_device):
+                state[key] = flat.take(index, key, state[key])
 
 
 def is_dense(tensor):

@@ -13,6 +13,7 @@ import torch
 
 import fastoptim
 from fastoptim.bench.peers import timm_adan_class
+from fastoptim.multi_tensor import FlatStates
 
 from . import oracle, registry
 from .test_bad_input import assert_unchanged, snapshot
@@ -233,7 +234,7 @@ def test_the_states_of_a_group_live_in_one_flat_buffer_per_key_and_dtype(info, e
         params[1].data = params[1].data.to(memory_format=torch.channels_last)
         options = dict(state_bits=8, master_bits=24) | (dict(sn=True) if info.second_moment else {})
         optimizer = info.cls(params, lr=1e-2, **ENGINES[engine], **options, **info.own_options)
-        with contextlib.nullcontext() if gathered else mock.patch("fastoptim.optimizers.base.gather_states"):
+        with contextlib.nullcontext() if gathered else mock.patch.object(FlatStates, "take", lambda *args: args[-1]):
             for grads in oracle.grad_sequence(shapes, 3):
                 for param, grad in zip(params, grads):
                     param.grad = torch.empty_like(param).copy_(grad)  # laid out as its param
@@ -259,19 +260,48 @@ def test_the_states_of_a_group_live_in_one_flat_buffer_per_key_and_dtype(info, e
 
 
 @pytest.mark.parametrize("engine", ["fused-multi", "foreach"])
-def test_loaded_states_are_gathered_at_the_next_step_and_resume_exactly(engine):
+def test_loaded_states_go_into_flat_buffers_and_resume_exactly(engine):
     params, optimizer = stepped(fastoptim.AdamW, ENGINES[engine], steps=2)
     saved = copy.deepcopy(optimizer.state_dict())
     resumed_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
     resumed = fastoptim.AdamW(resumed_params, lr=0.01, weight_decay=0.02, **ENGINES[engine])
     resumed.load_state_dict(saved)
-    assert all(None in ids for by_dtype in buffers_by_key(resumed).values() for ids in by_dtype.values())
+    assert all(len(ids) == 1 and None not in ids for by_dtype in buffers_by_key(resumed).values()
+               for ids in by_dtype.values())
     grads = oracle.grad_sequence(SHAPES, 3, seed=5)
     oracle.run(optimizer, params, grads)
     oracle.run(resumed, resumed_params, grads)
     assert all(torch.equal(a, b) for a, b in zip(params, resumed_params))
-    assert all(len(ids) == 1 and None not in ids for by_dtype in buffers_by_key(resumed).values()
-               for ids in by_dtype.values())
+
+
+@pytest.mark.parametrize("engine", ["fused-multi", "loop"])
+def test_a_state_the_user_assigned_stays_the_tensor_the_step_updates(engine):
+    """A state assigned by hand (here in shared memory, as Hogwild's workers share it) is never moved
+    into a buffer: the user's tensor is the one each step updates, and it stays shared."""
+    params = oracle.make_params(SHAPES)
+    optimizer = fastoptim.AdamW(params, lr=0.01, **ENGINES[engine])
+    mine = [torch.zeros_like(param).share_memory_() for param in params]
+    for param, exp_avg in zip(params, mine):
+        optimizer.state[param]["exp_avg"] = exp_avg
+    oracle.run(optimizer, params, oracle.grad_sequence(SHAPES, 2))
+    for param, exp_avg in zip(params, mine):
+        assert optimizer.state[param]["exp_avg"] is exp_avg and exp_avg.is_shared() and exp_avg.abs().sum() > 0
+
+
+def test_a_buffers_padding_is_zeros_so_saved_states_do_not_depend_on_the_heap():
+    """``torch.save`` writes a view's whole buffer: the bytes between states are zeros, not whatever
+    the allocator left there."""
+    junk = [torch.full((n,), float("nan")) for n in (9, 41, 300)]
+    del junk  # freed memory that a buffer made by torch.empty could reuse
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 37, 3)]
+    optimizer = fastoptim.AdamW(params, lr=0.1)
+    oracle.run(optimizer, params, [[torch.randn(5), torch.randn(37), torch.randn(3)]])
+    buffer = optimizer.state[params[0]]["exp_avg"]._base
+    covered = torch.zeros(buffer.numel(), dtype=torch.bool)
+    for param in params:
+        view = optimizer.state[param]["exp_avg"]
+        covered[view.storage_offset() - buffer.storage_offset():][:view.numel()] = True
+    assert buffer.numel() > len(params) * 16 - 16 and torch.equal(buffer[~covered], torch.zeros(int((~covered).sum())))
 
 
 @pytest.mark.parametrize("engine", ["fused-multi", "fused-single"])
@@ -297,8 +327,9 @@ def test_steps_over_alternating_grads_gather_each_state_once(engine):
 
 def test_gathered_states_start_on_cache_lines_and_counts_stay_one_tensor():
     """Each gathered state begins where torch's allocator would put a tensor of its own (64 bytes):
-    vector loads and stores across cache lines would slow the kernels. Per-param counts stay packed."""
-    params = [torch.nn.Parameter(torch.randn(n)) for n in (5, 37, 64, 3)]
+    vector loads and stores across cache lines would slow the kernels. Per-param counts stay packed,
+    and a 0-d param among them changes neither."""
+    params = [torch.nn.Parameter(torch.randn(n).squeeze() if n == 1 else torch.randn(n)) for n in (1, 5, 37, 64, 3)]
     optimizer = fastoptim.AdamW(params, lr=0.1, state_bits=16)
     for param in params:
         param.grad = torch.randn_like(param)
@@ -306,4 +337,4 @@ def test_gathered_states_start_on_cache_lines_and_counts_stay_one_tensor():
     for key in ("exp_avg", "exp_avg_sq"):
         assert all(optimizer.state[p][key].data_ptr() % 64 == 0 for p in params)
     steps = [optimizer.state[p]["step"] for p in params]
-    assert [step.storage_offset() for step in steps] == [0, 1, 2, 3] and steps[0]._base.shape == (4,)
+    assert [step.storage_offset() for step in steps] == [0, 1, 2, 3, 4] and steps[0]._base.shape == (5,)

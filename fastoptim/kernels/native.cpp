@@ -142,12 +142,15 @@ struct Layout {
 
     bool on_device_of(const Read &r) const { return r.device_type == device_type && r.device_index == device_index; }
 
-    // Whether a view of an owner no longer has the pointer and sizes it had (set_, .data =, resize_,
-    // share_memory_): the owner still holds its memory, but the state the user sees is elsewhere.
+    // Whether a view of an owner no longer has the pointer, dtype and sizes it had (set_, .data =,
+    // resize_, share_memory_, a view as another dtype): the owner still holds its memory, but the state
+    // the user sees is elsewhere or another thing.
     bool moved_out(const Tensor &t) const {
         void *now;
+        int32_t dtype_now;
         int64_t dim_now, *sizes_now;
         return aoti_torch_get_data_ptr(t.get(), &now) != AOTI_TORCH_SUCCESS || now != data
+            || aoti_torch_get_dtype(t.get(), &dtype_now) != AOTI_TORCH_SUCCESS || dtype_now != dtype
             || aoti_torch_get_dim(t.get(), &dim_now) != AOTI_TORCH_SUCCESS
             || dim_now != static_cast<int64_t>(sizes.size())
             || aoti_torch_get_sizes(t.get(), &sizes_now) != AOTI_TORCH_SUCCESS
@@ -267,11 +270,11 @@ struct StepScalars {
 
 // --- bound tables ------------------------------------------------------------------------------
 
-// Held tensors (the params, the states that lie in no owner, then the owners), the states that lie in
-// an owner (``views``: only their pointers and sizes are checked, see moved_out), and the kernel's tables
-// over them. ``pointers`` is [row][tensor], the grads' row
-// filled in at each call; ``layouts`` is [tensor][3] or empty. A table bound to no kernel (run is
-// null: a GPU kernel's, which Python launches) is only checked, by check_bound.
+// Held tensors (the params, the states that lie in no owner, then the owners), the states that lie
+// in an owner (``views``: only their pointers, dtypes and sizes are checked, see moved_out), and the
+// kernel's tables over them. ``pointers`` is [row][tensor], the grads' row filled in at each call;
+// ``layouts`` is [tensor][3] or empty. A table bound to no kernel (run is null: a GPU kernel's, which
+// Python launches) is only checked, by check_bound.
 struct Bound {
     KernelFn run;
     int32_t dtype;
@@ -322,7 +325,7 @@ struct Locked {
    ``owners`` are flat state buffers (contiguous 1-d tensors): a state whose elements lie in one is
    checked through it, so a call reads a few buffers' layouts instead of every state's. Its pointer stays
    within memory that the held buffer owns while the buffer keeps its pointer and size; of the state
-   itself a call reads only its pointer and sizes (moved_out). */
+   itself a call reads only its pointer, dtype and sizes (moved_out). */
 int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> rows, int64_t n_tensors,
              int64_t n_rows, int64_t n_scalars, Tensor chunks, std::optional<Tensor> layouts,
              std::vector<Tensor> owners) {
@@ -422,9 +425,9 @@ int64_t check(Bound &table, const std::vector<AtenTensorHandle> &grads, size_t f
    ``per_tensor[k]`` one per tensor (as the seeds' FusedAdan steps). Every table is checked before
    any runs, so an answer other than STEPPED changed nothing: STALE when a held tensor moved or
    changed its layout, GRADS_UNFIT when a grad is not a tensor its param's walk takes. */
-int64_t bound_step(std::vector<int64_t> handles, const std::vector<AtenTensorHandle> &grads, std::vector<double> numbers,
-                   std::vector<Tensor> tensor_scalars, std::vector<int64_t> slots, std::vector<int64_t> flags,
-                   std::vector<int64_t> per_tensor) {
+int64_t bound_step(std::vector<int64_t> handles, const std::vector<AtenTensorHandle> &grads,
+                   std::vector<double> numbers, std::vector<Tensor> tensor_scalars, std::vector<int64_t> slots,
+                   std::vector<int64_t> flags, std::vector<int64_t> per_tensor) {
     const char *op = "fastoptim::bound_step";
     STD_TORCH_CHECK(flags.size() == handles.size() && per_tensor.size() == handles.size(), op,
                     ": one flags and per_tensor entry per table");

@@ -15,7 +15,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from .. import distributed, engines
 from ..clip import GradTables, clip_coefficient
-from ..multi_tensor import gather_states
+from ..multi_tensor import FlatStates
 from ..specs import ABSMAX
 from ..states import formats, master, subset_norm
 from ..step_cache import DEVICE, DTYPE, SHAPE, BoundStep, GroupWork, OptimizerState, Signature, engine_view
@@ -526,21 +526,25 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         return {role: formats.for_state(param, algorithm.spec.role(role), group["state_bits"], partition)
                 for role in algorithm.spec.kept(algorithm.flags(group))}, partition
 
-    def _ensure_state(self, param, group):
+    def _ensure_state(self, param, group, place=None):
         """The param's state with every role of the group present: missing ones are zeros in their
         format, second moments in the param's partition (recorded in the state when it is new), and
-        a ``step`` count first where the algorithm counts per param (as torch orders its state)."""
+        a ``step`` count first where the algorithm counts per param (as torch orders its state).
+        ``place(key, tensor)``: where a new state goes (its slot in a flat buffer)."""
         state = self.state[param]
+
+        def add(states):
+            state.update(states if place is None else {key: place(key, value) for key, value in states.items()})
         if self._algorithm(group).counts == PER_PARAM and "step" not in state:
-            state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+            add({"step": torch.zeros((), dtype=torch.float32, device=param.device)})
         states_formats, partition = self._formats(group, param, state)
         if partition is not None:
             state.update(partition.record)
         for role, state_format in states_formats.items():
             if role not in state:
-                state.update(state_format.zeros(param, self._algorithm(group).spec.role(role), partition))
+                add(state_format.zeros(param, self._algorithm(group).spec.role(role), partition))
         if master.dtype(param, group["master_bits"]) is not None and master.KEY not in state:
-            state[master.KEY] = master.zeros(param, group["master_bits"])
+            add({master.KEY: master.zeros(param, group["master_bits"])})
         return state
 
     def _expected_state(self, group, param, state):
@@ -558,18 +562,23 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
     def _prepare_states(self, params, group):
         """The state dicts of a group's params with grads, with missing states created, and their
         :class:`StateContext`, which ``_step_arguments`` reads. Called when they change, not every
-        step. The states move into flat buffers (``gather_states``): a fused step checks a buffer
-        per key instead of a tensor per state, and per-param counts are views of one tensor, so a
-        step adds to them in one op (2000 separate 0-d tensors cost milliseconds of dispatch); not
-        in a traced step (views would retrace)."""
+        step. New states are made in flat buffers (``multi_tensor.FlatStates``): a fused step checks
+        a buffer per key instead of a tensor per state, and per-param counts are views of one tensor,
+        so a step adds to them in one op (2000 separate 0-d tensors cost milliseconds of dispatch);
+        not in a traced step (views would retrace), nor for DTensor or complex params."""
         algorithm, device = self._algorithm(group), params[0].device
         optional = algorithm.spec.optional  # read before the states are created
         first_reads = [float(all(role in self.state.get(param, ()) for role in optional)) for param in params
                        ] if optional else []
-        states = [self._ensure_state(param, group) for param in params]
+        if torch.compiler.is_compiling() or self._viewed:  # views would retrace a compiled step
+            states = [self._ensure_state(param, group) for param in params]
+        else:  # new states go into flat buffers, one param's at a time
+            now = [self.state.get(param, {}) for param in params]
+            flat = FlatStates([{key: layout for key, layout in self._expected_state(group, param, state).items()
+                                if key not in state} for param, state in zip(params, now)], device)
+            states = [self._ensure_state(param, group, functools.partial(flat.take, index))
+                      for index, param in enumerate(params)]
         counts = None
-        if not torch.compiler.is_compiling() and not self._viewed:  # views would retrace a compiled step
-            gather_states(states)
         if algorithm.counts == PER_PARAM and not torch.compiler.is_compiling():
             steps = [state["step"] for state in states]
             counts = steps[0]._base

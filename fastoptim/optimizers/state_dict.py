@@ -7,6 +7,7 @@ from copy import deepcopy
 import torch
 
 from .. import distributed
+from ..multi_tensor import gather_states
 from ..specs import ABSMAX
 from ..states import formats, master, subset_norm
 from .algorithm import PER_GROUP
@@ -99,6 +100,8 @@ class StateDicts:
                 if saved_id in state_dict["state"]:
                     new_state[param] = self._load_state(dict(state_dict["state"][saved_id]), merged, param, saved_id)
             new_groups.append(merged)
+            if not self._viewed:  # the loaded copies go into flat buffers, as new states do
+                gather_states([new_state[param] for param in group["params"] if param in new_state])
         self.__setstate__({"state": defaultdict(dict, new_state), "param_groups": new_groups})
         self.defaults["max_grad_norm"] = max_grad_norm
         self._forget_engine_caches()
