@@ -103,7 +103,7 @@ if AVAILABLE:
 
 
 def flat_buffers(states):
-    """The flat buffers that ``states`` are views of (see ``multi_tensor.gather_states``), each once:
+    """The flat buffers that ``states`` are views of (see ``multi_tensor.FlatStates``), each once:
     native code holds and checks a buffer in place of the states in it."""
     bases = {}
     for state in states:
