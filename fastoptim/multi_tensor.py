@@ -147,7 +147,8 @@ def chunk_plan(numels, layouts=None, chunk_numel=CHUNK_NUMEL, blocks=None, colum
     whole_blocks = blocks // np.gcd(unit, blocks)  # units per block boundary
     block_runs = columns & (blocks > 1) & block_columns & (units % blocks == 0)  # columns in runs of blocks
     per_chunk = np.where(block_runs, -(-per_chunk // blocks) * blocks,
-                         np.where(columns & (blocks > 1), np.maximum(units, 1), -(-per_chunk // whole_blocks) * whole_blocks))
+                         np.where(columns & (blocks > 1), np.maximum(units, 1),
+                                  -(-per_chunk // whole_blocks) * whole_blocks))
     counts = -(-units // per_chunk)  # empty tensors get no chunk
     first_chunk = np.concatenate([[0], np.cumsum(counts)])
     tensor = np.repeat(np.arange(len(numels)), counts)

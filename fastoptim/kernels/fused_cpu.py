@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..multi_tensor import in_flat_buffer
 from ..states import blockwise8
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernels take of params and grads
@@ -105,11 +106,7 @@ if AVAILABLE:
 def flat_buffers(states):
     """The flat buffers that ``states`` are views of (see ``multi_tensor.FlatStates``), each once:
     native code holds and checks a buffer in place of the states in it."""
-    bases = {}
-    for state in states:
-        base = state._base
-        if base is not None and base.dim() == 1 and base.is_contiguous() and base.numel():
-            bases[id(base)] = base
+    bases = {id(state._base): state._base for state in states if in_flat_buffer(state) and state._base.numel()}
     return list(bases.values())
 
 
