@@ -2,6 +2,7 @@
 reused while they pass the cache rule (:class:`Signature`, the one place it is stated). Beside it,
 ``multi_tensor`` builds the fused kernels' pointer tables, which the cache keeps per bucket."""
 import operator
+import weakref
 from collections import defaultdict
 from itertools import repeat
 from operator import attrgetter
@@ -119,22 +120,23 @@ class GroupWork:
                                    else part.view_param(t) for t, part in zip(tensors, self.partitions)]
                             for role, tensors in self.tensors.items()}
 
-    def traced(self, params, local_params, states):
+    def traced(self, params, local_params):
         """This work, prepared by the optimizer's ``_init_group``, for a step that torch.compile traces:
-        its decisions (engine, buckets, partitions, caches) over ``params`` and the tensors of their
-        state dicts ``states``, which a compiled step reads afresh on every call."""
+        its decisions (engine, buckets, partitions, caches) and states over ``params``, which a
+        compiled step reads afresh on every call. The state tensors are this work's lists, untouched:
+        a traced step that looked at each would make it an input of the graph."""
         work = GroupWork(self.roles, self.engine, params, local_params)
         if not params:  # no grads in the group this step: nothing to update
             return work
-        work.states, work.context, work.bucket_caches = states, self.context, self.bucket_caches
-        work.formats_chosen = self.formats_chosen
+        work.states, work.context, work.bucket_caches = self.states, self.context, self.bucket_caches
+        work.formats_chosen, work.kept = self.formats_chosen, self.kept
         work.partitions, work.reduced_roles, work.buckets = self.partitions, self.reduced_roles, self.buckets
-        work.kept = {key: [state.get(key) for state in states] for key in self.kept}
-        work._read_tensors()
+        work.tensors = self.tensors | {"param": work.viewed(local_params)}  # a partitioned param in its view
+        work.absmax = self.absmax
         return work
 
     def viewed(self, grads):
-        """This step's grads, in their params' views."""
+        """This step's grads (or params), in their params' views."""
         if self.partitions is None:
             return grads
         return [grad if part is None else part.view_param(grad) for grad, part in zip(grads, self.partitions)]
@@ -164,9 +166,15 @@ def state_changes():
     return _state_changes
 
 
-def _changed():
+def _changed(state):
+    """Count a change in every watched state dict, and in the OptimizerState that ``state`` is or
+    belongs to (a ParamState's ``owner``, a weak reference: a strong one would make a cycle, and an
+    optimizer's states would wait for the garbage collector)."""
     global _state_changes
     _state_changes += 1
+    owner = state if type(state) is OptimizerState else state.owner and state.owner()
+    if owner is not None:
+        owner.changes += 1
 
 
 MUTATORS = ("__setitem__", "__delitem__", "__ior__", "clear", "pop", "popitem", "setdefault", "update")
@@ -176,7 +184,7 @@ def _counting_changes(cls):
     """``cls`` (a dict type) with each of its ``MUTATORS`` it does not define itself counting a change."""
     def counting(method):
         def counted(self, *args, **kwargs):
-            _changed()
+            _changed(self)
             return method(self, *args, **kwargs)
         counted.__name__ = method.__name__
         return counted
@@ -191,6 +199,8 @@ class ParamState(dict):
     """A param's state dict, as torch.optim's, which counts its changes (see :func:`state_changes`),
     so a step can tell that none of its states was replaced or removed without looking at each."""
 
+    owner = None  # a weak reference to the OptimizerState that holds it
+
     def __reduce__(self):
         return ParamState, (dict(self),)
 
@@ -198,16 +208,20 @@ class ParamState(dict):
 @_counting_changes
 class OptimizerState(defaultdict):
     """An optimizer's ``state``: param to its :class:`ParamState` (a dict stored in it becomes one,
-    a copy), counting its changes as they do."""
+    a copy), counting its changes and theirs in ``changes`` (a compiled step's guard) and in
+    :func:`state_changes`."""
 
     def __init__(self, states=()):
         super().__init__(ParamState)
+        self.changes = 0
         for param, state in dict(states).items():
             self[param] = state
 
     def __setitem__(self, param, state):
-        _changed()
-        super().__setitem__(param, state if type(state) is ParamState else ParamState(state))
+        _changed(self)
+        state = state if type(state) is ParamState else ParamState(state)
+        state.owner = weakref.ref(self)
+        super().__setitem__(param, state)
 
     def setdefault(self, param, state=None):
         if param not in self:

@@ -114,3 +114,13 @@ OPTIMIZERS = (ADAN, ADAMW, ADAMWSN, RMSPROPSN, LION, MUON)
 BY_CLASS = {info.cls: info for info in OPTIMIZERS}
 # Those that take betas as a tuple (RMSPropSN takes beta2 alone).
 WITH_BETAS = tuple(info for info in OPTIMIZERS if info.exact_betas)
+
+
+def step_op(cls, param, grad, states, absmax, scalars, flags, per_tensor_calls=False):
+    """Call ``cls``'s step op (``torch.ops.fastoptim.<spec name>_step``) with tensor lists by role:
+    ``states`` and ``absmax`` one list per role of its spec, in order (an empty list: none)."""
+    spec = cls.algorithm.spec
+    tensors = {"param": param} | {role: values for role, values in zip(spec.states, states) if values}
+    maxima = {role: values for role, values in zip(spec.states, absmax) if values}
+    op = getattr(torch.ops.fastoptim, f"{spec.name}_step")
+    op(param, grad, *fastoptim.engines.fused.op_states(tensors, maxima, spec), scalars, flags, per_tensor_calls)

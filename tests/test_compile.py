@@ -10,7 +10,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import fastoptim
-from fastoptim.optimizers.algorithm import PER_PARAM
+from fastoptim import engines
 
 from .registry import ADAMW, ADAN, OPTIMIZERS
 
@@ -146,9 +146,8 @@ def graph_targets(cls, options, step):
 def test_the_compiled_graph_calls_the_kernel_op_and_no_foreach_op(cls, op):
     targets = graph_targets(cls, dict(state_bits=8, max_grad_norm=1.0), lambda opt, params: opt.step())
     assert op in str(targets) and "grad_norm_total" in str(targets), targets
-    # per-param step counts, one 0-d tensor each as torch keeps them, advance by one _foreach_add_
-    counts = ["_foreach_add_"] if cls.algorithm.counts == PER_PARAM else []
-    assert [t for t in targets if "_foreach_" in t] == counts, targets
+    # per-param step counts are views of one tensor (multi_tensor.FlatStates), advanced by one add_
+    assert not [t for t in targets if "_foreach_" in t], targets
 
 
 def test_clip_grad_norm_compiles_to_its_ops():
@@ -282,12 +281,14 @@ def test_a_compiled_training_step_keeps_the_kernel_and_fastoptim_adds_no_graph_b
     assert not ours, ours
 
 
-def test_a_state_moved_to_new_storage_is_seen_by_the_compiled_step():
+@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
+def test_a_state_moved_to_new_storage_is_seen_by_the_compiled_step_or_refused(backend):
     """The op's tables are checked by layout on every call: a state given new storage in place
-    (as share_memory_() does) is written where it now lives."""
+    (as share_memory_() does) is written where it now lives by inductor's graph, which hands the op
+    the tensors themselves; a backend that hands it copies (aot_eager) refuses the step."""
     eager, traced = pair(fastoptim.AdamW, {})
-    compiled = torch.compile(traced[1].step, backend="aot_eager", fullgraph=True)
     torch._dynamo.reset()
+    compiled = torch.compile(traced[1].step, backend=backend, fullgraph=True)
     for step in range(4):
         for params, opt in (eager, traced):
             set_grads(params, step)
@@ -295,6 +296,10 @@ def test_a_state_moved_to_new_storage_is_seen_by_the_compiled_step():
                 state = opt.state[params[1]]["exp_avg"]
                 state.set_(state.clone())
         eager[1].step()
+        if step == 2 and backend == "aot_eager":
+            with pytest.raises(RuntimeError, match="given new storage in place"):
+                compiled()
+            return
         compiled()
     assert_same(eager, traced)
 
@@ -328,15 +333,53 @@ def test_a_fallback_in_a_compiled_step_warns_once_at_tracing():
             "fastoptim: fused=True, but no fused kernel for torch.float64; those tensors take the foreach engine"])
 
 
-def test_the_op_refuses_what_its_kernel_cannot_take_and_lists_of_other_lengths():
-    def call(params, grads, exp_avgs):
-        lion_scalars = [torch.tensor(0.0)] * len(fastoptim.Lion.algorithm.spec.all_scalars)
-        torch.ops.fastoptim.lion_step(params, grads, exp_avgs, [], lion_scalars, 0, False)
+def call_lion_op(params, grads, exp_avgs, layout=None):
+    spec = fastoptim.Lion.algorithm.spec
+    holders, made = engines.fused.op_states({"param": params, "exp_avg": exp_avgs}, {}, spec)
+    scalars = [torch.tensor(0.0)] * len(spec.all_scalars)
+    torch.ops.fastoptim.lion_step(params, grads, holders, made if layout is None else layout, scalars, 0, False)
 
+
+def test_the_op_refuses_what_its_kernel_cannot_take_and_lists_of_other_lengths():
     params = [torch.zeros(4, dtype=torch.float64)]
     with pytest.raises(RuntimeError, match="kernel cannot take a tensor: no fused kernel for torch.float64"):
-        call(params, [torch.ones_like(params[0])], [torch.zeros_like(params[0])])
+        call_lion_op(params, [torch.ones_like(params[0])], [torch.zeros_like(params[0])])
     assert not params[0].any()
     params = [torch.zeros(4), torch.zeros(4)]
+    with pytest.raises(ValueError, match="grad must hold one tensor per param"):
+        call_lion_op(params, [torch.ones(4)], [torch.zeros(4)] * 2)
     with pytest.raises(ValueError, match="one tensor per param"):
-        call(params, [torch.ones(4)] * 2, [torch.zeros(4)])
+        call_lion_op(params, [torch.ones(4)] * 2, [torch.zeros(4), None])
+
+
+@pytest.mark.parametrize("layout", [[0], [0, 0, 1, 4], [0, 0, 1, 4, 1, 0, 0, 1, 4, 1, 7], [3, 0, 1, 4, 1, 0, 0, 1, 4, 1],
+                                    [0, 2, 1, 4, 1, 0, 6, 1, 4, 1]])
+def test_the_op_refuses_a_layout_it_did_not_make_and_changes_nothing(layout):
+    """Records cut short, one too many, a holder that is not there, a view past its holder's end."""
+    params, exp_avgs = [torch.zeros(4), torch.zeros(4)], [torch.zeros(4), torch.zeros(4)]
+    layout = torch.tensor(layout + [-1, -1], dtype=torch.int64)  # and no block maxima
+    with pytest.raises(ValueError, match="states and layout must be what fastoptim.engines.fused.op_states makes"):
+        call_lion_op(params, [torch.ones(4)] * 2, exp_avgs, layout)
+    assert not any(t.any() for t in params + exp_avgs)
+
+
+def test_the_op_runs_on_states_in_one_buffer_as_on_separate_ones():
+    """op_states over views of one buffer hands the op that buffer, once, and the layout finds each
+    view in it; the results are those of separate tensors."""
+    torch.manual_seed(0)
+    params = [torch.randn(5), torch.randn(2, 3)]
+    grads = [torch.randn_like(p) for p in params]
+    buffer = torch.randn(16)
+    views = [buffer[:5], buffer[8:14].view(2, 3)]
+    gap, original = buffer[5:8].clone(), params[0].clone()
+    separate_params, separate_states = [p.clone() for p in params], [v.clone() for v in views]
+    spec = fastoptim.Lion.algorithm.spec
+    values = dict(found_inf=0.0, seed=0.0, grad_scale=1.0, beta1=0.9, one_minus_beta1=0.1, beta2=0.99,
+                  one_minus_beta2=0.01, lr=0.1, decay_mul=0.99)
+    scalars = [torch.tensor(values[name]) for name in spec.all_scalars]
+    for ps, states, holders_expected in ((params, views, [buffer]), (separate_params, separate_states, None)):
+        holders, layout = engines.fused.op_states({"param": ps, "exp_avg": states}, {}, spec)
+        assert holders == holders_expected if holders_expected else len(holders) == 2
+        torch.ops.fastoptim.lion_step(ps, grads, holders, layout, scalars, 0, False)
+    assert all(map(torch.equal, params, separate_params)) and all(map(torch.equal, views, separate_states))
+    assert torch.equal(buffer[5:8], gap) and not torch.equal(params[0], original)  # only the views, and they moved

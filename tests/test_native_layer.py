@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fastoptim import engines
 from fastoptim.kernels import fused_cpu
 from fastoptim.specs import declared_specs
 from fastoptim.states import master
@@ -223,15 +224,15 @@ def test_a_fused_step_bumps_the_params_version_counters(engine, backend, monkeyp
 
 
 def test_the_step_op_updates_the_states_it_is_given_not_those_of_the_last_call():
-    """Its tables are kept per first param; other state tensors with the same params are new tables."""
+    """Its tables are kept per call; other state tensors with the same params are new tables."""
     from fastoptim.optimizers.lion import SPEC
     op = torch.ops.fastoptim.lion_step
     param, grad = [torch.ones(8)], [torch.ones(8)]
     scalars = [torch.tensor(v) for v in (0.0, 0.0, 1.0, 0.9, 0.1, 0.99, 0.01, 0.1, 1.0)]
     assert len(scalars) == len(SPEC.all_scalars)
     first, second = [torch.zeros(8)], [torch.zeros(8)]
-    op(param, grad, first, [], scalars, 0, False)
-    op(param, grad, second, [], scalars, 0, False)
+    for states in (first, second):
+        op(param, grad, *engines.fused.op_states({"param": param, "exp_avg": states}, {}, SPEC), scalars, 0, False)
     assert torch.equal(first[0], second[0]) and first[0].abs().sum() > 0
 
 

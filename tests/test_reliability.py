@@ -16,7 +16,7 @@ from fastoptim.bench.peers import timm_adan_class
 
 from .test_adversarial import ENGINES, python
 from .test_bad_input import assert_unchanged, snapshot
-from .registry import OPTIMIZERS
+from .registry import OPTIMIZERS, step_op
 from .test_lion import timm_lion_class
 
 ALL = [info.cls for info in OPTIMIZERS]
@@ -35,7 +35,8 @@ def test_the_step_ops_refuse_bad_arguments_by_name_and_change_nothing():
     """Each call once crashed the process, overflowed the heap or stepped on garbage."""
     out = python("""
         import torch, fastoptim
-        lion = torch.ops.fastoptim.lion_step
+        from tests.registry import step_op
+        lion = lambda p, g, m, a, *rest: step_op(fastoptim.Lion, p, g, [m], [a], *rest)
         n_scalars = len(fastoptim.Lion.algorithm.spec.all_scalars)
         scalars = [torch.tensor(0.1)] * n_scalars
         p, codes = torch.zeros(8192), torch.full((8192,), 127, dtype=torch.uint8)
@@ -63,8 +64,8 @@ def test_the_step_ops_refuse_bad_arguments_by_name_and_change_nothing():
             "scalar 'seed'": lambda: lion([p], [torch.ones(8192)], [torch.zeros(8192)], [],
                                           scalars[:1] + [torch.tensor(True)] + scalars[2:], 0, False),
             "flags": lambda: lion([p], [torch.ones(8192)], [torch.zeros(8192)], [], scalars, 1 << 5, False),
-            "max_exp_avg_sq must hold": lambda: torch.ops.fastoptim.adamw_step(
-                [p], [torch.ones(8192)], [torch.zeros(8192)], [torch.zeros(8192)], [], [], [], [],
+            "max_exp_avg_sq must hold": lambda: step_op(fastoptim.AdamW,
+                [p], [torch.ones(8192)], [[torch.zeros(8192)], [torch.zeros(8192)], []], [[], [], []],
                 [torch.tensor(0.1)] * len(fastoptim.AdamW.algorithm.spec.all_scalars), 0b110, False),
         }
         for pattern, call in CASES.items():
@@ -88,14 +89,16 @@ def test_the_step_op_checks_again_when_the_same_tensors_come_with_other_flags():
     out = python("""
         import torch, fastoptim
         adamw = torch.ops.fastoptim.adamw_step
-        scalars = [torch.tensor(0.1)] * len(fastoptim.AdamW.algorithm.spec.all_scalars)
+        spec = fastoptim.AdamW.algorithm.spec
+        scalars = [torch.tensor(0.1)] * len(spec.all_scalars)
         p, g, m, v = torch.zeros(64), torch.ones(64), torch.zeros(64), torch.zeros(64)
-        first_moment = 1 << (1 + fastoptim.AdamW.algorithm.spec.flags.index("first_moment"))
-        amsgrad = 1 << (1 + fastoptim.AdamW.algorithm.spec.flags.index("amsgrad"))
-        adamw([p], [g], [m], [v], [], [], [], [], scalars, first_moment, False)
+        first_moment = 1 << (1 + spec.flags.index("first_moment"))
+        amsgrad = 1 << (1 + spec.flags.index("amsgrad"))
+        states = fastoptim.engines.fused.op_states({"param": [p], "exp_avg": [m], "exp_avg_sq": [v]}, {}, spec)
+        adamw([p], [g], *states, scalars, first_moment, False)
         before = p.clone()
         try:
-            adamw([p], [g], [m], [v], [], [], [], [], scalars, first_moment | amsgrad, False)
+            adamw([p], [g], *states, scalars, first_moment | amsgrad, False)
         except ValueError as error:
             assert "max_exp_avg_sq must hold one tensor per param" in str(error), error
             assert torch.equal(p, before)
@@ -107,7 +110,7 @@ def test_the_step_op_checks_again_when_the_same_tensors_come_with_other_flags():
 def test_the_step_op_still_steps_what_it_is_given_right():
     p, exp_avg = torch.zeros(8), torch.zeros(8)
     scalars = [torch.tensor(v) for v in (0.0, 0.0, 1.0, 0.9, 0.1, 0.99, 0.01, 0.01, 1.0)]  # the spec's order
-    torch.ops.fastoptim.lion_step([p], [torch.ones(8)], [exp_avg], [], scalars, 0, False)
+    step_op(fastoptim.Lion, [p], [torch.ones(8)], [[exp_avg]], [[]], scalars, 0)
     assert torch.equal(p, torch.full((8,), -0.01)) and torch.allclose(exp_avg, torch.full((8,), 0.01))
 
 

@@ -123,6 +123,24 @@ def test_a_step_keeps_no_grad_alive(cls, engine):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_an_optimizer_dropped_frees_its_states_at_once(cls, engine):
+    """No reference cycle holds an optimizer's states (a state dict's link to its optimizer's is
+    weak): dropping the optimizer frees them without waiting for the garbage collector, whose
+    pauses would hold gigabytes a while, and show in a step's peak memory."""
+    params, optimizer = stepped(cls, ENGINES[engine])
+    states = [weakref.ref(t) for state in optimizer.state.values() for t in state.values()
+              if isinstance(t, torch.Tensor)]
+    assert states
+    gc.disable()
+    try:
+        del optimizer
+        assert all(state() is None for state in states)
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 def test_adan_starts_a_late_param_with_no_gradient_difference_as_timm_does(engine):
     """Official Adan and timm set g_prev = g for a param's first step, whenever it comes (here, at
     the group's third step), and count the steps of a group whose params have no grads."""

@@ -20,6 +20,7 @@ of a param that is not contiguous (the codes are in row-major order).
 import operator
 import warnings
 from itertools import repeat
+from typing import NamedTuple
 
 import torch
 
@@ -97,13 +98,33 @@ def _split(tensors, spec, backend):
     return taken, taken_formats, left, reason
 
 
-def split(tensors, spec):
-    """Indices of the tensors (``tensors``: role to one tensor per param) that their device's kernel
-    takes, those left to the foreach engine, and why: a traced step's split, decided before tracing."""
+class TracedSplit(NamedTuple):
+    """A traced step's split of a bucket, decided before tracing (``split``): the indices the kernel
+    takes, those left to the foreach engine and why, and the states of the taken tensors as the
+    step op takes them (``op_states``)."""
+    taken: list
+    left: list
+    reason: str | None
+    holders: list
+    layout: torch.Tensor | None
+
+
+def split(tensors, absmax, spec):
+    """A traced step's :class:`TracedSplit` of one bucket (``tensors``: role to one tensor per param,
+    grads included; ``absmax``: role to each param's block maxima or None). The op's call over the
+    taken tensors is prepared here, eagerly, with the very state tensors the user sees (see
+    :func:`_op_step`)."""
     if master.KEY in tensors:  # the step ops take no remainders
-        return [], list(range(len(tensors["param"]))), "a compiled step's kernels keep no master_bits remainders"
+        return TracedSplit([], list(range(len(tensors["param"]))),
+                           "a compiled step's kernels keep no master_bits remainders", [], None)
     taken, _, left, reason = _split(tensors, spec, backends.for_device(tensors["param"][0].device))
-    return taken, left, reason
+    if not taken:
+        return TracedSplit(taken, left, reason, [], None)
+    states = {role: [values[i] for i in taken] for role, values in tensors.items() if role != "grad"}
+    absmax = {role: [values[i] for i in taken] for role, values in absmax.items()}
+    holders, layout = op_states(states, absmax, spec)
+    _OP_CACHE.keep((spec.name, id(layout)), OpCall(states["param"], holders, layout, states, absmax))
+    return TracedSplit(taken, left, reason, holders, layout)
 
 
 def _warn_at_tracing(ctx):
@@ -263,18 +284,18 @@ _LIBRARY = torch.library.Library("fastoptim", "FRAGMENT")
 
 
 def define_op(spec):
-    """Define ``spec``'s step op: ``fastoptim::<name>_step(param, grad, <each state role>, <each
-    role's block maxima>, scalars, flags, per_tensor_calls)``, tensor lists by role (a role a step
-    does not keep: an empty list; a tensor without block maxima: an empty tensor), mutating the
-    params, states and block maxima; ``scalars`` in ``spec.all_scalars`` order, ``flags`` the
-    kernel's flag bits. Defining it again is a no-op."""
+    """Define ``spec``'s step op: ``fastoptim::<name>_step(param, grad, states, layout, scalars,
+    flags, per_tensor_calls)``, mutating the params and ``states``: the few tensors that hold every
+    state and block maxima (flat buffers, or a state of its own), with ``layout`` saying where each
+    is (see :func:`op_states`, which makes both). A compiled step hands the graph a handful of
+    state tensors instead of one per state: inductor's time grows with the square of an op's
+    mutated tensors. ``scalars`` in ``spec.all_scalars`` order, ``flags`` the kernel's flag bits.
+    Defining it again is a no-op."""
     if spec.name in OPS:
         return
-    mutated = ("param", *spec.states, *(role + ABSMAX for role in spec.states))
-    lists = [f"Tensor(a{i}!)[] {role}" for i, role in enumerate(mutated)]
-    lists.insert(1, "Tensor[] grad")
     name = f"{spec.name}_step"
-    _LIBRARY.define(f"{name}({', '.join(lists)}, Tensor[] scalars, int flags, bool per_tensor_calls) -> ()")
+    _LIBRARY.define(f"{name}(Tensor(a!)[] param, Tensor[] grad, Tensor(b!)[] states, Tensor layout, "
+                    "Tensor[] scalars, int flags, bool per_tensor_calls) -> ()")
 
     def step(*args):
         _op_step(spec, *args)
@@ -284,28 +305,110 @@ def define_op(spec):
     OPS[spec.name] = getattr(torch.ops.fastoptim, name).default
 
 
+def _state_names(spec):
+    return (*spec.states, *(role + ABSMAX for role in spec.states))
+
+
+def op_states(tensors, absmax, spec):
+    """The ``states`` and ``layout`` arguments of ``spec``'s step op for ``tensors`` (role to one
+    tensor per param) and ``absmax`` (role to each param's block maxima, None for none). Each state
+    is held by its root tensor (a flat buffer holds many); ``layout`` is an int64 tensor with a
+    record per state role (then per block-maxima role), in ``spec.states`` order, and param: -1
+    where there is none, else the holder's index, the storage offset, the dimensions, the sizes
+    and the strides."""
+    n, holders, index, records = len(tensors["param"]), [], {}, []
+    for name in _state_names(spec):
+        values = tensors.get(name) if name in spec.states else absmax.get(name.removesuffix(ABSMAX))
+        for state in values or repeat(None, n):
+            if state is None:
+                records.append(-1)
+                continue
+            holder = state._base if state._base is not None and state._base.dtype == state.dtype else state
+            records += [index.setdefault(id(holder), len(holders)), state.storage_offset(), state.dim(),
+                        *state.shape, *state.stride()]
+            if index[id(holder)] == len(holders):
+                holders.append(holder)
+    return holders, torch.tensor(records, dtype=torch.int64)
+
+
+def _read_states(op, spec, n, holders, layout):
+    """The inverse of :func:`op_states`: (tensors, absmax) by role, views of ``holders``."""
+    records, at, found = layout.tolist(), 0, {}
+    try:
+        for name in _state_names(spec):
+            values = []
+            for _ in range(n):
+                if records[at] < 0:
+                    values.append(None)
+                    at += 1
+                    continue
+                holder, offset, dim = records[at:at + 3]
+                sizes, strides = records[at + 3:at + 3 + dim], records[at + 3 + dim:at + 3 + 2 * dim]
+                if len(strides) != dim or holder >= len(holders):
+                    raise IndexError
+                values.append(holders[holder].as_strided(sizes, strides, offset))
+                at += 3 + 2 * dim
+            found[name] = values
+        if at != len(records):
+            raise IndexError
+    except (IndexError, TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"{op}: states and layout must be what fastoptim.engines.fused.op_states makes of "
+                         f"{n} params' states ({error or 'the layout ends early or late'})") from None
+    tensors = {role: found[role] for role in spec.states if any(t is not None for t in found[role])}
+    absmax = {role: found[role + ABSMAX] for role in spec.states if any(t is not None for t in found[role + ABSMAX])}
+    if any(t is None for ts in tensors.values() for t in ts):
+        raise ValueError(f"{op}: a state role must hold one tensor per param (or none, for a role the step "
+                         "does not keep)")
+    return tensors, absmax
+
+
 def _run_traced(plan, per_tensor_calls):
     """A step that torch.compile traces: the split was decided before tracing (``split``, called by
     the optimizer's ``_init_group``), and the kernel's tensors go to ``spec``'s op, which the graph
     keeps."""
-    taken, left, reason = plan.cache["traced split"]
-    if left:
-        _fallback(plan.subset(left), reason)
-    if not taken:
+    traced = plan.cache["traced split"]
+    if traced.left:
+        _fallback(plan.subset(traced.left), traced.reason)
+    if not traced.taken:
         return
-    part = plan if not left else plan.subset(taken)
-    spec = plan.spec
+    part = plan if not traced.left else plan.subset(traced.taken)
     device = part.tensors["param"][0].device
     scalars = [value if isinstance(value, torch.Tensor) else torch.tensor(float(value), device=device)
                for value in _scalar_values(part, device)]
-    absmax = [[torch.empty(0, device=device) if t is None else t for t in part.absmax[role]] if role in part.absmax
-              else [] for role in spec.states]
-    OPS[spec.name](part.tensors["param"], part.tensors["grad"], *(part.tensors.get(role, []) for role in spec.states),
-                   *absmax, scalars, spec.flag_bits(part.flags, part.stochastic_rounding), per_tensor_calls)
+    OPS[plan.spec.name](part.tensors["param"], part.tensors["grad"], traced.holders, traced.layout, scalars,
+                        plan.spec.flag_bits(part.flags, part.stochastic_rounding), per_tensor_calls)
 
 
-# (op, backend, tensor count, first param's pointer, per_tensor_calls, flag bits):
-# (held tensors, their Signature, the params' Signature, Tables)
+def _check_unmoved(op, spec, call):
+    """Raise if a state of a call that ``split`` prepared no longer lies where its layout says, when
+    the op is handed copies of its tensors (a backend that does not update them in place, as
+    aot_eager): the kernel would update the copies, and the state the user sees would not change."""
+    holders, layout = op_states(call.tensors, call.absmax, spec)
+    if len(holders) != len(call.holders) or not all(map(operator.is_, holders, call.holders)) or not torch.equal(
+            layout, call.layout):
+        raise RuntimeError(f"{op}: a state was given new storage in place (set_, .data =, share_memory_()) after "
+                           "the step was compiled, and this backend hands the op copies of its tensors: assign "
+                           "the new tensor in the state dict instead (optimizer.state[param][key] = tensor), which "
+                           "traces the step again")
+
+
+class OpCall(NamedTuple):
+    """A step op's call as its tables were built for: its params, state holders and layout, the
+    states by role (the user's own tensors where ``split`` prepared the call), and the tables."""
+    params: list
+    holders: list
+    layout: torch.Tensor
+    tensors: dict
+    absmax: dict
+    prepared: bool = True  # by ``split``: ``tensors`` are the user's state tensors
+    flag_bits: int | None = None  # those the tables were checked for: flags decide the roles a kernel reads
+    tables: "Tables | None" = None
+    held: list = ()
+    signature: Signature | None = None
+    grads_signature: Signature | None = None
+
+
+# (spec name, id of the layout, which the entry holds): OpCall
 _OP_CACHE = OpCache()
 
 
@@ -373,41 +476,49 @@ def _check_op_states(op, spec, flags, tensors, absmax):
                          "state and block-maxima tensor must own its memory")
 
 
-def _op_step(spec, param, grad, *lists_and_options):
-    """The step op's eager implementation. Every argument is checked before anything changes. The
-    tables are kept while the call passes the same tensors, and they keep their storage and layouts:
-    checked at each call by a backend that ``CHECKS_NATIVELY`` (which refuses to run a table whose
-    tensors moved, or with a grad that does not fit), else here (:class:`Signature` over them, as
-    the optimizer's step cache keeps its own, and the grads' shapes, dtypes, devices and strides)."""
-    *lists, scalars, flag_bits, per_tensor_calls = lists_and_options
+def _op_step(spec, param, grad, holders, layout, scalars, flag_bits, per_tensor_calls):
+    """The step op's eager implementation (see :func:`define_op`). Every argument is checked before
+    anything changes. The tables are kept while calls pass the same params, holders and layout,
+    and the tensors keep their storage and layouts: checked at each call by a backend that
+    ``CHECKS_NATIVELY`` (which refuses to run a table whose tensors moved, or with a grad that does
+    not fit), else here (:class:`Signature` over them, as the optimizer's step cache keeps its own,
+    and the grads' shapes, dtypes, devices and strides). A call that ``split`` prepared runs on the
+    user's own state tensors, so a state given new storage in place is updated where it now is."""
     op = f"fastoptim::{spec.name}_step"
     _check_op_scalars(op, spec, scalars, flag_bits, len(param), param[0].device if param else None)
-    if any(len(ts) not in (0, len(param)) for ts in lists) or len(grad) != len(param):
-        raise ValueError(f"{op}: every tensor list must hold one tensor per param "
-                         "(or none, for a role the step does not keep)")
+    if len(grad) != len(param):
+        raise ValueError(f"{op}: grad must hold one tensor per param; got {len(grad)} for {len(param)} params")
     if not param:
         return
-    states, absmax_lists = lists[:len(spec.states)], lists[len(spec.states):]
-    tensors = {"param": param, "grad": grad} | {role: ts for role, ts in zip(spec.states, states) if ts}
-    absmax = {role: [t if t.numel() else None for t in ts] for role, ts in zip(spec.states, absmax_lists) if ts}
     flags, stochastic = spec.unpack_flags(flag_bits)
     backend = backends.for_device(param[0].device)
+    key = (spec.name, id(layout))
+    call = _OP_CACHE.get(key)
+    same = (call is not None and call.layout is layout and len(call.params) == len(param)
+            and all(map(operator.is_, param, call.params)) and len(call.holders) == len(holders)
+            and all(map(operator.is_, holders, call.holders)))
+    if same and call.tables is not None and call.flag_bits == flag_bits and (backend.CHECKS_NATIVELY or (
+            call.signature.matches(call.held, *LAYOUT)
+            and all(map(operator.is_, map(operator.attrgetter("layout"), grad), repeat(torch.strided)))
+            and call.grads_signature.matches(grad, SHAPE, DTYPE, DEVICE) and call.tables.fit(grad))) \
+            and call.tables.launch(spec, grad, scalars, flags, stochastic, per_tensor_calls):
+        return
+    copies = not same and call is not None and call.layout is layout and call.prepared
+    if copies:
+        _check_unmoved(op, spec, call)
+    states, absmax = (call.tensors, call.absmax) if same else _read_states(op, spec, len(param), holders, layout)
+    tensors = {"param": param, "grad": grad} | {role: ts for role, ts in states.items() if role != "param"}
+    absmax = {role: ts for role, ts in absmax.items() if any(t is not None for t in ts)}
+    _check_op_grads(op, param, grad)
+    _check_op_states(op, spec, flags, tensors, absmax)
+    _, taken_formats, left, reason = _split(tensors, spec, backend)
+    if left:
+        raise RuntimeError(f"{op}: the {backend.NAME} kernel cannot take a tensor: {reason}")
     held = [t for role, ts in tensors.items() if role != "grad" for t in ts] + [
         t for ts in absmax.values() for t in ts if t is not None]
-    key = (spec.name, backend.NAME, len(param), param[0].data_ptr(), per_tensor_calls, flag_bits)  # flags: roles
-    cached = _OP_CACHE.get(key)
-    fresh = cached is not None and len(cached[0]) == len(held) and all(map(operator.is_, held, cached[0]))
-    if fresh and not backend.CHECKS_NATIVELY:
-        fresh = (cached[1].matches(held, *LAYOUT) and all(map(operator.is_, map(operator.attrgetter("layout"), grad),
-                                                              repeat(torch.strided)))
-                 and cached[2].matches(grad, SHAPE, DTYPE, DEVICE) and cached[3].fit(grad))
-    if not fresh or not cached[3].launch(spec, grad, scalars, flags, stochastic, per_tensor_calls):
-        _check_op_grads(op, param, grad)
-        _check_op_states(op, spec, flags, tensors, absmax)
-        _, taken_formats, left, reason = _split(tensors, spec, backend)
-        if left:
-            raise RuntimeError(f"{op}: the {backend.NAME} kernel cannot take a tensor: {reason}")
-        cached = _OP_CACHE.keep(key, (held, Signature((), held), Signature((), param),
-                                      Tables(tensors, absmax, spec, backend, taken_formats)))
-        if not cached[3].launch(spec, grad, scalars, flags, stochastic, per_tensor_calls):
-            raise RuntimeError(f"{op}: the fused kernel refused tables built from its arguments just now")
+    call = OpCall(param, holders, layout, tensors, absmax, same and call.prepared, flag_bits,
+                  Tables(tensors, absmax, spec, backend, taken_formats), held, Signature((), held), Signature((), param))
+    if not copies:  # copies are new at every call: the prepared call stays
+        _OP_CACHE.keep(key, call)
+    if not call.tables.launch(spec, grad, scalars, flags, stochastic, per_tensor_calls):
+        raise RuntimeError(f"{op}: the fused kernel refused tables built from its arguments just now")

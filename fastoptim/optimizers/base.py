@@ -253,6 +253,10 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         if torch.compiler.is_compiling():
             self._init_group()  # run eagerly by torch.compile, at tracing
             caches = self._engine_caches
+            # A guard on the state dicts' change count: the step traced on the states _init_group found
+            # is traced again (and _init_group run again) once a state dict changes.
+            if self.state.changes != caches["traced state changes"]:
+                raise RuntimeError("fastoptim: a state dict changed while a step was traced")
             self._apply([(group, *self._traced_group_work(caches["patterns"][index, _grads_pattern(group["params"])],
                                                           group))
                          for index, group in enumerate(self.param_groups)], caches)
@@ -360,14 +364,18 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                     part = {role: [values[i] for i in bucket] for role, values in tensors.items()}
                     if _keeps_no_remainders(part):
                         del part[master.KEY]
-                    cache["traced split"] = engines.fused.split(part, algorithm.spec)
+                    absmax = {role: [values[i] for i in bucket] for role, values in entry.absmax.items()}
+                    cache["traced split"] = engines.fused.split(part, absmax, algorithm.spec)
+        caches["traced state changes"] = self.state.changes
 
     def _traced_group_work(self, entry, group):
-        """A traced step's work for ``group``: the decisions ``_init_group`` took (``entry``), over
-        the params, grads and states read where the user sees them, which the compiled step reads
-        (and dynamo guards) on every call."""
+        """A traced step's work for ``group``: the decisions ``_init_group`` took (``entry``) and the
+        states it found, over the params and grads read where the user sees them, which the
+        compiled step reads (and dynamo guards) on every call. The states are not read one by one
+        (guards on each would cost as much as the step): the guard on the state dicts' change
+        count stands for them, and native code checks their storage at every call."""
         params, local_params, grads = self._with_grads(group)
-        return entry.traced(params, local_params, [self.state[param] for param in params]), grads
+        return entry.traced(params, local_params), grads
 
     def _with_grads(self, group, params=None):
         """The group's params that have grads (of ``params``, some of them, if given), what the engines
@@ -564,13 +572,13 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         :class:`StateContext`, which ``_step_arguments`` reads. Called when they change, not every
         step. New states are made in flat buffers (``multi_tensor.FlatStates``): a fused step checks
         a buffer per key instead of a tensor per state, and per-param counts are views of one tensor,
-        so a step adds to them in one op (2000 separate 0-d tensors cost milliseconds of dispatch);
-        not in a traced step (views would retrace), nor for DTensor or complex params."""
+        so a step adds to them in one op (2000 separate 0-d tensors cost milliseconds of dispatch),
+        and a compiled step hands its op a few buffers; not for DTensor or complex params."""
         algorithm, device = self._algorithm(group), params[0].device
         optional = algorithm.spec.optional  # read before the states are created
         first_reads = [float(all(role in self.state.get(param, ()) for role in optional)) for param in params
                        ] if optional else []
-        if torch.compiler.is_compiling() or self._viewed:  # views would retrace a compiled step
+        if self._viewed:
             states = [self._ensure_state(param, group) for param in params]
         else:  # new states go into flat buffers, one param's at a time
             now = [self.state.get(param, {}) for param in params]
@@ -579,7 +587,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             states = [self._ensure_state(param, group, functools.partial(flat.take, index))
                       for index, param in enumerate(params)]
         counts = None
-        if algorithm.counts == PER_PARAM and not torch.compiler.is_compiling():
+        if algorithm.counts == PER_PARAM:
             steps = [state["step"] for state in states]
             counts = steps[0]._base
             if counts is None or counts.shape != (len(steps),) or not all(
