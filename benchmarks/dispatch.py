@@ -1,5 +1,6 @@
 """The step's dispatch: eager against ``torch.compile(opt.step, fullgraph=True)``, the time of the
-first two compiled calls (the first traces and compiles, with an empty inductor cache), and the
+first two compiled calls (the first traces and compiles, with an empty inductor cache, after inductor's
+one-time start in the process, which a trivial function pays first and is printed apart), and the
 eager step's Python time per tensor (the step with the C kernel call replaced by a no-op), for
 fastoptim's Adan, AdamW and 8-bit Adan (fused multi-tensor, a tensor lr) and torch's fused AdamW,
 on GPT-2 124M shapes and on 2000 tensors of 1,000-5,000 elements; and eager against compiled whole
@@ -71,7 +72,7 @@ def time_cells(eager, compiled_samples):
 
 def python_seconds(optimizer, steps):
     """The eager step's seconds with the native kernel call replaced by a no-op."""
-    with mock.patch.object(fused_cpu.BoundTable, "step", lambda *args, **kwargs: fused_cpu.STEPPED):
+    with mock.patch.object(fused_cpu, "step", lambda launches: fused_cpu.STEPPED):
         optimizer.step()
         start = time.perf_counter()
         for _ in range(steps):
@@ -189,6 +190,9 @@ def main():
     args = parser.parse_args()
     gpu = f"; GPU {torch.cuda.get_device_name()}" if args.device == "cuda" else ""
     print(f"torch {torch.__version__}{gpu}; threads {torch.get_num_threads()}; CPU features: {' '.join(cpu_features())}")
+    _, (first, _) = compiled(lambda: torch.ones(8).mul(2).add(1))
+    print(f"inductor's one-time start in this process (its probe of the CPU's vector instructions), paid by the first "
+          f"compile of any function and kept out of the rows below: {first:.1f} s")
     for model_name in args.models:
         if model_name == TRAINING:
             measure_training(args.steps, args.repeats, args.device)

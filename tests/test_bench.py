@@ -275,3 +275,19 @@ def test_the_memory_method_tells_an_allocating_step_from_an_in_place_one():
     peaks = memory.in_subprocess("tests.test_bench:peaks_of_toys", numel)
     assert peaks["Allocating"] >= 0.9 * 4 * numel  # the kernel's RSS counters lag by a few pages
     assert peaks["InPlace"] < 4 * numel // 16
+
+
+def test_the_dispatch_benchmarks_python_time_runs_no_kernel():
+    """benchmarks/dispatch.py times the eager step's Python with the native call replaced: the
+    replaced function must be the one a step calls (a step then changes nothing)."""
+    from benchmarks.dispatch import python_seconds
+    import fastoptim
+    param = torch.nn.Parameter(torch.ones(64))
+    param.grad = torch.ones(64)
+    optimizer = fastoptim.Adan([param], lr=0.1, fused=True)
+    optimizer.step()
+    before = param.detach().clone()
+    assert python_seconds(optimizer, 3) > 0
+    assert torch.equal(param, before)
+    optimizer.step()
+    assert not torch.equal(param, before)

@@ -132,7 +132,6 @@ class BoundTable:
         weakref.finalize(self, torch.ops.fastoptim.unbind, self.handle).atexit = False
 
 
-
 class Launch(NamedTuple):
     """One bound table's part of a :func:`step`: its grads, its scalars in the spec's ``all_scalars``
     order (``numbers``, of which ``tensors[j]`` replaces number ``slots[j]``: an fp32 or float64
