@@ -102,7 +102,7 @@ class GroupWork:
         self.state_owners = [t for tensors in self.kept.values() for t in tensors if isinstance(t, Tensor)]
         self.state_signature = Signature(self.state_owners, self._local_states())
         self.partitions, self.reduced_roles = partitions if any(partitions) else None, reduced_roles
-        self._read_tensors()
+        self.read_tensors()
         spanning = {i for i, (param, part) in enumerate(zip(self.params, partitions))
                     if part is not None and distributed.spans_shards(param, part)
                     or whole and distributed.is_dtensor(param)}
@@ -110,7 +110,7 @@ class GroupWork:
                         for part, reduce in (([i for i in bucket if i not in spanning], None),
                                              ([i for i in bucket if i in spanning], group)) if part]
 
-    def _read_tensors(self):
+    def read_tensors(self):
         """The tensors by role from the kept states, and the block maxima of the 8-bit ones."""
         self.tensors = {"param": self.local_params} | {role: list(map(engine_view, self.kept[role]))
                                                        for role in self.roles if role in self.kept}
@@ -200,6 +200,11 @@ class ParamState(dict):
     so a step can tell that none of its states was replaced or removed without looking at each."""
 
     owner = None  # a weak reference to the OptimizerState that holds it
+
+    def __setitem__(self, key, value):
+        if key not in self or dict.__getitem__(self, key) is not value:  # dynamo sets counts to themselves
+            _changed(self)
+        super().__setitem__(key, value)
 
     def __reduce__(self):
         return ParamState, (dict(self),)

@@ -3,7 +3,9 @@
 and gives the eager step's params and states bit for bit. Most cases compile with the
 ``aot_eager`` backend, which functionalizes the graph as inductor does (so the ops' declared
 mutations are exercised) at a fraction of the compile time; a few compile with inductor."""
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ from torch._dynamo.utils import counters
 
 import fastoptim
 from fastoptim import engines
+from fastoptim.optimizers.base import GRADS_PATTERNS_KEPT
 
 from .registry import ADAMW, ADAN, OPTIMIZERS
 
@@ -281,19 +284,27 @@ def test_a_compiled_training_step_keeps_the_kernel_and_fastoptim_adds_no_graph_b
     assert not ours, ours
 
 
-@pytest.mark.parametrize("backend", ["inductor", "aot_eager"])
-def test_a_state_moved_to_new_storage_is_seen_by_the_compiled_step_or_refused(backend):
-    """The op's tables are checked by layout on every call: a state given new storage in place
-    (as share_memory_() does) is written where it now lives by inductor's graph, which hands the op
-    the tensors themselves; a backend that hands it copies (aot_eager) refuses the step."""
-    eager, traced = pair(fastoptim.AdamW, {})
+def matrix_params(seed=0):
+    torch.manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape)) for shape in ((40, 70), (64, 32))]
+
+
+@pytest.mark.parametrize("backend, options, index", [("inductor", {}, 1), ("inductor", dict(sn=True), 1),
+                                                     ("aot_eager", {}, 0), ("aot_eager", dict(sn=True), 1)])
+def test_a_state_moved_to_new_storage_is_seen_by_the_compiled_step_or_refused(backend, options, index):
+    """A state given new storage in place (as share_memory_() does) is written where it now lives by
+    inductor's graph, which hands the op the tensors themselves, also where the op takes a view of
+    it (a subset-norm second moment); a backend that hands the op copies (aot_eager) refuses the
+    step. The first state of a buffer (``index`` 0) moves to a new storage at the same offset."""
+    eager, traced = pair(fastoptim.AdamW, options, matrix_params)
+    key = "exp_avg_sq" if options else "exp_avg"
     torch._dynamo.reset()
     compiled = torch.compile(traced[1].step, backend=backend, fullgraph=True)
     for step in range(4):
         for params, opt in (eager, traced):
             set_grads(params, step)
             if step == 2:
-                state = opt.state[params[1]]["exp_avg"]
+                state = opt.state[params[index]][key]
                 state.set_(state.clone())
         eager[1].step()
         if step == 2 and backend == "aot_eager":
@@ -302,6 +313,68 @@ def test_a_state_moved_to_new_storage_is_seen_by_the_compiled_step_or_refused(ba
             return
         compiled()
     assert_same(eager, traced)
+
+
+@pytest.mark.parametrize("cls", [info.cls for info in OPTIMIZERS if info.cls.algorithm.kernel_scalars is not None])
+def test_a_param_whose_grad_comes_and_goes_compiles_two_graphs(cls):
+    """Each grads pattern is traced once: tracing one must not change the state dicts that the
+    other's graph guards (per-param step counts are left as they are, not packed again)."""
+    eager, traced = pair(cls, {})
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(traced[1].step, backend="aot_eager", fullgraph=True)
+    for step in range(8):
+        for params, _ in (eager, traced):
+            set_grads(params, step)
+            if step % 2:
+                params[4].grad = None
+        eager[1].step()
+        compiled()
+    assert_same(eager, traced)
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_more_param_groups_than_the_grads_patterns_kept_compile_as_eager():
+    """The step cache keeps up to GRADS_PATTERNS_KEPT patterns per group, not in all: a step of more
+    groups than that once emptied it while its own groups were being prepared."""
+    def groups(params):
+        return [{"params": params[i:i + 1]} for i in range(len(params))]
+    eager_params, traced_params = [[torch.nn.Parameter(torch.randn(8)) for _ in range(GRADS_PATTERNS_KEPT + 1)]
+                                   for _ in range(2)]
+    for a, b in zip(eager_params, traced_params):
+        b.data.copy_(a)
+    eager = eager_params, fastoptim.AdamW(groups(eager_params), lr=torch.tensor(0.01))
+    traced = traced_params, fastoptim.AdamW(groups(traced_params), lr=torch.tensor(0.01))
+    torch._dynamo.reset()
+    run = torch.compile(traced[1].step, backend="aot_eager", fullgraph=True)
+    for step in range(3):
+        set_grads(eager_params, step)
+        set_grads(traced_params, step)
+        eager[1].step()
+        run()
+    assert_same(eager, traced)
+
+
+def test_a_compiled_optimizer_frees_the_states_it_replaced_and_its_own_when_dropped():
+    """The op's prepared calls go with the optimizer's step cache: a state dict loaded after
+    compiling frees the states it replaced, and a dropped optimizer frees its states."""
+    params = [torch.nn.Parameter(torch.randn(100, 10))]
+    opt = fastoptim.AdamW(params, lr=torch.tensor(0.01))
+    torch._dynamo.reset()
+    step = torch.compile(opt.step, backend="aot_eager", fullgraph=True)
+    params[0].grad = torch.randn_like(params[0])
+    step()
+    replaced = weakref.ref(opt.state[params[0]]["exp_avg"])
+    opt.load_state_dict(opt.state_dict())
+    step()
+    step()
+    gc.collect()
+    assert replaced() is None
+    kept = weakref.ref(opt.state[params[0]]["exp_avg"])
+    del opt, step
+    torch._dynamo.reset()
+    gc.collect()
+    assert kept() is None
 
 
 @pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW])
@@ -361,6 +434,16 @@ def test_the_op_refuses_a_layout_it_did_not_make_and_changes_nothing(layout):
     with pytest.raises(ValueError, match="states and layout must be what fastoptim.engines.fused.op_states makes"):
         call_lion_op(params, [torch.ones(4)] * 2, exp_avgs, layout)
     assert not any(t.any() for t in params + exp_avgs)
+
+
+def test_the_op_refuses_a_state_past_its_holders_end_in_a_larger_storage():
+    """A holder that is a slice of a larger tensor: the op mutates only memory it was handed."""
+    big = torch.zeros(16)
+    layout = torch.tensor([0, 8, 1, 4, 1, -1], dtype=torch.int64)  # exp_avg at offset 8 of a 4-element holder
+    scalars = [torch.tensor(0.0)] * len(fastoptim.Lion.algorithm.spec.all_scalars)
+    with pytest.raises(ValueError, match="a state lies outside its holder"):
+        torch.ops.fastoptim.lion_step([torch.zeros(4)], [torch.ones(4)], [big[:4]], layout, scalars, 0, False)
+    assert not big.any()
 
 
 def test_the_op_runs_on_states_in_one_buffer_as_on_separate_ones():

@@ -19,6 +19,7 @@ of a param that is not contiguous (the codes are in row-major order).
 """
 import operator
 import warnings
+import weakref
 from itertools import repeat
 from typing import NamedTuple
 
@@ -107,13 +108,15 @@ class TracedSplit(NamedTuple):
     reason: str | None
     holders: list
     layout: torch.Tensor | None
+    call: "PreparedCall | None" = None  # which the split holds: the op finds it while it lives
 
 
-def split(tensors, absmax, spec):
+def split(tensors, absmax, spec, originals=None, remake=None):
     """A traced step's :class:`TracedSplit` of one bucket (``tensors``: role to one tensor per param,
     grads included; ``absmax``: role to each param's block maxima or None). The op's call over the
-    taken tensors is prepared here, eagerly, with the very state tensors the user sees (see
-    :func:`_op_step`)."""
+    taken tensors is prepared here, eagerly, on the user's own state tensors (``originals``, of
+    which ``tensors`` may be views: a subset-norm param's), and ``remake(taken)`` makes the taken
+    tensors' (tensors, absmax) afresh from them (see :class:`PreparedCall`)."""
     if master.KEY in tensors:  # the step ops take no remainders
         return TracedSplit([], list(range(len(tensors["param"]))),
                            "a compiled step's kernels keep no master_bits remainders", [], None)
@@ -123,8 +126,9 @@ def split(tensors, absmax, spec):
     states = {role: [values[i] for i in taken] for role, values in tensors.items() if role != "grad"}
     absmax = {role: [values[i] for i in taken] for role, values in absmax.items()}
     holders, layout = op_states(states, absmax, spec)
-    _OP_CACHE.keep((spec.name, id(layout)), OpCall(states["param"], holders, layout, states, absmax))
-    return TracedSplit(taken, left, reason, holders, layout)
+    call = _PREPARED[id(layout)] = PreparedCall(states["param"], holders, layout, states, absmax, originals,
+                                                lambda: remake(taken))
+    return TracedSplit(taken, left, reason, holders, layout, call)
 
 
 def _warn_at_tracing(ctx):
@@ -312,9 +316,9 @@ def _state_names(spec):
 def op_states(tensors, absmax, spec):
     """The ``states`` and ``layout`` arguments of ``spec``'s step op for ``tensors`` (role to one
     tensor per param) and ``absmax`` (role to each param's block maxima, None for none). Each state
-    is held by its root tensor (a flat buffer holds many); ``layout`` is an int64 tensor with a
-    record per state role (then per block-maxima role), in ``spec.states`` order, and param: -1
-    where there is none, else the holder's index, the storage offset, the dimensions, the sizes
+    is held by its root tensor (a flat buffer holds many); ``layout`` is an int64 tensor of records,
+    for each state role in ``spec.states`` order, then each role's block maxima, one per param:
+    -1 where there is none, else the holder's index, the storage offset, the dimensions, the sizes
     and the strides."""
     n, holders, index, records = len(tensors["param"]), [], {}, []
     for name in _state_names(spec):
@@ -331,6 +335,16 @@ def op_states(tensors, absmax, spec):
     return holders, torch.tensor(records, dtype=torch.int64)
 
 
+def _within(holder, offset, sizes, strides):
+    """Whether the view (``offset``, ``sizes``, ``strides``, in elements of its storage) lies within
+    ``holder``'s elements, from its first to its last: the op mutates no memory it was not given."""
+    if any(n == 0 for n in sizes):
+        return True
+    first = holder.storage_offset()
+    last = first + sum((n - 1) * s for n, s in zip(holder.shape, holder.stride()))
+    return holder.numel() > 0 and first <= offset and offset + sum((n - 1) * s for n, s in zip(sizes, strides)) <= last
+
+
 def _read_states(op, spec, n, holders, layout):
     """The inverse of :func:`op_states`: (tensors, absmax) by role, views of ``holders``."""
     records, at, found = layout.tolist(), 0, {}
@@ -344,8 +358,9 @@ def _read_states(op, spec, n, holders, layout):
                     continue
                 holder, offset, dim = records[at:at + 3]
                 sizes, strides = records[at + 3:at + 3 + dim], records[at + 3 + dim:at + 3 + 2 * dim]
-                if len(strides) != dim or holder >= len(holders):
-                    raise IndexError
+                if len(strides) != dim or holder >= len(holders) or not _within(holders[holder], offset, sizes,
+                                                                                 strides):
+                    raise IndexError("a state lies outside its holder")
                 values.append(holders[holder].as_strided(sizes, strides, offset))
                 at += 3 + 2 * dim
             found[name] = values
@@ -379,36 +394,53 @@ def _run_traced(plan, per_tensor_calls):
                         plan.spec.flag_bits(part.flags, part.stochastic_rounding), per_tensor_calls)
 
 
-def _check_unmoved(op, spec, call):
-    """Raise if a state of a call that ``split`` prepared no longer lies where its layout says, when
-    the op is handed copies of its tensors (a backend that does not update them in place, as
-    aot_eager): the kernel would update the copies, and the state the user sees would not change."""
-    holders, layout = op_states(call.tensors, call.absmax, spec)
-    if len(holders) != len(call.holders) or not all(map(operator.is_, holders, call.holders)) or not torch.equal(
-            layout, call.layout):
-        raise RuntimeError(f"{op}: a state was given new storage in place (set_, .data =, share_memory_()) after "
-                           "the step was compiled, and this backend hands the op copies of its tensors: assign "
-                           "the new tensor in the state dict instead (optimizer.state[param][key] = tensor), which "
-                           "traces the step again")
-
-
-class OpCall(NamedTuple):
+class OpCall:
     """A step op's call as its tables were built for: its params, state holders and layout, the
-    states by role (the user's own tensors where ``split`` prepared the call), and the tables."""
-    params: list
-    holders: list
-    layout: torch.Tensor
-    tensors: dict
-    absmax: dict
-    prepared: bool = True  # by ``split``: ``tensors`` are the user's state tensors
-    flag_bits: int | None = None  # those the tables were checked for: flags decide the roles a kernel reads
-    tables: "Tables | None" = None
-    held: list = ()
-    signature: Signature | None = None
-    grads_signature: Signature | None = None
+    states by role, and the tables (with, for a backend that does not check natively, the held
+    tensors' and the grads' signatures)."""
+
+    def __init__(self, params, holders, layout, tensors, absmax):
+        self.params, self.holders, self.layout, self.tensors, self.absmax = params, holders, layout, tensors, absmax
+        self.flag_bits = self.tables = self.held = self.signature = self.grads_signature = None
+
+    def build(self, spec, backend, flag_bits, tensors, absmax, taken_formats):
+        """Bind the tables of ``tensors`` (role to one tensor per param, grads included) and
+        ``absmax``, checked for ``flag_bits`` (flags decide the roles a kernel reads)."""
+        self.held = [t for role, ts in tensors.items() if role != "grad" for t in ts] + [
+            t for ts in absmax.values() for t in ts if t is not None]
+        self.flag_bits, self.signature, self.grads_signature = flag_bits, Signature((), self.held), Signature(
+            (), tensors["param"])
+        self.tables = Tables(tensors, absmax, spec, backend, taken_formats)
 
 
-# (spec name, id of the layout, which the entry holds): OpCall
+class PreparedCall(OpCall):
+    """A call that ``split`` prepared before tracing, on the user's own state tensors: kept by the
+    optimizer's step cache (so it goes with the optimizer), found by the op through its layout.
+    A state given new storage in place (``set_``, ``.data =``) is seen by the data pointers of
+    ``originals`` (the user's tensors, of which the states may be views) and the call is made
+    afresh from them (``remake``), so the kernel updates the state where it now lives."""
+
+    def __init__(self, params, holders, layout, tensors, absmax, originals, remake):
+        super().__init__(params, holders, layout, tensors, absmax)
+        self.originals, self.remake = originals, remake
+        self.pointers = list(map(torch.Tensor.data_ptr, originals))
+        mine = set(map(id, originals))  # else the states are views of them, checked here at every call
+        states = [t for role, ts in (*tensors.items(), *absmax.items()) if role != "param" for t in ts]
+        self.viewed = not all(id(t) in mine for t in states if t is not None)
+
+    def moved(self):
+        """Whether one of the user's state tensors has moved since the call was made."""
+        return list(map(torch.Tensor.data_ptr, self.originals)) != self.pointers
+
+    def follow(self):
+        """The call made afresh from the user's tensors where they now are."""
+        self.tensors, self.absmax = self.remake()
+        self.pointers = list(map(torch.Tensor.data_ptr, self.originals))
+        self.tables = None
+
+
+_PREPARED = weakref.WeakValueDictionary()  # id of a prepared call's layout: the call
+# (spec name, id of the layout, which the entry holds): an OpCall made by the op itself
 _OP_CACHE = OpCache()
 
 
@@ -476,6 +508,14 @@ def _check_op_states(op, spec, flags, tensors, absmax):
                          "state and block-maxima tensor must own its memory")
 
 
+def _same_tensors(given, kept):
+    """Whether the tensors an op was handed are those a call was made with: the same objects, or
+    views of the same memory made again (a subset-norm param's, which the graph views afresh)."""
+    return len(given) == len(kept) and (all(map(operator.is_, given, kept)) or (
+        list(map(torch.Tensor.data_ptr, given)) == list(map(torch.Tensor.data_ptr, kept))
+        and all(map(operator.eq, map(SHAPE, given), map(SHAPE, kept)))))
+
+
 def _op_step(spec, param, grad, holders, layout, scalars, flag_bits, per_tensor_calls):
     """The step op's eager implementation (see :func:`define_op`). Every argument is checked before
     anything changes. The tables are kept while calls pass the same params, holders and layout,
@@ -483,7 +523,9 @@ def _op_step(spec, param, grad, holders, layout, scalars, flag_bits, per_tensor_
     ``CHECKS_NATIVELY`` (which refuses to run a table whose tensors moved, or with a grad that does
     not fit), else here (:class:`Signature` over them, as the optimizer's step cache keeps its own,
     and the grads' shapes, dtypes, devices and strides). A call that ``split`` prepared runs on the
-    user's own state tensors, so a state given new storage in place is updated where it now is."""
+    user's own state tensors and follows one given new storage in place; where a backend hands the
+    op copies of its tensors (aot_eager), such a move is refused, as the copies' updates would not
+    reach the state the user sees."""
     op = f"fastoptim::{spec.name}_step"
     _check_op_scalars(op, spec, scalars, flag_bits, len(param), param[0].device if param else None)
     if len(grad) != len(param):
@@ -492,33 +534,37 @@ def _op_step(spec, param, grad, holders, layout, scalars, flag_bits, per_tensor_
         return
     flags, stochastic = spec.unpack_flags(flag_bits)
     backend = backends.for_device(param[0].device)
-    key = (spec.name, id(layout))
-    call = _OP_CACHE.get(key)
-    same = (call is not None and call.layout is layout and len(call.params) == len(param)
-            and all(map(operator.is_, param, call.params)) and len(call.holders) == len(holders)
-            and all(map(operator.is_, holders, call.holders)))
+    call = _PREPARED.get(id(layout)) or _OP_CACHE.get((spec.name, id(layout)))
+    call = call if call is not None and call.layout is layout else None
+    prepared = isinstance(call, PreparedCall)
+    same = call is not None and _same_tensors(param, call.params) and _same_tensors(holders, call.holders)
+    if prepared and not same and call.moved():
+        raise RuntimeError(f"{op}: a state was given new storage in place (set_, .data =, share_memory_()) after "
+                           "the step was compiled, and this backend hands the op copies of its tensors: assign "
+                           "the new tensor in the state dict instead (optimizer.state[param][key] = tensor), "
+                           "which traces the step again")
+    if prepared and same and call.viewed and call.moved():  # the tables hold views, which do not move
+        call.follow()
     if same and call.tables is not None and call.flag_bits == flag_bits and (backend.CHECKS_NATIVELY or (
             call.signature.matches(call.held, *LAYOUT)
             and all(map(operator.is_, map(operator.attrgetter("layout"), grad), repeat(torch.strided)))
             and call.grads_signature.matches(grad, SHAPE, DTYPE, DEVICE) and call.tables.fit(grad))) \
             and call.tables.launch(spec, grad, scalars, flags, stochastic, per_tensor_calls):
         return
-    copies = not same and call is not None and call.layout is layout and call.prepared
-    if copies:
-        _check_unmoved(op, spec, call)
-    states, absmax = (call.tensors, call.absmax) if same else _read_states(op, spec, len(param), holders, layout)
-    tensors = {"param": param, "grad": grad} | {role: ts for role, ts in states.items() if role != "param"}
-    absmax = {role: ts for role, ts in absmax.items() if any(t is not None for t in ts)}
+    if prepared and same and call.moved():  # the tables' own check found it
+        call.follow()
+    if not same:  # a call of the op's own, kept unless it is a prepared call's copies (new at every call)
+        kept = not prepared
+        call = OpCall(param, holders, layout, *_read_states(op, spec, len(param), holders, layout))
+        if kept:
+            _OP_CACHE.keep((spec.name, id(layout)), call)
+    tensors = {"param": param, "grad": grad} | {role: ts for role, ts in call.tensors.items() if role != "param"}
+    absmax = {role: ts for role, ts in call.absmax.items() if any(t is not None for t in ts)}
     _check_op_grads(op, param, grad)
     _check_op_states(op, spec, flags, tensors, absmax)
     _, taken_formats, left, reason = _split(tensors, spec, backend)
     if left:
         raise RuntimeError(f"{op}: the {backend.NAME} kernel cannot take a tensor: {reason}")
-    held = [t for role, ts in tensors.items() if role != "grad" for t in ts] + [
-        t for ts in absmax.values() for t in ts if t is not None]
-    call = OpCall(param, holders, layout, tensors, absmax, same and call.prepared, flag_bits,
-                  Tables(tensors, absmax, spec, backend, taken_formats), held, Signature((), held), Signature((), param))
-    if not copies:  # copies are new at every call: the prepared call stays
-        _OP_CACHE.keep(key, call)
+    call.build(spec, backend, flag_bits, tensors, absmax, taken_formats)
     if not call.tables.launch(spec, grad, scalars, flags, stochastic, per_tensor_calls):
         raise RuntimeError(f"{op}: the fused kernel refused tables built from its arguments just now")

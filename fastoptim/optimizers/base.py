@@ -71,6 +71,16 @@ def _grads_pattern(params):
     return tuple(i for i, param in enumerate(params) if param.grad is not None)
 
 
+def _remade(entry, bucket, taken):
+    """The states and block maxima of ``entry``'s ``bucket`` (indices of its params), the ``taken``
+    of them, as the engines take them, made again from the state tensors the user sees: where a
+    compiled step's op finds that one was given new storage in place."""
+    entry.read_tensors()
+    indices = [bucket[i] for i in taken]
+    tensors = {role: [values[i] for i in indices] for role, values in entry.tensors.items() if role != master.KEY}
+    return tensors, {role: [values[i] for i in indices] for role, values in entry.absmax.items()}
+
+
 def _keeps_no_remainders(tensors):
     """Whether a bucket's ``tensors`` (role to one tensor per param) hold the remainders' role with
     none in it: a group with master_bits keeps them for its bf16 params, and a bucket has one dtype."""
@@ -253,8 +263,8 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         if torch.compiler.is_compiling():
             self._init_group()  # run eagerly by torch.compile, at tracing
             caches = self._engine_caches
-            # A guard on the state dicts' change count: the step traced on the states _init_group found
-            # is traced again (and _init_group run again) once a state dict changes.
+            # Never raises: comparing the count makes dynamo guard it, so that the step traced on the
+            # states _init_group found is traced again (and _init_group run again) once a state dict changes.
             if self.state.changes != caches["traced state changes"]:
                 raise RuntimeError("fastoptim: a state dict changed while a step was traced")
             self._apply([(group, *self._traced_group_work(caches["patterns"][index, _grads_pattern(group["params"])],
@@ -365,7 +375,10 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                     if _keeps_no_remainders(part):
                         del part[master.KEY]
                     absmax = {role: [values[i] for i in bucket] for role, values in entry.absmax.items()}
-                    cache["traced split"] = engines.fused.split(part, absmax, algorithm.spec)
+                    originals = [t for key, values in entry.kept.items() for i in bucket
+                                 if isinstance(t := values[i], Tensor) and (key in part or key.endswith(ABSMAX))]
+                    cache["traced split"] = engines.fused.split(part, absmax, algorithm.spec, originals,
+                                                                functools.partial(_remade, entry, bucket))
         caches["traced state changes"] = self.state.changes
 
     def _traced_group_work(self, entry, group):
@@ -404,8 +417,10 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             key = (index, _grads_pattern(group["params"] if some is None else some))
             entry = patterns.get(key)
             if entry is None or not entry.fits(roles, engine, params, local_params):
-                if key not in patterns and len(patterns) >= GRADS_PATTERNS_KEPT:
-                    patterns.clear()
+                mine = [seen for seen in patterns if seen[0] == index]  # each group's own: all are in one step
+                if key not in patterns and len(mine) >= GRADS_PATTERNS_KEPT:
+                    for seen in mine:
+                        del patterns[seen]
                 entry = patterns[key] = GroupWork(roles, engine, params, local_params, Signature(params, local_params))
             caches[index] = entry
         self._check_grads(local_params, grads, entry.signature)
@@ -592,8 +607,10 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             counts = steps[0]._base
             if counts is None or counts.shape != (len(steps),) or not all(
                     step._base is counts and step.storage_offset() == i for i, step in enumerate(steps)):
-                counts = torch.stack(steps)
-                for i, state in enumerate(states):
+                # A traced step leaves them unpacked (its counts are then stacked in the graph): the step
+                # traced for another pattern of grads (a GAN's halves) guards the state dicts packing changes.
+                counts = None if torch.compiler.is_compiling() else torch.stack(steps)
+                for i, state in enumerate(states if counts is not None else ()):
                     state["step"] = counts[i]
         factors = None if algorithm.param_factors is None else torch.tensor(
             [algorithm.param_factors(group, param) for param in params], dtype=torch.float64, device=device)
