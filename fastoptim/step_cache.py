@@ -167,14 +167,14 @@ def state_changes():
 
 
 def _changed(state):
-    """Count a change in every watched state dict, and in the OptimizerState that ``state`` is or
-    belongs to (a ParamState's ``owner``, a weak reference: a strong one would make a cycle, and an
-    optimizer's states would wait for the garbage collector)."""
+    """Count a change in every watched state dict, and in the OptimizerState that ``state`` is, or
+    those that hold it (a ParamState's ``owners``, weak references: strong ones would make a cycle,
+    and an optimizer's states would wait for the garbage collector)."""
     global _state_changes
     _state_changes += 1
-    owner = state if type(state) is OptimizerState else state.owner and state.owner()
-    if owner is not None:
-        owner.changes += 1
+    for owner in [state] if type(state) is OptimizerState else [ref() for ref in state.owners]:
+        if owner is not None:
+            owner.changes += 1
 
 
 MUTATORS = ("__setitem__", "__delitem__", "__ior__", "clear", "pop", "popitem", "setdefault", "update")
@@ -199,7 +199,7 @@ class ParamState(dict):
     """A param's state dict, as torch.optim's, which counts its changes (see :func:`state_changes`),
     so a step can tell that none of its states was replaced or removed without looking at each."""
 
-    owner = None  # a weak reference to the OptimizerState that holds it
+    owners = ()  # weak references to the OptimizerStates that hold it
 
     def __setitem__(self, key, value):
         if key not in self or dict.__getitem__(self, key) is not value:  # dynamo sets counts to themselves
@@ -225,7 +225,8 @@ class OptimizerState(defaultdict):
     def __setitem__(self, param, state):
         _changed(self)
         state = state if type(state) is ParamState else ParamState(state)
-        state.owner = weakref.ref(self)
+        if not any(ref() is self for ref in state.owners):  # a state dict two optimizers hold counts for both
+            state.owners = [ref for ref in state.owners if ref() is not None] + [weakref.ref(self)]
         super().__setitem__(param, state)
 
     def setdefault(self, param, state=None):

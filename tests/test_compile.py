@@ -355,6 +355,25 @@ def test_more_param_groups_than_the_grads_patterns_kept_compile_as_eager():
     assert_same(eager, traced)
 
 
+def test_a_state_dict_two_optimizers_hold_is_watched_for_both():
+    """A param's state dict stored in a second optimizer's ``state`` (the same dict, as torch keeps
+    it): a state assigned in it after that still retraces the first optimizer's compiled step."""
+    eager, traced = pair(fastoptim.AdamW, {})
+    torch._dynamo.reset()
+    compiled = torch.compile(traced[1].step, backend="aot_eager", fullgraph=True)
+    other = fastoptim.AdamW(traced[0], lr=0.01)
+    for step in range(4):
+        for params, opt in (eager, traced):
+            set_grads(params, step)
+            if step == 2:
+                if opt is traced[1]:
+                    other.state[params[1]] = opt.state[params[1]]
+                opt.state[params[1]]["exp_avg"] = torch.full_like(opt.state[params[1]]["exp_avg"], 0.5)
+        eager[1].step()
+        compiled()
+    assert_same(eager, traced)
+
+
 def test_a_compiled_optimizer_frees_the_states_it_replaced_and_its_own_when_dropped():
     """The op's prepared calls go with the optimizer's step cache: a state dict loaded after
     compiling frees the states it replaced, and a dropped optimizer frees its states."""
