@@ -101,14 +101,12 @@ def _split(tensors, spec, backend):
 
 class TracedSplit(NamedTuple):
     """A traced step's split of a bucket, decided before tracing (``split``): the indices the kernel
-    takes, those left to the foreach engine and why, and the states of the taken tensors as the
-    step op takes them (``op_states``)."""
+    takes, those left to the foreach engine and why, and the op's call over the taken tensors (None
+    where it takes none), which the split holds: the op finds it while it lives."""
     taken: list
     left: list
     reason: str | None
-    holders: list
-    layout: torch.Tensor | None
-    call: "PreparedCall | None" = None  # which the split holds: the op finds it while it lives
+    call: "PreparedCall | None" = None
 
 
 def split(tensors, absmax, spec, originals=None, remake=None):
@@ -119,16 +117,16 @@ def split(tensors, absmax, spec, originals=None, remake=None):
     tensors' (tensors, absmax) afresh from them (see :class:`PreparedCall`)."""
     if master.KEY in tensors:  # the step ops take no remainders
         return TracedSplit([], list(range(len(tensors["param"]))),
-                           "a compiled step's kernels keep no master_bits remainders", [], None)
+                           "a compiled step's kernels keep no master_bits remainders")
     taken, _, left, reason = _split(tensors, spec, backends.for_device(tensors["param"][0].device))
     if not taken:
-        return TracedSplit(taken, left, reason, [], None)
+        return TracedSplit(taken, left, reason)
     states = {role: [values[i] for i in taken] for role, values in tensors.items() if role != "grad"}
     absmax = {role: [values[i] for i in taken] for role, values in absmax.items()}
     holders, layout = op_states(states, absmax, spec)
     call = _PREPARED[id(layout)] = PreparedCall(states["param"], holders, layout, states, absmax, originals,
                                                 lambda: remake(taken))
-    return TracedSplit(taken, left, reason, holders, layout, call)
+    return TracedSplit(taken, left, reason, call)
 
 
 def _warn_at_tracing(ctx):
@@ -390,7 +388,7 @@ def _run_traced(plan, per_tensor_calls):
     device = part.tensors["param"][0].device
     scalars = [value if isinstance(value, torch.Tensor) else torch.tensor(float(value), device=device)
                for value in _scalar_values(part, device)]
-    OPS[plan.spec.name](part.tensors["param"], part.tensors["grad"], traced.holders, traced.layout, scalars,
+    OPS[plan.spec.name](part.tensors["param"], part.tensors["grad"], traced.call.holders, traced.call.layout, scalars,
                         plan.spec.flag_bits(part.flags, part.stochastic_rounding), per_tensor_calls)
 
 
