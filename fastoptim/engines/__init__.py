@@ -63,7 +63,7 @@ class Plan:
             tensors = {role: [values[i] for i in owners] for role, values in self.tensors.items()}
             absmax = {role: [values[i] for i in owners] for role, values in self.absmax.items()}
         args = self.args
-        if self.per_tensor & args.keys():
+        if any(key in args for key in self.per_tensor):  # not `&` with dict keys: dynamo before torch 2.13
             index = sent_to(np.array(owners, dtype=np.int64), self.tensors["param"][0].device)
             args = {k: v[index] if k in self.per_tensor else v for k, v in args.items()}
         return replace(self, tensors=tensors, absmax=absmax, cache={}, sum_group=None, args=args)

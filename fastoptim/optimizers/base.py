@@ -364,7 +364,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         for index, group in enumerate(self.param_groups):
             entry, grads = self._group_work(caches, index, group)
             if entry.states is None and entry.params:
-                self._use_new_states(group, entry)
+                self._use_new_states(group, entry, traced=True)
             algorithm = self._algorithm(group)
             fused = entry.engine in engines.FUSED and entry.params and algorithm.kernel_scalars is not None
             tensors = entry.tensors | {"grad": entry.viewed(grads)} if fused else None
@@ -489,7 +489,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
 
     def _step_group(self, group, entry, grads, grad_scale, found_inf, increment, batch=None):
         if entry.states is None:  # every group is checked by now: states may be created
-            self._use_new_states(group, entry)
+            self._use_new_states(group, entry, traced=torch.compiler.is_compiling())
         algorithm = self._algorithm(group)
         args, per_tensor = self._step_arguments(algorithm, group, entry, grad_scale, increment)
         plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, algorithm.update, algorithm.spec,
@@ -524,9 +524,11 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                 first_reads.clamp_(min=increment)  # that counts gave every param its optional states
         return args
 
-    def _use_new_states(self, group, entry):
-        """Create the missing states of ``entry``'s params and hand them to it."""
-        states, context = self._prepare_states(entry.params, group)
+    def _use_new_states(self, group, entry, traced):
+        """Create the missing states of ``entry``'s params and hand them to it, for a ``traced`` step or
+        an eager one. (Not ``torch.compiler.is_compiling()`` here: it is False in the ``_init_group``
+        that dynamo runs at tracing before torch 2.13.)"""
+        states, context = self._prepare_states(entry.params, group, traced)
         partitions = [subset_norm.from_record(p.shape, s) for p, s in zip(entry.params, states)]
         spec = self._algorithm(group).spec
         entry.use_states(states, context, partitions, spec.reduced, self._reduce_group, not spec.elementwise)
@@ -582,13 +584,14 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             expected[master.KEY] = (param.shape, remainder)
         return expected
 
-    def _prepare_states(self, params, group):
+    def _prepare_states(self, params, group, traced):
         """The state dicts of a group's params with grads, with missing states created, and their
         :class:`StateContext`, which ``_step_arguments`` reads. Called when they change, not every
         step. New states are made in flat buffers (``multi_tensor.FlatStates``): a fused step checks
         a buffer per key instead of a tensor per state, and per-param counts are views of one tensor,
         so a step adds to them in one op (2000 separate 0-d tensors cost milliseconds of dispatch),
-        and a compiled step hands its op a few buffers; not for DTensor or complex params."""
+        and a compiled step hands its op a few buffers; not for DTensor or complex params. A ``traced``
+        step leaves per-param counts it finds apart as they are (see below)."""
         algorithm, device = self._algorithm(group), params[0].device
         optional = algorithm.spec.optional  # read before the states are created
         first_reads = [float(all(role in self.state.get(param, ()) for role in optional)) for param in params
@@ -609,7 +612,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                     step._base is counts and step.storage_offset() == i for i, step in enumerate(steps)):
                 # A traced step leaves them unpacked (its counts are then stacked in the graph): the step
                 # traced for another pattern of grads (a GAN's halves) guards the state dicts packing changes.
-                counts = None if torch.compiler.is_compiling() else torch.stack(steps)
+                counts = None if traced else torch.stack(steps)
                 for i, state in enumerate(states if counts is not None else ()):
                     state["step"] = counts[i]
         factors = None if algorithm.param_factors is None else torch.tensor(
