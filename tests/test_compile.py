@@ -12,7 +12,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import fastoptim
-from fastoptim import clip, engines
+from fastoptim import engines
+from fastoptim.clip import _clip_backend
 from fastoptim.optimizers.base import GRADS_PATTERNS_KEPT
 
 from .registry import ADAMW, ADAN, OPTIMIZERS
@@ -164,7 +165,7 @@ def assert_clip_ops(targets, ops):
     """The clip's ``ops`` are in ``targets`` and no foreach op, where the device has a clip kernel
     (the CPU); elsewhere (CUDA: no Triton clip kernel) the clip is torch's foreach norm, and none of ``ops``."""
     names = {str(target) for target in targets}
-    if clip._clip_backend([p.detach() for p in model_params()]):
+    if _clip_backend([p.detach() for p in model_params()]):
         assert all(any(op in name for name in names) for op in ops), targets
         assert not [t for t in targets if "_foreach_" in str(t)], targets
     else:
