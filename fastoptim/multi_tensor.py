@@ -11,6 +11,8 @@ refreshed every step.
 import numpy as np
 import torch
 
+META = torch.device("meta")
+
 ALIGNMENT = 64  # bytes: a cache line, and torch's CPU allocator's alignment
 CHUNK_NUMEL = 1 << 15  # 128 KiB of fp32 per stream: large enough to amortise, small enough to balance
 MIN_COLUMNS = 64  # a column chunk reads its rows in runs of at least 256 bytes of fp32
@@ -60,18 +62,24 @@ class FlatStates:
                 sizes[key, dtype] = offsets[key] + torch.Size(shape).numel()
             self.offsets.append(offsets)
         self.buffers = {kind: torch.zeros(numel, dtype=kind[1], device=device) for kind, numel in sizes.items() if numel}
+        self.device = torch.device(device)
 
     def take(self, index, key, tensor):
         """``tensor``, param ``index``'s state ``key``, copied into its slot: the view, with the
         tensor's shape and strides; or ``tensor`` itself where the slot was cut for another shape,
-        dtype or device, or it is not a dense plain tensor (a DTensor, a complex one)."""
+        dtype or device, or it is not a dense plain tensor (a DTensor, a complex one). A new state
+        given as a "meta" tensor (its shape, strides and dtype) is its slot as it is, zeros, with no
+        zeros made to copy in (they cost as much as the buffers: a second at GPT-2's size); where it
+        has no slot, zeros on the buffers' device."""
         offset, layout = self.offsets[index].get(key), self.layouts[index].get(key)
         buffer = None if layout is None else self.buffers.get((key, layout[1]))
-        if (buffer is None or (tensor.shape, tensor.dtype, tensor.device) != (layout[0], layout[1], buffer.device)
+        device = buffer.device if buffer is not None else self.device
+        if (buffer is None or (tensor.shape, tensor.dtype) != layout or tensor.device not in (buffer.device, META)
                 or type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.is_complex() or not is_dense(tensor)):
-            return tensor
+            return torch.zeros_like(tensor, device=device) if tensor.is_meta else tensor
         view = buffer.as_strided(tensor.shape, tensor.stride(), offset)
-        view.copy_(tensor)
+        if not tensor.is_meta:
+            view.copy_(tensor)
         return view
 
 
@@ -173,7 +181,8 @@ def staged(values, device):
     not wait for: pinned for a GPU, so the copy is asynchronous (a copy from pageable memory waits
     until the stream has run everything before it, which stalls the host each step)."""
     tensor = torch.from_numpy(np.array(values))
-    return tensor.pin_memory() if torch.device(device).type == "cuda" else tensor
+    # a traced step makes its tensors in the graph, which cannot pin (fake tensors have no memory)
+    return tensor.pin_memory() if torch.device(device).type == "cuda" and not torch.compiler.is_compiling() else tensor
 
 
 def sent_to(values, device):

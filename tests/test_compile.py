@@ -496,3 +496,11 @@ def test_the_op_runs_on_states_in_one_buffer_as_on_separate_ones():
         torch.ops.fastoptim.lion_step(ps, grads, holders, layout, scalars, 0, False)
     assert all(map(torch.equal, params, separate_params)) and all(map(torch.equal, views, separate_states))
     assert torch.equal(buffer[5:8], gap) and not torch.equal(params[0], original)  # only the views, and they moved
+
+
+def test_a_table_sent_to_a_gpu_from_a_traced_step_is_not_pinned():
+    """A traced step makes its tables in the graph: pinning them for an asynchronous copy (as an eager
+    step does for a GPU) fails there (fake tensors have no memory), and so did every step on CUDA that
+    cut a plan with per-tensor arguments (the foreach engine, a fused engine's fallback)."""
+    staged = torch.compile(lambda: fastoptim.multi_tensor.staged([1, 2, 3], "cuda"), backend="eager", fullgraph=True)
+    assert staged().tolist() == [1, 2, 3]

@@ -246,13 +246,16 @@ def test_the_states_of_a_group_live_in_one_flat_buffer_per_key_and_dtype(info, e
     live, not what they hold."""
     shapes = [(64, 80), (3, 8, 5, 5), (70, 90), (9,)]
 
+    def apart(flat, index, key, tensor):  # a new state (a "meta" tensor: its layout) as zeros of its own
+        return torch.zeros_like(tensor, device=flat.device) if tensor.is_meta else tensor
+
     def run(gathered):
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(shape, dtype=torch.bfloat16)) for shape in shapes]
         params[1].data = params[1].data.to(memory_format=torch.channels_last)
         options = dict(state_bits=8, master_bits=24) | (dict(sn=True) if info.second_moment else {})
         optimizer = info.cls(params, lr=1e-2, **ENGINES[engine], **options, **info.own_options)
-        with contextlib.nullcontext() if gathered else mock.patch.object(FlatStates, "take", lambda *args: args[-1]):
+        with contextlib.nullcontext() if gathered else mock.patch.object(FlatStates, "take", apart):
             for grads in oracle.grad_sequence(shapes, 3):
                 for param, grad in zip(params, grads):
                     param.grad = torch.empty_like(param).copy_(grad)  # laid out as its param
@@ -356,3 +359,18 @@ def test_gathered_states_start_on_cache_lines_and_counts_stay_one_tensor():
         assert all(optimizer.state[p][key].data_ptr() % 64 == 0 for p in params)
     steps = [optimizer.state[p]["step"] for p in params]
     assert [step.storage_offset() for step in steps] == [0, 1, 2, 3, 4] and steps[0]._base.shape == (5,)
+
+
+@pytest.mark.parametrize("options", [{}, dict(state_bits=8)], ids=["fp32", "8-bit"])
+def test_the_first_step_allocates_the_states_once(options):
+    """New states are made in their slots of the flat buffers, not as zeros copied in: the first step
+    allocates the states' bytes and nothing more (it allocated twice that, a second at GPT-2's size)."""
+    params = [torch.nn.Parameter(torch.randn(300, 500)) for _ in range(2)]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer = fastoptim.Adan(params, lr=1e-3, **options)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
+        optimizer.step()
+    allocated = sum(event.self_cpu_memory_usage for event in profiler.events() if event.self_cpu_memory_usage > 0)
+    states = [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
+    assert allocated < 1.01 * sum(value.numel() * value.element_size() for value in states)

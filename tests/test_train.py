@@ -1,5 +1,6 @@
 """`fastoptim train` end to end on the tiny GPT-2: its reports, a resumed run equal to an uninterrupted
 one, the train/validation split, and its name checks."""
+import dataclasses
 import json
 import random
 
@@ -76,3 +77,27 @@ def test_unknown_optimizers_and_options_beside_resume_are_refused_with_the_valid
         cli.main(["train", "--resume", str(tmp_path), "--steps", "3"])
     with pytest.raises(SystemExit, match="no settings.json"):
         cli.main(["train", "--resume", str(tmp_path)])
+
+
+@pytest.mark.parametrize("name", [name for name, recipe in loop.RECIPES.items() if recipe.release])
+def test_a_released_run_is_the_same_run_without_release_and_a_recipe_cannot_both_release_and_clip(
+        tmp_path, monkeypatch, name):
+    """The recipes with gradient release step in backward (their grads are gone after it) and train
+    exactly as the same recipe stepping after backward, unclipped as they are."""
+    steps = []
+    original = loop.Recipe.make
+
+    def make(recipe, module, lr):  # what backward leaves for step(): nothing, with release
+        optimizer = original(recipe, module, lr)
+        optimizer.register_step_pre_hook(lambda opt, *_: steps.append(any(
+            p.grad is not None for group in opt.param_groups for p in group["params"])))
+        return optimizer
+    monkeypatch.setattr(loop.Recipe, "make", make)
+    released, recipe = train(tmp_path / "released", "--optimizers", name), loop.RECIPES[name]
+    monkeypatch.setitem(loop.RECIPES, name, dataclasses.replace(recipe, release=False))
+    stepped = train(tmp_path / "stepped", "--optimizers", name)
+    assert steps == [False] * 6 + [True] * 6
+    assert released["runs"][0]["train_loss"] == stepped["runs"][0]["train_loss"]
+    assert released["runs"][0]["val_loss"] == stepped["runs"][0]["val_loss"]
+    with pytest.raises(ValueError, match="cannot clip"):
+        dataclasses.replace(recipe, clip=True)

@@ -555,21 +555,30 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         """The param's state with every role of the group present: missing ones are zeros in their
         format, second moments in the param's partition (recorded in the state when it is new), and
         a ``step`` count first where the algorithm counts per param (as torch orders its state).
-        ``place(key, tensor)``: where a new state goes (its slot in a flat buffer)."""
+        ``place(key, tensor)``: where a new state goes (its slot in a flat buffer); the states are
+        then made as "meta" tensors, which ``place`` turns into their slots, zeros, then filled with
+        their format's ``fill`` where it is not 0."""
         state = self.state[param]
+        like = param if place is None else torch.empty_like(param, device="meta")
 
-        def add(states):
-            state.update(states if place is None else {key: place(key, value) for key, value in states.items()})
+        def add(states, fill=lambda key: 0):
+            if place is not None:
+                states = {key: place(key, value) for key, value in states.items()}
+                for key, value in states.items():
+                    if fill(key):
+                        value.fill_(fill(key))
+            state.update(states)
         if self._algorithm(group).counts == PER_PARAM and "step" not in state:
-            add({"step": torch.zeros((), dtype=torch.float32, device=param.device)})
+            add({"step": torch.zeros((), dtype=torch.float32, device=like.device)})
         states_formats, partition = self._formats(group, param, state)
         if partition is not None:
             state.update(partition.record)
         for role, state_format in states_formats.items():
             if role not in state:
-                add(state_format.zeros(param, self._algorithm(group).spec.role(role), partition))
+                spec_role = self._algorithm(group).spec.role(role)
+                add(state_format.zeros(like, spec_role, partition), functools.partial(state_format.fill, spec_role))
         if master.dtype(param, group["master_bits"]) is not None and master.KEY not in state:
-            add({master.KEY: master.zeros(param, group["master_bits"])})
+            add({master.KEY: master.zeros(like, group["master_bits"])})
         return state
 
     def _expected_state(self, group, param, state):

@@ -43,6 +43,10 @@ class Dense:
     def zeros(self, param, role, partition):
         return {role.name: torch.zeros_like(param, dtype=self.dtype)}
 
+    def fill(self, role, key):
+        """The value that tensor ``key`` of a new ``role`` state holds in every element (``zeros``'s)."""
+        return 0
+
     def widen(self, role, state, companions):
         """An fp32 working copy of ``state`` (``companions``: suffix to tensor)."""
         return state.float()
@@ -91,10 +95,12 @@ class Blockwise8(Dense):
         return {role.name: (param.shape, self.dtype), role.name + ABSMAX: (blocks, torch.float32)}
 
     def zeros(self, param, role, partition):
-        zero = self.codes(role).zero  # what quantizing zeros gives, without the work
         blocks = blockwise8.n_blocks(distributed.local(param).numel())
-        return {role.name: torch.full_like(param, zero, dtype=torch.uint8),
+        return {role.name: torch.full_like(param, self.fill(role, role.name), dtype=torch.uint8),
                 role.name + ABSMAX: torch.zeros(blocks, device=param.device)}
+
+    def fill(self, role, key):
+        return self.codes(role).zero if key == role.name else 0  # the code of zero, without the work
 
     def widen(self, role, state, companions):
         return blockwise8.dequantize(state, companions[ABSMAX], self.codes(role))

@@ -1,5 +1,6 @@
 """The runs of `fastoptim train`: each optimizer trains the same GPT-2 from the same initial weights on
-the same batches in the same order, with warmup, cosine decay and gradient clipping; validation loss
+the same batches in the same order, with warmup, cosine decay and gradient clipping (but for the recipes that
+release their grads in backward, and their baselines); validation loss
 every few steps, and checkpoints from which a run resumes bit-identically."""
 import json
 import math
@@ -25,6 +26,12 @@ class Recipe:
     options: dict = field(default_factory=dict)
     dtype: torch.dtype = torch.float32  # of the model's params (and so its grads and forward pass)
     companions: dict | None = None  # Muon: the options of the AdamW group of the params that are not hidden matrices
+    clip: bool = True  # clip the grads' norm to MAX_GRAD_NORM before each step
+    release: bool = False  # step each bucket in backward and free its grads (enable_gradient_release), unclipped
+
+    def __post_init__(self):
+        if self.release and self.clip:
+            raise ValueError("a recipe with gradient release cannot clip: release refuses the norm of all grads")
 
     def make(self, module, lr):
         params, linear = params_and_sn(module)
@@ -33,7 +40,10 @@ class Recipe:
                       for group in muon_groups(params, linear)]
         else:
             groups = sn_groups(params, linear) if self.sn else params
-        return self.cls(groups, lr=lr, weight_decay=self.weight_decay, fused=True, **self.options)
+        optimizer = self.cls(groups, lr=lr, weight_decay=self.weight_decay, fused=True, **self.options)
+        if self.release:
+            optimizer.enable_gradient_release()
+        return optimizer
 
 
 MUON_COMPANIONS = {"use_muon": False, "lr": 1e-3, "weight_decay": 0.1, "betas": (0.9, 0.99)}
@@ -52,7 +62,7 @@ RECIPES = {
     "adamw-bf16": Recipe(fastoptim.AdamW, 1e-3, 0.1, dtype=torch.bfloat16),
     "adamw-bf16-master32": Recipe(fastoptim.AdamW, 1e-3, 0.1, options={"master_bits": 32}, dtype=torch.bfloat16),
     # the lean states on that bf16 model: an 8-bit remainder (master_bits=24) or stochastic rounding, with 8-bit
-    # moments (these runs clip the grads, which gradient release refuses; its steps are the same, bit for bit)
+    # moments (clipped; gradient release, which refuses clipping, below)
     "adamw-bf16-m24-8bit": Recipe(fastoptim.AdamW, 1e-3, 0.1, options={"master_bits": 24, "state_bits": 8},
                                   dtype=torch.bfloat16),
     "adamw-bf16-sr-8bit": Recipe(fastoptim.AdamW, 1e-3, 0.1, options={"stochastic_rounding": True, "state_bits": 8},
@@ -64,6 +74,15 @@ RECIPES = {
     # Adan's lean states: its previous gradient stays bf16 beside the 8-bit moments
     "adan-bf16-m24-8bit": Recipe(fastoptim.Adan, 5e-3, 0.02, options={"master_bits": 24, "state_bits": 8},
                                  dtype=torch.bfloat16),
+    # The lean states with gradient release (which refuses clipping), AdamW's with sn on the seed's recipe, and
+    # the fp32 runs they are held against, unclipped too: params, states and remainders in about 4 bytes per param
+    "adamw-noclip": Recipe(torch.optim.AdamW, 1e-3, 0.1, clip=False),
+    "adamwsn-noclip": Recipe(fastoptim.AdamWSN, 1e-2, 0.0, sn=True, clip=False),
+    "lion-noclip": Recipe(fastoptim.Lion, 3e-4, 0.3, clip=False),
+    "adamwsn-bf16-m24-8bit-release": Recipe(fastoptim.AdamWSN, 1e-2, 0.0, sn=True, dtype=torch.bfloat16, clip=False,
+                                            release=True, options={"master_bits": 24, "state_bits": 8}),
+    "lion-bf16-m24-8bit-release": Recipe(fastoptim.Lion, 3e-4, 0.3, dtype=torch.bfloat16, clip=False, release=True,
+                                         options={"master_bits": 24, "state_bits": 8}),
     # Keller Jordan's Muon (lr 0.02, momentum 0.95, Nesterov) on the hidden matrices; the embeddings, head,
     # biases and norms on nanoGPT's AdamW recipe (its char model's betas), as his MuonWithAuxAdam pairs them
     "muon": Recipe(fastoptim.Muon, 0.02, 0.0, companions=MUON_COMPANIONS),
@@ -141,7 +160,8 @@ def train_run(name, lr, settings, corpus, path, resume, stop_after, bar):
         start = time.perf_counter()
         loss = module(input_ids=batch, labels=batch).loss
         loss.backward()
-        fastoptim.clip_grad_norm_(module.parameters(), MAX_GRAD_NORM)
+        if RECIPES[name].clip:
+            fastoptim.clip_grad_norm_(module.parameters(), MAX_GRAD_NORM)
         optimizer_start = time.perf_counter()
         optimizer.step()
         run["optimizer_seconds"] += time.perf_counter() - optimizer_start
