@@ -99,5 +99,6 @@ def test_a_released_run_is_the_same_run_without_release_and_a_recipe_cannot_both
     assert steps == [False] * 6 + [True] * 6
     assert released["runs"][0]["train_loss"] == stepped["runs"][0]["train_loss"]
     assert released["runs"][0]["val_loss"] == stepped["runs"][0]["val_loss"]
+    assert released["rows"][0]["optimizer_share"] is None and "| in backward |" in (tmp_path / "released" / "results.md").read_text()
     with pytest.raises(ValueError, match="cannot clip"):
         dataclasses.replace(recipe, clip=True)

@@ -29,7 +29,8 @@ def results(settings, params, corpus, runs, classes):
     "library.Class"). The first optimizer is the reference whose final validation loss the others race to."""
     for run in runs:
         run |= {"final_val_loss": run["val_loss"][-1], "ms_per_step": 1e3 * run["step_seconds"] / run["step"],
-                "optimizer_share": run["optimizer_seconds"] / run["step_seconds"]}
+                "optimizer_share": None if run["optimizer_seconds"] is None  # stepped in backward: not apart
+                else run["optimizer_seconds"] / run["step_seconds"]}
     best = {name: min((run for run in runs if run["optimizer"] == name), key=final_loss)
             for name in settings["optimizers"]}
     reference = settings["optimizers"][0]
@@ -69,7 +70,8 @@ def markdown(results):
     for row in results["rows"]:
         step = row["step_reaching_reference"]
         cells = [row["optimizer"], f"{row['lr']:g}", number(row["final_val_loss"], 3),
-                 "—" if step is None else str(step), f"{100 * row['optimizer_share']:.1f}%",
+                 "—" if step is None else str(step),
+                 "in backward" if row["optimizer_share"] is None else f"{100 * row['optimizer_share']:.1f}%",
                  number(row["ms_per_step"]), number(row["state_bytes"], 2, MIB)]
         if results["settings"]["lr_sweep"]:
             cells.append(", ".join(f"{lr}: {loss:.3f}" for lr, loss in row["val_loss_by_lr"].items()))
