@@ -14,6 +14,7 @@ import torch
 import fastoptim
 from fastoptim.bench.peers import timm_adan_class
 from fastoptim.multi_tensor import FlatStates
+from fastoptim.states import formats, subset_norm
 
 from . import oracle, registry
 from .test_bad_input import assert_unchanged, snapshot
@@ -365,7 +366,7 @@ def test_gathered_states_start_on_cache_lines_and_counts_stay_one_tensor():
 def test_the_first_step_allocates_the_states_once(options):
     """New states are made in their slots of the flat buffers, not as zeros copied in: the first step
     allocates the states' bytes and nothing more (it allocated twice that, a second at GPT-2's size)."""
-    params = [torch.nn.Parameter(torch.randn(300, 500)) for _ in range(2)]
+    params = [torch.nn.Parameter(torch.randn(300, 500, device="cpu")) for _ in range(2)]  # CPU memory is counted
     for param in params:
         param.grad = torch.randn_like(param)
     optimizer = fastoptim.Adan(params, lr=1e-3, **options)
@@ -374,3 +375,16 @@ def test_the_first_step_allocates_the_states_once(options):
     allocated = sum(event.self_cpu_memory_usage for event in profiler.events() if event.self_cpu_memory_usage > 0)
     states = [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
     assert allocated < 1.01 * sum(value.numel() * value.element_size() for value in states)
+
+
+@pytest.mark.parametrize("state_format", [*formats.FORMATS.values(), formats.REDUCED, formats.REDUCED64], ids=repr)
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_a_formats_fill_is_what_its_zeros_hold(state_format, signed):
+    """A new state in a flat buffer starts at its format's ``fill`` (its slot, zero, filled); one of
+    its own at ``zeros``: the two must agree, key by key."""
+    spec = fastoptim.Adan.algorithm.spec
+    role = next(role for role in map(spec.role, spec.states) if role.signed == signed)
+    param = torch.zeros(300, 40, dtype=torch.complex64 if state_format.dtype.is_complex else torch.float32)
+    partition = subset_norm.from_options(param.shape, None) if isinstance(state_format, formats.SubsetNorm) else None
+    for key, tensor in state_format.zeros(param, role, partition).items():
+        assert torch.equal(tensor, torch.full_like(tensor, state_format.fill(role, key))), key
