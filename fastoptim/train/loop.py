@@ -83,6 +83,9 @@ RECIPES = {
                                             release=True, options={"master_bits": 24, "state_bits": 8}),
     "lion-bf16-m24-8bit-release": Recipe(fastoptim.Lion, 3e-4, 0.3, dtype=torch.bfloat16, clip=False, release=True,
                                          options={"master_bits": 24, "state_bits": 8}),
+    "adan-noclip": Recipe(fastoptim.Adan, 5e-3, 0.02, clip=False),
+    "adan-bf16-m24-8bit-release": Recipe(fastoptim.Adan, 5e-3, 0.02, dtype=torch.bfloat16, clip=False, release=True,
+                                         options={"master_bits": 24, "state_bits": 8}),
     # Keller Jordan's Muon (lr 0.02, momentum 0.95, Nesterov) on the hidden matrices; the embeddings, head,
     # biases and norms on nanoGPT's AdamW recipe (its char model's betas), as his MuonWithAuxAdam pairs them
     "muon": Recipe(fastoptim.Muon, 0.02, 0.0, companions=MUON_COMPANIONS),
