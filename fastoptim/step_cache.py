@@ -245,6 +245,9 @@ class OptimizerState(defaultdict):
     def __reduce__(self):
         return OptimizerState, (dict(self),)
 
+    def __copy__(self):  # defaultdict's would call OptimizerState(default_factory, self)
+        return OptimizerState(self)
+
 
 class BoundStep:
     """A step whose every group runs on tables bound to native code (a backend that

@@ -5,6 +5,7 @@ anything is touched, and a step never keeps the grads alive past itself."""
 import contextlib
 import copy
 import gc
+import pickle
 import weakref
 from unittest import mock
 
@@ -388,3 +389,24 @@ def test_a_formats_fill_is_what_its_zeros_hold(state_format, signed):
     partition = subset_norm.from_options(param.shape, None) if isinstance(state_format, formats.SubsetNorm) else None
     for key, tensor in state_format.zeros(param, role, partition).items():
         assert torch.equal(tensor, torch.full_like(tensor, state_format.fill(role, key))), key
+
+
+@pytest.mark.parametrize("duplicate", [copy.copy, copy.deepcopy, lambda state: pickle.loads(pickle.dumps(state))],
+                         ids=["copy", "deepcopy", "pickle"])
+def test_an_optimizers_state_copies_as_torchs_does(duplicate):
+    """``opt.state`` copies as torch.optim's ``defaultdict(dict)`` does: a shallow copy shares each
+    param's state dict, a deep copy or a pickle round trip copies them; each copy is a state that counts
+    its changes, and a state dict it shares counts for both."""
+    param = torch.nn.Parameter(torch.randn(8))
+    param.grad = torch.randn(8)
+    optimizer = fastoptim.Adan([param], lr=1e-3)
+    optimizer.step()
+    duplicate_state = duplicate(optimizer.state)
+    assert type(duplicate_state) is type(optimizer.state) and len(duplicate_state) == 1
+    (state,) = duplicate_state.values()
+    assert (state is optimizer.state[param]) == (duplicate is copy.copy)
+    assert all(torch.equal(state[key], optimizer.state[param][key]) for key in state if torch.is_tensor(state[key]))
+    before = (duplicate_state.changes, optimizer.state.changes)
+    state["exp_avg"] = torch.zeros(8)
+    assert duplicate_state.changes == before[0] + 1
+    assert optimizer.state.changes == before[1] + (duplicate is copy.copy)
