@@ -73,10 +73,9 @@ class FlatStates:
         has no slot, zeros on the buffers' device."""
         offset, layout = self.offsets[index].get(key), self.layouts[index].get(key)
         buffer = None if layout is None else self.buffers.get((key, layout[1]))
-        device = buffer.device if buffer is not None else self.device
         if (buffer is None or (tensor.shape, tensor.dtype) != layout or tensor.device not in (buffer.device, META)
                 or type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.is_complex() or not is_dense(tensor)):
-            return torch.zeros_like(tensor, device=device) if tensor.is_meta else tensor
+            return torch.zeros_like(tensor, device=self.device) if tensor.is_meta else tensor
         view = buffer.as_strided(tensor.shape, tensor.stride(), offset)
         if not tensor.is_meta:
             view.copy_(tensor)

@@ -565,8 +565,8 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             if place is not None:
                 states = {key: place(key, value) for key, value in states.items()}
                 for key, value in states.items():
-                    if fill(key):
-                        value.fill_(fill(key))
+                    if start := fill(key):
+                        value.fill_(start)
             state.update(states)
         if self._algorithm(group).counts == PER_PARAM and "step" not in state:
             add({"step": torch.zeros((), dtype=torch.float32, device=like.device)})
