@@ -9,6 +9,7 @@ import weakref
 
 import pytest
 import torch
+from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 
 import fastoptim
@@ -98,6 +99,24 @@ def test_a_step_compiled_by_inductor_is_the_eager_step(cls, options):
     run_both(cls, options, "inductor")
 
 
+def bf16_params(seed=0):
+    return [torch.nn.Parameter(p.detach().bfloat16()) for p in model_params(seed)]
+
+
+def test_stochastic_rounding_compiled_by_inductor_draws_the_eager_seeds():
+    """The seed of each step's rounding is drawn by the scalars' op from torch's generator, as the eager
+    step draws it (inductor's own random numbers would round otherwise)."""
+    eager, traced = pair(fastoptim.Adan, dict(stochastic_rounding=True), bf16_params)
+    torch._dynamo.reset()
+    compiled = torch.compile(traced[1].step, backend="inductor", fullgraph=True)
+    for step in range(3):
+        for (params, _), run in ((eager, eager[1].step), (traced, compiled)):
+            set_grads(params, step)
+            torch.manual_seed(1000 + step)
+            run()
+    assert_same(eager, traced)
+
+
 GRAD_SCALER_ENGINES = {"fused": ({}, model_params),
                        "fused with a fallback": (dict(fused=True), with_a_float64_param),
                        "foreach": (dict(foreach=True, fused=False), model_params),
@@ -152,6 +171,39 @@ def test_the_compiled_graph_calls_the_kernel_op_and_no_foreach_op(cls, op):
     assert op in str(targets), targets
     # per-param step counts are views of one tensor (multi_tensor.FlatStates), advanced by one add_
     assert_clip_ops(targets, {"grad_norm_total"})
+
+
+def functional_targets(opt, params, steps=2):
+    """The op names of the graphs, functionalized as inductor receives them, that ``opt.step``
+    compiles to in ``steps`` calls (a mutating op by its own name, not its functional wrapper's)."""
+    targets = []
+
+    def record(graph_module, example_inputs):
+        targets.extend(str(node.args[0] if "auto_functionalized" in str(node.target) else node.target)
+                       for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(opt.step, backend=aot_autograd(fw_compiler=record), fullgraph=True)
+    for i in range(steps):
+        set_grads(params, i)
+        compiled()
+    return targets
+
+
+# Inductor would write any arithmetic left in the graph as a C++ kernel and compile it: seconds
+@pytest.mark.parametrize("cls, options", [(info.cls, options) for info in OPTIMIZERS
+                                          if info.cls.algorithm.kernel_scalars is not None
+                                          for options in ({}, dict(maximize=True, weight_decay=0.1),
+                                                          dict(state_bits=8, stochastic_rounding=True))])
+def test_a_fused_cpu_step_compiles_to_ops_and_no_arithmetic(cls, options):
+    params = model_params()
+    targets = functional_targets(cls(params, lr=torch.tensor(0.01), **options), params)
+    op = f"fastoptim.{cls.algorithm.spec.name}_step.default"
+    assert op in targets and "fastoptim.step_scalars.default" in targets, targets
+    allowed = {op, "fastoptim.step_scalars.default", "fastoptim.count_up.default", "fastoptim.mark_read.default",
+               "<built-in function getitem>", "aten.view.default"}
+    assert set(targets) <= allowed, set(targets) - allowed
 
 
 def test_clip_grad_norm_compiles_to_its_ops():

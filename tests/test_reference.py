@@ -5,7 +5,7 @@ import torch
 import fastoptim
 from fastoptim.bench.peers import timm_adan_class
 from fastoptim.optimizers.algorithm import StepInputs
-from fastoptim.optimizers.base import count_after
+from fastoptim.optimizers.scalars import count_after
 
 from . import oracle
 

@@ -149,12 +149,18 @@ def _fallback(plan, reason):
     amp.run_unless_inf(foreach.run, plan)
 
 
+def kernel_values(spec, kernel_scalars, args, found_inf, stochastic, device):
+    """The kernel's scalars by name, ``kernel_scalars(args)`` with GradScaler's ``found_inf`` (or None)
+    and, with ``stochastic`` rounding, its seed, drawn on ``device``: Python numbers, 0-d tensors, or
+    1-d tensors with one value per tensor."""
+    seed = torch.randint(1 << 24, (), device=device) if stochastic else 0
+    return kernel_scalars(args) | dict(found_inf=0.0 if found_inf is None else found_inf, seed=seed)
+
+
 def _scalar_values(plan, device):
-    """The kernel's scalars in the spec's order: Python numbers, 0-d tensors, or 1-d tensors with one
-    value per tensor. The seed of stochastic rounding is drawn on ``device``."""
-    seed = torch.randint(1 << 24, (), device=device) if plan.stochastic_rounding else 0
-    values = plan.kernel_scalars(plan.args) | dict(found_inf=0.0 if plan.found_inf is None else plan.found_inf,
-                                                   seed=seed)
+    """The kernel's scalars in the spec's order (see :func:`kernel_values`)."""
+    values = plan.args if plan.args_are_scalars else kernel_values(
+        plan.spec, plan.kernel_scalars, plan.args, plan.found_inf, plan.stochastic_rounding, device)
     return [values[name] for name in plan.spec.all_scalars]
 
 

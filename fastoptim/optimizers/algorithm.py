@@ -27,6 +27,8 @@ class StepInputs(NamedTuple):
     ``first_reads``: per param, 0.0 where this step is the first to read the algorithm's optional
     states (``Role.optional``: they were just created) and 1.0 elsewhere; None where no param is.
     ``factors``: the algorithm's ``param_factors``, one float64 per param (None without them).
+    ``counts_per_param``: whether the count-derived arguments hold one value per param; by default,
+    where ``count`` is a 1-d tensor (a traced step's op sets it from the counts it was given).
     """
 
     lr: float | Tensor
@@ -35,9 +37,12 @@ class StepInputs(NamedTuple):
     wide: torch.dtype
     first_reads: Tensor | None
     factors: Tensor | None
+    counts_per_param: bool | None = None
 
     def per_param(self, names: set[str]) -> set[str]:
         """``names`` (arguments computed from ``count``) where the count is one per param, else none."""
+        if self.counts_per_param is not None:
+            return names if self.counts_per_param else set()
         return names if isinstance(self.count, Tensor) and self.count.dim() == 1 else set()
 
 

@@ -20,7 +20,7 @@ from ..specs import ABSMAX
 from ..states import formats, master, subset_norm
 from ..step_cache import DEVICE, DTYPE, SHAPE, BoundStep, GroupWork, OptimizerState, Signature, engine_view
 from .algorithm import PER_GROUP, PER_PARAM, Algorithm, StepInputs
-from . import release
+from . import release, scalars
 from .checks import check_hyperparameters, check_params, check_tensor_lr, normalize_betas
 from .state_dict import StateDicts
 
@@ -48,7 +48,8 @@ COMMON_ARGS = """\
         shard_group: the process group whose ranks each hold a partition of the model's params (as
             under ZeroRedundancyOptimizer): global reductions (the clipping norm) run over it."""
 
-GRADS_PATTERNS_KEPT = 8  # torch.compile's recompile limit: a step traced for more patterns recompiles anyway
+GRADS_PATTERNS_KEPT = 8
+TRACED_SCALARS = "traced scalars"  # a group's key in its buckets' caches: scalars.prepare's answer, or None  # torch.compile's recompile limit: a step traced for more patterns recompiles anyway
 
 
 class StateContext(NamedTuple):
@@ -85,23 +86,6 @@ def _keeps_no_remainders(tensors):
     """Whether a bucket's ``tensors`` (role to one tensor per param) hold the remainders' role with
     none in it: a group with master_bits keeps them for its bf16 params, and a bucket has one dtype."""
     return master.KEY in tensors and tensors[master.KEY][0] is None
-
-
-def count_after(count, increment, lr):
-    """This step's count, ``count + increment`` (``count``: a group's 0-d count, or a 1-d tensor of
-    each param's), for the step's scalars (bias corrections), which need float64. A Python float
-    where all of it lives on the host (a CPU ``count``, a number ``increment`` and ``lr``), no trace
-    is running and every param has the same count, as torch.optim reads a CPU step count: the
-    scalars then cost Python arithmetic instead of a dozen tensor ops. Else a float64 tensor (on a
-    GPU, or in a compiled step, nothing is read; params that started at other steps keep their own)."""
-    if (count.device.type == "cpu" and not isinstance(increment, Tensor) and not isinstance(lr, Tensor)
-            and not torch.compiler.is_compiling()):
-        if count.dim() == 0:
-            return count.item() + increment
-        values = count.numpy()
-        if (values == values[0]).all():
-            return float(values[0]) + increment
-    return count.to(torch.float64) + increment
 
 
 def in_dtype(value, dtype):
@@ -379,6 +363,11 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                                  if isinstance(t := values[i], Tensor) and (key in part or key.endswith(ABSMAX))]
                     cache["traced split"] = engines.fused.split(part, absmax, algorithm.spec, originals,
                                                                 functools.partial(_remade, entry, bucket))
+            # a CPU kernel that takes every tensor gets its scalars from an op (see scalars.py)
+            whole = fused and all(reduce is None and not entry.bucket_caches[i]["traced split"].left
+                                  for i, (_, reduce) in enumerate(entry.buckets))
+            entry.bucket_caches[TRACED_SCALARS] = scalars.prepare(algorithm, group) if (
+                whole and entry.params[0].device.type == "cpu") else None
         caches["traced state changes"] = self.state.changes
 
     def _traced_group_work(self, entry, group):
@@ -490,12 +479,24 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
     def _step_group(self, group, entry, grads, grad_scale, found_inf, increment, batch=None):
         if entry.states is None:  # every group is checked by now: states may be created
             self._use_new_states(group, entry, traced=torch.compiler.is_compiling())
-        algorithm = self._algorithm(group)
-        args, per_tensor = self._step_arguments(algorithm, group, entry, grad_scale, increment)
+        algorithm, traced = self._algorithm(group), torch.compiler.is_compiling()
+        prepared = entry.bucket_caches.get(TRACED_SCALARS) if traced else None
+        count, inputs = self._step_inputs(algorithm, group, entry, grad_scale)
+        if prepared is None:
+            args, per_tensor = scalars.step_arguments(algorithm, group, count, increment, inputs, traced)
+        else:
+            args, per_tensor = scalars.traced_kernel_scalars(algorithm, prepared, count, increment, inputs, found_inf,
+                                                             group["stochastic_rounding"],
+                                                             entry.tensors["param"][0].device, len(entry.params))
+        if inputs.first_reads is not None:  # for one step: then every param has its optional states
+            entry.context = entry.context._replace(first_reads=None)
+            if prepared is None and traced:  # a compiled step reads them again on every
+                inputs.first_reads.clamp_(min=increment)  # call, and a step that counts gave every param them
         plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, algorithm.update, algorithm.spec,
                             algorithm.kernel_scalars, algorithm.flags(group), args,
                             frozenset(per_tensor), found_inf, group["stochastic_rounding"],
-                            warn_fallback=group["fused"] is True, absmax=entry.absmax, batch=batch)
+                            warn_fallback=group["fused"] is True, absmax=entry.absmax, batch=batch,
+                            args_are_scalars=prepared is not None)
         for index, (bucket, reduce_group) in enumerate(entry.buckets):
             part = plan if len(bucket) == len(entry.params) else plan.subset(bucket)
             if _keeps_no_remainders(part.tensors):
@@ -503,26 +504,19 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             part.cache = entry.bucket_caches.setdefault(index, {})
             algorithm.run(entry.engine, part, reduce_group)
 
-    def _step_arguments(self, algorithm, group, entry, grad_scale, increment):
-        """``algorithm``'s arguments for this step of ``group`` (see :class:`StepInputs`), and the
-        names of those that hold one value per param. A step that counts by ``increment`` (1, or 0
-        on a step GradScaler skipped) reads the counts after it."""
-        lr, context = group_lr(group), entry.context
+    def _step_inputs(self, algorithm, group, entry, grad_scale):
+        """What ``algorithm``'s arguments for this step of ``group`` are computed from: the counts
+        before this step (the group's, the params' as one 1-d tensor, or None) and the
+        :class:`StepInputs` besides the count (see ``scalars.step_arguments``)."""
+        context = entry.context
         if algorithm.counts == PER_PARAM:
-            counts = context.counts
-            if counts is None:
-                counts = torch.stack([state["step"] for state in entry.states])
-            count = count_after(counts, increment, lr)
+            count = context.counts
+            if count is None:
+                count = torch.stack([state["step"] for state in entry.states])
         else:
-            count = count_after(self._group_count(group), increment, lr) if algorithm.counts == PER_GROUP else None
-        first_reads = context.first_reads
-        args = algorithm.arguments(group, StepInputs(lr, grad_scale, count, entry.scalar_dtype, first_reads,
-                                                     context.factors))
-        if first_reads is not None:  # for one step: then every param has its optional states
-            entry.context = context._replace(first_reads=None)
-            if torch.compiler.is_compiling():  # a compiled step reads them again on every call, and a step
-                first_reads.clamp_(min=increment)  # that counts gave every param its optional states
-        return args
+            count = self._group_count(group) if algorithm.counts == PER_GROUP else None
+        return count, StepInputs(group_lr(group), grad_scale, None, entry.scalar_dtype, context.first_reads,
+                                 context.factors)
 
     def _use_new_states(self, group, entry, traced):
         """Create the missing states of ``entry``'s params and hand them to it, for a ``traced`` step or
@@ -595,7 +589,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
 
     def _prepare_states(self, params, group, traced):
         """The state dicts of a group's params with grads, with missing states created, and their
-        :class:`StateContext`, which ``_step_arguments`` reads. Called when they change, not every
+        :class:`StateContext`, which ``_step_inputs`` reads. Called when they change, not every
         step. New states are made in flat buffers (``multi_tensor.FlatStates``): a fused step checks
         a buffer per key instead of a tensor per state, and per-param counts are views of one tensor,
         so a step adds to them in one op (2000 separate 0-d tensors cost milliseconds of dispatch),
@@ -648,12 +642,19 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         ``entry`` that had (None: the per-group counts of a released step alone)."""
         counts = self._algorithm(group).counts
         if counts == PER_GROUP and whole_step:
-            self._group_count(group).add_(increment)
+            tensors = [self._group_count(group)]
         elif counts == PER_PARAM and entry is not None and entry.params:
-            if entry.context.counts is not None:
-                entry.context.counts.add_(increment)
-            else:
-                torch._foreach_add_([state["step"] for state in entry.states], increment)
+            tensors = [entry.context.counts] if entry.context.counts is not None else [
+                state["step"] for state in entry.states]
+        else:
+            return
+        if entry is not None and entry.params and entry.bucket_caches.get(
+                TRACED_SCALARS) is not None and torch.compiler.is_compiling():  # its scalars came from an op
+            scalars.traced_count_up(tensors, increment)
+        elif len(tensors) == 1:
+            tensors[0].add_(increment)
+        else:
+            torch._foreach_add_(tensors, increment)
 
     def _grad_scale(self, group, clip, inv_scale):
         """What the gradient is multiplied by: the clip coefficient, GradScaler's 1/scale, and −1
