@@ -94,6 +94,7 @@ CHANGES = {
     "states cleared": lambda opt, params: opt.state[params[1]].clear(),
     "load_state_dict": _reloaded,
     "add_param_group": _new_group,
+    "group option state_bits": lambda opt, params: opt.param_groups[0].update(state_bits=16),
 }
 
 
