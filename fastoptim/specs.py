@@ -15,6 +15,10 @@ COMMON_SCALARS = ("found_inf", "seed", "grad_scale")  # every kernel's first sca
 ABSMAX = "_absmax"  # the suffix of an 8-bit state's block maxima, as a role and as a state-dict key
 REMAINDER = "master_remainder"  # the role and state-dict key of a bf16 param's master remainder
 STOCHASTIC_ROUNDING = 1  # the flag bit every kernel has
+# The fused kernels' element formats, by their code (the position): of params fp32, bf16, fp16, and a
+# bf16 param beside its 8- or 16-bit master remainder (fastoptim/states/master.py); of states fp32,
+# bf16 and q8 (8-bit codes, fastoptim/states/formats.py)
+ELEMENT_FORMATS = ("fp32", "bf16", "fp16", "q8", "bf16_r8", "bf16_r16")
 _DECLARED = {}  # every kernel spec, by name, in the order they were declared
 
 

@@ -3,9 +3,7 @@
 
 enum { PARAM, GRAD, FIRST_STATE };  /* the first rows of every pointer table */
 
-/* element formats: of params FP32, BF16, FP16, and a bf16 param beside its 8- or 16-bit master
-   remainder (BF16_R8, BF16_R16: fastoptim/states/master.py); of states FP32, BF16 and Q8 (8-bit codes) */
-enum { FP32, BF16, FP16, Q8, BF16_R8, BF16_R16 };
+enum { FP32, BF16, FP16, Q8, BF16_R8, BF16_R16 };  /* the element formats of params and states */
 
 enum { FOUND_INF, SEED, GRAD_SCALE, COMMON_SCALARS };  /* every kernel's first scalars */
 

@@ -4,7 +4,7 @@ and macros named after it. ``python -m fastoptim.kernels.header`` rewrites the h
 when the committed one differs, so a reordered spec cannot compile silently into the old layout."""
 from pathlib import Path
 
-from ..specs import COMMON_SCALARS, STOCHASTIC_ROUNDING, declared_specs
+from ..specs import COMMON_SCALARS, ELEMENT_FORMATS, STOCHASTIC_ROUNDING, declared_specs
 
 PATH = Path(__file__).with_name("fused_cpu_specs.h")
 
@@ -45,9 +45,7 @@ def c_header(specs):
         "/* Generated from the kernel specs (fastoptim/specs.py, each optimizer's SPEC) by\n"
         "   `python -m fastoptim.kernels.header`: do not edit. tests/test_specs.py checks it. */",
         "enum { PARAM, GRAD, FIRST_STATE };  /* the first rows of every pointer table */",
-        "/* element formats: of params FP32, BF16, FP16, and a bf16 param beside its 8- or 16-bit master\n"
-        "   remainder (BF16_R8, BF16_R16: fastoptim/states/master.py); of states FP32, BF16 and Q8 (8-bit codes) */\n"
-        "enum { FP32, BF16, FP16, Q8, BF16_R8, BF16_R16 };",
+        _enum(ELEMENT_FORMATS) + "  /* the element formats of params and states */",
         _enum(COMMON_SCALARS + ("common_scalars",)) + "  /* every kernel's first scalars */",
         f"enum {{ STOCHASTIC_ROUNDING = {STOCHASTIC_ROUNDING} }};  /* every kernel's first flag bit */",
         f"enum {{ MAX_STATES = {max(len(spec.states) for spec in specs)} }};  /* the most states of any kernel */",

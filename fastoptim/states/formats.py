@@ -16,7 +16,7 @@ keeps it in bf16 under 8-bit states, and ``reduced`` keeps it per subset under `
 import torch
 
 from .. import distributed
-from ..specs import ABSMAX
+from ..specs import ABSMAX, ELEMENT_FORMATS
 from . import blockwise8
 
 
@@ -82,7 +82,7 @@ class Blockwise8(Dense):
     block = blockwise8.BLOCK
 
     def __init__(self):
-        super().__init__("8-bit", torch.uint8, 3)
+        super().__init__("8-bit", torch.uint8, ELEMENT_FORMATS.index("q8"))
         self.low_bit = True
 
     @staticmethod
@@ -122,11 +122,11 @@ class Blockwise8(Dense):
         return {role.name: codes, role.name + ABSMAX: absmax}
 
 
-FP32 = Dense("fp32", torch.float32, 0)
-BF16 = Dense("bf16", torch.bfloat16, 1)
+FP32 = Dense("fp32", torch.float32, ELEMENT_FORMATS.index("fp32"))
+BF16 = Dense("bf16", torch.bfloat16, ELEMENT_FORMATS.index("bf16"))
 FLOAT64 = Dense("float64", torch.float64, None)
 Q8 = Blockwise8()
-REDUCED = SubsetNorm("subset-norm fp32", torch.float32, 0)
+REDUCED = SubsetNorm("subset-norm fp32", torch.float32, FP32.kernel_code)
 REDUCED64 = SubsetNorm("subset-norm float64", torch.float64, None)
 COMPLEX64 = Dense("complex64", torch.complex64, None)
 COMPLEX128 = Dense("complex128", torch.complex128, None)
