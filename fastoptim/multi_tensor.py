@@ -32,6 +32,12 @@ def buckets(params):
     return list(groups.values())
 
 
+def pick(tensors, indices, leave=()):
+    """``tensors`` (role to one tensor per param) of the params ``indices`` alone, in that order,
+    without the roles in ``leave``."""
+    return {role: [values[i] for i in indices] for role, values in tensors.items() if role not in leave}
+
+
 def in_flat_buffer(tensor):
     """Whether ``tensor`` is a view of a flat buffer (a contiguous 1-d tensor), as gathered states are."""
     base = tensor._base

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 from torch import Tensor
 
-from ..multi_tensor import sent_to
+from ..multi_tensor import pick, sent_to
 from ..specs import KernelSpec
 from . import amp, backends, foreach, fused, loop
 
@@ -63,8 +63,7 @@ class Plan:
         """A plan (with a cache of its own) whose i-th tensor is tensor ``owners[i]`` of this one, or
         a piece of it: ``tensors`` and ``absmax`` then hold the pieces by role."""
         if tensors is None:
-            tensors = {role: [values[i] for i in owners] for role, values in self.tensors.items()}
-            absmax = {role: [values[i] for i in owners] for role, values in self.absmax.items()}
+            tensors, absmax = pick(self.tensors, owners), pick(self.absmax, owners)
         args = self.args
         if any(key in args for key in self.per_tensor):  # not `&` with dict keys: dynamo before torch 2.13
             index = sent_to(np.array(owners, dtype=np.int64), self.tensors["param"][0].device)

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..multi_tensor import PointerTable, disjoint, is_dense
+from ..multi_tensor import PointerTable, disjoint, is_dense, pick
 from ..specs import ABSMAX
 from ..states import blockwise8, formats, master
 from ..step_cache import DEVICE, DTYPE, LAYOUT, SHAPE, OpCache, Signature
@@ -121,8 +121,7 @@ def split(tensors, absmax, spec, originals=None, remake=None):
     taken, _, left, reason = _split(tensors, spec, backends.for_device(tensors["param"][0].device))
     if not taken:
         return TracedSplit(taken, left, reason)
-    states = {role: [values[i] for i in taken] for role, values in tensors.items() if role != "grad"}
-    absmax = {role: [values[i] for i in taken] for role, values in absmax.items()}
+    states, absmax = pick(tensors, taken, leave=("grad",)), pick(absmax, taken)
     holders, layout = op_states(states, absmax, spec)
     call = _PREPARED[id(layout)] = PreparedCall(states["param"], holders, layout, states, absmax, originals,
                                                 lambda: remake(taken))
@@ -179,8 +178,7 @@ class Tables:
             groups.setdefault(states_format if backend.SPLITS_FORMATS else None, []).append(position)
         self.tables = []
         for table_format, indices in groups.items():
-            part = {role: [t[i] for i in indices] for role, t in tensors.items()}
-            part |= {role + ABSMAX: [values[i] for i in indices] for role, values in absmax.items()}
+            part = pick(tensors, indices) | {role + ABSMAX: values for role, values in pick(absmax, indices).items()}
             table = PointerTable(part, spec.rows, [formats[i].kernel_code for i in indices],
                                  [formats[i].block for i in indices], backend.COLUMN_NUMEL, backend.BLOCK_COLUMNS)
             index = None if len(indices) == len(formats) else torch.tensor(indices, device=tensors["param"][0].device)

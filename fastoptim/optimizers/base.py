@@ -15,7 +15,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from .. import distributed, engines
 from ..clip import GradTables, clip_coefficient
-from ..multi_tensor import FlatStates
+from ..multi_tensor import FlatStates, pick
 from ..specs import ABSMAX
 from ..states import formats, master, subset_norm
 from ..step_cache import DEVICE, DTYPE, SHAPE, BoundStep, GroupWork, OptimizerState, Signature, engine_view
@@ -78,8 +78,7 @@ def _remade(entry, bucket, taken):
     compiled step's op finds that one was given new storage in place."""
     entry.read_tensors()
     indices = [bucket[i] for i in taken]
-    tensors = {role: [values[i] for i in indices] for role, values in entry.tensors.items() if role != master.KEY}
-    return tensors, {role: [values[i] for i in indices] for role, values in entry.absmax.items()}
+    return pick(entry.tensors, indices, leave=(master.KEY,)), pick(entry.absmax, indices)
 
 
 def _keeps_no_remainders(tensors):
@@ -355,10 +354,10 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             for bucket_index, (bucket, _) in enumerate(entry.buckets):
                 cache = entry.bucket_caches.setdefault(bucket_index, {})  # made here, not by the traced step
                 if fused:
-                    part = {role: [values[i] for i in bucket] for role, values in tensors.items()}
+                    part = pick(tensors, bucket)
                     if _keeps_no_remainders(part):
                         del part[master.KEY]
-                    absmax = {role: [values[i] for i in bucket] for role, values in entry.absmax.items()}
+                    absmax = pick(entry.absmax, bucket)
                     originals = [t for key, values in entry.kept.items() for i in bucket
                                  if isinstance(t := values[i], Tensor) and (key in part or key.endswith(ABSMAX))]
                     cache["traced split"] = engines.fused.split(part, absmax, algorithm.spec, originals,
