@@ -75,6 +75,7 @@ class GroupWork:
         self.buckets = [(bucket, None) for bucket in buckets(params)]
         self.states = self.kept = self.tensors = self.context = self.formats_chosen = self.state_signature = None
         self.bucket_caches = {}
+        self.traced_scalars = None  # for a traced CPU step whose scalars an op computes: scalars.Prepared
 
     def fits(self, roles, engine, params, local_params):
         return (roles, engine) == (self.roles, self.engine) and self.signature.describes(params, local_params)
@@ -129,7 +130,7 @@ class GroupWork:
         if not params:  # no grads in the group this step: nothing to update
             return work
         work.states, work.context, work.bucket_caches = self.states, self.context, self.bucket_caches
-        work.formats_chosen, work.kept = self.formats_chosen, self.kept
+        work.formats_chosen, work.kept, work.traced_scalars = self.formats_chosen, self.kept, self.traced_scalars
         work.partitions, work.reduced_roles, work.buckets = self.partitions, self.reduced_roles, self.buckets
         work.tensors = self.tensors | {"param": work.viewed(local_params)}  # a partitioned param in its view
         work.absmax = self.absmax
@@ -271,7 +272,9 @@ class _Reading(dict):
 
 class Structure:
     """``structure(group)``, with the options of ``group`` that it read and the objects they held:
-    while each still holds the same object, a step knows the structure without computing it."""
+    while each still holds the same object, a step knows the structure without computing it.
+    ``structure`` reads options as ``group[key]``, ``group.get(key)`` or ``key in group`` (what
+    ``_Reading`` sees), and nothing else that changes between steps."""
 
     def __init__(self, structure, group):
         reading = _Reading(group)
@@ -284,12 +287,12 @@ class Structure:
 
     def holds(self, structure, group):
         """Whether ``structure(group)`` is still this one."""
-        options = self._options(group)
-        if all(map(operator.is_, options, self.held)):
+        if all(map(operator.is_, self._options(group), self.held)):
             return True
-        if structure(group) != self.value:
+        now = Structure(structure, group)
+        if now.value != self.value:
             return False
-        self.held = options  # options that changed and left the structure as it was (a scheduled beta)
+        self.keys, self.held = now.keys, now.held  # options that changed and left it as it was (a scheduled beta)
         return True
 
 

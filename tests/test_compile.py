@@ -99,14 +99,16 @@ def test_a_step_compiled_by_inductor_is_the_eager_step(cls, options):
     run_both(cls, options, "inductor")
 
 
-def bf16_params(seed=0):
-    return [torch.nn.Parameter(p.detach().bfloat16()) for p in model_params(seed)]
+def mixed_params(seed=0):
+    """``model_params``, the first fp32 and the others bf16: one group of two buckets."""
+    params = model_params(seed)
+    return params[:1] + [torch.nn.Parameter(p.detach().bfloat16()) for p in params[1:]]
 
 
 def test_stochastic_rounding_compiled_by_inductor_draws_the_eager_seeds():
-    """The seed of each step's rounding is drawn by the scalars' op from torch's generator, as the eager
-    step draws it (inductor's own random numbers would round otherwise)."""
-    eager, traced = pair(fastoptim.Adan, dict(stochastic_rounding=True), bf16_params)
+    """Each bucket's rounding seed is drawn from torch's generator where the eager step draws it, by
+    the scalars' op (inductor's own random numbers would round otherwise): a group of two buckets."""
+    eager, traced = pair(fastoptim.Adan, dict(stochastic_rounding=True), mixed_params)
     torch._dynamo.reset()
     compiled = torch.compile(traced[1].step, backend="inductor", fullgraph=True)
     for step in range(3):
@@ -115,6 +117,19 @@ def test_stochastic_rounding_compiled_by_inductor_draws_the_eager_seeds():
             torch.manual_seed(1000 + step)
             run()
     assert_same(eager, traced)
+
+
+@pytest.mark.parametrize("cls, key, value", [(fastoptim.AdamW, "weight_decay", lambda step: 0.1 * step),
+                                             (fastoptim.Adan, "eps", lambda step: 1e-8 * step),
+                                             (fastoptim.AdamW, "betas", lambda step: (0.9 - 0.01 * step, 0.99))])
+def test_an_option_that_changes_every_step_compiles_as_eager(cls, key, value):
+    """A schedule of a float option: after its second change dynamo makes it an input of the graph,
+    which the scalars' op must read on every call, not the value it was traced with."""
+    def schedule(opt, step):
+        if step >= 2:
+            opt.param_groups[0][key] = value(step)
+
+    run_both(cls, {}, "aot_eager", steps=6, before_step=schedule)
 
 
 GRAD_SCALER_ENGINES = {"fused": ({}, model_params),
@@ -191,6 +206,13 @@ def functional_targets(opt, params, steps=2):
     return targets
 
 
+def assert_no_arithmetic(targets, op):
+    allowed = {op, "fastoptim.step_scalars.default", "fastoptim.count_up.default", "fastoptim.mark_read.default",
+               "<built-in function getitem>", "aten.view.default"}
+    assert op in targets and "fastoptim.step_scalars.default" in targets, targets
+    assert set(targets) <= allowed, set(targets) - allowed
+
+
 # Inductor would write any arithmetic left in the graph as a C++ kernel and compile it: seconds
 @pytest.mark.parametrize("cls, options", [(info.cls, options) for info in OPTIMIZERS
                                           if info.cls.algorithm.kernel_scalars is not None
@@ -199,11 +221,24 @@ def functional_targets(opt, params, steps=2):
 def test_a_fused_cpu_step_compiles_to_ops_and_no_arithmetic(cls, options):
     params = model_params()
     targets = functional_targets(cls(params, lr=torch.tensor(0.01), **options), params)
-    op = f"fastoptim.{cls.algorithm.spec.name}_step.default"
-    assert op in targets and "fastoptim.step_scalars.default" in targets, targets
-    allowed = {op, "fastoptim.step_scalars.default", "fastoptim.count_up.default", "fastoptim.mark_read.default",
-               "<built-in function getitem>", "aten.view.default"}
-    assert set(targets) <= allowed, set(targets) - allowed
+    assert_no_arithmetic(targets, f"fastoptim.{cls.algorithm.spec.name}_step.default")
+
+
+def test_groups_of_two_buckets_without_grads_or_with_loaded_counts_compile_to_ops_and_no_arithmetic():
+    """Per-param scalars made per bucket; a count advanced without grads; per-param counts that a
+    state dict loaded as tensors of their own, which the step does not pack while it is traced."""
+    params = mixed_params()
+    assert_no_arithmetic(functional_targets(fastoptim.AdamW(params, lr=torch.tensor(0.01)), params),
+                         "fastoptim.adamw_step.default")
+    params, frozen = model_params(), [torch.nn.Parameter(torch.randn(3))]
+    opt = fastoptim.Adan([{"params": params}, {"params": frozen}], lr=torch.tensor(0.01))
+    assert_no_arithmetic(functional_targets(opt, params), "fastoptim.adan_step.default")
+    params = model_params()
+    opt = fastoptim.AdamW(params, lr=torch.tensor(0.01))
+    set_grads(params, 0)
+    opt.step()
+    opt.load_state_dict(opt.state_dict())
+    assert_no_arithmetic(functional_targets(opt, params), "fastoptim.adamw_step.default")
 
 
 def test_clip_grad_norm_compiles_to_its_ops():

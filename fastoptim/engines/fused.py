@@ -148,7 +148,7 @@ def _fallback(plan, reason):
     amp.run_unless_inf(foreach.run, plan)
 
 
-def kernel_values(spec, kernel_scalars, args, found_inf, stochastic, device):
+def kernel_values(kernel_scalars, args, found_inf, stochastic, device):
     """The kernel's scalars by name, ``kernel_scalars(args)`` with GradScaler's ``found_inf`` (or None)
     and, with ``stochastic`` rounding, its seed, drawn on ``device``: Python numbers, 0-d tensors, or
     1-d tensors with one value per tensor."""
@@ -159,7 +159,7 @@ def kernel_values(spec, kernel_scalars, args, found_inf, stochastic, device):
 def _scalar_values(plan, device):
     """The kernel's scalars in the spec's order (see :func:`kernel_values`)."""
     values = plan.args if plan.args_are_scalars else kernel_values(
-        plan.spec, plan.kernel_scalars, plan.args, plan.found_inf, plan.stochastic_rounding, device)
+        plan.kernel_scalars, plan.args, plan.found_inf, plan.stochastic_rounding, device)
     return [values[name] for name in plan.spec.all_scalars]
 
 

@@ -48,8 +48,7 @@ COMMON_ARGS = """\
         shard_group: the process group whose ranks each hold a partition of the model's params (as
             under ZeroRedundancyOptimizer): global reductions (the clipping norm) run over it."""
 
-GRADS_PATTERNS_KEPT = 8
-TRACED_SCALARS = "traced scalars"  # a group's key in its buckets' caches: scalars.prepare's answer, or None  # torch.compile's recompile limit: a step traced for more patterns recompiles anyway
+GRADS_PATTERNS_KEPT = 8  # torch.compile's recompile limit: a step traced for more patterns recompiles anyway
 
 
 class StateContext(NamedTuple):
@@ -363,9 +362,10 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                     cache["traced split"] = engines.fused.split(part, absmax, algorithm.spec, originals,
                                                                 functools.partial(_remade, entry, bucket))
             # a CPU kernel that takes every tensor gets its scalars from an op (see scalars.py)
-            whole = fused and all(reduce is None and not entry.bucket_caches[i]["traced split"].left
-                                  for i, (_, reduce) in enumerate(entry.buckets))
-            entry.bucket_caches[TRACED_SCALARS] = scalars.prepare(algorithm, group) if (
+            whole = fused and algorithm.run is engines.run_bucket and all(
+                reduce is None and not entry.bucket_caches[i]["traced split"].left
+                for i, (_, reduce) in enumerate(entry.buckets))
+            entry.traced_scalars = scalars.prepare(algorithm, group) if (
                 whole and entry.params[0].device.type == "cpu") else None
         caches["traced state changes"] = self.state.changes
 
@@ -479,43 +479,51 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         if entry.states is None:  # every group is checked by now: states may be created
             self._use_new_states(group, entry, traced=torch.compiler.is_compiling())
         algorithm, traced = self._algorithm(group), torch.compiler.is_compiling()
-        prepared = entry.bucket_caches.get(TRACED_SCALARS) if traced else None
-        count, inputs = self._step_inputs(algorithm, group, entry, grad_scale)
+        prepared = entry.traced_scalars if traced else None
+        counts, inputs = self._counts(group, entry), self._step_inputs(group, entry, grad_scale)
+        args, per_tensor = {}, ()  # where an op makes each bucket's scalars
         if prepared is None:
-            args, per_tensor = scalars.step_arguments(algorithm, group, count, increment, inputs, traced)
-        else:
-            args, per_tensor = scalars.traced_kernel_scalars(algorithm, prepared, count, increment, inputs, found_inf,
-                                                             group["stochastic_rounding"],
-                                                             entry.tensors["param"][0].device, len(entry.params))
-        if inputs.first_reads is not None:  # for one step: then every param has its optional states
-            entry.context = entry.context._replace(first_reads=None)
-            if prepared is None and traced:  # a compiled step reads them again on every
-                inputs.first_reads.clamp_(min=increment)  # call, and a step that counts gave every param them
+            args, per_tensor = scalars.step_arguments(algorithm, group, scalars.one_count(counts), increment, inputs,
+                                                      traced)
         plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, algorithm.update, algorithm.spec,
                             algorithm.kernel_scalars, algorithm.flags(group), args,
                             frozenset(per_tensor), found_inf, group["stochastic_rounding"],
                             warn_fallback=group["fused"] is True, absmax=entry.absmax, batch=batch,
                             args_are_scalars=prepared is not None)
         for index, (bucket, reduce_group) in enumerate(entry.buckets):
-            part = plan if len(bucket) == len(entry.params) else plan.subset(bucket)
+            whole = len(bucket) == len(entry.params)
+            part = plan if whole else plan.subset(bucket)
+            if prepared is not None:
+                part.args = scalars.traced_kernel_scalars(
+                    algorithm, prepared, group, counts, increment, inputs, found_inf, group["stochastic_rounding"],
+                    entry.tensors["param"][0].device, len(entry.params), [] if whole else bucket)
             if _keeps_no_remainders(part.tensors):
                 part = part.without(master.KEY)
             part.cache = entry.bucket_caches.setdefault(index, {})
             algorithm.run(entry.engine, part, reduce_group)
+        if inputs.first_reads is not None:  # for one step: then every param has its optional states
+            entry.context = entry.context._replace(first_reads=None)
+            if prepared is not None:
+                scalars.traced_mark_read(inputs.first_reads, increment)
+            elif traced:  # a compiled step reads them again on every call, and a step that counts gave every
+                inputs.first_reads.clamp_(min=increment)  # param its optional states
 
-    def _step_inputs(self, algorithm, group, entry, grad_scale):
-        """What ``algorithm``'s arguments for this step of ``group`` are computed from: the counts
-        before this step (the group's, the params' as one 1-d tensor, or None) and the
-        :class:`StepInputs` besides the count (see ``scalars.step_arguments``)."""
+    def _counts(self, group, entry):
+        """The step counts ``group``'s step reads and advances (see ``scalars.one_count``): the
+        group's (``PER_GROUP``), those of ``entry``'s params (``PER_PARAM``: as one tensor, or one
+        each), or none."""
+        counts = self._algorithm(group).counts
+        if counts == PER_GROUP:
+            return [self._group_count(group)]
+        if counts == PER_PARAM and entry is not None and entry.params:
+            return [entry.context.counts] if entry.context.counts is not None else [
+                state["step"] for state in entry.states]
+        return []
+
+    def _step_inputs(self, group, entry, grad_scale):
+        """The :class:`StepInputs` of this step of ``group`` besides its count (see ``_counts``)."""
         context = entry.context
-        if algorithm.counts == PER_PARAM:
-            count = context.counts
-            if count is None:
-                count = torch.stack([state["step"] for state in entry.states])
-        else:
-            count = self._group_count(group) if algorithm.counts == PER_GROUP else None
-        return count, StepInputs(group_lr(group), grad_scale, None, entry.scalar_dtype, context.first_reads,
-                                 context.factors)
+        return StepInputs(group_lr(group), grad_scale, None, entry.scalar_dtype, context.first_reads, context.factors)
 
     def _use_new_states(self, group, entry, traced):
         """Create the missing states of ``entry``'s params and hand them to it, for a ``traced`` step or
@@ -639,21 +647,16 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         after the update: a ``PER_GROUP`` count whether or not its params had grads (on a
         ``whole_step``: not for each released bucket), ``PER_PARAM`` counts of the params of
         ``entry`` that had (None: the per-group counts of a released step alone)."""
-        counts = self._algorithm(group).counts
-        if counts == PER_GROUP and whole_step:
-            tensors = [self._group_count(group)]
-        elif counts == PER_PARAM and entry is not None and entry.params:
-            tensors = [entry.context.counts] if entry.context.counts is not None else [
-                state["step"] for state in entry.states]
-        else:
+        counts = self._counts(group, entry) if whole_step or self._algorithm(group).counts == PER_PARAM else []
+        if not counts:
             return
-        if entry is not None and entry.params and entry.bucket_caches.get(
-                TRACED_SCALARS) is not None and torch.compiler.is_compiling():  # its scalars came from an op
-            scalars.traced_count_up(tensors, increment)
-        elif len(tensors) == 1:
-            tensors[0].add_(increment)
+        if torch.compiler.is_compiling() and counts[0].device.type == "cpu" and (
+                entry is None or not entry.params or entry.traced_scalars is not None):
+            scalars.traced_count_up(counts, increment)
+        elif len(counts) == 1:
+            counts[0].add_(increment)
         else:
-            torch._foreach_add_(tensors, increment)
+            torch._foreach_add_(counts, increment)
 
     def _grad_scale(self, group, clip, inv_scale):
         """What the gradient is multiplied by: the clip coefficient, GradScaler's 1/scale, and −1

@@ -1,13 +1,16 @@
 """A step's scalars: the counts it reads, its algorithm's arguments, and, for a step that torch.compile
-traces on the CPU, the two ops that compute them and advance the counts outside the graph.
+traces on the CPU, the ops that compute them and advance the counts outside the graph.
 
 Traced, the scalar math of a step (a dozen operations on 0-d tensors: bias corrections, weight decay
 factors) would be a kernel of its own that inductor writes in C++ and compiles with the system
 compiler, which costs more than the rest of a compiled step's first call. ``fastoptim::step_scalars``
 computes those scalars as an eager step does, with the same code (and so the same numbers: Python
-arithmetic where the eager step's count is a host number), and ``fastoptim::count_up`` advances the
-counts; the graph of a fused step keeps these two ops and the kernel's, and compiles nothing."""
+arithmetic where the eager step's count is a host number, and each bucket's rounding seed drawn where
+the eager step draws it), ``fastoptim::count_up`` advances the counts and ``fastoptim::mark_read``
+the states' first reads; the graph of a fused step keeps these ops and the kernel's, and compiles
+nothing."""
 import json
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -34,6 +37,14 @@ def count_after(count, increment, lr, traced=None):
     return count.to(torch.float64) + increment
 
 
+def one_count(counts: list[Tensor]) -> Tensor | None:
+    """The counts a step reads (see ``FastOptimizer._counts``) as one tensor: none, the one given (a
+    group's 0-d count, or the params' as one 1-d tensor), or the params' 0-d counts stacked."""
+    if not counts:
+        return None
+    return counts[0] if len(counts) == 1 else torch.stack(counts)
+
+
 def step_arguments(algorithm: Algorithm, group: dict, count: Tensor | None, increment: float | Tensor,
                    inputs: StepInputs, traced: bool) -> tuple[dict, set[str]]:
     """``algorithm``'s arguments for a step of ``group`` and the names of those that hold one value per
@@ -49,59 +60,105 @@ def step_arguments(algorithm: Algorithm, group: dict, count: Tensor | None, incr
 
 _ALGORITHMS = {}  # what step_scalars is named, to its algorithm: registered at tracing, in this process
 _LIBRARY = torch.library.Library("fastoptim", "FRAGMENT")
-_LIBRARY.define("step_scalars(str algorithm, str group, Tensor? lr, Tensor? grad_scale, Tensor? count, "
-                "Tensor? increment, Tensor? first_reads, Tensor? factors, Tensor? found_inf, float? lr_number, "
-                "float? grad_scale_number, ScalarType wide, bool stochastic, Device device, int n) -> Tensor[]")
+_LIBRARY.define("step_scalars(str algorithm, str group, float[] numbers, Tensor? lr, Tensor? grad_scale, "
+                "Tensor[] counts, Tensor? increment, Tensor? first_reads, Tensor? factors, Tensor? found_inf, "
+                "float? lr_number, float? grad_scale_number, ScalarType wide, bool stochastic, Device device, "
+                "int n, int[] owners) -> Tensor[]")
 _LIBRARY.define("count_up(Tensor(a!)[] counts, Tensor? increment) -> ()")
 _LIBRARY.define("mark_read(Tensor(a!) first_reads, Tensor? increment) -> ()")  # no op may both mutate and return
 
 
+class Prepared(NamedTuple):
+    """What ``step_scalars`` takes of an algorithm and a group, made before tracing (dynamo traces
+    neither ``json`` nor a registry's change): the algorithm's registered ``name``; the group's
+    options that its arguments may read, as JSON text (``options``: bools, strings, None; the numbers'
+    keys); and ``numeric``, the keys of the options that hold numbers or tuples of them, which each
+    traced step reads (:meth:`numbers`), so that dynamo guards them or, once one keeps changing (a
+    weight-decay schedule), passes it as a symbolic input instead of a stale constant."""
+
+    name: str
+    options: str
+    numeric: tuple
+
+    def numbers(self, group: dict) -> list[float]:
+        """The numbers of ``group``'s numeric options, in ``numeric``'s order."""
+        numbers = []
+        for key, length, _ in self.numeric:
+            numbers.extend(map(float, group[key] if length is not None else (group[key],)))
+        return numbers
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _name(algorithm):
     """What identifies ``algorithm``'s scalar math across processes (an inductor cache outlives one):
-    its spec and the code of its two functions."""
-    return ";".join([algorithm.spec.name] + [f"{f.__module__}:{f.__qualname__}:{f.__code__.co_firstlineno}"
-                                              for f in (algorithm.arguments, algorithm.kernel_scalars)])
+    its spec and where its two functions are defined."""
+    return ";".join([algorithm.spec.name] + [
+        f"{getattr(f, '__module__', '')}:{getattr(f, '__qualname__', type(f).__name__)}:"
+        f"{getattr(getattr(f, '__code__', None), 'co_firstlineno', 0)}"
+        for f in (algorithm.arguments, algorithm.kernel_scalars)])
 
 
-def prepare(algorithm: Algorithm, group: dict) -> tuple[str, str]:
-    """What ``step_scalars`` takes of ``algorithm`` and ``group``, made before tracing (dynamo traces
-    neither ``json`` nor a registry's change): the algorithm's name, registered, and the group's
-    options that its arguments may read, as JSON text (numbers, bools, strings and their tuples; not
-    the params, nor a tensor lr), which the graph keeps as constants while dynamo guards them."""
+def prepare(algorithm: Algorithm, group: dict) -> Prepared:
+    """The :class:`Prepared` of ``algorithm`` and ``group`` (not the params, nor a tensor lr)."""
     name = _name(algorithm)
-    _ALGORITHMS.setdefault(name, algorithm)
-    options = {}
+    if _ALGORITHMS.setdefault(name, algorithm) != algorithm:
+        raise RuntimeError(f"fastoptim: two algorithms' scalar math is defined at {name}: give each "
+                           "its own arguments and kernel_scalars functions")
+    options, numeric = {}, []
     for key, value in group.items():
+        if _is_number(value) or isinstance(value, (tuple, list)) and value and all(map(_is_number, value)):
+            many = isinstance(value, (tuple, list))
+            numeric.append((key, len(value) if many else None,
+                            all(isinstance(v, int) for v in (value if many else (value,)))))
+            continue
         try:
             options[key] = json.loads(json.dumps(value))
-        except TypeError:
+        except (TypeError, ValueError):
             continue
-    return name, json.dumps(options, sort_keys=True)
+    return Prepared(name, json.dumps({"options": options, "numeric": numeric}, sort_keys=True), tuple(numeric))
 
 
-def _scalars(algorithm_name, group, lr, grad_scale, count, increment, first_reads, factors, found_inf,
-             lr_number, grad_scale_number, wide, stochastic, device, n, fake=False):
-    """The kernel's scalars in its spec's order, each a float64 tensor on ``device``: 0-d, or one value per
-    param for those the arguments name so (``n`` params). ``fake``: their shapes alone."""
-    algorithm = _ALGORITHMS[algorithm_name]
+def _group(options, numbers):
+    """The group options that ``prepare`` and ``Prepared.numbers`` took apart, together again."""
+    made = json.loads(options)
+    group, numbers = made["options"], iter(numbers)
+    for key, length, whole in made["numeric"]:
+        values = [int(x) if whole else x for x in (next(numbers) for _ in range(1 if length is None else length))]
+        group[key] = values[0] if length is None else tuple(values)
+    return group
+
+
+def _scalars(algorithm_name, options, numbers, lr, grad_scale, counts, increment, first_reads, factors, found_inf,
+             lr_number, grad_scale_number, wide, stochastic, device, n, owners, fake=False):
+    """The kernel's scalars in its spec's order for the params ``owners`` of the group's ``n`` (all:
+    none listed), each a float64 tensor on ``device``: 0-d, or one value per param for those the
+    arguments name so. ``fake``: their shapes alone."""
+    algorithm, group = _ALGORITHMS[algorithm_name], _group(options, numbers)
     lr = lr_number if lr is None else lr
     grad_scale = grad_scale_number if grad_scale is None else grad_scale
+    count = one_count(counts)
     inputs = StepInputs(lr, grad_scale, None, wide, first_reads, factors,
                         counts_per_param=count is not None and count.dim() == 1)
+    size = len(owners) if owners else n
     if fake:  # placeholders for the numbers: only the names of the per-param scalars are needed
-        _, per_param = algorithm.arguments(json.loads(group), inputs._replace(lr=1.0, grad_scale=None,
-                                                                             count=None if count is None else 1.0))
-        return [torch.empty((n,) if name in per_param else (), dtype=torch.float64, device=device)
+        _, per_param = algorithm.arguments(group, inputs._replace(lr=1.0, grad_scale=None,
+                                                                  count=None if count is None else 1.0))
+        return [torch.empty((size,) if name in per_param else (), dtype=torch.float64, device=device)
                 for name in algorithm.spec.all_scalars]
-    args, per_param = step_arguments(algorithm, json.loads(group), count, 1 if increment is None else increment, inputs,
+    args, per_param = step_arguments(algorithm, group, count, 1 if increment is None else increment, inputs,
                                      traced=False)
-    values = engines.fused.kernel_values(algorithm.spec, algorithm.kernel_scalars, args, found_inf, stochastic, device)
+    values = engines.fused.kernel_values(algorithm.kernel_scalars, args, found_inf, stochastic, device)
     out = []
     for name in algorithm.spec.all_scalars:
         value = values[name]
         value = value.to(device, torch.float64, copy=True) if isinstance(value, Tensor) else torch.tensor(
             float(value), dtype=torch.float64, device=device)
-        out.append(value.repeat(n) if name in per_param and value.dim() == 0 else value)
+        if name in per_param:
+            value = value.repeat(size) if value.dim() == 0 else value[owners] if owners else value
+        out.append(value)
     return out
 
 
@@ -121,34 +178,37 @@ _LIBRARY.impl("mark_read", _mark_read, "CompositeExplicitAutograd")
 torch.library.register_fake("fastoptim::mark_read", lambda first_reads, increment: None, lib=_LIBRARY)
 
 
-def traced_kernel_scalars(algorithm: Algorithm, prepared: tuple[str, str], count: Tensor | None,
+def _tensor(value):
+    return value if isinstance(value, Tensor) else None
+
+
+def traced_kernel_scalars(algorithm: Algorithm, prepared: Prepared, group: dict, counts: list[Tensor],
                           increment: int | Tensor, inputs: StepInputs, found_inf: Tensor | None, stochastic: bool,
-                          device: torch.device, n: int) -> tuple[dict, set[str]]:
-    """A traced step's kernel scalars for ``n`` params (name to a float64 tensor, found_inf and the
-    rounding seed included) and the names of those with one value per param, computed by
-    ``fastoptim::step_scalars`` as :func:`step_arguments` and the fused engine compute them eagerly
-    (``prepared``: :func:`prepare` of the algorithm and group). A compiled step reads
-    ``inputs.first_reads`` on every call: a step that counts gave every param its optional states,
-    which ``fastoptim::mark_read`` marks."""
-    name, options = prepared
-
-    def tensor(value):
-        return value if isinstance(value, Tensor) else None
-
+                          device: torch.device, n: int, owners: list[int]) -> dict:
+    """A traced step's kernel scalars (name to a float64 tensor, found_inf and the rounding seed
+    included) for the params ``owners`` of a group of ``n`` (a bucket; all of them: none listed),
+    computed by ``fastoptim::step_scalars`` as :func:`step_arguments` and the fused engine compute
+    them eagerly, and the seed drawn there, as the eager step draws one per bucket."""
     def number(value):
         return None if value is None or isinstance(value, Tensor) else float(value)
 
     out = torch.ops.fastoptim.step_scalars(
-        name, options, tensor(inputs.lr), tensor(inputs.grad_scale), count, tensor(increment), inputs.first_reads,
-        inputs.factors, found_inf, number(inputs.lr), number(inputs.grad_scale), inputs.wide, stochastic, device, n)
-    if inputs.first_reads is not None:
-        torch.ops.fastoptim.mark_read(inputs.first_reads, tensor(increment))
-    names = algorithm.spec.all_scalars
-    return dict(zip(names, out)), {scalar for scalar, value in zip(names, out) if value.dim() == 1}
+        prepared.name, prepared.options, prepared.numbers(group), _tensor(inputs.lr), _tensor(inputs.grad_scale),
+        counts, _tensor(increment), inputs.first_reads, inputs.factors, found_inf, number(inputs.lr),
+        number(inputs.grad_scale), inputs.wide, stochastic, device, n, owners)
+    return dict(zip(algorithm.spec.all_scalars, out))
+
+
+def traced_mark_read(first_reads: Tensor, increment: int | Tensor) -> None:
+    """Mark the params' optional states read (``first_reads`` at least ``increment``), through
+    ``fastoptim::mark_read``: a compiled step reads them on every call, and a step that counts gave
+    every param its optional states."""
+    torch.ops.fastoptim.mark_read(first_reads, _tensor(increment))
 
 
 def traced_count_up(counts: list[Tensor], increment: int | Tensor) -> None:
     """Add ``increment`` (1, or a 0-d tensor: 0 on a step GradScaler skipped) to ``counts`` in a traced
-    step whose scalars ``step_scalars`` computed, through ``fastoptim::count_up``. (Not where a
-    kernel of the graph reads the counts: inductor may then run the op first.)"""
-    torch.ops.fastoptim.count_up(counts, increment if isinstance(increment, Tensor) else None)
+    step, through ``fastoptim::count_up``, where no kernel of the graph reads them (inductor may run
+    an op that mutates a graph input before a kernel that reads it): where ``step_scalars`` computed
+    the group's scalars, or the group had no grads."""
+    torch.ops.fastoptim.count_up(counts, _tensor(increment))
