@@ -28,8 +28,9 @@ class Plan:
     the block maxima of the 8-bit ones. ``sum_group``: the process group over which the loop engine
     all-reduces subset sums (subsets that span FSDP2 shards), or None. ``batch``: where a step that
     runs all its tables in one native call collects them (see :func:`run_batch`), or None.
-    ``args_are_scalars``: ``args`` are the fused kernel's scalars by name, found_inf and seed included
-    (a traced CPU step's, which ``fastoptim::step_scalars`` computed), for a plan the kernel takes whole.
+    ``kernel_values``: the fused kernel's scalars by name, found_inf and seed included, where an op made
+    them (a traced CPU step's, ``fastoptim::step_scalars``, for a plan the kernel takes whole, whose
+    ``args`` are then empty); None: the fused engine makes them from ``args``.
     """
 
     tensors: dict[str, list[Tensor]]
@@ -46,7 +47,7 @@ class Plan:
     absmax: dict = field(default_factory=dict)  # role: the block maxima of each 8-bit state (None for others)
     sum_group: object = None
     batch: list | None = None  # a step's launches, which the fused engine appends to instead of running them
-    args_are_scalars: bool = False
+    kernel_values: dict | None = None
 
     def __len__(self):
         return len(self.tensors["param"])

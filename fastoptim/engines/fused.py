@@ -158,7 +158,7 @@ def kernel_values(kernel_scalars, args, found_inf, stochastic, device):
 
 def _scalar_values(plan, device):
     """The kernel's scalars in the spec's order (see :func:`kernel_values`)."""
-    values = plan.args if plan.args_are_scalars else kernel_values(
+    values = plan.kernel_values if plan.kernel_values is not None else kernel_values(
         plan.kernel_scalars, plan.args, plan.found_inf, plan.stochastic_rounding, device)
     return [values[name] for name in plan.spec.all_scalars]
 

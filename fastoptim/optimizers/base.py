@@ -488,13 +488,12 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, algorithm.update, algorithm.spec,
                             algorithm.kernel_scalars, algorithm.flags(group), args,
                             frozenset(per_tensor), found_inf, group["stochastic_rounding"],
-                            warn_fallback=group["fused"] is True, absmax=entry.absmax, batch=batch,
-                            args_are_scalars=prepared is not None)
+                            warn_fallback=group["fused"] is True, absmax=entry.absmax, batch=batch)
         for index, (bucket, reduce_group) in enumerate(entry.buckets):
             whole = len(bucket) == len(entry.params)
             part = plan if whole else plan.subset(bucket)
             if prepared is not None:
-                part.args = scalars.traced_kernel_scalars(
+                part.kernel_values = scalars.traced_kernel_scalars(
                     algorithm, prepared, group, counts, increment, inputs, found_inf, group["stochastic_rounding"],
                     entry.tensors["param"][0].device, len(entry.params), [] if whole else bucket)
             if _keeps_no_remainders(part.tensors):
