@@ -646,7 +646,9 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         after the update: a ``PER_GROUP`` count whether or not its params had grads (on a
         ``whole_step``: not for each released bucket), ``PER_PARAM`` counts of the params of
         ``entry`` that had (None: the per-group counts of a released step alone)."""
-        counts = self._counts(group, entry) if whole_step or self._algorithm(group).counts == PER_PARAM else []
+        if not whole_step and self._algorithm(group).counts == PER_GROUP:
+            return  # a released bucket: the group's count advances at step()
+        counts = self._counts(group, entry)
         if not counts:
             return
         if torch.compiler.is_compiling() and counts[0].device.type == "cpu" and (

@@ -148,6 +148,8 @@ def _scalars(algorithm_name, options, numbers, lr, grad_scale, counts, increment
                                                                   count=None if count is None else 1.0))
         return [torch.empty((size,) if name in per_param else (), dtype=torch.float64, device=device)
                 for name in algorithm.spec.all_scalars]
+    # the whole group's arguments, then the bucket's of them, as the eager step computes them (a bucket's
+    # counts alone could round apart: Python's and torch's pow differ in the last bit)
     args, per_param = step_arguments(algorithm, group, count, 1 if increment is None else increment, inputs,
                                      traced=False)
     values = engines.fused.kernel_values(algorithm.kernel_scalars, args, found_inf, stochastic, device)
@@ -182,6 +184,10 @@ def _tensor(value):
     return value if isinstance(value, Tensor) else None
 
 
+def _number(value):
+    return None if value is None or isinstance(value, Tensor) else float(value)
+
+
 def traced_kernel_scalars(algorithm: Algorithm, prepared: Prepared, group: dict, counts: list[Tensor],
                           increment: int | Tensor, inputs: StepInputs, found_inf: Tensor | None, stochastic: bool,
                           device: torch.device, n: int, owners: list[int]) -> dict:
@@ -189,13 +195,10 @@ def traced_kernel_scalars(algorithm: Algorithm, prepared: Prepared, group: dict,
     included) for the params ``owners`` of a group of ``n`` (a bucket; all of them: none listed),
     computed by ``fastoptim::step_scalars`` as :func:`step_arguments` and the fused engine compute
     them eagerly, and the seed drawn there, as the eager step draws one per bucket."""
-    def number(value):
-        return None if value is None or isinstance(value, Tensor) else float(value)
-
     out = torch.ops.fastoptim.step_scalars(
         prepared.name, prepared.options, prepared.numbers(group), _tensor(inputs.lr), _tensor(inputs.grad_scale),
-        counts, _tensor(increment), inputs.first_reads, inputs.factors, found_inf, number(inputs.lr),
-        number(inputs.grad_scale), inputs.wide, stochastic, device, n, owners)
+        counts, _tensor(increment), inputs.first_reads, inputs.factors, found_inf, _number(inputs.lr),
+        _number(inputs.grad_scale), inputs.wide, stochastic, device, n, owners)
     return dict(zip(algorithm.spec.all_scalars, out))
 
 
