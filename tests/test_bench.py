@@ -291,3 +291,29 @@ def test_the_dispatch_benchmarks_python_time_runs_no_kernel():
     assert torch.equal(param, before)
     optimizer.step()
     assert not torch.equal(param, before)
+
+
+def test_the_eight_bit_speed_benchmarks_walk_steps_adamw(tmp_path):
+    """benchmarks/eight_bit_speed.py times a prototype walk: its companded codec must decode what the
+    reference does, and on each state format its first step must move the params as fastoptim's
+    AdamW does (the states start at zero, so the formats' error is not in it yet) and store the
+    states (a walk that skipped its work would time nothing)."""
+    import fastoptim
+    from benchmarks import eight_bit_speed as speed
+    codecs, numel = speed.library_codecs(), 4096
+    for group in speed.GROUPS:
+        prototype = speed.build(tmp_path, group)
+        speed.check_codec(prototype)
+        for format_name in speed.FORMATS:
+            run = speed.prototype_step(prototype, numel, format_name, codecs)
+            param, grad, states = run.held
+            reference = torch.nn.Parameter(param.clone())
+            reference.grad = grad.clone()
+            s = speed.STEP_SCALARS
+            fastoptim.AdamW([reference], lr=s["lr"], betas=(s["beta1"], s["beta2"]), eps=s["eps"],
+                            weight_decay=s["weight_decay"], foreach=False, fused=False).step()
+            before = [state.clone() for state in states if state is not None]
+            run(2)
+            torch.testing.assert_close(param, reference.detach(), rtol=1e-6, atol=1e-7)
+            after = [state for state in states if state is not None]
+            assert all((new != old).sum() > new.numel() // 2 for new, old in zip(after, before))
