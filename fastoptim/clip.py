@@ -24,7 +24,7 @@ from .step_cache import OpCache
 RELEASED = weakref.WeakValueDictionary()
 
 
-def _clip_backend(grads):
+def clip_backend(grads):
     """The fused backend whose clip kernels may take ``grads``: plain tensors on a device it runs (its
     kernels check each grad's dtype, device and layout themselves), or None (foreach then)."""
     if not grads or not all(map(operator.is_, map(type, grads), repeat(torch.Tensor))):
@@ -74,7 +74,7 @@ def _total(grads, inf, kernel, tables):
     if parts is not None:
         partials = torch.cat([parts[0].new_zeros(1)] + parts)
         return partials.max() if inf else partials.sum()
-    wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    wide = widest(grads)
     device, parts = grads[0].device, []
     for bucket in buckets(grads):
         norms = torch.stack(torch._foreach_norm([grads[i] for i in bucket], math.inf if inf else 2.0, dtype=wide))
@@ -110,7 +110,7 @@ def _op_grad_norm_total(grads, inf):
     _check_grads("grad_norm_total", grads)
     if not grads:
         return torch.zeros((), dtype=torch.float64)
-    return _total(grads, inf, _clip_backend(grads), _op_tables(grads)).double()
+    return _total(grads, inf, clip_backend(grads), _op_tables(grads)).double()
 
 
 def _op_scale_grads(grads, factor):
@@ -121,7 +121,7 @@ def _op_scale_grads(grads, factor):
     if grads:
         tables = _op_tables(grads)
         tables(grads, again=True)  # no norm checked the plans against these grads
-        _scale(grads, factor, _clip_backend(grads), tables)
+        _scale(grads, factor, clip_backend(grads), tables)
 
 
 # The kernels as custom ops, which torch.compile keeps in a traced step (the native ops take chunk
@@ -148,14 +148,13 @@ torch.library.register_fake("fastoptim::scale_grads", lambda grads, factor: None
 def grad_norm(grads, norm_type=2.0, group=None, cache=None, kernel=None):
     """The ``norm_type``-norm (2 or inf) over every tensor in ``grads``, as a 0-d tensor on the first
     grad's device: float64 where a grad is float64 (as torch's), else fp32. On grads the kernel
-    takes (``kernel``: the backend, ``_clip_backend(grads)``; None: decided here), ``cache`` (a
+    takes (``kernel``: the backend, ``clip_backend(grads)``; None: decided here), ``cache`` (a
     :class:`GradTables`) keeps its tables. ``group``: a process group whose ranks hold the rest of
     the grads (each exactly once); the norm is then theirs all together, and every rank of it must
     call this, with grads or none."""
-    inf = norm_type == math.inf
-    wide = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    inf, wide = norm_type == math.inf, widest(grads)
     # not bool(grads): dynamo before torch 2.13 cannot trace bool() of a list
-    kernel = (_clip_backend(grads) if kernel is None else kernel) if len(grads) > 0 else None
+    kernel = (clip_backend(grads) if kernel is None else kernel) if len(grads) > 0 else None
     if kernel and torch.compiler.is_compiling():
         total = torch.ops.fastoptim.grad_norm_total(grads, inf)
     elif grads:
@@ -164,6 +163,16 @@ def grad_norm(grads, norm_type=2.0, group=None, cache=None, kernel=None):
         total = torch.zeros((), dtype=torch.float64)
     if group is not None:  # one dtype on every rank, whichever way each one reduced
         total = distributed.sum_over(total.double(), group, "max" if inf else "sum")
+    return norm_of(total, inf, wide)
+
+
+def widest(grads):
+    """The dtype of a norm of ``grads``: float64 where a grad is float64 (as torch's), else fp32."""
+    return torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+
+
+def norm_of(total, inf, wide):
+    """The norm, in dtype ``wide``, whose sum of squares (or with ``inf`` largest magnitude) is ``total``."""
     return (total if inf else total.sqrt()).to(wide)
 
 
@@ -171,7 +180,11 @@ def clip_coefficient(grads, max_norm, eps, inv_scale=None, group=None, cache=Non
     """``min(1, max_norm / (norm + eps))``, the factor official Adan scales every gradient by.
     ``inv_scale`` (GradScaler's 1/scale, a tensor) unscales the norm of still-scaled grads; ``group``
     (see :func:`grad_norm`) makes the norm global; ``cache``: see :func:`grad_norm`."""
-    norm = grad_norm(grads, group=group, cache=cache)
+    return coefficient_of(grad_norm(grads, group=group, cache=cache), max_norm, eps, inv_scale)
+
+
+def coefficient_of(norm, max_norm, eps, inv_scale=None):
+    """:func:`clip_coefficient` of grads whose 2-norm is ``norm``."""
     if inv_scale is not None:
         norm = norm * inv_scale
     return (max_norm / (norm + eps)).clamp(max=1.0)
@@ -210,7 +223,7 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
     if not grads:
         return torch.tensor(0.0)
-    kernel, tables = _clip_backend(grads), GradTables()  # the tables: built by the norm, used again by the scaling
+    kernel, tables = clip_backend(grads), GradTables()  # the tables: built by the norm, used again by the scaling
     norm = grad_norm(grads, norm_type, cache=tables, kernel=kernel)
     if error_if_nonfinite and not torch.isfinite(norm):  # a host sync, as in torch: only when asked for
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {norm.item()}, so it "

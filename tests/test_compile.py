@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 import fastoptim
 from fastoptim import engines
-from fastoptim.clip import _clip_backend
+from fastoptim.clip import clip_backend
 from fastoptim.optimizers.base import GRADS_PATTERNS_KEPT
 
 from .registry import ADAMW, ADAN, OPTIMIZERS
@@ -206,10 +206,12 @@ def functional_targets(opt, params, steps=2):
     return targets
 
 
-def assert_no_arithmetic(targets, op):
+def assert_no_arithmetic(targets, op, also=()):
+    """``targets`` call the kernel ``op`` and the scalars op (and the ops ``also``), and nothing else
+    but fastoptim's other scalar ops, views and getitem."""
     allowed = {op, "fastoptim.step_scalars.default", "fastoptim.count_up.default", "fastoptim.mark_read.default",
-               "<built-in function getitem>", "aten.view.default"}
-    assert op in targets and "fastoptim.step_scalars.default" in targets, targets
+               "<built-in function getitem>", "aten.view.default", *also}
+    assert all(name in targets for name in (op, "fastoptim.step_scalars.default", *also)), targets
     assert set(targets) <= allowed, set(targets) - allowed
 
 
@@ -222,6 +224,20 @@ def test_a_fused_cpu_step_compiles_to_ops_and_no_arithmetic(cls, options):
     params = model_params()
     targets = functional_targets(cls(params, lr=torch.tensor(0.01), **options), params)
     assert_no_arithmetic(targets, f"fastoptim.{cls.algorithm.spec.name}_step.default")
+
+
+@pytest.mark.parametrize("cls", [info.cls for info in OPTIMIZERS if info.cls.algorithm.kernel_scalars is not None])
+@pytest.mark.parametrize("clip, amp", [(True, False), (False, True), (True, True)])
+def test_a_clipped_or_scaled_fused_cpu_step_compiles_to_ops_and_no_arithmetic(cls, clip, amp):
+    """The clip coefficient and GradScaler's factors (1/scale, the skip's count increment, −1 to
+    maximize) come from fastoptim::step_factors, not from arithmetic in the graph."""
+    params = model_params()
+    opt = cls([{"params": params[:2], "maximize": True}, {"params": params[2:]}], lr=torch.tensor(0.01),
+              max_grad_norm=1.0 if clip else 0.0)
+    if amp:
+        opt.grad_scale, opt.found_inf = torch.tensor(256.0), torch.tensor(0.0)
+    also = {"fastoptim.step_factors.default"} | ({"fastoptim.grad_norm_total.default"} if clip else set())
+    assert_no_arithmetic(functional_targets(opt, params), f"fastoptim.{cls.algorithm.spec.name}_step.default", also)
 
 
 def test_groups_of_two_buckets_without_grads_or_with_loaded_counts_compile_to_ops_and_no_arithmetic():
@@ -254,7 +270,7 @@ def assert_clip_ops(targets, ops):
     clip's own (torch's norm and scaling)."""
     names = [str(target) for target in targets]
     foreach = {name for name in names if "_foreach_" in name}
-    if _clip_backend([p.detach() for p in model_params()]):
+    if clip_backend([p.detach() for p in model_params()]):
         assert all(any(op in name for name in names) for op in ops) and not foreach, targets
     else:
         assert not any(op in name for op in ops for name in names), targets

@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from .. import distributed, engines
-from ..clip import GradTables, clip_coefficient
+from ..clip import GradTables, clip_backend, clip_coefficient
 from ..multi_tensor import FlatStates, pick
 from ..specs import ABSMAX
 from ..states import formats, master, subset_norm
@@ -308,22 +308,25 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             if found_inf.item():
                 return True
             found_inf = None
-        increment = 1 if found_inf is None else (found_inf == 0).float()  # a skipped step does not count
-        inv_scale = None if amp_scale is None else amp_scale.double().reciprocal().float()
         max_norm = self.defaults["max_grad_norm"]
         all_grads = [grad for _, _, grads in work for grad in grads] if max_norm > 0 else None
-        clip = None
-        if max_norm > 0 and (all_grads or self._reduce_group is not None):  # each rank joins the reduction
-            # official Adan takes eps for the clip from the last group; an algorithm without an eps (Lion),
-            # torch's clip_grad_norm_'s, whatever keys its groups carry
-            eps = self.param_groups[-1]["eps"] if "eps" in self.defaults else 1e-6
-            clip = clip_coefficient(all_grads, max_norm, eps, inv_scale,
-                                    self._reduce_group, caches.setdefault("clip", GradTables()))
+        clipped = max_norm > 0 and (all_grads or self._reduce_group is not None)  # each rank joins the reduction
+        # official Adan takes eps for the clip from the last group; an algorithm without an eps (Lion),
+        # torch's clip_grad_norm_'s, whatever keys its groups carry
+        eps = self.param_groups[-1]["eps"] if "eps" in self.defaults else 1e-6
+        maximize = [group["maximize"] for group, _, _ in work]
+        if not eager and self._factors_by_op(work, all_grads if clipped else None, amp_scale, found_inf):
+            increment, scales = scalars.traced_factors(all_grads if clipped else None, max_norm, eps, amp_scale,
+                                                       found_inf, maximize)
+        else:
+            increment, inv_scale = scalars.increment_of(found_inf), scalars.inverse_of(amp_scale)
+            clip = clip_coefficient(all_grads, max_norm, eps, inv_scale, self._reduce_group,
+                                    caches.setdefault("clip", GradTables())) if clipped else None
+            scales = [scalars.grad_scale(clip, inv_scale, m) for m in maximize]
         try:
-            for group, entry, grads in work:
+            for (group, entry, grads), scale in zip(work, scales):
                 if entry.params:
-                    self._step_group(group, entry, grads, self._grad_scale(group, clip, inv_scale), found_inf,
-                                     increment, batch)
+                    self._step_group(group, entry, grads, scale, found_inf, increment, batch)
         except engines.fused.Unbatched:
             return False
         if batch and not engines.run_batch(batch):
@@ -659,13 +662,14 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         else:
             torch._foreach_add_(counts, increment)
 
-    def _grad_scale(self, group, clip, inv_scale):
-        """What the gradient is multiplied by: the clip coefficient, GradScaler's 1/scale, and −1
-        to maximize; None for 1."""
-        scale = clip if inv_scale is None else inv_scale if clip is None else clip * inv_scale
-        if group["maximize"]:
-            return -1.0 if scale is None else -scale
-        return scale
+    def _factors_by_op(self, work, clipped_grads, amp_scale, found_inf):
+        """Whether a traced step computes its clip coefficient and GradScaler's factors through
+        ``fastoptim::step_factors``: where it has some, and an op computes every group's scalars (see
+        ``scalars``), and the clip's sum of squares is the CPU clip kernel's, over this rank's grads."""
+        return ((clipped_grads is not None or amp_scale is not None or found_inf is not None)
+                and self._reduce_group is None
+                and all(entry.traced_scalars is not None for _, entry, _ in work if entry.params)
+                and (clipped_grads is None or clip_backend(clipped_grads) is not None))
 
     def enable_gradient_release(self, bucket_numel: int = release.BUCKET_NUMEL) -> release.GradientRelease:
         """Step each bucket of params in backward, as soon as all its grads are ready, and free those

@@ -6,16 +6,16 @@ factors) would be a kernel of its own that inductor writes in C++ and compiles w
 compiler, which costs more than the rest of a compiled step's first call. ``fastoptim::step_scalars``
 computes those scalars as an eager step does, with the same code (and so the same numbers: Python
 arithmetic where the eager step's count is a host number, and each bucket's rounding seed drawn where
-the eager step draws it), ``fastoptim::count_up`` advances the counts and ``fastoptim::mark_read``
-the states' first reads; the graph of a fused step keeps these ops and the kernel's, and compiles
-nothing."""
+the eager step draws it), ``fastoptim::step_factors`` the clip coefficient and GradScaler's factors,
+``fastoptim::count_up`` advances the counts and ``fastoptim::mark_read`` the states' first reads; the
+graph of a fused step keeps these ops and the kernels', and compiles nothing."""
 import json
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from .. import engines
+from .. import clip, engines
 from .algorithm import Algorithm, StepInputs
 
 
@@ -45,6 +45,25 @@ def one_count(counts: list[Tensor]) -> Tensor | None:
     return counts[0] if len(counts) == 1 else torch.stack(counts)
 
 
+def increment_of(found_inf: Tensor | None) -> int | Tensor:
+    """What a step adds to the counts: 1, or with GradScaler's ``found_inf`` 0 on a step it skips."""
+    return 1 if found_inf is None else (found_inf == 0).float()
+
+
+def inverse_of(amp_scale: Tensor | None) -> Tensor | None:
+    """GradScaler's 1/scale as fp32 (a reciprocal in float64 first, as torch's unscale does), or None."""
+    return None if amp_scale is None else amp_scale.double().reciprocal().float()
+
+
+def grad_scale(clip_factor: Tensor | None, inv_scale: Tensor | None, maximize: bool) -> float | Tensor | None:
+    """What a group's gradient is multiplied by: the clip coefficient, GradScaler's 1/scale, and −1
+    to ``maximize``; None for 1."""
+    scale = clip_factor if inv_scale is None else inv_scale if clip_factor is None else clip_factor * inv_scale
+    if maximize:
+        return -1.0 if scale is None else -scale
+    return scale
+
+
 def step_arguments(algorithm: Algorithm, group: dict, count: Tensor | None, increment: float | Tensor,
                    inputs: StepInputs, traced: bool) -> tuple[dict, set[str]]:
     """``algorithm``'s arguments for a step of ``group`` and the names of those that hold one value per
@@ -64,6 +83,8 @@ _LIBRARY.define("step_scalars(str algorithm, str group, float[] numbers, Tensor?
                 "Tensor[] counts, Tensor? increment, Tensor? first_reads, Tensor? factors, Tensor? found_inf, "
                 "float? lr_number, float? grad_scale_number, ScalarType wide, bool stochastic, Device device, "
                 "int n, int[] owners) -> Tensor[]")
+_LIBRARY.define("step_factors(Tensor? total, Tensor? amp_scale, Tensor? found_inf, float max_norm, float eps, "
+                "ScalarType wide, bool[] maximize) -> Tensor[]")
 _LIBRARY.define("count_up(Tensor(a!)[] counts, Tensor? increment) -> ()")
 _LIBRARY.define("mark_read(Tensor(a!) first_reads, Tensor? increment) -> ()")  # no op may both mutate and return
 
@@ -164,6 +185,16 @@ def _scalars(algorithm_name, options, numbers, lr, grad_scale, counts, increment
     return out
 
 
+def _factors(total, amp_scale, found_inf, max_norm, eps, wide, maximize):
+    """``step_factors``: the count's increment (with ``found_inf``), then each group's grad scale (see
+    :func:`grad_scale`; with a clip's ``total``, the grads' sum of squares, or GradScaler's scale)."""
+    inv_scale = inverse_of(amp_scale)
+    factor = None if total is None else clip.coefficient_of(clip.norm_of(total, False, wide), max_norm, eps, inv_scale)
+    # a copy each: groups that do not maximize share one scale, and an op's outputs may not alias
+    scales = [] if factor is None and inv_scale is None else [grad_scale(factor, inv_scale, m).clone() for m in maximize]
+    return ([] if found_inf is None else [increment_of(found_inf)]) + scales
+
+
 def _count_up(counts, increment):
     torch._foreach_add_(counts, 1 if increment is None else increment)
 
@@ -174,6 +205,8 @@ def _mark_read(first_reads, increment):
 
 _LIBRARY.impl("step_scalars", _scalars, "CompositeExplicitAutograd")
 torch.library.register_fake("fastoptim::step_scalars", lambda *args: _scalars(*args, fake=True), lib=_LIBRARY)
+_LIBRARY.impl("step_factors", _factors, "CompositeExplicitAutograd")
+torch.library.register_fake("fastoptim::step_factors", _factors, lib=_LIBRARY)  # tensor math: fake tensors run it
 _LIBRARY.impl("count_up", _count_up, "CompositeExplicitAutograd")
 torch.library.register_fake("fastoptim::count_up", lambda counts, increment: None, lib=_LIBRARY)
 _LIBRARY.impl("mark_read", _mark_read, "CompositeExplicitAutograd")
@@ -200,6 +233,18 @@ def traced_kernel_scalars(algorithm: Algorithm, prepared: Prepared, group: dict,
         counts, _tensor(increment), inputs.first_reads, inputs.factors, found_inf, _number(inputs.lr),
         _number(inputs.grad_scale), inputs.wide, stochastic, device, n, owners)
     return dict(zip(algorithm.spec.all_scalars, out))
+
+
+def traced_factors(grads: list[Tensor] | None, max_norm: float, eps: float, amp_scale: Tensor | None,
+                   found_inf: Tensor | None, maximize: list[bool]) -> tuple[int | Tensor, list]:
+    """A traced step's count increment and each group's grad scale (``maximize``: the groups'), through
+    ``fastoptim::step_factors``, which computes them as an eager step does: the clip coefficient of
+    ``grads`` (None: no clip) from the clip kernel's sum of squares, GradScaler's 1/scale and skip."""
+    total = None if grads is None else torch.ops.fastoptim.grad_norm_total(grads, False)
+    out = torch.ops.fastoptim.step_factors(total, amp_scale, found_inf, max_norm, eps,
+                                           clip.widest(grads or []), maximize)
+    increment, scales = (1, out) if found_inf is None else (out[0], out[1:])  # dynamo traces no list.pop
+    return increment, scales or [grad_scale(None, None, m) for m in maximize]
 
 
 def traced_mark_read(first_reads: Tensor, increment: int | Tensor) -> None:
