@@ -4,8 +4,9 @@ fastoptim's Adan and AdamW (fused multi-tensor, the default engine) and torch's 
 interleaved in one run, at 1 thread and at torch's default, optionally while another process keeps
 one core busy (``--busy``). Each sample is the mean of ``--steps`` back-to-back steps; the table
 gives the median over ``--repeats`` samples, min..max, and the median ratio to torch's fused AdamW.
-A second table times each optimizer on 2000 params of 1,000-5,000 elements against one param of
-the same numel, interleaved: what many tensors cost beyond their elements. With ``--device cuda`` the
+A second table times each optimizer on 2000 params of 1,000-5,000 elements, as tensors of their own
+and moved into one buffer by ``fastoptim.flatten_parameters``, against one param of the same numel,
+interleaved: what many tensors cost beyond their elements. With ``--device cuda`` the
 params are CUDA tensors (fastoptim's fused engine is then Triton's) and each sample ends with a sync.
 Usage, from the repository root: .venv/bin/python -m benchmarks.host_time [--steps N] [--repeats N] [--busy]
 [--device cuda]
@@ -66,15 +67,24 @@ def measure(n_params, threads, steps, repeats, device):
     return rows
 
 
+def flattened(params):
+    """``params`` moved into one buffer, their grads views of another (fastoptim.flatten_parameters)."""
+    fastoptim.flatten_parameters(torch.nn.ParameterList(params))
+    return params
+
+
 def many_against_one(steps, repeats, device):
-    """Rows of the second table: each optimizer's step on 2000 params of 1,000-5,000 elements and on
-    one param of the same numel, at torch's default threads."""
+    """Rows of the second table: each optimizer's step on 2000 params of 1,000-5,000 elements, each
+    its own tensor or all in one buffer (fastoptim.flatten_parameters), and on one param of the same
+    numel, at torch's default threads."""
     sizes = torch.randint(1000, 5001, (2000,), generator=torch.Generator().manual_seed(0)).tolist()
-    layouts = {"2000 params": sizes, "1 param": [sum(sizes)]}
+    layouts = {"2000 params": lambda: with_grads(sizes, device),
+               "2000 flat": lambda: flattened(with_grads(sizes, device)),
+               "1 param": lambda: with_grads([sum(sizes)], device)}
     optimizers = {}
     for name, make in OPTIMIZERS.items():
-        for layout, numels in layouts.items():
-            optimizers[name, layout] = make(with_grads(numels, device))
+        for layout, params in layouts.items():
+            optimizers[name, layout] = make(params())
             sample(optimizers[name, layout], 2, device)
     samples = {key: [] for key in optimizers}
     for repeat in range(repeats):
@@ -83,10 +93,12 @@ def many_against_one(steps, repeats, device):
             samples[key].append(sample(optimizers[key], steps, device))
     rows = []
     for name in OPTIMIZERS:
-        many, one = samples[name, "2000 params"], samples[name, "1 param"]
-        ratios = [a / b for a, b in zip(many, one)]
-        rows.append(f"| {name} | {statistics.median(many) * 1e3:.2f} | {statistics.median(one) * 1e3:.2f} | "
-                    f"{statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f}) |")
+        one, cells = samples[name, "1 param"], []
+        for layout in ("2000 params", "2000 flat"):
+            ratios = [a / b for a, b in zip(samples[name, layout], one)]
+            cells += [f"{statistics.median(samples[name, layout]) * 1e3:.2f}",
+                      f"{statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f})"]
+        rows.append(f"| {name} | {' | '.join(cells)} | {statistics.median(one) * 1e3:.2f} |")
     return rows, sum(sizes)
 
 
@@ -112,8 +124,9 @@ def main():
         rows, numel = many_against_one(max(args.steps // 10, 3), args.repeats, args.device)
         print(f"\n2000 params of 1,000-5,000 elements ({numel / 1e6:.1f}M) against one param of that numel, "
               f"{default_threads} threads")
-        print("| optimizer | ms per step, 2000 params | ms, 1 param | ratio (min..max) |")
-        print("|---|---|---|---|")
+        print("| optimizer | ms per step, 2000 params | ratio to 1 param (min..max) | ms, 2000 flattened | ratio "
+              "(min..max) | ms, 1 param |")
+        print("|---|---|---|---|---|---|")
         print("\n".join(rows))
     finally:
         if spinner:

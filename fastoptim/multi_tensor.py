@@ -44,12 +44,12 @@ def in_flat_buffer(tensor):
     return base is not None and base.dim() == 1 and base.is_contiguous()
 
 
-def _aligned(offset, shape, dtype):
+def aligned_offset(offset, shape, dtype, alignment=ALIGNMENT):
     """Where a state of ``shape`` and ``dtype`` begins in its buffer at or after ``offset``: on an
-    ``ALIGNMENT``-byte boundary, as torch's allocator aligns a tensor of its own (vector loads and
-    stores would otherwise straddle cache lines); a 0-d one (a step count) right there: no kernel
-    walks it, and a group's counts stay one packed tensor."""
-    align = max(1, ALIGNMENT // dtype.itemsize) if len(shape) else 1
+    ``alignment``-byte boundary, by default ``ALIGNMENT``, as torch's allocator aligns a tensor of its
+    own (vector loads and stores would otherwise straddle cache lines); a 0-d one (a step count)
+    right there: no kernel walks it, and a group's counts stay one packed tensor."""
+    align = max(1, alignment // dtype.itemsize) if len(shape) else 1
     return -(-offset // align) * align
 
 
@@ -64,7 +64,7 @@ class FlatStates:
         for layout in layouts:
             offsets = {}
             for key, (shape, dtype) in layout.items():
-                offsets[key] = _aligned(sizes.get((key, dtype), 0), shape, dtype)
+                offsets[key] = aligned_offset(sizes.get((key, dtype), 0), shape, dtype)
                 sizes[key, dtype] = offsets[key] + torch.Size(shape).numel()
             self.offsets.append(offsets)
         self.buffers = {kind: torch.zeros(numel, dtype=kind[1], device=device) for kind, numel in sizes.items() if numel}

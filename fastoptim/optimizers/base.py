@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-from .. import distributed, engines
+from .. import distributed, engines, flat_params
 from ..clip import GradTables, clip_backend, clip_coefficient
 from ..multi_tensor import FlatStates, pick
 from ..specs import ABSMAX
@@ -270,6 +270,22 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             self.state, work, self._structure,
             lambda entry, index: engines.fused.natively_checked(entry.bucket_caches.get(index, {})))
         return loss
+
+    @torch._disable_dynamo
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the grads of every param, as torch.optim's ``zero_grad`` does, but that a grad that is
+        a view of a flat grad buffer (:func:`fastoptim.flatten_parameters`) is zeroed in place, not
+        set to None, so that backward accumulates into its buffer again.
+
+        Args:
+            set_to_none: set the other grads to None (default), or zero every grad in place.
+        """
+        if not set_to_none or not flat_params.GRAD_BUFFERS:
+            return super().zero_grad(set_to_none)
+        if not hasattr(self, "_zero_grad_profile_name"):
+            self._patch_step_function()
+        with torch.autograd.profiler.record_function(self._zero_grad_profile_name):
+            flat_params.zero_grads(param for group in self.param_groups for param in group["params"])
 
     @staticmethod
     def _check_lr(group, params):

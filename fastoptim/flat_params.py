@@ -1,0 +1,117 @@
+"""Flat parameters, an opt-in: a model's params moved into one buffer per device and dtype, and their
+grads views of one grad buffer each, at the same offsets (as DDP's ``gradient_as_bucket_view`` keeps
+its grads). A fused step over many small tensors then streams through a few long runs of memory
+instead of thousands of short ones, which the CPU's prefetchers cannot follow from one to the next
+(measured in docs/results/flat-params-2026-11-26.md)."""
+import weakref
+
+import torch
+from torch import Tensor
+
+from .multi_tensor import aligned_offset, is_dense
+
+# Where a param begins in its buffer: on a 16-byte boundary, which GPU kernels' widest loads need. Not
+# on the state buffers' 64 (multi_tensor.ALIGNMENT): each param would then lie at its states' offsets,
+# and the step measured slower (docs/results/flat-params-2026-11-26.md).
+PARAM_ALIGNMENT = 16
+
+# The grad buffers flatten_parameters made, by id (a WeakSet would compare tensors with ==); each
+# records how many grads view it, so that a zero_grad over all of them fills it in one call.
+GRAD_BUFFERS = weakref.WeakValueDictionary()
+
+
+def _refusal(name, param):
+    """Why ``param`` cannot live in a flat buffer, or None."""
+    if type(param.data) is not Tensor or param.layout != torch.strided or param.is_quantized:
+        return f"{name} is a {type(param.data).__name__} of layout {param.layout}, not a plain strided tensor"
+    if param.is_meta:
+        return f"{name} is on the meta device: it has no values to move"
+    if not is_dense(param):
+        return f"{name} has strides {param.stride()} that leave gaps or overlap: it cannot be one run of a buffer"
+    return None
+
+
+def flatten_parameters(module: torch.nn.Module, grads: bool = True) -> list[Tensor]:
+    """Move the params of ``module`` into one flat buffer per device and dtype, in place.
+
+    Each param keeps its identity (optimizers, hooks and references that hold it still do), its
+    values, shape, strides and ``requires_grad``; its data becomes a view of its buffer
+    (``param.data = view``), at an offset aligned to 16 bytes, in the order of
+    ``module.parameters()`` (a param shared by several modules once). With ``grads``, each param
+    that requires grad gets a grad that is a view of one grad buffer per device and dtype at the
+    same offset (zeros, or its grad until now), which backward then accumulates into in place.
+    fastoptim's ``zero_grad()`` zeroes those grads in place instead of setting them to None, one
+    fill per buffer where the optimizer holds all of its grads; ``module.zero_grad()`` (torch's)
+    drops them, after which backward makes grads of their own again (correct, without the flat
+    layout's speed). A param whose data is later replaced (``param.data = ...``) leaves its buffer.
+
+    Args:
+        module: the model; every param must be a plain strided tensor whose elements fill its span
+            (contiguous, channels_last, a transpose): nothing changes if one is not.
+        grads: also give the params that require grad flat grads (default True).
+
+    Returns:
+        The param buffers (1-d), one per device and dtype, in the order of their first params.
+
+    Raises:
+        ValueError: a param is a DTensor, sparse, quantized, on the meta device, or not dense.
+    """
+    names = {id(param): name for name, param in module.named_parameters()}
+    params = list(module.parameters())
+    for param in params:
+        reason = _refusal(names[id(param)], param)
+        if reason:
+            raise ValueError(f"fastoptim.flatten_parameters: {reason}")
+    kinds = {}
+    for param in params:
+        kinds.setdefault((param.device, param.dtype), []).append(param)
+    buffers = []
+    with torch.no_grad():
+        for (device, dtype), members in kinds.items():
+            offsets, size = [], 0
+            for param in members:
+                offsets.append(aligned_offset(size, param.shape, dtype, PARAM_ALIGNMENT))
+                size = offsets[-1] + param.numel()
+            buffer = torch.zeros(size, dtype=dtype, device=device)
+            with_grads = [param for param in members if grads and param.requires_grad]
+            grad_buffer = torch.zeros(size, dtype=dtype, device=device) if with_grads else None
+            for param, offset in zip(members, offsets):
+                view = buffer.as_strided(param.shape, param.stride(), offset)
+                view.copy_(param)
+                param.data = view
+                if grad_buffer is not None and param.requires_grad:
+                    grad = grad_buffer.as_strided(param.shape, param.stride(), offset)
+                    if param.grad is not None:
+                        grad.copy_(param.grad)
+                    param.grad = grad
+            if grad_buffer is not None:
+                grad_buffer.views = len(with_grads)
+                GRAD_BUFFERS[id(grad_buffer)] = grad_buffer
+            buffers.append(buffer)
+    return buffers
+
+
+def grad_buffer(grad: Tensor) -> Tensor | None:
+    """The grad buffer of flatten_parameters that ``grad`` is a view of, or None."""
+    base = grad._base
+    return base if base is not None and GRAD_BUFFERS.get(id(base)) is base else None
+
+
+def zero_grads(params) -> None:
+    """Set the grads of ``params`` to None, but zero those that are views of a flat grad buffer in place:
+    the whole buffer in one fill where ``params`` hold all of its grads."""
+    kept = {}
+    for param in params:
+        grad = param.grad
+        if grad is None:
+            continue
+        buffer = grad_buffer(grad)
+        if buffer is None:
+            param.grad = None
+        else:
+            kept.setdefault(id(buffer), (buffer, []))[1].append(grad)
+    for buffer, views in kept.values():
+        if len(views) == buffer.views:
+            buffer.zero_()
+        else:
+            torch._foreach_zero_(views)

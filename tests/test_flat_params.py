@@ -1,0 +1,146 @@
+"""fastoptim.flatten_parameters: params moved into one buffer per device and dtype, their grads views
+of one grad buffer, kept by fastoptim's zero_grad; training on them equals training without."""
+import copy
+
+import pytest
+import torch
+
+import fastoptim
+from fastoptim import flat_params
+
+from .registry import OPTIMIZERS
+
+
+def model():
+    """A channels_last conv weight, a frozen bias, and a layer used twice (its weight shared)."""
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(5, 5, bias=False)
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 5), shared,
+                              torch.nn.Tanh(), shared)
+    net[0].weight.data = net[0].weight.data.contiguous(memory_format=torch.channels_last)
+    net[2].bias.requires_grad_(False)
+    return net
+
+
+def train(net, opt, steps=3):
+    for step in range(steps):
+        torch.manual_seed(step)
+        net(torch.randn(2, 3, 8, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_params_keep_identity_values_layout_and_land_in_one_buffer_in_order():
+    net = model()
+    before = {name: (param, param.detach().clone(), param.stride(), param.requires_grad)
+              for name, param in net.named_parameters()}
+    buffers = fastoptim.flatten_parameters(net)
+    assert len(buffers) == 1 and buffers[0].dim() == 1
+    ends = []
+    for name, param in net.named_parameters():
+        old, values, stride, requires_grad = before[name]
+        assert param is old and torch.equal(param, values) and param.stride() == stride
+        assert param.requires_grad == requires_grad
+        assert param.untyped_storage().data_ptr() == buffers[0].untyped_storage().data_ptr()
+        start = param.data_ptr() - buffers[0].data_ptr()
+        assert start % flat_params.PARAM_ALIGNMENT == 0 and (not ends or start >= ends[-1])
+        ends.append(start + param.numel() * param.element_size())
+        if requires_grad:  # zeros, a view of one grad buffer at the param's offset
+            assert param.grad is not None and not param.grad.any() and flat_params.grad_buffer(param.grad) is not None
+            assert param.grad.stride() == stride
+            assert param.grad.data_ptr() - flat_params.grad_buffer(param.grad).data_ptr() == start
+        else:
+            assert param.grad is None
+    assert ends[-1] <= buffers[0].numel() * buffers[0].element_size()
+
+
+def test_a_buffer_per_device_and_dtype_and_grads_kept():
+    net = torch.nn.ModuleDict({"a": torch.nn.Linear(3, 3), "b": torch.nn.Linear(3, 3).to(torch.bfloat16)})
+    net["a"].weight.grad = torch.ones(3, 3)
+    buffers = fastoptim.flatten_parameters(net, grads=True)
+    assert [b.dtype for b in buffers] == [torch.float32, torch.bfloat16]
+    assert torch.equal(net["a"].weight.grad, torch.ones(3, 3)) and flat_params.grad_buffer(net["a"].weight.grad) is not None
+    net = torch.nn.Linear(3, 3)
+    fastoptim.flatten_parameters(net, grads=False)
+    assert net.weight.grad is None
+
+
+@pytest.mark.parametrize("cls", [info.cls for info in OPTIMIZERS if info.cls is not fastoptim.Muon])
+@pytest.mark.parametrize("engine", [dict(), dict(foreach=True, fused=False), dict(foreach=False, fused=False)])
+def test_training_flat_params_equals_training_without_bit_for_bit(cls, engine):
+    loose, flat = model(), model()
+    fastoptim.flatten_parameters(flat)
+    grads = [param.grad for param in flat.parameters()]
+    options = dict(lr=0.01, weight_decay=0.1, **engine)
+    train(loose, cls(loose.parameters(), **options))
+    train(flat, cls(flat.parameters(), **options))
+    for (name, a), b in zip(loose.named_parameters(), flat.parameters()):
+        assert torch.equal(a, b), name
+    # backward accumulated into the views and zero_grad zeroed them in place
+    assert all(g is p.grad and not g.any() for p, g in zip(flat.parameters(), grads) if g is not None)
+
+
+def test_zero_grad_zeroes_flat_grads_in_place_and_drops_others():
+    net = model()
+    fastoptim.flatten_parameters(net)
+    extra = torch.nn.Parameter(torch.ones(3))
+    opt = fastoptim.AdamW([*net.parameters(), extra], lr=0.01)
+    net(torch.randn(2, 3, 8, 8)).sum().backward()
+    extra.grad = torch.ones(3)
+    flat_grads = [p.grad for p in net.parameters() if p.grad is not None]
+    buffer = flat_params.grad_buffer(flat_grads[0])
+    assert buffer.any()
+    opt.zero_grad()
+    assert extra.grad is None and not buffer.any()
+    assert all(p.grad is g for p, g in zip([p for p in net.parameters() if p.grad is not None], flat_grads))
+    opt.zero_grad(set_to_none=False)  # torch's own path: zeros, the views stay
+    assert all(p.grad is g for p, g in zip([p for p in net.parameters() if p.grad is not None], flat_grads))
+
+
+def test_zero_grad_of_an_optimizer_holding_some_params_zeroes_only_their_grads():
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    fastoptim.flatten_parameters(net)
+    net(torch.randn(2, 3)).sum().backward()
+    first, second = fastoptim.AdamW(net[0].parameters(), lr=0.1), fastoptim.AdamW(net[1].parameters(), lr=0.1)
+    kept = [p.grad.clone() for p in net[1].parameters()]
+    first.zero_grad()
+    assert not any(p.grad.any() for p in net[0].parameters())
+    assert all(torch.equal(p.grad, k) for p, k in zip(net[1].parameters(), kept))
+    second.zero_grad()
+    assert not any(p.grad.any() for p in net.parameters())
+
+
+def test_a_step_bumps_each_flat_params_version_so_autograd_sees_it_changed():
+    net = torch.nn.Linear(3, 3)
+    fastoptim.flatten_parameters(net)
+    opt = fastoptim.AdamW(net.parameters(), lr=0.1)
+    out = net.weight.square().sum()  # saves the weight for backward
+    net.weight.grad.fill_(1)
+    net.bias.grad.fill_(1)
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.backward()
+
+
+def test_a_copied_model_keeps_working():
+    net = model()
+    fastoptim.flatten_parameters(net)
+    twin = copy.deepcopy(net)
+    opt = fastoptim.Adan(twin.parameters(), lr=0.01)
+    train(twin, opt)
+    assert not any(torch.equal(a, b) for a, b in zip(net.parameters(), twin.parameters()) if a.requires_grad)
+
+
+@pytest.mark.parametrize("make, reason", [
+    (lambda: torch.nn.Parameter(torch.randn(4, 4).to_sparse()), "not a plain strided tensor"),
+    (lambda: torch.nn.Parameter(torch.randn(4, 1).expand(4, 4)), "gaps or overlap"),
+    (lambda: torch.nn.Parameter(torch.randn(4, 4, device="meta")), "meta device"),
+])
+def test_a_param_that_cannot_be_flat_is_refused_before_anything_moves(make, reason):
+    net = torch.nn.Module()
+    net.first = torch.nn.Parameter(torch.randn(5))
+    net.second = make()
+    pointer = net.first.data_ptr()
+    with pytest.raises(ValueError, match=f"second.*{reason}"):
+        fastoptim.flatten_parameters(net)
+    assert net.first.data_ptr() == pointer and net.first.grad is None
