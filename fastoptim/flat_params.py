@@ -8,7 +8,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from .multi_tensor import aligned_offset, is_dense
+from .multi_tensor import aligned_offset, disjoint, is_dense
 
 # Where a param begins in its buffer: on a 16-byte boundary, which GPU kernels' widest loads need. Not
 # on the state buffers' 64 (multi_tensor.ALIGNMENT): each param would then lie at its states' offsets,
@@ -21,13 +21,15 @@ GRAD_BUFFERS = weakref.WeakValueDictionary()
 
 
 def _refusal(name, param):
-    """Why ``param`` cannot live in a flat buffer, or None."""
+    """Why ``param`` (or its grad) cannot live in a flat buffer, or None."""
     if type(param.data) is not Tensor or param.layout != torch.strided or param.is_quantized:
         return f"{name} is a {type(param.data).__name__} of layout {param.layout}, not a plain strided tensor"
     if param.is_meta:
         return f"{name} is on the meta device: it has no values to move"
     if not is_dense(param):
         return f"{name} has strides {param.stride()} that leave gaps or overlap: it cannot be one run of a buffer"
+    if param.grad is not None and (type(param.grad) is not Tensor or param.grad.layout != torch.strided):
+        return f"{name} has a {param.grad.layout} grad, which a dense view cannot hold: clear it first"
     return None
 
 
@@ -36,14 +38,22 @@ def flatten_parameters(module: torch.nn.Module, grads: bool = True) -> list[Tens
 
     Each param keeps its identity (optimizers, hooks and references that hold it still do), its
     values, shape, strides and ``requires_grad``; its data becomes a view of its buffer
-    (``param.data = view``), at an offset aligned to 16 bytes, in the order of
-    ``module.parameters()`` (a param shared by several modules once). With ``grads``, each param
-    that requires grad gets a grad that is a view of one grad buffer per device and dtype at the
-    same offset (zeros, or its grad until now), which backward then accumulates into in place.
+    (``param.data = view``), at an offset aligned to 16 bytes (a 0-d param's: anywhere), in the
+    order of ``module.parameters()`` (a param shared by several modules once), those that get a
+    grad first. With ``grads``, each param that requires grad gets a grad that is a view of one
+    grad buffer per device and dtype at the same offset (zeros, or its grad until now), which
+    backward then accumulates into in place; the grad buffer spans those params alone.
     fastoptim's ``zero_grad()`` zeroes those grads in place instead of setting them to None, one
     fill per buffer where the optimizer holds all of its grads; ``module.zero_grad()`` (torch's)
     drops them, after which backward makes grads of their own again (correct, without the flat
-    layout's speed). A param whose data is later replaced (``param.data = ...``) leaves its buffer.
+    layout's speed). A param whose data is later replaced (``param.data = ...``) leaves its buffer;
+    a copy of the model (``copy.deepcopy``, a state dict) is not flat.
+
+    So, with ``grads``, every param that requires grad always has one, zeros where a backward gave
+    it none, as after torch's ``zero_grad(set_to_none=False)``: an optimizer steps it (its weight
+    decay and momentum apply). For a model whose steps leave some params out (unused branches,
+    mixture-of-experts layers), pass ``grads=False``: the params are still flat, and their grads
+    come and go as without this.
 
     Args:
         module: the model; every param must be a plain strided tensor whose elements fill its span
@@ -54,7 +64,8 @@ def flatten_parameters(module: torch.nn.Module, grads: bool = True) -> list[Tens
         The param buffers (1-d), one per device and dtype, in the order of their first params.
 
     Raises:
-        ValueError: a param is a DTensor, sparse, quantized, on the meta device, or not dense.
+        ValueError: a param is a DTensor, sparse, quantized, on the meta device, or not dense; a
+            grad is not a plain strided tensor; or two params share memory.
     """
     names = {id(param): name for name, param in module.named_parameters()}
     params = list(module.parameters())
@@ -62,19 +73,23 @@ def flatten_parameters(module: torch.nn.Module, grads: bool = True) -> list[Tens
         reason = _refusal(names[id(param)], param)
         if reason:
             raise ValueError(f"fastoptim.flatten_parameters: {reason}")
+    if not disjoint(params):  # moved apart, they would no longer be tied
+        raise ValueError("fastoptim.flatten_parameters: two params of the module share memory (views of one "
+                         "tensor); tie them as one Parameter object instead")
     kinds = {}
-    for param in params:
+    for param in params:  # those with grads first, so that the grad buffer spans them alone
         kinds.setdefault((param.device, param.dtype), []).append(param)
     buffers = []
     with torch.no_grad():
         for (device, dtype), members in kinds.items():
-            offsets, size = [], 0
+            members.sort(key=lambda param: not (grads and param.requires_grad))  # a stable sort
+            offsets, size, grad_size = [], 0, 0
             for param in members:
                 offsets.append(aligned_offset(size, param.shape, dtype, PARAM_ALIGNMENT))
                 size = offsets[-1] + param.numel()
+                grad_size = size if grads and param.requires_grad else grad_size
             buffer = torch.zeros(size, dtype=dtype, device=device)
-            with_grads = [param for param in members if grads and param.requires_grad]
-            grad_buffer = torch.zeros(size, dtype=dtype, device=device) if with_grads else None
+            grad_buffer = torch.zeros(grad_size, dtype=dtype, device=device) if grad_size else None
             for param, offset in zip(members, offsets):
                 view = buffer.as_strided(param.shape, param.stride(), offset)
                 view.copy_(param)
@@ -85,7 +100,7 @@ def flatten_parameters(module: torch.nn.Module, grads: bool = True) -> list[Tens
                         grad.copy_(param.grad)
                     param.grad = grad
             if grad_buffer is not None:
-                grad_buffer.views = len(with_grads)
+                grad_buffer.views = sum(param.requires_grad for param in members)
                 GRAD_BUFFERS[id(grad_buffer)] = grad_buffer
             buffers.append(buffer)
     return buffers

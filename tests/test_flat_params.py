@@ -36,22 +36,28 @@ def test_params_keep_identity_values_layout_and_land_in_one_buffer_in_order():
               for name, param in net.named_parameters()}
     buffers = fastoptim.flatten_parameters(net)
     assert len(buffers) == 1 and buffers[0].dim() == 1
-    ends = []
+    spans = []  # (start, end, requires grad), in bytes from the buffer's start
     for name, param in net.named_parameters():
         old, values, stride, requires_grad = before[name]
         assert param is old and torch.equal(param, values) and param.stride() == stride
         assert param.requires_grad == requires_grad
         assert param.untyped_storage().data_ptr() == buffers[0].untyped_storage().data_ptr()
         start = param.data_ptr() - buffers[0].data_ptr()
-        assert start % flat_params.PARAM_ALIGNMENT == 0 and (not ends or start >= ends[-1])
-        ends.append(start + param.numel() * param.element_size())
+        assert start % flat_params.PARAM_ALIGNMENT == 0
+        spans.append((start, start + param.numel() * param.element_size(), requires_grad))
         if requires_grad:  # zeros, a view of one grad buffer at the param's offset
             assert param.grad is not None and not param.grad.any() and flat_params.grad_buffer(param.grad) is not None
             assert param.grad.stride() == stride
             assert param.grad.data_ptr() - flat_params.grad_buffer(param.grad).data_ptr() == start
         else:
             assert param.grad is None
-    assert ends[-1] <= buffers[0].numel() * buffers[0].element_size()
+    spans.sort()
+    assert all(end <= next_start for (_, end, _), (next_start, _, _) in zip(spans, spans[1:]))
+    assert spans[-1][1] <= buffers[0].numel() * buffers[0].element_size()
+    # the frozen param last, outside the grad buffer, which ends where the last trainable param does
+    assert [grad for _, _, grad in spans] == sorted((grad for _, _, grad in spans), reverse=True)
+    buffer = flat_params.grad_buffer(net[0].weight.grad)
+    assert buffer.numel() * buffer.element_size() == max(end for _, end, grad in spans if grad)
 
 
 def test_a_buffer_per_device_and_dtype_and_grads_kept():
@@ -122,13 +128,30 @@ def test_a_step_bumps_each_flat_params_version_so_autograd_sees_it_changed():
         out.backward()
 
 
-def test_a_copied_model_keeps_working():
+def test_a_copied_model_is_not_flat_and_trains():
     net = model()
     fastoptim.flatten_parameters(net)
     twin = copy.deepcopy(net)
+    assert len({p.untyped_storage().data_ptr() for p in twin.parameters()}) == len(list(twin.parameters()))
     opt = fastoptim.Adan(twin.parameters(), lr=0.01)
     train(twin, opt)
     assert not any(torch.equal(a, b) for a, b in zip(net.parameters(), twin.parameters()) if a.requires_grad)
+
+
+@pytest.mark.parametrize("grads", [True, False])
+def test_a_param_that_backward_leaves_out_is_stepped_with_flat_grads_and_not_without(grads):
+    """Flat grads are always there (zeros where backward gave none), as after zero_grad(set_to_none=False):
+    the optimizer steps such a param (weight decay). With grads=False its grad stays None."""
+    net = torch.nn.ModuleDict({"used": torch.nn.Linear(3, 3), "unused": torch.nn.Linear(3, 3)})
+    fastoptim.flatten_parameters(net, grads=grads)
+    before = net["unused"].weight.detach().clone()
+    opt = fastoptim.AdamW(net.parameters(), lr=0.1, weight_decay=0.5)
+    for _ in range(2):
+        net["used"](torch.randn(2, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.equal(net["unused"].weight, before) != grads
+    assert (net["unused"].weight.grad is None) != grads
 
 
 @pytest.mark.parametrize("make, reason", [
@@ -144,3 +167,17 @@ def test_a_param_that_cannot_be_flat_is_refused_before_anything_moves(make, reas
     with pytest.raises(ValueError, match=f"second.*{reason}"):
         fastoptim.flatten_parameters(net)
     assert net.first.data_ptr() == pointer and net.first.grad is None
+
+
+def test_a_sparse_grad_or_params_sharing_memory_are_refused_before_anything_moves():
+    net = torch.nn.ModuleDict({"linear": torch.nn.Linear(3, 3), "embedding": torch.nn.Embedding(5, 3, sparse=True)})
+    net["embedding"](torch.tensor([1, 2])).sum().backward()
+    pointer = net["linear"].weight.data_ptr()
+    with pytest.raises(ValueError, match="embedding.weight has a torch.sparse_coo grad"):
+        fastoptim.flatten_parameters(net)
+    assert net["linear"].weight.data_ptr() == pointer
+    base = torch.randn(6)
+    net = torch.nn.ParameterList([torch.nn.Parameter(base[:4]), torch.nn.Parameter(base[2:])])
+    with pytest.raises(ValueError, match="share memory"):
+        fastoptim.flatten_parameters(net)
+    assert net[0].data_ptr() == base.data_ptr()

@@ -15,7 +15,7 @@ LAYERS = (
     ("fastoptim.specs", "fastoptim.extras"),
     ("fastoptim.distributed", "fastoptim.measure"),
     ("fastoptim.states", "fastoptim.multi_tensor"),
-    ("fastoptim.step_cache",),
+    ("fastoptim.step_cache", "fastoptim.flat_params"),
     ("fastoptim.kernels",),
     ("fastoptim.engines",),
     ("fastoptim.clip",),

@@ -244,7 +244,7 @@ def traced_factors(grads: list[Tensor] | None, max_norm: float, eps: float, amp_
     out = torch.ops.fastoptim.step_factors(total, amp_scale, found_inf, max_norm, eps,
                                            clip.widest(grads or []), maximize)
     increment, scales = (1, out) if found_inf is None else (out[0], out[1:])  # dynamo traces no list.pop
-    return increment, scales or [grad_scale(None, None, m) for m in maximize]
+    return increment, scales if len(scales) else [grad_scale(None, None, m) for m in maximize]  # dynamo < 2.13: no bool(list)
 
 
 def traced_mark_read(first_reads: Tensor, increment: int | Tensor) -> None:
