@@ -130,6 +130,9 @@ def _op_scale_grads(grads, factor):
 _LIBRARY = torch.library.Library("fastoptim", "FRAGMENT")
 _LIBRARY.define("grad_norm_total(Tensor[] grads, bool inf) -> Tensor")
 _LIBRARY.define("scale_grads(Tensor(a!)[] grads, Tensor factor) -> ()")
+# the norm and the factor from the sum of squares (or largest magnitude): arithmetic left in a traced
+# graph would be a kernel that inductor compiles
+_LIBRARY.define("clip_factor(Tensor total, float max_norm, bool inf, ScalarType wide) -> Tensor[]")
 _OP_TABLES = OpCache()
 
 
@@ -138,7 +141,15 @@ def _op_tables(grads):
     return _OP_TABLES.get(key) or _OP_TABLES.keep(key, GradTables())
 
 
+def _op_clip_factor(total, max_norm, inf, wide):
+    norm = norm_of(total, inf, wide)
+    norm = norm.clone() if norm is total else norm  # an op's output may not be its input
+    return [norm, coefficient_of(norm, max_norm, CLIP_EPS)]
+
+
 _LIBRARY.impl("grad_norm_total", _op_grad_norm_total, "CompositeExplicitAutograd")
+_LIBRARY.impl("clip_factor", _op_clip_factor, "CompositeExplicitAutograd")
+torch.library.register_fake("fastoptim::clip_factor", _op_clip_factor, lib=_LIBRARY)  # tensor math: fakes run it
 _LIBRARY.impl("scale_grads", _op_scale_grads, "CompositeExplicitAutograd")
 torch.library.register_fake("fastoptim::grad_norm_total", lambda grads, inf: torch.empty(
     (), dtype=torch.float64, device=grads[0].device if grads else None), lib=_LIBRARY)
@@ -174,6 +185,9 @@ def widest(grads):
 def norm_of(total, inf, wide):
     """The norm, in dtype ``wide``, whose sum of squares (or with ``inf`` largest magnitude) is ``total``."""
     return (total if inf else total.sqrt()).to(wide)
+
+
+CLIP_EPS = 1e-6  # torch's clip_grad_norm_ divides by norm + 1e-6
 
 
 def clip_coefficient(grads, max_norm, eps, inv_scale=None, group=None, cache=None):
@@ -224,12 +238,18 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     if not grads:
         return torch.tensor(0.0)
     kernel, tables = clip_backend(grads), GradTables()  # the tables: built by the norm, used again by the scaling
-    norm = grad_norm(grads, norm_type, cache=tables, kernel=kernel)
+    traced = kernel and torch.compiler.is_compiling()
+    if traced:
+        inf = norm_type == math.inf
+        norm, factor = torch.ops.fastoptim.clip_factor(torch.ops.fastoptim.grad_norm_total(grads, inf), max_norm,
+                                                       inf, widest(grads))
+    else:
+        norm = grad_norm(grads, norm_type, cache=tables, kernel=kernel)
+        factor = coefficient_of(norm, max_norm, CLIP_EPS)
     if error_if_nonfinite and not torch.isfinite(norm):  # a host sync, as in torch: only when asked for
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {norm.item()}, so it "
                            "cannot be clipped; with error_if_nonfinite=False the grads are scaled by it anyway")
-    factor = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    if kernel and torch.compiler.is_compiling():
+    if traced:
         torch.ops.fastoptim.scale_grads(grads, factor)
     else:
         _scale(grads, factor, kernel, tables)

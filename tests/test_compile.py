@@ -4,6 +4,7 @@ and gives the eager step's params and states bit for bit. Most cases compile wit
 ``aot_eager`` backend, which functionalizes the graph as inductor does (so the ops' declared
 mutations are exercised) at a fraction of the compile time; a few compile with inductor."""
 import gc
+import math
 import warnings
 import weakref
 
@@ -188,9 +189,10 @@ def test_the_compiled_graph_calls_the_kernel_op_and_no_foreach_op(cls, op):
     assert_clip_ops(targets, {"grad_norm_total"})
 
 
-def functional_targets(opt, params, steps=2):
-    """The op names of the graphs, functionalized as inductor receives them, that ``opt.step``
-    compiles to in ``steps`` calls (a mutating op by its own name, not its functional wrapper's)."""
+def functional_targets(opt, params, steps=2, step=None):
+    """The op names of the graphs, functionalized as inductor receives them, that ``opt.step`` (or
+    ``step``) compiles to in ``steps`` calls (a mutating op by its own name, not its functional
+    wrapper's)."""
     targets = []
 
     def record(graph_module, example_inputs):
@@ -199,7 +201,7 @@ def functional_targets(opt, params, steps=2):
         return graph_module.forward
 
     torch._dynamo.reset()
-    compiled = torch.compile(opt.step, backend=aot_autograd(fw_compiler=record), fullgraph=True)
+    compiled = torch.compile(step or opt.step, backend=aot_autograd(fw_compiler=record), fullgraph=True)
     for i in range(steps):
         set_grads(params, i)
         compiled()
@@ -257,6 +259,20 @@ def test_groups_of_two_buckets_without_grads_or_with_loaded_counts_compile_to_op
     assert_no_arithmetic(functional_targets(opt, params), "fastoptim.adamw_step.default")
 
 
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_clip_grad_norm_and_a_step_compile_to_ops_and_no_arithmetic(norm_type):
+    """The norm and the factor from the clip kernel's total come from fastoptim::clip_factor."""
+    params = model_params()
+    opt = fastoptim.Adan(params, lr=torch.tensor(0.01))
+
+    def step():
+        fastoptim.clip_grad_norm_(params, 0.5, norm_type)
+        opt.step()
+    targets = functional_targets(opt, params, step=step)
+    assert_no_arithmetic(targets, "fastoptim.adan_step.default", {
+        "fastoptim.grad_norm_total.default", "fastoptim.clip_factor.default", "fastoptim.scale_grads.default"})
+
+
 def test_clip_grad_norm_compiles_to_its_ops():
     def step(opt, params):
         fastoptim.clip_grad_norm_(params, 0.5)
@@ -277,13 +293,14 @@ def assert_clip_ops(targets, ops):
         assert foreach <= {"_foreach_norm", "_foreach_mul_"}, targets
 
 
-def test_clip_grad_norm_compiled_is_eager():
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_clip_grad_norm_compiled_is_eager(norm_type):
     results = []
     for clip in (fastoptim.clip_grad_norm_, torch.compile(fastoptim.clip_grad_norm_, backend="aot_eager",
                                                           fullgraph=True)):
         params = model_params()
         set_grads(params, 0)
-        results.append((clip(params, 0.5), [p.grad for p in params]))
+        results.append((clip(params, 0.5, norm_type), [p.grad for p in params]))
     (eager_norm, eager_grads), (norm, grads) = results
     assert torch.equal(norm, eager_norm) and all(map(torch.equal, grads, eager_grads))
 

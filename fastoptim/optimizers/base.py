@@ -14,7 +14,7 @@ from torch import Tensor
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from .. import distributed, engines, flat_params
-from ..clip import GradTables, clip_backend, clip_coefficient
+from ..clip import CLIP_EPS, GradTables, clip_backend, clip_coefficient
 from ..multi_tensor import FlatStates, pick
 from ..specs import ABSMAX
 from ..states import formats, master, subset_norm
@@ -329,7 +329,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         clipped = max_norm > 0 and (all_grads or self._reduce_group is not None)  # each rank joins the reduction
         # official Adan takes eps for the clip from the last group; an algorithm without an eps (Lion),
         # torch's clip_grad_norm_'s, whatever keys its groups carry
-        eps = self.param_groups[-1]["eps"] if "eps" in self.defaults else 1e-6
+        eps = self.param_groups[-1]["eps"] if "eps" in self.defaults else CLIP_EPS
         maximize = [group["maximize"] for group, _, _ in work]
         if not eager and self._factors_by_op(work, all_grads if clipped else None, amp_scale, found_inf):
             increment, scales = scalars.traced_factors(all_grads if clipped else None, max_norm, eps, amp_scale,
