@@ -273,8 +273,8 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
 
     @torch._disable_dynamo
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the grads of every param, as torch.optim's ``zero_grad`` does, but that a grad that is
-        a view of a flat grad buffer (:func:`fastoptim.flatten_parameters`) is zeroed in place, not
+        """Reset the grads of every param, as torch.optim's ``zero_grad`` does, except that a grad that
+        is a view of a flat grad buffer (:func:`fastoptim.flatten_parameters`) is zeroed in place, not
         set to None, so that backward accumulates into its buffer again.
 
         Args:
