@@ -242,7 +242,7 @@ def traced_factors(grads: list[Tensor] | None, max_norm: float, eps: float, amp_
     ``grads`` (None: no clip) from the clip kernel's sum of squares, GradScaler's 1/scale and skip."""
     total = None if grads is None else torch.ops.fastoptim.grad_norm_total(grads, False)
     out = torch.ops.fastoptim.step_factors(total, amp_scale, found_inf, max_norm, eps,
-                                           clip.widest(grads or []), maximize)
+                                           clip.widest([] if grads is None else grads), maximize)
     increment, scales = (1, out) if found_inf is None else (out[0], out[1:])  # dynamo traces no list.pop
     return increment, scales if len(scales) else [grad_scale(None, None, m) for m in maximize]  # dynamo < 2.13: no bool(list)
 
