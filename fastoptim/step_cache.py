@@ -76,6 +76,7 @@ class GroupWork:
         self.states = self.kept = self.tensors = self.context = self.formats_chosen = self.state_signature = None
         self.bucket_caches = {}
         self.traced_scalars = None  # for a traced CPU step whose scalars an op computes: scalars.Prepared
+        self.host_count = None  # what eager steps know of its count (the optimizer's scalars.HostCount)
 
     def fits(self, roles, engine, params, local_params):
         return (roles, engine) == (self.roles, self.engine) and self.signature.describes(params, local_params)

@@ -67,6 +67,35 @@ def test_closure_hooks_and_zero_grad(cls):
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_step_runs_without_grad_and_leaves_grad_mode_as_it_found_it(cls):
+    """As torch.optim's: the closure runs with grad, the update without, hooks in the caller's
+    mode; afterwards (also after a step that raised) grad mode is what it was."""
+    model = tiny_model()
+    opt = cls(model.parameters(), lr=0.01)
+    modes = []
+    opt.register_step_pre_hook(lambda *a: modes.append(("hook", torch.is_grad_enabled())))
+
+    def closure():
+        modes.append(("closure", torch.is_grad_enabled()))
+        loss = model(torch.ones(2, 6)).sum()
+        loss.backward()
+        return loss
+
+    for enabled in (True, False):
+        modes.clear()
+        with torch.set_grad_enabled(enabled):
+            opt.step(closure)
+            assert torch.is_grad_enabled() is enabled
+        assert modes == [("hook", enabled), ("closure", True)]
+        assert not any(p.requires_grad is False or p.grad_fn is not None for p in model.parameters())
+    param = next(model.parameters())
+    param.grad = torch.zeros_like(param).to_sparse()  # the step raises
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    assert torch.is_grad_enabled()
+
+
 def step_hook_calls(optimizer):
     """What the step hooks (global and the optimizer's, pre and post) saw of two steps, the second with
     a closure that a pre-hook replaces, and what the step returned."""

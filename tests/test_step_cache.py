@@ -410,3 +410,24 @@ def test_an_optimizers_state_copies_as_torchs_does(duplicate):
     state["exp_avg"] = torch.zeros(8)
     assert duplicate_state.changes == before[0] + 1
     assert optimizer.state.changes == before[1] + (duplicate is copy.copy)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+@pytest.mark.parametrize("which", ["all", "one"])
+def test_a_count_written_in_place_between_steps_is_the_count_the_next_step_reads(cls, engine, which):
+    """A step remembers a CPU count's value while its version counter stays (``scalars.HostCount``):
+    a count the user writes in place must be read again, also when only one param's differs."""
+    params, optimizer = stepped(cls, ENGINES[engine], steps=3)
+    counts = ([optimizer.param_groups[0]["step"]] if cls is fastoptim.Adan
+              else [optimizer.state[param]["step"] for param in params])
+    for count in counts if which == "all" else counts[:1]:
+        count.fill_(40.0)
+    twin_params = [param.detach().clone().requires_grad_() for param in params]
+    twin = cls(twin_params, lr=0.01, weight_decay=0.02, **ENGINES[engine])
+    twin.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # new count tensors, read afresh
+    grads = oracle.grad_sequence(SHAPES, 1)
+    oracle.run(optimizer, params, grads)
+    oracle.run(twin, twin_params, grads)
+    for param, expected in zip(params, twin_params):
+        torch.testing.assert_close(param, expected, rtol=0, atol=0)

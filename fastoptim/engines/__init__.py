@@ -94,6 +94,15 @@ def run_bucket(engine, plan, reduce_group=None):
         run_summing_over(plan, reduce_group)
 
 
+def launch_bound(engine, cache, spec, scalars, grads, flags, stochastic, batch):
+    """Add the launch of a bucket of a bound step (see :func:`fused.launch_batched`) to ``batch``,
+    without a plan: the fused engines' cached tables (``cache``) take the ``grads`` and the kernel's
+    ``scalars``, in ``spec.all_scalars`` order. Raises ``fused.Unbatched`` where they cannot."""
+    if engine not in FUSED:
+        raise fused.Unbatched
+    fused.launch_batched(cache, spec, scalars, grads, flags, stochastic, engine == "fused-single", batch)
+
+
 def run_batch(launches):
     """Run the (backend, launch) pairs that plans with a ``batch`` collected, checked together before
     any runs; False, having changed nothing, when a tensor moved, a grad does not fit, or the launches

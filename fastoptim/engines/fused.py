@@ -160,7 +160,7 @@ def _scalar_values(plan, device):
     """The kernel's scalars in the spec's order (see :func:`kernel_values`)."""
     values = plan.kernel_values if plan.kernel_values is not None else kernel_values(
         plan.kernel_scalars, plan.args, plan.found_inf, plan.stochastic_rounding, device)
-    return [values[name] for name in plan.spec.all_scalars]
+    return list(map(values.__getitem__, plan.spec.all_scalars))
 
 
 class Tables:
@@ -195,9 +195,9 @@ class Tables:
         spec's flags (name: bool). Returns False, having changed nothing, when the backend found a
         tensor moved or a grad that does not fit."""
         for indices, index, bound, table_format in self.tables:
-            values = scalars if index is None else [
-                value[index] if isinstance(value, torch.Tensor) and value.dim() == 1 else value for value in scalars]
-            part = grads if index is None else [grads[i] for i in indices]
+            values, part = (scalars, grads) if index is None else ([
+                value[index] if isinstance(value, torch.Tensor) and value.dim() == 1 else value for value in scalars
+            ], [grads[i] for i in indices])
             values = dict(zip(spec.all_scalars, values))
             launch = self.backend.launch(spec, bound, part, per_tensor_calls, table_format, values, flags, stochastic)
             if batch is not None:
@@ -252,12 +252,20 @@ def natively_checked(cache):
         and not prepared.left
 
 
+def launch_batched(cache, spec, scalars, grads, flags, stochastic, per_tensor_calls, batch):
+    """Add to ``batch`` the launch of a bucket that runs wholly on natively checked tables (``cache``:
+    its engine cache), from those tables, the ``grads`` and the ``scalars`` (in ``spec.all_scalars``
+    order, see :func:`kernel_values`): a bound step needs no plan. Raises :class:`Unbatched` where
+    the tables are not built, or not the backend's that the grads' device now gets."""
+    if not natively_checked(cache) or cache["prepared"].backend is not backends.for_device(grads[0].device):
+        raise Unbatched
+    cache["prepared"].tables.launch(spec, grads, scalars, flags, stochastic, per_tensor_calls, batch)
+
+
 def _run(plan, per_tensor_calls):
     if plan.batch is not None:
-        if not natively_checked(plan.cache) or plan.cache["prepared"].backend is not backends.for_device(
-                plan.tensors["param"][0].device):
-            raise Unbatched
-        _launch(plan, plan.cache["prepared"], per_tensor_calls)
+        launch_batched(plan.cache, plan.spec, _scalar_values(plan, plan.tensors["param"][0].device),
+                       plan.tensors["grad"], plan.flags, plan.stochastic_rounding, per_tensor_calls, plan.batch)
         return
     if plan.kernel_scalars is None:
         _fallback(plan, f"no fused kernel for {plan.spec.name} yet")

@@ -19,21 +19,49 @@ from .. import clip, engines
 from .algorithm import Algorithm, StepInputs
 
 
-def count_after(count, increment, lr, traced=None):
+class HostCount:
+    """What a group's eager steps know of its CPU count tensor (a group's 0-d count, or its params'
+    1-d counts) as a Python number: the value its every element holds, and the tensor's version
+    counter then. While the version stays, nothing wrote to it, so a step takes the number instead of
+    reading (and, for 2,000 per-param counts, comparing) the tensor; the step's own ``add`` keeps it."""
+
+    def __init__(self):
+        self.tensor = self.version = self.value = None
+
+    def read(self, count: Tensor) -> float | None:
+        """The value every element of ``count`` (a CPU tensor) holds, or None where they differ."""
+        if count is not self.tensor or count._version != self.version:
+            values = count.numpy() if count.dim() else None
+            self.tensor, self.version = count, count._version
+            self.value = count.item() if values is None else float(values[0]) if (values == values[0]).all() else None
+        return self.value
+
+    def add(self, count: Tensor, increment: int | Tensor) -> None:
+        """``count += increment``, the value kept where the sum is exact in fp32 (a whole number
+        below 2**24, as every count a step makes is)."""
+        known = count is self.tensor and count._version == self.version and self.value is not None
+        count.add_(increment)
+        if known and not isinstance(increment, Tensor) and (self.value + increment).is_integer() \
+                and abs(self.value + increment) < 2**24:
+            self.version, self.value = count._version, self.value + increment
+        else:
+            self.tensor = None
+
+
+def count_after(count, increment, lr, traced=None, host=None):
     """This step's count, ``count + increment`` (``count``: a group's 0-d count, or a 1-d tensor of
     each param's), for the step's scalars (bias corrections), which need float64. A Python float
     where all of it lives on the host (a CPU ``count``, a number ``increment`` and ``lr``), no trace
     is running (``traced``: by default, whether torch.compile is tracing) and every param has the same
     count, as torch.optim reads a CPU step count: the scalars then cost Python arithmetic instead of a
     dozen tensor ops. Else a float64 tensor (on a GPU, or in a compiled step, nothing is read; params
-    that started at other steps keep their own)."""
+    that started at other steps keep their own). ``host``: the group's :class:`HostCount`, which
+    reads the count (one is made for this call without it)."""
     traced = torch.compiler.is_compiling() if traced is None else traced
     if count.device.type == "cpu" and not isinstance(increment, Tensor) and not isinstance(lr, Tensor) and not traced:
-        if count.dim() == 0:
-            return count.item() + increment
-        values = count.numpy()
-        if (values == values[0]).all():
-            return float(values[0]) + increment
+        value = (host or HostCount()).read(count)
+        if value is not None:
+            return value + increment
     return count.to(torch.float64) + increment
 
 
@@ -65,13 +93,13 @@ def grad_scale(clip_factor: Tensor | None, inv_scale: Tensor | None, maximize: b
 
 
 def step_arguments(algorithm: Algorithm, group: dict, count: Tensor | None, increment: float | Tensor,
-                   inputs: StepInputs, traced: bool) -> tuple[dict, set[str]]:
+                   inputs: StepInputs, traced: bool, host: HostCount | None = None) -> tuple[dict, set[str]]:
     """``algorithm``'s arguments for a step of ``group`` and the names of those that hold one value per
     param: ``inputs`` with the count the step reads, ``count + increment`` (``count``: the group's
     0-d count, the params' 1-d counts, or None; ``increment``: 1, or 0 on a step GradScaler skipped),
-    for a step that torch.compile traces or not (``traced``)."""
+    for a step that torch.compile traces or not (``traced``); ``host``: the group's :class:`HostCount`."""
     if count is not None:
-        inputs = inputs._replace(count=count_after(count, increment, inputs.lr, traced))
+        inputs = inputs._replace(count=count_after(count, increment, inputs.lr, traced, host))
     return algorithm.arguments(group, inputs)
 
 
