@@ -67,12 +67,14 @@ def test_closure_hooks_and_zero_grad(cls):
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("engine", [dict(), dict(foreach=True, fused=False)], ids=["default", "foreach"])
 @pytest.mark.parametrize("cls", OPTIMIZERS)
-def test_step_runs_without_grad_and_leaves_grad_mode_as_it_found_it(cls):
-    """As torch.optim's: the closure runs with grad, the update without, hooks in the caller's
-    mode; afterwards (also after a step that raised) grad mode is what it was."""
+def test_step_runs_without_grad_and_leaves_grad_mode_as_it_found_it(cls, engine):
+    """As torch.optim's: the closure runs with grad, the update without (foreach's in-place ops on the
+    params raise under grad), hooks in the caller's mode; afterwards (also after a step that raised)
+    grad mode is what it was."""
     model = tiny_model()
-    opt = cls(model.parameters(), lr=0.01)
+    opt = cls(model.parameters(), lr=0.01, **engine)
     modes = []
     opt.register_step_pre_hook(lambda *a: modes.append(("hook", torch.is_grad_enabled())))
 

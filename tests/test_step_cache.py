@@ -412,17 +412,23 @@ def test_an_optimizers_state_copies_as_torchs_does(duplicate):
     assert optimizer.state.changes == before[1] + (duplicate is copy.copy)
 
 
+WRITES = {"fill_": lambda count: count.fill_(40.0),  # bumps the version counter
+          "through .data": lambda count: count.data.fill_(40.0),  # does not
+          "through numpy": lambda count: count.numpy().fill(40.0)}  # does not either
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("cls", OPTIMIZERS)
 @pytest.mark.parametrize("which", ["all", "one"])
-def test_a_count_written_in_place_between_steps_is_the_count_the_next_step_reads(cls, engine, which):
-    """A step remembers a CPU count's value while its version counter stays (``scalars.HostCount``):
-    a count the user writes in place must be read again, also when only one param's differs."""
+@pytest.mark.parametrize("write", WRITES)
+def test_a_count_written_in_place_between_steps_is_the_count_the_next_step_reads(cls, engine, which, write):
+    """A step remembers the value of its params' CPU counts (``scalars.HostCount``): a count the user
+    writes in place, in any way, must be read again, also when only one param's differs."""
     params, optimizer = stepped(cls, ENGINES[engine], steps=3)
     counts = ([optimizer.param_groups[0]["step"]] if cls is fastoptim.Adan
               else [optimizer.state[param]["step"] for param in params])
     for count in counts if which == "all" else counts[:1]:
-        count.fill_(40.0)
+        WRITES[write](count)
     twin_params = [param.detach().clone().requires_grad_() for param in params]
     twin = cls(twin_params, lr=0.01, weight_decay=0.02, **ENGINES[engine])
     twin.load_state_dict(copy.deepcopy(optimizer.state_dict()))  # new count tensors, read afresh
@@ -430,4 +436,16 @@ def test_a_count_written_in_place_between_steps_is_the_count_the_next_step_reads
     oracle.run(optimizer, params, grads)
     oracle.run(twin, twin_params, grads)
     for param, expected in zip(params, twin_params):
+        torch.testing.assert_close(param, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_steps_under_inference_mode_are_the_steps_outside_it(cls, engine):
+    """States made under ``torch.inference_mode()`` are inference tensors, which keep no version
+    counter: a step must not need one."""
+    expected_params, _ = stepped(cls, ENGINES[engine], steps=3)
+    with torch.inference_mode():
+        params, _ = stepped(cls, ENGINES[engine], steps=3)
+    for param, expected in zip(params, expected_params):
         torch.testing.assert_close(param, expected, rtol=0, atol=0)

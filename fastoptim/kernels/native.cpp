@@ -409,13 +409,17 @@ enum { STEPPED = 0, STALE = 1, GRADS_UNFIT = 2 };
 // kernel 6). So a check loop asks for them ahead: the handle ``AHEAD`` tensors on, and the TensorImpl
 // of the one half as far on, through the pointer that an AtenTensorHandle's at::Tensor holds first.
 // Only hints: a prefetch of a wrong address cannot fault, and the pointer read is within the tensor.
+// That its first word is the TensorImpl's address is how the shim lays out a handle today (an
+// at::Tensor), not a promise of the stable ABI: were it not, the prefetches would miss, not fail.
 constexpr size_t AHEAD = 16;
 
 template <typename Handle>
 void prefetch_ahead(const Handle *handles, size_t i, size_t n, AtenTensorHandle (*handle_of)(const Handle &)) {
     if (i + AHEAD < n) __builtin_prefetch(handle_of(handles[i + AHEAD]));
     if (i + AHEAD / 2 < n) {
-        const char *impl = *reinterpret_cast<char *const *>(handle_of(handles[i + AHEAD / 2]));
+        const AtenTensorHandle handle = handle_of(handles[i + AHEAD / 2]);
+        if (handle == nullptr) return;
+        const char *impl = *reinterpret_cast<char *const *>(handle);
         for (int line = 0; line < 4; line++) __builtin_prefetch(impl + 64 * line);
     }
 }
@@ -438,7 +442,7 @@ int64_t check(Bound &table, const std::vector<AtenTensorHandle> &grads, size_t f
         if (table.views_then[i].moved_out(table.views[i])) return STALE;
     }
     for (int64_t t = 0; t < n; t++) {
-        if (grads[first + t] != nullptr) prefetch_ahead(grads.data() + first, t, n, handle_of_handle);
+        prefetch_ahead(grads.data() + first, t, n, handle_of_handle);
         if (!fits(grads[first + t], table.layouts_then[t], &table.pointers[GRAD * n + t])) return GRADS_UNFIT;
     }
     return STEPPED;

@@ -526,7 +526,8 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             args, per_tensor = scalars.step_arguments(algorithm, group, scalars.one_count(counts), increment, inputs,
                                                       traced, entry.host_count)
         if batch is not None and algorithm.run is engines.run_bucket and algorithm.kernel_scalars is not None \
-                and len(entry.buckets) == 1 and inputs.first_reads is None:
+                and len(entry.buckets) == 1 and entry.buckets[0][1] is None and entry.partitions is None \
+                and inputs.first_reads is None:
             # a bound step of one bucket: its tables take the grads and the kernel's scalars, no plan
             stochastic = group["stochastic_rounding"]
             values = engines.fused.kernel_values(algorithm.kernel_scalars, args, found_inf, stochastic, grads[0].device)
