@@ -76,7 +76,7 @@ class GroupWork:
         self.states = self.kept = self.tensors = self.context = self.formats_chosen = self.state_signature = None
         self.bucket_caches = {}
         self.traced_scalars = None  # for a traced CPU step whose scalars an op computes: scalars.Prepared
-        self.host_count = None  # what eager steps know of its count (the optimizer's scalars.HostCount)
+        self.host_count = HostCount()  # what eager steps know of its params' counts
 
     def fits(self, roles, engine, params, local_params):
         return (roles, engine) == (self.roles, self.engine) and self.signature.describes(params, local_params)
@@ -142,6 +142,46 @@ class GroupWork:
         if self.partitions is None:
             return grads
         return [grad if part is None else part.view_param(grad) for grad, part in zip(grads, self.partitions)]
+
+
+class HostCount:
+    """What a group's eager steps know of its params' CPU step counts (one fp32 tensor, a value per
+    param): the value every count holds, and the tensor's storage, version counter and bytes then.
+    While all of them stay, a step takes the number instead of comparing every count (several µs a
+    step); any write, also one behind the version counter (``.data``, a numpy view, another process
+    sharing the memory), changes the bytes, and the counts are read again. The step's own ``add``
+    keeps it. A group's 0-d count is read directly (one ``item()``)."""
+
+    def __init__(self):
+        self.tensor = None
+
+    def read(self, count: Tensor) -> float | None:
+        """The value every element of ``count`` (a CPU tensor) holds, or None where they differ."""
+        if count.dim() == 0:
+            return count.item()
+        if (count is self.tensor and count._version == self.version and count.data_ptr() == self.pointer
+                and self.array.tobytes() == self.bytes):
+            return self.value
+        values = count.numpy()
+        value = float(values[0]) if (values == values[0]).all() else None
+        self.tensor = None
+        if value is not None and count.dim() == 1 and count.dtype == torch.float32 and not count.is_inference():
+            self.tensor, self.array, self.value = count, values, value
+            self._note()
+        return value
+
+    def add(self, count: Tensor, increment: int | Tensor) -> None:
+        """``count += increment``, the value kept where this step read it through :meth:`read`."""
+        known = count is self.tensor and count._version == self.version
+        count.add_(increment)
+        if known:  # equal counts plus one increment stay equal
+            self.value = float(self.array[0])
+            self._note()
+        else:
+            self.tensor = None
+
+    def _note(self):
+        self.version, self.pointer, self.bytes = self.tensor._version, self.tensor.data_ptr(), self.array.tobytes()
 
 
 class OpCache(dict):

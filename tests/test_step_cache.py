@@ -422,7 +422,7 @@ WRITES = {"fill_": lambda count: count.fill_(40.0),  # bumps the version counter
 @pytest.mark.parametrize("which", ["all", "one"])
 @pytest.mark.parametrize("write", WRITES)
 def test_a_count_written_in_place_between_steps_is_the_count_the_next_step_reads(cls, engine, which, write):
-    """A step remembers the value of its params' CPU counts (``scalars.HostCount``): a count the user
+    """A step remembers the value of its params' CPU counts (``step_cache.HostCount``): a count the user
     writes in place, in any way, must be read again, also when only one param's differs."""
     params, optimizer = stepped(cls, ENGINES[engine], steps=3)
     counts = ([optimizer.param_groups[0]["step"]] if cls is fastoptim.Adan

@@ -156,11 +156,18 @@ def kernel_values(kernel_scalars, args, found_inf, stochastic, device):
     return kernel_scalars(args) | dict(found_inf=0.0 if found_inf is None else found_inf, seed=seed)
 
 
+def ordered_scalars(spec, kernel_scalars, args, found_inf, stochastic, device, values=None):
+    """The kernel's scalars in ``spec.all_scalars`` order: ``values`` (by name), or by default
+    :func:`kernel_values` of the other arguments."""
+    if values is None:
+        values = kernel_values(kernel_scalars, args, found_inf, stochastic, device)
+    return [values[name] for name in spec.all_scalars]
+
+
 def _scalar_values(plan, device):
-    """The kernel's scalars in the spec's order (see :func:`kernel_values`)."""
-    values = plan.kernel_values if plan.kernel_values is not None else kernel_values(
-        plan.kernel_scalars, plan.args, plan.found_inf, plan.stochastic_rounding, device)
-    return list(map(values.__getitem__, plan.spec.all_scalars))
+    """The kernel's scalars of ``plan`` in its spec's order (see :func:`ordered_scalars`)."""
+    return ordered_scalars(plan.spec, plan.kernel_scalars, plan.args, plan.found_inf, plan.stochastic_rounding,
+                           device, plan.kernel_values)
 
 
 class Tables:
@@ -195,9 +202,9 @@ class Tables:
         spec's flags (name: bool). Returns False, having changed nothing, when the backend found a
         tensor moved or a grad that does not fit."""
         for indices, index, bound, table_format in self.tables:
-            values, part = (scalars, grads) if index is None else ([
-                value[index] if isinstance(value, torch.Tensor) and value.dim() == 1 else value for value in scalars
-            ], [grads[i] for i in indices])
+            values = scalars if index is None else [
+                value[index] if isinstance(value, torch.Tensor) and value.dim() == 1 else value for value in scalars]
+            part = grads if index is None else [grads[i] for i in indices]
             values = dict(zip(spec.all_scalars, values))
             launch = self.backend.launch(spec, bound, part, per_tensor_calls, table_format, values, flags, stochastic)
             if batch is not None:

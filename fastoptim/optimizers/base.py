@@ -521,8 +521,6 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         counts, inputs = self._counts(group, entry), self._step_inputs(group, entry, grad_scale)
         args, per_tensor = {}, ()  # where an op makes each bucket's scalars
         if prepared is None:
-            if entry.host_count is None:
-                entry.host_count = scalars.HostCount()
             args, per_tensor = scalars.step_arguments(algorithm, group, scalars.one_count(counts), increment, inputs,
                                                       traced, entry.host_count)
         if batch is not None and algorithm.run is engines.run_bucket and algorithm.kernel_scalars is not None \
@@ -530,9 +528,9 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                 and inputs.first_reads is None:
             # a bound step of one bucket: its tables take the grads and the kernel's scalars, no plan
             stochastic = group["stochastic_rounding"]
-            values = engines.fused.kernel_values(algorithm.kernel_scalars, args, found_inf, stochastic, grads[0].device)
-            engines.launch_bound(entry.engine, entry.bucket_caches.get(0, {}), algorithm.spec,
-                                 list(map(values.__getitem__, algorithm.spec.all_scalars)), grads,
+            ordered = engines.fused.ordered_scalars(algorithm.spec, algorithm.kernel_scalars, args, found_inf,
+                                                    stochastic, grads[0].device)
+            engines.launch_bound(entry.engine, entry.bucket_caches.get(0, {}), algorithm.spec, ordered, grads,
                                  algorithm.flags(group), stochastic, batch)
             return
         plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, algorithm.update, algorithm.spec,
@@ -705,10 +703,10 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         if traced and counts[0].device.type == "cpu" and (
                 entry is None or not entry.params or entry.traced_scalars is not None):
             scalars.traced_count_up(counts, increment)
-        elif len(counts) == 1 and (traced or entry is None or entry.host_count is None):
-            counts[0].add_(increment)
-        elif len(counts) == 1:
+        elif len(counts) == 1 and not traced and entry is not None:
             entry.host_count.add(counts[0], increment)
+        elif len(counts) == 1:
+            counts[0].add_(increment)
         else:
             torch._foreach_add_(counts, increment)
 
