@@ -99,7 +99,10 @@ class KernelSpec:
     def flag_bits(self, flags, stochastic_rounding=False):
         """``flags`` as the kernels take them (see the module docstring)."""
         bits = STOCHASTIC_ROUNDING if stochastic_rounding else 0
-        return bits | sum(1 << (i + 1) for i, flag in enumerate(self.flags) if flags[flag])
+        for i, flag in enumerate(self.flags):  # a loop, not sum() of a generator: read at every step
+            if flags[flag]:
+                bits |= 2 << i
+        return bits
 
     def unpack_flags(self, bits):
         """The inverse of :meth:`flag_bits`: (flags, stochastic_rounding)."""

@@ -449,3 +449,18 @@ def test_steps_under_inference_mode_are_the_steps_outside_it(cls, engine):
         params, _ = stepped(cls, ENGINES[engine], steps=3)
     for param, expected in zip(params, expected_params):
         torch.testing.assert_close(param, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_a_step_advances_its_counts_and_their_version_counters_as_add_does(cls, engine):
+    """A step adds one to every count and bumps each count tensor's version counter once, as
+    ``count.add_(1)`` does, also where it adds through numpy (``HostCount.add``)."""
+    params, optimizer = stepped(cls, ENGINES[engine], steps=3)
+    counts = ([optimizer.param_groups[0]["step"]] if cls is fastoptim.Adan
+              else list({id(c): c for c in (optimizer.state[param]["step"] for param in params)}.values()))
+    for steps in (4, 5):
+        versions = [count._version for count in counts]
+        oracle.run(optimizer, params, oracle.grad_sequence(SHAPES, 1))
+        assert [count._version for count in counts] == [version + 1 for version in versions]
+        assert all(torch.equal(count, torch.full_like(count, steps)) for count in counts)

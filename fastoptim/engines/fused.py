@@ -205,7 +205,6 @@ class Tables:
             values = scalars if index is None else [
                 value[index] if isinstance(value, torch.Tensor) and value.dim() == 1 else value for value in scalars]
             part = grads if index is None else [grads[i] for i in indices]
-            values = dict(zip(spec.all_scalars, values))
             launch = self.backend.launch(spec, bound, part, per_tensor_calls, table_format, values, flags, stochastic)
             if batch is not None:
                 batch.append((self.backend, launch))

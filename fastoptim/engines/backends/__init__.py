@@ -13,7 +13,7 @@ for other grads) or another status when they cannot take the grads and changed n
 included, or None), ``bind(spec, tensors, table)`` (what its launches read of a cached pointer
 table and its tensors, by role), ``launch(spec, bound, grads, per_tensor, state_format, values,
 flags, stochastic)`` (one run of its kernel over what ``bind`` made, with the grads, the scalar
-``values`` (name to a number, a 0-d tensor or a 1-d tensor with one value per tensor), the spec's
+``values`` (in ``spec.all_scalars`` order: a number, a 0-d tensor or a 1-d tensor with one value per tensor), the spec's
 ``flags`` (name: bool) and whether it rounds stochastically, once or once per tensor) and
 ``run_launches(launches)`` (run them all, checked before any runs; False, having changed nothing,
 when a tensor moved or a grad does not fit: the caller builds the tables again). A step whose
@@ -25,6 +25,8 @@ import os
 from . import cpu, triton
 
 BACKENDS = {backend.NAME: backend for backend in (cpu, triton)}
+# each device type's backend: the first in BACKENDS that runs it
+BY_DEVICE_TYPE = {kind: backend for backend in reversed(BACKENDS.values()) for kind in backend.DEVICE_TYPES}
 
 
 def forced():
@@ -38,7 +40,7 @@ def forced():
 def for_device(device):
     """The backend for tensors on ``device``: the forced one, else the first that runs its type
     (the C kernel takes what no other does, and refuses it with its reason)."""
-    return forced() or next((b for b in BACKENDS.values() if device.type in b.DEVICE_TYPES), cpu)
+    return forced() or BY_DEVICE_TYPE.get(device.type, cpu)
 
 
 def any_available():

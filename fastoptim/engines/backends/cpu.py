@@ -37,18 +37,17 @@ def bind(spec, tensors, table):
 
 def launch(spec, bound, grads, per_tensor, state_format, values, flags, stochastic):
     """One table's part of a native step call, which ``run_launches`` runs with others. The scalar
-    ``values`` (name to a number, a 0-d tensor or a 1-d tensor with one value per tensor) go as
-    numbers, and the tensors among them, in fp32 or float64, replace theirs (no host sync). The
-    kernel reads each tensor's state format from its layout row, not from ``state_format``."""
-    numbers, tensors, slots = [], [], []
-    for slot, name in enumerate(spec.all_scalars):
-        value = values[name]
-        if isinstance(value, torch.Tensor):
-            numbers.append(0.0)
-            tensors.append(value if value.dtype in (torch.float32, torch.float64) else value.float())
-            slots.append(slot)
-        else:
-            numbers.append(float(value))
+    ``values`` (in ``spec.all_scalars`` order: a number, a 0-d tensor or a 1-d tensor with one value
+    per tensor) go as numbers, and the tensors among them, in fp32 or float64, replace theirs (no
+    host sync). The kernel reads each tensor's state format from its layout row, not from
+    ``state_format``."""
+    slots = [slot for slot, value in enumerate(values) if isinstance(value, torch.Tensor)]
+    if slots:
+        numbers = [0.0 if isinstance(value, torch.Tensor) else float(value) for value in values]
+        tensors = [values[slot] if values[slot].dtype in (torch.float32, torch.float64) else values[slot].float()
+                   for slot in slots]
+    else:  # the common case: every scalar a number
+        numbers, tensors = list(map(float, values)), []
     return fused_cpu.Launch(bound, grads, numbers, tensors, slots, spec.flag_bits(flags, stochastic), per_tensor)
 
 

@@ -46,22 +46,23 @@ def refusal(param):
     return None
 
 
-def scalars(values, names, rows, table, device):
-    """The kernels' scalars (``values``: name to a number, a 0-d tensor or a 1-d tensor with one value
-    per tensor): an fp32 tensor on ``device`` with one row per tensor (``rows``) when one of them is
-    per tensor, else one shared row. Tensor values (a tensor lr, the clip coefficient, found_inf,
-    the step's bias corrections, the seed of stochastic rounding) never leave the device; the plain
-    numbers are sent once and kept with ``table`` while they stay the same. So a step sends nothing
-    to the device and waits for nothing: it can be captured in a CUDA graph once warmed up."""
-    tensors = [isinstance(values[n], torch.Tensor) for n in names]
-    numbers = tuple(0.0 if tensor else float(values[n]) for n, tensor in zip(names, tensors))
+def scalars(values, rows, table, device):
+    """The kernels' scalars (``values``, in the spec's ``all_scalars`` order: a number, a 0-d tensor or
+    a 1-d tensor with one value per tensor): an fp32 tensor on ``device`` with one row per tensor
+    (``rows``) when one of them is per tensor, else one shared row. Tensor values (a tensor lr, the
+    clip coefficient, found_inf, the step's bias corrections, the seed of stochastic rounding) never
+    leave the device; the plain numbers are sent once and kept with ``table`` while they stay the
+    same. So a step sends nothing to the device and waits for nothing: it can be captured in a CUDA
+    graph once warmed up."""
+    tensors = [isinstance(value, torch.Tensor) for value in values]
+    numbers = tuple(0.0 if tensor else float(value) for value, tensor in zip(values, tensors))
     if table.numbers is None or table.numbers[0] != numbers:
         table.numbers = numbers, sent_to(np.array(numbers, dtype=np.float32), device)
     if not any(tensors):
         return table.numbers[1][None]
-    rows = rows if any(values[n].dim() == 1 for n, tensor in zip(names, tensors) if tensor) else 1
-    return torch.stack([values[n].to(device, torch.float32).expand(rows) if tensor
-                        else table.numbers[1][i].expand(rows) for i, (n, tensor) in enumerate(zip(names, tensors))],
+    rows = rows if any(value.dim() == 1 for value, tensor in zip(values, tensors) if tensor) else 1
+    return torch.stack([value.to(device, torch.float32).expand(rows) if tensor
+                        else table.numbers[1][i].expand(rows) for i, (value, tensor) in enumerate(zip(values, tensors))],
                        dim=1)
 
 
@@ -82,7 +83,7 @@ class Launch(NamedTuple):
     grads: list
     per_tensor: bool
     state_format: object
-    values: dict
+    values: list  # the scalars, in spec.all_scalars order
     flags: dict
     stochastic: bool
 
@@ -122,7 +123,7 @@ def _run(launch, grad_pointers):
     table.refresh_grads(grad_pointers)
     n_tensors, device = table.pointers.shape[1], table.device
     pointers, work = table.device_tables(device)
-    array = scalars(launch.values, launch.spec.all_scalars, n_tensors, table, device)
+    array = scalars(launch.values, n_tensors, table, device)
     ranges = zip(table.first_chunk[:-1], table.first_chunk[1:]) if launch.per_tensor else [(0, len(table.chunks))]
     for first, last in ranges:
         fused_triton.launch(launch.spec, pointers, n_tensors, work[first:last], array, table.dtype,
