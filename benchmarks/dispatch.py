@@ -26,7 +26,7 @@ import fastoptim
 from benchmarks.scaling import gpt2_params, materialize
 from fastoptim.bench import run
 from fastoptim.measure import cpu_features
-from fastoptim.kernels import fused_cpu
+from fastoptim.engines.backends import cpu as cpu_backend
 from fastoptim.optimizers.base import FastOptimizer
 
 
@@ -72,7 +72,7 @@ def time_cells(eager, compiled_samples):
 
 def python_seconds(optimizer, steps):
     """The eager step's seconds with the native kernel call replaced by a no-op."""
-    with mock.patch.object(fused_cpu, "step", lambda launches: fused_cpu.STEPPED):
+    with mock.patch.object(cpu_backend, "step", lambda launches: cpu_backend.STEPPED):
         optimizer.step()
         start = time.perf_counter()
         for _ in range(steps):

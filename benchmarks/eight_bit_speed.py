@@ -23,7 +23,7 @@ import time
 import torch
 
 import fastoptim
-from fastoptim.kernels import fused_cpu
+from fastoptim.engines.backends import cpu as cpu_backend
 from fastoptim.measure import cpu_features
 from .eight_bit_formats import companded_first_moment, companded_second_moment
 
@@ -81,7 +81,7 @@ def check_codec(prototype):
 
 def library_codecs():
     """The addresses of the library's blockwise quantizer and dequantizer (fastoptim/kernels/fused_cpu.c)."""
-    library = ctypes.CDLL(str(fused_cpu.PATH))
+    library = ctypes.CDLL(str(cpu_backend.PATH))
     return [ctypes.cast(getattr(library, name), ctypes.c_void_p).value
             for name in ("fastoptim_quantize", "fastoptim_dequantize")]
 

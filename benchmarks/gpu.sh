@@ -17,10 +17,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD PYTHONDONTWRITEBYTECODE=1
 python3 - <<'PY' 2>&1 | tee "$OUT/facts.txt"
 import torch, triton
 import fastoptim
-from fastoptim.kernels import fused_cpu
+from fastoptim.engines.backends import cpu as cpu_backend
 from fastoptim.measure import cpu_features
 print(f"torch {torch.__version__}, Triton {triton.__version__}, {torch.cuda.get_device_name()}, "
-      f"native library loaded: {fused_cpu.AVAILABLE}, CPU features: {' '.join(cpu_features())}")
+      f"native library loaded: {cpu_backend.AVAILABLE}, CPU features: {' '.join(cpu_features())}")
 PY
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee -a "$OUT/facts.txt"
 # where the host time of a step of fastoptim.$1 on 148 tiny CUDA params goes

@@ -9,7 +9,7 @@ import torch
 
 import fastoptim
 from fastoptim import engines
-from fastoptim.kernels import fused_cpu
+from fastoptim.engines.backends import cpu as cpu_backend
 
 # name: (one line of help, the module holding its add_arguments and run; None: info, here)
 COMMANDS = {"info": ("version, torch, threads and available engines", None),
@@ -26,8 +26,8 @@ def info(_args: argparse.Namespace) -> None:
     print(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}, GPU {gpu})")
     print(f"threads {torch.get_num_threads()}")
     print(f"engines {', '.join(engines.ENGINES)}")
-    if fused_cpu.AVAILABLE:
-        print(f"fused CPU kernel built, threads from {fused_cpu.openmp() or 'pthreads (torch has no OpenMP)'}")
+    if cpu_backend.AVAILABLE:
+        print(f"fused CPU kernel built, threads from {cpu_backend.openmp() or 'pthreads (torch has no OpenMP)'}")
     else:
         print("fused CPU kernel not built: fused=True falls back to foreach")
     print(f"triton {'installed' if importlib.util.find_spec('triton') else 'not installed'}")

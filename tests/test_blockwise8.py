@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastoptim.kernels import fused_cpu
+from fastoptim.engines.backends import cpu as cpu_backend
 from fastoptim.states.blockwise8 import BLOCK, SIGNED, UNSIGNED, dequantize, n_blocks, quantize
 
 # The documented bound: |x| / 16 in the normal range, else half the smallest step times the absmax.
@@ -96,11 +96,11 @@ def test_a_tie_goes_to_the_larger_magnitude():
 def portable(function):
     """``function`` on the C kernel's portable path, as CPUs without AVX2 and F16C run it."""
     def call(*args):
-        fused_cpu.use_f16c(False)
+        cpu_backend.use_f16c(False)
         try:
             return function(*args)
         finally:
-            fused_cpu.use_f16c(True)
+            cpu_backend.use_f16c(True)
     return call
 
 
@@ -108,11 +108,11 @@ def kernel_functions(kernel):
     """The (quantize, dequantize) of the C kernel (with F16C where the CPU has it, or portable) or
     the Triton kernels (in Triton's interpreter without a GPU)."""
     if kernel.startswith("c"):
-        if not fused_cpu.AVAILABLE:
+        if not cpu_backend.AVAILABLE:
             pytest.skip("the fused CPU kernel is not built")
         if kernel == "c-portable":
-            return portable(fused_cpu.quantize), portable(fused_cpu.dequantize)
-        return fused_cpu.quantize, fused_cpu.dequantize
+            return portable(cpu_backend.quantize), portable(cpu_backend.dequantize)
+        return cpu_backend.quantize, cpu_backend.dequantize
     fused_triton = pytest.importorskip("fastoptim.kernels.fused_triton")
     return (lambda x, codes: fused_triton.quantize(x, codes.signed),
             lambda indices, absmax, codes: fused_triton.dequantize(indices, absmax, codes.signed))

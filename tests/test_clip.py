@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastoptim
-from fastoptim.kernels import fused_cpu
+from fastoptim.engines.backends import cpu as cpu_backend
 
 shapes = st.lists(st.lists(st.integers(0, 70), min_size=0, max_size=3).map(tuple), min_size=1, max_size=12)
 
@@ -101,7 +101,7 @@ def test_a_negative_or_nan_max_norm_is_refused_before_anything_changes(max_norm)
     assert torch.equal(ours[0].grad, before)
 
 
-@pytest.mark.skipif(not fused_cpu.AVAILABLE, reason="the fused CPU kernel is not built")
+@pytest.mark.skipif(not cpu_backend.AVAILABLE, reason="the fused CPU kernel is not built")
 def test_the_norm_does_not_depend_on_the_thread_count():
     ours, _ = twins([(300_000,), (1000, 70)], torch.float32, 2)
     grads = [p.grad for p in ours]

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import fastoptim
 from fastoptim.bench.memory import in_subprocess, measure_step
 from fastoptim.bench.peers import timm_adan_class
-from fastoptim.kernels import fused_cpu
+from fastoptim.engines.backends import cpu as cpu_backend
 from fastoptim.multi_tensor import CHUNK_NUMEL
 
 from . import oracle
@@ -45,7 +45,7 @@ def assert_same_values(actual, expected, rtol=1e-5, atol=1e-6):
 
 
 def test_the_kernel_is_built():
-    assert fused_cpu.AVAILABLE, "fastoptim/_C*.so is missing: run `make test` (needs gcc)"
+    assert cpu_backend.AVAILABLE, "fastoptim/_C*.so is missing: run `make test` (needs gcc)"
 
 
 # --- 1. both fused tiers against the loop engine, over drawn shapes, dtypes and options ----------
@@ -175,13 +175,13 @@ def test_native_calls_one_per_bucket_then_one_per_step(monkeypatch, engine, per_
     """Three fp32 params and two bf16 ones: two buckets. The first step makes one native call per
     bucket; the next ones, bound, one call for both. The single-tensor engine's call runs the kernel
     once per tensor. fused=None picks the multi-tensor tier."""
-    calls, real_step = [], fused_cpu.step
+    calls, real_step = [], cpu_backend.step
 
     def counting_step(launches):
         calls.append([(len(launch.grads), launch.per_tensor) for launch in launches])
         return real_step(launches)
 
-    monkeypatch.setattr(fused_cpu, "step", counting_step)
+    monkeypatch.setattr(cpu_backend, "step", counting_step)
     shapes = [(7,), (5, 3), LARGE, (4,), (2, 2)]
     params = oracle.make_params(shapes[:3]) + oracle.make_params(shapes[3:], torch.bfloat16)
     flags = dict(foreach=None, fused=None) if engine == "auto" else FUSED[engine]
@@ -487,8 +487,8 @@ def test_missing_build_falls_back_to_foreach(monkeypatch, cls, engine):
     def no_kernel(*args):
         raise AssertionError("the kernel ran without a build")
 
-    monkeypatch.setattr(fused_cpu, "AVAILABLE", False)
-    monkeypatch.setattr(fused_cpu, "BoundTable", no_kernel)
+    monkeypatch.setattr(cpu_backend, "AVAILABLE", False)
+    monkeypatch.setattr(cpu_backend, "BoundTable", no_kernel)
     params = oracle.make_params([(7,), LARGE, (5, 3)])
     loop_params = clone(params)
     flags = dict(foreach=None, fused=None) if engine == "auto" else FUSED[engine]
@@ -759,7 +759,7 @@ def test_the_kernel_runs_on_torchs_openmp_runtime_and_no_second_one_is_loaded():
         runtimes = {line.split()[-1] for line in maps
                     if os.path.basename(line.split()[-1]).startswith(("libgomp", "libiomp", "libomp"))}
     assert len(runtimes) == 1
-    assert fused_cpu.openmp() in runtimes
+    assert cpu_backend.openmp() in runtimes
 
 
 @pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW])
@@ -777,16 +777,16 @@ def test_float64_params_keep_float64_math_and_states(cls, flags):
 
 @pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW])
 def test_pthreads_give_the_same_result_as_openmp_threads(cls):
-    torch_openmp = fused_cpu.openmp()
+    torch_openmp = cpu_backend.openmp()
     results = []
     try:
         for openmp in (torch_openmp, None):
-            assert fused_cpu.use_threads(openmp) == openmp
+            assert cpu_backend.use_threads(openmp) == openmp
             params = oracle.make_params([(70001,), (3, 5), (40000,)])
             oracle.run(cls(params, lr=0.01, fused=True), params, oracle.grad_sequence([(70001,), (3, 5), (40000,)], 3))
             results.append(params)
     finally:
-        fused_cpu.use_threads(torch_openmp)
+        cpu_backend.use_threads(torch_openmp)
     for a, b in zip(*results):
         assert torch.equal(a, b)
 

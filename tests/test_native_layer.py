@@ -15,14 +15,14 @@ import pytest
 import torch
 
 from fastoptim import engines
-from fastoptim.kernels import fused_cpu
+from fastoptim.engines.backends import cpu as cpu_backend
 from fastoptim.specs import declared_specs
 from fastoptim.states import master
 from fastoptim.step_cache import ParamState
 
 from .registry import OPTIMIZERS
 
-pytestmark = pytest.mark.skipif(not fused_cpu.AVAILABLE, reason="the native library is not built")
+pytestmark = pytest.mark.skipif(not cpu_backend.AVAILABLE, reason="the native library is not built")
 
 SHAPES = [(5, 7), (300,), (3,)]
 # The backends whose tables native code checks; Triton's kernels take these CPU tensors in its interpreter.
@@ -251,9 +251,9 @@ def a_bound_launch():
     opt = OPTIMIZERS[0].cls(params, lr=1e-2, fused=True)
     opt.step()
     launches = []
-    real = fused_cpu.step
+    real = cpu_backend.step
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fused_cpu, "step", lambda batch: launches.extend(batch) or real(batch))
+        patch.setattr(cpu_backend, "step", lambda batch: launches.extend(batch) or real(batch))
         opt.step()
     (launch,) = launches
     return params[0], launch
@@ -265,7 +265,7 @@ def test_a_bound_step_refuses_scalars_it_cannot_read_and_changes_nothing():
     for bad in (torch.ones(3), torch.ones((), dtype=torch.int64), torch.ones(8)[::2]):
         broken = launch._replace(tensors=[bad], slots=[len(launch.numbers) - 1])
         with pytest.raises(RuntimeError, match="must be a contiguous fp32 or float64 CPU tensor"):
-            fused_cpu.step([broken])
+            cpu_backend.step([broken])
     assert torch.equal(param, before)
 
 
@@ -273,7 +273,7 @@ def test_a_bound_step_refuses_a_table_listed_twice():
     param, launch = a_bound_launch()
     before = param.detach().clone()
     with pytest.raises(RuntimeError, match="listed twice"):
-        fused_cpu.step([launch, launch])
+        cpu_backend.step([launch, launch])
     assert torch.equal(param, before)
 
 
@@ -283,13 +283,13 @@ def clip_kernel_answers():
     from fastoptim.multi_tensor import chunk_plan
     grads = [torch.ones(10), torch.ones(6)]
     plan = chunk_plan([10, 6])[0]
-    answers = [fused_cpu.grad_norm_partials(grads, plan, False)[0]]
-    answers += [fused_cpu.grad_norm_partials(other, plan, False)[0]
+    answers = [cpu_backend.grad_norm_partials(grads, plan, False)[0]]
+    answers += [cpu_backend.grad_norm_partials(other, plan, False)[0]
                 for other in ([torch.ones(6), torch.ones(10)], grads[:1], grads + [torch.ones(3)])]
     for other in (torch.ones(6, dtype=torch.float64), torch.ones(12)[::2], torch.ones(1).expand(6)):
-        answers += [fused_cpu.grad_norm_partials([grads[0], other], plan, False)[0],
-                    fused_cpu.scale_grads([grads[0], other], plan, torch.tensor(2.0))]
-    answers.append(fused_cpu.scale_grads(grads[::-1], plan, torch.tensor(2.0)))
+        answers += [cpu_backend.grad_norm_partials([grads[0], other], plan, False)[0],
+                    cpu_backend.scale_grads([grads[0], other], plan, torch.tensor(2.0))]
+    answers.append(cpu_backend.scale_grads(grads[::-1], plan, torch.tensor(2.0)))
     return answers, all(torch.equal(g, torch.ones_like(g)) for g in grads)
 
 
@@ -299,14 +299,14 @@ def test_the_clip_kernels_answer_for_grads_they_cannot_take_and_plans_made_for_o
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                             cwd=Path(__file__).parent.parent)
     assert result.returncode == 0, f"exit {result.returncode}:\n{result.stderr[-3000:]}"
-    taken, stale, refused = fused_cpu.TAKEN, fused_cpu.PLAN_STALE, fused_cpu.NOT_TAKEN
+    taken, stale, refused = cpu_backend.TAKEN, cpu_backend.PLAN_STALE, cpu_backend.NOT_TAKEN
     assert json.loads(result.stdout.splitlines()[-1]) == [[taken, stale, stale, stale] + [refused] * 6 + [stale], True]
 
 
 def test_the_native_ops_refuse_chunks_outside_their_tensors():
     grads = [torch.ones(10)]
     chunks = torch.tensor([[0, 5, 6, 0]])
-    assert torch.ops.fastoptim.scale_grads_in_chunks(grads, chunks, torch.tensor(2.0)) == fused_cpu.PLAN_STALE
+    assert torch.ops.fastoptim.scale_grads_in_chunks(grads, chunks, torch.tensor(2.0)) == cpu_backend.PLAN_STALE
     assert torch.equal(grads[0], torch.ones(10))
     with pytest.raises(RuntimeError, match="reaches outside its tensor"):
         torch.ops.fastoptim.bind("adan", [torch.ones(10)] * 5, [0, 2, 3, 4, 5], 1, 11, 16, chunks, None, [])
@@ -337,10 +337,10 @@ def test_a_library_that_cannot_be_loaded_leaves_the_fused_engine_to_foreach_with
             "with warnings.catch_warnings(record=True) as caught:\n"
             "    warnings.simplefilter('always')\n"
             "    import fastoptim\n"
-            "    from fastoptim.kernels import fused_cpu\n"
+            "    from fastoptim.engines.backends import cpu as cpu_backend\n"
             "    p = torch.nn.Parameter(torch.ones(4)); p.grad = torch.ones(4)\n"
             "    fastoptim.Adan([p], lr=0.1, fused=True).step()\n"
-            "print(fused_cpu.AVAILABLE, sum('cannot be loaded' in str(w.message) for w in caught),"
+            "print(cpu_backend.AVAILABLE, sum('cannot be loaded' in str(w.message) for w in caught),"
             " sum('those tensors take the foreach engine' in str(w.message) for w in caught))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                             cwd=Path(__file__).parent.parent, env=dict(os.environ, FASTOPTIM_NATIVE_LIBRARY=str(broken)))
@@ -351,7 +351,7 @@ def test_a_library_that_cannot_be_loaded_leaves_the_fused_engine_to_foreach_with
 def test_the_library_reads_each_specs_rows():
     """A library built from other specs would read rows that a table lacks: each kernel's row count is
     the spec's (the remainders' row last), and a library whose bind takes no flat state buffers (older
-    than the remainders' row and the buffers) is not loaded at all (fused_cpu._load)."""
+    than the remainders' row and the buffers) is not loaded at all (cpu_backend._load)."""
     for spec in declared_specs():
         assert torch.ops.fastoptim.kernel_rows(spec.name) == len(spec.rows) and spec.rows[-1] == master.KEY
     assert torch.ops.fastoptim.kernel_rows("no such kernel") == -1

@@ -64,7 +64,7 @@ def sanitized(library, *args):
 
 
 def test_the_sanitized_build_is_the_one_loaded(library):
-    code, output = sanitized(library, "-c", "from fastoptim.kernels import fused_cpu; print(fused_cpu.PATH)")
+    code, output = sanitized(library, "-c", "from fastoptim.engines.backends import cpu as cpu_backend; print(cpu_backend.PATH)")
     assert code == 0 and output.strip().splitlines()[-1] == str(library), output[-5000:]
 
 
@@ -77,7 +77,7 @@ def test_the_kernel_tests_pass_with_no_sanitizer_report(library):
 USE_AFTER_FREE = """
 import ctypes
 import torch
-from fastoptim.kernels import fused_cpu
+from fastoptim.engines.backends import cpu as cpu_backend
 from fastoptim.multi_tensor import chunk_plan
 
 libc = ctypes.CDLL(None)
@@ -85,7 +85,7 @@ libc.malloc.restype = ctypes.c_void_p
 address = libc.malloc(400_000)
 libc.free(ctypes.c_void_p(address))
 freed = torch.frombuffer((ctypes.c_char * 400_000).from_address(address), dtype=torch.float32)  # owns nothing
-fused_cpu.scale_grads([freed], chunk_plan([freed.numel()])[0], torch.tensor(0.5))
+cpu_backend.scale_grads([freed], chunk_plan([freed.numel()])[0], torch.tensor(0.5))
 """
 
 

@@ -134,7 +134,7 @@ def probe(params, device):
     shaped like the first params (up to PROBE_NUMEL elements): the C probe (Adan's 6 reads and 5
     writes of fp32) on the CPU when the kernel is built, else a copy. One flat buffer is not the
     same: its streams alias in the caches and it measured 20-30% slower here."""
-    from fastoptim.kernels import fused_cpu
+    from fastoptim.engines.backends import cpu as cpu_backend
     from fastoptim.multi_tensor import chunk_plan
     from fastoptim.optimizers.adan import SPEC as ADAN
 
@@ -145,12 +145,12 @@ def probe(params, device):
             numel += param.numel()
     if not shapes:
         shapes, numel = [(PROBE_NUMEL,)], PROBE_NUMEL
-    if torch.device(device).type == "cpu" and fused_cpu.AVAILABLE:
+    if torch.device(device).type == "cpu" and cpu_backend.AVAILABLE:
         buffers = [[torch.zeros(shape) for shape in shapes] for _ in ("param", "grad") + ADAN.states]
         chunks = chunk_plan([buffer.numel() for buffer in buffers[0]])[0]
 
         def step():
-            fused_cpu.probe(buffers, chunks)
+            cpu_backend.probe(buffers, chunks)
         return step, 11 * 4 * numel
     sources = [torch.zeros(shape, device=device) for shape in shapes]
     targets = [torch.empty_like(source) for source in sources]

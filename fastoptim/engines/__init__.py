@@ -27,7 +27,7 @@ class Plan:
     A state role may hold bf16 or 8-bit (uint8 codes) tensors under ``state_bits``; ``absmax`` holds
     the block maxima of the 8-bit ones. ``sum_group``: the process group over which the loop engine
     all-reduces subset sums (subsets that span FSDP2 shards), or None. ``batch``: where a step that
-    runs all its tables in one native call collects them (see :func:`run_batch`), or None.
+    runs all its tables in one native call collects them (see :func:`fused.run_batch`), or None.
     ``kernel_values``: the fused kernel's scalars by name, found_inf and seed included, where an op made
     them (a traced CPU step's, ``fastoptim::step_scalars``, for a plan the kernel takes whole, whose
     ``args`` are then empty); None: the fused engine makes them from ``args``.
@@ -72,8 +72,8 @@ class Plan:
         return replace(self, tensors=tensors, absmax=absmax, cache={}, sum_group=None, args=args)
 
 
-ENGINES = {"loop": loop.run, "foreach": foreach.run, "fused-single": fused.run_single, "fused-multi": fused.run_multi}
-FUSED = frozenset({"fused-single", "fused-multi"})
+ENGINES = {"loop": loop.run, "foreach": foreach.run} | fused.ENGINES
+FUSED = frozenset(fused.ENGINES)
 
 
 def run(engine, plan):
@@ -92,25 +92,6 @@ def run_bucket(engine, plan, reduce_group=None):
         run(engine, plan)
     else:
         run_summing_over(plan, reduce_group)
-
-
-def launch_bound(engine, cache, spec, scalars, grads, flags, stochastic, batch):
-    """Add the launch of a bucket of a bound step (see :func:`fused.launch_batched`) to ``batch``,
-    without a plan: the fused engines' cached tables (``cache``) take the ``grads`` and the kernel's
-    ``scalars``, in ``spec.all_scalars`` order. Raises ``fused.Unbatched`` where they cannot."""
-    if engine not in FUSED:
-        raise fused.Unbatched
-    fused.launch_batched(cache, spec, scalars, grads, flags, stochastic, engine == "fused-single", batch)
-
-
-def run_batch(launches):
-    """Run the (backend, launch) pairs that plans with a ``batch`` collected, checked together before
-    any runs; False, having changed nothing, when a tensor moved, a grad does not fit, or the launches
-    are of two backends (the step then runs unbatched)."""
-    backend = launches[0][0]
-    if any(other is not backend for other, _ in launches):
-        return False
-    return backend.run_launches([launch for _, launch in launches])
 
 
 def run_summing_over(plan, group):

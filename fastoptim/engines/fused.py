@@ -268,6 +268,25 @@ def launch_batched(cache, spec, scalars, grads, flags, stochastic, per_tensor_ca
     cache["prepared"].tables.launch(spec, grads, scalars, flags, stochastic, per_tensor_calls, batch)
 
 
+def launch_bound(engine, cache, spec, scalars, grads, flags, stochastic, batch):
+    """Add the launch of a bucket of a bound step (see :func:`launch_batched`) to ``batch``,
+    without a plan: the fused engines' cached tables (``cache``) take the ``grads`` and the kernel's
+    ``scalars``, in ``spec.all_scalars`` order. Raises :class:`Unbatched` where they cannot."""
+    if engine not in ENGINES:
+        raise Unbatched
+    launch_batched(cache, spec, scalars, grads, flags, stochastic, ENGINES[engine] is run_single, batch)
+
+
+def run_batch(launches):
+    """Run the (backend, launch) pairs that plans with a ``batch`` collected, checked together before
+    any runs; False, having changed nothing, when a tensor moved, a grad does not fit, or the launches
+    are of two backends (the step then runs unbatched)."""
+    backend = launches[0][0]
+    if any(other is not backend for other, _ in launches):
+        return False
+    return backend.run_launches([launch for _, launch in launches])
+
+
 def _run(plan, per_tensor_calls):
     if plan.batch is not None:
         launch_batched(plan.cache, plan.spec, _scalar_values(plan, plan.tensors["param"][0].device),
@@ -295,6 +314,9 @@ def run_multi(plan):
 
 def run_single(plan):
     _run(plan, per_tensor_calls=True)
+
+
+ENGINES = {"fused-single": run_single, "fused-multi": run_multi}  # the fused engines, by name
 
 
 # --- the kernels as torch custom ops, which torch.compile keeps as one opaque call per bucket ------

@@ -364,7 +364,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                     self._step_group(group, entry, grads, scale, found_inf, increment, batch)
         except engines.fused.Unbatched:
             return False
-        if batch and not engines.run_batch(batch):
+        if batch and not engines.fused.run_batch(batch):
             return False
         for group, entry, _ in work:
             self._count_step(group, entry, increment, whole_step)
@@ -530,7 +530,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             stochastic = group["stochastic_rounding"]
             ordered = engines.fused.ordered_scalars(algorithm.spec, algorithm.kernel_scalars, args, found_inf,
                                                     stochastic, grads[0].device)
-            engines.launch_bound(entry.engine, entry.bucket_caches.get(0, {}), algorithm.spec, ordered, grads,
+            engines.fused.launch_bound(entry.engine, entry.bucket_caches.get(0, {}), algorithm.spec, ordered, grads,
                                  algorithm.flags(group), stochastic, batch)
             return
         plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, algorithm.update, algorithm.spec,

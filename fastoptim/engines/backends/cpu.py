@@ -1,10 +1,221 @@
-"""The fused CPU backend: the C kernel of ``fastoptim/kernels/fused_cpu.c``, one call per table
-(or per tensor, single-tensor), on torch's threads. Native code holds each table's params and
-states and checks them and the grads at every call (``fused_cpu.BoundTable``)."""
+"""The fused CPU backend: the C kernels of ``fastoptim/kernels/fused_cpu.c``, through the native
+library's torch ops (``fastoptim/kernels/native.cpp``, built on the LibTorch stable ABI into
+``fastoptim/_C``), one call per table (or per tensor, single-tensor), on torch's threads.
+
+A kernel walks a table: one row of tensors per role (in its spec's ``rows`` order), a chunk plan
+over them (``fastoptim.multi_tensor.chunk_plan``) and each tensor's layout (its subset-norm (b, c)
+and its states' ``kernel_code``, see fastoptim.states.formats). :class:`BoundTable` hands a table's
+params and states to native code once; each step passes the grads and the scalars (in the spec's
+``all_scalars`` order, numbers or tensors; :func:`step` runs any number of tables in one call), and
+native code checks every held tensor and grad before any kernel runs, so Python checks no layout
+per step. The kernels' 8-bit codes restate fastoptim.states.blockwise8's; ``quantize`` and
+``dequantize`` expose them to the tests. The kernels run on the threads of the OpenMP runtime
+torch has loaded, when there is one (``openmp()`` is its path), else on pthreads. The environment
+variable ``FASTOPTIM_NATIVE_LIBRARY`` names a build to load instead of the packaged one (the
+sanitizer test's). The backend's declarations are described in ``fastoptim.engines.backends``.
+"""
+import importlib.machinery
+import os
+import warnings
+import weakref
+from pathlib import Path
+from typing import NamedTuple
+
 import torch
 
-from ...kernels import fused_cpu
-from ...multi_tensor import CPU_COLUMN_CHUNK_NUMEL
+from ...multi_tensor import CPU_COLUMN_CHUNK_NUMEL, in_flat_buffer
+from ...states import blockwise8
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernels take of params and grads
+STEPPED, STALE, GRADS_UNFIT = 0, 1, 2  # what a bound step answers (native.cpp's bound_step)
+TAKEN, PLAN_STALE, NOT_TAKEN = 0, 1, 2  # what the clip kernels answer (native.cpp's grad_norm_partials)
+_EMPTY = torch.empty(0, device="cpu")  # a table's entry for a tensor that has none in its role (no block maxima)
+
+
+def _load():
+    """The path of the native library, loaded; None when there is none, or with a warning when it
+    cannot be loaded (built for a torch with a newer stable ABI than the one installed, say)."""
+    paths = [Path(__file__).parents[2] / f"_C{suffix}"
+             for suffix in (".abi3.so", *importlib.machinery.EXTENSION_SUFFIXES)]
+    override = os.environ.get("FASTOPTIM_NATIVE_LIBRARY")
+    if override:
+        if not Path(override).is_file():
+            raise FileNotFoundError(f"FASTOPTIM_NATIVE_LIBRARY names no file: {override}")
+        paths = [Path(override).absolute()]  # dlopen would search the library path for a bare name
+    path = next((p for p in paths if p.exists()), None)
+    if path is None:
+        return None
+    try:
+        torch.ops.load_library(str(path))
+    except OSError as error:
+        warnings.warn(f"fastoptim: the native library {path} cannot be loaded with torch {torch.__version__} "
+                      f"({error}); the fused CPU engine is unavailable and its steps take the foreach engine. "
+                      "Reinstall fastoptim against this torch (pip install --no-build-isolation).")
+        return None
+    if "owners" not in str(torch.ops.fastoptim.bind.default._schema):  # a newer library binds flat state buffers
+        warnings.warn(f"fastoptim: the native library {path} was built from older sources than this fastoptim "
+                      "(it binds no flat state buffers, which this one's tables hand it); the fused CPU engine is "
+                      "unavailable and its steps take the foreach engine. Rebuild it: pip install "
+                      "--no-build-isolation -e . (or python setup.py build_ext --inplace).")
+        return None
+    return path
+
+
+PATH = _load()
+AVAILABLE = PATH is not None
+_openmp = None
+
+
+def use_threads(openmp):
+    """Run the kernels on the threads of the OpenMP runtime at path ``openmp`` (it must be loaded
+    already), or on pthreads with None. Returns the path in use."""
+    global _openmp
+    _openmp = openmp if openmp and torch.ops.fastoptim.use_openmp(openmp) == 0 else None
+    if _openmp is None:
+        torch.ops.fastoptim.use_openmp("")
+    return _openmp
+
+
+def openmp():
+    """The path of the OpenMP runtime whose threads run the kernels, or None (pthreads)."""
+    return _openmp
+
+
+def use_f16c(enable):
+    """Convert 8-bit codes with AVX2 and F16C where the CPU has them (the default), or, with False, in
+    portable C, as CPUs without them do. Returns whether F16C is in use."""
+    return bool(torch.ops.fastoptim.use_f16c(bool(enable)))
+
+
+def _torch_openmp():
+    """The path of the OpenMP runtime that torch has loaded (read from /proc/self/maps), or None."""
+    torch.ones(1 << 16, device="cpu").sum()  # make sure torch has started its runtime
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/lib" in line}
+    except OSError:
+        return None
+    runtimes = [p for p in paths if Path(p).name.startswith(("libgomp", "libiomp", "libomp"))]
+    torch_lib = str(Path(torch.__file__).parent)  # prefer torch's own over another package's vendored copy
+    return min(runtimes, key=lambda p: (not p.startswith(torch_lib), p), default=None)
+
+
+if AVAILABLE:
+    use_threads(_torch_openmp())
+
+
+def flat_buffers(states):
+    """The flat buffers that ``states`` are views of (see ``multi_tensor.FlatStates``), each once:
+    native code holds and checks a buffer in place of the states in it."""
+    bases = {id(state._base): state._base for state in states if in_flat_buffer(state) and state._base.numel()}
+    return list(bases.values())
+
+
+class BoundTable:
+    """``spec``'s kernel bound to a table's tensors (``tensors``: role to one tensor per param, None
+    where a tensor has none in a role; ``table``: their :class:`~fastoptim.multi_tensor.PointerTable`,
+    whose chunk plan and layouts it takes). Native code holds the params, states and block maxima
+    until this object is collected; each :func:`step` passes the grads. With ``runs`` False the
+    table is bound to no kernel and may hold tensors of any device: a GPU kernel's, which
+    :func:`check` checks before Python launches it."""
+
+    def __init__(self, spec, tensors, table, runs=True):
+        held, rows = [], []
+        for row, role in enumerate(spec.rows):
+            if role != "grad" and role in tensors:
+                rows.append(row)
+                held.extend(_EMPTY if t is None else t for t in tensors[role])
+        layouts = None if table.layouts is None else torch.from_numpy(table.layouts)
+        self.params = tensors["param"]  # whose version counters a step bumps
+        self.handle = torch.ops.fastoptim.bind(spec.name if runs else "", held, rows, len(tensors["param"]),
+                                               len(spec.rows), len(spec.all_scalars), torch.from_numpy(table.chunks),
+                                               layouts, flat_buffers(held[len(self.params):]))
+        weakref.finalize(self, torch.ops.fastoptim.unbind, self.handle).atexit = False
+
+
+class Launch(NamedTuple):
+    """One bound table's part of a :func:`step`: its grads, its scalars in the spec's ``all_scalars``
+    order (``numbers``, of which ``tensors[j]`` replaces number ``slots[j]``: an fp32 or float64
+    tensor, 0-d or with one value per tensor), the spec's flag bits, and whether it runs once per
+    tensor (the single-tensor engine) or in one kernel call."""
+    table: BoundTable
+    grads: list
+    numbers: list
+    tensors: list
+    slots: list
+    flags: int
+    per_tensor: bool
+
+
+def step(launches):
+    """Run the kernels of ``launches`` in one native call, and bump the updated params' version
+    counters (as torch's in-place ops do, so autograd notices a param it saved being changed).
+    Returns STEPPED, or, having changed nothing (every table is checked before any runs), STALE (a
+    held tensor moved or changed its layout) or GRADS_UNFIT (a grad is not walked as its param)."""
+    if len(launches) == 1:
+        (table, grads, numbers, tensors, slots, flags, per_tensor), = launches
+        status = torch.ops.fastoptim.bound_step([table.handle], grads, numbers, tensors, slots, [flags], [per_tensor])
+    else:
+        firsts = [0]
+        for launch in launches[:-1]:
+            firsts.append(firsts[-1] + len(launch.numbers))
+        status = torch.ops.fastoptim.bound_step(
+            [launch.table.handle for launch in launches], [g for launch in launches for g in launch.grads],
+            [x for launch in launches for x in launch.numbers], [t for launch in launches for t in launch.tensors],
+            [first + slot for launch, first in zip(launches, firsts) for slot in launch.slots],
+            [launch.flags for launch in launches], [launch.per_tensor for launch in launches])
+    if status == STEPPED:
+        for launch in launches:
+            torch._C._increment_version(launch.table.params)
+    return status
+
+
+def check(tables, grads):
+    """Check bound ``tables`` (each taking the next of ``grads``, as :func:`step` does) without running
+    them: STEPPED and the grads' data pointers (an int64 array), or STALE or GRADS_UNFIT and None."""
+    pointers = torch.empty(len(grads), dtype=torch.int64, device="cpu")  # host memory whatever the default device
+    status = torch.ops.fastoptim.check_bound([table.handle for table in tables], grads, pointers)
+    return status, pointers.numpy() if status == STEPPED else None
+
+
+def probe(tensors, chunks):
+    """The bandwidth probe: Adan's traffic (6 fp32 reads, 5 writes per element) with trivial math,
+    over ``tensors`` (Adan's rows param, grad and its four states, each a list) and their chunk plan."""
+    torch.ops.fastoptim.probe([t for row in tensors for t in row], torch.from_numpy(chunks))
+
+
+def grad_norm_partials(grads, chunks, inf):
+    """Per chunk of ``chunks`` (a chunk plan over ``grads``): the sum of squares, or with ``inf`` the
+    largest magnitude, as a float64 tensor, and TAKEN; or None and NOT_TAKEN (the grads are not
+    dense CPU tensors of one kernel dtype) or PLAN_STALE (the plan was made for other grads)."""
+    partials = torch.empty(len(chunks), dtype=torch.float64, device="cpu")
+    status = torch.ops.fastoptim.grad_norm_partials(grads, torch.from_numpy(chunks), inf, partials)
+    return status, partials if status == TAKEN else None
+
+
+def scale_grads(grads, chunks, factor):
+    """Multiplies ``grads`` (``chunks`` their chunk plan) by ``factor`` (a 0-d fp32 tensor, read in C:
+    no host sync); answers as :func:`grad_norm_partials` does, and changes nothing unless TAKEN."""
+    return torch.ops.fastoptim.scale_grads_in_chunks(grads, torch.from_numpy(chunks), factor)
+
+
+def quantize(values, codes):
+    """The kernels' quantizer on a contiguous fp32 CPU tensor: (uint8 codes, absmax), as
+    ``blockwise8.quantize(values, codes)`` computes them."""
+    indices = torch.empty(values.shape, dtype=torch.uint8, device="cpu")
+    absmax = torch.empty(blockwise8.n_blocks(values.numel()), device="cpu")
+    torch.ops.fastoptim.quantize(values, int(codes.signed), indices, absmax)
+    return indices, absmax
+
+
+def dequantize(indices, absmax, codes):
+    """The kernels' dequantizer, as ``blockwise8.dequantize(indices, absmax, codes)`` computes it."""
+    values = torch.empty(indices.shape, device="cpu")
+    torch.ops.fastoptim.dequantize(indices, absmax, int(codes.signed), values)
+    return values
+
+
+# --- the backend (see fastoptim.engines.backends) ------------------------------------------------
 
 NAME = "cpu"
 DEVICE_TYPES = ("cpu",)
@@ -17,7 +228,7 @@ BLOCK_COLUMNS = False  # its walk reads an 8-bit column-subset tensor whole, all
 
 
 def available():
-    return fused_cpu.AVAILABLE
+    return AVAILABLE
 
 
 def refusal(param):
@@ -25,14 +236,14 @@ def refusal(param):
         return "the fused CPU kernel is not built (see the README's set-up)"
     if param.device.type != "cpu":
         return f"no fused kernel for {param.device.type} tensors yet"
-    if param.dtype not in fused_cpu.DTYPES:
+    if param.dtype not in DTYPES:
         return f"no fused kernel for {param.dtype}"
     return None
 
 
 def bind(spec, tensors, table):
-    """Hand the table's params and states to native code (see ``fused_cpu.BoundTable``)."""
-    return fused_cpu.BoundTable(spec, tensors, table)
+    """Hand the table's params and states to native code (see :class:`BoundTable`)."""
+    return BoundTable(spec, tensors, table)
 
 
 def launch(spec, bound, grads, per_tensor, state_format, values, flags, stochastic):
@@ -48,14 +259,10 @@ def launch(spec, bound, grads, per_tensor, state_format, values, flags, stochast
                    for slot in slots]
     else:  # the common case: every scalar a number
         numbers, tensors = list(map(float, values)), []
-    return fused_cpu.Launch(bound, grads, numbers, tensors, slots, spec.flag_bits(flags, stochastic), per_tensor)
+    return Launch(bound, grads, numbers, tensors, slots, spec.flag_bits(flags, stochastic), per_tensor)
 
 
 def run_launches(launches):
     """Run ``launches`` in one native call; False, having changed nothing, when one did not fit."""
-    return fused_cpu.step(launches) == fused_cpu.STEPPED
+    return step(launches) == STEPPED
 
-
-grad_norm_partials = fused_cpu.grad_norm_partials
-scale_grads = fused_cpu.scale_grads
-TAKEN, PLAN_STALE = fused_cpu.TAKEN, fused_cpu.PLAN_STALE

@@ -9,9 +9,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ...kernels import fused_cpu
 from ...multi_tensor import CHUNK_NUMEL, PointerTable, data_pointers, sent_to
 from ...states import master
+from . import cpu
 
 try:
     from ...kernels import fused_triton
@@ -24,7 +24,7 @@ NAME = "triton"
 DEVICE_TYPES = ("cuda",)
 SPLITS_FORMATS = True  # a kernel is compiled for one state dtype
 CLIPS = False  # the clip runs torch's foreach ops on CUDA tensors
-CHECKS_NATIVELY = fused_cpu.AVAILABLE  # else the step work and the engine check the tensors in Python
+CHECKS_NATIVELY = cpu.AVAILABLE  # else the step work and the engine check the tensors in Python
 REMAINDERS = True  # it reads and writes bf16 params' master remainders (master_bits 24 and 32)
 COLUMN_NUMEL = CHUNK_NUMEL  # a column-subset chunk: one program's share, for the GPU's parallelism
 BLOCK_COLUMNS = True  # a program takes a run of whole blocks of columns (a GPU needs the parallelism)
@@ -71,7 +71,7 @@ class Table(NamedTuple):
     binding of its tensors (None without the native library), which checks them, its params, and the
     bits of their master remainders (0: none)."""
     pointers: PointerTable
-    native: "fused_cpu.BoundTable | None"
+    native: "cpu.BoundTable | None"
     params: list
     remainder_bits: int
 
@@ -91,7 +91,7 @@ class Launch(NamedTuple):
 def bind(spec, tensors, table):
     """The pointer table, and its params, states and block maxima bound to native code."""
     remainders = tensors.get(master.KEY)
-    return Table(table, fused_cpu.BoundTable(spec, tensors, table, runs=False) if CHECKS_NATIVELY else None,
+    return Table(table, cpu.BoundTable(spec, tensors, table, runs=False) if CHECKS_NATIVELY else None,
                  tensors["param"], 0 if remainders is None else remainders[0].element_size() * 8)
 
 
@@ -105,8 +105,8 @@ def run_launches(launches):
     False, having changed nothing, when a tensor moved or a grad does not fit."""
     grads = [grad for launch in launches for grad in launch.grads]
     if CHECKS_NATIVELY:
-        status, pointers = fused_cpu.check([launch.table.native for launch in launches], grads)
-        if status != fused_cpu.STEPPED:
+        status, pointers = cpu.check([launch.table.native for launch in launches], grads)
+        if status != cpu.STEPPED:
             return False
     else:  # the step work and the engine checked the tensors
         pointers = data_pointers(grads)
