@@ -2,7 +2,8 @@
 kernels' work is negligible and a step costs its Python, dispatch, checks and thread wake-ups.
 fastoptim's Adan and AdamW (fused multi-tensor, the default engine) and torch's fused AdamW, timed
 interleaved in one run, at 1 thread and at torch's default, optionally while another process keeps
-one core busy (``--busy``). Each sample is the mean of ``--steps`` back-to-back steps; the table
+one core busy (``--busy``); and 148 params alternating fp32 and bf16 (a group of two buckets) at the
+default threads. Each sample is the mean of ``--steps`` back-to-back steps; the table
 gives the median over ``--repeats`` samples, min..max, and the median ratio to torch's fused AdamW.
 A second table times each optimizer on 2000 params of 1,000-5,000 elements, as tensors of their own
 and moved into one buffer by ``fastoptim.flatten_parameters``, against one param of the same numel,
@@ -40,19 +41,21 @@ def sample(optimizer, steps, device):
     return (time.perf_counter() - start) / steps
 
 
-def with_grads(numels, device):
-    params = [torch.nn.Parameter(torch.randn(n, device=device)) for n in numels]
+def with_grads(numels, device, dtypes=(torch.float32,)):
+    """Params of ``numels`` elements with grads, their dtypes taken from ``dtypes`` in turn."""
+    params = [torch.nn.Parameter(torch.randn(n, device=device, dtype=dtypes[i % len(dtypes)]))
+              for i, n in enumerate(numels)]
     for param in params:
         param.grad = torch.randn_like(param)
     return params
 
 
-def measure(n_params, threads, steps, repeats, device):
-    """Rows of the table for ``n_params`` tiny params on ``threads`` threads."""
+def measure(n_params, threads, steps, repeats, device, dtypes=(torch.float32,)):
+    """Rows of the table for ``n_params`` tiny params on ``threads`` threads, of ``dtypes`` in turn."""
     torch.set_num_threads(threads)
     optimizers = {}
     for name, make in OPTIMIZERS.items():
-        optimizers[name] = make(with_grads([16] * n_params, device))
+        optimizers[name] = make(with_grads([16] * n_params, device, dtypes))
         sample(optimizers[name], 3, device)  # states created, tables built
     samples = {name: [] for name in optimizers}
     for repeat in range(repeats):
@@ -62,7 +65,9 @@ def measure(n_params, threads, steps, repeats, device):
     rows = []
     for name, times in samples.items():
         ratios = [a / b for a, b in zip(times, samples[BASELINE])]
-        rows.append(f"| {n_params} | {threads} | {name} | {statistics.median(times) * 1e6:.0f} | "
+        label = f"{n_params}" if len(dtypes) == 1 else f"{n_params}, " + " and ".join(str(d).removeprefix("torch.")
+                                                                                  for d in dtypes)
+        rows.append(f"| {label} | {threads} | {name} | {statistics.median(times) * 1e6:.0f} | "
                     f"{min(times) * 1e6:.0f}..{max(times) * 1e6:.0f} | {statistics.median(ratios):.2f} |")
     return rows
 
@@ -120,6 +125,8 @@ def main():
         for n_params in (148, 2000):
             for threads in sorted({1, default_threads}):
                 print("\n".join(measure(n_params, threads, args.steps, args.repeats, args.device)), flush=True)
+        mixed = (torch.float32, torch.bfloat16)  # a group of two buckets
+        print("\n".join(measure(148, default_threads, args.steps, args.repeats, args.device, mixed)), flush=True)
         torch.set_num_threads(default_threads)
         rows, numel = many_against_one(max(args.steps // 10, 3), args.repeats, args.device)
         print(f"\n2000 params of 1,000-5,000 elements ({numel / 1e6:.1f}M) against one param of that numel, "

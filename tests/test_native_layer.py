@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import fastoptim
 from fastoptim import engines
 from fastoptim.engines.backends import cpu as cpu_backend
 from fastoptim.specs import declared_specs
@@ -222,6 +223,37 @@ def test_a_fused_step_bumps_the_params_version_counters(engine, backend, monkeyp
         versions = [p._version for p in params]
         opt.step()
         assert all(p._version > v for p, v in zip(params, versions))
+
+
+@pytest.mark.parametrize("engine", ["fused-single", "fused-multi"])
+@pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.Adan, fastoptim.Lion])
+def test_a_bound_step_of_a_group_of_two_dtypes_is_the_checked_step(cls, engine, monkeypatch):
+    """A group of fp32 and bf16 params (a bucket each) runs bound, each bucket's tables launched without
+    a plan: bit for bit the steps of a twin that takes the checked way every step, with stochastic
+    rounding (a seed per bucket, drawn in the same order) and, for AdamW, params at different counts
+    (scalars with one value per param, cut to each bucket)."""
+    shapes, dtypes = [(5, 7), (300,), (3,), (4, 4)], [torch.float32, torch.bfloat16] * 2
+    runs = []
+    for checked in (False, True):
+        params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)).to(d))
+                  for i, (s, d) in enumerate(zip(shapes, dtypes))]
+        opt = cls(params, lr=1e-2, weight_decay=0.1, stochastic_rounding=True, **ENGINES[engine])
+        launches = []
+        real = engines.fused.launch_bound
+        monkeypatch.setattr(engines.fused, "launch_bound", lambda *args: launches.append(1) or real(*args))
+        for step in range(5):
+            for param in params:
+                param.grad = grad_for(param, step)
+            if step == 2 and cls is fastoptim.AdamW:
+                opt.state[params[1]]["step"].fill_(7.0)  # in place: the step stays bound
+            if checked:
+                opt.__dict__.get("_engine_caches", {}).pop("bound", None)
+            torch.manual_seed(step)
+            opt.step()
+        assert (len(launches) == 0) == checked and (checked or len(launches) == 2 * 4)  # 2 buckets, steps 2-5
+        runs.append([p.detach().clone() for p in params])
+    for bound, expected in zip(*runs):
+        torch.testing.assert_close(bound, expected, rtol=0, atol=0)
 
 
 def test_the_step_op_updates_the_states_it_is_given_not_those_of_the_last_call():

@@ -65,11 +65,17 @@ class Plan:
         a piece of it: ``tensors`` and ``absmax`` then hold the pieces by role."""
         if tensors is None:
             tensors, absmax = pick(self.tensors, owners), pick(self.absmax, owners)
-        args = self.args
-        if any(key in args for key in self.per_tensor):  # not `&` with dict keys: dynamo before torch 2.13
-            index = sent_to(np.array(owners, dtype=np.int64), self.tensors["param"][0].device)
-            args = {k: v[index] if k in self.per_tensor else v for k, v in args.items()}
+        args = args_of(self.args, self.per_tensor, owners, self.tensors["param"][0].device)
         return replace(self, tensors=tensors, absmax=absmax, cache={}, sum_group=None, args=args)
+
+
+def args_of(args, per_tensor, owners, device):
+    """A step's ``args`` for tensors ``owners`` of its plan: those named in ``per_tensor`` (one value
+    per tensor, on ``device``) cut to theirs."""
+    if not any(key in args for key in per_tensor):  # not `&` with dict keys: dynamo before torch 2.13
+        return args
+    index = sent_to(np.array(owners, dtype=np.int64), device)
+    return {k: v[index] if k in per_tensor else v for k, v in args.items()}
 
 
 ENGINES = {"loop": loop.run, "foreach": foreach.run} | fused.ENGINES

@@ -524,14 +524,18 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             args, per_tensor = scalars.step_arguments(algorithm, group, scalars.one_count(counts), increment, inputs,
                                                       traced, entry.host_count)
         if batch is not None and algorithm.run is engines.run_bucket and algorithm.kernel_scalars is not None \
-                and len(entry.buckets) == 1 and entry.buckets[0][1] is None and entry.partitions is None \
-                and inputs.first_reads is None:
-            # a bound step of one bucket: its tables take the grads and the kernel's scalars, no plan
-            stochastic = group["stochastic_rounding"]
-            ordered = engines.fused.ordered_scalars(algorithm.spec, algorithm.kernel_scalars, args, found_inf,
-                                                    stochastic, grads[0].device)
-            engines.fused.launch_bound(entry.engine, entry.bucket_caches.get(0, {}), algorithm.spec, ordered, grads,
-                                 algorithm.flags(group), stochastic, batch)
+                and entry.partitions is None and inputs.first_reads is None \
+                and all(reduce is None for _, reduce in entry.buckets):
+            # a bound step: each bucket's tables take its grads and the kernel's scalars, no plan (the
+            # scalars made per bucket, in bucket order, as the plan path makes them: one seed each)
+            stochastic, flags, device = group["stochastic_rounding"], algorithm.flags(group), grads[0].device
+            for index, (bucket, _) in enumerate(entry.buckets):
+                whole = len(bucket) == len(entry.params)
+                ordered = engines.fused.ordered_scalars(
+                    algorithm.spec, algorithm.kernel_scalars,
+                    args if whole else engines.args_of(args, per_tensor, bucket, device), found_inf, stochastic, device)
+                engines.fused.launch_bound(entry.engine, entry.bucket_caches.get(index, {}), algorithm.spec, ordered,
+                                           grads if whole else [grads[i] for i in bucket], flags, stochastic, batch)
             return
         plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, algorithm.update, algorithm.spec,
                             algorithm.kernel_scalars, algorithm.flags(group), args,
