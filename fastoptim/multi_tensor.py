@@ -195,6 +195,29 @@ def sent_to(values, device):
     return staged(values, device).to(device, non_blocking=True)
 
 
+def _increment_version_takes_lists():
+    """Whether ``torch._C._increment_version`` takes a list of tensors (torch 2.5 on; before, one
+    tensor; from then on a bare tensor is iterated, one bump per element)."""
+    try:
+        torch._C._increment_version([torch.zeros(1)])
+    except TypeError:
+        return False
+    return True
+
+
+_VERSION_LISTS = _increment_version_takes_lists()
+
+
+def bump_versions(tensors):
+    """Bump the version counters of ``tensors`` (a list) once each, as an in-place op would, so that
+    autograd notices a saved tensor that a kernel changed behind torch's back."""
+    if _VERSION_LISTS:
+        torch._C._increment_version(tensors)
+    else:
+        for tensor in tensors:
+            torch._C._increment_version(tensor)
+
+
 def data_pointers(tensors):
     """The tensors' data pointers (0 for None)."""
     return np.fromiter((0 if t is None else t.data_ptr() for t in tensors), dtype=np.int64, count=len(tensors))

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from . import distributed
-from .multi_tensor import buckets
+from .multi_tensor import bump_versions, buckets
 from .specs import ABSMAX
 
 
@@ -150,33 +150,36 @@ class HostCount:
     While all of them stay, a step takes the number instead of comparing every count (several µs a
     step); any write, also one behind the version counter (``.data``, a numpy view, another process
     sharing the memory), changes the bytes, and the counts are read again. The step's own ``add``
-    keeps it. A group's 0-d count is read directly (one ``item()``)."""
+    keeps it, where the step read the counts through :meth:`read`. A group's 0-d count is read
+    directly (one ``item()``)."""
 
     def __init__(self):
-        self.tensor = None
+        self.tensor, self.fresh = None, False
 
     def read(self, count: Tensor) -> float | None:
         """The value every element of ``count`` (a CPU tensor) holds, or None where they differ."""
         if count.dim() == 0:
             return count.item()
-        if (count is self.tensor and count._version == self.version and count.data_ptr() == self.pointer
-                and self.array.tobytes() == self.bytes):
+        self.fresh = (count is self.tensor and count._version == self.version and count.data_ptr() == self.pointer
+                      and self.array.tobytes() == self.bytes)
+        if self.fresh:
             return self.value
         values = count.numpy()
         value = float(values[0]) if (values == values[0]).all() else None
         self.tensor = None
         if value is not None and count.dim() == 1 and count.dtype == torch.float32 and not count.is_inference():
-            self.tensor, self.array, self.value = count, values, value
+            self.tensor, self.array, self.value, self.fresh = count, values, value, True
             self._note()
         return value
 
     def add(self, count: Tensor, increment: int | Tensor) -> None:
         """``count += increment``, the value kept where this step read it through :meth:`read`."""
-        if count is self.tensor and count._version == self.version and not isinstance(increment, Tensor):
-            # equal counts plus one number stay equal; numpy adds in place for a fraction of add_'s
-            # dispatch (the same fp32 sums), and the version counter is bumped as add_ bumps it
+        fresh, self.fresh = self.fresh and count is self.tensor and count._version == self.version, False
+        if fresh and not isinstance(increment, Tensor):
+            # equal counts plus one number stay equal; numpy adds in place (the same fp32 sums) for a
+            # fraction of add_'s dispatch, and the version counter is bumped as add_ bumps it
             self.array += increment
-            torch._C._increment_version([count])  # a list: the single-tensor overload costs ~60 µs
+            bump_versions([count])
             self.value = float(self.array[0])
             self._note()
             return

@@ -233,14 +233,14 @@ def test_a_bound_step_of_a_group_of_two_dtypes_is_the_checked_step(cls, engine, 
     rounding (a seed per bucket, drawn in the same order) and, for AdamW, params at different counts
     (scalars with one value per param, cut to each bucket)."""
     shapes, dtypes = [(5, 7), (300,), (3,), (4, 4)], [torch.float32, torch.bfloat16] * 2
+    batches, real = [], engines.fused.run_batch
+    monkeypatch.setattr(engines.fused, "run_batch", lambda batch: batches.append((len(batch), real(batch))) or batches[-1][1])
     runs = []
     for checked in (False, True):
+        batches.clear()
         params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)).to(d))
                   for i, (s, d) in enumerate(zip(shapes, dtypes))]
         opt = cls(params, lr=1e-2, weight_decay=0.1, stochastic_rounding=True, **ENGINES[engine])
-        launches = []
-        real = engines.fused.launch_bound
-        monkeypatch.setattr(engines.fused, "launch_bound", lambda *args: launches.append(1) or real(*args))
         for step in range(5):
             for param in params:
                 param.grad = grad_for(param, step)
@@ -250,7 +250,8 @@ def test_a_bound_step_of_a_group_of_two_dtypes_is_the_checked_step(cls, engine, 
                 opt.__dict__.get("_engine_caches", {}).pop("bound", None)
             torch.manual_seed(step)
             opt.step()
-        assert (len(launches) == 0) == checked and (checked or len(launches) == 2 * 4)  # 2 buckets, steps 2-5
+        # steps 2-5 ran bound, both buckets in one native call that took them
+        assert batches == ([] if checked else [(2, True)] * 4)
         runs.append([p.detach().clone() for p in params])
     for bound, expected in zip(*runs):
         torch.testing.assert_close(bound, expected, rtol=0, atol=0)

@@ -274,7 +274,7 @@ def launch_bound(engine, cache, spec, scalars, grads, flags, stochastic, batch):
     ``scalars``, in ``spec.all_scalars`` order. Raises :class:`Unbatched` where they cannot."""
     if engine not in ENGINES:
         raise Unbatched
-    launch_batched(cache, spec, scalars, grads, flags, stochastic, ENGINES[engine] is run_single, batch)
+    launch_batched(cache, spec, scalars, grads, flags, stochastic, engine == SINGLE, batch)
 
 
 def run_batch(launches):
@@ -316,7 +316,8 @@ def run_single(plan):
     _run(plan, per_tensor_calls=True)
 
 
-ENGINES = {"fused-single": run_single, "fused-multi": run_multi}  # the fused engines, by name
+SINGLE, MULTI = "fused-single", "fused-multi"  # the fused engines' names
+ENGINES = {SINGLE: run_single, MULTI: run_multi}
 
 
 # --- the kernels as torch custom ops, which torch.compile keeps as one opaque call per bucket ------

@@ -13,8 +13,9 @@ for other grads) or another status when they cannot take the grads and changed n
 included, or None), ``bind(spec, tensors, table)`` (what its launches read of a cached pointer
 table and its tensors, by role), ``launch(spec, bound, grads, per_tensor, state_format, values,
 flags, stochastic)`` (one run of its kernel over what ``bind`` made, with the grads, the scalar
-``values`` (in ``spec.all_scalars`` order: a number, a 0-d tensor or a 1-d tensor with one value per tensor), the spec's
-``flags`` (name: bool) and whether it rounds stochastically, once or once per tensor) and
+``values`` (in ``spec.all_scalars`` order: a number, a 0-d tensor or a 1-d tensor with one value per
+tensor), the spec's ``flags`` (name: bool) and whether it rounds stochastically, once or once per
+tensor) and
 ``run_launches(launches)`` (run them all, checked before any runs; False, having changed nothing,
 when a tensor moved or a grad does not fit: the caller builds the tables again). A step whose
 every table a backend that ``CHECKS_NATIVELY`` holds runs its launches together, unchecked in

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from ...multi_tensor import CPU_COLUMN_CHUNK_NUMEL, in_flat_buffer
+from ...multi_tensor import CPU_COLUMN_CHUNK_NUMEL, bump_versions, in_flat_buffer
 from ...states import blockwise8
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernels take of params and grads
@@ -166,7 +166,7 @@ def step(launches):
             [launch.flags for launch in launches], [launch.per_tensor for launch in launches])
     if status == STEPPED:
         for launch in launches:
-            torch._C._increment_version(launch.table.params)
+            bump_versions(launch.table.params)
     return status
 
 

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ...multi_tensor import CHUNK_NUMEL, PointerTable, data_pointers, sent_to
+from ...multi_tensor import CHUNK_NUMEL, PointerTable, bump_versions, data_pointers, sent_to
 from ...states import master
 from . import cpu
 
@@ -61,9 +61,8 @@ def scalars(values, rows, table, device):
     if not any(tensors):
         return table.numbers[1][None]
     rows = rows if any(value.dim() == 1 for value, tensor in zip(values, tensors) if tensor) else 1
-    return torch.stack([value.to(device, torch.float32).expand(rows) if tensor
-                        else table.numbers[1][i].expand(rows) for i, (value, tensor) in enumerate(zip(values, tensors))],
-                       dim=1)
+    return torch.stack([value.to(device, torch.float32).expand(rows) if tensor else table.numbers[1][i].expand(rows)
+                        for i, (value, tensor) in enumerate(zip(values, tensors))], dim=1)
 
 
 class Table(NamedTuple):
@@ -113,7 +112,7 @@ def run_launches(launches):
     first = 0
     for each in launches:
         _run(each, pointers[first:first + len(each.grads)])
-        torch._C._increment_version(each.table.params)
+        bump_versions(each.table.params)
         first += len(each.grads)
     return True
 
