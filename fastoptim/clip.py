@@ -125,7 +125,8 @@ def _op_scale_grads(grads, factor):
 
 
 # The kernels as custom ops, which torch.compile keeps in a traced step (the native ops take chunk
-# plans, which a trace cannot build). Their tables are kept per list of grads (its length and first pointer), checked as always.
+# plans, which a trace cannot build). Their tables are kept per list of grads (its length and first pointer), checked as
+# always, in the store that keeps the eager clip_grad_norm_'s.
 # Called with grads the kernel cannot take, they do what torch's foreach ops do.
 _LIBRARY = torch.library.Library("fastoptim", "FRAGMENT")
 _LIBRARY.define("grad_norm_total(Tensor[] grads, bool inf) -> Tensor")
@@ -138,6 +139,15 @@ _OP_TABLES = OpCache()
 
 def _op_tables(grads):
     key = (len(grads), grads[0].data_ptr())
+    return _OP_TABLES.get(key) or _OP_TABLES.keep(key, GradTables())
+
+
+def _eager_tables(parameters, grads):
+    """The tables of an eager ``clip_grad_norm_`` over ``parameters``, kept between calls by the
+    parameters' count and first one (a training loop passes the same ones each step, with new grads):
+    building them costs more than the norm of small grads. The kernels check a plan against the
+    grads they are given, and one made for other grads is built again."""
+    key = ("clip_grad_norm_", len(parameters), len(grads), id(parameters[0]))
     return _OP_TABLES.get(key) or _OP_TABLES.keep(key, GradTables())
 
 
@@ -156,14 +166,15 @@ torch.library.register_fake("fastoptim::grad_norm_total", lambda grads, inf: tor
 torch.library.register_fake("fastoptim::scale_grads", lambda grads, factor: None, lib=_LIBRARY)
 
 
-def grad_norm(grads, norm_type=2.0, group=None, cache=None, kernel=None):
+def grad_norm(grads, norm_type=2.0, group=None, cache=None, kernel=None, wide=None):
     """The ``norm_type``-norm (2 or inf) over every tensor in ``grads``, as a 0-d tensor on the first
-    grad's device: float64 where a grad is float64 (as torch's), else fp32. On grads the kernel
+    grad's device: float64 where a grad is float64 (as torch's), else fp32 (``wide``: that dtype,
+    where the caller knows it: reading every grad's dtype costs 0.1 µs each). On grads the kernel
     takes (``kernel``: the backend, ``clip_backend(grads)``; None: decided here), ``cache`` (a
     :class:`GradTables`) keeps its tables. ``group``: a process group whose ranks hold the rest of
     the grads (each exactly once); the norm is then theirs all together, and every rank of it must
     call this, with grads or none."""
-    inf, wide = norm_type == math.inf, widest(grads)
+    inf, wide = norm_type == math.inf, widest(grads) if wide is None else wide
     # not bool(grads): dynamo before torch 2.13 cannot trace bool() of a list
     kernel = (clip_backend(grads) if kernel is None else kernel) if len(grads) > 0 else None
     if kernel and torch.compiler.is_compiling():
@@ -190,11 +201,11 @@ def norm_of(total, inf, wide):
 CLIP_EPS = 1e-6  # torch's clip_grad_norm_ divides by norm + 1e-6
 
 
-def clip_coefficient(grads, max_norm, eps, inv_scale=None, group=None, cache=None):
+def clip_coefficient(grads, max_norm, eps, inv_scale=None, group=None, cache=None, wide=None):
     """``min(1, max_norm / (norm + eps))``, the factor official Adan scales every gradient by.
     ``inv_scale`` (GradScaler's 1/scale, a tensor) unscales the norm of still-scaled grads; ``group``
-    (see :func:`grad_norm`) makes the norm global; ``cache``: see :func:`grad_norm`."""
-    return coefficient_of(grad_norm(grads, group=group, cache=cache), max_norm, eps, inv_scale)
+    (see :func:`grad_norm`) makes the norm global; ``cache`` and ``wide``: see :func:`grad_norm`."""
+    return coefficient_of(grad_norm(grads, group=group, cache=cache, wide=wide), max_norm, eps, inv_scale)
 
 
 def coefficient_of(norm, max_norm, eps, inv_scale=None):
@@ -237,8 +248,9 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
     if not grads:
         return torch.tensor(0.0)
-    kernel, tables = clip_backend(grads), GradTables()  # the tables: built by the norm, used again by the scaling
+    kernel = clip_backend(grads)
     traced = kernel and torch.compiler.is_compiling()
+    tables = None if traced or not kernel else _eager_tables(parameters, grads)  # the norm's, used again by the scaling
     if traced:
         inf = norm_type == math.inf
         norm, factor = torch.ops.fastoptim.clip_factor(torch.ops.fastoptim.grad_norm_total(grads, inf), max_norm,

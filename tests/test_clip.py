@@ -114,3 +114,24 @@ def test_the_norm_does_not_depend_on_the_thread_count():
     finally:
         torch.set_num_threads(threads)
     assert norms[0] == norms[1] == norms[2]
+
+
+@pytest.mark.parametrize("change", ["resized", "dtype", "same"])
+def test_calls_over_the_same_params_with_other_grads_match_torch(change):
+    """An eager call keeps its tables for the next over the same parameters (``clip._eager_tables``):
+    params and grads resized, or of another dtype (float64, which the kernel leaves to foreach), since
+    the last call must be clipped as torch clips them; the same grads again too."""
+    ours, theirs = twins([(3, 5), (40,), (7,)], torch.float32, seed=0)
+    for call in range(3):
+        if call == 1 and change != "same":
+            for params in (ours, theirs):
+                for i, param in enumerate(params):
+                    size, dtype = (13 * (i + 1),) if change == "resized" else param.shape, \
+                        torch.float64 if change == "dtype" and i == 1 else param.dtype
+                    param.data = torch.zeros(size, dtype=dtype)
+                    param.grad = (torch.arange(param.numel(), dtype=torch.float32).reshape(size) - 3).to(dtype)
+        expected = torch.nn.utils.clip_grad_norm_(theirs, 1.0)
+        norm = fastoptim.clip_grad_norm_(ours, 1.0)
+        torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+        for mine, torchs in zip(ours, theirs):
+            torch.testing.assert_close(mine.grad, torchs.grad, rtol=1e-6, atol=1e-7)
