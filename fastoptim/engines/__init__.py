@@ -69,12 +69,17 @@ class Plan:
         return replace(self, tensors=tensors, absmax=absmax, cache={}, sum_group=None, args=args)
 
 
-def args_of(args, per_tensor, owners, device):
+def args_of(args, per_tensor, owners, device, cache=None):
     """A step's ``args`` for tensors ``owners`` of its plan: those named in ``per_tensor`` (one value
-    per tensor, on ``device``) cut to theirs."""
+    per tensor, on ``device``) cut to theirs. ``cache``: a dict that keeps the owners' index on the
+    device for the next step (a GPU step would send it every time)."""
     if not any(key in args for key in per_tensor):  # not `&` with dict keys: dynamo before torch 2.13
         return args
-    index = sent_to(np.array(owners, dtype=np.int64), device)
+    index = None if cache is None else cache.get("owners")
+    if index is None:
+        index = sent_to(np.array(owners, dtype=np.int64), device)
+        if cache is not None:
+            cache["owners"] = index
     return {k: v[index] if k in per_tensor else v for k, v in args.items()}
 
 

@@ -532,11 +532,12 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             # scalars made per bucket, in bucket order, as the plan path makes them: one seed each)
             stochastic, flags, device = group["stochastic_rounding"], algorithm.flags(group), grads[0].device
             for index, (bucket, _) in enumerate(entry.buckets):
-                whole = len(bucket) == len(entry.params)
+                whole, cache = len(bucket) == len(entry.params), entry.bucket_caches.get(index, {})
                 ordered = engines.fused.ordered_scalars(
                     algorithm.spec, algorithm.kernel_scalars,
-                    args if whole else engines.args_of(args, per_tensor, bucket, device), found_inf, stochastic, device)
-                engines.fused.launch_bound(entry.engine, entry.bucket_caches.get(index, {}), algorithm.spec, ordered,
+                    args if whole else engines.args_of(args, per_tensor, bucket, device, cache), found_inf, stochastic,
+                    device)
+                engines.fused.launch_bound(entry.engine, cache, algorithm.spec, ordered,
                                            grads if whole else [grads[i] for i in bucket], flags, stochastic, batch)
             return
         plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, algorithm.update, algorithm.spec,
