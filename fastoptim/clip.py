@@ -137,9 +137,13 @@ _LIBRARY.define("clip_factor(Tensor total, float max_norm, bool inf, ScalarType 
 _OP_TABLES = OpCache()
 
 
-def _op_tables(grads):
-    key = (len(grads), grads[0].data_ptr())
+def _kept_tables(key):
+    """The :class:`GradTables` kept under ``key``, made where there are none."""
     return _OP_TABLES.get(key) or _OP_TABLES.keep(key, GradTables())
+
+
+def _op_tables(grads):
+    return _kept_tables((len(grads), grads[0].data_ptr()))
 
 
 def _eager_tables(parameters, grads):
@@ -147,8 +151,7 @@ def _eager_tables(parameters, grads):
     parameters' count and first one (a training loop passes the same ones each step, with new grads):
     building them costs more than the norm of small grads. The kernels check a plan against the
     grads they are given, and one made for other grads is built again."""
-    key = ("clip_grad_norm_", len(parameters), len(grads), id(parameters[0]))
-    return _OP_TABLES.get(key) or _OP_TABLES.keep(key, GradTables())
+    return _kept_tables(("clip_grad_norm_", len(parameters), len(grads), id(parameters[0])))
 
 
 def _op_clip_factor(total, max_norm, inf, wide):

@@ -355,10 +355,12 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                                                        found_inf, maximize)
         else:
             increment, inv_scale = scalars.increment_of(found_inf), scalars.inverse_of(amp_scale)
-            # the norm's dtype from the params' (the grads have theirs: checked before any kernel runs)
-            wide = torch.float64 if any(entry.scalar_dtype is torch.float64 for _, entry, _ in work) else torch.float32
-            clip = clip_coefficient(all_grads, max_norm, eps, inv_scale, self._reduce_group,
-                                    caches.setdefault("clip", GradTables()), wide) if clipped else None
+            clip = None
+            if clipped:  # the norm's dtype from the params' (the grads have theirs: checked before any kernel runs)
+                wide = (torch.float64 if any(entry.scalar_dtype is torch.float64 for _, entry, _ in work)
+                        else torch.float32)
+                clip = clip_coefficient(all_grads, max_norm, eps, inv_scale, self._reduce_group,
+                                        caches.setdefault("clip", GradTables()), wide)
             scales = [scalars.grad_scale(clip, inv_scale, m) for m in maximize]
         try:
             for (group, entry, grads), scale in zip(work, scales):

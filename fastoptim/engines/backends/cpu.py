@@ -253,12 +253,9 @@ def launch(spec, bound, grads, per_tensor, state_format, values, flags, stochast
     host sync). The kernel reads each tensor's state format from its layout row, not from
     ``state_format``."""
     slots = [slot for slot, value in enumerate(values) if isinstance(value, torch.Tensor)]
-    if slots:
-        numbers = [0.0 if isinstance(value, torch.Tensor) else float(value) for value in values]
-        tensors = [values[slot] if values[slot].dtype in (torch.float32, torch.float64) else values[slot].float()
-                   for slot in slots]
-    else:  # the common case: every scalar a number
-        numbers, tensors = list(map(float, values)), []
+    numbers = [0.0 if isinstance(value, torch.Tensor) else float(value) for value in values]
+    tensors = [values[slot] if values[slot].dtype in (torch.float32, torch.float64) else values[slot].float()
+               for slot in slots]
     return Launch(bound, grads, numbers, tensors, slots, spec.flag_bits(flags, stochastic), per_tensor)
 
 
