@@ -101,9 +101,16 @@ def sn_groups(params, sn):
     return two_groups(params, sn, {"sn": True})
 
 
-def positive(text):
-    """An argparse type: an int of at least 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
+def at_least(lowest):
+    """An argparse type: an int of at least ``lowest``, refused with the bound named otherwise."""
+    def parse(text):
+        value = int(text)
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"must be at least {lowest}, not {value}")
+        return value
+    parse.__name__ = "int"  # argparse names the type in its messages: "invalid int value"
+    return parse
+
+
+positive = at_least(1)
+non_negative = at_least(0)

@@ -1,6 +1,8 @@
 """`fastoptim bench` end to end on a tiny model, its name checks, its JSON schema, its handling of
 missing peers, oversized models and Ctrl-C, its report of noise (spread, load, the busy warning),
 the width of its tables, its rounds, and the memory method it relies on."""
+import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -317,3 +319,29 @@ def test_the_eight_bit_speed_benchmarks_walk_steps_adamw(tmp_path):
             torch.testing.assert_close(param, reference.detach(), rtol=1e-6, atol=1e-7)
             after = [state for state in states if state is not None]
             assert all((new != old).sum() > new.numel() // 2 for new, old in zip(after, before))
+
+
+def numeric_options(command):
+    """The options of ``fastoptim COMMAND`` that take a number, with the lowest value each allows."""
+    parser = argparse.ArgumentParser()
+    importlib.import_module(f"fastoptim.{command}.command").add_arguments(parser)
+    options = [action for action in parser._actions if action.type is not None and action.choices is None]
+    assert all(action.type is not str and action.type is not int for action in options), \
+        "a numeric option without a lower bound"
+    lowest = {"--seed": 0}
+    return [(action.option_strings[-1], lowest.get(action.option_strings[-1], 1)) for action in options]
+
+
+@pytest.mark.parametrize("command", ["bench", "train"])
+def test_every_numeric_option_refuses_a_value_below_its_bound(command, capsys):
+    options = numeric_options(command)
+    assert {"bench": {"--steps", "--repeats", "--threads"},
+            "train": {"--steps", "--batch-size", "--eval-every", "--checkpoint-every", "--seed", "--threads",
+                      "--stop-after"}}[command] == {name for name, _ in options}
+    for name, lowest in options:
+        for bad in (str(lowest - 1), "-5", "1.5", "x"):
+            with pytest.raises(SystemExit) as stop:
+                cli.main([command, name, bad])
+            assert stop.value.code == 2, (name, bad)
+            error = capsys.readouterr().err
+            assert name in error and (f"must be at least {lowest}" in error or "invalid int value" in error), error

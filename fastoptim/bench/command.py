@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                         "every fastoptim engine (with --device cuda: the FusedAdan "
                                                         "benchmark's peers and the fused engines)")
     parser.add_argument("--baseline", help="the optimizer the ratios are to (default: the first, torch-adam-foreach)")
-    parser.add_argument("--steps", type=int, help=f"timed steps per repeat (default 1, {GPU_STEPS} with --device cuda)")
+    parser.add_argument("--steps", type=positive,
+                        help=f"timed steps per repeat (default 1, {GPU_STEPS} with --device cuda)")
     parser.add_argument("--repeats", type=positive, default=3,
                         help="interleaved repeats; the median is reported with the spread (default 3)")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="of params and grads (default fp32)")
@@ -75,7 +76,7 @@ def run(args: argparse.Namespace) -> None:
     quick = QUICK_PEERS + engines_of_fastoptim + QUICK_EXTRAS
     names = list(args.optimizers or (GPU_PEERS + GPU_OURS if gpu else quick))
     args.models = args.models or (models.SEED_MODELS if gpu else QUICK_MODELS)
-    args.steps = args.steps or (GPU_STEPS if gpu else 1)
+    args.steps = args.steps if args.steps is not None else (GPU_STEPS if gpu else 1)
     baseline = args.baseline or names[0]
     for kind, chosen, valid in (("model", args.models, models.MODELS), ("optimizer", [*names, baseline], known)):
         unknown = list(dict.fromkeys(name for name in chosen if name not in valid))

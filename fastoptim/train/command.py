@@ -2,7 +2,7 @@
 import argparse
 
 from fastoptim import extras
-from fastoptim.measure import positive
+from fastoptim.measure import non_negative, positive
 
 from . import loop as training
 
@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"steps between validations (default {defaults['eval_every']})")
     parser.add_argument("--checkpoint-every", type=positive,
                         help=f"steps between checkpoints (default {defaults['checkpoint_every']}; also at the end)")
-    parser.add_argument("--seed", type=int, help=f"of the initial weights and the batches (default {defaults['seed']})")
+    parser.add_argument("--seed", type=non_negative,
+                        help=f"of the initial weights and the batches (default {defaults['seed']})")
     parser.add_argument("--threads", type=positive, help=f"torch threads (default {defaults['threads']})")
     parser.add_argument("--out", help="folder for results.json, results.md, curves.png and checkpoints/ "
                                       "(default train-out)")
