@@ -29,7 +29,8 @@ def info(_args: argparse.Namespace) -> None:
     if cpu_backend.AVAILABLE:
         print(f"fused CPU kernel built, threads from {cpu_backend.openmp() or 'pthreads (torch has no OpenMP)'}")
     else:
-        print("fused CPU kernel not built: fused=True falls back to foreach")
+        print("native library not loaded (the warning above says why): CPU steps take the foreach engine; build it "
+              "with pip install --no-build-isolation . where torch and a C compiler are installed")
     print(f"triton {'installed' if importlib.util.find_spec('triton') else 'not installed'}")
 
 

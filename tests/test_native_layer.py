@@ -6,6 +6,7 @@ backend's tables are bound and checked natively too (its kernels run in Triton's
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -379,6 +380,29 @@ def test_a_library_that_cannot_be_loaded_leaves_the_fused_engine_to_foreach_with
                             cwd=Path(__file__).parent.parent, env=dict(os.environ, FASTOPTIM_NATIVE_LIBRARY=str(broken)))
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["False", "1", "1"]
+
+
+def test_an_install_without_the_library_warns_once_whatever_engine_is_asked_for(tmp_path):
+    """As pip's isolated build installs it (no torch to compile against, so no library): the default
+    engine takes foreach with one warning, not in silence, and ``fastoptim info`` says so."""
+    shutil.copytree(Path(fastoptim.__file__).parent, tmp_path / "fastoptim", ignore=shutil.ignore_patterns("_C*"))
+    code = ("import warnings, torch\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import fastoptim\n"
+            "    for flags in ({}, dict(fused=True), dict(foreach=True)):\n"
+            "        p = torch.nn.Parameter(torch.ones(4)); p.grad = torch.ones(4)\n"
+            "        opt = fastoptim.AdamW([p], lr=0.1, **flags); opt.step(); opt.step()\n"
+            "missing = [w for w in caught if 'no native library' in str(w.message)]\n"
+            "print(len(missing), fastoptim.engines.backends.cpu.AVAILABLE, 'pip install --no-build-isolation' in\n"
+            "      str(missing[0].message))\n"
+            "from fastoptim import cli; cli.main(['info'])\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                            env=dict(os.environ, PYTHONPATH=str(tmp_path)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, *info = result.stdout.splitlines()
+    assert first.split() == ["1", "False", "True"]
+    assert any(line.startswith("native library not loaded") for line in info), info
 
 
 def test_the_library_reads_each_specs_rows():

@@ -44,6 +44,11 @@ def _load():
         paths = [Path(override).absolute()]  # dlopen would search the library path for a bare name
     path = next((p for p in paths if p.exists()), None)
     if path is None:
+        # said once, at import, whatever engine is asked for: the default engine would otherwise be
+        # foreach in silence (a pip install with build isolation builds no library: torch is not there)
+        warnings.warn(f"fastoptim: no native library ({paths[0].parent}/_C*.so) was built, so the fused CPU engine "
+                      "is unavailable and CPU steps take the foreach engine. Build it where torch and a C compiler "
+                      "are installed: pip install --no-build-isolation . (see `fastoptim info`)")
         return None
     try:
         torch.ops.load_library(str(path))
@@ -233,7 +238,7 @@ def available():
 
 def refusal(param):
     if not available():
-        return "the fused CPU kernel is not built (see the README's set-up)"
+        return "the native library is not built or not loaded (see `fastoptim info`)"
     if param.device.type != "cpu":
         return f"no fused kernel for {param.device.type} tensors yet"
     if param.dtype not in DTYPES:
