@@ -8,6 +8,11 @@
 #                                  host time, and `fastoptim bench` on GPT-2 124M (fp32 and bf16 rows)
 #   bash benchmarks/gpu.sh profile where the host time of a CUDA step goes (Adan, AdamW) and Muon's time on GPT-2 124M
 #   bash benchmarks/gpu.sh lean    master remainders on CUDA (tests and GPT-2 124M in bf16), Muon batched by shape
+#   bash benchmarks/gpu.sh suite   the whole suite's steps on the GPU (FASTOPTIM_TEST_DEVICE=cuda, but the distributed,
+#                                  sanitizer, set-up, bench and train tests), its verdicts per test in suite-on-cuda.log
+#                                  (written as they come, so a run cut short keeps them) and failures counted per file
+#   bash benchmarks/gpu.sh formats host time, then every lean format's step on GPT-2 124M (fp32 and bf16 params) against
+#                                  torch's fused AdamW, and Muon's engines against torch.optim.Muon
 #   bash benchmarks/gpu.sh compile the compile tests with the machine's torch, and the code inductor makes of
 #                                  a CUDA step (output-code.log: what the op's mutated tensors cost)
 set -u
@@ -77,6 +82,29 @@ lean)
         torch-adamw-fused adamw-fused-multi adamw-master24-fused-multi adamw-master32-fused-multi \
         adamw-8bit-fused-multi adamwsn-8bit-master24-fused-multi --out "$OUT/bf16" 2>&1 | tr '\r' '\n' \
         | grep -v "step/s\]" | grep -v "^gpt2-124m: "
+    timeout 80 python3 -m benchmarks.muon --device cuda --model gpt2-124m 2>&1 | tee "$OUT/muon.md"
+    ;;
+suite)
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 90 tests/test_triton.py -k "cuda" -rfE 2>&1 \
+        | tee "$OUT/triton-cuda.log" | tail -15
+    FASTOPTIM_TEST_DEVICE=cuda timeout "${SUITE_SECONDS:-300}" python3 -m pytest -v -p no:cacheprovider -n 14 \
+        --timeout 90 -m "not distributed and not sanitizers" --ignore tests/test_distributed.py \
+        --ignore tests/test_sanitizers.py --ignore tests/test_setup.py --ignore tests/test_bench.py \
+        --ignore tests/test_train.py tests > "$OUT/suite-on-cuda.log" 2>&1
+    grep -oE "(PASSED|FAILED|ERROR|SKIPPED|XFAIL)[^:]*tests/test_[a-z0-9_]+\.py" "$OUT/suite-on-cuda.log" \
+        | sed -E 's/ .*tests\// /' | sort | uniq -c | sort -k2,3 | tee "$OUT/suite-counts.txt"
+    grep -E "^(FAILED|ERROR) " "$OUT/suite-on-cuda.log" | cut -c1-400 | head -150 > "$OUT/suite-failures.txt"
+    tail -3 "$OUT/suite-on-cuda.log"
+    ;;
+formats)
+    timeout 70 python3 -m benchmarks.host_time --device cuda --steps 20 --repeats 5 2>&1 | tee "$OUT/host-time.md"
+    timeout 90 python3 -m fastoptim.cli bench --device cuda --models gpt2-124m --repeats 3 --optimizers \
+        torch-adamw-fused adamw-fused-multi adan-fused-multi adamw-8bit-fused-multi adamwsn-fused-multi \
+        adan-sn-fused-multi --out "$OUT/fp32" 2>&1 | tr '\r' '\n' | grep -v "step/s\]" | grep -v "^gpt2-124m: "
+    timeout 90 python3 -m fastoptim.cli bench --device cuda --dtype bf16 --models gpt2-124m --repeats 3 --optimizers \
+        torch-adamw-fused adamw-fused-multi adamw-8bit-fused-multi adamw-master24-fused-multi \
+        adamwsn-8bit-master24-fused-multi --out "$OUT/bf16" 2>&1 | tr '\r' '\n' | grep -v "step/s\]" \
+        | grep -v "^gpt2-124m: "
     timeout 80 python3 -m benchmarks.muon --device cuda --model gpt2-124m 2>&1 | tee "$OUT/muon.md"
     ;;
 compile)
