@@ -84,9 +84,7 @@ lean)
         | grep -v "step/s\]" | grep -v "^gpt2-124m: "
     timeout 80 python3 -m benchmarks.muon --device cuda --model gpt2-124m 2>&1 | tee "$OUT/muon.md"
     ;;
-suite)
-    timeout 90 python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 90 tests/test_triton.py -k "cuda" -rfE 2>&1 \
-        | tee "$OUT/triton-cuda.log" | tail -15
+suite)  # test_triton.py's CUDA tests included
     FASTOPTIM_TEST_DEVICE=cuda timeout "${SUITE_SECONDS:-300}" python3 -m pytest -v -p no:cacheprovider -n 14 \
         --timeout 90 -m "not distributed and not sanitizers" --ignore tests/test_distributed.py \
         --ignore tests/test_sanitizers.py --ignore tests/test_setup.py --ignore tests/test_bench.py \
