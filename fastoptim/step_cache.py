@@ -73,7 +73,7 @@ class GroupWork:
         # the per-tensor scalars (step sizes, bias corrections): float64 where a param's math is float64
         self.scalar_dtype = torch.float64 if any(p.dtype == torch.float64 for p in local_params) else torch.float32
         self.buckets = [(bucket, None) for bucket in buckets(params)]
-        self.states = self.kept = self.tensors = self.context = self.formats_chosen = self.state_signature = None
+        self.states = self.kept = self.tensors = self.context = self.states_chosen = self.state_signature = None
         self.bucket_caches = {}
         self.traced_scalars = None  # for a traced CPU step whose scalars an op computes: scalars.Prepared
         self.host_count = HostCount()  # what eager steps know of its params' counts
@@ -131,7 +131,7 @@ class GroupWork:
         if not params:  # no grads in the group this step: nothing to update
             return work
         work.states, work.context, work.bucket_caches = self.states, self.context, self.bucket_caches
-        work.formats_chosen, work.kept, work.traced_scalars = self.formats_chosen, self.kept, self.traced_scalars
+        work.states_chosen, work.kept, work.traced_scalars = self.states_chosen, self.kept, self.traced_scalars
         work.partitions, work.reduced_roles, work.buckets = self.partitions, self.reduced_roles, self.buckets
         work.tensors = self.tensors | {"param": work.viewed(local_params)}  # a partitioned param in its view
         work.absmax = self.absmax

@@ -22,7 +22,8 @@ STEPS = 4
 SHAPES = [(24, 16), (24, 16), (40, 12), (12, 40), (20, 20)]
 TORCH_OPTIONS = [dict(), dict(nesterov=False), dict(adjust_lr_fn="match_rms_adamw", weight_decay=0.0),
                  dict(momentum=0.5, lr=0.02, weight_decay=0.3), dict(ns_steps=2, ns_coefficients=(2.0, -1.5, 0.5)),
-                 dict(eps=10.0)]  # eps above the norms: the floor is what each matrix is divided by
+                 dict(eps=10.0),  # eps above the norms: the floor is what each matrix is divided by
+                 dict(lr=0.03), dict(lr=0.03, adjust_lr_fn="match_rms_adamw")]  # a tensor lr·factor rounds in fp32
 
 
 def make_params(shapes=SHAPES, dtype=torch.float32, seed=0):
@@ -183,6 +184,95 @@ def test_flatten_takes_a_conv_weight_as_its_first_dim_by_the_rest(engine):
     with warnings.catch_warnings(record=True):
         run(fastoptim.Muon(ours, flatten=True, **ENGINES[engine]), ours, grads)
     assert_equal([p.reshape(p.shape[0], -1) for p in ours], matrices)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_adjust_lr_fn_changed_between_steps_is_followed_as_torch_muon_follows_it(engine):
+    params = make_params()
+    grads = grads_of(params)
+    runs = []
+    for cls, flags in ((torch.optim.Muon, {}), (fastoptim.Muon, ENGINES[engine])):
+        copies = clone(params)
+        optimizer = cls(copies, lr=0.02)
+        with warnings.catch_warnings(record=True):
+            run(optimizer, copies, grads[:2])
+            optimizer.param_groups[0]["adjust_lr_fn"] = "match_rms_adamw"
+            run(optimizer, copies, grads[2:])
+        runs.append(copies)
+    assert_equal(runs[1], runs[0])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_flatten_changed_between_steps_is_followed(engine):
+    """A (2, 20, 4) param is two 20×4 matrices (lr factor √5), then, with flatten, one 2×80 (factor 1):
+    torch's Muon on those matrices, its momentum buffers carried over, steps them alike."""
+    param = make_params([(2, 20, 4)])[0]
+    grads = grads_of([param])
+    slices = [torch.nn.Parameter(matrix.detach().clone()) for matrix in param]
+    first = torch.optim.Muon(slices, lr=0.02)
+    run(first, slices, [list(step[0]) for step in grads[:2]])
+    flat = torch.nn.Parameter(torch.stack([matrix.detach().flatten() for matrix in slices]))
+    then = torch.optim.Muon([flat], lr=0.02)
+    then.state[flat]["momentum_buffer"] = torch.stack([first.state[s]["momentum_buffer"].flatten() for s in slices])
+    run(then, [flat], [[step[0].reshape(2, 80)] for step in grads[2:]])
+    ours = clone([param])
+    optimizer = fastoptim.Muon(ours, lr=0.02, **ENGINES[engine])
+    with warnings.catch_warnings(record=True):
+        run(optimizer, ours, grads[:2])
+        optimizer.param_groups[0]["flatten"] = True
+        run(optimizer, ours, grads[2:])
+    assert torch.equal(ours[0].detach().reshape(2, 80), flat.detach())
+
+
+def _snapshot(optimizer):
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return ([p.detach().clone() for p in params],
+            {id(p): {k: v.clone() for k, v in optimizer.state[p].items()} for p in params if p in optimizer.state})
+
+
+@pytest.mark.parametrize("change", ["reshaped to 1-D", "reshaped before its first step", "1-D appended",
+                                    "4-D appended", "flatten turned off"])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_param_that_stops_being_a_matrix_is_refused_as_the_constructor_refuses_it(engine, change):
+    """Refused before anything changes, in the first group or in a good group's company."""
+    matrices, companions = make_params(), make_params([(30,)], seed=2)
+    if change == "flatten turned off":
+        matrices.append(torch.nn.Parameter(torch.randn(4, 3, 2, 2)))
+    groups = [{"params": matrices[:2]}, {"params": matrices[2:], "flatten": True}, {"params": companions,
+                                                                                     "use_muon": False}]
+    optimizer = fastoptim.Muon(groups, **ENGINES[engine])
+    everything = matrices + companions
+
+    def step():
+        for param in everything:
+            param.grad = torch.randn_like(param)
+        optimizer.step()
+
+    if change != "reshaped before its first step":
+        with warnings.catch_warnings(record=True):
+            step()
+    group = optimizer.param_groups[1]
+    if change.startswith("reshaped"):
+        matrices[2].data = matrices[2].data.reshape(-1)
+    elif change == "1-D appended":
+        group["params"].append(torch.nn.Parameter(torch.randn(6)))
+    elif change == "4-D appended":
+        group["flatten"] = False
+        group["params"].append(torch.nn.Parameter(torch.randn(2, 3, 4, 5)))
+    else:
+        group["flatten"] = False
+    everything = [p for g in optimizer.param_groups for p in g["params"]]
+    params_before, states_before = _snapshot(optimizer)
+    for param in everything:
+        param.grad = torch.randn_like(param)
+    with pytest.raises(ValueError, match="Muon orthogonalizes matrices"):
+        optimizer.step()
+    params_after, states_after = _snapshot(optimizer)
+    assert_equal(params_after, params_before)
+    assert states_after.keys() == states_before.keys()
+    for key, state in states_before.items():
+        assert state.keys() == states_after[key].keys()
+        assert all(torch.equal(value, states_after[key][name]) for name, value in state.items())
 
 
 def newton_schulz_per_step(x, coefficients, eps):

@@ -65,6 +65,7 @@ class Algorithm(NamedTuple):
     ``counts``: where it counts steps: ``PER_PARAM``, ``PER_GROUP`` or None.
     ``param_factors(group, param)``: a number per param that its arguments read, computed when the
     params' states change rather than every step (Muon's lr factor of a matrix's shape); None.
+    ``factor_options``: the group's options that ``param_factors`` reads: a change of one makes them again.
     ``n_betas``: how many betas its groups take.
     ``run(engine, plan, reduce_group)``: how a bucket's plan runs, where the engines' own way does
     not fit (Muon's, whose math needs whole matrices between two elementwise halves).
@@ -77,5 +78,6 @@ class Algorithm(NamedTuple):
     flags: Callable[[dict], dict] = no_flags
     counts: str | None = None
     param_factors: Callable[[dict, Tensor], float] | None = None
+    factor_options: tuple[str, ...] = ()
     n_betas: int = 2
     run: Callable = engines.run_bucket

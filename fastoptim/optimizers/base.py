@@ -61,9 +61,6 @@ class StateContext(NamedTuple):
     first_reads: Tensor | None = None
 
 
-def _formats_chosen(group):
-    """The options that choose the formats of a group's states: state_bits and master_bits."""
-    return group["state_bits"], group["master_bits"]
 
 
 def _grads_pattern(params):
@@ -315,7 +312,14 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
     def _structure(self, group):
         """What of ``group``'s options decides its step work: its state roles, engine and formats."""
         return (self._roles(group), engines.engine_name(group["foreach"], group["fused"]),
-                _formats_chosen(group), group.get("sn"), group.get("subset_size"))
+                self._states_chosen(group), group.get("sn"), group.get("subset_size"))
+
+    def _states_chosen(self, group):
+        """The options that a group's states and what ``_prepare_states`` made of them were made under:
+        state_bits and master_bits (the states' formats), and those its algorithm's ``param_factors``
+        read. When one changes, the states are checked again and their context made again."""
+        return (group["state_bits"], group["master_bits"],
+                *(group[key] for key in self._algorithm(group).factor_options))
 
     def _roles(self, group):
         """The state roles the engines update under ``group``'s options: the algorithm's, and the
@@ -455,7 +459,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             caches[index] = entry
         self._check_grads(local_params, grads, entry.signature)
         states = list(map(self.state.get, params))
-        if not entry.holds(states) or entry.formats_chosen != _formats_chosen(group):
+        if not entry.holds(states) or entry.states_chosen != self._states_chosen(group):
             entry.states = None
             for param, state in zip(params, states):
                 self._check_state(param, state or {}, group)
@@ -589,7 +593,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         partitions = [subset_norm.from_record(p.shape, s) for p, s in zip(entry.params, states)]
         spec = self._algorithm(group).spec
         entry.use_states(states, context, partitions, spec.reduced, self._reduce_group, not spec.elementwise)
-        entry.formats_chosen = _formats_chosen(group)  # the states' formats: checked again if an option changes
+        entry.states_chosen = self._states_chosen(group)  # checked again if one of these options changes
 
     def _partition(self, param, state, group):
         """The subset-norm partition of a param: the one its state records; for a state without a

@@ -139,10 +139,13 @@ def lr_factor(group: dict, param: Tensor) -> float:
 
 
 def muon_arguments(group: dict, inputs: StepInputs) -> tuple[dict, set[str]]:
-    """``muon_update``'s arguments for a step of Muon: each matrix's step size is lr times its factor."""
+    """``muon_update``'s arguments for a step of Muon: each matrix's step size is lr times its factor,
+    rounded where torch.optim.Muon rounds it: a number lr times the factor in float64, a tensor lr
+    times it in the lr's dtype (a tensor times a Python number)."""
+    factors = inputs.factors.to(inputs.lr.dtype) if isinstance(inputs.lr, Tensor) else inputs.factors
     args = dict(momentum=group["momentum"], nesterov=group["nesterov"], lr=inputs.lr,
                 weight_decay=group["weight_decay"], grad_scale=inputs.grad_scale,
-                step_size=(inputs.lr * inputs.factors).to(inputs.wide), coefficients=coefficients(group),
+                step_size=(inputs.lr * factors).to(inputs.wide), coefficients=coefficients(group),
                 eps=group["eps"], flatten=group["flatten"])
     return args, {"step_size"}
 
@@ -208,7 +211,8 @@ def run_in_three_parts(momentum_engine: str, part: engines.Plan, reduce_group=No
         args={name: args[name] for name in ("lr", "weight_decay", "step_size")}))
 
 
-MUON = Algorithm(SPEC, muon_update, muon_arguments, param_factors=lr_factor, run=run_muon_bucket)
+MUON = Algorithm(SPEC, muon_update, muon_arguments, param_factors=lr_factor, factor_options=("adjust_lr_fn", "flatten"),
+                 run=run_muon_bucket)
 # use_muon=False groups: AdamW, with the companions' eps (Muon's eps is the Newton–Schulz floor)
 COMPANIONS = ADAMW._replace(
     arguments=lambda group, inputs: adamw_arguments(group | {"eps": group["adamw_eps"]}, inputs),
@@ -303,6 +307,12 @@ class Muon(FastOptimizer):
         if group["use_muon"]:
             for param in group.get("params", ()):
                 self._check_matrix(param, group["flatten"])
+
+    def _check_state(self, param, state, group):
+        # a param reshaped (.data =) or appended to the group since it was checked, or flatten turned off
+        if group["use_muon"]:
+            self._check_matrix(param, group["flatten"])
+        super()._check_state(param, state, group)
 
     @staticmethod
     def _check_matrix(param, flatten):
