@@ -32,8 +32,8 @@ TRITON = pytest.param("triton", marks=pytest.mark.skipif(
     importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") != "1",
     reason="Triton runs CPU tensors in its interpreter only"))
 BACKENDS = ["cpu", TRITON]
-ENGINES = {"loop": dict(foreach=False, fused=False), "fused-single": dict(foreach=False, fused=True),
-           "fused-multi": dict(foreach=True, fused=True)}
+ENGINES = {"loop": dict(foreach=False, fused=False), "foreach": dict(foreach=True, fused=False),
+           "fused-single": dict(foreach=False, fused=True), "fused-multi": dict(foreach=True, fused=True)}
 
 
 def grad_for(param, step):
@@ -256,6 +256,76 @@ def test_a_bound_step_of_a_group_of_two_dtypes_is_the_checked_step(cls, engine, 
         runs.append([p.detach().clone() for p in params])
     for bound, expected in zip(*runs):
         torch.testing.assert_close(bound, expected, rtol=0, atol=0)
+
+
+def _bound_run(info, engine, params, change=None, steps=4, at=2):
+    """``info``'s optimizer on ``engine`` over ``params`` for ``steps`` steps (bound from the second
+    on, where the engine is fused), ``change(opt, params)`` made before step ``at``."""
+    opt = info.cls(params, lr=1e-2, **ENGINES[engine])
+    for step in range(steps):
+        for param in params:
+            param.grad = grad_for(param, step)
+        if step == at and change is not None:
+            with torch.no_grad():
+                change(opt, params)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # fused=True leaves a transposed state to foreach, with a warning
+            opt.step()
+    return opt
+
+
+def _square_states(opt):
+    """The optimizer's states of one square param, with their keys."""
+    return [(state, key) for state in opt.state.values() for key, value in state.items()
+            if torch.is_tensor(value) and value.dim() == 2 and value.shape[0] == value.shape[1]]
+
+
+def _transposed_in_place(opt, params):
+    for state, key in _square_states(opt):
+        state[key].t_()
+
+
+def _transposed_view_stored(opt, params):
+    for state, key in _square_states(opt):
+        state[key] = state[key].t()
+
+
+@pytest.mark.parametrize("engine", ["fused-single", "fused-multi"])
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=str)
+def test_a_square_state_transposed_in_place_is_followed_as_the_loop_engine_follows_it(info, engine):
+    """``exp_avg.t_()`` between two bound steps keeps the state's pointer, dtype and sizes: its strides
+    tell that its elements moved. The step is, bit for bit, the one that finds the transposed view
+    stored in the state's place (a change the step sees in Python), and the loop engine's to the
+    kernel's rounding (the steps before the change ran on the kernel)."""
+    runs = []
+    for name, change in ((engine, _transposed_in_place), (engine, _transposed_view_stored),
+                         ("loop", _transposed_in_place)):
+        params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)))
+                  for i, s in enumerate([(6, 6), (300,), (5, 7)])]
+        _bound_run(info, name, params, change)
+        runs.append([p.detach() for p in params])
+    in_place, stored, loop = runs
+    for got, expected, by_loop in zip(in_place, stored, loop):
+        assert torch.equal(got, expected)
+        torch.testing.assert_close(got, by_loop, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=str)
+def test_a_sparse_grad_after_bound_steps_is_refused_clearly_on_every_step(info, engine):
+    """The first step's error: native code, which reads no sparse tensor's layout, leaves it to the
+    checked step."""
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    opt = _bound_run(info, engine, params, steps=3)
+    params[0].grad = params[0].grad.to_sparse()
+    before = [p.detach().clone() for p in params], [
+        {key: value.clone() for key, value in opt.state[p].items()} for p in params]
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+            opt.step()
+        assert all(torch.equal(a, b) for a, b in zip(before[0], params))
+        for state, kept in zip((opt.state[p] for p in params), before[1]):
+            assert all(torch.equal(state[key], value) for key, value in kept.items())
 
 
 def test_the_step_op_updates_the_states_it_is_given_not_those_of_the_last_call():

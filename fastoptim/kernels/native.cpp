@@ -89,25 +89,26 @@ int32_t threads() { return static_cast<int32_t>(torch::stable::get_num_threads()
 
 // A tensor's pointer, dtype, device type, sizes and strides, read through the C shim directly: the
 // stable Tensor's scalar_type() compares the code with every dtype, one shim call each, and these
-// reads are most of what a bound step costs.
+// reads are most of what a bound step costs. ``readable`` is false where one cannot be read (a sparse
+// tensor has no strides): a check answers that such a tensor does not fit, and Python names the
+// problem, as it does on a step it checks; the other fields are then not to be used.
 struct Read {
     void *data = nullptr;
     int32_t dtype = -1, device_type = -1, device_index = -1;
     int64_t dim = 0;
     int64_t *sizes = nullptr, *strides = nullptr;
+    bool readable;
 
     explicit Read(const Tensor &t) : Read(t.get()) {}
 
-    explicit Read(AtenTensorHandle h) {
-        STD_TORCH_CHECK(aoti_torch_get_data_ptr(h, &data) == AOTI_TORCH_SUCCESS
-                            && aoti_torch_get_dtype(h, &dtype) == AOTI_TORCH_SUCCESS
-                            && aoti_torch_get_device_type(h, &device_type) == AOTI_TORCH_SUCCESS
-                            && aoti_torch_get_device_index(h, &device_index) == AOTI_TORCH_SUCCESS
-                            && aoti_torch_get_dim(h, &dim) == AOTI_TORCH_SUCCESS
-                            && aoti_torch_get_sizes(h, &sizes) == AOTI_TORCH_SUCCESS
-                            && aoti_torch_get_strides(h, &strides) == AOTI_TORCH_SUCCESS,
-                        "fastoptim: a tensor whose layout cannot be read (sparse?)");
-    }
+    explicit Read(AtenTensorHandle h)
+        : readable(aoti_torch_get_data_ptr(h, &data) == AOTI_TORCH_SUCCESS
+                   && aoti_torch_get_dtype(h, &dtype) == AOTI_TORCH_SUCCESS
+                   && aoti_torch_get_device_type(h, &device_type) == AOTI_TORCH_SUCCESS
+                   && aoti_torch_get_device_index(h, &device_index) == AOTI_TORCH_SUCCESS
+                   && aoti_torch_get_dim(h, &dim) == AOTI_TORCH_SUCCESS
+                   && aoti_torch_get_sizes(h, &sizes) == AOTI_TORCH_SUCCESS
+                   && aoti_torch_get_strides(h, &strides) == AOTI_TORCH_SUCCESS) {}
 
     bool empty() const { return std::find(sizes, sizes + dim, 0) != sizes + dim; }
 
@@ -128,6 +129,13 @@ struct Read {
     }
 };
 
+// ``t``'s Read, for an op that refuses a tensor whose layout cannot be read.
+Read read_for(const Tensor &t, const char *op) {
+    Read r(t);
+    STD_TORCH_CHECK(r.readable, op, ": a tensor whose layout cannot be read (a sparse one?)");
+    return r;
+}
+
 // What a held tensor was when it was bound; a call whose tensor differs in any of it is STALE. An
 // empty tensor has no memory to walk: only its dtype, device and sizes count.
 struct Layout {
@@ -142,24 +150,26 @@ struct Layout {
 
     bool on_device_of(const Read &r) const { return r.device_type == device_type && r.device_index == device_index; }
 
-    // Whether a view of an owner no longer has the pointer, dtype and sizes it had (set_, .data =,
-    // resize_, share_memory_, a view as another dtype): the owner still holds its memory, but the state
-    // the user sees is elsewhere or another thing.
+    // Whether a view of an owner no longer has the pointer, dtype, sizes and strides it had (set_,
+    // .data =, resize_, share_memory_, a view as another dtype, t_() of a square one): the owner still
+    // holds its memory, but the state the user sees is elsewhere, another thing, or in another order.
     bool moved_out(const Tensor &t) const {
         void *now;
         int32_t dtype_now;
-        int64_t dim_now, *sizes_now;
+        int64_t dim_now, *sizes_now, *strides_now;
         return aoti_torch_get_data_ptr(t.get(), &now) != AOTI_TORCH_SUCCESS || now != data
             || aoti_torch_get_dtype(t.get(), &dtype_now) != AOTI_TORCH_SUCCESS || dtype_now != dtype
             || aoti_torch_get_dim(t.get(), &dim_now) != AOTI_TORCH_SUCCESS
             || dim_now != static_cast<int64_t>(sizes.size())
             || aoti_torch_get_sizes(t.get(), &sizes_now) != AOTI_TORCH_SUCCESS
-            || !std::equal(sizes.begin(), sizes.end(), sizes_now);
+            || !std::equal(sizes.begin(), sizes.end(), sizes_now)
+            || aoti_torch_get_strides(t.get(), &strides_now) != AOTI_TORCH_SUCCESS
+            || !std::equal(strides.begin(), strides.end(), strides_now);
     }
 
     bool describes(const Tensor &t) const {
         const Read r(t);
-        return r.dtype == dtype && on_device_of(r) && (empty || r.data == data)
+        return r.readable && r.dtype == dtype && on_device_of(r) && (empty || r.data == data)
             && r.dim == static_cast<int64_t>(sizes.size()) && std::equal(sizes.begin(), sizes.end(), r.sizes)
             && (empty || std::equal(strides.begin(), strides.end(), r.strides));
     }
@@ -180,7 +190,7 @@ bool walked_as(const Read &r, const Layout &param) {
 bool fits(AtenTensorHandle grad, const Layout &param, int64_t *pointer) {
     if (grad == nullptr) return false;
     const Read r(grad);
-    if (r.dtype != param.dtype || !walked_as(r, param)) return false;
+    if (!r.readable || r.dtype != param.dtype || !walked_as(r, param)) return false;
     *pointer = param.empty ? 0 : reinterpret_cast<int64_t>(r.data);
     return true;
 }
@@ -253,7 +263,7 @@ struct StepScalars {
                             " outside the scalars");
             const int64_t n = tensors_of_slot[slots[j]];
             const Read s(tensors[j]);
-            STD_TORCH_CHECK(s.device_type == cpu && (s.dtype == float32 || s.dtype == float64)
+            STD_TORCH_CHECK(s.readable && s.device_type == cpu && (s.dtype == float32 || s.dtype == float64)
                                 && (s.dim == 0 || (s.dim == 1 && s.sizes[0] == n && (s.strides[0] == 1 || n < 2))),
                             op, ": scalar ", slots[j], " must be a contiguous fp32 or float64 CPU tensor, 0-d or with "
                             "one value per tensor (", n, ")");
@@ -325,7 +335,7 @@ struct Locked {
    ``owners`` are flat state buffers (contiguous 1-d tensors): a state whose elements lie in one is
    checked through it, so a call reads a few buffers' layouts instead of every state's. Its pointer stays
    within memory that the held buffer owns while the buffer keeps its pointer and size; of the state
-   itself a call reads only its pointer, dtype and sizes (moved_out). */
+   itself a call reads only its pointer, dtype, sizes and strides (moved_out). */
 int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> rows, int64_t n_tensors,
              int64_t n_rows, int64_t n_scalars, Tensor chunks, std::optional<Tensor> layouts,
              std::vector<Tensor> owners) {
@@ -339,7 +349,7 @@ int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> 
     STD_TORCH_CHECK(!named || n_rows == named->n_rows, op, ": the ", kernel, " kernel reads ",
                     named ? named->n_rows : 0, " rows of pointers, not ", n_rows);
     table->run = named ? named->run : nullptr;
-    const Read first(held[0]);
+    const Read first = read_for(held[0], op);
     table->dtype = kernel_dtype(first.dtype);
     STD_TORCH_CHECK(table->dtype >= 0, op, ": no kernel for the params' dtype");
     table->n_tensors = n_tensors;
@@ -348,7 +358,7 @@ int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> 
     table->pointers.assign(n_rows * n_tensors, 0);
     std::vector<Read> flat;
     for (const Tensor &owner : owners) {
-        flat.emplace_back(owner);
+        flat.push_back(read_for(owner, op));
         STD_TORCH_CHECK(flat.back().dim == 1 && flat.back().strides[0] == 1 && !flat.back().empty()
                             && (!table->run || owner.is_cpu()),
                         op, ": an owner must be a non-empty contiguous 1-d tensor (on the CPU for a CPU kernel)");
@@ -359,7 +369,7 @@ int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> 
         for (int64_t t = 0; t < n_tensors; t++) {
             const Tensor &tensor = held[k * n_tensors + t];
             STD_TORCH_CHECK(!table->run || tensor.is_cpu(), op, ": tensor ", t, " of row ", rows[k], " is not on the CPU");
-            const Read read(tensor);
+            const Read read = read_for(tensor, op);
             const bool owned =
                 k > 0 && std::any_of(flat.begin(), flat.end(), [&](const Read &o) { return read.within(o); });
             (owned ? table->views : table->held).push_back(tensor);
@@ -587,7 +597,7 @@ struct Rows {
         for (size_t i = 0; i < tensors.size(); i++) {
             const Read r(tensors[i]);
             const int32_t code = kernel_dtype(r.dtype);
-            if (r.device_type != cpu || code < 0 || (i > 0 && code != dtype)) return false;
+            if (!r.readable || r.device_type != cpu || code < 0 || (i > 0 && code != dtype)) return false;
             dtype = code;
             int64_t numel = 1;
             for (int64_t d = 0; d < r.dim; d++) numel *= r.sizes[d];
