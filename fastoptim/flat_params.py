@@ -3,7 +3,9 @@ grads views of one grad buffer each, at the same offsets (as DDP's ``gradient_as
 its grads). A fused step over many small tensors then streams through a few long runs of memory
 instead of thousands of short ones, which the CPU's prefetchers cannot follow from one to the next
 (measured in docs/results/flat-params-2026-11-26.md)."""
+import warnings
 import weakref
+from operator import attrgetter
 
 import torch
 from torch import Tensor
@@ -18,6 +20,7 @@ PARAM_ALIGNMENT = 16
 # The grad buffers flatten_parameters made, by id (a WeakSet would compare tensors with ==); each
 # records how many grads view it, so that a zero_grad over all of them fills it in one call.
 GRAD_BUFFERS = weakref.WeakValueDictionary()
+REQUIRES_GRAD = attrgetter("requires_grad")
 
 
 def _refusal(name, param):
@@ -47,7 +50,13 @@ def flatten_parameters(module: torch.nn.Module, grads: bool = True) -> list[Tens
     fill per buffer where the optimizer holds all of its grads; ``module.zero_grad()`` (torch's)
     drops them, after which backward makes grads of their own again (correct, without the flat
     layout's speed). A param whose data is later replaced (``param.data = ...``) leaves its buffer;
-    a copy of the model (``copy.deepcopy``, a state dict) is not flat.
+    a copy of the model (``copy.deepcopy``, a state dict) is not flat. A conversion of the module
+    (``module.to(device, dtype)``, ``.double()``, ``.half()``, ``.to(memory_format=...)``) gives the
+    params it changes and their grads data of their own: they are then no longer flat, and
+    fastoptim's ``zero_grad()`` drops those grads as torch's does, with a warning; flatten after
+    converting (or again). A param frozen since (``requires_grad_(False)``) loses its flat grad at
+    the next ``step()`` or ``zero_grad()``, so that it is not stepped, as torch's ``zero_grad`` leaves
+    an unflattened model's.
 
     So, with ``grads``, every param that requires grad always has one, zeros where a backward gave
     it none, as after torch's ``zero_grad(set_to_none=False)``: an optimizer steps it (its weight
@@ -107,26 +116,73 @@ def flatten_parameters(module: torch.nn.Module, grads: bool = True) -> list[Tens
 
 
 def grad_buffer(grad: Tensor) -> Tensor | None:
-    """The grad buffer of flatten_parameters that ``grad`` is a view of, or None."""
+    """The grad buffer of flatten_parameters that ``grad`` was made a view of, or None. (A conversion of
+    the module since, ``module.double()`` or ``.to(...)``, gave the grad data of its own, outside it:
+    see :func:`span`.)"""
     base = grad._base
     return base if base is not None and GRAD_BUFFERS.get(id(base)) is base else None
 
 
+def span(buffer: Tensor) -> tuple[int, int]:
+    """The addresses of ``buffer``'s first byte and of the byte past its last: a grad made a view of it
+    still is one while its data pointer lies in there. torch's ``Module._apply`` (``.to()``,
+    ``.double()``, ``.half()``, a memory format) sets a grad's ``.data`` to a converted copy, which keeps
+    the tensor and its ``_base`` but moves its data out of the buffer."""
+    start = buffer.data_ptr()
+    return start, start + buffer.nbytes
+
+
+def flat_grad(param: Tensor) -> bool:
+    """Whether ``param``'s grad is a view of a flat grad buffer."""
+    grad = param.grad
+    buffer = None if grad is None else grad_buffer(grad)
+    if buffer is None:
+        return False
+    start, end = span(buffer)
+    return start <= grad.data_ptr() <= end
+
+
+def drop_frozen_grads(groups) -> None:
+    """Drop the flat grads of the params of ``groups`` (param groups) that no longer require grad:
+    frozen since they were flattened (``requires_grad_(False)``), they get no grad from backward, and a
+    step would take the zeros that zero_grad left there for their weight decay and momentum, where
+    torch's zero_grad leaves an unflattened model's frozen params no grad to step."""
+    for group in groups:
+        params = group["params"]
+        if not all(map(REQUIRES_GRAD, params)):
+            for param in params:
+                if not param.requires_grad and flat_grad(param):
+                    param.grad = None
+
+
 def zero_grads(params) -> None:
-    """Set the grads of ``params`` to None, but zero those that are views of a flat grad buffer in place:
-    the whole buffer in one fill where ``params`` hold all of its grads."""
-    kept = {}
+    """Set the grads of ``params`` to None, but zero those that are views of a flat grad buffer in place
+    (the whole buffer in one fill where ``params`` hold all of its grads), of params that still require
+    grad (see :func:`drop_frozen_grads`). A grad that a conversion of its module moved out of its buffer
+    (see :func:`span`) is the param's own: it is set to None too, with a warning that the model is no
+    longer flat (zeroing the buffer instead would leave it to accumulate over steps)."""
+    kept, moved = {}, 0
     for param in params:
         grad = param.grad
         if grad is None:
             continue
-        buffer = grad_buffer(grad)
+        buffer = grad_buffer(grad) if param.requires_grad else None
         if buffer is None:
             param.grad = None
+            continue
+        _, (start, end), grads = kept.get(id(buffer)) or kept.setdefault(id(buffer), (buffer, span(buffer), []))
+        if start <= grad.data_ptr() <= end:
+            grads.append(grad)
         else:
-            kept.setdefault(id(buffer), (buffer, []))[1].append(grad)
-    for buffer, views in kept.values():
-        if len(views) == buffer.views:
+            param.grad = None
+            moved += 1
+    if moved:
+        warnings.warn(f"fastoptim: {moved} params were converted after flatten_parameters (module.to(), .double(), "
+                      ".half(), a memory format), which gave them and their grads data of their own: the model is "
+                      "no longer flat there, and zero_grad drops those grads as torch does. Convert the model "
+                      "first, or call fastoptim.flatten_parameters(model) again", stacklevel=3)
+    for buffer, _, grads in kept.values():
+        if len(grads) == buffer.views:
             buffer.zero_()
-        else:
-            torch._foreach_zero_(views)
+        elif grads:
+            torch._foreach_zero_(grads)

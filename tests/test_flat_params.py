@@ -181,3 +181,90 @@ def test_a_sparse_grad_or_params_sharing_memory_are_refused_before_anything_move
     with pytest.raises(ValueError, match="share memory"):
         fastoptim.flatten_parameters(net)
     assert net[0].data_ptr() == base.data_ptr()
+
+
+CONVERSIONS = {  # what torch's Module._apply does after flattening: each param and grad gets new data
+    "double": lambda net: net.double(),
+    "half": lambda net: net.half(),
+    "bfloat16": lambda net: net.to(torch.bfloat16),
+    "channels_last": lambda net: net.to(memory_format=torch.channels_last),
+}
+
+
+def train_in_dtype(net, opt, steps=3):
+    """``train``, with inputs in the params' dtype."""
+    dtype = next(net.parameters()).dtype
+    for step in range(steps):
+        torch.manual_seed(step)
+        net(torch.randn(2, 3, 8, 8, dtype=dtype)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+@pytest.mark.parametrize("convert", CONVERSIONS)
+def test_a_model_converted_after_flattening_trains_as_one_never_flattened_and_says_so(info, convert):
+    """The conversion gives each param and grad new data, apart from their buffers: the grads are then
+    the model's own, which zero_grad drops as torch does (zeroing the old buffer instead would let them
+    accumulate over steps), with a warning that the model is no longer flat."""
+    loose, flat = model(), model()
+    for net in (loose, flat):  # a contiguous conv weight, which channels_last moves
+        net[0].weight.data = net[0].weight.data.contiguous()
+    fastoptim.flatten_parameters(flat)
+    for net in (loose, flat):
+        CONVERSIONS[convert](net)
+    options = dict(lr=0.01, weight_decay=0.1) | info.own_options
+    train_in_dtype(loose, info.cls(loose.parameters(), **options))
+    with pytest.warns(UserWarning, match="no longer flat.*flatten_parameters"):
+        train_in_dtype(flat, info.cls(flat.parameters(), **options))
+    for (name, a), b in zip(loose.named_parameters(), flat.parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+@pytest.mark.parametrize("when", ["after backward", "after step", "after zero_grad"])
+def test_a_layer_frozen_after_flattening_is_no_longer_stepped(info, when):
+    """requires_grad_(False) mid-run: the layer's flat grad is dropped by step() or zero_grad(), whichever
+    comes first, so weight decay and momentum leave the layer where it was. Frozen after step() or
+    zero_grad(), that is what torch's zero_grad does to an unflattened model, bit for bit; frozen between
+    backward and step(), an unflattened layer would be stepped once more on that backward's grad."""
+    def run(net):
+        opt = info.cls(net.parameters(), lr=0.01, weight_decay=0.1, **info.own_options)
+        frozen = None
+        for step in range(4):
+            torch.manual_seed(step)
+            net(torch.randn(2, 3, 8, 8)).square().mean().backward()
+            for moment in ("after backward", opt.step, "after step", opt.zero_grad, "after zero_grad"):
+                if callable(moment):
+                    moment()
+                elif moment == when and step == 1:
+                    net[2].requires_grad_(False)
+                    frozen = [param.detach().clone() for param in net[2].parameters()]
+        return frozen
+
+    loose, flat = model(), model()
+    fastoptim.flatten_parameters(flat)
+    run(loose)
+    frozen = run(flat)
+    assert all(torch.equal(param, kept) and param.grad is None for param, kept in zip(flat[2].parameters(), frozen))
+    if when != "after backward":
+        for (name, a), b in zip(loose.named_parameters(), flat.parameters()):
+            assert torch.equal(a, b), name
+
+
+def test_a_layer_frozen_after_flattening_is_not_stepped_by_a_compiled_step():
+    """A compiled step is traced again once a param is frozen (dynamo guards requires_grad), and the
+    eager part of that tracing drops the frozen param's flat grad, as an eager step does."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    fastoptim.flatten_parameters(net)
+    opt = fastoptim.AdamW(net.parameters(), lr=0.1, weight_decay=0.5)
+    step = torch.compile(opt.step, backend="aot_eager", fullgraph=True)
+    for index in range(3):
+        net(torch.randn(2, 3)).sum().backward()
+        step()
+        opt.zero_grad()
+        if index == 0:
+            net[0].requires_grad_(False)
+            frozen = [param.detach().clone() for param in net[0].parameters()]
+    assert all(torch.equal(param, kept) and param.grad is None for param, kept in zip(net[0].parameters(), frozen))

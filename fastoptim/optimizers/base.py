@@ -269,6 +269,8 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                                                           group))
                          for index, group in enumerate(self.param_groups)], caches)
             return loss
+        if flat_params.GRAD_BUFFERS:
+            flat_params.drop_frozen_grads(self.param_groups)
         release = self.__dict__.get("_release")
         if release is not None:
             release.step()
@@ -389,6 +391,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         GradScaler then skips: zeros, and the step count stays, so the trajectory is eager's."""
         caches = self.__dict__.setdefault("_engine_caches", {})
         caches.setdefault("clip", GradTables())  # which the step would otherwise add, changing what it guards
+        flat_params.drop_frozen_grads(self.param_groups)  # a step traced again once a param is frozen (guarded)
         for index, group in enumerate(self.param_groups):
             entry, grads = self._group_work(caches, index, group)
             if entry.states is None and entry.params:
