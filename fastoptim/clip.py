@@ -50,19 +50,21 @@ class GradTables:
 
 def _kernel_partials(grads, inf, kernel, tables):
     """Per bucket, the kernel's partial sums of squares (or largest magnitudes) of ``grads``, or None
-    where it does not take them. A plan that no longer covers the grads is built again."""
+    where it does not take them. A kept plan the kernel refuses in any way is built again from these
+    grads before that is decided: a plan made for other grads (in another order, or before one became
+    float64) groups them otherwise, and the scaling that follows takes the plans the norm leaves."""
     for again in (False, True):
         parts = []
         for bucket, chunks in tables(grads, again):
             status, partials = kernel.grad_norm_partials(grads if len(bucket) == len(grads) else
                                                          [grads[i] for i in bucket], chunks, inf)
-            if status == kernel.PLAN_STALE:
-                break
             if status != kernel.TAKEN:
-                return None
+                break
             parts.append(partials)
         else:
             return parts
+        if again and status == kernel.NOT_TAKEN:
+            return None
     raise RuntimeError("fastoptim: the clip kernel refused chunk plans built from its grads just now")
 
 

@@ -135,3 +135,40 @@ def test_calls_over_the_same_params_with_other_grads_match_torch(change):
         torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
         for mine, torchs in zip(ours, theirs):
             torch.testing.assert_close(mine.grad, torchs.grad, rtol=1e-6, atol=1e-7)
+
+
+def _set(param, size, dtype, dense=True):
+    """``param`` given new data of ``size`` and ``dtype``, and a grad of the same values in every call
+    (one with gaps between its elements where not ``dense``)."""
+    param.data = torch.zeros(size, dtype=dtype)
+    values = (torch.arange(2 * size, dtype=torch.float32) / size - 1).to(dtype)
+    param.grad = values[:size] if dense else values[::2]
+    return param
+
+
+MIXED = [(10, torch.float32), (20, torch.bfloat16), (30, torch.float32)]  # two buckets for the kernel
+SECOND_CALLS = {  # over the first call's params (fp32, bf16, fp32): the params of the second call
+    "another order": lambda params: [params[0], params[2], params[1]],
+    "a float64 grad, another resized": lambda params: [_set(params[0], 10, torch.float64), _set(params[1], 25,
+                                                                                                 torch.bfloat16),
+                                                       params[2]],
+    "a grad with gaps, another resized": lambda params: [_set(params[0], 10, torch.float32, dense=False),
+                                                         _set(params[1], 25, torch.bfloat16), params[2]],
+}
+
+
+@pytest.mark.parametrize("second", SECOND_CALLS)
+def test_calls_over_params_of_mixed_dtypes_in_another_order_or_other_grads_match_torch(second):
+    """The tables an eager call keeps (by the params' count and first one) are not the plan of these
+    grads: the kernel's answers make them again before any grad is scaled."""
+    ours, theirs = ([_set(torch.nn.Parameter(torch.empty(0)), size, dtype) for size, dtype in MIXED] for _ in "ab")
+    mine, torchs = ours, theirs
+    for call in range(3):
+        if call == 1:  # then the same again
+            mine, torchs = SECOND_CALLS[second](ours), SECOND_CALLS[second](theirs)
+        expected = torch.nn.utils.clip_grad_norm_(torchs, 1.0)
+        norm = fastoptim.clip_grad_norm_(mine, 1.0)
+        # torch reduces the bf16 grads in bf16, the kernel in float64
+        torch.testing.assert_close(norm, expected, rtol=2**-8, atol=0)
+        for a, b in zip(mine, torchs):
+            torch.testing.assert_close(a.grad, b.grad, rtol=2**-7, atol=1e-7)
