@@ -19,10 +19,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
 TINY = ["--models", "gpt2-tiny", "--steps", "2", "--repeats", "2"]
-TOP_KEYS = {"schema", "fastoptim", "torch", "machine", "device", "dtype", "threads", "steps", "repeats", "baseline",
+TOP_KEYS = {"schema", "fastoptim", "torch", "machine", "date", "device", "dtype", "threads", "steps", "repeats", "baseline",
             "gradients", "spread_limit", "load_at_start", "busy", "interrupted", "models"}
 MODEL_KEYS = {"model", "status", "message", "params", "tensors", "param_bytes", "grad_bytes", "optimizers",
-              "probe_gbps", "probe_spread", "load"}
+              "probe_gbps", "probe_spread", "probe_range_gbps", "load"}
 LOAD_KEYS = {"cpus", "load_before", "load_after", "others_cores", "busy"}
 RESULT_KEYS = {"optimizer", "library", "status", "message", "ms_per_step", "min_ms", "max_ms", "spread", "noisy",
                "total_ms", "samples_ms", "first_step_ms", "state_bytes", "peak_extra_bytes", "peak_bytes",
@@ -86,7 +86,7 @@ def test_the_figures_are_consistent(tiny_run):
 
 def test_the_json_schema_is_stable(tiny_run):
     _, results, _ = tiny_run
-    assert results["schema"] == 3 and set(results) == TOP_KEYS
+    assert results["schema"] == 4 and set(results) == TOP_KEYS
     assert {"cpu", "cpus", "memory_bytes", "gpu", "system", "python"} <= set(results["machine"])
     assert set(results["load_at_start"]) == LOAD_KEYS
     for entry in results["models"]:

@@ -1,5 +1,6 @@
 """What `fastoptim bench` writes: markdown tables (per model, and a summary per figure), results.json,
 PNG plots, and a side-by-side view of two runs."""
+import datetime
 import json
 import os
 import textwrap
@@ -11,7 +12,9 @@ import fastoptim
 
 from ..measure import MIB, machine, number
 
-SCHEMA = 3  # 2: spread of each figure, the machine's load, the peers' library; 3: bytes kept per parameter
+# 2: spread of each figure, the machine's load, the peers' library; 3: bytes kept per parameter; 4: the run's date
+# and each model's probe range
+SCHEMA = 4
 # Bytes per parameter of AdamW's training state (params, grads, states) that peers publish, for lean
 # configurations this benchmark does not build: (who, configuration, bytes, with gradient release).
 PUBLISHED_BYTES_PER_PARAM = (
@@ -25,6 +28,7 @@ SPREAD_LIMIT = 0.10  # a figure whose (max - min) / median over the repeats exce
 
 def header(settings):
     return dict(schema=SCHEMA, fastoptim=fastoptim.__version__, torch=torch.__version__, machine=machine(),
+                date=datetime.date.today().isoformat(),
                 **{key: settings[key] for key in ("device", "dtype", "threads", "steps", "repeats", "baseline",
                                                   "gradients")},
                 spread_limit=SPREAD_LIMIT, load_at_start=None, busy=False, interrupted=False, models=[])
@@ -175,8 +179,10 @@ def markdown(results):
 
 def plot(results, path):
     """Per model, ms per step (log axis) and peak memory of every optimizer, as bars: fastoptim's and
-    the peers' in two colours, and on the time axis the time each step would take at the probe's
-    bandwidth, the limit for its traffic."""
+    the peers' in two colours, each time bar with the min..max of its repeats, and on the time axis
+    the time each step's traffic takes at the copy probe's bandwidth, as the band of the probe's own
+    repeats. The figure's title carries the machine, torch, date and the busy warning, so it reads
+    without results.md."""
     import matplotlib
     matplotlib.use("Agg")
     from matplotlib import pyplot
@@ -187,31 +193,43 @@ def plot(results, path):
     if not entries:
         return None
     height = 0.25 * max(len(e["optimizers"]) for e in entries) + 1.2
-    figure, axes = pyplot.subplots(len(entries), 2, figsize=(13, height * len(entries)), squeeze=False)
+    heading = [title(results) + f"; {results.get('date', '')}"] + ([busy_warning(results)] if results["busy"] else [])
+    heading_inches = 0.14 * sum(text.count("\n") + 1 for text in heading) + 0.1
+    figure, axes = pyplot.subplots(len(entries), 2, figsize=(13, height * len(entries) + heading_inches),
+                                   squeeze=False)
     colours = {True: "C0", False: "C7"}
     for row, entry in zip(axes, entries):
         rows = entry["optimizers"]
         names = [r["optimizer"] for r in rows]
-        for axis, key, scale, label, log in ((row[0], "ms_per_step", 1, "ms per step (log)", True),
-                                             (row[1], "peak_bytes", MIB, "peak MiB: params, grads, states, step",
-                                              False)):
-            values = [r[key] / scale if r[key] else float("nan") for r in rows]
-            axis.barh(names, values, color=[colours[r["library"] == "fastoptim"] for r in rows])
-            if log:  # times span orders of magnitude; memory bars start at 0 to compare by length
-                axis.set_xscale("log")
+        times = [r["ms_per_step"] or float("nan") for r in rows]
+        spread = [[t - (r["min_ms"] or t) for t, r in zip(times, rows)],
+                  [(r["max_ms"] or t) - t for t, r in zip(times, rows)]]
+        row[0].barh(names, times, xerr=spread, error_kw=dict(capsize=2, lw=0.8),
+                    color=[colours[r["library"] == "fastoptim"] for r in rows])
+        row[0].set_xscale("log")  # times span orders of magnitude
+        peaks = [r["peak_bytes"] / MIB if r["peak_bytes"] else float("nan") for r in rows]
+        row[1].barh(names, peaks, color=[colours[r["library"] == "fastoptim"] for r in rows])  # from 0: by length
+        if all(peak != peak for peak in peaks):
+            row[1].text(0.5, 0.5, "not measured", transform=row[1].transAxes, ha="center", va="center")
+            row[1].set_xticks([]), row[1].set_yticks([])
+        for axis, label in ((row[0], "ms per step (log), min..max of the repeats"),
+                            (row[1], "peak MiB: params, grads, states, step")):
             axis.invert_yaxis()
             axis.set_xlabel(label)
             axis.set_title(f"{entry['model']}: {label}", fontsize=9)
             axis.tick_params(labelsize=7)
         if entry.get("probe_gbps"):
-            limits = [r["traffic_bytes"] / entry["probe_gbps"] / 1e6 if r["traffic_bytes"] else float("nan")
-                      for r in rows]
-            row[0].scatter(limits, names, marker="|", s=120, color="black", zorder=3)
+            slowest, fastest = sorted(entry.get("probe_range_gbps") or [entry["probe_gbps"]] * 2)
+            for y, r in enumerate(rows):
+                if r["traffic_bytes"]:
+                    row[0].plot([r["traffic_bytes"] / fastest / 1e6, r["traffic_bytes"] / slowest / 1e6], [y, y],
+                                color="black", lw=5, alpha=0.45, solid_capstyle="butt", zorder=3)
     handles = [Patch(color=colours[True], label="fastoptim"), Patch(color=colours[False], label="peers"),
-               Line2D([], [], marker="|", linestyle="", markersize=10, color="black",
-                      label="the step's traffic at the probe's bandwidth (the limit)")]
-    figure.legend(handles=handles, loc="upper center", ncol=3, fontsize=8)
-    figure.tight_layout(rect=(0, 0, 1, 1 - 0.4 / figure.get_figheight()))
+               Line2D([], [], lw=5, alpha=0.45, color="black",
+                      label="its traffic at the copy probe's bandwidth (probe's min..max); caches can beat it")]
+    figure.legend(handles=handles, loc="lower center", ncol=3, fontsize=8)
+    figure.suptitle("\n".join(heading), fontsize=8, color="black", y=0.995, va="top")
+    figure.tight_layout(rect=(0, 0.35 / figure.get_figheight(), 1, 1))  # it makes room for the title itself
     figure.savefig(path, dpi=100)
     pyplot.close(figure)
     return path

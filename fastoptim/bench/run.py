@@ -294,6 +294,7 @@ def measure_model(entry, names, settings, progress):
     if probe_samples:
         entry["probe_gbps"] = probe_bytes / statistics.median(probe_samples) / 1e9
         entry["probe_spread"] = spread(probe_samples)
+        entry["probe_range_gbps"] = [probe_bytes / max(probe_samples) / 1e9, probe_bytes / min(probe_samples) / 1e9]
     measured = [name for name in names if results[name]["status"] == "ok"]
     for name in names:
         if settings["memory"] and name in measured:
