@@ -163,9 +163,6 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         self.state = OptimizerState(self.state)  # counts its changes: see BoundStep
 
     def add_param_group(self, param_group):
-        if self.__dict__.get("_release") is not None:  # its params would have no hooks, and never be stepped
-            raise RuntimeError("fastoptim: gradient release is on: call remove() on its handle, add the group, "
-                               "then enable_gradient_release() again")
         params = param_group["params"]
         if not isinstance(params, (Tensor, set)):  # torch refuses a set; a generator is read once, here
             param_group["params"] = list(params)
@@ -297,7 +294,13 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
 
         Args:
             set_to_none: set the other grads to None (default), or zero every grad in place.
+
+        Under gradient release, it first ends a step that a backward began and ``step()`` did not (the
+        backward raised): see :meth:`GradientRelease.zero_grad <fastoptim.optimizers.release.GradientRelease.zero_grad>`.
         """
+        release = self.__dict__.get("_release")
+        if release is not None:
+            release.zero_grad()
         if not set_to_none or not flat_params.GRAD_BUFFERS:
             return super().zero_grad(set_to_none)
         if not hasattr(self, "_zero_grad_profile_name"):
@@ -736,19 +739,24 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                 and (clipped_grads is None or clip_backend(clipped_grads) is not None))
 
     def enable_gradient_release(self, bucket_numel: int = release.BUCKET_NUMEL) -> release.GradientRelease:
-        """Step each bucket of params in backward, as soon as all its grads are ready, and free those
+        """Step each bucket of params in backward, as soon as all its grads are final, and free those
         grads there: a model's grads are then never all held at once. ``step()`` steps what backward
-        left (the buckets whose params did not all get a grad) and advances the step counts;
-        ``zero_grad()`` finds nothing to clear. Without stochastic rounding, the results are a normal
-        ``backward(); step()``'s bit for bit (with it, the same distribution: the random bits are
-        drawn per bucket).
+        left (the buckets whose params did not all get a grad, params a reentrant checkpoint
+        accumulates into, params new to a group) and advances the step counts; ``zero_grad()`` finds
+        nothing to clear. Without stochastic rounding, the results are a normal ``backward(); step()``'s
+        bit for bit (with it, the same distribution: the random bits are drawn per bucket). The
+        buckets follow the groups (params added, or starting or ceasing to require grad); flat grads
+        (:func:`fastoptim.flatten_parameters`) are zeroed in place, not freed; the hooks hold the
+        optimizer weakly and go with it.
 
         Refused, before anything changes, where release cannot be exact: ``max_grad_norm`` (the
         norm of all grads), a process group (DDP and FSDP reduce the grads after backward), or release
         already on. After it, a second backward before ``step()`` (gradient accumulation) raises in
         backward, ``fastoptim.clip_grad_norm_`` refuses the released params, and ``step()`` refuses
         GradScaler's scale (the steps in backward took the scaled grads); torch's own
-        ``clip_grad_norm_`` would find no grads.
+        ``clip_grad_norm_`` would find no grads. An option set between backward and ``step()`` (a
+        scheduler stepped first) came too late for the buckets backward stepped: ``step()`` warns,
+        once. A backward that raised after stepping some buckets is ended by ``zero_grad()``.
 
         Args:
             bucket_numel: the elements of the params stepped together (each param group's, in
@@ -766,14 +774,14 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         return self._release
 
     @without_grad
-    def _step_released(self, bucket, group_index, params):
-        """Step ``params`` of group ``group_index`` (released bucket ``bucket``) on their grads,
-        checked as a step checks them; the group's per-group count advances at ``step()``."""
+    def _step_released(self, key, group_index, params):
+        """Step ``params`` of group ``group_index`` on their grads (a released bucket, or what backward
+        left; ``key``: their step work's in the caches), checked as a step checks them; the group's
+        per-group count advances at ``step()``."""
         caches = self.__dict__.setdefault("_engine_caches", {})
         caches.pop("bound", None)  # the next normal step is checked again
         group = self.param_groups[group_index]
-        self._apply([(group, *self._group_work(caches, ("released", bucket), group, params))], caches,
-                    whole_step=False)
+        self._apply([(group, *self._group_work(caches, key, group, params))], caches, whole_step=False)
 
     def master_state_dict(self, module: torch.nn.Module) -> dict[str, Tensor]:
         """``module.state_dict()`` with each bf16 param that keeps a master remainder here (under

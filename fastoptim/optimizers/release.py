@@ -1,15 +1,28 @@
 """Gradient release: each bucket of params is stepped from a post-accumulate-grad hook as soon as all
-its grads are ready in backward, and its grads are freed there, so that a model's grads are never
-all held at once. ``step()`` then steps only what backward left (params whose bucket did not fill)
-and advances the per-group step counts; ``zero_grad()`` finds nothing to clear."""
+its grads are final in backward, and its grads are freed there (flat grads: zeroed in place), so that a
+model's grads are never all held at once. ``step()`` then steps what backward left (params whose bucket
+did not fill, or whose grads a reentrant backward accumulates) and advances the per-group step counts;
+``zero_grad()`` finds nothing to clear, or ends a step whose backward raised."""
 from __future__ import annotations
 
+import operator
+import sys
+import warnings
+import weakref
+from collections.abc import Callable
+
 import torch
+from torch import Tensor
+from torch.autograd.function import BackwardCFunction
 from torch.optim import Optimizer
 
+from .. import flat_params
 from ..clip import RELEASED
 
 BUCKET_NUMEL = 1 << 22  # elements per released bucket (16 MiB of fp32 grads): DDP's default is 25 MiB
+
+# The frame of an autograd Function's backward: a backward run from inside it is reentrant.
+FUNCTION_BACKWARD = BackwardCFunction.apply.__code__
 
 
 def refusal(optimizer: Optimizer) -> str | None:
@@ -25,23 +38,110 @@ def refusal(optimizer: Optimizer) -> str | None:
     return None
 
 
+def in_reentrant_backward() -> bool:
+    """Whether the backward running now was started by the backward of an autograd Function, as
+    ``torch.utils.checkpoint(use_reentrant=True)`` runs its block's: that Function's frame is then on
+    this thread's stack (also on a GPU's autograd thread, where the reentrant backward runs too). Its
+    accumulations are not the last of the backward around it: a block used twice accumulates again."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is FUNCTION_BACKWARD:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _options(group: dict) -> dict:
+    """A param group's options as a step reads them: each value, with a tensor's version (a scheduler
+    may write a tensor lr in place). Not its params, nor a per-group count, which step() advances."""
+    return {key: (value, value._version if isinstance(value, Tensor) else None)
+            for key, value in group.items() if key not in ("params", "step")}
+
+
+def _same(before, now) -> bool:
+    """Whether an option held in ``_options`` is unchanged: the same tensor at the same version, or an
+    equal value."""
+    if before is None or now is None:
+        return before is now
+    (value, version), (value_now, version_now) = before, now
+    if isinstance(value, Tensor) or isinstance(value_now, Tensor):
+        return value is value_now and version == version_now
+    return value == value_now
+
+
+class _Hooks:
+    """The post-accumulate-grad hooks of a release, by param, and the params' marks as released
+    (fastoptim.clip_grad_norm_ refuses those). It holds neither the release nor its optimizer, so that
+    a finalizer of the optimizer can remove them: hooks never outlive it."""
+
+    def __init__(self):
+        self.handles = {}
+
+    def follow(self, params: dict, hook: Callable[[Tensor], None]) -> None:
+        """Hook exactly ``params`` (a dict keyed by them): unhook those that left, hook those that came."""
+        for param in [param for param in self.handles if param not in params]:
+            self.handles.pop(param).remove()
+            if RELEASED.get(id(param)) is param:
+                del RELEASED[id(param)]
+        for param in params:
+            if param not in self.handles:
+                self.handles[param] = param.register_post_accumulate_grad_hook(hook)
+                RELEASED[id(param)] = param
+
+    def clear(self) -> None:
+        self.follow({}, None)
+
+
+def _weak_hook(release: GradientRelease) -> Callable[[Tensor], None]:
+    """The hook that tells ``release`` a grad arrived, holding it weakly: a param's hooks must not keep
+    an optimizer alive (it would step the model in a later optimizer's backward)."""
+    reference = weakref.ref(release)
+
+    def grad_ready(param):
+        live = reference()
+        if live is not None:
+            live._grad_ready(param)
+    return grad_ready
+
+
 class GradientRelease:
     """The handle that ``optimizer.enable_gradient_release()`` returns; ``remove()`` turns it off.
 
     The buckets: each param group's params that require grads, in reverse order (backward reaches
     the last layers first), cut every ``bucket_numel`` elements; a group whose math needs its
     tensors together (Muon's batches of matrices) is one bucket, so its batches stay as a normal
-    step makes them.
+    step makes them. They follow the groups: where a group's params or their ``requires_grad``
+    changed, the first grad of the next backward, or ``step()``, makes them again, and ``step()``
+    steps every param with a grad that backward did not. It holds its optimizer weakly, and the
+    hooks go with the optimizer.
     """
 
     def __init__(self, optimizer: Optimizer, bucket_numel: int):
-        self.optimizer = optimizer
+        self._optimizer = weakref.ref(optimizer)
+        self.bucket_numel = bucket_numel
+        self.hooks = _Hooks()
+        self._unhook = weakref.finalize(optimizer, self.hooks.clear)
+        self._hook = _weak_hook(self)
+        self.late = set()  # ids of params a reentrant backward accumulated into: their buckets step at step()
+        self.warned = False  # of options set between backward and step(), once
+        self._make_buckets(optimizer)
+        self._new_step()
+
+    @property
+    def optimizer(self) -> Optimizer | None:
+        """The optimizer whose steps are released; None once it is gone."""
+        return self._optimizer()
+
+    def _make_buckets(self, optimizer):
+        """Cut the groups' params into buckets (see the class) and hook exactly theirs."""
+        self.layout = [(list(group["params"]), list(map(flat_params.REQUIRES_GRAD, group["params"])))
+                       for group in optimizer.param_groups]
         self.buckets, self.bucket_of = [], {}
         for index, group in enumerate(optimizer.param_groups):
             whole = not optimizer._algorithm(group).spec.elementwise
             params, numel = [], 0
             for param in reversed([p for p in group["params"] if p.requires_grad]):
-                if params and not whole and numel + param.numel() > bucket_numel:
+                if params and not whole and numel + param.numel() > self.bucket_numel:
                     self._add(index, params)
                     params, numel = [], 0
                 params.append(param)
@@ -49,57 +149,123 @@ class GradientRelease:
             if params:
                 self._add(index, params)
         self.ready = [set() for _ in self.buckets]  # ids of the params whose grads arrived this step
-        self.stepped = set()  # buckets stepped since the last step()
-        self.hooks = [param.register_post_accumulate_grad_hook(self._grad_ready) for param in self.bucket_of]
-        RELEASED.update({id(param): param for param in self.bucket_of})
+        self.hooks.follow(self.bucket_of, self._hook)
 
     def _add(self, group_index, params):
         for param in params:
             self.bucket_of[param] = len(self.buckets)
         self.buckets.append((group_index, params))
 
-    def _grad_ready(self, param: torch.Tensor) -> None:
-        bucket = self.bucket_of[param]
-        if bucket in self.stepped:
+    def _made_for(self, optimizer) -> bool:
+        """Whether the buckets were made for ``optimizer``'s groups as they are: the same params, with
+        the same ``requires_grad``."""
+        groups = optimizer.param_groups
+        return len(groups) == len(self.layout) and all(
+            len(group["params"]) == len(params) and all(map(operator.is_, group["params"], params))
+            and list(map(flat_params.REQUIRES_GRAD, params)) == trained
+            for group, (params, trained) in zip(groups, self.layout))
+
+    def _new_step(self):
+        for ready in self.ready:
+            ready.clear()
+        self.stepped = set()  # ids of the params stepped since the last step()
+        self.options = {}  # group index: its options when backward first stepped one of its buckets
+        self.checked = False  # whether this step's first grad has checked the buckets against the groups
+        self.task, self.reentrant = None, False  # the autograd graph task last seen, and whether it is reentrant
+
+    def _grad_ready(self, param: Tensor) -> None:
+        optimizer = self.optimizer
+        if optimizer is None:
+            return
+        if not self.checked:
+            self.checked = True
+            if not self._made_for(optimizer):
+                self._make_buckets(optimizer)
+        bucket = self.bucket_of.get(param)
+        if bucket is None:  # left its group, or frozen: step() steps it if it has a grad
+            return
+        task = torch._C._current_graph_task_id()
+        if task != self.task:
+            self.task, self.reentrant = task, in_reentrant_backward()
+        if self.reentrant:
+            self.late.add(id(param))
+        if id(param) in self.stepped:
             raise RuntimeError(
-                "fastoptim: gradient release stepped these params in an earlier backward since the last "
-                "optimizer.step(): a second backward (gradient accumulation) cannot add to their grads. Call "
-                "optimizer.step() after each backward, or remove the release handle to accumulate")
+                "fastoptim: gradient release stepped this param since the last optimizer.step(), and a grad was "
+                "accumulated into it again: a second backward (gradient accumulation), or in one backward a "
+                "reentrant checkpoint (use_reentrant=True) of a param also used outside it (from the next backward "
+                "on, release steps that param at step()). Call optimizer.step() after each backward, use "
+                "use_reentrant=False, or remove the release handle to accumulate")
         ready = self.ready[bucket]
         ready.add(id(param))
-        if len(ready) == len(self.buckets[bucket][1]):
-            self._step(bucket)
-
-    def _step(self, bucket: int) -> None:
         group_index, params = self.buckets[bucket]
-        self.optimizer._step_released(bucket, group_index, params)
-        self.stepped.add(bucket)
-        self.ready[bucket].clear()
-        for param in params:
-            param.grad = None
+        if len(ready) == len(params) and not any(id(p) in self.late for p in params):
+            self._step(group_index, params, ("released", bucket))
+
+    def _step(self, group_index, params, key):
+        """Step ``params`` of group ``group_index`` (``key``: their step work's in the optimizer's caches),
+        then free their grads."""
+        optimizer = self.optimizer
+        if group_index not in self.options:
+            self.options[group_index] = _options(optimizer.param_groups[group_index])
+        optimizer._step_released(key, group_index, params)
+        self.stepped.update(map(id, params))
+        flat_params.zero_grads(params)  # a flat grad is zeroed in place: its buffer is held anyway
 
     def step(self) -> None:
-        """``optimizer.step()`` under release: the buckets that backward did not step (some of their
-        params got no grad), on the grads they have, then the per-group step counts."""
-        if getattr(self.optimizer, "grad_scale", None) is not None:
+        """``optimizer.step()`` under release: every param with a grad that backward did not step (its
+        bucket did not fill, a reentrant backward accumulated into it, or it is new to its group), on
+        the grads they have, then the per-group step counts."""
+        optimizer = self.optimizer
+        if getattr(optimizer, "grad_scale", None) is not None:
             raise RuntimeError("fastoptim: GradScaler scales the loss, and gradient release has already stepped "
                                "the params with the scaled grads in backward: remove the release handle to use "
                                "GradScaler")
-        for bucket in range(len(self.buckets)):
-            if bucket not in self.stepped and any(param.grad is not None for param in self.buckets[bucket][1]):
-                self._step(bucket)
-        for group in self.optimizer.param_groups:  # the per-group counts, once
-            self.optimizer._count_step(group, None, 1)
-        self.stepped.clear()
-        for ready in self.ready:
-            ready.clear()
+        self._warn_of_options_set_since_backward(optimizer)
+        if not self._made_for(optimizer):
+            self._make_buckets(optimizer)
+        for index, group in enumerate(optimizer.param_groups):
+            rest = [param for param in group["params"] if param.grad is not None and id(param) not in self.stepped]
+            if rest:
+                self._step(index, rest, ("released rest", index))
+        for group in optimizer.param_groups:  # the per-group counts, once
+            optimizer._count_step(group, None, 1)
+        self._new_step()
+
+    def _warn_of_options_set_since_backward(self, optimizer):
+        for index, before in self.options.items():
+            now = _options(optimizer.param_groups[index])
+            changed = [key for key in before.keys() | now.keys() if not _same(before.get(key), now.get(key))]
+            if changed and not self.warned:
+                self.warned = True
+                warnings.warn(
+                    f"fastoptim: {', '.join(sorted(changed))} of param group {index} changed after backward had "
+                    "stepped its released buckets with the values before: only what step() stepped took the new "
+                    "ones. Under gradient release, set options (scheduler.step()) after optimizer.step() or "
+                    "before backward. (Said once.)", stacklevel=4)
+
+    def zero_grad(self) -> None:
+        """``optimizer.zero_grad()`` under release, before the grads are cleared: a step that a backward
+        began and ``step()`` did not end (the backward raised, and a handler went on) ends here. The
+        buckets it stepped keep their update, which cannot be undone (a warning says so), and the
+        per-group step counts advance, as after a step in which the other params had no grads."""
+        optimizer = self.optimizer
+        if self.stepped and optimizer is not None:
+            warnings.warn(
+                f"fastoptim: a backward that did not reach step() had already stepped {len(self.stepped)} params "
+                "under gradient release, which cannot be undone: zero_grad() ends that step there (the per-group "
+                "step counts advance) and drops the other grads", stacklevel=4)
+            for group in optimizer.param_groups:
+                optimizer._count_step(group, None, 1)
+        self._new_step()
 
     def remove(self) -> None:
-        """Turn release off: the hooks go, and ``step()`` steps the grads as usual again."""
-        for hook in self.hooks:
-            hook.remove()
-        for param in self.bucket_of:
-            RELEASED.pop(id(param), None)
-        self.hooks = []
-        if self.optimizer._release is self:
-            self.optimizer._release = None
+        """Turn release off: the hooks go, and ``step()`` steps the grads as usual again. Between a
+        backward and ``step()``, what backward left is stepped first, as ``step()`` would, so that no
+        param is stepped twice."""
+        optimizer = self.optimizer
+        if self.stepped and optimizer is not None:
+            self.step()
+        self._unhook()
+        if optimizer is not None and optimizer.__dict__.get("_release") is self:
+            optimizer._release = None
