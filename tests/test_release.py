@@ -338,3 +338,25 @@ def test_zero_grad_after_a_backward_that_raised_recovers(info):
     train(module, opt, steps=2, check_freed=True)
     assert_equal_runs(normal, plain, module, opt)
     assert any("did not reach step()" in str(warning.message) for warning in caught)
+
+
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_remove_between_backward_and_step_steps_each_param_once(info):
+    """remove() after a backward that stepped some buckets leaves the rest to step(), which steps no param
+    twice: flat grads, which release zeroes instead of freeing, are dropped there for the stepped params."""
+    normal, released = model(), model()
+    for module in (normal, released):
+        fastoptim.flatten_parameters(module)
+    plain, opt = info.cls(list(normal.parameters()), **options_of(info)), info.cls(list(released.parameters()),
+                                                                                  **options_of(info))
+    handle = opt.enable_gradient_release(bucket_numel=SMALL_BUCKETS)
+    train(normal, plain, steps=2)
+    train(released, opt, steps=2)
+    x = batches(3)[-1]
+    for module in (normal, released):  # the last Linear gets no grad: its bucket waits for step()
+        module[:3](x).square().mean().backward()
+    plain.step()
+    handle.remove()
+    opt.step()
+    assert_equal_runs(normal, plain, released, opt)
+    assert [g.get("step") for g in plain.param_groups] == [g.get("step") for g in opt.param_groups]

@@ -261,11 +261,16 @@ class GradientRelease:
 
     def remove(self) -> None:
         """Turn release off: the hooks go, and ``step()`` steps the grads as usual again. Between a
-        backward and ``step()``, what backward left is stepped first, as ``step()`` would, so that no
-        param is stepped twice."""
+        backward and ``step()``, that ``step()`` steps what backward left: the params that backward
+        stepped lose their grads here (flat grads too, which release zeroes in place, and which the step
+        would otherwise take again), so that none is stepped twice."""
         optimizer = self.optimizer
-        if self.stepped and optimizer is not None:
-            self.step()
         self._unhook()
-        if optimizer is not None and optimizer.__dict__.get("_release") is self:
+        if optimizer is None:
+            return
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if id(param) in self.stepped:
+                    param.grad = None
+        if optimizer.__dict__.get("_release") is self:
             optimizer._release = None
