@@ -4,6 +4,7 @@ import argparse
 import importlib
 import importlib.util
 import sys
+import textwrap
 
 import torch
 
@@ -17,6 +18,17 @@ COMMANDS = {"info": ("version, torch, threads and available engines", None),
                       "fastoptim.bench.command"),
             "train": ("train a small GPT-2 on the standard library's sources with each optimizer",
                       "fastoptim.train.command")}
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help, wrapped between words only: an optimizer's name (``adamw-bf16-m24-8bit``) stays whole."""
+
+    def _split_lines(self, text, width):
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_on_hyphens=False)
+
+    def _fill_text(self, text, width, indent):
+        return textwrap.fill(self._whitespace_matcher.sub(" ", text).strip(), width, initial_indent=indent,
+                             subsequent_indent=indent, break_on_hyphens=False)
 
 
 def info(_args: argparse.Namespace) -> None:
@@ -41,11 +53,11 @@ def main(argv: list[str] | None = None) -> None:
         argv: the arguments after ``fastoptim``.
     """
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="fastoptim", description=fastoptim.__doc__)
+    parser = argparse.ArgumentParser(prog="fastoptim", description=fastoptim.__doc__, formatter_class=HelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     named = next((arg for arg in argv if not arg.startswith("-")), None)
     for name, (help_line, module) in COMMANDS.items():
-        command = commands.add_parser(name, help=help_line)
+        command = commands.add_parser(name, help=help_line, formatter_class=HelpFormatter)
         if module is None:
             command.set_defaults(func=info)
         elif name == named:

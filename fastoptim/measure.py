@@ -1,13 +1,16 @@
-"""What ``fastoptim bench`` and ``fastoptim train`` share: the machine a figure was measured on, byte
+"""What ``fastoptim bench`` and ``fastoptim train`` share: the machine a figure was measured on and how
+busy other processes kept it, byte
 counts and number formatting, and how a model's params are grouped (which get subset-norm states,
 as the seed's usage picks them). Both import it; neither imports the other."""
 import argparse
 import os
 import platform
+import time
 
 import torch
 
 MIB = 2**20
+BUSY_CORES = 0.25  # other processes using this many cores on average make the machine busy
 
 
 def machine():
@@ -23,6 +26,37 @@ def machine():
     return dict(system=platform.platform(), cpu=cpu, cpus=os.cpu_count(), memory_bytes=total,
                 gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                 python=platform.python_version())
+
+
+def cpu_seconds():
+    """Busy CPU seconds so far: of the whole machine (/proc/stat, all but idle and iowait), and of this
+    process with its finished children."""
+    with open("/proc/stat") as f:
+        ticks = [int(value) for value in f.readline().split()[1:9]]  # user .. steal (guest is inside user)
+    own = os.times()
+    machine = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    return machine, own.user + own.system + own.children_user + own.children_system
+
+
+def load_snapshot():
+    return dict(load=os.getloadavg(), cpu=cpu_seconds(), time=time.perf_counter())
+
+
+def load_between(before, after):
+    """The machine's load over a stretch: load averages (1, 5, 15 min) at both ends, and the cores that
+    other processes kept busy on average, which is what slows the figures."""
+    wall = after["time"] - before["time"]
+    others = (after["cpu"][0] - before["cpu"][0]) - (after["cpu"][1] - before["cpu"][1])
+    others_cores = max(0.0, others / wall) if wall > 0 else 0.0
+    return dict(cpus=os.cpu_count(), load_before=list(before["load"]), load_after=list(after["load"]),
+                others_cores=others_cores, busy=others_cores >= BUSY_CORES)
+
+
+def machine_busy_now(seconds=1.0):
+    """The load over a short idle wait, for the warning before anything is measured."""
+    before = load_snapshot()
+    time.sleep(seconds)
+    return load_between(before, load_snapshot())
 
 
 def cpu_features():
@@ -54,8 +88,8 @@ def tensor_bytes(tensors):
 
 def state_bytes(optimizer):
     """Bytes of every state tensor an optimizer holds."""
-    return tensor_bytes(value for state in optimizer.state.values() for value in state.values()
-                        if isinstance(value, torch.Tensor))
+    return tensor_bytes(value for state in optimizer.state.values() if isinstance(state, dict)
+                        for value in state.values() if isinstance(value, torch.Tensor))
 
 
 def quiet_transformers():

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from fastoptim import cli
+from fastoptim import cli, measure
 from fastoptim.bench import memory, peers, run
 
 pytest.importorskip("transformers")
@@ -105,7 +105,7 @@ def test_each_figure_carries_its_spread_and_the_load_it_was_taken_under(tiny_run
         assert r["noisy"] == (r["spread"] > 0.10)
     load = entry["load"]
     assert load["cpus"] >= 1 and len(load["load_before"]) == len(load["load_after"]) == 3
-    assert load["others_cores"] >= 0 and load["busy"] == (load["others_cores"] >= run.BUSY_CORES)
+    assert load["others_cores"] >= 0 and load["busy"] == (load["others_cores"] >= measure.BUSY_CORES)
     assert results["busy"] == (results["load_at_start"]["busy"] or load["busy"])
 
 
@@ -164,12 +164,12 @@ def test_a_model_too_large_for_free_memory_is_skipped_before_it_is_built(tmp_pat
 
 
 def test_ctrl_c_writes_what_was_measured(tmp_path, monkeypatch):
-    measure = run.measure_model
+    measure_model = run.measure_model
 
     def interrupted_on_the_second_model(entry, *args):
         if entry["model"] == "llama-60m":
             raise KeyboardInterrupt
-        measure(entry, *args)
+        measure_model(entry, *args)
     monkeypatch.setattr(run, "measure_model", interrupted_on_the_second_model)
     with pytest.raises(SystemExit) as stop:
         cli.main(["bench", *TINY, "--models", "gpt2-tiny", "llama-60m", "--optimizers", "adan-fused-multi",
@@ -185,7 +185,7 @@ def test_ctrl_c_writes_what_was_measured(tmp_path, monkeypatch):
 
 def test_a_busy_machine_is_warned_of_at_the_top_and_bottom_and_memory_ticks_per_optimizer(tmp_path, monkeypatch,
                                                                                          capsys):
-    monkeypatch.setattr(run, "BUSY_CORES", -1.0)  # any load counts as busy
+    monkeypatch.setattr(measure, "BUSY_CORES", -1.0)  # any load counts as busy
     ticks = []
     monkeypatch.setattr(run.Progress, "advance", lambda self, model, what, n=1: ticks.append((what, n)))
     names = ["adan-fused-multi", "adamw-fused-multi"]

@@ -6,13 +6,14 @@ import random
 
 import pytest
 
-from fastoptim import cli
+from fastoptim import cli, measure
 from fastoptim.train import data, loop
 
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
 
 TINY = ["--model-size", "tiny", "--steps", "6", "--batch-size", "4", "--eval-every", "2"]
+ONE_LR = ["--no-lr-sweep"]  # where the sweep is not what a test is about: a third of the runs
 ROW_KEYS = {"optimizer", "lr", "final_val_loss", "step_reaching_reference", "optimizer_share", "ms_per_step",
             "state_bytes", "val_loss_by_lr", "class"}
 
@@ -24,8 +25,8 @@ def train(out, *args):
 
 def test_the_command_writes_the_table_curves_and_json_with_the_requested_rows(tmp_path, capsys):
     names = ["adan", "adamw", "adan-8bit"]
-    results = train(tmp_path, "--optimizers", *names, "--lr-sweep")
-    assert results["schema"] == 2 and results["settings"]["optimizers"] == names and results["reference"] == "adan"
+    results = train(tmp_path, "--optimizers", *names)  # each at the default sweep's lrs
+    assert results["schema"] == 3 and results["settings"]["optimizers"] == names and results["reference"] == "adan"
     assert [row["optimizer"] for row in results["rows"]] == names
     assert len(results["runs"]) == 3 * len(names)
     for row in results["rows"]:
@@ -46,8 +47,19 @@ def test_the_command_writes_the_table_curves_and_json_with_the_requested_rows(tm
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_one_lr_each_without_the_sweep_and_a_busy_machine_is_said_in_the_table_and_picture(tmp_path, monkeypatch):
+    monkeypatch.setattr(measure, "BUSY_CORES", -1.0)  # any load counts as busy
+    results = train(tmp_path, "--optimizers", "adamw", "lion", *ONE_LR)
+    assert [(run["optimizer"], run["lr"]) for run in results["runs"]] == [("adamw", loop.RECIPES["adamw"].lr),
+                                                                        ("lion", loop.RECIPES["lion"].lr)]
+    assert results["load"]["busy"] and results["load"]["others_cores"] >= 0
+    text = (tmp_path / "results.md").read_text()
+    assert "WARNING: the machine was busy" in text and "final val loss by lr" not in text
+    assert "/" not in text.splitlines()[0], "the title names the standard library, not its path on this machine"
+
+
 def test_a_resumed_run_has_exactly_the_losses_of_an_uninterrupted_one(tmp_path):
-    every = ["--optimizers", *loop.RECIPES, "--checkpoint-every", "4"]
+    every = ["--optimizers", *loop.RECIPES, "--checkpoint-every", "4", *ONE_LR]
     uninterrupted = train(tmp_path / "whole", *every)
     cli.main(["train", *TINY, *every, "--out", str(tmp_path / "parts"), "--stop-after", "3"])
     assert not (tmp_path / "parts" / "results.json").exists()
@@ -93,9 +105,9 @@ def test_a_released_run_is_the_same_run_without_release_and_a_recipe_cannot_both
             p.grad is not None for group in opt.param_groups for p in group["params"])))
         return optimizer
     monkeypatch.setattr(loop.Recipe, "make", make)
-    released, recipe = train(tmp_path / "released", "--optimizers", name), loop.RECIPES[name]
+    released, recipe = train(tmp_path / "released", "--optimizers", name, *ONE_LR), loop.RECIPES[name]
     monkeypatch.setitem(loop.RECIPES, name, dataclasses.replace(recipe, release=False))
-    stepped = train(tmp_path / "stepped", "--optimizers", name)
+    stepped = train(tmp_path / "stepped", "--optimizers", name, *ONE_LR)
     assert steps == [False] * 6 + [True] * 6
     assert released["runs"][0]["train_loss"] == stepped["runs"][0]["train_loss"]
     assert released["runs"][0]["val_loss"] == stepped["runs"][0]["val_loss"]

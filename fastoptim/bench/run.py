@@ -11,7 +11,6 @@ import ctypes
 import functools
 import gc
 import math
-import os
 import statistics
 import time
 import warnings
@@ -22,7 +21,7 @@ import torch
 
 import fastoptim
 
-from ..measure import muon_groups, state_bytes, tensor_bytes
+from ..measure import load_between, load_snapshot, machine_busy_now, muon_groups, state_bytes, tensor_bytes
 from . import memory, peers, report
 from .models import shapes, with_gradients
 
@@ -41,7 +40,6 @@ PROBE_NUMEL = 1 << 24  # per role: 64 MiB of fp32, far beyond the caches; 6 such
 # the probe, the quick default then peaks under 4 GiB of resident memory.
 ROUND_STATE_BYTES = 2 << 30
 FAMILY_BYTES_PER_ELEMENT = 16  # the most a family keeps: Adan's four fp32 states
-BUSY_CORES = 0.25  # other processes using this many cores on average make the machine busy
 
 
 @dataclass(frozen=True)
@@ -187,37 +185,6 @@ def new_result(name):
                 first_step_ms=None, state_bytes=None, peak_extra_bytes=None, peak_bytes=None, traffic_bytes=None,
                 gbps=None, of_probe=None, time_vs_baseline=None, peak_vs_baseline=None, kept_bytes_per_param=None,
                 kept_vs_baseline=None)
-
-
-def cpu_seconds():
-    """Busy CPU seconds so far: of the whole machine (/proc/stat, all but idle and iowait), and of this
-    process with its finished children."""
-    with open("/proc/stat") as f:
-        ticks = [int(value) for value in f.readline().split()[1:9]]  # user .. steal (guest is inside user)
-    own = os.times()
-    machine = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-    return machine, own.user + own.system + own.children_user + own.children_system
-
-
-def load_snapshot():
-    return dict(load=os.getloadavg(), cpu=cpu_seconds(), time=time.perf_counter())
-
-
-def load_between(before, after):
-    """The machine's load over a stretch: load averages (1, 5, 15 min) at both ends, and the cores that
-    other processes kept busy on average, which is what slows the figures."""
-    wall = after["time"] - before["time"]
-    others = (after["cpu"][0] - before["cpu"][0]) - (after["cpu"][1] - before["cpu"][1])
-    others_cores = max(0.0, others / wall) if wall > 0 else 0.0
-    return dict(cpus=os.cpu_count(), load_before=list(before["load"]), load_after=list(after["load"]),
-                others_cores=others_cores, busy=others_cores >= BUSY_CORES)
-
-
-def machine_busy_now(seconds=1.0):
-    """The load over a short idle wait, for the warning before anything is measured."""
-    before = load_snapshot()
-    time.sleep(seconds)
-    return load_between(before, load_snapshot())
 
 
 def build_family(spec, params, sn, device):

@@ -10,7 +10,7 @@ from fastoptim.measure import MIB, machine, number
 
 from .model import SIZES
 
-SCHEMA = 2  # 2: each row names its optimizer's class
+SCHEMA = 3  # 2: each row names its optimizer's class; 3: the machine's load over the runs
 
 
 def final_loss(run):
@@ -23,10 +23,11 @@ def first_step_at_or_below(run, target):
     return next((step for step, loss in zip(run["eval_steps"], run["val_loss"]) if loss <= target), None)
 
 
-def results(settings, params, corpus, runs, classes):
+def results(settings, params, corpus, runs, classes, load):
     """The JSON document: settings, every run with its curves, and a row per optimizer from its best run
     (the lowest final validation loss over its learning rates), with its class (``classes``: name to
-    "library.Class"). The first optimizer is the reference whose final validation loss the others race to."""
+    "library.Class"), and the machine's ``load`` over the runs (``measure.load_between``). The first
+    optimizer is the reference whose final validation loss the others race to."""
     for run in runs:
         run |= {"final_val_loss": run["val_loss"][-1], "ms_per_step": 1e3 * run["step_seconds"] / run["step"],
                 "optimizer_share": None if run["optimizer_seconds"] is None  # stepped in backward: not apart
@@ -44,7 +45,7 @@ def results(settings, params, corpus, runs, classes):
             for name, run in best.items()]
     return {"schema": SCHEMA, "fastoptim": fastoptim.__version__, "torch": torch.__version__, "machine": machine(),
             "settings": settings, "model": SIZES[settings["model_size"]] | {"params": params}, "data": corpus,
-            "reference": reference, "rows": rows, "runs": runs}
+            "reference": reference, "rows": rows, "runs": runs, "load": load}
 
 
 def title(results):
@@ -55,8 +56,19 @@ def title(results):
             f"batch {settings['batch_size']}, "
             f"{settings['steps']} steps{sweep}, seed {settings['seed']}; {corpus['train_files']} train files "
             f"({corpus['train_bytes'] / 1e6:.1f} MB) and {corpus['validation_files']} validation files "
-            f"({corpus['validation_bytes'] / 1e6:.2f} MB) of {corpus['stdlib']}; torch {results['torch']} on "
+            f"({corpus['validation_bytes'] / 1e6:.2f} MB) of Python's standard library "
+            f"({Path(corpus['stdlib']).name}); torch {results['torch']} on "
             f"{results['machine']['cpu']}, torch threads: {settings['threads']}")
+
+
+def busy_warning(results):
+    """A warning that other processes kept the machine busy during the runs, or None."""
+    load = results["load"]
+    if not load["busy"]:
+        return None
+    return (f"WARNING: the machine was busy: other processes kept {load['others_cores']:.2f} cores busy on average "
+            f"during the runs (load average up to {max(load['load_after'][0], load['load_before'][0]):.1f} on "
+            f"{load['cpus']} CPUs); ms/step are slower and noisier than on an idle machine, the losses are not.")
 
 
 def markdown(results):
@@ -66,7 +78,9 @@ def markdown(results):
                "optimizer share of step", "ms/step", "state MiB"]
     if results["settings"]["lr_sweep"]:
         columns.append("final val loss by lr")
-    lines = [title(results), "", "| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+    warning = busy_warning(results)
+    lines = [title(results), *(["", warning] if warning else []), "", "| " + " | ".join(columns) + " |",
+             "|---" * len(columns) + "|"]
     for row in results["rows"]:
         step = row["step_reaching_reference"]
         cells = [row["optimizer"], f"{row['lr']:g}", number(row["final_val_loss"], 3),
@@ -102,7 +116,8 @@ def plot(results, path):
     axes[0].set_title("all steps", fontsize=9)
     axes[1].set_title("second half", fontsize=9)
     axes[0].legend(fontsize=8)
-    figure.suptitle(title(results), fontsize=7, wrap=True)
+    warning = busy_warning(results)
+    figure.suptitle(title(results) + (f"\n{warning}" if warning else ""), fontsize=7, wrap=True)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     pyplot.close(figure)
