@@ -6,11 +6,7 @@ import importlib.util
 import sys
 import textwrap
 
-import torch
-
 import fastoptim
-from fastoptim import engines
-from fastoptim.engines.backends import cpu as cpu_backend
 
 # name: (one line of help, the module holding its add_arguments and run; None: info, here)
 COMMANDS = {"info": ("version, torch, threads and available engines", None),
@@ -33,6 +29,11 @@ class HelpFormatter(argparse.HelpFormatter):
 
 def info(_args: argparse.Namespace) -> None:
     """Print the versions, threads and engines this machine has."""
+    import torch
+
+    from fastoptim import engines
+    from fastoptim.engines.backends import cpu as cpu_backend
+
     print(f"fastoptim {fastoptim.__version__}")
     gpu = "yes" if torch.cuda.is_available() else "no"
     print(f"torch {torch.__version__} (CUDA {torch.version.cuda or 'none'}, GPU {gpu})")

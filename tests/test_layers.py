@@ -101,3 +101,13 @@ def test_fastoptim_info_imports_neither_bench_nor_train():
             "print(sorted(m for m in sys.modules if m.startswith(('fastoptim.bench', 'fastoptim.train'))))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.splitlines()[-1] == "[]", result.stdout
+
+
+def test_the_command_s_help_and_the_package_import_no_torch():
+    """`fastoptim --help` answers without importing torch (seconds here); a public name imports it at first use."""
+    code = ("import sys\nimport fastoptim\nfrom fastoptim import cli\nbefore = 'torch' in sys.modules\n"
+            "try:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print(before, 'torch' in sys.modules, fastoptim.Adan.__module__, 'torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-4:] == ["False", "False", "fastoptim.optimizers.adan", "True"]
