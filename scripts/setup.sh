@@ -11,8 +11,8 @@ gpu=no
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then gpu=yes; fi
 case $purpose in
     # Triton's kernels are the fused GPU engine; on a CPU machine only the tests use them (in its interpreter).
-    bench) extras=bench,peers; [ $gpu = no ] || extras+=,triton ;;
-    test) extras=test,bench,peers,frameworks,triton ;;
+    bench) extras=bench,peers; [ $gpu = no ] || extras+=,triton,peers-gpu ;;
+    test) extras=test,bench,peers,frameworks,triton; [ $gpu = no ] || extras+=,peers-gpu ;;
     docs) extras=docs ;;  # the API reference imports fastoptim, so the site is built beside it
     *) echo "usage: scripts/setup.sh [bench|test|docs]" >&2; exit 2 ;;
 esac

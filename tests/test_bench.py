@@ -152,7 +152,7 @@ def test_a_missing_or_failing_peer_is_reported_not_dropped(tmp_path, monkeypatch
     assert rows["torchao-adamw8bit"]["status"] == "failed" and "no CPU kernel" in rows["torchao-adamw8bit"]["message"]
     text = (tmp_path / "results.md").read_text()
     assert row(text, "bnb-adamw8bit *", "—") and "- bnb-adamw8bit: missing: No module named 'bitsandbytes'" in text
-    assert 'pip install "fastoptim[peers]"' in text
+    assert 'pip install "fastoptim[peers-gpu]"' in text
 
 
 def test_a_model_too_large_for_free_memory_is_skipped_before_it_is_built(tmp_path, monkeypatch):

@@ -12,6 +12,9 @@ import torch
 from ..extras import quiet_import
 from ..measure import sn_groups
 
+# the peers' libraries that pyproject's peers-gpu extra installs (GPU optimizers); the others are in peers
+GPU_LIBRARIES = ("bitsandbytes", "torchao")
+
 
 def timm_adan_class():
     """timm's Adan, loaded by file path: importing the timm package would import torchvision."""

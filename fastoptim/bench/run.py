@@ -216,7 +216,8 @@ def next_round(pending, unbuilt, params, sn, results, settings, advance):
             try:
                 built[spec.family] = build_family(spec, params, sn, device)
             except ImportError as error:
-                unbuilt[spec.family] = ("missing", f'{error} (pip install "fastoptim[peers]")')
+                extra = "peers-gpu" if spec.library in peers.GPU_LIBRARIES else "peers"
+                unbuilt[spec.family] = ("missing", f'{error} (pip install "fastoptim[{extra}]")')
             except Exception as error:  # a peer that fails is reported, not fatal
                 unbuilt[spec.family] = ("failed", f"{type(error).__name__}: {error}")
         name = pending.pop(0)
