@@ -281,8 +281,8 @@ struct StepScalars {
 // --- bound tables ------------------------------------------------------------------------------
 
 // Held tensors (the params, the states that lie in no owner, then the owners), the states that lie
-// in an owner (``views``: only their pointers, dtypes and sizes are checked, see moved_out), and the
-// kernel's tables over them. ``pointers`` is [row][tensor], the grads' row filled in at each call;
+// in an owner (``views``: only their pointers, dtypes, sizes and strides are checked, see moved_out),
+// and the kernel's tables over them. ``pointers`` is [row][tensor], the grads' row filled in at each call;
 // ``layouts`` is [tensor][3] or empty. A table bound to no kernel (run is null: a GPU kernel's, which
 // Python launches) is only checked, by check_bound.
 struct Bound {
