@@ -262,7 +262,8 @@ class ParamState(dict):
 class OptimizerState(defaultdict):
     """An optimizer's ``state``: param to its :class:`ParamState` (a dict stored in it becomes one,
     a copy), counting its changes and theirs in ``changes`` (a compiled step's guard) and in
-    :func:`state_changes`."""
+    :func:`state_changes`. Like torch's ``defaultdict(dict)``, it takes any other key and value
+    too (torch's own state-dict hooks keep ``state["test"] = 1``), kept as they are."""
 
     def __init__(self, states=()):
         super().__init__(ParamState)
@@ -272,9 +273,10 @@ class OptimizerState(defaultdict):
 
     def __setitem__(self, param, state):
         _changed(self)
-        state = state if type(state) is ParamState else ParamState(state)
-        if not any(ref() is self for ref in state.owners):  # a state dict two optimizers hold counts for both
-            state.owners = [ref for ref in state.owners if ref() is not None] + [weakref.ref(self)]
+        if isinstance(state, dict):
+            state = state if type(state) is ParamState else ParamState(state)
+            if not any(ref() is self for ref in state.owners):  # a state dict two optimizers hold counts for both
+                state.owners = [ref for ref in state.owners if ref() is not None] + [weakref.ref(self)]
         super().__setitem__(param, state)
 
     def setdefault(self, param, state=None):

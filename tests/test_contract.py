@@ -1,4 +1,5 @@
 """The torch.optim contract: groups, hooks, closures, state dicts, pickling, schedulers, compile."""
+import collections
 import copy
 import pickle
 import subprocess
@@ -11,6 +12,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 import fastoptim
 
 from . import oracle, registry
+from .test_adversarial import ENGINES as EVERY_ENGINE
 
 OPTIMIZERS = [info.cls for info in registry.OPTIMIZERS]
 ENGINES = [dict(foreach=False), dict(foreach=True)]
@@ -193,6 +195,212 @@ def test_pickle_and_deepcopy(cls):
     expected = train(model, opt, 3, seed=5)
     assert train(*clone, 3, seed=5) == expected
     assert train(*restored, 3, seed=5) == expected
+
+
+# --- state-dict hooks, as torch's own tests (test/test_optim.py, TestOptimRenewed) run them ---------
+# Torch's hooks keep entries in ``optimizer.state`` that are not a param's state: a key that is no param,
+# a value that is no dict. ``optimizer.state`` takes whatever torch's ``defaultdict(dict)`` takes.
+
+def _state_dict_pre_hook(optimizer):
+    optimizer.state["test"] = 1
+
+
+def _state_dict_post_hook(optimizer, state_dict):
+    if "test" in state_dict["state"]:
+        state_dict["state"].pop("test")
+        state_dict["ran_state_dict_pre_hook"] = True
+    else:
+        state_dict["ran_state_dict_pre_hook"] = False
+    return state_dict
+
+
+def _load_state_dict_pre_hook1(optimizer, state_dict):
+    state_dict["param_groups"][0]["lr"] = 0.002
+
+
+def _load_state_dict_pre_hook2(optimizer, state_dict):
+    my_state_dict = copy.deepcopy(state_dict)  # a hook that returns a new dict: that one is loaded
+    my_state_dict["param_groups"][0]["lr"] = 0.003
+    return my_state_dict
+
+
+def _load_state_dict_post_hook(optimizer):
+    optimizer.state["ran_load_state_dict_pre_hook2"] = optimizer.param_groups[0]["lr"] == 0.003
+    optimizer.state["ran_load_state_dict_post_hook"] = True
+
+
+def hooked_optimizer(cls, stepped):
+    """Torch's tests' optimizer (one (2, 3) param, no step), or with ``stepped`` one that has states."""
+    param = torch.rand(2, 3, requires_grad=True)
+    optimizer = cls([param], lr=0.001)
+    if stepped:
+        param.grad = torch.rand(2, 3)
+        optimizer.step()
+    return optimizer
+
+
+def steps_on(optimizer):
+    """A step after the hooks ran, with their entries in ``optimizer.state``: the param's state moves on."""
+    (param,) = optimizer.param_groups[0]["params"]
+    param.grad = torch.rand(2, 3)
+    before = param.detach().clone()
+    optimizer.step()
+    assert not torch.equal(before, param)
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["fresh", "stepped"])
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_state_dict_pre_hook(cls, stepped):
+    optimizer = hooked_optimizer(cls, stepped)
+    optimizer.register_state_dict_pre_hook(_state_dict_pre_hook)
+    state_dict = optimizer.state_dict()
+    assert state_dict["state"]["test"] == 1
+    steps_on(optimizer)
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["fresh", "stepped"])
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_state_dict_post_hook(cls, stepped):
+    optimizer = hooked_optimizer(cls, stepped)
+    optimizer.register_state_dict_post_hook(_state_dict_post_hook)
+    assert optimizer.state_dict()["ran_state_dict_pre_hook"] is False
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["fresh", "stepped"])
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_state_dict_pre_post_hook(cls, stepped):
+    optimizer = hooked_optimizer(cls, stepped)
+    optimizer.register_state_dict_pre_hook(_state_dict_pre_hook)
+    optimizer.register_state_dict_post_hook(_state_dict_post_hook)
+    state_dict = optimizer.state_dict()
+    assert "test" not in state_dict["state"] and state_dict["ran_state_dict_pre_hook"] is True
+    steps_on(optimizer)
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["fresh", "stepped"])
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_load_state_dict_pre_hook_and_prepend(cls, stepped):
+    optimizer = hooked_optimizer(cls, stepped)
+    state_dict = optimizer.state_dict()
+    optimizer.register_load_state_dict_pre_hook(_load_state_dict_pre_hook1)
+    optimizer.load_state_dict(state_dict)
+    assert optimizer.param_groups[0]["lr"] == 0.002
+    optimizer.register_load_state_dict_pre_hook(_load_state_dict_pre_hook2, prepend=True)
+    optimizer.load_state_dict(state_dict)
+    assert optimizer.param_groups[0]["lr"] == 0.002  # prepended, hook2 runs first, and hook1 has the last word
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["fresh", "stepped"])
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_load_state_dict_post_hook(cls, stepped):
+    optimizer = hooked_optimizer(cls, stepped)
+    optimizer.register_load_state_dict_post_hook(_load_state_dict_post_hook)
+    optimizer.load_state_dict(optimizer.state_dict())
+    assert optimizer.state["ran_load_state_dict_pre_hook2"] is False
+    assert optimizer.state["ran_load_state_dict_post_hook"] is True
+    steps_on(optimizer)
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["fresh", "stepped"])
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_load_state_dict_pre_post_hook(cls, stepped):
+    optimizer = hooked_optimizer(cls, stepped)
+    optimizer.register_load_state_dict_pre_hook(_load_state_dict_pre_hook2)
+    optimizer.register_load_state_dict_post_hook(_load_state_dict_post_hook)
+    optimizer.load_state_dict(optimizer.state_dict())
+    assert optimizer.state["ran_load_state_dict_pre_hook2"] is True
+    assert optimizer.state["ran_load_state_dict_post_hook"] is True
+    steps_on(optimizer)
+
+
+@pytest.mark.parametrize("engine", EVERY_ENGINE)
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_entries_that_are_no_params_state_travel_as_torch_keeps_them(cls, engine):
+    """Beside the params' states, ``optimizer.state`` keeps what a user or hook puts there, as torch's
+    does: steps are those of an optimizer without it, and state dicts, loads and copies keep it."""
+    ours, twin = (tiny_model(), tiny_model())
+    opt = cls(ours.parameters(), lr=0.01, **EVERY_ENGINE[engine])
+    twin_opt = cls(twin.parameters(), lr=0.01, **EVERY_ENGINE[engine])
+    opt.state["test"], opt.state["notes"] = 1, {"seen": True}
+    assert train(ours, opt, 3) == train(twin, twin_opt, 3)
+    state_dict = opt.state_dict()
+    assert state_dict["state"]["test"] == 1 and state_dict["state"]["notes"] == {"seen": True}
+    loaded = cls(tiny_model().parameters(), lr=0.01, **EVERY_ENGINE[engine])
+    loaded.load_state_dict(state_dict)
+    for copied in (loaded, copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))):
+        assert copied.state["test"] == 1 and copied.state["notes"] == {"seen": True}
+    assert train(ours, opt, 2, seed=3) == train(twin, twin_opt, 2, seed=3)
+
+
+FRESH_STATES = {"defaultdict": lambda: collections.defaultdict(dict), "dict": dict}
+
+
+def built_now(cls, model, optimizer, **options):
+    """A copy of ``model`` with a new optimizer of ``cls``, which continues ``optimizer``'s group counts
+    (Adan's ``step`` is its group's, as official Adan keeps it, not a param's state)."""
+    twin = copy.deepcopy(model)
+    twin_optimizer = cls(twin.parameters(), lr=0.01, **options)
+    for group, twin_group in zip(optimizer.param_groups, twin_optimizer.param_groups):
+        if "step" in group:
+            twin_group["step"] = group["step"].clone()
+    return twin, twin_optimizer
+
+
+@pytest.mark.parametrize("fresh", FRESH_STATES)
+@pytest.mark.parametrize("engine", EVERY_ENGINE)
+@pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_a_fresh_state_assigned_between_steps_starts_the_states_again(cls, engine, fresh):
+    """``optimizer.state = defaultdict(dict)`` (a common reset of the moments) or a plain dict: the
+    next steps are those of an optimizer built then, and it is the state that they fill."""
+    model = tiny_model()
+    optimizer = cls(model.parameters(), lr=0.01, **EVERY_ENGINE[engine])
+    train(model, optimizer, 3)
+    twin, twin_optimizer = built_now(cls, model, optimizer, **EVERY_ENGINE[engine])
+    optimizer.state = FRESH_STATES[fresh]()
+    assert train(model, optimizer, 3, seed=2) == train(twin, twin_optimizer, 3, seed=2)
+    assert len(optimizer.state) == len(twin_optimizer.state)
+
+
+def assert_same_states(model, optimizer, twin, twin_optimizer):
+    """The params of ``model`` and ``twin`` and their states in ``optimizer.state`` and ``twin_optimizer.state``
+    agree to a few ulps."""
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert optimizer.state[a].keys() == twin_optimizer.state[b].keys()
+        for key, value in optimizer.state[a].items():
+            torch.testing.assert_close(value, twin_optimizer.state[b][key], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("assigned", [*FRESH_STATES, "a copy with the same count"])
+@pytest.mark.parametrize("flags", [dict(foreach=True), {}], ids=["foreach", "fused"])
+@pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW])
+def test_a_state_assigned_between_compiled_steps_is_the_one_they_step(cls, flags, assigned):
+    """A compiled step is traced again for a state assigned since: a fresh one, or a copy of the
+    states (a snapshot restored) whose change count happens to be the traced one's, so that only its
+    identity tells them apart."""
+    model = tiny_model()
+    optimizer = cls(model.parameters(), lr=0.01, **flags)
+    torch._dynamo.reset()
+    compiled_step = torch.compile(optimizer.step, backend="aot_eager", fullgraph=True)
+    twin = None
+    for step in range(6):
+        if step == 3:
+            if assigned in FRESH_STATES:
+                twin, twin_optimizer = built_now(cls, model, optimizer, **flags)
+                optimizer.state = FRESH_STATES[assigned]()
+            else:
+                twin, twin_optimizer = copy.deepcopy((model, optimizer))
+                changes = optimizer.state.changes
+                optimizer.state = {param: {key: value.clone() for key, value in state.items()}
+                                   for param, state in optimizer.state.items()}
+                optimizer.state.changes = changes
+        for m in (model, twin) if twin is not None else (model,):
+            m.zero_grad()
+            m(torch.ones(4, 6) * step).pow(2).sum().backward()
+        compiled_step()
+        if twin is not None:
+            twin_optimizer.step()
+    assert_same_states(model, optimizer, twin, twin_optimizer)
 
 
 @pytest.mark.parametrize("cls", OPTIMIZERS)

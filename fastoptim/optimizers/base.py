@@ -160,7 +160,18 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         distributed.check_shard_group(shard_group)
         self.shard_group = shard_group
         super().__init__(params, defaults)
-        self.state = OptimizerState(self.state)  # counts its changes: see BoundStep
+
+    @property
+    def state(self) -> OptimizerState:
+        """Param to its state dict, as torch.optim's ``defaultdict(dict)``. A mapping assigned to it
+        (``optimizer.state = defaultdict(dict)``, a reset of the states) is taken as an
+        :class:`OptimizerState` of its entries, which counts its changes, so that every step path,
+        a compiled one too, finds what is written to it."""
+        return self.__dict__["state"]
+
+    @state.setter
+    def state(self, states):
+        self.__dict__["state"] = states if type(states) is OptimizerState else OptimizerState(states)
 
     def add_param_group(self, param_group):
         params = param_group["params"]
@@ -215,7 +226,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
     def __setstate__(self, state):
         declared = "differentiable" in self.__dict__.get("defaults", state.get("defaults", {}))
         super().__setstate__(state)
-        self.state = OptimizerState(self.state)
+        self.state = self.__dict__["state"]  # torch's __setstate__ sets it in __dict__, past the setter
         if not declared:  # torch adds it to defaults; an optimizer that does not take it keeps it out of its groups
             self.defaults.pop("differentiable", None)
         for options in (self.defaults, *self.param_groups):  # pickled before master_bits existed
@@ -258,9 +269,12 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         if torch.compiler.is_compiling():
             self._init_group()  # run eagerly by torch.compile, at tracing
             caches = self._engine_caches
-            # Never raises: comparing the count makes dynamo guard it, so that the step traced on the
-            # states _init_group found is traced again (and _init_group run again) once a state dict changes.
-            if self.state.changes != caches["traced state changes"]:
+            # Never raises: comparing the state's identity and its count makes dynamo guard them, so that
+            # the step traced on the states _init_group found is traced again (and _init_group run again)
+            # once a state dict changes or another is assigned (whose count may be the same). The caches
+            # hold the traced state, so no other takes its id.
+            traced_state, traced_changes = caches["traced state"]
+            if id(self.state) != id(traced_state) or self.state.changes != traced_changes:
                 raise RuntimeError("fastoptim: a state dict changed while a step was traced")
             self._apply([(group, *self._traced_group_work(caches["patterns"][index, _grads_pattern(group["params"])],
                                                           group))
@@ -419,7 +433,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                 for i, (_, reduce) in enumerate(entry.buckets))
             entry.traced_scalars = scalars.prepare(algorithm, group) if (
                 whole and entry.params[0].device.type == "cpu") else None
-        caches["traced state changes"] = self.state.changes
+        caches["traced state"] = self.state, self.state.changes
 
     def _traced_group_work(self, entry, group):
         """A traced step's work for ``group``: the decisions ``_init_group`` took (``entry``) and the
@@ -792,7 +806,8 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         Args:
             module: the model whose params (some or all) this optimizer steps.
         """
-        masters = {id(param): state[master.KEY] for param, state in self.state.items() if master.KEY in state}
+        masters = {id(param): state[master.KEY] for param, state in self.state.items()
+                   if isinstance(state, dict) and master.KEY in state}
         named = dict(module.named_parameters(remove_duplicate=False))
         state_dict = module.state_dict()
         for name, param in named.items():

@@ -30,13 +30,17 @@ class StateDicts:
         """torch's, except that the 8-bit states of DTensor params come dequantized, as fp32 DTensors:
         their blocks are per local shard, so only their values can be resharded. Loading quantizes
         them again, into the very codes and block maxima on the same shards. Each param's state is a
-        plain dict (``torch.load(weights_only=True)`` knows no other kind)."""
+        plain dict (``torch.load(weights_only=True)`` knows no other kind); other entries of
+        ``state`` (a hook's) are saved as they are, as torch saves them."""
         state_dict = super().state_dict()
-        state_dict["state"] = {key: dict(state) for key, state in state_dict["state"].items()}
+        state_dict["state"] = {key: dict(state) if isinstance(state, dict) else state
+                               for key, state in state_dict["state"].items()}
         if self._sharded:
             specs = {key: self._algorithm(group).spec for group in state_dict["param_groups"]
                      for key in group["params"]}
             for key, state in state_dict["state"].items():
+                if key not in specs:
+                    continue
                 for role in [role for role in state if role + ABSMAX in state]:
                     state = formats.convert(state, specs[key].role(role), formats.FP32)
                 state_dict["state"][key] = state
@@ -54,7 +58,8 @@ class StateDicts:
         to this optimizer's bits, dropped under ``master_bits=16``, zeros where none was saved). States are on the
         parameter's device (float64 for a float64 parameter), whatever the saved device. A state of
         this algorithm that the saved options leave unused (``max_exp_avg_sq`` after amsgrad was
-        turned off) is kept as it was saved, as torch keeps it.
+        turned off) is kept as it was saved, as torch keeps it, and so are the saved ``state``'s
+        entries that are no param's (a hook's).
         """
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
@@ -102,6 +107,8 @@ class StateDicts:
             new_groups.append(merged)
             if not self._viewed:  # the loaded copies go into flat buffers, as new states do
                 gather_states([new_state[param] for param in group["params"] if param in new_state])
+        saved_params = {saved_id for saved in saved_groups for saved_id in saved["params"]}
+        new_state |= {key: value for key, value in state_dict["state"].items() if key not in saved_params}
         self.__setstate__({"state": defaultdict(dict, new_state), "param_groups": new_groups})
         self.defaults["max_grad_norm"] = max_grad_norm
         self._forget_engine_caches()
