@@ -74,6 +74,7 @@ class GroupWork:
         self.scalar_dtype = torch.float64 if any(p.dtype == torch.float64 for p in local_params) else torch.float32
         self.buckets = [(bucket, None) for bucket in buckets(params)]
         self.states = self.kept = self.tensors = self.context = self.states_chosen = self.state_signature = None
+        self.count_owners = self.count_pointers = None
         self.bucket_caches = {}
         self.traced_scalars = None  # for a traced CPU step whose scalars an op computes: scalars.Prepared
         self.host_count = HostCount()  # what eager steps know of its params' counts
@@ -87,7 +88,15 @@ class GroupWork:
         return (self.states is not None and all(map(operator.is_, states, self.states))
                 and all(all(map(operator.is_, map(dict.get, states, repeat(key)), tensors))
                         for key, tensors in self.kept.items())
-                and self.state_signature.matches(self._local_states(), *LAYOUT))
+                and self.state_signature.matches(self._local_states(), *LAYOUT) and self.counts_in_place())
+
+    def counts_in_place(self):
+        """Whether the params' counts (their states' ``step``) are still the elements of the one tensor
+        that the step reads and advances (``context.counts``), and it is where it was: a count given
+        storage of its own (``set_``, ``.data =``; see :func:`are_slots`), or the tensor given new
+        storage without them, is seen by no version counter (``.data =`` bumps none) and by no native
+        check (native code holds the params and states, not the counts). ~50 ns a param."""
+        return self.count_owners is None or list(map(Tensor.data_ptr, self.count_owners)) == self.count_pointers
 
     def _local_states(self):
         """The state tensors this work was built on, as the engines see them (their ``engine_view``)."""
@@ -102,6 +111,9 @@ class GroupWork:
         keys = {key for state in states for key in state}
         self.kept = {key: list(map(dict.get, states, repeat(key))) for key in keys}
         self.state_owners = [t for tensors in self.kept.values() for t in tensors if isinstance(t, Tensor)]
+        counts = context.counts  # the params' counts as one tensor, each param's "step" a slot of it
+        self.count_owners = None if counts is None else [counts, *self.kept["step"]]
+        self.count_pointers = None if counts is None else [counts.data_ptr(), *slot_pointers(counts)]
         self.state_signature = Signature(self.state_owners, self._local_states())
         self.partitions, self.reduced_roles = partitions if any(partitions) else None, reduced_roles
         self.read_tensors()
@@ -142,6 +154,20 @@ class GroupWork:
         if self.partitions is None:
             return grads
         return [grad if part is None else part.view_param(grad) for grad, part in zip(grads, self.partitions)]
+
+
+def slot_pointers(counts: Tensor) -> list[int]:
+    """The data pointers of the elements of ``counts``, a contiguous 1-d tensor."""
+    start, size = counts.data_ptr(), counts.element_size()
+    return list(range(start, start + size * len(counts), size))
+
+
+def are_slots(counts: Tensor, tensors: list[Tensor]) -> bool:
+    """Whether ``tensors`` are the elements of ``counts``, a 1-d tensor, in order, in its storage now.
+    ``set_`` or ``.data =`` on one of them gives it storage of its own (its ``_base`` stays): their
+    data pointers tell."""
+    return (counts.dim() == 1 and counts.is_contiguous() and len(counts) == len(tensors)
+            and list(map(Tensor.data_ptr, tensors)) == slot_pointers(counts))
 
 
 class HostCount:
@@ -352,8 +378,9 @@ class BoundStep:
     """A step whose every group runs on tables bound to native code (a backend that
     ``CHECKS_NATIVELY``), whose calls check every param, state and grad, so the step checks none in
     Python. Python checks what native code cannot see: that the same params have grads, in the same
-    groups, with the same options (``structure(group)``), and that no state dict changed since (a
-    state replaced or removed: :func:`state_changes`)."""
+    groups, with the same options (``structure(group)``), that no state dict changed since (a
+    state replaced or removed: :func:`state_changes`), and that the params' counts are where the
+    step reads them (``GroupWork.counts_in_place``)."""
 
     def __init__(self, state, groups, entries, structures):
         self.state, self.groups, self.entries, self.structures = state, groups, entries, structures
@@ -388,7 +415,7 @@ class BoundStep:
                 params = [param for param, grad in zip(params, grads) if grad is not None]
                 grads = [grad for grad in grads if grad is not None]
             if (len(params) != len(entry.params) or not all(map(operator.is_, params, entry.params))
-                    or not expected.holds(structure, group)):
+                    or not expected.holds(structure, group) or not entry.counts_in_place()):
                 return None
             check(group, params)
             work.append((group, entry, grads))

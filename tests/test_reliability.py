@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 import fastoptim
 from fastoptim.bench.peers import timm_adan_class
 
-from .test_adversarial import ENGINES, python
+from .test_adversarial import ENGINES, make, python, run
 from .test_bad_input import assert_unchanged, snapshot
 from .registry import OPTIMIZERS, step_op
 from .test_lion import timm_lion_class
@@ -88,8 +88,8 @@ def test_the_step_op_checks_again_when_the_same_tensors_come_with_other_flags():
     them and run a kernel that reads a role it was not given."""
     out = python("""
         import torch, fastoptim
+        spec = fastoptim.AdamW.algorithm.spec  # importing fastoptim.AdamW defines its op
         adamw = torch.ops.fastoptim.adamw_step
-        spec = fastoptim.AdamW.algorithm.spec
         scalars = [torch.tensor(0.1)] * len(spec.all_scalars)
         p, g, m, v = torch.zeros(64), torch.ones(64), torch.zeros(64), torch.zeros(64)
         first_moment = 1 << (1 + spec.flags.index("first_moment"))
@@ -320,3 +320,143 @@ def test_alternating_frozen_parts_compile_to_one_graph_per_pattern(cls, options)
         compiled()
     assert_same(*pairs)
     assert counters["stats"]["unique_graphs"] == 3
+
+
+# --- step counts written by hand -----------------------------------------------------------------
+# torch.optim reads a param's count where its state holds it (``state["step"]``), official Adan its
+# group's (``group["step"]``); a user may write either between steps, in place or by assignment.
+
+GOOD_COUNTS = {"int": 1, "float": 1.0, "int64 tensor": torch.tensor(1), "float64 tensor": torch.tensor(1.0).double()}
+BAD_COUNTS = {"1-d": torch.zeros(3), "one-element 1-d": torch.tensor([2.0]), "negative": -1, "fraction": 1.5,
+              "nan": float("nan"), "text": "2", "bool": True}
+COUNTING = [cls for cls in ALL if cls is not fastoptim.Lion]  # Lion counts no steps
+NEW_STORAGE = {"set_": lambda count, value: count.set_(value),
+               ".data =": lambda count, value: setattr(count, "data", value)}
+
+
+def count_holders(optimizer):
+    """The dicts that hold ``optimizer``'s step counts under ``step``: its params' states (torch's
+    counts) or, where those hold none, its groups (official Adan's)."""
+    return ([state for state in optimizer.state.values() if "step" in state]
+            or [group for group in optimizer.param_groups if "step" in group])
+
+
+def assert_steps_as_after_a_load(cls, engine, optimizer, params):
+    """The next step of ``optimizer`` and that of a twin that loaded its state dict (copies of
+    ``params``) agree bit for bit, and so do the counts that they leave and save. The twin is made
+    after the step: a state dict made meanwhile would make the step check every tensor again."""
+    twin_params = [param.detach().clone().requires_grad_() for param in params]
+    saved = copy.deepcopy(optimizer.state_dict())
+    run(optimizer, params, steps=1, seed=5)
+    twin = cls(twin_params, lr=1e-2, **ENGINES[engine])
+    twin.load_state_dict(saved)
+    run(twin, twin_params, steps=1, seed=5)
+    for param, twin_param in zip(params, twin_params):
+        assert torch.equal(param, twin_param)
+    saved = [holder["step"] for holder in count_holders(optimizer)]
+    assert all(torch.equal(a, b) for a, b in zip(saved, [holder["step"] for holder in count_holders(twin)]))
+    saved_counts = [state["step"] for state in optimizer.state_dict()["state"].values() if "step" in state]
+    twin_counts = [state["step"] for state in twin.state_dict()["state"].values() if "step" in state]
+    assert all(torch.equal(a, b) for a, b in zip(saved_counts, twin_counts))
+
+
+@pytest.mark.parametrize("write", NEW_STORAGE)
+@pytest.mark.parametrize("which", ["first", "last", "all"])
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("cls", COUNTING)
+def test_a_count_given_new_storage_between_steps_is_the_one_the_step_reads_advances_and_saves(
+        cls, engine, which, write):
+    """``state["step"].set_(torch.tensor(1.))`` or ``.data = ...``: the count's tensor has storage of
+    its own, where the user and ``state_dict()`` read it. The next step reads, advances and saves
+    that count, as it would after loading it, whichever params' counts moved."""
+    params, optimizer = make(cls, engine)
+    run(optimizer, params)
+    holders = count_holders(optimizer)
+    for holder in {"first": holders[:1], "last": holders[-1:], "all": holders}[which]:
+        NEW_STORAGE[write](holder["step"], torch.tensor(1.0))
+    assert_steps_as_after_a_load(cls, engine, optimizer, params)
+
+
+@pytest.mark.parametrize("value", GOOD_COUNTS)
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("cls", COUNTING)
+def test_a_count_set_to_a_number_is_taken_as_torch_takes_it(cls, engine, value):
+    """``state["step"] = 1`` (torch.optim turns a number count into a tensor when it loads one) or
+    official Adan's ``group["step"] = 1``: the step takes it as the fp32 tensor count it keeps, as a
+    step after loading it would."""
+    params, optimizer = make(cls, engine)
+    run(optimizer, params)
+    holders = count_holders(optimizer)
+    holders[0]["step"] = GOOD_COUNTS[value]
+    assert_steps_as_after_a_load(cls, engine, optimizer, params)
+    count = holders[0]["step"]
+    assert count.dtype == torch.float32 and count.shape == () and count == 2
+
+
+@pytest.mark.parametrize("flags", [dict(foreach=True), {}], ids=["foreach", "fused"])
+def test_adans_group_count_set_to_a_number_between_compiled_steps_is_taken(flags):
+    """Official Adan's ``group["step"] = 1`` between compiled steps: the step is traced again and
+    counts on from 1, as the eager step does. (A param's count set to a number cannot be compiled:
+    torch.compile reads ``state["step"].is_cpu`` of every state before the optimizer runs, for
+    torch.optim's optimizers too.)"""
+    params, _ = make(fastoptim.Adan)
+    optimizer = fastoptim.Adan(params, lr=1e-2, **flags)
+    torch._dynamo.reset()
+    compiled_step = torch.compile(optimizer.step, backend="aot_eager", fullgraph=True)
+    twin = None
+    for step in range(5):
+        if step == 2:
+            optimizer.param_groups[0]["step"] = 1
+            twin_params = [param.detach().clone().requires_grad_() for param in params]
+            twin = fastoptim.Adan(twin_params, lr=1e-2, **flags)
+            twin.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+        for param in params:
+            param.grad = torch.full_like(param, step + 1.0)
+        compiled_step()
+        if twin is not None:
+            for param in twin_params:
+                param.grad = torch.full_like(param, step + 1.0)
+            twin.step()
+    assert optimizer.param_groups[0]["step"] == 4 == twin.param_groups[0]["step"]
+    for param, twin_param in zip(params, twin_params):
+        torch.testing.assert_close(param, twin_param, rtol=1e-6, atol=1e-7)
+
+
+def assert_unchanged_but_the_count(params, optimizer, before):
+    """The params and every state and group are as ``before`` (params and a state dict), the
+    count that was set to no count aside."""
+    values, state_dict = before
+    assert all(torch.equal(a, b) for a, b in zip(values, params))
+    for saved, now in zip(state_dict["state"].values(), optimizer.state_dict()["state"].values()):
+        assert saved.keys() == now.keys()
+        assert all(torch.equal(now[key], value) for key, value in saved.items() if torch.is_tensor(value))
+
+
+@pytest.mark.parametrize("value", BAD_COUNTS)
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("cls", COUNTING)
+def test_a_count_set_to_no_count_is_refused_by_the_step_which_changes_nothing(cls, engine, value):
+    params, optimizer = make(cls, engine)
+    run(optimizer, params)
+    count_holders(optimizer)[0]["step"] = BAD_COUNTS[value]
+    before = snapshot(params, optimizer)
+    with pytest.raises(ValueError, match="Invalid step"):
+        run(optimizer, params, steps=1)
+    assert_unchanged_but_the_count(params, optimizer, before)
+
+
+@pytest.mark.parametrize("value", BAD_COUNTS)
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("cls", COUNTING)
+def test_a_saved_count_that_is_no_count_is_refused_at_load_which_changes_nothing(cls, engine, value):
+    """As official Adan's group count is (test_adversarial): a negative count would divide by zero
+    in the bias corrections of the next step."""
+    params, optimizer = make(cls, engine)
+    run(optimizer, params)
+    saved = copy.deepcopy(optimizer.state_dict())
+    holders = [state for state in saved["state"].values() if "step" in state] or saved["param_groups"]
+    holders[-1]["step"] = BAD_COUNTS[value]
+    before = snapshot(params, optimizer)
+    with pytest.raises(ValueError, match="Invalid step"):
+        optimizer.load_state_dict(saved)
+    assert_unchanged(params, optimizer, before)

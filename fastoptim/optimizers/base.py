@@ -18,10 +18,11 @@ from ..clip import CLIP_EPS, GradTables, clip_backend, clip_coefficient
 from ..multi_tensor import FlatStates, pick
 from ..specs import ABSMAX
 from ..states import formats, master, subset_norm
-from ..step_cache import DEVICE, DTYPE, SHAPE, BoundStep, GroupWork, OptimizerState, Signature, engine_view
+from ..step_cache import (DEVICE, DTYPE, SHAPE, BoundStep, GroupWork, OptimizerState, Signature, are_slots,
+                          engine_view)
 from .algorithm import PER_GROUP, PER_PARAM, Algorithm, StepInputs
 from . import release, scalars
-from .checks import check_hyperparameters, check_params, check_tensor_lr, normalize_betas
+from .checks import check_hyperparameters, check_params, check_tensor_lr, is_step_count, normalize_betas, step_count
 from .state_dict import StateDicts
 
 
@@ -288,7 +289,8 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             return loss
         caches = self.__dict__.setdefault("_engine_caches", {})
         bound = caches.pop("bound", None)
-        work = None if bound is None else bound.work(self.state, self.param_groups, self._structure, self._check_lr)
+        work = None if bound is None else bound.work(self.state, self.param_groups, self._structure,
+                                                     self._check_between_steps)
         if work is not None and self._apply(work, caches, batch=[]):
             caches["bound"] = bound
             return loss
@@ -322,11 +324,13 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         with torch.autograd.profiler.record_function(self._zero_grad_profile_name):
             flat_params.zero_grads(param for group in self.param_groups for param in group["params"])
 
-    @staticmethod
-    def _check_lr(group, params):
-        """Raise if a tensor lr does not fit the params: a scheduler or the user may have set it since."""
+    def _check_between_steps(self, group, params):
+        """Raise if what a scheduler or the user may have set in ``group`` since the last step does not
+        fit ``params`` (those with grads): a tensor lr, a ``PER_GROUP`` count (see ``_group_count``)."""
         if isinstance(group["lr"], Tensor) and params:
             check_tensor_lr(group["lr"], params[0].device)
+        if self._algorithm(group).counts == PER_GROUP:
+            self._group_count(group)
 
     def _structure(self, group):
         """What of ``group``'s options decides its step work: its state roles, engine and formats."""
@@ -461,7 +465,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         params, local_params, grads = self._with_grads(group, some)
         roles = self._roles(group)
         engine = engines.engine_name(group["foreach"], group["fused"])
-        self._check_lr(group, params)
+        self._check_between_steps(group, params)
         entry = caches.get(index)
         if entry is None or not entry.fits(roles, engine, params, local_params):
             check_params(params, type(self).__name__)  # a param's storage may have changed since it was added
@@ -523,6 +527,10 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         expected = self._expected_state(group, param, state)
         for key, (shape, dtype) in expected.items():
             value = state.get(key)
+            if key == "step" and value is not None and not is_step_count(value, param.device):
+                # a count set by hand (``state["step"] = 1``): _prepare_states takes it as torch takes one
+                step_count(value, param.device, f"step of a param of shape {tuple(param.shape)}")
+                continue
             role = key.removesuffix(ABSMAX)
             if value is None and role != key and role in state:  # a companion is never created alone
                 raise RuntimeError(
@@ -696,10 +704,12 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                       for index, param in enumerate(params)]
         counts = None
         if algorithm.counts == PER_PARAM:
+            for param, state in zip(params, states):
+                if not is_step_count(state["step"], param.device):  # one set by hand, checked by _check_state
+                    state["step"] = step_count(state["step"], param.device)
             steps = [state["step"] for state in states]
             counts = steps[0]._base
-            if counts is None or counts.shape != (len(steps),) or not all(
-                    step._base is counts and step.storage_offset() == i for i, step in enumerate(steps)):
+            if counts is None or not are_slots(counts, steps):
                 # A traced step leaves them unpacked (its counts are then stacked in the graph): the step
                 # traced for another pattern of grads (a GAN's halves) guards the state dicts packing changes.
                 counts = None if traced else torch.stack(steps)
@@ -716,11 +726,14 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
 
     def _group_count(self, group):
         """A ``PER_GROUP`` algorithm's step count: ``group["step"]``, a 0-d fp32 tensor on the
-        group's device (created at 0)."""
-        if "step" not in group:
-            device = group["params"][0].device if group["params"] else None
-            group["step"] = torch.zeros((), dtype=torch.float32, device=device)
-        return group["step"]
+        group's device (created at 0). One that the user set as a number (official Adan keeps an
+        int) or as another tensor is taken as such a tensor, as a loaded one is, or refused with a
+        ValueError (see ``checks.step_count``)."""
+        count = group.get("step", 0)
+        device = group["params"][0].device if group["params"] else getattr(count, "device", None)
+        if not is_step_count(count, device):
+            group["step"] = count = step_count(count, device)
+        return count
 
     def _count_step(self, group, entry, increment, whole_step=True):
         """Advance the group's step counts by ``increment`` (1, or 0 on a step GradScaler skipped),

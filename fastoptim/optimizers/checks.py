@@ -2,6 +2,7 @@
 Each raises a ValueError that names the first invalid input, before anything changes."""
 import math
 
+import torch
 from torch import Tensor
 
 from .. import distributed
@@ -68,6 +69,23 @@ def check_tensor_lr(lr, device=None):
     if device is not None and lr.device != device:
         raise ValueError(f"Invalid lr: a Tensor lr must be on the params' device, {device}, not {lr.device}")
 
+
+def is_step_count(value, device):
+    """Whether ``value`` is a step count as a step reads and advances it: a 0-d fp32 tensor on ``device``."""
+    return isinstance(value, Tensor) and value.dim() == 0 and value.dtype == torch.float32 and value.device == device
+
+
+def step_count(value, device, name="step"):
+    """``value`` as a step count (see :func:`is_step_count`), a copy on ``device``: a number (official
+    Adan and timm keep an int; torch.optim takes one, where it loads one) or a 0-d tensor. A ValueError
+    naming ``name`` unless it is a whole number >= 0 (a negative count divides by zero in a bias
+    correction). Reads a tensor's value: not for a step's every call."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, Tensor)) or torch.as_tensor(value).dim():
+        raise ValueError(f"Invalid {name}: {value!r} (must be a number or a 0-d tensor)")
+    count = torch.as_tensor(value, dtype=torch.float32)
+    if not (count >= 0 and count == count.floor() and count.isfinite()):
+        raise ValueError(f"Invalid {name}: {count.item()!r} (must be a whole number >= 0)")
+    return count.to(device=device, copy=True)
 
 
 def overlaps_itself(tensor):

@@ -11,7 +11,7 @@ from ..multi_tensor import gather_states
 from ..specs import ABSMAX
 from ..states import formats, master, subset_norm
 from .algorithm import PER_GROUP
-from .checks import normalize_betas
+from .checks import normalize_betas, step_count
 
 # Options that say how a step runs, not what it computes: a loaded state dict leaves them as they are.
 EXECUTION_OPTIONS = ("foreach", "fused", "state_bits", "master_bits", "capturable", "differentiable")
@@ -144,6 +144,9 @@ class StateDicts:
             if key not in expected:  # a state the saved options leave unused: kept as saved
                 state[key] = torch.as_tensor(state[key]).to(param.device, copy=True)
                 continue
+            if key == "step":  # a count: checked as official Adan's group count is, at load
+                state[key] = step_count(state[key], param.device, f"step of parameter {saved_id}")
+                continue
             (shape, dtype), value = expected[key], torch.as_tensor(state[key])
             if value.shape != shape:
                 raise ValueError(f"state '{key}' of parameter {saved_id} has shape {tuple(value.shape)}, "
@@ -159,13 +162,5 @@ class StateDicts:
         """A ``PER_GROUP`` algorithm's saved ``step`` as a 0-d fp32 tensor on the group's device, in
         place (official Adan and timm keep an integer, and none before their first step); a
         ValueError if it is not a whole number >= 0."""
-        if self._algorithm(group).counts != PER_GROUP:
-            return
-        step = group.get("step", 0)
-        if isinstance(step, bool) or not isinstance(step, (int, float, torch.Tensor)) or torch.as_tensor(step).dim():
-            raise ValueError(f"Invalid step: {step!r} (must be a number or a 0-d tensor)")
-        step = torch.as_tensor(step, dtype=torch.float32)
-        if not (step >= 0 and step == step.floor() and step.isfinite()):
-            raise ValueError(f"Invalid step: {step.item()!r} (must be a whole number >= 0)")
-        device = group["params"][0].device if group["params"] else None
-        group["step"] = step.to(device=device, copy=True)
+        if self._algorithm(group).counts == PER_GROUP:
+            group["step"] = step_count(group.get("step", 0), group["params"][0].device if group["params"] else None)
