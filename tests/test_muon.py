@@ -3,6 +3,7 @@ against fastoptim.AdamW, 3-D and flattened params against torch's Muon on their 
 engine against the loop engine (hypothesis), low-bit momenta, master weights, GradScaler, state
 dicts (torch's Muon checkpoints included), torch.compile, and bad input."""
 import copy
+import math
 import warnings
 
 import pytest
@@ -23,7 +24,17 @@ SHAPES = [(24, 16), (24, 16), (40, 12), (12, 40), (20, 20)]
 TORCH_OPTIONS = [dict(), dict(nesterov=False), dict(adjust_lr_fn="match_rms_adamw", weight_decay=0.0),
                  dict(momentum=0.5, lr=0.02, weight_decay=0.3), dict(ns_steps=2, ns_coefficients=(2.0, -1.5, 0.5)),
                  dict(eps=10.0),  # eps above the norms: the floor is what each matrix is divided by
-                 dict(lr=0.03), dict(lr=0.03, adjust_lr_fn="match_rms_adamw")]  # a tensor lr·factor rounds in fp32
+                 dict(lr=0.03), dict(lr=0.03, adjust_lr_fn="match_rms_adamw"),  # a tensor lr·factor rounds in fp32
+                 dict(lr=0.03, adjust_lr_fn="spectral_unclamped")]  # torch 2.15's
+
+
+def torch_takes(options):
+    """Whether the installed torch.optim.Muon takes ``options`` (adjust_lr_fn="spectral_unclamped": torch 2.15 on)."""
+    try:
+        torch.optim.Muon(make_params(), **options)
+    except ValueError:
+        return False
+    return True
 
 
 def make_params(shapes=SHAPES, dtype=torch.float32, seed=0):
@@ -72,6 +83,8 @@ def test_defaults_are_torchs():
 @pytest.mark.parametrize("options", TORCH_OPTIONS, ids=str)
 @pytest.mark.parametrize("engine", ENGINES)
 def test_every_engine_steps_as_torch_muon(engine, options, tensor_lr):
+    if not torch_takes(options):
+        pytest.skip(f"torch {torch.__version__}'s Muon does not take {options}")
     params = make_params()
     grads = grads_of(params)
     lr = options.get("lr", 1e-3)
@@ -126,6 +139,107 @@ def test_companion_groups_step_as_adamw_and_matrices_as_torch_muon(engine):
         assert optimizer.state[param].keys() == adamw.state[peer].keys() == {"step", "exp_avg", "exp_avg_sq"}
         assert torch.equal(optimizer.state[param]["exp_avg_sq"], adamw.state[peer]["exp_avg_sq"])
     assert optimizer.state[ours[0]].keys() == {"momentum_buffer"}
+
+
+def aux_adam_groups(hidden, gains_and_biases, embed_and_head, **eps):
+    """Param groups as Keller Jordan's MuonWithAuxAdam examples write them: the hidden matrices with
+    Muon, the gains, biases, embedding and head with Adam, whose eps is given as ``eps``."""
+    return [dict(params=hidden, use_muon=True, lr=0.02, weight_decay=0.01),
+            dict(params=gains_and_biases + embed_and_head, use_muon=False, lr=3e-4, betas=(0.9, 0.95),
+                 weight_decay=0, **eps)]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_muon_with_aux_adam_group_list_trains_as_the_same_groups_with_adamw_eps(engine):
+    """A use_muon=False group's eps is AdamW's (adamw_eps is its alias). Small grads, so that eps=1e-10
+    steps otherwise than the default 1e-8."""
+    hidden, gains_and_biases = make_params([(24, 16), (16, 24)]), make_params([(24,), (16,)], seed=2)
+    embed_and_head = make_params([(50, 16), (10, 16)], seed=3)
+    params = hidden + gains_and_biases + embed_and_head
+    grads = grads_of(params, scale=1e-6)
+    runs = {}
+    for name, eps in (("eps", dict(eps=1e-10)), ("adamw_eps", dict(adamw_eps=1e-10)), ("default", {})):
+        copies = clone(params)
+        optimizer = fastoptim.Muon(aux_adam_groups(copies[:2], copies[2:4], copies[4:], **eps), **ENGINES[engine])
+        with warnings.catch_warnings(record=True):
+            runs[name] = run(optimizer, copies, grads)
+        assert optimizer.param_groups[1]["eps"] == optimizer.param_groups[1]["adamw_eps"] == (1e-10 if eps else 1e-8)
+        assert optimizer.param_groups[0]["eps"] == 1e-7  # Muon's Newton–Schulz floor
+    assert_equal(runs["eps"], runs["adamw_eps"])
+    assert_equal(runs["eps"][:2], stepped(torch.optim.Muon, hidden, [g[:2] for g in grads], lr=0.02, weight_decay=0.01))
+    adamw = stepped(fastoptim.AdamW, params[2:], [g[2:] for g in grads], lr=3e-4, betas=(0.9, 0.95), eps=1e-10,
+                    weight_decay=0, **ENGINES[engine])
+    assert_equal(runs["eps"][2:], adamw)
+    assert not torch.equal(runs["default"][2], runs["eps"][2])
+
+
+def test_a_use_muon_false_group_giving_eps_and_adamw_eps_apart_is_refused_and_nothing_changes():
+    matrices, biases = make_params(), make_params([(3,)], seed=2)
+    apart = dict(params=biases, use_muon=False, eps=1e-10, adamw_eps=1e-8)
+    with pytest.raises(ValueError, match="eps: 1e-10 and adamw_eps 1e-08 in a use_muon=False group, where adamw_eps "
+                                         "is an alias of eps"):
+        fastoptim.Muon([{"params": matrices}, apart])
+    optimizer = fastoptim.Muon(matrices)
+    given = dict(apart)
+    with pytest.raises(ValueError, match="alias of eps"):
+        optimizer.add_param_group(apart)
+    assert len(optimizer.param_groups) == 1 and apart == given
+    optimizer.add_param_group(dict(params=biases, use_muon=False, eps=1e-10, adamw_eps=1e-10))  # both, alike
+    assert optimizer.param_groups[1]["eps"] == 1e-10
+    # set apart between steps: refused at the step, before anything changes
+    for param in matrices + biases:
+        param.grad = torch.randn_like(param)
+    optimizer.step()
+    optimizer.param_groups[1]["eps"] = 1e-6
+    params_before, states_before = _snapshot(optimizer)
+    with pytest.raises(ValueError, match="eps: 1e-06 and adamw_eps 1e-10 .* set both"):
+        optimizer.step()
+    params_after, states_after = _snapshot(optimizer)
+    assert_equal(params_after, params_before)
+    assert all(torch.equal(value, states_after[key][name]) for key, state in states_before.items()
+               for name, value in state.items())
+
+
+def test_a_use_muon_false_group_without_eps_gets_the_constructors_adamw_eps():
+    optimizer = fastoptim.Muon([{"params": make_params()}, {"params": make_params([(3,)]), "use_muon": False}],
+                               adamw_eps=1e-6)
+    assert [group["eps"] for group in optimizer.param_groups] == [1e-7, 1e-6]
+    optimizer.add_param_group({"params": make_params([(4,)]), "use_muon": False})
+    optimizer.add_param_group({"params": make_params([(5,)]), "use_muon": False, "adamw_eps": 1e-5})
+    assert [group["eps"] for group in optimizer.param_groups[2:]] == [1e-6, 1e-5]
+    everything = fastoptim.Muon(make_params([(6,)]), use_muon=False, adamw_eps=1e-6)  # use_muon=False for all
+    assert everything.param_groups[0]["eps"] == 1e-6
+
+
+def test_a_companion_eps_resumes_from_a_state_dict_and_older_or_aux_adam_ones_load_it():
+    """Before eps was AdamW's in a use_muon=False group, such a group saved the Newton–Schulz floor as
+    eps and AdamW's as adamw_eps; MuonWithAuxAdam saves its options alone (eps, no adamw_eps) and int steps."""
+    hidden, gains_and_biases = make_params([(24, 16), (16, 24)]), make_params([(24,), (16,)], seed=2)
+    embed_and_head = make_params([(50, 16)], seed=3)
+    params = hidden + gains_and_biases + embed_and_head
+    grads = grads_of(params, steps=4, scale=1e-6)
+    straight = clone(params)
+    run(fastoptim.Muon(aux_adam_groups(straight[:2], straight[2:4], straight[4:], eps=1e-10)), straight, grads)
+    first = clone(params)
+    optimizer = fastoptim.Muon(aux_adam_groups(first[:2], first[2:4], first[4:], eps=1e-10))
+    run(optimizer, first, grads[:2])
+    saved = optimizer.state_dict()
+    older = copy.deepcopy(saved)
+    older["param_groups"][1] |= {"eps": 1e-7, "adamw_eps": 1e-10}
+    aux_adam = copy.deepcopy(saved)
+    aux_adam["param_groups"] = [{key: group[key] for key in keys} for group, keys in zip(saved["param_groups"], (
+        ("params", "lr", "momentum", "weight_decay", "use_muon"),
+        ("params", "lr", "betas", "eps", "weight_decay", "use_muon")))]
+    for state in aux_adam["state"].values():
+        if "step" in state:
+            state["step"] = int(state["step"])
+    for state_dict in (saved, older, aux_adam):
+        resumed = clone(first)
+        loaded = fastoptim.Muon(aux_adam_groups(resumed[:2], resumed[2:4], resumed[4:]))  # eps: 1e-8
+        loaded.load_state_dict(state_dict)
+        assert loaded.param_groups[1]["eps"] == loaded.param_groups[1]["adamw_eps"] == 1e-10
+        run(loaded, resumed, grads[2:])
+        assert_equal(resumed, straight)
 
 
 @pytest.mark.parametrize("state_bits", [32, 8])
@@ -184,6 +298,27 @@ def test_flatten_takes_a_conv_weight_as_its_first_dim_by_the_rest(engine):
     with warnings.catch_warnings(record=True):
         run(fastoptim.Muon(ours, flatten=True, **ENGINES[engine]), ours, grads)
     assert_equal([p.reshape(p.shape[0], -1) for p in ours], matrices)
+
+
+@pytest.mark.parametrize("tensor_lr", [False, True])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_spectral_unclamped_steps_each_matrix_by_lr_times_the_root_of_rows_over_cols(engine, tensor_lr):
+    """adjust_lr_fn="spectral_unclamped" (torch 2.15): lr·√(rows/cols), below lr for a wide matrix. The
+    oracle, for a torch without it: torch's Muon with "original" (factor √(rows/cols) on a tall matrix,
+    1 on a wide one) at lr·√(rows/cols), computed here as torch 2.15 computes it, for each wide matrix
+    (no weight decay, which reads the group's lr)."""
+    params = make_params()
+    grads = grads_of(params)
+    lr = torch.tensor(0.03) if tensor_lr else 0.03
+    wide = [param.shape[0] < param.shape[1] for param in params]
+    reference = clone(params)
+    groups = [{"params": [p for p, w in zip(reference, wide) if not w]}] + [
+        {"params": [p], "lr": lr * math.sqrt(p.shape[0] / p.shape[1])} for p, w in zip(reference, wide) if w]
+    run(torch.optim.Muon(groups, lr=lr, weight_decay=0.0), reference, grads)
+    ours = stepped(fastoptim.Muon, params, grads, lr=lr, weight_decay=0.0, adjust_lr_fn="spectral_unclamped",
+                   **ENGINES[engine])
+    assert_equal(ours, reference)
+    assert not torch.equal(ours[3], stepped(fastoptim.Muon, params, grads, lr=lr, weight_decay=0.0)[3])  # unclamped
 
 
 @pytest.mark.parametrize("engine", ENGINES)
@@ -448,7 +583,9 @@ def test_a_state_dict_moves_between_engines_and_state_bits_with_its_companions()
     (dict(ns_coefficients=(1.0, float("nan"), 2.0)), "Invalid ns_coefficients"),
     (dict(ns_coefficients=[(1.0, 2.0, 3.0)] * 4), "Invalid ns_coefficients"),
     (dict(momentum=1.0), "Invalid momentum"), (dict(momentum=-0.1), "Invalid momentum"),
-    (dict(adjust_lr_fn="bogus"), "Invalid adjust_lr_fn"), (dict(use_muon="yes"), "Invalid use_muon"),
+    (dict(adjust_lr_fn="bogus"),
+     r"Invalid adjust_lr_fn: 'bogus' \(must be None, 'original', 'match_rms_adamw' or 'spectral_unclamped'\)"),
+    (dict(use_muon="yes"), "Invalid use_muon"),
     (dict(nesterov=1), "Invalid nesterov"), (dict(flatten="yes"), "Invalid flatten"),
     (dict(adamw_eps=-1.0), "Invalid adamw_eps"), (dict(adamw_eps=float("inf")), "Invalid adamw_eps"),
     (dict(eps=-1.0), "Invalid eps"),
@@ -471,11 +608,9 @@ def test_a_param_that_is_not_a_matrix_is_refused_with_what_to_do(shape, message)
                                                 "use_muon": False}])
 
 
-def test_complex_params_and_a_companion_eps_are_refused():
+def test_complex_params_are_refused():
     with pytest.raises(ValueError, match="complex"):
         fastoptim.Muon([torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.complex64))])
-    with pytest.raises(ValueError, match="adamw_eps"):
-        fastoptim.Muon([{"params": make_params()}, {"params": make_params([(3,)]), "use_muon": False, "eps": 1e-8}])
 
 
 def test_a_bf16_momentum_without_nesterov_is_not_rescaled_by_the_iterations():

@@ -16,7 +16,7 @@ from .. import distributed, engines
 from ..engines import foreach
 from ..engines.ops import FOREACH_OPS, TENSOR_OPS
 from ..specs import KernelSpec, Role
-from .adamw import ADAMW, adamw_arguments
+from .adamw import ADAMW
 from .algorithm import Algorithm, StepInputs
 from .base import FastOptimizer
 from .checks import check_number
@@ -30,9 +30,11 @@ SPEC = KernelSpec("muon", roles=(Role("momentum_buffer"),), scalars=(), elementw
 MOMENTUM_SPEC = KernelSpec("muon_momentum", roles=(Role("momentum_buffer"),),
                            scalars=("momentum", "one_minus_momentum"), flags=("nesterov",))
 DEFAULT_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, as torch.optim.Muon's
-ADJUST_LR = {  # adjust_lr_fn: the factor of lr for a matrix of rows × cols (torch.optim.Muon's)
-    "original": lambda rows, cols: math.sqrt(max(1, rows / cols)) if cols else 1.0,  # an empty one: no update
+# adjust_lr_fn: the factor of lr for a matrix of rows × cols, as torch.optim.Muon's (an empty one: no update)
+ADJUST_LR = {
+    "original": lambda rows, cols: math.sqrt(max(1, rows / cols)) if cols else 1.0,
     "match_rms_adamw": lambda rows, cols: 0.2 * math.sqrt(max(rows, cols)),
+    "spectral_unclamped": lambda rows, cols: math.sqrt(rows / cols) if cols else 1.0,  # torch 2.15's
 }
 
 
@@ -213,17 +215,20 @@ def run_in_three_parts(momentum_engine: str, part: engines.Plan, reduce_group=No
 
 MUON = Algorithm(SPEC, muon_update, muon_arguments, param_factors=lr_factor, factor_options=("adjust_lr_fn", "flatten"),
                  run=run_muon_bucket)
-# use_muon=False groups: AdamW, with the companions' eps (Muon's eps is the Newton–Schulz floor)
-COMPANIONS = ADAMW._replace(
-    arguments=lambda group, inputs: adamw_arguments(group | {"eps": group["adamw_eps"]}, inputs),
-    flags=lambda group: dict(amsgrad=False, first_moment=True))
+COMPANIONS = ADAMW._replace(flags=lambda group: dict(amsgrad=False, first_moment=True))  # use_muon=False groups
+
+
+def with_companion_eps(group: dict, eps: float) -> dict:
+    """``group`` with AdamW's ``eps``, and ``adamw_eps``, its alias in a ``use_muon=False`` group, kept equal."""
+    return group | {"eps": eps, "adamw_eps": eps}
 
 
 class Muon(FastOptimizer):
     """Muon with torch.optim.Muon's signature and results (see
     [muon_update][fastoptim.optimizers.muon.muon_update]), and AdamW for the params that are not
     hidden matrices, in the same optimizer: a param group with ``use_muon=False`` runs fastoptim's
-    AdamW with the group's ``lr``, ``betas``, ``adamw_eps`` and ``weight_decay``.
+    AdamW with the group's ``lr``, ``betas``, ``eps`` and ``weight_decay``, as Keller Jordan's
+    MuonWithAuxAdam takes such groups (there is no Newton–Schulz floor in them).
 
     Args:
         params: parameters or param groups (dicts with per-group options). A Muon group takes
@@ -240,12 +245,15 @@ class Muon(FastOptimizer):
         ns_steps: the number of Newton–Schulz steps, 1 to 99.
         adjust_lr_fn: the lr's factor for a matrix of rows × cols: ``"original"`` (None):
             √max(1, rows/cols); ``"match_rms_adamw"``: 0.2·√max(rows, cols), so that AdamW's lr
-            and weight decay carry over.
+            and weight decay carry over; ``"spectral_unclamped"`` (torch 2.15's): √(rows/cols),
+            the original without its clamp, so a wide matrix steps by less than lr.
         flatten: orthogonalize a param of 3+ dims as its first dim by the rest (convolution
             weights) instead of as a batch of matrices.
         use_muon: False for a group of AdamW companions (usually set per group).
         betas: the AdamW companions' (β1, β2).
-        adamw_eps: the AdamW companions' eps (``eps`` is the Newton–Schulz floor).
+        adamw_eps: the eps of the AdamW companion groups that set none (``eps`` here is the
+            Newton–Schulz floor; in a ``use_muon=False`` group, ``eps`` is AdamW's, and
+            ``adamw_eps`` its alias: a group giving both, apart, is refused).
         (the arguments of every fastoptim optimizer)
 
     The loop engine (``foreach=False, fused=False``) orthogonalizes one matrix at a time; every
@@ -279,11 +287,32 @@ class Muon(FastOptimizer):
                         subset_size=subset_size, state_bits=state_bits)
         super().__init__(params, defaults, shard_group)
 
-    def add_param_group(self, param_group):
-        if param_group.get("use_muon") is False and "eps" in param_group:
-            raise ValueError("Invalid eps in a use_muon=False group: Muon's eps is the Newton–Schulz floor; "
-                             "set the AdamW companions' eps as adamw_eps")
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a param group; in a ``use_muon=False`` one, ``eps`` (or ``adamw_eps``, its alias) is
+        AdamW's, the constructor's ``adamw_eps`` where it gives neither."""
+        if param_group.get("use_muon", self.defaults["use_muon"]) is False:
+            given = {name: param_group[name] for name in ("eps", "adamw_eps") if name in param_group}
+            if len(given) == 2 and given["eps"] != given["adamw_eps"]:
+                raise ValueError(f"Invalid eps: {given['eps']!r} and adamw_eps {given['adamw_eps']!r} in a "
+                                 "use_muon=False group, where adamw_eps is an alias of eps (AdamW's): give one")
+            param_group = with_companion_eps(param_group, next(iter(given.values()), self.defaults["adamw_eps"]))
         super().add_param_group(param_group)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict (see :class:`FastOptimizer`), its ``use_muon=False`` groups' eps taken from
+        their ``adamw_eps`` where saved: saved before eps was AdamW's in such a group, ``eps`` holds the
+        Newton–Schulz floor there (later saves keep the two equal). A group that saved neither (another
+        optimizer's) gets this optimizer's ``adamw_eps``."""
+        groups = [with_companion_eps(group, group.get("adamw_eps", group.get("eps", self.defaults["adamw_eps"])))
+                  if group.get("use_muon", self.defaults["use_muon"]) is False else group
+                  for group in state_dict["param_groups"]]
+        super().load_state_dict(state_dict | {"param_groups": groups})
+
+    def _check_between_steps(self, group, params):
+        super()._check_between_steps(group, params)
+        if not group["use_muon"] and group["eps"] != group["adamw_eps"]:  # one of them set since it was added
+            raise ValueError(f"Invalid eps: {group['eps']!r} and adamw_eps {group['adamw_eps']!r} in a use_muon=False "
+                             "group, where adamw_eps is an alias of eps (AdamW's): set both")
 
     def _algorithm(self, group):
         return MUON if group["use_muon"] else COMPANIONS
@@ -302,8 +331,9 @@ class Muon(FastOptimizer):
             raise ValueError(f"Invalid ns_steps: {steps!r} (must be an int from 1 to 99)")
         coefficients(group)
         if group["adjust_lr_fn"] is not None and group["adjust_lr_fn"] not in ADJUST_LR:
-            raise ValueError(f"Invalid adjust_lr_fn: {group['adjust_lr_fn']!r} (must be None, "
-                             + " or ".join(map(repr, ADJUST_LR)) + ")")
+            *others, last = map(repr, ADJUST_LR)
+            raise ValueError(f"Invalid adjust_lr_fn: {group['adjust_lr_fn']!r} (must be None, {', '.join(others)} "
+                             f"or {last})")
         if group["use_muon"]:
             for param in group.get("params", ()):
                 self._check_matrix(param, group["flatten"])
