@@ -185,7 +185,7 @@ def plot(results, path):
     without results.md."""
     import matplotlib
     matplotlib.use("Agg")
-    from matplotlib import pyplot
+    from matplotlib import pyplot, ticker
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -206,7 +206,10 @@ def plot(results, path):
                   [(r["max_ms"] or t) - t for t, r in zip(times, rows)]]
         row[0].barh(names, times, xerr=spread, error_kw=dict(capsize=2, lw=0.8),
                     color=[colours[r["library"] == "fastoptim"] for r in rows])
-        row[0].set_xscale("log")  # times span orders of magnitude
+        row[0].set_xscale("log")  # times span orders of magnitude; ticks at 1, 2, 5 of each decade, as plain numbers
+        row[0].xaxis.set_major_locator(ticker.LogLocator(subs=(1, 2, 5)))
+        row[0].xaxis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+        row[0].xaxis.set_minor_formatter(ticker.NullFormatter())
         peaks = [r["peak_bytes"] / MIB if r["peak_bytes"] else float("nan") for r in rows]
         row[1].barh(names, peaks, color=[colours[r["library"] == "fastoptim"] for r in rows])  # from 0: by length
         if all(peak != peak for peak in peaks):
@@ -223,9 +226,10 @@ def plot(results, path):
             for y, r in enumerate(rows):
                 if r["traffic_bytes"]:
                     row[0].plot([r["traffic_bytes"] / fastest / 1e6, r["traffic_bytes"] / slowest / 1e6], [y, y],
-                                color="black", lw=5, alpha=0.45, solid_capstyle="butt", zorder=3)
+                                color="black", lw=5, alpha=0.45, solid_capstyle="butt", zorder=3,
+                                marker="|", markersize=10)  # a band too narrow to see still shows its ends
     handles = [Patch(color=colours[True], label="fastoptim"), Patch(color=colours[False], label="peers"),
-               Line2D([], [], lw=5, alpha=0.45, color="black",
+               Line2D([], [], lw=5, alpha=0.45, color="black", marker="|", markersize=10,
                       label="its traffic at the copy probe's bandwidth (probe's min..max); caches can beat it")]
     figure.legend(handles=handles, loc="lower center", ncol=3, fontsize=8)
     figure.suptitle("\n".join(heading), fontsize=8, color="black", y=0.995, va="top")
