@@ -731,6 +731,29 @@ INLINE float subset_scale(int kernel, const Tensor *T, int64_t k, int flags) {
     return step_scale(kernel, &T->s, x, flags);
 }
 
+/* The sum of q² over elements [from, to), in SUM_LANES lanes (the element at from + i in lane i mod
+   SUM_LANES, each lane in element order, with one rounding per element), whose totals then add
+   pairwise: one order in every specialisation. An omp simd reduction lets the compiler pick its own
+   lanes per specialisation: under AVX2, a bf16 param's subset sums and an fp32 param's of the same
+   values differed, and a master_bits=32 master left its fp32 run by an ulp. */
+#define SUM_LANES 64  /* 4 AVX-512 or 8 AVX2 vectors of sums: FMAs that do not wait on each other */
+INLINE float sum_of_squares(int kernel, const Tensor *T, int64_t from, int64_t to, int dtype, int flags, int states) {
+    float lanes[SUM_LANES] = {0};
+    int64_t i = from;
+    for (; i + SUM_LANES <= to; i += SUM_LANES)
+        for (int j = 0; j < SUM_LANES; j++) {
+            const float q = squared_in_place(kernel, T, i + j, dtype, flags, states);
+            lanes[j] = fmaf(q, q, lanes[j]);
+        }
+    for (int j = 0; i + j < to; j++) {
+        const float q = squared_in_place(kernel, T, i + j, dtype, flags, states);
+        lanes[j] = fmaf(q, q, lanes[j]);
+    }
+    for (int width = SUM_LANES / 2; width > 0; width /= 2)
+        for (int j = 0; j < width; j++) lanes[j] += lanes[j + width];
+    return lanes[0];
+}
+
 enum { DENSE, ROWS, COLUMNS };  /* how update_elements finds an element's second moment */
 
 /* Updates elements [from, to), block by block (one block, unless the states are 8-bit): dense,
@@ -780,14 +803,9 @@ INLINE void walk(int kernel, const Work *w, int64_t t, int64_t start, int64_t co
         return;
     }
     if (c == 1) {                                           /* rows: subset k is elements [k·b, (k+1)·b) */
-        for (int64_t k = start / b; k < end / b; k++) {
-            float sum = 0;
-            SIMD_SUM for (int64_t i = k * b; i < (k + 1) * b; i++) {
-                const float q = squared_in_place(kernel, &T, i, dtype, flags, states);
-                sum += q * q;
-            }
-            subset_moments(kernel, &T, k, sum, SUBSET, flags);
-        }
+        for (int64_t k = start / b; k < end / b; k++)
+            subset_moments(kernel, &T, k, sum_of_squares(kernel, &T, k * b, (k + 1) * b, dtype, flags, states),
+                           SUBSET, flags);
         update_elements(kernel, &T, start, end, b, c, ROWS, dtype, rounding, flags, states);
         return;
     }
