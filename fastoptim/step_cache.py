@@ -66,8 +66,9 @@ class GroupWork:
     never kept: they are checked and listed afresh every step.
     """
 
-    def __init__(self, roles, engine, params, local_params, signature=None):
+    def __init__(self, roles, engine, params, local_params, signature=None, versions=None):
         self.roles, self.engine, self.params, self.signature = roles, engine, params, signature
+        self.versions = versions  # of the params that keep master remainders (states.master.Versions), or None
         self.local_params = local_params  # what the engines update: the params, or their engine_view
         self.viewed_states = local_params is not params  # the states' engine_view differs from them
         # the per-tensor scalars (step sizes, bias corrections): float64 where a param's math is float64

@@ -248,6 +248,22 @@ def test_a_compiled_step_keeps_the_remainders_as_the_eager_step_does():
         assert torch.equal(a, b) and torch.equal(eager.state[a][master.KEY], traced.state[b][master.KEY])
 
 
+def test_an_eager_step_after_compiled_ones_takes_their_writes_for_the_optimizers_own():
+    """A traced step notes no version counters; the eager step after it keeps the remainders that the
+    compiled steps wrote (they are not someone else's writes)."""
+    runs = [bf16_start(), bf16_start()]
+    eager, mixed = (fastoptim.AdamW(params, lr=1e-2, master_bits=32, fused=False) for params in runs)
+    compiled = torch.compile(mixed.step, backend="aot_eager", fullgraph=True)
+    for index, step_grads in enumerate(oracle.grad_sequence(SHAPES, 4)):
+        for params in runs:
+            for param, grad in zip(params, step_grads):
+                param.grad = grad.bfloat16()
+        eager.step()
+        (compiled if index in (1, 2) else mixed.step)()
+    for a, b in zip(*runs):
+        assert torch.equal(a, b) and torch.equal(eager.state[a][master.KEY], mixed.state[b][master.KEY])
+
+
 def test_an_optimizer_pickled_before_master_bits_existed_steps_as_before():
     params = bf16_start()
     opt = fastoptim.Adan(params, lr=1e-2)
@@ -291,3 +307,208 @@ def test_master_bits_for_fp16_params_is_refused_and_the_group_not_added():
     assert len(opt.param_groups) == 1
     with pytest.raises(ValueError, match="master_bits.*fp16"):
         fastoptim.Lion([torch.nn.Parameter(torch.randn(4).half())], master_bits=24)
+
+
+# --- a param written by anyone but the optimizer starts again from the value written ------------
+
+def fp32_twin_run(info, engine, bits, shapes, steps, write, options=None):
+    """bf16 params with ``bits`` of master beside an fp32 twin stepped by the same optimizer on the same
+    grads; before the third step, ``write(params, module)`` writes the bf16 params. Before every step
+    the twin takes the master the optimizer must see (the value written, at the write), so that after
+    it, the bf16 param and its remainder are the twin split. Returns the masters that
+    master_state_dict gave right after the write, and the values written."""
+    options = dict(lr=1e-2, weight_decay=0.1, master_bits=bits, **ENGINES[engine], **(options or {}))
+    params = [torch.nn.Parameter(p.bfloat16()) for p in oracle.make_params(shapes)]
+    module = torch.nn.ParameterList(params)
+    twins = [torch.nn.Parameter(p.detach().float()) for p in params]
+    opt = info.cls(params, **options)
+    twin = info.cls(twins, **options | dict(master_bits=16))
+    exported = written = None
+    for step, step_grads in enumerate(oracle.grad_sequence(shapes, steps)):
+        if step == 2:
+            with torch.no_grad():
+                write(params, module)
+            exported, written = opt.master_state_dict(module), [p.detach().float() for p in params]
+        for i, (param, twin_param, grad) in enumerate(zip(params, twins, step_grads)):
+            param.grad, twin_param.grad = grad.bfloat16(), grad.bfloat16().float()
+            with torch.no_grad():
+                remainder = opt.state.get(param, {}).get(master.KEY)
+                twin_param.copy_(written[i] if step == 2
+                                 else param.float() if remainder is None else master.widen(param, remainder))
+        opt.step()
+        twin.step()
+        for param, twin_param in zip(params, twins):
+            expected = split(twin_param.detach(), bits)
+            assert torch.equal(param.detach(), expected[0]), f"step {step}"
+            assert torch.equal(opt.state[param][master.KEY], expected[1]), f"step {step}"
+    return [exported[str(i)] for i in range(len(params))], written
+
+
+PRUNED = [(64, 64), (300,)]
+
+
+@pytest.mark.parametrize("bits", [24, 32])
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=lambda info: info.name)
+def test_a_pruned_param_starts_again_from_its_pruned_value(info, engine, bits, monkeypatch):
+    """Pruning (p.mul_(mask)) zeroes elements whose remainders may be negative: zero bits plus a
+    negative remainder is a NaN. The optimizer sees the version counter move and zeroes the
+    remainders first, so the master is the pruned param, and the run stays the fp32 twin's."""
+    kernel_only(engine, monkeypatch)
+    masks = [torch.rand(shape, generator=torch.Generator().manual_seed(5)) < 0.5 for shape in PRUNED]
+
+    def prune(params, module):
+        for param, mask in zip(params, masks):
+            param.mul_(mask)
+    exported, written = fp32_twin_run(info, engine, bits, PRUNED, 5, prune, info.own_options)
+    for value, expected in zip(exported, written):
+        assert torch.equal(value, expected)
+
+
+WRITES = {
+    "nn.init.zeros_": lambda params, module: [torch.nn.init.zeros_(p) for p in params],
+    "copy_": lambda params, module: [p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)))
+                                     for p in params],
+    "module.load_state_dict": lambda params, module: module.load_state_dict(
+        {str(i): torch.full(p.shape, 0.375) for i, p in enumerate(params)}),
+}
+
+
+@pytest.mark.parametrize("write", WRITES)
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=lambda info: info.name)
+def test_a_param_written_in_place_starts_again_from_the_value_written(info, engine, write, monkeypatch):
+    """A write the param's version counter sees: master_state_dict and the steps after it take the
+    value written as the master, with no trace of the remainder it replaced."""
+    kernel_only(engine, monkeypatch)
+    exported, written = fp32_twin_run(info, engine, 32, SHAPES, 4, WRITES[write], info.own_options)
+    for value, expected in zip(exported, written):
+        assert torch.equal(value, expected)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_steps_over_changing_patterns_of_grads_are_no_one_elses_writes(engine, monkeypatch):
+    """A param stepped by the step work of one pattern of grads, then another's, then the first's
+    again (each work notes the counters it saw): still the fp32 run bit for bit, no remainder zeroed."""
+    kernel_only(engine, monkeypatch)
+    params = bf16_start()
+    twins = [torch.nn.Parameter(p.detach().float()) for p in params]
+    opt = fastoptim.AdamW(params, lr=1e-2, master_bits=32, **ENGINES[engine])
+    twin = fastoptim.AdamW(twins, lr=1e-2, **ENGINES[engine])
+    for step, step_grads in enumerate(oracle.grad_sequence(SHAPES, 7)):
+        for i, (param, twin_param, grad) in enumerate(zip(params, twins, step_grads)):
+            given = step % 3 != 1 or i != 0  # the first param has no grad at steps 1 and 4
+            param.grad, twin_param.grad = (grad.bfloat16(), grad.bfloat16().float()) if given else (None, None)
+        opt.step()
+        twin.step()
+        for param, twin_param in zip(params, twins):
+            assert torch.equal(master.widen(param.detach(), opt.state[param][master.KEY]), twin_param.detach())
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_params_that_share_a_version_counter_keep_their_remainders_and_see_writes(engine, monkeypatch):
+    """Params that are views of one tensor share its version counter, which a step bumps once per
+    param: still the fp32 run bit for bit (no step taken for someone else's write), and a write to one
+    is seen (a write to either looks like a write to both)."""
+    kernel_only(engine, monkeypatch)
+    base = torch.randn(2, 300, generator=torch.Generator().manual_seed(0)).bfloat16()
+    params = [torch.nn.Parameter(base[0]), torch.nn.Parameter(base[1])]
+    twins = [torch.nn.Parameter(p.detach().float()) for p in params]
+    opt = fastoptim.AdamW(params, lr=1e-2, master_bits=32, **ENGINES[engine])
+    twin = fastoptim.AdamW(twins, lr=1e-2, **ENGINES[engine])
+    for step_grads in oracle.grad_sequence([(300,), (300,)], 4):
+        for param, twin_param, grad in zip(params, twins, step_grads):
+            param.grad, twin_param.grad = grad.bfloat16(), grad.bfloat16().float()
+        opt.step()
+        twin.step()
+        for param, twin_param in zip(params, twins):
+            assert torch.equal(master.widen(param.detach(), opt.state[param][master.KEY]), twin_param.detach())
+    with torch.no_grad():
+        params[0].mul_(2)
+    assert torch.equal(opt.master_state_dict(torch.nn.ParameterList(params))["0"], params[0].detach().float())
+
+
+def test_a_rewind_by_load_state_dict_restarts_from_the_earlier_weights():
+    """module.load_state_dict(earlier) rewinds the params; their masters are the earlier weights, not
+    those plus the remainders of later steps."""
+    model = torch.nn.Linear(64, 32).bfloat16()
+    opt = fastoptim.AdamW(model.parameters(), lr=1e-2, master_bits=32)
+    earlier = {name: value.clone() for name, value in model.state_dict().items()}
+    for _ in range(3):
+        for param in model.parameters():
+            param.grad = torch.randn_like(param)
+        opt.step()
+    model.load_state_dict(earlier)
+    exported = opt.master_state_dict(model)
+    assert all(torch.equal(exported[name], value.float()) for name, value in earlier.items())
+    saved = opt.state_dict()["state"]
+    assert all(not state[master.KEY].any() for state in saved.values())
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_write_behind_the_version_counter_keeps_the_master_within_half_a_unit_and_never_nan(engine, monkeypatch):
+    """Through ``param.data`` torch bumps no version counter the optimizer can read, so the remainder
+    stays beside the value written: the master is that value within half a bf16 unit, and where a
+    zero was written beside a negative remainder (a NaN, paired), the zero. The steps after it stay
+    finite on every engine."""
+    kernel_only(engine, monkeypatch)
+    params = bf16_start()
+    module = torch.nn.ParameterList(params)
+    grads = oracle.grad_sequence(SHAPES, 5)
+    opt = run(fastoptim.AdamW, params, grads[:3], master_bits=32, **ENGINES[engine])
+    values = [torch.randn(p.shape, generator=torch.Generator().manual_seed(3)).bfloat16() for p in params]
+    for param, value in zip(params, values):
+        value.view(-1)[::3] = 0
+        value.view(-1)[1::5] = -0.0
+        param.data.copy_(value)
+    assert any((opt.state[p][master.KEY][v == 0] < 0).any() for p, v in zip(params, values))
+    exported = opt.master_state_dict(module)
+    for i, value in enumerate(values):
+        unit = (value.float().abs().view(torch.int32) + (1 << 16)).view(torch.float32) - value.float().abs()
+        assert ((exported[str(i)] - value.float()).abs() <= unit / 2).all()
+    for step_grads in grads[3:]:
+        for param, grad in zip(params, step_grads):
+            param.grad = grad.bfloat16()
+        opt.step()
+        assert all(master.widen(p.detach(), opt.state[p][master.KEY]).isfinite().all() for p in params)
+
+
+@pytest.mark.parametrize("bits", [24, 32])
+def test_a_remainder_that_would_make_a_nan_leaves_the_param_alone(bits):
+    """store never pairs a zero with a negative remainder, nor an infinity with a positive one: such
+    a pair is a remainder left beside a value written elsewhere, and the param alone is the master."""
+    param = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1.0, float("nan")]).bfloat16()
+    remainder = torch.tensor([-5, -5, 5, 5, -5, 3], dtype=master.DTYPES[bits])
+    widened = master.widen(param, remainder)
+    assert torch.equal(widened[:4].view(torch.int32), param[:4].float().view(torch.int32))
+    assert 0.99 < widened[4] < 1.0 and widened[5].isnan()
+
+
+@pytest.mark.parametrize("bits", [24, 32])
+@pytest.mark.parametrize("backend, device", [("cpu", "cpu"), ("triton", "cpu")] + (
+    [("triton", "cuda")] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("engine", FUSED)
+def test_the_kernels_take_the_param_alone_where_its_remainder_would_make_a_nan(engine, backend, device, bits,
+                                                                               monkeypatch):
+    """Zeros and infinities written behind the version counter beside remainders of the other sign:
+    the C and Triton kernels step from the param alone, as the fp32 twin steps from it."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.setenv("FASTOPTIM_FUSED_BACKEND", backend)
+    kernel_only(engine, monkeypatch)
+    written = torch.tensor([0.0, -0.0, float("inf"), -float("inf")] * 75).bfloat16().to(device)
+    param, twin_param = torch.nn.Parameter(torch.ones_like(written)), torch.nn.Parameter(torch.ones(300, device=device))
+    opt = fastoptim.Lion([param], lr=1e-2, master_bits=bits, **FUSED[engine])
+    twin = fastoptim.Lion([twin_param], lr=1e-2, **FUSED[engine])
+    for step in range(2):
+        grad = torch.linspace(-1, 1, 300, device=device).bfloat16()
+        param.grad, twin_param.grad = grad, grad.float()
+        if step:
+            param.data.copy_(written)
+            opt.state[param][master.KEY].copy_(torch.tensor([-5, -5, 5, 5] * 75, dtype=master.DTYPES[bits]))
+            twin_param.data.copy_(written.float())
+        opt.step()
+        twin.step()
+    expected = split(twin_param.detach().cpu(), bits)
+    assert torch.equal(param.detach().cpu(), expected[0])
+    assert torch.equal(opt.state[param][master.KEY].cpu(), expected[1])

@@ -656,18 +656,23 @@ typedef struct {
 
 /* How a bf16 param holds its fp32 value (fastoptim/states/master.py): rounded to nearest even or
    stochastically, or beside an 8- or 16-bit remainder, which the param's bits shifted up plus the
-   remainder (shifted by the bits it drops) make the fp32 master. */
+   remainder (shifted by the bits it drops) make the fp32 master; the param alone where they make a
+   NaN (a remainder left beside a value written behind the optimizer's back: a zero and a negative
+   remainder, say). */
 enum { NEAREST, STOCHASTIC, REMAINDER8, REMAINDER16 };
 #define DROPPED_BITS 8  /* the low bits of the 16-bit difference that an 8-bit remainder drops */
 
 INLINE float load_param(const Tensor *T, int64_t i, int dtype, int rounding) {
     if (rounding < REMAINDER8) return load(T->param, i, dtype);
+    const float param = load(T->param, i, BF16);
     const int32_t low = rounding == REMAINDER16 ? ((const int16_t *)T->remainder)[i]
                                                 : ((const int8_t *)T->remainder)[i] * (1 << DROPPED_BITS);
-    const uint32_t bits = ((uint32_t)((const uint16_t *)T->param)[i] << 16) + (uint32_t)low;
+    uint32_t bits;
+    memcpy(&bits, &param, sizeof bits);
+    bits += (uint32_t)low;
     float x;
     memcpy(&x, &bits, sizeof x);
-    return x;
+    return isnan(x) ? param : x;  /* a NaN param widens to a NaN: the param, as store_param writes it */
 }
 
 /* The fp32 result back into the param: rounded (store), or split into the param, the master's bits

@@ -121,7 +121,8 @@ def _param_stream(pointers, n_tensors, PARAM: tl.constexpr, REMAINDER_ROW: tl.co
 
 @triton.jit
 def _load_param(param, index, mask, ROUNDING: tl.constexpr):
-    """The param's fp32 value: its bits shifted up plus the remainder (shifted by the bits it drops)."""
+    """The param's fp32 value: its bits shifted up plus the remainder (shifted by the bits it drops);
+    the param alone where the two make a NaN (as fastoptim.states.master.widen)."""
     if ROUNDING < REMAINDER8:
         value = _load(param[0], index, mask)
     else:
@@ -130,6 +131,7 @@ def _load_param(param, index, mask, ROUNDING: tl.constexpr):
             low = low * DROPPED_UNIT
         high = tl.load(param[0] + index, mask=mask).to(tl.uint16, bitcast=True).to(tl.uint32) << 16
         value = (high + low.to(tl.uint32, bitcast=True)).to(tl.float32, bitcast=True)
+        value = tl.where(value != value, high.to(tl.float32, bitcast=True), value)
     return value
 
 

@@ -43,7 +43,8 @@ COMMON_ARGS = """\
         master_bits: for bf16 params, the bits of the fp32 value the optimizer updates: 16 (the
             param alone), 24 (an 8-bit remainder beside it in the state, ``master_remainder``) or 32
             (a 16-bit remainder: the exact fp32 master, at 2 bytes per element instead of a 4-byte
-            copy), which the fused kernels read and write in their one pass. See fastoptim.states.master.
+            copy), which the fused kernels read and write in their one pass. A param written in place
+            by anyone else starts again from the value written. See fastoptim.states.master.
         state_bits: 32 (fp32 states), 16 (bf16) or 8 (8-bit blockwise codes beside their block
             maxima, for params of 4096+ elements). State dicts convert between formats on load.
         shard_group: the process group whose ranks each hold a partition of the model's params (as
@@ -280,6 +281,7 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             self._apply([(group, *self._traced_group_work(caches["patterns"][index, _grads_pattern(group["params"])],
                                                           group))
                          for index, group in enumerate(self.param_groups)], caches)
+            caches["writes"] = None  # a traced step notes no version counters: the next eager step starts afresh
             return loss
         if flat_params.GRAD_BUFFERS:
             flat_params.drop_frozen_grads(self.param_groups)
@@ -357,12 +359,20 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         native call; False, having changed nothing, when one could not. A released bucket is not a
         ``whole_step``: the per-group counts advance once, at ``step()``."""
         amp_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        eager = not torch.compiler.is_compiling()
+        # A param written by anyone but this optimizer starts again from the value written (a traced
+        # step does not look: see master.Writes)
+        writes = caches.get("writes") if eager else None
+        if eager and writes is None:
+            writes = caches["writes"] = master.Writes()
+        for _, entry, _ in work if eager else ():
+            if entry.versions is not None:
+                self._restart_masters(writes.written(entry.versions))
         # Eagerly, only the fused kernels skip an inf step on the device. The other engines look at
         # found_inf, and so do a step that would create states and one whose math is not elementwise
         # (Muon's kernel is half its step): a skipped step must leave no trace.
         # A traced step has its states, and every engine skips in the graph (engines.amp), but the loop
         # engine of subsets that span shards, which all-reduces as it goes.
-        eager = not torch.compiler.is_compiling()
         if found_inf is not None and any(
                 entry.params and (eager and (entry.engine not in engines.FUSED or entry.states is None
                                              or not self._algorithm(group).spec.elementwise)
@@ -399,6 +409,8 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             return False
         for group, entry, _ in work:
             self._count_step(group, entry, increment, whole_step)
+            if writes is not None and entry.versions is not None:
+                writes.note(entry.versions)
         return True
 
     def _init_group(self):
@@ -479,7 +491,9 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                 if key not in patterns and len(mine) >= GRADS_PATTERNS_KEPT:
                     for seen in mine:
                         del patterns[seen]
-                entry = patterns[key] = GroupWork(roles, engine, params, local_params, Signature(params, local_params))
+                versions = master.Versions(params) if master.KEY in roles else None
+                entry = patterns[key] = GroupWork(roles, engine, params, local_params, Signature(params, local_params),
+                                                  versions)
             caches[index] = entry
         self._check_grads(local_params, grads, entry.signature)
         states = list(map(self.state.get, params))
@@ -810,15 +824,32 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         group = self.param_groups[group_index]
         self._apply([(group, *self._group_work(caches, key, group, params))], caches, whole_step=False)
 
+    def _restart_masters(self, params):
+        """Zero the master remainders of ``params``, written by someone else since this optimizer's
+        step last wrote them: each starts again from the value written (see master.Writes)."""
+        for param in params:
+            remainder = self.state.get(param, {}).get(master.KEY)
+            if remainder is not None:
+                remainder.zero_()
+
+    def _restart_written_masters(self):
+        """:meth:`_restart_masters` of every param written since this optimizer's step last wrote it."""
+        writes = self.__dict__.get("_engine_caches", {}).get("writes")
+        if writes is not None:
+            self._restart_masters(writes.all_written())
+
     def master_state_dict(self, module: torch.nn.Module) -> dict[str, Tensor]:
         """``module.state_dict()`` with each bf16 param that keeps a master remainder here (under
         ``master_bits`` 24 or 32) replaced by its master, in fp32: the weights to export or evaluate
         at the precision the optimizer trains (the module's own state dict holds the rounded bf16
-        params). Every other entry is the module's.
+        params). A param written since this optimizer's step last wrote it is its own master: its
+        remainder, which belonged to the value it replaced, is zeroed (as the next step would).
+        Every other entry is the module's.
 
         Args:
             module: the model whose params (some or all) this optimizer steps.
         """
+        self._restart_written_masters()
         masters = {id(param): state[master.KEY] for param, state in self.state.items()
                    if isinstance(state, dict) and master.KEY in state}
         named = dict(module.named_parameters(remove_duplicate=False))

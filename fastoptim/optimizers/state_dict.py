@@ -31,7 +31,9 @@ class StateDicts:
         their blocks are per local shard, so only their values can be resharded. Loading quantizes
         them again, into the very codes and block maxima on the same shards. Each param's state is a
         plain dict (``torch.load(weights_only=True)`` knows no other kind); other entries of
-        ``state`` (a hook's) are saved as they are, as torch saves them."""
+        ``state`` (a hook's) are saved as they are, as torch saves them. The master remainder of a
+        param written since the last step is saved as zeros, which its written value goes with."""
+        self._restart_written_masters()
         state_dict = super().state_dict()
         state_dict["state"] = {key: dict(state) if isinstance(state, dict) else state
                                for key, state in state_dict["state"].items()}
