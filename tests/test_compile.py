@@ -626,3 +626,18 @@ def test_a_table_sent_to_a_gpu_from_a_traced_step_is_not_pinned():
     cut a plan with per-tensor arguments (the foreach engine, a fused engine's fallback)."""
     staged = torch.compile(lambda: fastoptim.multi_tensor.staged([1, 2, 3], "cuda"), backend="eager", fullgraph=True)
     assert staged().tolist() == [1, 2, 3]
+
+
+def test_algorithms_that_share_their_scalar_math_compile_in_one_process():
+    """Muon's AdamW companions are AdamW's scalar math with other flags: a traced step of each, in either
+    order, finds the math its name registers (the second was refused as another algorithm's)."""
+    for first in (fastoptim.Muon, fastoptim.AdamW):
+        torch._dynamo.reset()
+        for cls in (first, fastoptim.AdamW if first is fastoptim.Muon else fastoptim.Muon):
+            params = [torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.randn(8))]
+            groups = ([dict(params=params[:1]), dict(params=params[1:], use_muon=False)] if cls is fastoptim.Muon
+                      else params)
+            optimizer = cls(groups, lr=torch.tensor(0.01))
+            for param in params:
+                param.grad = torch.ones_like(param)
+            torch.compile(optimizer.step, backend="aot_eager", fullgraph=True)()

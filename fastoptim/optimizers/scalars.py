@@ -125,7 +125,10 @@ def _name(algorithm):
 def prepare(algorithm: Algorithm, group: dict) -> Prepared:
     """The :class:`Prepared` of ``algorithm`` and ``group`` (not the params, nor a tensor lr)."""
     name = _name(algorithm)
-    if _ALGORITHMS.setdefault(name, algorithm) != algorithm:
+    registered = _ALGORITHMS.setdefault(name, algorithm)
+    # what the op computes of it: algorithms that differ elsewhere (Muon's AdamW companions: their flags) share it
+    if (registered.spec, registered.arguments, registered.kernel_scalars) != (
+            algorithm.spec, algorithm.arguments, algorithm.kernel_scalars):
         raise RuntimeError(f"fastoptim: two algorithms' scalar math is defined at {name}: give each "
                            "its own arguments and kernel_scalars functions")
     options, numeric = {}, []
