@@ -62,11 +62,8 @@ def adamw_update(ops, *, param, grad, scratch, exp_avg=None, exp_avg_sq, max_exp
     if bias_correction2_sqrt is not None:
         ops.div_(denominator, bias_correction2_sqrt)
     ops.add_(denominator, eps)
-    if isinstance(step_size, (int, float)):  # torch's order for a number lr: the loop and foreach engines are its
-        ops.addcdiv_(param, numerator, denominator, value=-step_size)  # own, bit for bit
-    else:  # per param (counts that differ) or on the device: torch's order for a tensor lr
-        ops.div_(denominator, step_size)
-        ops.addcdiv_(param, numerator, denominator, value=-1)
+    ops.div_(denominator, step_size)
+    ops.addcdiv_(param, numerator, denominator, value=-1)
     if weight_decay and decay_after:
         ops.mul_(param, 1 - lr * weight_decay)
 
