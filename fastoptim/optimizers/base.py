@@ -281,7 +281,10 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             self._apply([(group, *self._traced_group_work(caches["patterns"][index, _grads_pattern(group["params"])],
                                                           group))
                          for index, group in enumerate(self.param_groups)], caches)
-            caches["writes"] = None  # a traced step notes no version counters: the next eager step starts afresh
+            # a traced step notes no version counters: the next eager step starts afresh (set only where an
+            # eager step left notes: a key added at every call would change the caches' length, a guard)
+            if caches.get("writes") is not None:
+                caches["writes"] = None
             return loss
         if flat_params.GRAD_BUFFERS:
             flat_params.drop_frozen_grads(self.param_groups)
