@@ -28,6 +28,13 @@ def run(optimizer, params, grads_per_step):
         optimizer.step()
 
 
+def ulps_apart(a, b):
+    """The most units in the last place of fp32 by which two tensors differ (0: the same bits)."""
+    ordered = [t.detach().float().flatten().view(torch.int32).long() for t in (a, b)]
+    ordered = [torch.where(i < 0, -(i & 0x7FFFFFFF), i) for i in ordered]  # sign-magnitude to a line of ints
+    return int((ordered[0] - ordered[1]).abs().max()) if ordered[0].numel() else 0
+
+
 def clip_factor(grads, max_grad_norm, eps):
     norm = math.sqrt(sum(float((g * g).sum()) for g in grads))
     return min(1.0, max_grad_norm / (norm + eps)) if max_grad_norm > 0 else 1.0
