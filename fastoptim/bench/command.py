@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser: the subcommand's parser.
     """
     parser.description = ("With no arguments: a quick default (two models, every fastoptim engine, the installed "
-                          "peers) that took 12 minutes on 2 busy cores, with a peak of 3.4 GiB of resident memory.")
+                          "peers): about 1.5 minutes on 2 idle cores of an Intel Xeon (2026-11-28), several times "
+                          "that on a busy machine, with a peak of 3.4 GiB of resident memory (measured 2026-11-25).")
     parser.add_argument("--models", nargs="+", help=f"model names (see --list); default: {' '.join(QUICK_MODELS)}, "
                                                     "or with --device cuda the FusedAdan benchmark's GPT-2 grid and "
                                                     "vision models")
