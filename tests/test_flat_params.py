@@ -255,7 +255,9 @@ def test_a_layer_frozen_after_flattening_is_no_longer_stepped(info, when):
 def test_a_layer_frozen_after_flattening_is_not_stepped_by_a_compiled_step():
     """A compiled step is traced again once a param is frozen (dynamo guards requires_grad), and the
     eager part of that tracing drops the frozen param's flat grad, as an eager step does."""
-    torch._dynamo.reset()  # no earlier test's graphs of step(): their guards on a freed optimizer's id could pass
+    # In a fresh dynamo: once another optimizer's step was compiled, dynamo guards the next one's params by
+    # identity alone, misses the freeze and steps the frozen layer (a known defect: docs/engines.md)
+    torch._dynamo.reset()
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
     fastoptim.flatten_parameters(net)
