@@ -271,3 +271,25 @@ def test_a_layer_frozen_after_flattening_is_not_stepped_by_a_compiled_step():
             net[0].requires_grad_(False)
             frozen = [param.detach().clone() for param in net[0].parameters()]
     assert all(torch.equal(param, kept) and param.grad is None for param, kept in zip(net[0].parameters(), frozen))
+
+
+@pytest.mark.xfail(strict=True, reason="known defect (docs/engines.md): once another optimizer's step was compiled, "
+                                       "dynamo guards the next one's params by identity alone and misses a freeze")
+def test_a_layer_frozen_between_compiled_steps_after_another_optimizer_compiled_is_not_stepped():
+    torch._dynamo.reset()
+    other = [torch.nn.Parameter(torch.randn(4))]
+    other[0].grad = torch.randn(4)
+    torch.compile(fastoptim.AdamW(other, lr=0.1).step, backend="aot_eager", fullgraph=True)()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    fastoptim.flatten_parameters(net)
+    opt = fastoptim.AdamW(net.parameters(), lr=0.1, weight_decay=0.5)
+    step = torch.compile(opt.step, backend="aot_eager", fullgraph=True)
+    for index in range(3):
+        net(torch.randn(2, 3)).sum().backward()
+        step()
+        opt.zero_grad()
+        if index == 0:
+            net[0].requires_grad_(False)
+            frozen = [param.detach().clone() for param in net[0].parameters()]
+    assert all(torch.equal(param, kept) for param, kept in zip(net[0].parameters(), frozen))
