@@ -340,6 +340,20 @@ def test_zero_grad_after_a_backward_that_raised_recovers(info):
     assert any("did not reach step()" in str(warning.message) for warning in caught)
 
 
+def test_after_a_backward_that_raised_the_next_backward_says_which_zero_grad_ends_the_step():
+    """model.zero_grad(), which loops and frameworks call, leaves the half-done step: the error the next
+    backward raises names the optimizer's zero_grad(), which ends it."""
+    module = model()
+    opt = fastoptim.AdamW(module.parameters(), lr=0.01)
+    opt.enable_gradient_release(bucket_numel=SMALL_BUCKETS)
+    x = batches(1)[0]
+    with pytest.raises(RuntimeError, match="simulated"):
+        module[1:](FailInBackward.apply(module[0](x))).square().mean().backward()
+    module.zero_grad()
+    with pytest.raises(RuntimeError, match=r"call the optimizer's zero_grad\(\), which ends that step"):
+        module(x).square().mean().backward()
+
+
 @pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
 def test_remove_between_backward_and_step_steps_each_param_once(info):
     """remove() after a backward that stepped some buckets leaves the rest to step(), which steps no param

@@ -194,8 +194,9 @@ class GradientRelease:
                 "fastoptim: gradient release stepped this param since the last optimizer.step(), and a grad was "
                 "accumulated into it again: a second backward (gradient accumulation), or in one backward a "
                 "reentrant checkpoint (use_reentrant=True) of a param also used outside it (from the next backward "
-                "on, release steps that param at step()). Call optimizer.step() after each backward, use "
-                "use_reentrant=False, or remove the release handle to accumulate")
+                "on, release steps that param at step()), or a backward that raised before its step() (call the "
+                "optimizer's zero_grad(), which ends that step; model.zero_grad() does not). Call optimizer.step() "
+                "after each backward, use use_reentrant=False, or remove the release handle to accumulate")
         ready = self.ready[bucket]
         ready.add(id(param))
         group_index, params = self.buckets[bucket]
