@@ -641,3 +641,26 @@ def test_algorithms_that_share_their_scalar_math_compile_in_one_process():
             for param in params:
                 param.grad = torch.ones_like(param)
             torch.compile(optimizer.step, backend="aot_eager", fullgraph=True)()
+
+
+def test_a_compiled_fused_muon_step_runs_foreach_without_a_fallback_warning():
+    """A traced Muon step runs muon_update on foreach, as the docs say, with no warning that the fused
+    engine fell back (eager fused Muon runs its momentum on the kernel and warns nothing either)."""
+    torch._dynamo.reset()
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.randn(6, 8))]
+        optimizer = fastoptim.Muon(params, lr=torch.tensor(0.02), **(dict(fused=True) if compiled else
+                                                                   dict(foreach=True, fused=False)))
+        step = torch.compile(optimizer.step, backend="aot_eager", fullgraph=True) if compiled else optimizer.step
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for seed in range(3):
+                for param in params:
+                    param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(seed))
+                step()
+        assert not [w for w in caught if "fastoptim" in str(w.message)], [str(w.message) for w in caught]
+        runs.append(params)
+    for eager, traced in zip(*runs):
+        torch.testing.assert_close(eager, traced, rtol=1e-5, atol=1e-6)  # foreach eager; compiled NS may round apart

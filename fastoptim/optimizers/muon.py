@@ -169,8 +169,8 @@ def run_muon_bucket(engine: str, part: engines.Plan, reduce_group=None) -> None:
     kernel = engine in engines.FUSED and not torch.compiler.is_compiling()
     if reduce_group is None:
         part = by_matrix_shape(part)
-    if not kernel and reduce_group is None:
-        engines.run_bucket(engine, part)
+    if not kernel and reduce_group is None:  # a traced fused step runs muon_update on foreach, as documented
+        engines.run_bucket("foreach" if engine in engines.FUSED else engine, part)  # (no fallback warning)
         return
     if part.batch is not None:  # the directions are read before the step's other launches would run
         raise engines.fused.Unbatched
