@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastoptim
+from fastoptim import engines
 from fastoptim.engines import foreach
 from fastoptim.optimizers import muon
 from fastoptim.states import blockwise8
@@ -258,6 +259,39 @@ def test_the_fused_engines_run_the_momentum_on_the_kernel_as_foreach_computes_it
         results[name] = params
     assert_equal(results[engine][:-1], results["foreach"][:-1])
     torch.testing.assert_close(results[engine][-1], results["foreach"][-1], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("engine", FUSED)
+def test_the_momentum_kernels_tables_are_bound_once_and_step_as_tables_made_anew(engine, dtype, monkeypatch):
+    """The directions are views of one buffer the bucket keeps, so the momentum kernel's tables are made
+    at the first step alone; steps with and without a GradScaler coefficient (which makes the kernel
+    write fp32 directions, a buffer of another dtype whose making drops the tables) equal, bit for bit,
+    a twin whose tables are made anew every step."""
+    made = []
+    real = engines.fused.Prepared
+    monkeypatch.setattr(engines.fused, "Prepared", lambda *args: made.append(1) or real(*args))
+    matrices = make_params([(64, 32), (32, 64), (48, 48)], dtype)
+    grads = grads_of(matrices) * 3
+    runs = []
+    for fresh in (False, True):
+        if fresh:  # fresh direction buffers every step, so tables made anew every step (as before they were kept)
+            monkeypatch.setattr(muon, "staged_directions", lambda pieces, stage: None)
+        params = clone(matrices)
+        optimizer = fastoptim.Muon(params, lr=0.02, **ENGINES[engine])
+        made.clear()
+        for index, step_grads in enumerate(grads):
+            scaled = index in (3, 4)  # as GradScaler hands its inverse scale to the step
+            optimizer.grad_scale = torch.tensor(0.5) if scaled else None
+            optimizer.found_inf = torch.tensor(0.0) if scaled else None
+            for param, grad in zip(params, step_grads):
+                param.grad = grad.to(dtype)
+            optimizer.step()
+        runs.append((params, len(made)))
+    (bound, made_bound), (anew, made_anew) = runs
+    assert_equal(bound, anew)
+    assert made_bound < made_anew
+    assert made_bound <= 2 * len(FUSED)  # the first step's tables, and the fp32 ones of the scaled steps
 
 
 @pytest.mark.parametrize("state_bits", [32, 8])

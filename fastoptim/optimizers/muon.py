@@ -15,6 +15,7 @@ from torch.optim.optimizer import ParamsT
 from .. import distributed, engines
 from ..engines import foreach
 from ..engines.ops import FOREACH_OPS, TENSOR_OPS
+from ..multi_tensor import aligned_offset
 from ..specs import KernelSpec, Role
 from .adamw import ADAMW
 from .algorithm import Algorithm, StepInputs
@@ -167,6 +168,7 @@ def run_muon_bucket(engine: str, part: engines.Plan, reduce_group=None) -> None:
     must pair up). The loop and foreach engines, and fused ones in a step that torch.compile
     traces, run ``muon_update`` whole."""
     kernel = engine in engines.FUSED and not torch.compiler.is_compiling()
+    stage = part.cache  # the bucket's, kept between steps (a reordered part gets a cache of its own)
     if reduce_group is None:
         part = by_matrix_shape(part)
     if not kernel and reduce_group is None:  # a traced fused step runs muon_update on foreach, as documented
@@ -176,15 +178,54 @@ def run_muon_bucket(engine: str, part: engines.Plan, reduce_group=None) -> None:
         raise engines.fused.Unbatched
     momentum_engine = engine if kernel else "foreach"
     if reduce_group is None:
-        for piece in foreach.slices(part.tensors["param"], foreach.slice_numel(part.spec)):
-            run_in_three_parts(momentum_engine, part.subset(range(piece.start, piece.stop)), None)
+        pieces = [part.subset(range(piece.start, piece.stop))
+                  for piece in foreach.slices(part.tensors["param"], foreach.slice_numel(part.spec))]
+        staged = staged_directions(pieces, stage)
+        for index, piece in enumerate(pieces):
+            if staged is None:  # fresh directions every step, so fresh tables (kept ones would write elsewhere)
+                run_in_three_parts(momentum_engine, piece)
+            else:
+                tables = stage.setdefault(("muon slice", index), {})
+                run_in_three_parts(momentum_engine, piece, None, staged[index], tables)
     else:
-        run_in_three_parts(momentum_engine, part, reduce_group)
+        run_in_three_parts(momentum_engine, part, reduce_group)  # whole: fresh directions, not kept
 
 
-def run_in_three_parts(momentum_engine: str, part: engines.Plan, reduce_group=None) -> None:
-    """``muon_momentum`` into fresh direction buffers on ``momentum_engine`` (the kernel's work on a
-    fused one), the iterations (the matrices of one shape as a batch; over shards, each matrix on
+def staged_directions(pieces: list[engines.Plan], stage: dict) -> list[list[Tensor]] | None:
+    """Buffers for each slice's directions (its grads' shapes, in the dtype the kernel writes them in:
+    fp32 where a clip or GradScaler coefficient scales the grads first), as views of one buffer that
+    ``stage`` (a bucket's cache) keeps between steps: the momentum kernel's tables, bound to them, are
+    then bound once (fresh buffers every step made it split, bind and drop a table each step), and the
+    memory stays one slice's. Each view starts on an aligned boundary. A buffer made anew drops the
+    slices' tables, which hold views of the last one. None (fresh buffers) for grads of several dtypes."""
+    scaled = isinstance(pieces[0].args["grad_scale"], Tensor)
+    dtypes = {torch.float32 if scaled else grad.dtype for piece in pieces for grad in piece.tensors["grad"]}
+    if len(dtypes) != 1:
+        return None
+    (dtype,) = dtypes
+    offsets, need = [], 0
+    for piece in pieces:
+        end, starts = 0, []
+        for grad in piece.tensors["grad"]:
+            starts.append(aligned_offset(end, grad.shape, dtype))
+            end = starts[-1] + grad.numel()
+        offsets.append(starts)
+        need = max(need, end)
+    device = pieces[0].tensors["grad"][0].device
+    buffer = stage.get("directions")
+    if buffer is None or buffer.numel() < need or buffer.dtype != dtype or buffer.device != device:
+        buffer = stage["directions"] = torch.empty(need, dtype=dtype, device=device)
+        for key in [key for key in stage if isinstance(key, tuple) and key[0] == "muon slice"]:
+            del stage[key]
+    return [[buffer[start:start + g.numel()].view(g.shape) for start, g in zip(starts, piece.tensors["grad"])]
+            for starts, piece in zip(offsets, pieces)]
+
+
+def run_in_three_parts(momentum_engine: str, part: engines.Plan, reduce_group=None, directions=None,
+                       tables=None) -> None:
+    """``muon_momentum`` into ``directions`` (see :func:`staged_directions`; fresh buffers without
+    them) on ``momentum_engine`` (the kernel's work on a fused one, its tables kept in ``tables``),
+    the iterations (the matrices of one shape as a batch; over shards, each matrix on
     one owner rank, see distributed.by_owners), then ``muon_apply`` on the foreach engine (with the
     params' rounding or master remainders)."""
     kernel = momentum_engine in engines.FUSED
@@ -193,13 +234,14 @@ def run_in_three_parts(momentum_engine: str, part: engines.Plan, reduce_group=No
     if kernel and isinstance(grad_scale, Tensor):  # a clip or GradScaler coefficient: the kernel would fuse
         grads = torch._foreach_mul([grad.float() for grad in grads], grad_scale)  # the product into the lerp;
         grad_scale = None  # the reference rounds it first, in fp32
-    directions = [torch.empty_like(grad) for grad in grads]  # the kernel's param row: the grads' dtype
+    if directions is None:  # the kernel's param row: the grads' dtype
+        directions = [torch.empty_like(grad) for grad in grads]
     engines.run(momentum_engine, replace(
         part, tensors={"param": directions, "grad": grads, "momentum_buffer": part.tensors["momentum_buffer"]},
         update=muon_momentum, spec=MOMENTUM_SPEC, kernel_scalars=momentum_kernel_scalars,
         flags=dict(nesterov=args["nesterov"]), per_tensor=frozenset(), stochastic_rounding=False,
         args=dict(momentum=args["momentum"], nesterov=args["nesterov"], grad_scale=grad_scale),
-        cache={}))  # the directions are new each step: tables bound to the last ones would write there
+        cache={} if tables is None else tables))
     function = partial(orthogonalize, coefficients=args["coefficients"], eps=args["eps"])
     shape_of = partial(matrix_shape, flatten=args["flatten"])
     if reduce_group is None:
