@@ -63,8 +63,6 @@ class StateContext(NamedTuple):
     first_reads: Tensor | None = None
 
 
-
-
 def _grads_pattern(params):
     """Which of ``params`` have grads: their positions."""
     return tuple(i for i, param in enumerate(params) if param.grad is not None)
