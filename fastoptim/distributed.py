@@ -15,11 +15,19 @@ subsets) or replicated (columns: every rank holds, and updates alike, all the co
 block maxima of 8-bit states are plain tensors over the local shard's blocks, which other world
 sizes cut elsewhere; so ``state_dict()`` hands out the 8-bit states of DTensor params dequantized.
 """
+from __future__ import annotations
+
 import math
 import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 # torch.distributed.tensor is imported where a DTensor is at hand, never before: it adds about a
 # second to `import fastoptim`, and until it is loaded no DTensor can exist.
@@ -48,11 +56,13 @@ def reduction_group(params, shard_group):
     if shard_group is not None:
         raise ValueError("shard_group names the group that plain params partition (ZeroRedundancyOptimizer); "
                          "DTensor params reduce over their device mesh: leave shard_group unset")
-    meshes = {param.device_mesh for param in sharded}
-    placements = {param.placements for param in sharded}
-    if len(meshes) > 1 or sharded[0].device_mesh.ndim != 1 or placements != {(Shard(0),)}:
-        raise ValueError("DTensor params must be sharded on dim 0 over one 1-D device mesh, as FSDP2's fully_shard "
-                         f"makes them; got placements {sorted(map(str, placements))} on {len(meshes)} mesh(es)")
+    for index, param in enumerate(sharded):
+        if param.device_mesh.ndim != 1 or param.placements != (Shard(0),):
+            raise ValueError(f"param {index} (shape {tuple(param.shape)}) is a DTensor placed {param.placements} on a "
+                             f"{param.device_mesh.ndim}-D device mesh; fastoptim takes DTensor params sharded on dim "
+                             "0 over a 1-D mesh, (Shard(dim=0),), as FSDP2's fully_shard makes them")
+    if len({param.device_mesh for param in sharded}) > 1:
+        raise ValueError("an optimizer's DTensor params must share one device mesh; got several")
     return sharded[0].device_mesh.get_group()
 
 
@@ -100,48 +110,119 @@ def check_flattened(param, partition):
                          "columns) or a subset size that divides its rows")
 
 
-def by_owners(function, pieces, group):
-    """``function`` of each whole tensor whose dim-0 pieces the ranks of ``group`` hold (``pieces``:
-    this rank's, as DTensor's Shard(0) cuts them), each computed once, on its owner: the tensors go
-    to the ranks by size, the largest first to the least loaded. Each piece is sent to its owner
-    and its rows of the result come back (padded to the largest piece, asynchronously, so that the
-    owners compute at once). Returns this rank's rows of each result, in its pieces' dtype."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    device = pieces[0].device
-    local_rows = torch.tensor([len(piece) for piece in pieces], device=device)
-    every_rows = [torch.empty_like(local_rows) for _ in range(world)]
-    dist.all_gather(every_rows, local_rows, group=group)
-    counts = torch.stack(every_rows).T.tolist()  # per tensor, the rows of each rank
-    sizes = [sum(rows) * math.prod(piece.shape[1:]) for rows, piece in zip(counts, pieces)]
-    owners, load = [0] * len(pieces), [0] * world
-    for i in sorted(range(len(pieces)), key=lambda i: -sizes[i]):
-        owners[i] = min(range(world), key=load.__getitem__)
-        load[owners[i]] += sizes[i]
-    padded = [_padded(piece, max(rows)) for piece, rows in zip(pieces, counts)]
-    gathered = {i: [torch.empty_like(block) for _ in range(world)] for i, block in enumerate(padded)
-                if owners[i] == rank}
-    _wait([dist.gather(block, gathered.get(i), dst=dist.get_global_rank(group, owners[i]), group=group,
-                       async_op=True) for i, block in enumerate(padded)])
-    results = {}
-    for i, blocks in gathered.items():
-        result = function(torch.cat([block[:rows] for block, rows in zip(blocks, counts[i])])).to(pieces[i].dtype)
-        results[i] = [_padded(rows, len(padded[i])) for rows in result.split(counts[i])]
-    received = [torch.empty_like(block) for block in padded]
-    _wait([dist.scatter(block, results.get(i), src=dist.get_global_rank(group, owners[i]), group=group,
-                        async_op=True) for i, block in enumerate(received)])
-    return [block[:len(piece)] for block, piece in zip(received, pieces)]
+class OwnerExchange:
+    """How the ranks of ``group`` hand whole matrices to one owner each and the results back, decided
+    once from the matrices' global shapes (``shapes``: (rows, cols) each, rows cut by DTensor's
+    Shard(0) over the group, see :func:`shard_sizes`): no rank asks another for a row count. The
+    matrices go to the ranks by size, the largest first to the least loaded. Matrices of one shape
+    make one shape group; per step and per shape group, one all-to-all carries each rank's rows of
+    them to their owners, and one carries the owners' results back (see :meth:`run`)."""
+
+    def __init__(self, shapes: list[tuple[int, int]], group: ProcessGroup) -> None:
+        self.key = (tuple(shapes), group)
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        counts = [shard_sizes(rows, world) for rows, _ in shapes]  # per matrix, the rows each rank holds
+        self.local_rows = [rows[rank] for rows in counts]
+        owners, load = [0] * len(shapes), [0] * world
+        for i in sorted(range(len(shapes)), key=lambda i: -math.prod(shapes[i])):
+            owners[i] = min(range(world), key=load.__getitem__)
+            load[owners[i]] += math.prod(shapes[i])
+        members = {}
+        for i, shape in enumerate(shapes):
+            members.setdefault(shape, []).append(i)
+        self.groups = [ShapeGroup(shape, indices, [owners[i] for i in indices], [counts[i] for i in indices], group)
+                       for shape, indices in members.items()]
+
+    def run(self, function: Callable[[Tensor], Tensor], pieces: list[Tensor], dtype: torch.dtype) -> list[Tensor]:
+        """``function`` (of a batch ``(n, rows, cols)`` of whole matrices of one shape) of each matrix
+        whose rows ``pieces`` holds of this rank (``(local rows, cols)`` each), computed once, on its
+        owner. The rows travel in ``dtype``, and this rank's rows of each result come back in it.
+        The next shape group's rows are on their way while the owners compute the current one's; a
+        step waits only on the collectives that carry them."""
+        for piece, rows in zip(pieces, self.local_rows):
+            if len(piece) != rows:
+                raise ValueError(f"a sharded matrix has {len(piece)} rows on this rank, where Shard(0) of its "
+                                 f"global shape puts {rows}: fastoptim shards as DTensor's Shard(0) does")
+        results, returning = [None] * len(pieces), []
+        sending = self.groups[0].send(pieces, dtype) if self.groups else None
+        for index, shape_group in enumerate(self.groups):
+            received, work = sending
+            if index + 1 < len(self.groups):
+                sending = self.groups[index + 1].send(pieces, dtype)
+            work.wait()
+            returning.append((shape_group, *shape_group.compute(function, received)))
+        for shape_group, back, work in returning:
+            work.wait()
+            for i, rows in zip(shape_group.sent, back.split(shape_group.sent_sizes)):
+                results[i] = rows.view(self.local_rows[i], shape_group.cols)
+        return results
 
 
-def _padded(piece, rows):
-    """``piece`` with zero rows after it, ``rows`` in all."""
-    block = piece.new_zeros((rows, *piece.shape[1:]))
-    block[:len(piece)] = piece
-    return block
+class ShapeGroup:
+    """The matrices of one shape in an :class:`OwnerExchange`, from this rank's side: what it sends
+    each rank (its rows of the matrices that rank owns, by owner then index), what it receives (each
+    rank's rows of the matrices it owns, by sender then index), and the order of the received rows
+    that makes them whole matrices."""
+
+    def __init__(self, shape, indices, owners, counts, group):
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.group, (self.rows, self.cols) = group, shape
+        self.sent = [i for owner in range(world) for i, o in zip(indices, owners) if o == owner]
+        local = dict(zip(indices, (rows[rank] for rows in counts)))
+        self.sent_sizes = [local[i] * self.cols for i in self.sent]
+        self.sends = [sum(rows[rank] for rows, o in zip(counts, owners) if o == to) * self.cols for to in range(world)]
+        owned = [rows for rows, o in zip(counts, owners) if o == rank]
+        self.owned = len(owned)
+        self.receives = [sum(rows[sender] for rows in owned) * self.cols for sender in range(world)]
+        # the received rows: by sender, then matrix; a matrix's rows: by sender (its row order)
+        at, received_at = 0, [[None] * world for _ in owned]
+        for sender in range(world):
+            for j, rows in enumerate(owned):
+                received_at[j][sender] = range(at, at + rows[sender])
+                at += rows[sender]
+        self.received_rows = at
+        self.order = torch.tensor([row for ranges in received_at for span in ranges for row in span],
+                                  dtype=torch.long)
+
+    def send(self, pieces: list[Tensor], dtype: torch.dtype) -> tuple[Tensor, dist.Work]:
+        """Start the all-to-all that carries this rank's rows of the group's matrices to their owners."""
+        device = pieces[0].device if pieces else None
+        buffer = torch.empty(sum(self.sends), dtype=dtype, device=device)
+        if self.sent:
+            views = list(buffer.split(self.sent_sizes))
+            torch._foreach_copy_(views, [pieces[i].reshape(-1) for i in self.sent])
+        received = torch.empty(sum(self.receives), dtype=dtype, device=device)
+        return received, self._all_to_all(received, buffer, self.receives, self.sends)
+
+    def compute(self, function: Callable[[Tensor], Tensor], received: Tensor) -> tuple[Tensor, dist.Work]:
+        """``function`` of the matrices this rank owns, and the started all-to-all of their rows back."""
+        rows = received.view(self.received_rows, self.cols)
+        back = torch.empty_like(received)
+        if self.owned:
+            if self.order.device != received.device:
+                self.order = self.order.to(received.device)
+            matrices = rows.index_select(0, self.order).view(self.owned, self.rows, self.cols)
+            back.view(self.received_rows, self.cols).index_copy_(
+                0, self.order, function(matrices).to(received.dtype).view(-1, self.cols))
+        returned = torch.empty(sum(self.sends), dtype=received.dtype, device=received.device)
+        return returned, self._all_to_all(returned, back, self.sends, self.receives)
+
+    def _all_to_all(self, output, input, output_sizes, input_sizes):
+        return dist.all_to_all_single(output, input, output_sizes, input_sizes, group=self.group, async_op=True)
 
 
-def _wait(works):
-    for work in works:
-        work.wait()
+def by_owners(function: Callable[[Tensor], Tensor], pieces: list[Tensor], shapes: list[tuple[int, int]],
+              group: ProcessGroup, cache: dict, dtype: torch.dtype | None = None) -> list[Tensor]:
+    """``function`` of each whole matrix (global ``shapes``) whose rows the ranks of ``group`` hold,
+    as DTensor's Shard(0) cuts them (``pieces``: this rank's, ``(local rows, cols)``), each computed
+    once, on its owner, the matrices of one shape as one batch (see :class:`OwnerExchange`). The
+    exchange is made once and kept in ``cache`` (a dict kept between steps) while the shapes and the
+    group stay. Returns this rank's rows of each result, in ``dtype`` (None: the pieces'), in which
+    the rows travel."""
+    exchange = cache.get("owner exchange")
+    if exchange is None or exchange.key != (tuple(shapes), group):
+        exchange = cache["owner exchange"] = OwnerExchange(shapes, group)
+    return exchange.run(function, pieces, dtype or pieces[0].dtype)
 
 
 def sum_over(tensor, group, op="sum"):

@@ -29,8 +29,10 @@ pytestmark = pytest.mark.distributed
 
 WORLD, STEPS, BATCH = 2, 8, 8
 # w1: columns (64 < 96 rows) over even shards, 8-bit states (6144 elements, 12 blocks per shard);
-# w2: columns over uneven shards (3 and 2 rows); w3: rows; w4: one row, so rank 1's shard is empty.
-SHAPES = {"w1": (64, 96), "b1": (64,), "w2": (5, 64), "w3": (70, 5), "w4": (1, 70)}
+# w2 and w5: columns over uneven shards (3 and 2 rows), one shape (a Muon shape group of two); w3:
+# rows; w4: one row, so rank 1's shard is empty (on 4 ranks, ranks 1-3's; and w2's on rank 3).
+SHAPES = {"w1": (64, 96), "b1": (64,), "w2": (5, 64), "w5": (5, 64), "w3": (70, 5), "w4": (1, 70)}
+MUON_SHAPE_GROUPS = 4
 FLATTENED = ("w1", "b1", "w3")  # subsets of 32 (25 for w3) fall within their shards; w2's and w4's do not
 CLIP = 0.05
 ENGINES = {"foreach": dict(foreach=True, fused=False), "fused": dict(fused=True)}
@@ -60,6 +62,7 @@ CASES = dict([
     *(case(mode, "muon", engine) for mode in ("zero", "fsdp") for engine in ENGINES),
     case("fsdp", "muon", "fused", state_bits=8),
 ])
+FOUR_RANKS = ("fsdp-muon-foreach", "fsdp-muon-fused")  # uneven and empty shards of every Muon shape
 CHECKPOINTS = dict([case("fsdp", "adan", "fused", "rows-columns"), case("fsdp", "adan", "fused", state_bits=8),
                     case("fsdp", "muon", "fused")])
 
@@ -74,7 +77,7 @@ class Net(torch.nn.Module):
 
     def forward(self, x):
         h = torch.tanh(x @ self.w1.T + self.b1)
-        h = torch.tanh(h @ self.w2.T)
+        h = torch.tanh(h @ self.w2.T) + torch.tanh(h @ self.w5.T)
         h = torch.tanh(h @ self.w3.T)
         return h @ self.w4.T
 
@@ -197,11 +200,88 @@ def checkpoint_run(settings, rank, directory):
     return max(float((a - b).abs().max()) for a, b in zip(full_params(model), full_params(resumed)))
 
 
-def worker(rank, directory):
+COLLECTIVES = ("all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor", "all_gather_object",
+               "all_reduce", "broadcast", "gather", "scatter", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+               "send", "recv", "isend", "irecv", "barrier")
+
+
+def patched_in_step(optimizer, patches):
+    """``optimizer`` whose step() runs with ``patches`` ((owner, name, value) each) in place."""
+    step = optimizer.step
+
+    def patched_step(*args, **kwargs):
+        originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+        for owner, name, value in patches:
+            setattr(owner, name, value)
+        try:
+            return step(*args, **kwargs)
+        finally:
+            for owner, name, value in originals:
+                setattr(owner, name, value)
+    optimizer.step = patched_step
+    return optimizer
+
+
+def fsdp_model_and_optimizer(settings, **extra):
+    model = Net()
+    torch.distributed.fsdp.fully_shard(model)
+    return model, make_optimizer(settings, param_groups(model, settings["sn"], settings["optimizer"]), **extra)
+
+
+def collectives_per_step(settings, rank, steps=2):
+    """The torch.distributed functions that a step() of the case calls, by name, per step (after a
+    first step, which makes the states)."""
+    import torch.distributed as dist
+    model, optimizer = fsdp_model_and_optimizer(settings)
+    train(model, optimizer, 1, fed(settings, rank))
+    calls = {}
+
+    def counting(name, function):
+        def counted(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return function(*args, **kwargs)
+        return counted
+    patched_in_step(optimizer, [(dist, name, counting(name, getattr(dist, name))) for name in COLLECTIVES])
+    train(model, optimizer, steps, fed(settings, rank), first=1)
+    return {name: count / steps for name, count in calls.items()}
+
+
+def host_reads_in_step(rank):
+    """Sharded steps (FSDP2, clipping on) of Muon, AdamW and Adan on each engine, with Tensor.item and
+    Tensor.tolist raising in step(): what raised, or nothing. The step counts are exempt: they live
+    on the host by design, as torch.optim's, and a GPU step reads none (optimizers.scalars)."""
+    failures = []
+    for optimizer_name in ("muon", "adamw", "adan"):
+        for engine in ENGINES:
+            settings = CASES[f"fsdp-{optimizer_name}-{engine}"]
+            clip = {} if "max_grad_norm" in OPTIONS[optimizer_name][1] else dict(max_grad_norm=CLIP)
+            model, optimizer = fsdp_model_and_optimizer(settings, **clip)
+            counts = [group.get("step") for group in optimizer.param_groups] + [
+                state.get("step") for state in optimizer.state.values()]
+
+            def raising(name, function):
+                def guarded(tensor, *args, **kwargs):
+                    if not any(tensor is count for count in counts):
+                        raise AssertionError(f"Tensor.{name} of a {tuple(tensor.shape)} tensor in step()")
+                    return function(tensor, *args, **kwargs)
+                return guarded
+            patched_in_step(optimizer, [(torch.Tensor, name, raising(name, getattr(torch.Tensor, name)))
+                                        for name in ("item", "tolist")])
+            try:
+                for step in range(3):
+                    train(model, optimizer, 1, fed(settings, rank), first=step)
+                    counts = [group.get("step") for group in optimizer.param_groups] + [
+                        state.get("step") for state in optimizer.state.values()]
+            except AssertionError as error:
+                failures.append(f"{optimizer_name} {engine}: {error}")
+    return failures
+
+
+def worker(rank, directory, world=WORLD):
     import torch.distributed as dist
 
-    torch.set_num_threads(1)  # two ranks on a 2-core machine
-    dist.init_process_group("gloo", init_method=f"file://{directory}/rendezvous", rank=rank, world_size=WORLD,
+    torch.set_num_threads(1)  # several ranks on a 2-core machine
+    dist.init_process_group("gloo", init_method=f"file://{directory}/rendezvous", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))  # a case that fails on one rank fails, not hangs
     results = {}
 
@@ -212,6 +292,13 @@ def worker(rank, directory):
             results[name] = traceback.format_exc()
         Path(directory, f"rank{rank}.json").write_text(json.dumps(results))
 
+    if world != WORLD:
+        for name in FOUR_RANKS:
+            record(name, lambda: oracle.relative_error(full_params(distributed_run(CASES[name], rank)[0]),
+                                                       one_process(CASES[name])))
+        record("collectives", lambda: collectives_per_step(CASES["fsdp-muon-fused"], rank))
+        dist.destroy_process_group()
+        os._exit(0)
     for name, settings in CASES.items():
         def compare(settings=settings):
             model, _ = distributed_run(settings, rank)
@@ -242,14 +329,20 @@ def worker(rank, directory):
             muon.orthogonalize = original
         return sum(calls)
     record("orthogonalized", orthogonalized)
+    record("collectives", lambda: collectives_per_step(CASES["fsdp-muon-fused"], rank))
+    record("host reads", lambda: host_reads_in_step(rank))
 
     def refusals():
         """The messages of the params that DTensor params cannot go with."""
         model = Net()
         torch.distributed.fsdp.fully_shard(model)
         messages = []
+        from torch.distributed.tensor import Shard, distribute_tensor
+        mesh = next(model.parameters()).device_mesh
+        by_columns = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 6), mesh, [Shard(1)]))
         for params, options in (([*model.parameters()], dict(shard_group=dist.group.WORLD)),
-                                ([*model.parameters(), torch.nn.Parameter(torch.zeros(3))], {})):
+                                ([*model.parameters(), torch.nn.Parameter(torch.zeros(3))], {}),
+                                ([*model.parameters(), by_columns], {})):
             try:
                 fastoptim.Adan(params, **options)
             except ValueError as error:
@@ -260,27 +353,38 @@ def worker(rank, directory):
     os._exit(0)  # gloo's threads can abort at interpreter exit
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The workers' results by case and rank, and their directory (checkpoints)."""
-    directory = tmp_path_factory.mktemp("distributed")
+def run_workers(directory, world, timeout):
+    """Start ``world`` workers, and return their results by case and rank, their directory and their
+    outputs."""
     root = Path(__file__).parents[1]
     path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
-    workers = [subprocess.Popen([sys.executable, "-m", "tests.test_distributed", str(rank), str(directory)], cwd=root,
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-               for rank in range(WORLD)]
+    workers = [subprocess.Popen([sys.executable, "-m", "tests.test_distributed", str(rank), str(directory), str(world)],
+                                cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+               for rank in range(world)]
     outputs = []
     for process in workers:
         try:
-            outputs.append(process.communicate(timeout=170)[0].decode())
+            outputs.append(process.communicate(timeout=timeout)[0].decode())
         except subprocess.TimeoutExpired:
             for other in workers:
                 other.kill()
             outputs.append(process.communicate()[0].decode())
-    files = [directory / f"rank{rank}.json" for rank in range(WORLD)]
+    files = [directory / f"rank{rank}.json" for rank in range(world)]
     results = [json.loads(file.read_text()) if file.exists() else {} for file in files]
     return results, directory, outputs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The workers' results by case and rank, and their directory (checkpoints)."""
+    return run_workers(tmp_path_factory.mktemp("distributed"), WORLD, 200)
+
+
+@pytest.fixture(scope="module")
+def runs_on_four(tmp_path_factory):
+    """The results of 4 workers (the FOUR_RANKS cases and the collectives)."""
+    return run_workers(tmp_path_factory.mktemp("four-ranks"), 4, 120)
 
 
 def result(runs, name):
@@ -295,12 +399,30 @@ def result(runs, name):
 @pytest.mark.parametrize("name", CASES)
 def test_a_distributed_run_gives_the_parameters_of_one_process(runs, name):
     for error in result(runs, name):
-        assert error < 1e-5
+        assert error == 0.0 if name.startswith("fsdp-muon") else error < 1e-5
 
 
 def test_under_fsdp2_each_matrix_is_orthogonalized_once_by_one_rank(runs):
     per_rank = result(runs, "orthogonalized")
-    assert sum(per_rank) == 4 * STEPS and min(per_rank) > 0  # w1..w4 each step, spread over both ranks
+    assert sum(per_rank) == 5 * STEPS and min(per_rank) > 0  # w1..w5 each step, spread over both ranks
+
+
+@pytest.mark.parametrize("name", FOUR_RANKS)
+def test_on_four_ranks_sharded_muon_gives_the_parameters_of_one_process(runs_on_four, name):
+    """Every shape's rows cut unevenly, some ranks holding none of w2 and w4."""
+    assert result(runs_on_four, name) == [0.0] * 4
+
+
+@pytest.mark.parametrize("ranks", ["runs", "runs_on_four"])
+def test_a_sharded_muon_step_takes_two_collectives_per_shape_group(ranks, request):
+    """One all-to-all to the owners and one back per shape group (before: an all-gather of row counts,
+    then a gather and a scatter per matrix); with clipping, one all-reduce of the norm besides."""
+    for calls in result(request.getfixturevalue(ranks), "collectives"):
+        assert calls == {"all_to_all_single": 2 * MUON_SHAPE_GROUPS, "all_reduce": 1}
+
+
+def test_a_sharded_step_reads_no_tensor_on_the_host(runs):
+    assert result(runs, "host reads") == [[]] * WORLD
 
 
 def test_the_clipping_norm_is_global_under_zero(runs):
@@ -325,10 +447,11 @@ def test_flattened_subsets_that_straddle_shards_are_refused(runs):
         assert "ValueError" in ranks["flattened-straddling"] and "straddle" in ranks["flattened-straddling"]
 
 
-def test_dtensor_params_with_shard_group_or_plain_params_are_refused(runs):
+def test_dtensor_params_with_shard_group_plain_params_or_another_placement_are_refused(runs):
     for messages in result(runs, "refusals"):
-        assert len(messages) == 2
+        assert len(messages) == 3
         assert "leave shard_group unset" in messages[0] and "not a mix" in messages[1]
+        assert f"param {len(SHAPES)} (shape (4, 6))" in messages[2] and "Shard(dim=1)" in messages[2]
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
@@ -369,4 +492,4 @@ def test_shard_group_without_a_process_group_is_a_clear_error(cls):
 
 
 if __name__ == "__main__":
-    worker(int(sys.argv[1]), sys.argv[2])
+    worker(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]))

@@ -14,7 +14,7 @@ from torch.optim.optimizer import ParamsT
 
 from .. import distributed, engines
 from ..engines import foreach
-from ..engines.ops import FOREACH_OPS, TENSOR_OPS
+from ..engines.ops import FOREACH_OPS
 from ..multi_tensor import aligned_offset
 from ..specs import KernelSpec, Role
 from .adamw import ADAMW
@@ -25,10 +25,12 @@ from .checks import check_number
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-SPEC = KernelSpec("muon", roles=(Role("momentum_buffer"),), scalars=(), elementwise=False)
+# The momentum's 8-bit codes round stochastically: each step moves the buffer by (1−μ)·(g − B), often less
+# than a code step, which round-to-nearest would drop (fastoptim.states.blockwise8.quantize)
+SPEC = KernelSpec("muon", roles=(Role("momentum_buffer", stochastic=True),), scalars=(), elementwise=False)
 # Its elementwise first half (muon_momentum), which the fused kernels restate: the param row holds the
 # direction it writes, in the param's dtype.
-MOMENTUM_SPEC = KernelSpec("muon_momentum", roles=(Role("momentum_buffer"),),
+MOMENTUM_SPEC = KernelSpec("muon_momentum", roles=(Role("momentum_buffer", stochastic=True),),
                            scalars=("momentum", "one_minus_momentum"), flags=("nesterov",))
 DEFAULT_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, as torch.optim.Muon's
 # adjust_lr_fn: the factor of lr for a matrix of rows × cols, as torch.optim.Muon's (an empty one: no update)
@@ -247,12 +249,36 @@ def run_in_three_parts(momentum_engine: str, part: engines.Plan, reduce_group=No
     if reduce_group is None:
         orthogonal = FOREACH_OPS.per_matrix(function, directions, shape_of)
     else:
-        orthogonal = distributed.by_owners(partial(TENSOR_OPS.per_matrix, function, shape_of=shape_of),
-                                           directions, reduce_group)
+        orthogonal = orthogonalize_shards(function, directions, part.cache[SHARDED_PARAMS], args["flatten"],
+                                          reduce_group, part.cache)
     engines.run("foreach", replace(
         part, tensors={role: tensors for role, tensors in part.tensors.items() if role != "momentum_buffer"}
         | {"grad": orthogonal}, update=muon_apply, absmax={},
         args={name: args[name] for name in ("lr", "weight_decay", "step_size")}))
+
+
+SHARDED_PARAMS = "sharded params"  # a sharded bucket's cache: its DTensor params (see Muon._use_new_states)
+
+
+def orthogonalize_shards(function, directions: list[Tensor], params: list[Tensor], flatten: bool,
+                         group: ProcessGroup, cache: dict) -> list[Tensor]:
+    """``function`` (the iterations, of a batch of matrices) of the matrices of DTensor ``params``
+    sharded on dim 0 over ``group``, whose local rows of the direction are ``directions``. A 3-D
+    param's matrices are whole on each rank (its experts are cut apart, not its rows): they are
+    orthogonalized where they live. The others go whole to one owner each, batched by shape, and
+    their rows come back (see distributed.by_owners, whose exchange ``cache`` keeps); they travel in
+    bf16, the iterations' first rounding, so the owner computes on the numbers it would have made."""
+    shape_of = partial(matrix_shape, flatten=flatten)
+    whole = [i for i, param in enumerate(params) if len(shape_of(param.shape)) == 3]
+    spread = [i for i, param in enumerate(params) if len(shape_of(param.shape)) == 2]
+    results = [None] * len(directions)
+    for i, result in zip(whole, FOREACH_OPS.per_matrix(function, [directions[i] for i in whole], shape_of)):
+        results[i] = result
+    shapes = [shape_of(params[i].shape) for i in spread]
+    pieces = [directions[i].reshape(len(directions[i]), cols) for i, (_, cols) in zip(spread, shapes)]
+    for i, result in zip(spread, distributed.by_owners(function, pieces, shapes, group, cache, torch.bfloat16)):
+        results[i] = result.view(directions[i].shape)
+    return results
 
 
 MUON = Algorithm(SPEC, muon_update, muon_arguments, param_factors=lr_factor, factor_options=("adjust_lr_fn", "flatten"),
@@ -358,6 +384,14 @@ class Muon(FastOptimizer):
 
     def _algorithm(self, group):
         return MUON if group["use_muon"] else COMPANIONS
+
+    def _use_new_states(self, group, entry, traced):
+        # a sharded bucket's exchange is planned from its params' global shapes, which its plan's local
+        # shards do not tell: its cache (kept between steps, made anew with the buckets) holds them
+        super()._use_new_states(group, entry, traced)
+        for index, (bucket, reduce_group) in enumerate(entry.buckets):
+            if reduce_group is not None:
+                entry.bucket_caches.setdefault(index, {})[SHARDED_PARAMS] = [entry.params[i] for i in bucket]
 
     def _check_group(self, group, max_grad_norm=None):
         super()._check_group(group, max_grad_norm)
