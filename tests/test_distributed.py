@@ -44,7 +44,8 @@ OPTIONS = {"adan": ("Adan", dict(lr=0.01, weight_decay=0.02, max_grad_norm=CLIP)
 
 def case(mode, optimizer, engine, sn=None, **options):
     """A case's name and its settings: ``sn`` None (dense), "rows-columns" (subset_size None) or
-    "flattened" (subset_size 32); Muon's cases always group the matrices apart from b1."""
+    "flattened" (subset_size 32); Muon's cases always group the matrices apart from b1, and with
+    ``sn`` "heads" w1 apart from the other matrices, as 4 heads."""
     name = "-".join([mode, optimizer, engine] + ([sn] if sn else []) + [f"{k}={v}" for k, v in options.items()])
     return name, dict(mode=mode, optimizer=optimizer, engine=engine, sn=sn, options=options)
 
@@ -61,8 +62,10 @@ CASES = dict([
     # Muon: w4 is one row, so rank 1 holds none of it; w2's rows split unevenly
     *(case(mode, "muon", engine) for mode in ("zero", "fsdp") for engine in ENGINES),
     case("fsdp", "muon", "fused", state_bits=8),
+    case("fsdp", "muon", "fused", "heads"),
 ])
-FOUR_RANKS = ("fsdp-muon-foreach", "fsdp-muon-fused")  # uneven and empty shards of every Muon shape
+# uneven and empty shards of every Muon shape, and w1 as 4 heads
+FOUR_RANKS = ("fsdp-muon-foreach", "fsdp-muon-fused", "fsdp-muon-fused-heads")
 CHECKPOINTS = dict([case("fsdp", "adan", "fused", "rows-columns"), case("fsdp", "adan", "fused", state_bits=8),
                     case("fsdp", "muon", "fused")])
 
@@ -95,8 +98,9 @@ def batch(step, rank=None):
 def param_groups(model, sn, optimizer=None):
     named = dict(model.named_parameters())
     if optimizer == "muon":
-        return [{"params": [p for n, p in named.items() if n != "b1"]},
-                {"params": [named["b1"]], "use_muon": False, "lr": 0.01}]
+        heads = [{"params": [named["w1"]], "num_heads": 4}] if sn == "heads" else []
+        return heads + [{"params": [p for n, p in named.items() if n != "b1" and not (heads and n == "w1")]},
+                        {"params": [named["b1"]], "use_muon": False, "lr": 0.01}]
     if sn is None:
         return [{"params": list(named.values())}]
     if sn == "rows-columns":
@@ -322,7 +326,7 @@ def worker(rank, directory, world=WORLD):
         """How many matrices this rank orthogonalized in an FSDP2 Muon run: each once, on its owner."""
         from fastoptim.optimizers import muon
         calls, original = [], muon.orthogonalize
-        muon.orthogonalize = lambda matrices, **kwargs: calls.append(len(matrices)) or original(matrices, **kwargs)
+        muon.orthogonalize = lambda matrices, *args: calls.append(len(matrices)) or original(matrices, *args)
         try:
             distributed_run(CASES["fsdp-muon-foreach"], rank)
         finally:

@@ -322,6 +322,93 @@ def test_a_3d_param_is_a_batch_of_matrices_each_as_torch_muon_steps_it(engine):
     assert_equal([m for expert in ours for m in expert], slices)
 
 
+ROW_BLOCKS = {  # params, the group's option, and each param's row blocks
+    "split_sizes": ([(24, 16), (24, 16), (24, 30)], dict(split_sizes=(8, 4, 4, 8)), [(8, 4, 4, 8)] * 3),
+    "num_heads": ([(24, 16), (12, 16)], dict(num_heads=4), [(6,) * 4, (3,) * 4]),
+    "3-D num_heads": ([(2, 12, 16)], dict(num_heads=3), [(4,) * 3]),
+    "tall heads": ([(48, 16), (60, 12)], dict(num_heads=2, adjust_lr_fn="spectral_unclamped"), [(24, 24), (30, 30)]),
+}
+
+
+@pytest.mark.parametrize("blocks", ROW_BLOCKS)
+@pytest.mark.parametrize("engine", ENGINES)
+def test_row_blocks_step_as_torch_muon_steps_each_block_as_a_matrix(engine, blocks):
+    """Each block is orthogonalized, and steps by its lr factor, as a matrix of its own: bit for bit,
+    though the blocks of one size go through the iterations as one batch."""
+    shapes, options, sizes = ROW_BLOCKS[blocks]
+    params = make_params(shapes)
+    grads = grads_of(params)
+
+    def cut(tensors):
+        return [block for tensor, rows in zip(tensors, sizes) for matrix in tensor.reshape(-1, *tensor.shape[-2:])
+                for block in matrix.split(rows)]
+    blocks = [torch.nn.Parameter(block.detach().clone()) for block in cut(params)]
+    torch_options = {"adjust_lr_fn": options["adjust_lr_fn"]} if "adjust_lr_fn" in options else {}
+    if torch_takes(torch_options):
+        run(torch.optim.Muon(blocks, **torch_options), blocks, [cut(step) for step in grads])
+    else:  # torch before 2.15: fastoptim's Muon on the blocks as separate params
+        blocks = stepped(fastoptim.Muon, blocks, [cut(step) for step in grads], **torch_options)
+    ours = stepped(fastoptim.Muon, params, grads, **options, **ENGINES[engine])
+    assert_equal(cut(ours), blocks)
+
+
+def test_orthogonalize_blocks_is_orthogonalize_of_each_block():
+    matrices = torch.randn(3, 24, 16, generator=torch.Generator().manual_seed(0))
+    coefficients = muon.coefficients(dict(ns_coefficients=muon.DEFAULT_COEFFICIENTS, ns_steps=5))
+    for options, sizes in ((dict(num_heads=4), (6,) * 4), (dict(split_sizes=(10, 4, 10)), (10, 4, 10))):
+        result = muon.orthogonalize_blocks(matrices, coefficients, 1e-7, **options)
+        expected = torch.cat([muon.orthogonalize(block, coefficients, 1e-7) for block in matrices.split(sizes, -2)], -2)
+        assert torch.equal(result, expected)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(split_sizes=(8, 8)), r"split_sizes: \(8, 8\) sum to 16, and a param of shape \(24, 16\)"),
+    (dict(split_sizes=(20, 4)), "blocks whose adjust_lr_fn=None factors differ"),
+    (dict(split_sizes=(24, 0)), "non-empty sequence of positive ints"),
+    (dict(split_sizes=(30, -6)), "non-empty sequence of positive ints"),
+    (dict(split_sizes=()), "non-empty sequence of positive ints"),
+    (dict(split_sizes=(12.0, 12)), "non-empty sequence of positive ints"),
+    (dict(split_sizes=24), "non-empty sequence of positive ints"),
+    (dict(num_heads=5), r"num_heads: 5 does not divide the 24 rows"),
+    (dict(num_heads=0), "must be None or a positive int"),
+    (dict(num_heads=True), "must be None or a positive int"),
+    (dict(num_heads=2, split_sizes=(12, 12)), "give one"),
+    (dict(num_heads=2, use_muon=False), "a use_muon=False group"),
+])
+def test_bad_row_blocks_are_refused_at_construction_and_add_param_group_and_nothing_changes(options, message):
+    with pytest.raises(ValueError, match=message):
+        fastoptim.Muon(make_params([(24, 16)]), **options)
+    optimizer = fastoptim.Muon(make_params([(12, 16)]))
+    group = dict(optimizer.param_groups[0])
+    with pytest.raises(ValueError, match=message):
+        optimizer.add_param_group({"params": make_params([(24, 16)])} | options)
+    assert len(optimizer.param_groups) == 1 and optimizer.param_groups[0].keys() == group.keys()
+    assert all(optimizer.param_groups[0][key] is value for key, value in group.items())
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_num_heads_set_between_steps_is_followed_and_a_bad_one_refused(engine):
+    """As an optimizer made with it that loaded the state of the steps before."""
+    later = make_params([(24, 16)])
+    grads = grads_of(later)
+    optimizer = fastoptim.Muon(later, **ENGINES[engine])
+    with warnings.catch_warnings(record=True):
+        run(optimizer, later, grads[:2])
+        optimizer.param_groups[0]["num_heads"] = 4
+        run(optimizer, later, grads[2:])
+    reference = make_params([(24, 16)])
+    first = fastoptim.Muon(reference, **ENGINES[engine])
+    with warnings.catch_warnings(record=True):
+        run(first, reference, grads[:2])
+        second = fastoptim.Muon(reference, num_heads=4, **ENGINES[engine])
+        second.load_state_dict(first.state_dict() | {"param_groups": second.state_dict()["param_groups"]})
+        run(second, reference, grads[2:])
+    assert_equal(later, reference)
+    optimizer.param_groups[0]["num_heads"] = 5
+    with pytest.raises(ValueError, match="num_heads: 5 does not divide"):
+        run(optimizer, later, grads[:1])
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_flatten_takes_a_conv_weight_as_its_first_dim_by_the_rest(engine):
     conv = make_params([(8, 3, 3, 3), (6, 4, 5)])

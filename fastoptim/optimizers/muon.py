@@ -3,7 +3,7 @@ signature and results as torch.optim.Muon, and AdamW companions for the params t
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING
@@ -25,12 +25,10 @@ from .checks import check_number
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-# The momentum's 8-bit codes round stochastically: each step moves the buffer by (1−μ)·(g − B), often less
-# than a code step, which round-to-nearest would drop (fastoptim.states.blockwise8.quantize)
-SPEC = KernelSpec("muon", roles=(Role("momentum_buffer", stochastic=True),), scalars=(), elementwise=False)
+SPEC = KernelSpec("muon", roles=(Role("momentum_buffer"),), scalars=(), elementwise=False)
 # Its elementwise first half (muon_momentum), which the fused kernels restate: the param row holds the
 # direction it writes, in the param's dtype.
-MOMENTUM_SPEC = KernelSpec("muon_momentum", roles=(Role("momentum_buffer", stochastic=True),),
+MOMENTUM_SPEC = KernelSpec("muon_momentum", roles=(Role("momentum_buffer"),),
                            scalars=("momentum", "one_minus_momentum"), flags=("nesterov",))
 DEFAULT_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, as torch.optim.Muon's
 # adjust_lr_fn: the factor of lr for a matrix of rows × cols, as torch.optim.Muon's (an empty one: no update)
@@ -61,6 +59,41 @@ def orthogonalize(matrices, coefficients, eps):
         gram = x @ x.mT
         x = addmm(x, addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return (x.mT if tall else x).reshape(matrices.shape)
+
+
+def row_blocks(rows: int, split_sizes: Sequence[int] | None, num_heads: int | None) -> tuple[int, ...] | None:
+    """The row blocks that a matrix of ``rows`` rows is orthogonalized as: ``split_sizes`` (fused
+    projections, such as QKV), or ``num_heads`` equal blocks (heads); None: the whole matrix."""
+    if split_sizes is not None:
+        return tuple(split_sizes)
+    if num_heads is not None:
+        return (rows // num_heads,) * num_heads
+    return None
+
+
+def orthogonalize_blocks(matrices, coefficients, eps, split_sizes=None, num_heads=None):
+    """:func:`orthogonalize` of each matrix of the batch ``matrices`` as its row blocks (see
+    :func:`row_blocks`), each block as a matrix of its own: the blocks of one size make one batch."""
+    blocks = row_blocks(matrices.size(-2), split_sizes, num_heads)
+    if blocks is None:
+        return orthogonalize(matrices, coefficients, eps)
+    sizes = sorted(set(blocks))
+    if len(sizes) == 1:  # equal blocks are a view: (..., blocks, rows of one, cols)
+        return orthogonalize(matrices.unflatten(-2, (len(blocks), sizes[0])), coefficients, eps).flatten(-3, -2)
+    parts, results = matrices.split(blocks, dim=-2), [None] * len(blocks)
+    for size in sizes:
+        same = [i for i, block in enumerate(blocks) if block == size]
+        for i, result in zip(same, orthogonalize(torch.stack([parts[i] for i in same], dim=-3), coefficients,
+                                                 eps).unbind(-3)):
+            results[i] = result
+    return torch.cat(results, dim=-2)
+
+
+def iterations(args: dict) -> Callable[[Tensor], Tensor]:
+    """The Newton–Schulz iterations that a step with ``muon_update``'s ``args`` runs on a batch of
+    matrices (see :func:`orthogonalize_blocks`)."""
+    return partial(orthogonalize_blocks, coefficients=args["coefficients"], eps=args["eps"],
+                   split_sizes=args["split_sizes"], num_heads=args["num_heads"])
 
 
 def matrix_shape(shape, flatten):
@@ -104,14 +137,15 @@ def muon_apply(ops, *, param, grad, scratch, lr, weight_decay, step_size):
 
 
 def muon_update(ops, *, param, grad, scratch, momentum_buffer, momentum, nesterov, lr, weight_decay, grad_scale,
-                step_size, coefficients, eps, flatten):
+                step_size, coefficients, eps, flatten, split_sizes, num_heads):
     """One Muon step, as torch.optim.Muon computes it: :func:`muon_momentum`, then O = NS(U) per
-    matrix (see :func:`orthogonalize` and :func:`matrix_shape`, in bf16), then :func:`muon_apply`."""
+    matrix (see :func:`orthogonalize` and :func:`matrix_shape`, in bf16; per row block with
+    ``split_sizes`` or ``num_heads``, see :func:`orthogonalize_blocks`), then :func:`muon_apply`."""
     direction = ops.empty_like(param)
     muon_momentum(ops, param=direction, grad=grad, scratch=scratch, momentum_buffer=momentum_buffer,
                   momentum=momentum, nesterov=nesterov, grad_scale=grad_scale)
-    orthogonal = ops.per_matrix(partial(orthogonalize, coefficients=coefficients, eps=eps), direction,
-                                partial(matrix_shape, flatten=flatten))
+    orthogonal = ops.per_matrix(iterations(dict(coefficients=coefficients, eps=eps, split_sizes=split_sizes,
+                                                num_heads=num_heads)), direction, partial(matrix_shape, flatten=flatten))
     muon_apply(ops, param=param, grad=orthogonal, scratch=scratch, lr=lr, weight_decay=weight_decay,
                step_size=step_size)
 
@@ -138,9 +172,18 @@ def coefficients(group: dict) -> tuple[tuple[float, float, float], ...]:
                      f"ns_steps={steps} such triples, one per step)")
 
 
+def block_factors(group: dict, param: Tensor) -> list[float]:
+    """``adjust_lr_fn``'s factor of lr for each row block of the matrices of ``param`` (one: whole
+    matrices): a block steps as a matrix of its own, as dion's and torchtitan's per-head Muon take it."""
+    rows, cols = matrix_shape(param.shape, group["flatten"])[-2:]
+    adjust = ADJUST_LR[group["adjust_lr_fn"] or "original"]
+    return [adjust(block, cols) for block in row_blocks(rows, group["split_sizes"], group["num_heads"]) or (rows,)]
+
+
 def lr_factor(group: dict, param: Tensor) -> float:
-    """``adjust_lr_fn``'s factor of lr for the matrices of ``param``."""
-    return ADJUST_LR[group["adjust_lr_fn"] or "original"](*matrix_shape(param.shape, group["flatten"])[-2:])
+    """``adjust_lr_fn``'s factor of lr for the matrices of ``param``: their blocks' (see
+    :func:`block_factors`; blocks whose factors differ are refused when the param is checked)."""
+    return block_factors(group, param)[0]
 
 
 def muon_arguments(group: dict, inputs: StepInputs) -> tuple[dict, set[str]]:
@@ -151,7 +194,8 @@ def muon_arguments(group: dict, inputs: StepInputs) -> tuple[dict, set[str]]:
     args = dict(momentum=group["momentum"], nesterov=group["nesterov"], lr=inputs.lr,
                 weight_decay=group["weight_decay"], grad_scale=inputs.grad_scale,
                 step_size=(inputs.lr * factors).to(inputs.wide), coefficients=coefficients(group),
-                eps=group["eps"], flatten=group["flatten"])
+                eps=group["eps"], flatten=group["flatten"], split_sizes=group["split_sizes"],
+                num_heads=group["num_heads"])
     return args, {"step_size"}
 
 
@@ -244,7 +288,7 @@ def run_in_three_parts(momentum_engine: str, part: engines.Plan, reduce_group=No
         flags=dict(nesterov=args["nesterov"]), per_tensor=frozenset(), stochastic_rounding=False,
         args=dict(momentum=args["momentum"], nesterov=args["nesterov"], grad_scale=grad_scale),
         cache={} if tables is None else tables))
-    function = partial(orthogonalize, coefficients=args["coefficients"], eps=args["eps"])
+    function = iterations(args)
     shape_of = partial(matrix_shape, flatten=args["flatten"])
     if reduce_group is None:
         orthogonal = FOREACH_OPS.per_matrix(function, directions, shape_of)
@@ -281,7 +325,8 @@ def orthogonalize_shards(function, directions: list[Tensor], params: list[Tensor
     return results
 
 
-MUON = Algorithm(SPEC, muon_update, muon_arguments, param_factors=lr_factor, factor_options=("adjust_lr_fn", "flatten"),
+MUON = Algorithm(SPEC, muon_update, muon_arguments, param_factors=lr_factor,
+                 factor_options=("adjust_lr_fn", "flatten", "split_sizes", "num_heads"),
                  run=run_muon_bucket)
 COMPANIONS = ADAMW._replace(flags=lambda group: dict(amsgrad=False, first_moment=True))  # use_muon=False groups
 
@@ -317,6 +362,11 @@ class Muon(FastOptimizer):
             the original without its clamp, so a wide matrix steps by less than lr.
         flatten: orthogonalize a param of 3+ dims as its first dim by the rest (convolution
             weights) instead of as a batch of matrices.
+        split_sizes: orthogonalize each matrix as row blocks of these sizes (a fused QKV
+            projection), which sum to its rows, each block as a matrix of its own, the lr scaled by
+            ``adjust_lr_fn`` of the block's shape (as dion's and torchtitan's per-head Muon); blocks
+            whose factors differ are refused. None: whole matrices.
+        num_heads: the same with this many equal row blocks (attention heads), which divide the rows.
         use_muon: False for a group of AdamW companions (usually set per group).
         betas: the AdamW companions' (β1, β2).
         adamw_eps: the eps of the AdamW companion groups that set none (``eps`` here is the
@@ -331,9 +381,11 @@ class Muon(FastOptimizer):
     groups as foreach. ``sn`` and ``state_bits`` apply to the
     companions' states; ``state_bits`` to the momentum buffer too. State per parameter: Muon's
     ``momentum_buffer``, as torch.optim.Muon's, whose state dicts load; the companions' are
-    AdamW's. Under ZeRO (``shard_group``) each rank steps whole params. Under FSDP2, each matrix is
-    gathered to one owner rank (the matrices spread over the ranks by size), orthogonalized there,
-    and its rows sent back: the results are one process's.
+    AdamW's. Under ZeRO (``shard_group``) each rank steps whole params. Under FSDP2, each matrix goes
+    whole to one owner rank (the matrices spread over the ranks by size, decided once from their
+    global shapes), which orthogonalizes its matrices of one shape as one batch, and its rows come
+    back: one all-to-all each way per shape group and step, with no host sync; the results are one
+    process's (see :func:`orthogonalize_shards`).
     """
 
     algorithm = MUON
@@ -342,6 +394,7 @@ class Muon(FastOptimizer):
                  nesterov: bool = True,
                  ns_coefficients: Sequence[float] | Sequence[Sequence[float]] = DEFAULT_COEFFICIENTS,
                  eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: str | None = None, *, flatten: bool = False,
+                 split_sizes: Sequence[int] | None = None, num_heads: int | None = None,
                  use_muon: bool = True, betas: tuple[float, float] = (0.9, 0.95), adamw_eps: float = 1e-8,
                  maximize: bool = False, foreach: bool | None = None, fused: bool | None = None,
                  max_grad_norm: float = 0.0, stochastic_rounding: bool = False, master_bits: int = 16,
@@ -349,7 +402,7 @@ class Muon(FastOptimizer):
                  shard_group: ProcessGroup | None = None) -> None:
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
-                        flatten=flatten, use_muon=use_muon, betas=betas, adamw_eps=adamw_eps, maximize=maximize,
+                        flatten=flatten, split_sizes=split_sizes, num_heads=num_heads, use_muon=use_muon, betas=betas, adamw_eps=adamw_eps, maximize=maximize,
                         foreach=foreach, fused=fused, max_grad_norm=max_grad_norm,
                         stochastic_rounding=stochastic_rounding, master_bits=master_bits, sn=sn,
                         subset_size=subset_size, state_bits=state_bits)
@@ -378,6 +431,7 @@ class Muon(FastOptimizer):
 
     def _check_between_steps(self, group, params):
         super()._check_between_steps(group, params)
+        check_row_blocks(group)  # set since it was added (a change makes the factors and checks the params again)
         if not group["use_muon"] and group["eps"] != group["adamw_eps"]:  # one of them set since it was added
             raise ValueError(f"Invalid eps: {group['eps']!r} and adamw_eps {group['adamw_eps']!r} in a use_muon=False "
                              "group, where adamw_eps is an alias of eps (AdamW's): set both")
@@ -410,19 +464,22 @@ class Muon(FastOptimizer):
             *others, last = map(repr, ADJUST_LR)
             raise ValueError(f"Invalid adjust_lr_fn: {group['adjust_lr_fn']!r} (must be None, {', '.join(others)} "
                              f"or {last})")
+        check_row_blocks(group)
         if group["use_muon"]:
             for param in group.get("params", ()):
-                self._check_matrix(param, group["flatten"])
+                self._check_matrix(param, group)
 
     def _check_state(self, param, state, group):
         # a param reshaped (.data =) or appended to the group since it was checked, or flatten turned off
         if group["use_muon"]:
-            self._check_matrix(param, group["flatten"])
+            self._check_matrix(param, group)
         super()._check_state(param, state, group)
 
     @staticmethod
-    def _check_matrix(param, flatten):
-        """Refuse a param that a Muon group cannot orthogonalize, saying where it belongs."""
+    def _check_matrix(param, group):
+        """Refuse a param that a Muon group cannot orthogonalize, saying where it belongs, or cannot
+        cut into its row blocks."""
+        flatten = group["flatten"]
         if param.dim() < 2 or param.dim() > 3 and not flatten:
             raise ValueError(
                 f"Muon orthogonalizes matrices, and a param of shape {tuple(param.shape)} is not one: put 1-D params "
@@ -430,3 +487,33 @@ class Muon(FastOptimizer):
                 + ("" if param.dim() < 2 else ", or set flatten=True to take it as its first dim by the rest"))
         if param.is_complex():
             raise ValueError("Muon does not support complex params: put them in a use_muon=False group (AdamW)")
+        rows = matrix_shape(param.shape, flatten)[-2]
+        if group["split_sizes"] is not None and sum(group["split_sizes"]) != rows:
+            raise ValueError(f"Invalid split_sizes: {group['split_sizes']!r} sum to {sum(group['split_sizes'])}, and a "
+                             f"param of shape {tuple(param.shape)} has matrices of {rows} rows: they must sum to its rows")
+        if group["num_heads"] is not None and rows % group["num_heads"]:
+            raise ValueError(f"Invalid num_heads: {group['num_heads']!r} does not divide the {rows} rows of the "
+                             f"matrices of a param of shape {tuple(param.shape)}")
+        if len(set(block_factors(group, param))) > 1:
+            raise ValueError(f"Invalid split_sizes: {group['split_sizes']!r} cut the matrices of a param of shape "
+                             f"{tuple(param.shape)} into blocks whose adjust_lr_fn={group['adjust_lr_fn']!r} factors "
+                             "differ, and a param steps by one factor: put the blocks in params of their own, or use "
+                             "an adjust_lr_fn that gives them one factor")
+
+
+def check_row_blocks(group: dict) -> None:
+    """Raise unless the group's ``split_sizes`` (positive ints, kept as a tuple) and ``num_heads`` (a
+    positive int) are valid, and at most one is set, in a Muon group."""
+    sizes, heads = group["split_sizes"], group["num_heads"]
+    if sizes is not None:
+        if (not isinstance(sizes, Sequence) or isinstance(sizes, str) or not sizes
+                or not all(type(size) is int and size > 0 for size in sizes)):
+            raise ValueError(f"Invalid split_sizes: {sizes!r} (must be None or a non-empty sequence of positive ints, "
+                             "the row blocks' sizes)")
+        group["split_sizes"] = tuple(sizes)
+    if heads is not None and (type(heads) is not int or heads < 1):
+        raise ValueError(f"Invalid num_heads: {heads!r} (must be None or a positive int)")
+    if sizes is not None and heads is not None:
+        raise ValueError("split_sizes and num_heads both cut a matrix into row blocks: give one")
+    if not group["use_muon"] and (sizes is not None or heads is not None):
+        raise ValueError("split_sizes and num_heads cut Muon's matrices, and a use_muon=False group (AdamW) has none")
