@@ -1,5 +1,5 @@
 """Optimizer state bytes and step time per rank under ZeroRedundancyOptimizer and FSDP2, on N CPU
-processes (gloo), for Adam (torch.optim.AdamW) and fastoptim's Adan, 8-bit Adan and AdamWSN.
+processes (gloo), for Adam (torch.optim.AdamW) and fastoptim's Adan, 8-bit Adan, AdamWSN and Muon.
 
     .venv/bin/python -m benchmarks.distributed --world-size 2 [--model gpt2-124m] [--steps 3]
 
@@ -8,8 +8,14 @@ the step, not forward and backward, is measured. A ZeRO step includes its broadc
 params. "state" is the rank's optimizer state (local shards, 8-bit block maxima included); "params +
 grads + state" adds the rank's params and grads: all of them under ZeRO, its shards under FSDP2.
 Each rank runs one torch thread; with more ranks than cores, the times include waiting for a core.
+
+Muon takes the hidden matrices (the params that get subset-norm states elsewhere), AdamW the rest.
+Under FSDP2 a second table gives, per Muon step, the collectives each rank calls and the bytes it
+sends to other ranks, against the target 2 × (its share of the Muon params' bytes) × (world − 1)/world
++ 1%: each rank's rows of a matrix go to its owner and the rows of the result come back.
 """
 import argparse
+import math
 import os
 import statistics
 import tempfile
@@ -26,6 +32,7 @@ OPTIMIZERS = {
     "adan": (fastoptim.Adan, dict(lr=1e-3, weight_decay=0.02, max_grad_norm=1.0)),
     "adan-8bit": (fastoptim.Adan, dict(lr=1e-3, weight_decay=0.02, max_grad_norm=1.0, state_bits=8)),
     "adamwsn": (fastoptim.AdamWSN, dict(lr=1e-2, weight_decay=0.01)),
+    "muon": (fastoptim.Muon, dict(lr=0.02, weight_decay=0.01, max_grad_norm=1.0)),
 }
 MODES = ("zero", "fsdp")
 MIB = 1 << 20
@@ -59,8 +66,10 @@ def build(shapes, mode, name):
         param.grad = DTensor.from_local(grad, param.device_mesh, param.placements, shape=param.shape,
                                         stride=param.stride()) if isinstance(param, DTensor) else grad
     cls, options = OPTIMIZERS[name]
-    groups = [{"params": [p for p, (_, sn) in zip(params, shapes) if sn], "sn": name == "adamwsn"},
-              {"params": [p for p, (_, sn) in zip(params, shapes) if not sn]}]
+    hidden = [{"params": [p for p, (_, sn) in zip(params, shapes) if sn]} | (
+        {"sn": name == "adamwsn"} if name != "muon" else {})]
+    groups = hidden + [{"params": [p for p, (_, sn) in zip(params, shapes) if not sn]} | (
+        {"use_muon": False} if name == "muon" else {})]
     groups = [group for group in groups if group["params"]]
     if mode == "zero":
         extra = {} if cls is torch.optim.AdamW else dict(shard_group=dist.group.WORLD)
@@ -70,18 +79,52 @@ def build(shapes, mode, name):
     return params, optimizer, optimizer
 
 
+class Traffic:
+    """Counts the torch.distributed calls, and the bytes that all-to-alls send to other ranks, while on."""
+    COLLECTIVES = ("all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor", "all_reduce",
+                   "broadcast", "gather", "scatter", "reduce_scatter_tensor")
+
+    def __init__(self):
+        self.calls, self.sent, self.originals = 0, 0, {name: getattr(dist, name) for name in self.COLLECTIVES}
+
+    def __enter__(self):
+        for name, function in self.originals.items():
+            setattr(dist, name, self._counting(name, function))
+        return self
+
+    def __exit__(self, *exc):
+        for name, function in self.originals.items():
+            setattr(dist, name, function)
+
+    def _counting(self, name, function):
+        def counted(*args, **kwargs):
+            self.calls += 1
+            if name == "all_to_all_single":
+                output, data, output_sizes, input_sizes = args[:4]
+                rank, row = dist.get_rank(kwargs.get("group")), data.element_size() * math.prod(data.shape[1:])
+                self.sent += (sum(input_sizes) - input_sizes[rank]) * row
+            return function(*args, **kwargs)
+        return counted
+
+
 def measure(shapes, mode, name, steps):
     params, optimizer, local_optimizer = build(shapes, mode, name)
     optimizer.step()  # creates the states
     times = []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
+    with Traffic() as traffic:
+        for _ in range(steps):
+            dist.barrier()
+            start = time.perf_counter()
+            optimizer.step()
+            times.append(time.perf_counter() - start)
     model_bytes = sum(local_bytes(p) + local_bytes(p.grad) for p in params)
     state = state_bytes(local_optimizer)
-    return dict(state=state / MIB, total=(state + model_bytes) / MIB, ms=statistics.median(times) * 1e3)
+    measured = dict(state=state / MIB, total=(state + model_bytes) / MIB, ms=statistics.median(times) * 1e3,
+                    calls=traffic.calls / steps, sent=traffic.sent / steps)  # (the barrier is not counted)
+    if name == "muon":
+        muon = local_optimizer.param_groups[0]["params"]
+        measured["muon bytes"] = sum(p.numel() * p.element_size() for p in muon)  # global: the whole matrices
+    return measured
 
 
 def worker(rank, world, rendezvous, args):
@@ -112,6 +155,15 @@ def report(gathered, args, numel):
         ms = f"{min(r['ms'] for r in per_rank):.0f}-{max(r['ms'] for r in per_rank):.0f}"
         print(f"| {mode} | {name} | {span['state']} | {span['total']} | {ms} | "
               f"{sum(r['state'] for r in per_rank) / adam_state:.2f} |")
+    for i, (mode, name, _) in enumerate(gathered[0]):
+        if mode == "fsdp" and name == "muon":
+            per_rank = [rows[i][2] for rows in gathered]
+            target = 2 * per_rank[0]["muon bytes"] / world * (world - 1) / world * 1.01
+            print(f"\nFSDP2 Muon, per step and rank: collectives {min(r['calls'] for r in per_rank):.0f}-"
+                  f"{max(r['calls'] for r in per_rank):.0f} (one of them clipping's all-reduce); bytes sent to other "
+                  f"ranks {min(r['sent'] for r in per_rank) / MIB:.2f}-{max(r['sent'] for r in per_rank) / MIB:.2f} "
+                  f"MiB, target <= {target / MIB:.2f} MiB (2 x its share of the Muon params' "
+                  f"{per_rank[0]['muon bytes'] / MIB:.1f} MiB x (world-1)/world + 1%)")
 
 
 def main():

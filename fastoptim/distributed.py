@@ -203,7 +203,7 @@ class ShapeGroup:
                 self.order = self.order.to(received.device)
             matrices = rows.index_select(0, self.order).view(self.owned, self.rows, self.cols)
             back.view(self.received_rows, self.cols).index_copy_(
-                0, self.order, function(matrices).to(received.dtype).view(-1, self.cols))
+                0, self.order, function(matrices).to(received.dtype).reshape(-1, self.cols))  # (tall results are transposed views)
         returned = torch.empty(sum(self.sends), dtype=received.dtype, device=received.device)
         return returned, self._all_to_all(returned, back, self.sends, self.receives)
 

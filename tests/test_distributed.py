@@ -30,8 +30,9 @@ pytestmark = pytest.mark.distributed
 WORLD, STEPS, BATCH = 2, 8, 8
 # w1: columns (64 < 96 rows) over even shards, 8-bit states (6144 elements, 12 blocks per shard);
 # w2 and w5: columns over uneven shards (3 and 2 rows), one shape (a Muon shape group of two); w3:
-# rows; w4: one row, so rank 1's shard is empty (on 4 ranks, ranks 1-3's; and w2's on rank 3).
-SHAPES = {"w1": (64, 96), "b1": (64,), "w2": (5, 64), "w5": (5, 64), "w3": (70, 5), "w4": (1, 70)}
+# rows, and w6 its twin (a shape group of tall matrices); w4: one row, so rank 1's shard is empty (on
+# 4 ranks, ranks 1-3's; and w2's on rank 3).
+SHAPES = {"w1": (64, 96), "b1": (64,), "w2": (5, 64), "w5": (5, 64), "w3": (70, 5), "w6": (70, 5), "w4": (1, 70)}
 MUON_SHAPE_GROUPS = 4
 FLATTENED = ("w1", "b1", "w3")  # subsets of 32 (25 for w3) fall within their shards; w2's and w4's do not
 CLIP = 0.05
@@ -81,7 +82,7 @@ class Net(torch.nn.Module):
     def forward(self, x):
         h = torch.tanh(x @ self.w1.T + self.b1)
         h = torch.tanh(h @ self.w2.T) + torch.tanh(h @ self.w5.T)
-        h = torch.tanh(h @ self.w3.T)
+        h = torch.tanh(h @ self.w3.T) + torch.tanh(h @ self.w6.T)
         return h @ self.w4.T
 
 
@@ -408,7 +409,7 @@ def test_a_distributed_run_gives_the_parameters_of_one_process(runs, name):
 
 def test_under_fsdp2_each_matrix_is_orthogonalized_once_by_one_rank(runs):
     per_rank = result(runs, "orthogonalized")
-    assert sum(per_rank) == 5 * STEPS and min(per_rank) > 0  # w1..w5 each step, spread over both ranks
+    assert sum(per_rank) == 6 * STEPS and min(per_rank) > 0  # w1..w6 each step, spread over both ranks
 
 
 @pytest.mark.parametrize("name", FOUR_RANKS)
