@@ -5,6 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastoptim.engines.backends import cpu as cpu_backend
+from fastoptim.states import blockwise8
 from fastoptim.states.blockwise8 import BLOCK, SIGNED, UNSIGNED, dequantize, n_blocks, quantize
 
 # The documented bound: |x| / 16 in the normal range, else half the smallest step times the absmax.
@@ -210,3 +211,80 @@ def test_the_scale_is_a_correctly_rounded_division_in_the_kernels_as_in_the_refe
     x = torch.tensor([1.2, 1.0])
     assert torch.equal(quantize(x, SIGNED)[0], kernel_quantize(x, SIGNED)[0])
     assert quantize(x, SIGNED)[0][1] == SIGNED.zero + 124  # magnitude 1.5, index 251
+
+
+# --- stochastic codes (a Role with stochastic=True: Muon's momentum) ------------------------------------
+
+def stochastic_samples(x, draws, codes=SIGNED):
+    """``draws`` stochastic quantizations of the block ``x`` (its first element the largest), as one
+    tensor of ``draws`` copies: each copy's elements draw their own bits (the element index differs)."""
+    copies = x.repeat(draws)
+    indices, absmax = quantize(copies, codes, seed=blockwise8.code_seed(12345, 2))
+    return dequantize(indices, absmax, codes).view(draws, -1), indices.view(draws, -1)
+
+
+def test_stochastic_codes_are_unbiased_where_nearest_ones_are_not():
+    """The mean of many stochastic quantizations of x is x, to within the statistical error of a
+    mean of values one code step apart; round-to-nearest misses by up to half a step (a test
+    that fails for a biased quantizer: it fails for the nearest codes)."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.ones(1), torch.rand(127, generator=generator) * 2 - 1,  # fp16's normal range of t
+                   (torch.rand(128, generator=generator) * 2 - 1) * 2.0**-13])    # and below it (subnormal codes)
+    draws = 4000
+    samples, _ = stochastic_samples(x, draws)
+    mean = samples.double().mean(0)
+    nearest = dequantize(*quantize(x, SIGNED), SIGNED).double()
+    lo_hi = samples.double().amax(0) - samples.double().amin(0)  # the code step around each x (0 if exact)
+    step = torch.maximum(lo_hi, torch.full_like(lo_hi, 2.0**-17 / SIGNED.top))
+    bound = 5 * step / (2 * draws**0.5)  # 5 standard errors of a mean of two values a step apart
+    assert ((mean - x.double()).abs() <= bound).all()
+    assert ((nearest - x.double()).abs() > bound).float().mean() > 0.5  # the nearest codes fail the same test
+
+
+def test_stochastic_codes_round_to_a_neighbour_and_keep_the_formats_rules():
+    """Each code is one of the two around x (so within one step of it, the nearest one among
+    them); zeros, the largest element and non-finite values come back as the nearest codes do."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(BLOCK * 3, generator=generator) * torch.logspace(-9, 0, BLOCK * 3)
+    x[::17] = 0
+    x[5], x[300], x[301] = float("nan"), float("inf"), -float("inf")
+    samples, indices = stochastic_samples(x, 50)
+    nearest, nearest_absmax = quantize(x, SIGNED)
+    distance = (indices.long() - nearest.long()).abs()
+    assert (distance <= 1).all() and (distance == 1).any()
+    for special in (x == 0, ~x.isfinite()):
+        assert (indices[:, special] == nearest[special]).all()
+    assert torch.equal(quantize(x.repeat(2), SIGNED, seed=7)[1], nearest_absmax.repeat(2))  # the same absmax
+
+
+def test_stochastic_codes_are_reproducible_from_their_seed():
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(quantize(x, SIGNED, seed=3)[0], quantize(x, SIGNED, seed=3)[0])
+    assert not torch.equal(quantize(x, SIGNED, seed=3)[0], quantize(x, SIGNED, seed=4)[0])
+
+
+def test_the_random_bits_are_the_kernels_hash():
+    """murmur3's finaliser of seed ^ tensor·0x9E3779B9 ^ index·0x85EBCA6B, modulo 2^32 (values the C
+    kernel's random_bits gives)."""
+    def murmur(seed, tensor, index):
+        h = (seed ^ (tensor * 0x9E3779B9) ^ (index * 0x85EBCA6B)) & 0xFFFFFFFF
+        for shift, factor in ((16, 0x85EBCA6B), (13, 0xC2B2AE35), (16, None)):
+            h ^= h >> shift
+            h = h if factor is None else (h * factor) & 0xFFFFFFFF
+        return h
+    index = torch.tensor([0, 1, 255, 70000])
+    for seed, tensor in ((0, 0), (12345, 3), (0xFFFFFF, 0x3F800000)):
+        assert blockwise8.random_bits(seed, tensor, index).tolist() == [murmur(seed, tensor, i) for i in index.tolist()]
+
+
+def test_the_triton_stochastic_codes_are_the_reference_s():
+    """The Triton kernel's restatement (in its interpreter without a GPU) against the reference;
+    the C kernel's is held to it through its step, tests/test_muon.py."""
+    fused_triton = pytest.importorskip("fastoptim.kernels.fused_triton")
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(BLOCK * 4 + 100, generator=generator) * torch.logspace(-12, 1, BLOCK * 4 + 100)
+    x[7], x[500] = float("nan"), float("inf")
+    for seed in (0, 99, (1 << 24) - 1):
+        codes, absmax = fused_triton.quantize(x, True, (seed, 2))
+        expected = quantize(x, SIGNED, seed=blockwise8.code_seed(seed, 2))
+        assert torch.equal(codes, expected[0]) and torch.equal(absmax, expected[1])

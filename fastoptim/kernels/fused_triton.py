@@ -51,6 +51,7 @@ SIGNED_TOP, UNSIGNED_TOP = tl.constexpr(blockwise8.SIGNED.top), tl.constexpr(blo
 NAN_INDEX, UNSIGNED_INF_INDEX = tl.constexpr(blockwise8.NAN_INDEX), tl.constexpr(blockwise8.UNSIGNED.inf_index)
 INF_BITS = tl.constexpr(0x7F800000)  # +inf's bits: |x|'s bits are at least these where x is not finite
 FLOAT32_MAX = tl.constexpr(torch.finfo(torch.float32).max)
+RANDOM_BITS = tl.constexpr(blockwise8.RANDOM_BITS)  # of the hash's 32 that a stochastic code compares
 
 
 # --- loads and stores -------------------------------------------------------------------------
@@ -207,19 +208,45 @@ def _quantize(t, SIGNED: tl.constexpr):
 
 
 @triton.jit
+def _quantize_stochastic(t, r, SIGNED: tl.constexpr):
+    """The codes of t, its magnitude rounded stochastically with ``r`` (20 random bits, uint32), as
+    the C kernel's quantize_stochastic: from lo, the largest magnitude <= |t| (|t|'s bits with the 20
+    below fp16's 3 dropped; below fp16's normal range, |t|·2^17 made whole), up where r is below the
+    fraction of the step past lo times 2^20 (those 20 bits; below, what is left of |t|·2^17)."""
+    magnitude = tl.abs(t)
+    bits = magnitude.to(tl.int32, bitcast=True)
+    random = r.to(tl.int32)
+    normal = (bits >> 20) - ((127 - 15) << 3) + ((bits & 0xFFFFF) > random).to(tl.int32)
+    steps = tl.minimum(magnitude, 2.0**-14) * 2.0**17
+    whole = tl.floor(steps)
+    subnormal = whole.to(tl.int32) + (random.to(tl.float32) < (steps - whole) * 1048576.0).to(tl.int32)
+    k = tl.minimum(tl.where(magnitude < 2.0**-14, subnormal, normal), 127 if SIGNED else 247)
+    return (tl.where(t < 0, 127 - k, 127 + k) if SIGNED else k).to(tl.uint8)
+
+
+@triton.jit
 def _load_q8(codes, absmax, block, index, mask, SIGNED: tl.constexpr):
     return _dequantize(tl.load(codes + index, mask=mask), tl.load(absmax + block), SIGNED)
 
 
 @triton.jit
-def _store_q8(codes, absmax, block, index, mask, values, SIGNED: tl.constexpr):
+def _store_q8(codes, absmax, block, index, mask, values, SIGNED: tl.constexpr, SALT: tl.constexpr = None, seed=0,
+              t=0):
+    """``values`` into block ``block``'s codes and absmax; with SALT (not None: a stochastic role's,
+    blockwise8.CODE_SALT times its row) rounding stochastically with the bits of (seed ^ SALT, the
+    block's new absmax's bits, index), as blockwise8.quantize."""
     # the largest |x| of the finite elements, from their bits as integers
     magnitude_bits = values.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     finite = magnitude_bits < INF_BITS
     top = tl.max(tl.where(mask & finite, magnitude_bits, 0), axis=0).to(tl.float32, bitcast=True)
     scale = tl.div_rn(SIGNED_TOP if SIGNED else UNSIGNED_TOP, tl.where(top > 0, top, 1.0))
     stored = (top > 0) & (scale <= FLOAT32_MAX)  # else the block is stored as zeros
-    indices = _quantize(tl.where(finite, values, 0.0) * tl.where(stored, scale, 0.0), SIGNED)
+    if SALT is None:
+        indices = _quantize(tl.where(finite, values, 0.0) * tl.where(stored, scale, 0.0), SIGNED)
+    else:
+        r = _random_bits(seed ^ SALT, tl.where(stored, top, 0.0).to(tl.uint32, bitcast=True), index) >> (
+            32 - RANDOM_BITS)
+        indices = _quantize_stochastic(tl.where(finite, values, 0.0) * tl.where(stored, scale, 0.0), r, SIGNED)
     if SIGNED:
         indices = tl.where(finite, indices, NAN_INDEX)
     else:
@@ -229,12 +256,15 @@ def _store_q8(codes, absmax, block, index, mask, values, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def _blocks_kernel(values, codes, absmax, n, SIGNED: tl.constexpr, QUANTIZE: tl.constexpr):
-    """The quantizer (QUANTIZE) or the dequantizer alone, one block per program, for the tests."""
+def _blocks_kernel(values, codes, absmax, n, seed, t, SIGNED: tl.constexpr, QUANTIZE: tl.constexpr,
+                   SALT: tl.constexpr):
+    """The quantizer (QUANTIZE; stochastic with a SALT) or the dequantizer alone, one block per
+    program, for the tests."""
     block = tl.program_id(0)
     index = block * BLOCK8 + tl.arange(0, BLOCK8)
     if QUANTIZE:
-        _store_q8(codes, absmax, block, index, index < n, tl.load(values + index, mask=index < n), SIGNED)
+        _store_q8(codes, absmax, block, index, index < n, tl.load(values + index, mask=index < n), SIGNED, SALT,
+                  seed.to(tl.uint32), t)
     else:
         tl.store(values + index, _load_q8(codes, absmax, block, index, index < n, SIGNED), mask=index < n)
 
@@ -307,12 +337,14 @@ def _gather_states(pointers, ROLES: tl.constexpr, index, mask):
 
 
 @triton.jit
-def _store_states(pointers, absmax, ROLES: tl.constexpr, index, mask, block, values):
-    """The kept states' new fp32 values into their formats (8-bit: requantizing ``block``)."""
+def _store_states(pointers, absmax, ROLES: tl.constexpr, index, mask, block, values, seed, t):
+    """The kept states' new fp32 values into their formats (8-bit: requantizing ``block``, a
+    stochastic role's codes with the bits of the step's ``seed``)."""
     for i in tl.static_range(len(ROLES.row)):
         if ROLES.row[i] is not None:
             if pointers[i].dtype.element_ty == tl.uint8:
-                _store_q8(pointers[i], absmax[i], block, index, mask, values[i], ROLES.signed[i])
+                _store_q8(pointers[i], absmax[i], block, index, mask, values[i], ROLES.signed[i], ROLES.salt[i], seed,
+                          t)
             else:
                 _store(pointers[i], index, values[i], mask)
 
@@ -325,12 +357,12 @@ def _store_states(pointers, absmax, ROLES: tl.constexpr, index, mask, block, val
 # moments' pointers as fp32 (one per subset under sn), ``*_absmax`` the 8-bit block maxima.
 
 @triton.jit
-def _moments_scale(moments, moments_absmax, index, mask, block, x, S, K: tl.constexpr, F: tl.constexpr,
+def _moments_scale(moments, moments_absmax, index, mask, block, x, S, seed, t, K: tl.constexpr, F: tl.constexpr,
                    MOMENTS: tl.constexpr, SECOND_MOMENTS: tl.constexpr, STEP_SCALE: tl.constexpr):
     """The elements' second moments, updated with ``x``, stored, and the step scale they give."""
     new_moments = SECOND_MOMENTS(_load_states(moments, moments_absmax, MOMENTS, index, mask, block), x, S, K, F,
                                  False)
-    _store_states(moments, moments_absmax, MOMENTS, index, mask, block, new_moments)
+    _store_states(moments, moments_absmax, MOMENTS, index, mask, block, new_moments, seed, t)
     return STEP_SCALE(new_moments, S, K, F)
 
 
@@ -350,15 +382,15 @@ def _tile(param, grad, states, states_absmax, moments, moments_absmax, reduced, 
             if b != 1:
                 scale = STEP_SCALE(_gather_states(reduced, MOMENTS, _subset_of(index, b, c), mask), S, K, F)
             else:
-                scale = _moments_scale(moments, moments_absmax, index, mask, block, terms[0], S, K, F, MOMENTS,
-                                       SECOND_MOMENTS, STEP_SCALE)
+                scale = _moments_scale(moments, moments_absmax, index, mask, block, terms[0], S, seed, t, K, F,
+                                       MOMENTS, SECOND_MOMENTS, STEP_SCALE)
         else:
-            scale = _moments_scale(moments, moments_absmax, index, mask, block, terms[0], S, K, F, MOMENTS,
+            scale = _moments_scale(moments, moments_absmax, index, mask, block, terms[0], S, seed, t, K, F, MOMENTS,
                                    SECOND_MOMENTS, STEP_SCALE)
     else:
         scale = 0
     p, values = UPDATE(_load_param(param, index, mask, ROUNDING), terms, values, scale, S, K, F)
-    _store_states(states, states_absmax, STATES, index, mask, block, values)
+    _store_states(states, states_absmax, STATES, index, mask, block, values, seed, t)
     _store_param(param, index, p, mask, seed, t, ROUNDING)
 
 
@@ -378,7 +410,7 @@ def _subset_sums(grad, states, states_absmax, reduced, start, count, b, c, S, K:
         in_range = subsets < last
         new_moments = SECOND_MOMENTS(_load_states(reduced, None, MOMENTS, subsets, in_range, None), sums, S, K, F,
                                      True)
-        _store_states(reduced, None, MOMENTS, subsets, in_range, None, new_moments)
+        _store_states(reduced, None, MOMENTS, subsets, in_range, None, new_moments, 0, 0)
 
 
 @triton.jit
@@ -395,7 +427,7 @@ def _subset_updates(param, grad, states, reduced, start, count, b, c, S, seed, t
             values = _load_states(states, None, STATES, index, mask, None)
             p, values = UPDATE(_load_param(param, index, mask, ROUNDING), TERMS(_load(grad, index, mask), values, S,
                                K, F), values, scale, S, K, F)
-            _store_states(states, None, STATES, index, mask, None, values)
+            _store_states(states, None, STATES, index, mask, None, values, seed, t)
             _store_param(param, index, p, mask, seed, t, ROUNDING)
 
 
@@ -641,7 +673,8 @@ TYPES = PARAM_TYPES | {torch.uint8: tl.uint8}  # and 8-bit states' codes
 # the pointer table and its block maxima's row (KernelSpec.rows; None where not kept), its 8-bit code
 # table (signed) and whether it stays bf16 beside 8-bit codes (half). A tuple per field, not a tuple
 # of records: Triton before 3.9 loses the field names of a record taken from a constexpr tuple.
-Slots = namedtuple("Slots", "row absmax signed half")
+# salt: for a role whose 8-bit codes round stochastically, blockwise8's CODE_SALT times its row, else None.
+Slots = namedtuple("Slots", "row absmax signed half salt")
 
 
 @functools.lru_cache(maxsize=None)
@@ -663,7 +696,9 @@ def _variant(spec, flags):
         def field(value):
             return tuple(None if role is None else value(role) for role in roles)
         return Slots(field(lambda role: rows.index(role.name)), field(lambda role: rows.index(role.name + ABSMAX)),
-                     field(lambda role: role.signed), field(lambda role: role.half))
+                     field(lambda role: role.signed), field(lambda role: role.half),
+                     field(lambda role: (blockwise8.CODE_SALT * rows.index(role.name)) & blockwise8.MASK32
+                           if role.stochastic else None))
 
     scalars = namedtuple(f"{spec.name}_scalars", spec.all_scalars)
     feature_flags = namedtuple(f"{spec.name}_flags", spec.flags)
@@ -713,17 +748,22 @@ def compile_for(capability, spec, param_dtype, state_dtype, *, stochastic=False,
     return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=NUM_WARPS))
 
 
-def quantize(values, signed):
+def quantize(values, signed, draw=None):
     """The kernels' quantizer on a contiguous fp32 tensor: (uint8 codes, absmax), as
-    ``blockwise8.quantize`` computes them."""
+    ``blockwise8.quantize`` computes them; ``draw``, (seed, row): rounded stochastically, as
+    ``blockwise8.quantize(values, codes, seed=blockwise8.code_seed(seed, row))``."""
     codes = torch.empty(values.shape, dtype=torch.uint8, device=values.device)
     absmax = torch.empty(blockwise8.n_blocks(values.numel()), device=values.device)
-    _blocks_kernel[(len(absmax),)](values, codes, absmax, values.numel(), SIGNED=signed, QUANTIZE=True)
+    seed, row = (0, None) if draw is None else draw
+    salt = None if row is None else (blockwise8.CODE_SALT * row) & blockwise8.MASK32
+    _blocks_kernel[(len(absmax),)](values, codes, absmax, values.numel(), seed, 0, SIGNED=signed, QUANTIZE=True,
+                                   SALT=salt)
     return codes, absmax
 
 
 def dequantize(codes, absmax, signed):
     """The kernels' dequantizer, as ``blockwise8.dequantize`` computes it."""
     values = torch.empty(codes.shape, device=codes.device)
-    _blocks_kernel[(len(absmax),)](values, codes, absmax, codes.numel(), SIGNED=signed, QUANTIZE=False)
+    _blocks_kernel[(len(absmax),)](values, codes, absmax, codes.numel(), 0, 0, SIGNED=signed, QUANTIZE=False,
+                                   SALT=None)
     return values

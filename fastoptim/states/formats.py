@@ -105,8 +105,11 @@ class Blockwise8(Dense):
     def widen(self, role, state, companions):
         return blockwise8.dequantize(state, companions[ABSMAX], self.codes(role))
 
-    def store(self, role, state, companions, value):
-        codes, absmax = blockwise8.quantize(value, self.codes(role))
+    def store(self, role, state, companions, value, draw=None):
+        """As the fp32 format's; ``draw``, (the step's seed, the state's row in the kernel's table):
+        the codes rounded stochastically (blockwise8.quantize), for a ``stochastic`` role."""
+        seed = None if draw is None else blockwise8.code_seed(*draw)
+        codes, absmax = blockwise8.quantize(value, self.codes(role), seed=seed)
         state.copy_(codes)
         companions[ABSMAX].copy_(absmax)
 
