@@ -1,8 +1,21 @@
 """Gradient release (``optimizer.enable_gradient_release()``): each bucket stepped in backward as its
 grads complete, bit for bit a normal ``backward(); step()``, with its grads freed; and the refusals
-of what release cannot make exact, each before anything changes."""
+of what release cannot make exact, each before anything changes.
+
+Under DDP and FSDP2 (``enable_gradient_release(model=...)``) on gloo: worker processes, started once
+for the module on 2 and on 4 ranks (``python -m tests.test_release RANK DIR WORLD``, as
+tests/test_distributed.py starts its own), run each case released and unreleased from the same start on
+the same data and write whether their params and states are equal bit for bit, the refusals that need a
+process group, and the bytes per param an FSDP2 rank keeps."""
 import copy
 import gc
+import json
+import os
+import subprocess
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
 import warnings
 import weakref
 
@@ -114,8 +127,10 @@ def test_what_release_cannot_make_exact_is_refused_before_anything_changes(monke
             opt.enable_gradient_release(bucket_numel=bad)
     assert opt.__dict__.get("_release") is None
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    with pytest.raises(RuntimeError, match="one process"):
+    with pytest.raises(RuntimeError, match="pass the model"):
         opt.enable_gradient_release()
+    with pytest.raises(RuntimeError, match="Sequential: release follows"):
+        opt.enable_gradient_release(model=module)
     monkeypatch.undo()
     handle = opt.enable_gradient_release()
     with pytest.raises(RuntimeError, match="on already"):
@@ -374,3 +389,332 @@ def test_remove_between_backward_and_step_steps_each_param_once(info):
     opt.step()
     assert_equal_runs(normal, plain, released, opt)
     assert [g.get("step") for g in plain.param_groups] == [g.get("step") for g in opt.param_groups]
+
+
+# --- under DDP and FSDP2 -----------------------------------------------------------------------
+
+DIST_STEPS, DIST_BATCH = 4, 8
+DIST_CASES = {
+    # mode, optimizer, its options, bucket_numel (small: several buckets, none equal to a DDP bucket or
+    # an FSDP2 unit), dtype
+    "ddp-adamw-foreach": ("ddp", "AdamW", dict(foreach=True, fused=False), 300, torch.float32),
+    "ddp-adan-fused": ("ddp", "Adan", dict(fused=True), 300, torch.float32),
+    "ddp-muon-fused": ("ddp", "Muon", dict(fused=True), 300, torch.float32),
+    "ddp-adamw-bucket-view": ("ddp", "AdamW", dict(fused=True, gradient_as_bucket_view=True), 300, torch.float32),
+    "fsdp-adamw-foreach": ("fsdp", "AdamW", dict(foreach=True, fused=False), 300, torch.float32),
+    "fsdp-adan-fused": ("fsdp", "Adan", dict(fused=True), 300, torch.float32),
+    "fsdp-adamwsn-fused": ("fsdp", "AdamWSN", dict(fused=True, sn=True), 300, torch.float32),
+    "fsdp-muon-fused": ("fsdp", "Muon", dict(fused=True), 300, torch.float32),
+    "fsdp-adan-8bit": ("fsdp", "Adan", dict(fused=True, state_bits=8), 300, torch.float32),
+    # the lean configuration release is for
+    "fsdp-adamw-lean": ("fsdp", "AdamW", dict(fused=True, master_bits=24, state_bits=8, sn=True), 300,
+                        torch.bfloat16),
+}
+ACCUMULATED = ("ddp-adan-fused", "fsdp-adan-fused")  # two microbatches, the first reducing nothing
+
+
+def dist_model(dtype):
+    torch.manual_seed(0)
+    # (3, 24): an empty shard on rank 3 of 4; 8192 elements: 8-bit blocks
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 128), torch.nn.Tanh(),
+                               torch.nn.Linear(128, 24), torch.nn.Tanh(), torch.nn.Linear(24, 3)).to(dtype)
+
+
+def dist_batch(step, rank, world, dtype, micro=None):
+    generator = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(DIST_BATCH * world, 16, generator=generator).to(dtype)
+    x = x[rank * DIST_BATCH:(rank + 1) * DIST_BATCH]
+    return x if micro is None else x.chunk(2)[micro]
+
+
+def wrapped(mode, module, options):
+    """``module`` under DDP, or each Linear and the whole under fully_shard."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+    if mode == "ddp":
+        return DistributedDataParallel(module, bucket_cap_mb=0.01,  # several DDP buckets
+                                       gradient_as_bucket_view=options.pop("gradient_as_bucket_view", False))
+    for layer in module:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    return fully_shard(module)
+
+
+def dist_groups(cls_name, module):
+    if cls_name == "Muon":
+        return [{"params": [p for p in module.parameters() if p.ndim == 2]},
+                {"params": [p for p in module.parameters() if p.ndim < 2], "use_muon": False}]
+    return module.parameters()
+
+
+def dist_run(name, rank, world, release, accumulate=False, kept=None):
+    """The case's params and states after ``DIST_STEPS`` steps, as local tensors."""
+    mode, cls_name, options, bucket_numel, dtype = DIST_CASES[name]
+    options = dict(options)
+    module = wrapped(mode, dist_model(dtype), options)
+    inner = module.module if mode == "ddp" else module
+    optimizer = getattr(fastoptim, cls_name)(dist_groups(cls_name, inner), lr=1e-2, weight_decay=0.05, **options)
+    if release:
+        optimizer.enable_gradient_release(bucket_numel, model=module)
+    for step in range(DIST_STEPS):
+        if accumulate:
+            sync = module.no_sync() if mode == "ddp" else None
+            if mode == "fsdp":
+                module.set_requires_gradient_sync(False)
+            with sync if sync is not None else contextlib_null():
+                module(dist_batch(step, rank, world, dtype, 0)).float().square().mean().backward()
+            if mode == "fsdp":
+                module.set_requires_gradient_sync(True)
+            module(dist_batch(step, rank, world, dtype, 1)).float().square().mean().backward()
+        else:
+            module(dist_batch(step, rank, world, dtype)).float().square().mean().backward()
+        if release:  # every bucket stepped in backward
+            assert optimizer._release.stepped == {id(p) for p in module.parameters()}
+        if release and mode == "fsdp":
+            assert all(p.grad is None for p in module.parameters()), "release keeps no grad after backward"
+        if kept is not None:
+            kept.append(grad_storage_bytes(module.parameters()))
+        optimizer.step()
+        optimizer.zero_grad()
+    return local_tensors(module, optimizer)
+
+
+def contextlib_null():
+    import contextlib
+    return contextlib.nullcontext()
+
+
+def local(tensor):
+    return tensor.to_local() if isinstance(tensor, torch.distributed.tensor.DTensor) else tensor
+
+
+def local_tensors(module, optimizer):
+    tensors = [local(p).detach() for p in module.parameters()]
+    for param in module.parameters():
+        for key, value in sorted(optimizer.state[param].items()):
+            if isinstance(value, torch.Tensor):
+                tensors.append(local(value))
+    return tensors
+
+
+def grad_storage_bytes(params):
+    storages = {}
+    for param in params:
+        if param.grad is not None:
+            storage = local(param.grad).untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def equal(a, b):
+    """Which of the tensors differ (their indices), or [] where all are equal bit for bit."""
+    assert len(a) == len(b)
+    return [index for index, (x, y) in enumerate(zip(a, b)) if not torch.equal(x, y)]
+
+
+def kept_bytes(rank, world):
+    """Bytes per param (of the whole model) that a rank keeps at the release point (after backward, before
+    step) in the lean configuration: its param shards, their states and the grads held then, released
+    and not; and the peak of grads held during a released backward."""
+    mode, cls_name, options, bucket_numel, dtype = DIST_CASES["fsdp-adamw-lean"]
+    torch.manual_seed(0)
+    width = 512
+    module = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(8)]).to(dtype)
+    numel = sum(p.numel() for p in module.parameters())
+    module = wrapped(mode, module, {})
+    result = {}
+    for release in (False, True):
+        optimizer = getattr(fastoptim, cls_name)(module.parameters(), lr=1e-3, **options)
+        peak = [0]
+
+        def track(param):  # before release's hook: the grad FSDP2 just reduced is held
+            peak[0] = max(peak[0], grad_storage_bytes(module.parameters()))
+        handles = [p.register_post_accumulate_grad_hook(track) for p in module.parameters()]
+        if release:
+            optimizer.enable_gradient_release(width * width, model=module)  # a layer per bucket
+        x = torch.randn(16, width, generator=torch.Generator().manual_seed(rank)).to(dtype)
+        for _ in range(2):
+            module(x).float().square().mean().backward()
+            held = grad_storage_bytes(module.parameters())
+            params = sum(local(p).nbytes for p in module.parameters())
+            states = sum(local(v).nbytes for p in module.parameters() for v in optimizer.state[p].values()
+                         if isinstance(v, torch.Tensor))
+            optimizer.step()
+            optimizer.zero_grad()
+        for handle in handles:
+            handle.remove()
+        if release:
+            optimizer._release.remove()
+        result["released" if release else "unreleased"] = dict(
+            params=params / numel, states=states / numel, grads=held / numel, peak_grads=peak[0] / numel)
+    return result
+
+
+def refusals(rank, world):
+    """What release refuses under a process group, each with nothing changed: the message, and whether
+    anything changed (a comm hook, a param hook, the handle)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    out = {}
+
+    def attempt(name, make):
+        module, optimizer, ddp = make()
+        hooks_before = [len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in module.parameters()]
+        try:
+            optimizer.enable_gradient_release(model=ddp) if ddp is not False else optimizer.enable_gradient_release()
+            out[name] = "not refused"
+        except RuntimeError as error:
+            hooks_after = [len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in module.parameters()]
+            changed = (optimizer.__dict__.get("_release") is not None or hooks_before != hooks_after
+                       or (isinstance(ddp, DistributedDataParallel) and any(
+                           hook is not default_hooks.allreduce_hook for hook, _ in ddp._comm_hooks)))
+            out[name] = [str(error), changed]
+
+    def plain_ddp(**options):
+        def make():
+            ddp = DistributedDataParallel(dist_model(torch.float32), **options)
+            return ddp, fastoptim.AdamW(ddp.parameters(), lr=1e-2), False
+        return make
+
+    def ddp_with(model_options=None, hook=None, **optimizer_options):
+        def make():
+            ddp = DistributedDataParallel(dist_model(torch.float32), **(model_options or {}))
+            if hook is not None:
+                ddp.register_comm_hook(dist.group.WORLD, hook)
+            return ddp, fastoptim.AdamW(ddp.parameters(), lr=1e-2, **optimizer_options), ddp
+        return make
+
+    def fsdp1():
+        module = FullyShardedDataParallel(dist_model(torch.float32), device_id=torch.device("cpu"))
+        return module, fastoptim.AdamW(module.parameters(), lr=1e-2), module
+
+    def fsdp_missing():
+        module = dist_model(torch.float32)
+        fully_shard(module[0])
+        extra = torch.nn.Parameter(torch.distributed.tensor.distribute_tensor(
+            torch.zeros(4, 4), module[0].weight.device_mesh, [torch.distributed.tensor.Shard(0)]))
+        return module, fastoptim.AdamW([*module[0].parameters(), extra], lr=1e-2), module
+
+    def fsdp_clipped():
+        module = wrapped("fsdp", dist_model(torch.float32), {})
+        return module, fastoptim.Adan(module.parameters(), lr=1e-2, max_grad_norm=1.0), module
+
+    attempt("no model", plain_ddp())
+    attempt("find_unused_parameters", ddp_with(dict(find_unused_parameters=True)))
+    attempt("another comm hook", ddp_with(hook=default_hooks.allreduce_hook))
+    attempt("fsdp1", fsdp1)
+    attempt("fsdp2 without the param", fsdp_missing)
+    attempt("fsdp2 with clipping", fsdp_clipped)
+    attempt("unwrapped module", lambda: (lambda m: (m, fastoptim.AdamW(m.parameters()), m))(dist_model(torch.float32)))
+    return out
+
+
+def ddp_remove_and_again(rank, world):
+    """Release removed under DDP, then on again on the same DDP (whose comm hook stays): each phase equals
+    the unreleased run bit for bit."""
+    from torch.nn.parallel import DistributedDataParallel
+    runs = []
+    for release in (False, True):
+        ddp = DistributedDataParallel(dist_model(torch.float32), bucket_cap_mb=0.01)
+        optimizer = fastoptim.AdamW(ddp.parameters(), lr=1e-2, fused=True)
+        for phase in range(3):
+            handle = optimizer.enable_gradient_release(300, model=ddp) if release and phase != 1 else None
+            for step in range(2):
+                ddp(dist_batch(2 * phase + step, rank, world, torch.float32)).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            if handle is not None:
+                handle.remove()
+        runs.append(local_tensors(ddp, optimizer))
+    return equal(*runs)
+
+
+def dist_worker(rank, directory, world):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{directory}/rendezvous", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    results = {}
+
+    def record(name, measure):
+        try:
+            results[name] = measure()
+        except Exception:
+            results[name] = traceback.format_exc()
+        Path(directory, f"rank{rank}.json").write_text(json.dumps(results))
+
+    for name in DIST_CASES:
+        record(name, lambda: equal(dist_run(name, rank, world, False), dist_run(name, rank, world, True)))
+    for name in ACCUMULATED:
+        record("accumulated-" + name, lambda: equal(dist_run(name, rank, world, False, accumulate=True),
+                                                     dist_run(name, rank, world, True, accumulate=True)))
+    record("ddp remove and again", lambda: ddp_remove_and_again(rank, world))
+    if world == 2:
+        record("refusals", lambda: refusals(rank, world))
+        record("kept bytes", lambda: kept_bytes(rank, world))
+    dist.destroy_process_group()
+    os._exit(0)  # gloo's threads can abort at interpreter exit
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
+def dist_runs(request, tmp_path_factory):
+    return run_workers(tmp_path_factory.mktemp(f"release-{request.param}"), request.param, 300)
+
+
+def run_workers(directory, world, timeout):
+    """Start ``world`` workers, and return their results by case and rank, their directory and their
+    outputs (as tests/test_distributed.py's)."""
+    root = Path(__file__).parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+               OMP_NUM_THREADS="1")
+    workers = [subprocess.Popen([sys.executable, "-m", "tests.test_release", str(rank), str(directory), str(world)],
+                                cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+               for rank in range(world)]
+    outputs = []
+    for process in workers:
+        try:
+            outputs.append(process.communicate(timeout=timeout)[0].decode())
+        except subprocess.TimeoutExpired:
+            for other in workers:
+                other.kill()
+            outputs.append(process.communicate()[0].decode())
+    files = [directory / f"rank{rank}.json" for rank in range(world)]
+    return [json.loads(file.read_text()) if file.exists() else {} for file in files], directory, outputs
+
+
+def dist_result(runs, name):
+    from .test_distributed import result
+    return result(runs, name)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", [*DIST_CASES, *("accumulated-" + name for name in ACCUMULATED),
+                                  "ddp remove and again"])
+def test_a_released_sharded_run_is_the_unreleased_run_bit_for_bit(dist_runs, name):
+    """DDP: each bucket stepped when its all-reduce lands; FSDP2: on its local shards when its units'
+    reduce-scatters land (and its grads freed: the workers assert it after each backward)."""
+    for differing in dist_result(dist_runs, name):
+        assert differing == [], f"tensors {differing} differ"
+
+
+@pytest.mark.distributed
+def test_what_release_cannot_hook_under_a_process_group_is_refused_with_nothing_changed(dist_runs):
+    if len(dist_runs[0]) != 2:
+        pytest.skip("checked on 2 ranks")
+    expected = {"no model": "pass the model", "find_unused_parameters": "find_unused_parameters",
+                "another comm hook": "comm hook already", "fsdp1": "FSDP1", "fsdp2 without the param":
+                "not a param of a fully_shard module", "fsdp2 with clipping": "max_grad_norm",
+                "unwrapped module": "Sequential: release follows"}
+    for messages in dist_result(dist_runs, "refusals"):
+        for name, words in expected.items():
+            assert messages[name] != "not refused", name
+            message, changed = messages[name]
+            assert words in message, (name, message)
+            assert not changed, name
+
+
+if __name__ == "__main__":
+    dist_worker(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]))

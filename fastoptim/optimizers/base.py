@@ -780,7 +780,8 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                 and all(entry.traced_scalars is not None for _, entry, _ in work if entry.params)
                 and (clipped_grads is None or clip_backend(clipped_grads) is not None))
 
-    def enable_gradient_release(self, bucket_numel: int = release.BUCKET_NUMEL) -> release.GradientRelease:
+    def enable_gradient_release(self, bucket_numel: int = release.BUCKET_NUMEL, *,
+                                model: torch.nn.Module | None = None) -> release.GradientRelease:
         """Step each bucket of params in backward, as soon as all its grads are final, and free those
         grads there: a model's grads are then never all held at once. ``step()`` steps what backward
         left (the buckets whose params did not all get a grad, params a reentrant checkpoint
@@ -791,9 +792,20 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         (:func:`fastoptim.flatten_parameters`) are zeroed in place, not freed; the hooks hold the
         optimizer weakly and go with it.
 
+        Under DDP or FSDP2, pass the model (``model=``): a grad is final once reduced over the ranks.
+        Under FSDP2 (a ``fully_shard`` model), a bucket steps on its local shards as its units'
+        reduce-scatters land, and frees them. Under DDP (a ``DistributedDataParallel`` model), release
+        registers a comm hook that averages and all-reduces each DDP bucket as DDP does without one, and
+        a bucket steps once its params' all-reduces have landed; their grads are views of DDP's bucket
+        buffers (held by DDP anyway) until ``step()``. Both give the unreleased run bit for bit;
+        accumulate with ``no_sync()`` or ``set_requires_gradient_sync(False)``, whose backwards reduce
+        nothing, so step nothing.
+
         Refused, before anything changes, where release cannot be exact: ``max_grad_norm`` (the
-        norm of all grads), a process group (DDP and FSDP reduce the grads after backward), or release
-        already on. After it, a second backward before ``step()`` (gradient accumulation) raises in
+        norm of all grads), a process group without ``model=`` (DDP and FSDP reduce the grads after
+        backward), FSDP1, a DDP with another comm hook or ``find_unused_parameters=True``, an FSDP2
+        model that does not hold every trained param, ZeRO's ``shard_group``, or release already on.
+        After it, a second backward before ``step()`` (gradient accumulation) raises in
         backward, ``fastoptim.clip_grad_norm_`` refuses the released params, and ``step()`` refuses
         GradScaler's scale (the steps in backward took the scaled grads); torch's own
         ``clip_grad_norm_`` would find no grads. An option set between backward and ``step()`` (a
@@ -803,16 +815,18 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         Args:
             bucket_numel: the elements of the params stepped together (each param group's, in
                 reverse order, as backward reaches them); at least 1.
+            model: the ``DistributedDataParallel`` or ``fully_shard`` (FSDP2) model whose reductions
+                make the grads final; None in one process.
 
         Returns:
             The handle: ``handle.remove()`` turns release off.
         """
         if type(bucket_numel) is not int or bucket_numel < 1:
             raise ValueError(f"Invalid bucket_numel: {bucket_numel!r} (must be an int >= 1)")
-        reason = release.refusal(self)
+        reason = release.refusal(self, model)
         if reason is not None:
             raise RuntimeError(f"fastoptim: gradient release is refused: {reason}")
-        self._release = release.GradientRelease(self, bucket_numel)
+        self._release = release.GradientRelease(self, bucket_numel, model)
         return self._release
 
     @without_grad

@@ -1,12 +1,25 @@
-"""Gradient release: each bucket of params is stepped from a post-accumulate-grad hook as soon as all
-its grads are final in backward, and its grads are freed there (flat grads: zeroed in place), so that a
-model's grads are never all held at once. ``step()`` then steps what backward left (params whose bucket
-did not fill, or whose grads a reentrant backward accumulates) and advances the per-group step counts;
-``zero_grad()`` finds nothing to clear, or ends a step whose backward raised."""
+"""Gradient release: each bucket of params is stepped in backward as soon as all its grads are final,
+and its grads are freed there (flat grads: zeroed in place), so that a model's grads are never all held
+at once. ``step()`` then steps what backward left (params whose bucket did not fill, or whose grads a
+reentrant backward accumulates) and advances the per-group step counts; ``zero_grad()`` finds nothing to
+clear, or ends a step whose backward raised.
+
+A grad is final where it is known to be:
+
+- in one process, after autograd accumulated it: a post-accumulate-grad hook of the param;
+- under FSDP2 (``fully_shard``), after its unit's reduce-scatter landed: FSDP2 assigns the reduced
+  local shard to the sharded param's grad and then runs that param's post-accumulate-grad hooks itself
+  (``foreach_reduce``; autograd never accumulates into a sharded param), so the same hook, minus the
+  reentrancy check (FSDP2 calls it from an autograd Function's backward), steps the local shards;
+- under DDP, after its bucket's all-reduce completed: release registers a DDP comm hook that averages
+  and all-reduces the bucket as DDP does without one, and whose future's ``then()`` makes each of the
+  bucket's params' grads a view of the reduced bucket and marks them final. DDP keeps its bucket buffers
+  whatever happens, so there the grads are views of them until ``step()``, which drops them."""
 from __future__ import annotations
 
 import operator
 import sys
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -25,16 +38,95 @@ BUCKET_NUMEL = 1 << 22  # elements per released bucket (16 MiB of fp32 grads): D
 FUNCTION_BACKWARD = BackwardCFunction.apply.__code__
 
 
-def refusal(optimizer: Optimizer) -> str | None:
-    """Why ``optimizer``'s steps cannot be released exactly, or None."""
+def refusal(optimizer: Optimizer, model: torch.nn.Module | None = None) -> str | None:
+    """Why ``optimizer``'s steps cannot be released exactly, following the reduction of ``model`` (a
+    DDP or ``fully_shard`` model; None: one process), or None."""
     if optimizer.defaults["max_grad_norm"] > 0:
         return "max_grad_norm clips by the norm of all grads, which release never holds at once"
-    if optimizer.shard_group is not None or optimizer._sharded or (
-            torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return ("its grads would be stepped before DDP or FSDP reduce them over the ranks: gradient release runs "
-                "in one process")
+    if model is None and (optimizer.shard_group is not None or optimizer._sharded or (
+            torch.distributed.is_available() and torch.distributed.is_initialized())):
+        return ("its grads would be stepped before DDP or FSDP reduce them over the ranks: pass the model, "
+                "enable_gradient_release(model=model), where it is a DistributedDataParallel or fully_shard "
+                "(FSDP2) model, whose reductions release then follows")
+    if model is not None:
+        reason = _model_refusal(optimizer, model)
+        if reason is not None:
+            return reason
     if getattr(optimizer, "_release", None) is not None:
         return "it is on already: call remove() on the handle enable_gradient_release() returned"
+    return None
+
+
+def _mode(model: torch.nn.Module | None) -> str:
+    """"ddp", "fsdp" (FSDP2: a ``fully_shard`` module, or one holding some) or "local" (None); "" for
+    another model."""
+    if model is None:
+        return "local"
+    if not torch.distributed.is_available():
+        return ""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+    if isinstance(model, DistributedDataParallel):
+        return "ddp"
+    if isinstance(model, torch.nn.Module) and any(isinstance(module, FSDPModule) for module in model.modules()):
+        return "fsdp"
+    return ""
+
+
+def fsdp_managed(model: torch.nn.Module) -> dict[int, Tensor]:
+    """The sharded params of the ``fully_shard`` modules in ``model``, by id: those whose reduced grads
+    FSDP2 hands to their post-accumulate-grad hooks."""
+    from torch.distributed.fsdp import FSDPModule
+    managed = {}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            state = module._get_fsdp_state()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:  # torch before per-param meshes: one group per state
+                groups = [state._fsdp_param_group]
+            for group in groups:
+                for fsdp_param in [] if group is None else group.fsdp_params:
+                    managed[id(fsdp_param.sharded_param)] = fsdp_param.sharded_param
+    return managed
+
+
+def _model_refusal(optimizer: Optimizer, model) -> str | None:
+    mode = _mode(model)
+    if not mode:
+        fsdp1 = False
+        if torch.distributed.is_available():
+            from torch.distributed.fsdp import FullyShardedDataParallel
+            fsdp1 = isinstance(model, torch.nn.Module) and any(
+                isinstance(module, FullyShardedDataParallel) for module in model.modules())
+        if fsdp1:
+            return ("FullyShardedDataParallel (FSDP1) reduces grads in flat handles with no hook that hands a "
+                    "param its reduced grad: use fully_shard (FSDP2), which does")
+        return (f"model= is a {type(model).__name__}: release follows the reductions of a DistributedDataParallel "
+                "model or of a fully_shard (FSDP2) model, and nothing else")
+    if optimizer.shard_group is not None:
+        return ("shard_group: each rank steps its partition of a ZeroRedundancyOptimizer after DDP's reduction, "
+                "which release does not follow")
+    if mode == "ddp":
+        if optimizer._sharded:
+            return "its params are DTensors, which DDP does not reduce"
+        if model.find_unused_parameters:
+            return ("DDP's find_unused_parameters=True leaves a param that no rank used its old grad, which only "
+                    "DDP's end of backward knows, after the buckets were reduced: release cannot step at a "
+                    "bucket's reduction then; build DDP without it")
+        if getattr(model, "_use_python_reducer", False) or getattr(model, "_delay_all_reduce_all_params", False):
+            return "this DDP reduces its grads without buckets, so no comm hook sees them"
+        others = [hook for hook, state in getattr(model, "_comm_hooks", []) if not isinstance(state, _DDPState)]
+        if others:
+            return (f"this DDP has a comm hook already ({getattr(others[0], '__qualname__', others[0])}): release "
+                    "registers its own, which averages and all-reduces as DDP does without one, and DDP takes "
+                    "only one")
+        return None
+    managed = fsdp_managed(model)
+    for index, group in enumerate(optimizer.param_groups):
+        for position, param in enumerate(group["params"]):
+            if param.requires_grad and managed.get(id(param)) is not param:
+                return (f"param {position} of param group {index} ({tuple(param.shape)}) is not a param of a "
+                        "fully_shard module of model=, so no reduce-scatter hands it its grad")
     return None
 
 
@@ -77,31 +169,73 @@ class _Hooks:
     def __init__(self):
         self.handles = {}
 
-    def follow(self, params: dict, hook: Callable[[Tensor], None]) -> None:
-        """Hook exactly ``params`` (a dict keyed by them): unhook those that left, hook those that came."""
+    def follow(self, params: dict, hook: Callable[[Tensor], None] | None) -> None:
+        """Hook exactly ``params`` (a dict keyed by them): unhook those that left, hook those that came
+        (``hook`` None: mark them only, as under DDP, whose comm hook tells release of their grads)."""
         for param in [param for param in self.handles if param not in params]:
-            self.handles.pop(param).remove()
+            handle = self.handles.pop(param)
+            if handle is not None:
+                handle.remove()
             if RELEASED.get(id(param)) is param:
                 del RELEASED[id(param)]
         for param in params:
             if param not in self.handles:
-                self.handles[param] = param.register_post_accumulate_grad_hook(hook)
+                self.handles[param] = None if hook is None else param.register_post_accumulate_grad_hook(hook)
                 RELEASED[id(param)] = param
 
     def clear(self) -> None:
         self.follow({}, None)
 
 
-def _weak_hook(release: GradientRelease) -> Callable[[Tensor], None]:
-    """The hook that tells ``release`` a grad arrived, holding it weakly: a param's hooks must not keep
-    an optimizer alive (it would step the model in a later optimizer's backward)."""
+def _weak_hook(release: GradientRelease, reduced: bool = False) -> Callable[[Tensor], None]:
+    """The hook that tells ``release`` a grad arrived (``reduced``: the grad FSDP2 reduced, which it hands
+    to the hook itself), holding it weakly: a param's hooks must not keep an optimizer alive (it would
+    step the model in a later optimizer's backward)."""
     reference = weakref.ref(release)
 
     def grad_ready(param):
         live = reference()
         if live is not None:
-            live._grad_ready(param)
+            live._grad_ready(param, reduced)
     return grad_ready
+
+
+class _DDPState:
+    """The state of release's DDP comm hook: DDP's process group and the release it tells of each reduced
+    bucket, held weakly (None once removed: the hook then only averages, as DDP does without it). DDP
+    takes one comm hook, for good, so a later release on the same model takes this one over."""
+
+    def __init__(self, process_group):
+        self.process_group = process_group
+        self.release = lambda: None
+
+
+def _ddp_comm_hook(state, bucket):  # unannotated: DDP checks the annotation's object, not its string
+    """Average ``bucket`` over DDP's ranks as DDP does without a comm hook (each grad times 1 / world, then
+    an all-reduce of the sum), and once it has landed, tell the release of its params' reduced grads."""
+    group = state.process_group
+    buffer = bucket.buffer()
+    buffer.mul_(1 / group.size())
+    future = torch.distributed.all_reduce(buffer, group=group, async_op=True).get_future()
+
+    def reduced(future):
+        tensor = future.value()[0]
+        release = state.release()
+        if release is not None:
+            release._ddp_reduced(bucket.parameters(), bucket.gradients())
+        return tensor
+    return future.then(reduced)
+
+
+def _hook_ddp(model, release: GradientRelease) -> None:
+    """Point ``model``'s release comm hook at ``release``, registering it the first time."""
+    for hook, state in getattr(model, "_comm_hooks", []):
+        if isinstance(state, _DDPState):
+            break
+    else:
+        state = _DDPState(model.process_group)
+        model.register_comm_hook(state, _ddp_comm_hook)
+    state.release = weakref.ref(release)
 
 
 class GradientRelease:
@@ -116,16 +250,22 @@ class GradientRelease:
     hooks go with the optimizer.
     """
 
-    def __init__(self, optimizer: Optimizer, bucket_numel: int):
+    def __init__(self, optimizer: Optimizer, bucket_numel: int, model: torch.nn.Module | None = None):
         self._optimizer = weakref.ref(optimizer)
         self.bucket_numel = bucket_numel
+        self.mode = _mode(model)  # "local", "ddp" or "fsdp": where a grad is final (see the module)
         self.hooks = _Hooks()
         self._unhook = weakref.finalize(optimizer, self.hooks.clear)
-        self._hook = _weak_hook(self)
+        self._hook = None if self.mode == "ddp" else _weak_hook(self, reduced=self.mode == "fsdp")
+        self.lock = threading.Lock()  # DDP's futures complete on the process group's threads
+        self.viewed = {}  # DDP: the params whose grads are views of DDP's reduced buckets, by id
         self.late = set()  # ids of params a reentrant backward accumulated into: their buckets step at step()
         self.warned = False  # of options set between backward and step(), once
         self._make_buckets(optimizer)
         self._new_step()
+        if self.mode == "ddp":
+            self._ddp = weakref.ref(model)
+            _hook_ddp(model, self)
 
     @property
     def optimizer(self) -> Optimizer | None:
@@ -173,7 +313,9 @@ class GradientRelease:
         self.checked = False  # whether this step's first grad has checked the buckets against the groups
         self.task, self.reentrant = None, False  # the autograd graph task last seen, and whether it is reentrant
 
-    def _grad_ready(self, param: Tensor) -> None:
+    def _grad_ready(self, param: Tensor, reduced: bool = False) -> None:
+        """``param``'s grad is final: accumulated by autograd, or (``reduced``) reduced over the ranks,
+        which no reentrant backward accumulates into again."""
         optimizer = self.optimizer
         if optimizer is None:
             return
@@ -184,34 +326,61 @@ class GradientRelease:
         bucket = self.bucket_of.get(param)
         if bucket is None:  # left its group, or frozen: step() steps it if it has a grad
             return
-        task = torch._C._current_graph_task_id()
-        if task != self.task:
-            self.task, self.reentrant = task, in_reentrant_backward()
-        if self.reentrant:
-            self.late.add(id(param))
+        if not reduced:
+            task = torch._C._current_graph_task_id()
+            if task != self.task:
+                self.task, self.reentrant = task, in_reentrant_backward()
+            if self.reentrant:
+                self.late.add(id(param))
         if id(param) in self.stepped:
+            accumulate = {"ddp": "accumulate in DDP's no_sync(), ",
+                          "fsdp": "accumulate under set_requires_gradient_sync(False), "}.get(self.mode, "")
             raise RuntimeError(
                 "fastoptim: gradient release stepped this param since the last optimizer.step(), and a grad was "
                 "accumulated into it again: a second backward (gradient accumulation), or in one backward a "
                 "reentrant checkpoint (use_reentrant=True) of a param also used outside it (from the next backward "
                 "on, release steps that param at step()), or a backward that raised before its step() (call the "
                 "optimizer's zero_grad(), which ends that step; model.zero_grad() does not). Call optimizer.step() "
-                "after each backward, use use_reentrant=False, or remove the release handle to accumulate")
+                f"after each backward, {accumulate}use use_reentrant=False, or remove the release handle to "
+                "accumulate")
         ready = self.ready[bucket]
         ready.add(id(param))
         group_index, params = self.buckets[bucket]
         if len(ready) == len(params) and not any(id(p) in self.late for p in params):
             self._step(group_index, params, ("released", bucket))
 
+    def _ddp_reduced(self, params: list[Tensor], grads: list[Tensor]) -> None:
+        """DDP's comm hook: ``grads`` (views of a reduced DDP bucket) are ``params``' final grads. A grad
+        laid out as its view becomes the view (the grad autograd made is freed), another one (a flat grad,
+        another memory format) takes its values."""
+        with self.lock:
+            for param, grad in zip(params, grads):
+                if param.grad is None or (param.grad.stride() == grad.stride() and not flat_params.flat_grad(param)):
+                    param.grad = grad
+                    self.viewed[id(param)] = param
+                elif param.grad.data_ptr() != grad.data_ptr():
+                    param.grad.copy_(grad)
+                self._grad_ready(param, reduced=True)
+
+    def _drop_ddp_views(self) -> None:
+        """Under DDP, drop the grads that are views of DDP's buckets (flat grads, which took their values,
+        are zeroed in place): DDP refuses a grad that aliases its bucket in the next backward, and
+        ``zero_grad(set_to_none=False)`` would zero the reduced bucket."""
+        if self.viewed:
+            flat_params.zero_grads(self.viewed.values())
+            self.viewed.clear()
+
     def _step(self, group_index, params, key):
         """Step ``params`` of group ``group_index`` (``key``: their step work's in the optimizer's caches),
-        then free their grads."""
+        then free their grads (under DDP, at ``step()``: they are views of DDP's buckets, which DDP writes
+        again at the end of backward)."""
         optimizer = self.optimizer
         if group_index not in self.options:
             self.options[group_index] = _options(optimizer.param_groups[group_index])
         optimizer._step_released(key, group_index, params)
         self.stepped.update(map(id, params))
-        flat_params.zero_grads(params)  # a flat grad is zeroed in place: its buffer is held anyway
+        if self.mode != "ddp":
+            flat_params.zero_grads(params)  # a flat grad is zeroed in place: its buffer is held anyway
 
     def step(self) -> None:
         """``optimizer.step()`` under release: every param with a grad that backward did not step (its
@@ -229,6 +398,10 @@ class GradientRelease:
             rest = [param for param in group["params"] if param.grad is not None and id(param) not in self.stepped]
             if rest:
                 self._step(index, rest, ("released rest", index))
+        if self.mode == "ddp":
+            self._drop_ddp_views()
+            flat_params.zero_grads(param for group in optimizer.param_groups for param in group["params"]
+                                   if id(param) in self.stepped)
         for group in optimizer.param_groups:  # the per-group counts, once
             optimizer._count_step(group, None, 1)
         self._new_step()
@@ -258,6 +431,7 @@ class GradientRelease:
                 "step counts advance) and drops the other grads", stacklevel=4)
             for group in optimizer.param_groups:
                 optimizer._count_step(group, None, 1)
+        self._drop_ddp_views()
         self._new_step()
 
     def remove(self) -> None:
@@ -267,8 +441,18 @@ class GradientRelease:
         would otherwise take again), so that none is stepped twice."""
         optimizer = self.optimizer
         self._unhook()
+        ddp = self.__dict__.get("_ddp")
+        ddp = None if ddp is None else ddp()
+        for _, state in getattr(ddp, "_comm_hooks", []):
+            if isinstance(state, _DDPState) and state.release() is self:
+                state.release = lambda: None  # the hook averages, as DDP without one
         if optimizer is None:
             return
+        for key, param in list(self.viewed.items()):  # DDP's reduced grads that step() takes: their own now
+            if id(param) not in self.stepped and param.grad is not None:
+                param.grad = param.grad.clone()
+                del self.viewed[key]
+        self._drop_ddp_views()
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if id(param) in self.stepped:
