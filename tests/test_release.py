@@ -716,5 +716,20 @@ def test_what_release_cannot_hook_under_a_process_group_is_refused_with_nothing_
             assert not changed, name
 
 
+
+@pytest.mark.distributed
+def test_under_fsdp2_release_keeps_no_grad_past_a_unit(dist_runs):
+    """bf16, master_bits=24, 8-bit states, sn on 2 ranks: per param of the model, a rank keeps its
+    param shard and states (<= 4.1 bytes / world) and, after backward, no grad; during backward at
+    most one unit's reduced shard (1/8 of the model's bf16 grads / 2 ranks)."""
+    if len(dist_runs[0]) != 2:
+        pytest.skip("measured on 2 ranks")
+    for kept in dist_result(dist_runs, "kept bytes"):
+        released, unreleased = kept["released"], kept["unreleased"]
+        assert released["params"] + released["states"] + released["grads"] <= 4.1 / 2
+        assert released["grads"] == 0 and unreleased["grads"] == 1.0
+        assert released["peak_grads"] <= 2 / 8 / 2
+
+
 if __name__ == "__main__":
     dist_worker(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]))
