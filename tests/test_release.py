@@ -488,12 +488,13 @@ def local(tensor):
     return tensor.to_local() if isinstance(tensor, torch.distributed.tensor.DTensor) else tensor
 
 
-def local_tensors(module, optimizer):
+def local_tensors(module, *optimizers):
     tensors = [local(p).detach() for p in module.parameters()]
-    for param in module.parameters():
-        for key, value in sorted(optimizer.state[param].items()):
-            if isinstance(value, torch.Tensor):
-                tensors.append(local(value))
+    for optimizer in optimizers:
+        for param in module.parameters():
+            for key, value in sorted(optimizer.state.get(param, {}).items()):
+                if isinstance(value, torch.Tensor):
+                    tensors.append(local(value))
     return tensors
 
 
@@ -631,6 +632,30 @@ def ddp_remove_and_again(rank, world):
     return equal(*runs)
 
 
+def two_optimizers(mode, rank, world):
+    """Muon on the matrices and AdamW on the rest, two optimizers on one model, both released (under
+    DDP, on one comm hook): equal to both unreleased bit for bit."""
+    runs = []
+    for release in (False, True):
+        module = wrapped(mode, dist_model(torch.float32), {})
+        inner = module.module if mode == "ddp" else module
+        matrices = [p for p in inner.parameters() if p.ndim == 2]
+        optimizers = [fastoptim.Muon(matrices, lr=1e-2, fused=True),
+                      fastoptim.AdamW([p for p in inner.parameters() if p.ndim < 2], lr=1e-2, fused=True)]
+        if release:
+            for optimizer in optimizers:
+                optimizer.enable_gradient_release(300, model=module)
+        for step in range(DIST_STEPS):
+            module(dist_batch(step, rank, world, torch.float32)).square().mean().backward()
+            for optimizer in optimizers:
+                if release:
+                    assert optimizer._release.stepped == {id(p) for g in optimizer.param_groups for p in g["params"]}
+                optimizer.step()
+                optimizer.zero_grad()
+        runs.append(local_tensors(module, *optimizers))
+    return equal(*runs)
+
+
 def dist_worker(rank, directory, world):
     import torch.distributed as dist
 
@@ -652,6 +677,8 @@ def dist_worker(rank, directory, world):
         record("accumulated-" + name, lambda: equal(dist_run(name, rank, world, False, accumulate=True),
                                                      dist_run(name, rank, world, True, accumulate=True)))
     record("ddp remove and again", lambda: ddp_remove_and_again(rank, world))
+    for mode in ("ddp", "fsdp"):
+        record(f"{mode} two optimizers", lambda: two_optimizers(mode, rank, world))
     if world == 2:
         record("refusals", lambda: refusals(rank, world))
         record("kept bytes", lambda: kept_bytes(rank, world))
@@ -692,7 +719,7 @@ def dist_result(runs, name):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", [*DIST_CASES, *("accumulated-" + name for name in ACCUMULATED),
-                                  "ddp remove and again"])
+                                  "ddp remove and again", "ddp two optimizers", "fsdp two optimizers"])
 def test_a_released_sharded_run_is_the_unreleased_run_bit_for_bit(dist_runs, name):
     """DDP: each bucket stepped when its all-reduce lands; FSDP2: on its local shards when its units'
     reduce-scatters land (and its grads freed: the workers assert it after each backward)."""

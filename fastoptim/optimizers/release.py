@@ -121,7 +121,10 @@ def _model_refusal(optimizer: Optimizer, model) -> str | None:
                     "registers its own, which averages and all-reduces as DDP does without one, and DDP takes "
                     "only one")
         return None
-    managed = fsdp_managed(model)
+    try:
+        managed = fsdp_managed(model)
+    except AttributeError as error:  # FSDP2's state as torch 2.13 keeps it
+        return f"this torch's fully_shard keeps its params where release does not find them ({error})"
     for index, group in enumerate(optimizer.param_groups):
         for position, param in enumerate(group["params"]):
             if param.requires_grad and managed.get(id(param)) is not param:
@@ -201,13 +204,14 @@ def _weak_hook(release: GradientRelease, reduced: bool = False) -> Callable[[Ten
 
 
 class _DDPState:
-    """The state of release's DDP comm hook: DDP's process group and the release it tells of each reduced
-    bucket, held weakly (None once removed: the hook then only averages, as DDP does without it). DDP
-    takes one comm hook, for good, so a later release on the same model takes this one over."""
+    """The state of release's DDP comm hook: DDP's process group and the releases it tells of each
+    reduced bucket (those of the optimizers that step the model's params), held weakly (none once
+    removed: the hook then only averages, as DDP does without it). DDP takes one comm hook, for good, so
+    a later release on the same model joins this one."""
 
     def __init__(self, process_group):
         self.process_group = process_group
-        self.release = lambda: None
+        self.releases = weakref.WeakSet()
 
 
 def _ddp_comm_hook(state, bucket):  # unannotated: DDP checks the annotation's object, not its string
@@ -220,8 +224,7 @@ def _ddp_comm_hook(state, bucket):  # unannotated: DDP checks the annotation's o
 
     def reduced(future):
         tensor = future.value()[0]
-        release = state.release()
-        if release is not None:
+        for release in list(state.releases):
             release._ddp_reduced(bucket.parameters(), bucket.gradients())
         return tensor
     return future.then(reduced)
@@ -235,7 +238,7 @@ def _hook_ddp(model, release: GradientRelease) -> None:
     else:
         state = _DDPState(model.process_group)
         model.register_comm_hook(state, _ddp_comm_hook)
-    state.release = weakref.ref(release)
+    state.releases.add(release)
 
 
 class GradientRelease:
@@ -319,10 +322,7 @@ class GradientRelease:
         optimizer = self.optimizer
         if optimizer is None:
             return
-        if not self.checked:
-            self.checked = True
-            if not self._made_for(optimizer):
-                self._make_buckets(optimizer)
+        self._check_buckets(optimizer)
         bucket = self.bucket_of.get(param)
         if bucket is None:  # left its group, or frozen: step() steps it if it has a grad
             return
@@ -349,12 +349,26 @@ class GradientRelease:
         if len(ready) == len(params) and not any(id(p) in self.late for p in params):
             self._step(group_index, params, ("released", bucket))
 
+    def _check_buckets(self, optimizer) -> None:
+        """At the first grad of a step: make the buckets again where the groups changed."""
+        if not self.checked:
+            self.checked = True
+            if not self._made_for(optimizer):
+                self._make_buckets(optimizer)
+
     def _ddp_reduced(self, params: list[Tensor], grads: list[Tensor]) -> None:
-        """DDP's comm hook: ``grads`` (views of a reduced DDP bucket) are ``params``' final grads. A grad
-        laid out as its view becomes the view (the grad autograd made is freed), another one (a flat grad,
-        another memory format) takes its values."""
+        """DDP's comm hook: ``grads`` (views of a reduced DDP bucket) are ``params``' final grads. Of the
+        params this release steps, a grad laid out as its view becomes the view (the grad autograd made is
+        freed), another one (a flat grad, another memory format) takes its values; the others (another
+        optimizer's) are DDP's to write at the end of backward."""
         with self.lock:
+            optimizer = self.optimizer
+            if optimizer is None:
+                return
+            self._check_buckets(optimizer)
             for param, grad in zip(params, grads):
+                if param not in self.bucket_of:
+                    continue
                 if param.grad is None or (param.grad.stride() == grad.stride() and not flat_params.flat_grad(param)):
                     param.grad = grad
                     self.viewed[id(param)] = param
@@ -444,8 +458,8 @@ class GradientRelease:
         ddp = self.__dict__.get("_ddp")
         ddp = None if ddp is None else ddp()
         for _, state in getattr(ddp, "_comm_hooks", []):
-            if isinstance(state, _DDPState) and state.release() is self:
-                state.release = lambda: None  # the hook averages, as DDP without one
+            if isinstance(state, _DDPState):
+                state.releases.discard(self)  # without releases, the hook averages, as DDP without one
         if optimizer is None:
             return
         for key, param in list(self.viewed.items()):  # DDP's reduced grads that step() takes: their own now
