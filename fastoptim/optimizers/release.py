@@ -216,7 +216,7 @@ class _DDPState:
 
 def _ddp_comm_hook(state, bucket):  # unannotated: DDP checks the annotation's object, not its string
     """Average ``bucket`` over DDP's ranks as DDP does without a comm hook (each grad times 1 / world, then
-    an all-reduce of the sum), and once it has landed, tell the release of its params' reduced grads."""
+    an all-reduce of the sum), and once it has landed, tell the releases on it of its params' reduced grads."""
     group = state.process_group
     buffer = bucket.buffer()
     buffer.mul_(1 / group.size())
@@ -231,7 +231,7 @@ def _ddp_comm_hook(state, bucket):  # unannotated: DDP checks the annotation's o
 
 
 def _hook_ddp(model, release: GradientRelease) -> None:
-    """Point ``model``'s release comm hook at ``release``, registering it the first time."""
+    """Add ``release`` to those that ``model``'s release comm hook tells, registering it the first time."""
     for hook, state in getattr(model, "_comm_hooks", []):
         if isinstance(state, _DDPState):
             break
