@@ -7,11 +7,15 @@ engines, and what needs the other ranks goes through a process group, so the res
   engines run on the local shards, and the mesh's group is the reduction group. A subset-norm matrix
   with fewer rows than columns sums each column over rows that several ranks hold: those partial
   sums are all-reduced. Rows never straddle a shard, and flattened subsets must not (checked).
+- HSDP (``fully_shard`` on a 2-D mesh) shards each param on dim 0 over one mesh dim and replicates
+  it over the other: each replica group holds the whole model once, and FSDP2 has averaged the
+  grads over the replicas before the step. The reduction group is the shard dim's group (the ranks
+  that hold this rank's replica); everything else is as under FSDP2.
 
 States of a DTensor param are DTensors, so torch.distributed.checkpoint sees their global shapes and
 can reshard them, as it does torch.optim's under FSDP2: param-shaped states take the param's
-placement, a subset-norm second moment is sharded on dim 0 like its param (rows, flattened
-subsets) or replicated (columns: every rank holds, and updates alike, all the column sums). The
+placement, a subset-norm second moment is placed as its param (rows, flattened subsets) or
+replicated over the whole mesh (columns: every rank holds, and updates alike, all the column sums). The
 block maxima of 8-bit states are plain tensors over the local shard's blocks, which other world
 sizes cut elsewhere; so ``state_dict()`` hands out the 8-bit states of DTensor params dequantized.
 """
@@ -46,24 +50,57 @@ def check_shard_group(shard_group):
 
 def reduction_group(params, shard_group):
     """The group that the global reductions of an optimizer over ``params`` run over: ``shard_group``
-    for plain params, the device mesh's group for DTensor params; None: no other rank takes part."""
+    for plain params, for DTensor params the group of the mesh dim that they are sharded over (under
+    FSDP2 the whole 1-D mesh; under HSDP the shard dim's group, the ranks that together hold one
+    replica of the model); None: no other rank takes part. A DTensor param placed otherwise, or on
+    another mesh or mesh dim than the others, is a ValueError naming it and its placement."""
     sharded = [param for param in params if is_dtensor(param)]
     if not sharded:
         return shard_group
-    from torch.distributed.tensor import Shard
     if len(sharded) != len(params):
         raise ValueError("an optimizer's params must be all DTensors (FSDP2) or all plain tensors, not a mix")
     if shard_group is not None:
         raise ValueError("shard_group names the group that plain params partition (ZeroRedundancyOptimizer); "
                          "DTensor params reduce over their device mesh: leave shard_group unset")
+    first, dim = sharded[0], None
     for index, param in enumerate(sharded):
-        if param.device_mesh.ndim != 1 or param.placements != (Shard(0),):
-            raise ValueError(f"param {index} (shape {tuple(param.shape)}) is a DTensor placed {param.placements} on a "
-                             f"{param.device_mesh.ndim}-D device mesh; fastoptim takes DTensor params sharded on dim "
-                             "0 over a 1-D mesh, (Shard(dim=0),), as FSDP2's fully_shard makes them")
-    if len({param.device_mesh for param in sharded}) > 1:
-        raise ValueError("an optimizer's DTensor params must share one device mesh; got several")
-    return sharded[0].device_mesh.get_group()
+        dim = sharded_dim(param)
+        if dim is None:
+            raise ValueError(f"param {index} (shape {tuple(param.shape)}) is a DTensor placed {param.placements} "
+                             f"on {describe(param.device_mesh)}; fastoptim takes DTensor params sharded on dim 0 "
+                             "over a 1-D mesh, (Shard(dim=0),), as FSDP2's fully_shard makes them, or over one "
+                             "dim of a 2-D mesh and replicated over the other, (Replicate(), Shard(dim=0)), as "
+                             "HSDP's makes them")
+        if param.device_mesh != first.device_mesh or dim != sharded_dim(first):
+            raise ValueError(f"param {index} (shape {tuple(param.shape)}) is a DTensor placed {param.placements} "
+                             f"on {describe(param.device_mesh)}, but param 0 (shape {tuple(first.shape)}) is "
+                             f"placed {first.placements} on {describe(first.device_mesh)}: an optimizer's "
+                             "DTensor params must share one device mesh and be sharded over the same mesh dim")
+    return first.device_mesh.get_group(dim)
+
+
+def sharded_dim(param):
+    """The mesh dim over which DTensor ``param``'s dim 0 is cut, when it is placed as fastoptim shards
+    (see :func:`reduction_group`): (Shard(0),) on a 1-D mesh, or Shard(0) over one dim of a 2-D mesh
+    and Replicate() over the other (HSDP). None for any other placement."""
+    from torch.distributed.tensor import Replicate, Shard
+    placements = param.placements
+    shards = [dim for dim, placement in enumerate(placements) if type(placement) is Shard and placement.dim == 0]
+    replicated = [placement for placement in placements if type(placement) is Replicate]
+    if param.device_mesh.ndim in (1, 2) and len(shards) == 1 and len(replicated) == len(placements) - 1:
+        return shards[0]
+    return None
+
+
+def describe(mesh):
+    """A device mesh in words, for messages."""
+    names = f" ({', '.join(mesh.mesh_dim_names)})" if mesh.mesh_dim_names else ""
+    return f"a {mesh.ndim}-D device mesh of shape {tuple(mesh.shape)}{names}"
+
+
+def shard_world(param):
+    """How many shards DTensor ``param``'s dim 0 is cut into: the size of its sharded mesh dim."""
+    return param.device_mesh.size(sharded_dim(param))
 
 
 def local(tensor):
@@ -84,13 +121,14 @@ def spans_shards(param, partition):
 
 
 def reduced_zeros(param, partition, dtype):
-    """A zero subset-norm second moment of ``param``: for a DTensor param, a DTensor replicated when
-    its subsets span the shards, else sharded on dim 0 as the param is."""
+    """A zero subset-norm second moment of ``param``: for a DTensor param, a DTensor replicated over
+    the whole mesh when its subsets span the shards, else placed as the param is (sharded on dim 0)."""
     if not is_dtensor(param):
         return torch.zeros(partition.state_shape, dtype=dtype, device=param.device)
-    from torch.distributed.tensor import Replicate, Shard, zeros
-    placement = Replicate() if spans_shards(param, partition) else Shard(0)
-    return zeros(*partition.state_shape, dtype=dtype, device_mesh=param.device_mesh, placements=[placement])
+    from torch.distributed.tensor import Replicate, zeros
+    spans = spans_shards(param, partition)
+    placements = [Replicate() if spans else placement for placement in param.placements]
+    return zeros(*partition.state_shape, dtype=dtype, device_mesh=param.device_mesh, placements=placements)
 
 
 def shard_sizes(n, world):
@@ -102,7 +140,7 @@ def shard_sizes(n, world):
 def check_flattened(param, partition):
     """Raise unless each rank's shard of a DTensor ``param`` holds whole flattened subsets, exactly
     those of its shard of the second moment: then no subset needs another rank."""
-    world, rows = param.device_mesh.size(), param.shape[0]
+    world, rows = shard_world(param), param.shape[0]
     row, size = param.numel() // rows, partition.b
     if [n * row for n in shard_sizes(rows, world)] != [n * size for n in shard_sizes(param.numel() // size, world)]:
         raise ValueError(f"subset_size cuts a DTensor param of shape {tuple(param.shape)} into subsets of {size} "

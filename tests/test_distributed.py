@@ -8,6 +8,10 @@ it, and write what they measure to JSON files that the tests read. Each rank fee
 every batch; DDP and FSDP2 average the halves' gradients into the whole batch's. 8-bit codes round,
 so a gradient one ulp off may take the neighbouring code, and so may Muon's bf16 iterations: those
 cases feed every rank the whole batch, whose averaged gradient is exactly one process's.
+
+Four more workers run the cases on 4 ranks: sharded Muon, and HSDP on a 2 x 2 mesh (replicate x
+shard: each replica group of 2 ranks holds the whole model once), whose ranks all feed the whole batch,
+so that every case's result is one process's bit for bit.
 """
 import json
 import math
@@ -67,6 +71,22 @@ CASES = dict([
 ])
 # uneven and empty shards of every Muon shape, and w1 as 4 heads
 FOUR_RANKS = ("fsdp-muon-foreach", "fsdp-muon-fused", "fsdp-muon-fused-heads")
+# HSDP on 4 ranks, 2 x 2, clipping on: w1..w3 are cut in 2 (w1's rows in 48 and w2's in 3 + 2), w4's
+# second shard is empty; subset norms by rows and columns (w1's column sums span the shards) and by
+# flattened subsets; 8-bit states; Muon's 5 matrices in 4 shape groups, with its AdamW companion (b1)
+HSDP_MESH = (2, 2)  # (replicate, shard)
+HSDP = dict([
+    case("hsdp", "adamw", "fused", max_grad_norm=CLIP),
+    case("hsdp", "adamw", "foreach", max_grad_norm=CLIP),
+    case("hsdp", "adan", "fused"),
+    case("hsdp", "adan", "fused", "rows-columns"),
+    case("hsdp", "adamwsn", "fused", "flattened", max_grad_norm=CLIP),
+    case("hsdp", "adan", "fused", state_bits=8),
+    case("hsdp", "muon", "fused"),
+    case("hsdp", "muon", "foreach"),
+    case("hsdp", "muon", "fused", state_bits=8),
+])
+HSDP_CHECKPOINTS = dict([case("hsdp", "adan", "fused", "rows-columns"), case("hsdp", "muon", "fused", state_bits=8)])
 CHECKPOINTS = dict([case("fsdp", "adan", "fused", "rows-columns"), case("fsdp", "adan", "fused", state_bits=8),
                     case("fsdp", "muon", "fused")])
 
@@ -87,7 +107,7 @@ class Net(torch.nn.Module):
 
 
 def batch(step, rank=None):
-    """Step ``step``'s batch: all of it, or rank ``rank``'s half."""
+    """Step ``step``'s batch: all of it, or rank ``rank``'s half (of ``WORLD`` ranks)."""
     generator = torch.Generator().manual_seed(1000 + step)
     x, target = torch.randn(BATCH, 96, generator=generator), torch.randn(BATCH, 1, generator=generator)
     if rank is None:
@@ -130,8 +150,22 @@ def full_params(model):
 
 def fed(settings, rank):
     """The rank whose half of each batch this case's rank feeds (None: the whole batch): 8-bit codes
-    and Muon's bf16 iterations round a gradient one ulp off to their neighbouring values."""
-    return None if settings["options"].get("state_bits") == 8 or settings["optimizer"] == "muon" else rank
+    and Muon's bf16 iterations round a gradient one ulp off to their neighbouring values. Under HSDP
+    every rank feeds the whole batch: FSDP2 divides each rank's gradient by 4 and sums them in pairs
+    (reduce-scatter over the shard dim, all-reduce over the replicate dim), all exact, so each shard of
+    the averaged gradient is one process's gradient, and the comparison is bit for bit."""
+    if settings["mode"] == "hsdp" or settings["options"].get("state_bits") == 8 or settings["optimizer"] == "muon":
+        return None
+    return rank
+
+
+def mesh_of(settings):
+    """fully_shard's ``mesh`` for the case: HSDP's 2-D mesh (of any dim names: fastoptim finds the
+    shard dim from the placements), or None (FSDP2's default, a 1-D mesh over the world)."""
+    if settings["mode"] != "hsdp":
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", HSDP_MESH, mesh_dim_names=("across", "within"))
 
 
 def one_process(settings, steps=STEPS):
@@ -150,8 +184,8 @@ def distributed_run(settings, rank):
     from torch.nn.parallel import DistributedDataParallel
 
     model = Net()
-    if settings["mode"] == "fsdp":
-        fully_shard(model)
+    if settings["mode"] in ("fsdp", "hsdp"):
+        fully_shard(model, mesh=mesh_of(settings))
         optimizer = make_optimizer(settings, param_groups(model, settings["sn"], settings["optimizer"]))
     elif settings["mode"] == "zero":
         model = DistributedDataParallel(model)
@@ -165,7 +199,7 @@ def distributed_run(settings, rank):
         model = DistributedDataParallel(model)
         optimizer = make_optimizer(settings, param_groups(model.module, settings["sn"], settings["optimizer"]))
     train(model, optimizer, STEPS, fed(settings, rank))
-    return model.module if settings["mode"] != "fsdp" else model, optimizer
+    return model.module if settings["mode"] not in ("fsdp", "hsdp") else model, optimizer
 
 
 def checkpointed(model, optimizer):
@@ -191,7 +225,7 @@ def checkpoint_run(settings, rank, directory):
 
     def build():
         model = Net()
-        fully_shard(model)
+        fully_shard(model, mesh=mesh_of(settings))
         return model, make_optimizer(settings, param_groups(model, settings["sn"], settings["optimizer"]))
 
     model, optimizer = build()
@@ -229,13 +263,13 @@ def patched_in_step(optimizer, patches):
 
 def fsdp_model_and_optimizer(settings, **extra):
     model = Net()
-    torch.distributed.fsdp.fully_shard(model)
+    torch.distributed.fsdp.fully_shard(model, mesh=mesh_of(settings))
     return model, make_optimizer(settings, param_groups(model, settings["sn"], settings["optimizer"]), **extra)
 
 
-def collectives_per_step(settings, rank, steps=2):
+def collectives_per_step(settings, rank, steps=2, sizes=None):
     """The torch.distributed functions that a step() of the case calls, by name, per step (after a
-    first step, which makes the states)."""
+    first step, which makes the states); ``sizes``, a list, gets the size of the group of each call."""
     import torch.distributed as dist
     model, optimizer = fsdp_model_and_optimizer(settings)
     train(model, optimizer, 1, fed(settings, rank))
@@ -244,6 +278,8 @@ def collectives_per_step(settings, rank, steps=2):
     def counting(name, function):
         def counted(*args, **kwargs):
             calls[name] = calls.get(name, 0) + 1
+            if sizes is not None:
+                sizes.append(dist.get_world_size(kwargs.get("group")))
             return function(*args, **kwargs)
         return counted
     patched_in_step(optimizer, [(dist, name, counting(name, getattr(dist, name))) for name in COLLECTIVES])
@@ -251,14 +287,15 @@ def collectives_per_step(settings, rank, steps=2):
     return {name: count / steps for name, count in calls.items()}
 
 
-def host_reads_in_step(rank):
-    """Sharded steps (FSDP2, clipping on) of Muon, AdamW and Adan on each engine, with Tensor.item and
-    Tensor.tolist raising in step(): what raised, or nothing. The step counts are exempt: they live
-    on the host by design, as torch.optim's, and a GPU step reads none (optimizers.scalars)."""
+def host_reads_in_step(rank, mode="fsdp"):
+    """Sharded steps (FSDP2, or HSDP with ``mode='hsdp'``; clipping on) of Muon, AdamW and Adan on each
+    engine, with Tensor.item and Tensor.tolist raising in step(): what raised, or nothing. The step
+    counts are exempt: they live on the host by design, as torch.optim's, and a GPU step reads none
+    (optimizers.scalars)."""
     failures = []
     for optimizer_name in ("muon", "adamw", "adan"):
         for engine in ENGINES:
-            settings = CASES[f"fsdp-{optimizer_name}-{engine}"]
+            settings = dict(CASES[f"fsdp-{optimizer_name}-{engine}"], mode=mode)
             clip = {} if "max_grad_norm" in OPTIONS[optimizer_name][1] else dict(max_grad_norm=CLIP)
             model, optimizer = fsdp_model_and_optimizer(settings, **clip)
             counts = [group.get("step") for group in optimizer.param_groups] + [
@@ -302,6 +339,7 @@ def worker(rank, directory, world=WORLD):
             record(name, lambda: oracle.relative_error(full_params(distributed_run(CASES[name], rank)[0]),
                                                        one_process(CASES[name])))
         record("collectives", lambda: collectives_per_step(CASES["fsdp-muon-fused"], rank))
+        hsdp_worker(rank, directory, record)
         dist.destroy_process_group()
         os._exit(0)
     for name, settings in CASES.items():
@@ -358,6 +396,88 @@ def worker(rank, directory, world=WORLD):
     os._exit(0)  # gloo's threads can abort at interpreter exit
 
 
+def hsdp_worker(rank, directory, record):
+    """The HSDP cases, on 4 ranks: their relative error to one process, and how many params' shards
+    differ between the replicas. Every rank's torch RNG is seeded alike first (8-bit Muon draws its
+    rounding seeds from it; the cases before drew unlike numbers on ranks whose shards differ)."""
+    def compare(settings, seed=0):
+        torch.manual_seed(seed)
+        model, _ = distributed_run(settings, rank)
+        return {"error": oracle.relative_error(full_params(model), one_process(settings)),
+                "replicas differ": replicas_differ(model)}
+    for name, settings in HSDP.items():
+        record(name, lambda settings=settings: compare(settings))
+    # each rank's torch RNG seeded apart, as training scripts seed their data order and dropout
+    record("hsdp rank seeds", lambda: compare(HSDP["hsdp-muon-fused-state_bits=8"], seed=rank))
+    for name, settings in HSDP_CHECKPOINTS.items():
+        record("checkpoint-" + name, lambda: checkpoint_run(settings, rank, f"{directory}/{name}"))
+
+    def collectives():
+        sizes = []
+        calls = collectives_per_step(HSDP["hsdp-muon-fused"], rank, sizes=sizes)
+        return {"calls": calls, "group sizes": sorted(set(sizes))}
+    record("hsdp collectives", collectives)
+
+    def orthogonalized():
+        """How many matrices this rank orthogonalized in an HSDP Muon run, and its replica group."""
+        from fastoptim.optimizers import muon
+        calls, original = [], muon.orthogonalize
+        muon.orthogonalize = lambda matrices, *args: calls.append(len(matrices)) or original(matrices, *args)
+        try:
+            model, _ = distributed_run(HSDP["hsdp-muon-foreach"], rank)
+        finally:
+            muon.orthogonalize = original
+        return [sum(calls), next(model.parameters()).device_mesh.get_local_rank(0)]
+    record("hsdp orthogonalized", orthogonalized)
+    record("hsdp host reads", lambda: host_reads_in_step(rank, "hsdp"))
+    record("hsdp refusals", lambda: hsdp_refusals(rank))
+
+
+def replicas_differ(model):
+    """How many params' local shards differ (not bit for bit) between this rank's and the other
+    replicas' (the ranks of its replicate dim, mesh dim 0)."""
+    import torch.distributed as dist
+    differ = 0
+    for param in model.parameters():
+        shard = param.to_local().detach()
+        shards = [torch.empty_like(shard) for _ in range(HSDP_MESH[0])]
+        dist.all_gather(shards, shard, group=param.device_mesh.get_group(0))
+        differ += not all(torch.equal(shard, other) for other in shards)
+    return differ
+
+
+def hsdp_refusals(rank):
+    """The messages of the DTensor params that cannot go with an HSDP model's: each refused by the
+    constructor, and by add_param_group, which leaves the optimizer as it was (it steps on)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    model, optimizer = fsdp_model_and_optimizer(HSDP["hsdp-adan-fused"])
+    mesh = next(model.parameters()).device_mesh
+    cube = init_device_mesh("cpu", (1, *HSDP_MESH), mesh_dim_names=("a", "b", "c"))
+    line = init_device_mesh("cpu", (4,))
+    placed = {"another dim": (mesh, [Replicate(), Shard(1)]),
+              "a 3-D mesh": (cube, [Replicate(), Replicate(), Shard(0)]),
+              "sharded twice": (mesh, [Shard(0), Shard(0)]),
+              "replicated": (mesh, [Replicate(), Replicate()]),
+              "another mesh": (line, [Shard(0)]),
+              "another mesh dim": (mesh, [Shard(0), Replicate()])}
+    messages, groups = {}, len(optimizer.param_groups)
+    for name, (on, placements) in placed.items():
+        param = torch.nn.Parameter(distribute_tensor(torch.zeros(4, 6), on, placements))
+        try:
+            fastoptim.Adan([*model.parameters(), param])
+            messages[name] = "built"
+        except ValueError as error:
+            messages[name] = str(error)
+        try:
+            optimizer.add_param_group({"params": [param]})
+            messages[name] += "; add_param_group took it"
+        except ValueError:
+            assert len(optimizer.param_groups) == groups
+    train(model, optimizer, 1, fed(HSDP["hsdp-adan-fused"], rank))
+    return messages
+
+
 def run_workers(directory, world, timeout):
     """Start ``world`` workers, and return their results by case and rank, their directory and their
     outputs."""
@@ -388,8 +508,8 @@ def runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs_on_four(tmp_path_factory):
-    """The results of 4 workers (the FOUR_RANKS cases and the collectives)."""
-    return run_workers(tmp_path_factory.mktemp("four-ranks"), 4, 120)
+    """The results of 4 workers (the FOUR_RANKS cases, the collectives and HSDP)."""
+    return run_workers(tmp_path_factory.mktemp("four-ranks"), 4, 300)
 
 
 def result(runs, name):
@@ -494,6 +614,93 @@ def resume_in_one_process(settings, checkpoint):
 def test_shard_group_without_a_process_group_is_a_clear_error(cls):
     with pytest.raises(ValueError, match="shard_group is given, but torch.distributed is not initialised"):
         cls(oracle.make_params(), shard_group=object())
+
+
+# --- HSDP: 4 ranks, a 2 x 2 mesh (replicate x shard) -----------------------------------------------
+
+STOCHASTIC = pytest.mark.xfail(strict=True, reason=(
+    "8-bit Muon's momentum rounds stochastically (ed6af4e), with a seed each launch draws from the rank's "
+    "torch RNG, so a sharded run's codes are not one process's (nor is a resumed run's RNG the saved one's); "
+    "fails once they are"))
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=STOCHASTIC) if name == "hsdp-muon-fused-state_bits=8"
+                                  else name for name in HSDP])
+def test_hsdp_gives_the_parameters_of_one_process_bit_for_bit(runs_on_four, name):
+    """Bit for bit, but where w1's column sums (subset norms by columns) span the shards: each rank
+    sums its rows of a column, and the all-reduce adds the partial sums, another order of fp32
+    additions than one process's (a relative error of about 2e-7 here), as under FSDP2."""
+    for measured in result(runs_on_four, name):
+        assert measured["error"] < 1e-6 if name.endswith("rows-columns") else measured["error"] == 0.0
+
+
+@pytest.mark.parametrize("name", HSDP)
+def test_hsdp_replicas_stay_equal_bit_for_bit(runs_on_four, name):
+    for measured in result(runs_on_four, name):
+        assert measured["replicas differ"] == 0
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "8-bit Muon's stochastic rounding draws its seed from each rank's torch RNG (ed6af4e): ranks seeded "
+    "apart round their replicas' codes apart, and the replicas drift; fails once the seed is shared"))
+def test_hsdp_replicas_stay_equal_whatever_each_ranks_torch_seed(runs_on_four):
+    for measured in result(runs_on_four, "hsdp rank seeds"):
+        assert measured["replicas differ"] == 0
+
+
+HSDP_CHECKPOINT_NAMES = [pytest.param(name, marks=STOCHASTIC) if "muon" in name else name for name in HSDP_CHECKPOINTS]
+
+
+@pytest.mark.parametrize("name", HSDP_CHECKPOINT_NAMES)
+def test_an_hsdp_dcp_checkpoint_resumes_exactly(runs_on_four, name):
+    assert result(runs_on_four, "checkpoint-" + name) == [0.0] * 4
+
+
+@pytest.mark.parametrize("name", HSDP_CHECKPOINT_NAMES)
+def test_an_hsdp_dcp_checkpoint_resumes_in_one_process(runs_on_four, name):
+    """The states saved from the 2-D mesh (each replica group's shards, written once) reshard into
+    one process's."""
+    _, directory, _ = runs_on_four
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        resume_in_one_process(HSDP_CHECKPOINTS[name], directory / name)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_an_hsdp_muon_step_exchanges_over_the_shard_dim_only(runs_on_four):
+    """Two all-to-alls per shape group and clipping's all-reduce, each over the 2 ranks of this
+    rank's replica group: the replicas take no part."""
+    for measured in result(runs_on_four, "hsdp collectives"):
+        assert measured == {"calls": {"all_to_all_single": 2 * MUON_SHAPE_GROUPS, "all_reduce": 1},
+                            "group sizes": [HSDP_MESH[1]]}
+
+
+def test_under_hsdp_each_replica_group_orthogonalizes_each_matrix_once(runs_on_four):
+    per_rank = result(runs_on_four, "hsdp orthogonalized")
+    for replica in range(HSDP_MESH[0]):
+        counts = [count for count, group in per_rank if group == replica]
+        assert len(counts) == HSDP_MESH[1] and sum(counts) == 6 * STEPS and min(counts) > 0
+
+
+def test_an_hsdp_step_reads_no_tensor_on_the_host(runs_on_four):
+    assert result(runs_on_four, "hsdp host reads") == [[]] * 4
+
+
+def test_dtensor_params_placed_otherwise_than_fsdp2_or_hsdp_are_refused(runs_on_four):
+    """Refused when the optimizer is built, and by add_param_group, naming the param and its placement."""
+    shape = f"param {len(SHAPES)} (shape (4, 6))"
+    for messages in result(runs_on_four, "hsdp refusals"):
+        assert all(message.startswith(shape) for message in messages.values()), messages
+        assert "(Replicate(), Shard(dim=1))" in messages["another dim"]
+        assert "3-D device mesh of shape (1, 2, 2)" in messages["a 3-D mesh"]
+        assert "(Shard(dim=0), Shard(dim=0))" in messages["sharded twice"]
+        assert "(Replicate(), Replicate())" in messages["replicated"]
+        for name in ("another mesh", "another mesh dim"):
+            assert "must share one device mesh and be sharded over the same mesh dim" in messages[name]
+        assert "1-D device mesh of shape (4,)" in messages["another mesh"]
+        assert "(Shard(dim=0), Replicate())" in messages["another mesh dim"]
 
 
 if __name__ == "__main__":
