@@ -86,7 +86,8 @@ HSDP = dict([
     case("hsdp", "muon", "foreach"),
     case("hsdp", "muon", "fused", state_bits=8),
 ])
-HSDP_CHECKPOINTS = dict([case("hsdp", "adan", "fused", "rows-columns"), case("hsdp", "muon", "fused", state_bits=8)])
+HSDP_CHECKPOINTS = dict([case("hsdp", "adan", "fused", "rows-columns"), case("hsdp", "adan", "fused", state_bits=8),
+                         case("hsdp", "muon", "fused")])
 CHECKPOINTS = dict([case("fsdp", "adan", "fused", "rows-columns"), case("fsdp", "adan", "fused", state_bits=8),
                     case("fsdp", "muon", "fused")])
 
@@ -620,8 +621,7 @@ def test_shard_group_without_a_process_group_is_a_clear_error(cls):
 
 STOCHASTIC = pytest.mark.xfail(strict=True, reason=(
     "8-bit Muon's momentum rounds stochastically (ed6af4e), with a seed each launch draws from the rank's "
-    "torch RNG, so a sharded run's codes are not one process's (nor is a resumed run's RNG the saved one's); "
-    "fails once they are"))
+    "torch RNG, so a sharded run's codes are not one process's; fails once they are"))
 
 
 @pytest.mark.parametrize("name", [pytest.param(name, marks=STOCHASTIC) if name == "hsdp-muon-fused-state_bits=8"
@@ -648,18 +648,15 @@ def test_hsdp_replicas_stay_equal_whatever_each_ranks_torch_seed(runs_on_four):
         assert measured["replicas differ"] == 0
 
 
-HSDP_CHECKPOINT_NAMES = [pytest.param(name, marks=STOCHASTIC) if "muon" in name else name for name in HSDP_CHECKPOINTS]
-
-
-@pytest.mark.parametrize("name", HSDP_CHECKPOINT_NAMES)
+@pytest.mark.parametrize("name", HSDP_CHECKPOINTS)
 def test_an_hsdp_dcp_checkpoint_resumes_exactly(runs_on_four, name):
     assert result(runs_on_four, "checkpoint-" + name) == [0.0] * 4
 
 
-@pytest.mark.parametrize("name", HSDP_CHECKPOINT_NAMES)
+@pytest.mark.parametrize("name", HSDP_CHECKPOINTS)
 def test_an_hsdp_dcp_checkpoint_resumes_in_one_process(runs_on_four, name):
-    """The states saved from the 2-D mesh (each replica group's shards, written once) reshard into
-    one process's."""
+    """The states saved from the 2-D mesh (each replica group's shards, written once; 8-bit ones
+    dequantized) reshard into one process's."""
     _, directory, _ = runs_on_four
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
