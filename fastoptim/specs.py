@@ -32,8 +32,10 @@ class Role:
     ``when``: the feature flag without which the algorithm keeps no such state (None: always kept).
     ``optional``: a saved state may lack it (the first step does not read it).
     ``stochastic``: its 8-bit codes round stochastically (unbiased: up with probability equal to the
-    fraction of the code step, from the step's seed; fastoptim.states.blockwise8.quantize), where
-    round-to-nearest would bias it: an average that moves by less than a code step a step.
+    fraction of the code step, with random bits hashed from the block's new absmax and the element's
+    position in its block, no seed, so sharded and replicated runs draw alike; fastoptim.states.
+    blockwise8.quantize), where round-to-nearest would bias it: an average that moves by less than a
+    code step a step.
     """
 
     name: str

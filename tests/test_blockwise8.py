@@ -215,30 +215,45 @@ def test_the_scale_is_a_correctly_rounded_division_in_the_kernels_as_in_the_refe
 
 # --- stochastic codes (a Role with stochastic=True: Muon's momentum) ------------------------------------
 
-def stochastic_samples(x, draws, codes=SIGNED):
-    """``draws`` stochastic quantizations of the block ``x`` (its first element the largest), as one
-    tensor of ``draws`` copies: each copy's elements draw their own bits (the element index differs)."""
-    copies = x.repeat(draws)
-    indices, absmax = quantize(copies, codes, seed=blockwise8.code_seed(12345, 2))
-    return dequantize(indices, absmax, codes).view(draws, -1), indices.view(draws, -1)
+SALT = blockwise8.code_salt(2)  # Muon's momentum's row
+
+
+def varied(x, draws):
+    """``draws`` copies of ``x`` (rows), each block's largest element moved by i ulps in copy i: the
+    new absmax of a step, which changes every step, and with it every element's random bits."""
+    copies = x.repeat(draws, 1)
+    largest = x.view(-1, BLOCK).abs().argmax(1) + torch.arange(0, x.numel(), BLOCK)
+    ulps = torch.arange(draws, dtype=torch.int32)[:, None]
+    copies[:, largest] = (x[largest].view(torch.int32) + ulps).view(torch.float32)
+    return copies
+
+
+def stochastic_samples(copies, codes=SIGNED):
+    """The stochastic quantizations of the rows of ``copies`` (each a whole number of blocks), dequantized,
+    and their indices."""
+    indices, absmax = quantize(copies, codes, salt=SALT)
+    return dequantize(indices, absmax, codes).view(copies.shape), indices.view(copies.shape)
 
 
 def test_stochastic_codes_are_unbiased_where_nearest_ones_are_not():
-    """The mean of many stochastic quantizations of x is x, to within the statistical error of a
-    mean of values one code step apart; round-to-nearest misses by up to half a step (a test
-    that fails for a biased quantizer: it fails for the nearest codes)."""
+    """The mean of many stochastic quantizations of x, each in a block whose absmax is another (its
+    largest element moved by 0..3999 ulps: consecutive absmax bits, the hash's hardest inputs), is x,
+    to within the statistical error of a mean of values one code step apart; round-to-nearest misses
+    by up to half a step (a test that fails for a biased quantizer: it fails for the nearest codes)."""
     generator = torch.Generator().manual_seed(0)
     x = torch.cat([torch.ones(1), torch.rand(127, generator=generator) * 2 - 1,  # fp16's normal range of t
                    (torch.rand(128, generator=generator) * 2 - 1) * 2.0**-13])    # and below it (subnormal codes)
     draws = 4000
-    samples, _ = stochastic_samples(x, draws)
-    mean = samples.double().mean(0)
-    nearest = dequantize(*quantize(x, SIGNED), SIGNED).double()
+    copies = varied(x, draws)
+    assert len(set(copies[:, 0].tolist())) == draws  # each copy its own absmax
+    samples, _ = stochastic_samples(copies)
+    mean, truth = samples.double().mean(0), copies.double().mean(0)
+    nearest = dequantize(*quantize(copies, SIGNED), SIGNED).view(copies.shape).double().mean(0)
     lo_hi = samples.double().amax(0) - samples.double().amin(0)  # the code step around each x (0 if exact)
     step = torch.maximum(lo_hi, torch.full_like(lo_hi, 2.0**-17 / SIGNED.top))
     bound = 5 * step / (2 * draws**0.5)  # 5 standard errors of a mean of two values a step apart
-    assert ((mean - x.double()).abs() <= bound).all()
-    assert ((nearest - x.double()).abs() > bound).float().mean() > 0.5  # the nearest codes fail the same test
+    assert ((mean - truth).abs() <= bound).all()
+    assert ((nearest - truth).abs() > bound).float().mean() > 0.5  # the nearest codes fail the same test
 
 
 def test_stochastic_codes_round_to_a_neighbour_and_keep_the_formats_rules():
@@ -248,19 +263,34 @@ def test_stochastic_codes_round_to_a_neighbour_and_keep_the_formats_rules():
     x = torch.randn(BLOCK * 3, generator=generator) * torch.logspace(-9, 0, BLOCK * 3)
     x[::17] = 0
     x[5], x[300], x[301] = float("nan"), float("inf"), -float("inf")
-    samples, indices = stochastic_samples(x, 50)
-    nearest, nearest_absmax = quantize(x, SIGNED)
-    distance = (indices.long() - nearest.long()).abs()
+    copies = varied(x, 50)
+    samples, indices = stochastic_samples(copies)
+    nearest, nearest_absmax = quantize(copies, SIGNED)
+    distance = (indices.long() - nearest.view(copies.shape).long()).abs()
     assert (distance <= 1).all() and (distance == 1).any()
     for special in (x == 0, ~x.isfinite()):
-        assert (indices[:, special] == nearest[special]).all()
-    assert torch.equal(quantize(x.repeat(2), SIGNED, seed=7)[1], nearest_absmax.repeat(2))  # the same absmax
+        assert (indices[:, special] == nearest.view(copies.shape)[:, special]).all()
+    assert torch.equal(quantize(copies, SIGNED, salt=7)[1], nearest_absmax)  # the same absmax
 
 
-def test_stochastic_codes_are_reproducible_from_their_seed():
-    x = torch.randn(1000, generator=torch.Generator().manual_seed(2))
-    assert torch.equal(quantize(x, SIGNED, seed=3)[0], quantize(x, SIGNED, seed=3)[0])
-    assert not torch.equal(quantize(x, SIGNED, seed=3)[0], quantize(x, SIGNED, seed=4)[0])
+def test_stochastic_codes_are_a_function_of_the_data_alone():
+    """No seed: the same values give the same codes, whatever torch's generator holds; a tensor's
+    codes are those of its pieces cut at block boundaries (a dim-0 shard of a whole number of blocks,
+    as FSDP2 and HSDP cut a state); the salt tells roles apart; the bits change with the absmax."""
+    x = torch.randn(64, 48, generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(0)
+    codes, absmax = quantize(x, SIGNED, salt=SALT)
+    torch.manual_seed(1)
+    assert torch.equal(quantize(x, SIGNED, salt=SALT)[0], codes)
+    shards = [quantize(shard, SIGNED, salt=SALT) for shard in x.split([16, 32, 16])]  # 768, 1536, 768 elements
+    assert torch.equal(torch.cat([c for c, _ in shards]), codes) and torch.equal(torch.cat([a for _, a in shards]),
+                                                                                  absmax)
+    assert not torch.equal(quantize(x, SIGNED, salt=blockwise8.code_salt(3))[0], codes)
+    moved = x.clone()
+    moved.view(-1)[x.view(-1)[:BLOCK].abs().argmax()] *= 1 + 2.0**-20  # block 0's absmax, an ulp or so
+    again = quantize(moved, SIGNED, salt=SALT)[0]
+    assert not torch.equal(again.view(-1)[:BLOCK], codes.view(-1)[:BLOCK])
+    assert torch.equal(again.view(-1)[BLOCK:], codes.view(-1)[BLOCK:])
 
 
 def test_the_random_bits_are_the_kernels_hash():
@@ -284,7 +314,7 @@ def test_the_triton_stochastic_codes_are_the_reference_s():
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(BLOCK * 4 + 100, generator=generator) * torch.logspace(-12, 1, BLOCK * 4 + 100)
     x[7], x[500] = float("nan"), float("inf")
-    for seed in (0, 99, (1 << 24) - 1):
-        codes, absmax = fused_triton.quantize(x, True, (seed, 2))
-        expected = quantize(x, SIGNED, seed=blockwise8.code_seed(seed, 2))
+    for salt in (0, SALT, blockwise8.MASK32):
+        codes, absmax = fused_triton.quantize(x, True, salt)
+        expected = quantize(x, SIGNED, salt=salt)
         assert torch.equal(codes, expected[0]) and torch.equal(absmax, expected[1])

@@ -399,8 +399,8 @@ def worker(rank, directory, world=WORLD):
 
 def hsdp_worker(rank, directory, record):
     """The HSDP cases, on 4 ranks: their relative error to one process, and how many params' shards
-    differ between the replicas. Every rank's torch RNG is seeded alike first (8-bit Muon draws its
-    rounding seeds from it; the cases before drew unlike numbers on ranks whose shards differ)."""
+    differ between the replicas. Every rank's torch RNG is seeded alike first (the cases before drew
+    unlike numbers on ranks whose shards differ); "hsdp rank seeds" seeds them apart."""
     def compare(settings, seed=0):
         torch.manual_seed(seed)
         model, _ = distributed_run(settings, rank)
@@ -619,13 +619,7 @@ def test_shard_group_without_a_process_group_is_a_clear_error(cls):
 
 # --- HSDP: 4 ranks, a 2 x 2 mesh (replicate x shard) -----------------------------------------------
 
-STOCHASTIC = pytest.mark.xfail(strict=True, reason=(
-    "8-bit Muon's momentum rounds stochastically (ed6af4e), with a seed each launch draws from the rank's "
-    "torch RNG, so a sharded run's codes are not one process's; fails once they are"))
-
-
-@pytest.mark.parametrize("name", [pytest.param(name, marks=STOCHASTIC) if name == "hsdp-muon-fused-state_bits=8"
-                                  else name for name in HSDP])
+@pytest.mark.parametrize("name", HSDP)
 def test_hsdp_gives_the_parameters_of_one_process_bit_for_bit(runs_on_four, name):
     """Bit for bit, but where w1's column sums (subset norms by columns) span the shards: each rank
     sums its rows of a column, and the all-reduce adds the partial sums, another order of fp32
@@ -640,10 +634,9 @@ def test_hsdp_replicas_stay_equal_bit_for_bit(runs_on_four, name):
         assert measured["replicas differ"] == 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "8-bit Muon's stochastic rounding draws its seed from each rank's torch RNG (ed6af4e): ranks seeded "
-    "apart round their replicas' codes apart, and the replicas drift; fails once the seed is shared"))
 def test_hsdp_replicas_stay_equal_whatever_each_ranks_torch_seed(runs_on_four):
+    """8-bit Muon's stochastic codes draw no seed (their bits hash each block's new absmax and the
+    element's place in its block): ranks seeded apart round their replicas' codes alike."""
     for measured in result(runs_on_four, "hsdp rank seeds"):
         assert measured["replicas differ"] == 0
 

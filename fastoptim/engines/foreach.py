@@ -81,15 +81,13 @@ def run(plan):
         if low_precision:  # buckets share one dtype; the math is fp32
             tensors["param"] = widened(params, remainders)
             tensors["grad"] = [g.float() for g in tensors["grad"]]
-        absmax = {role: values[part] for role, values in plan.absmax.items()}
-        step_seed = lowbit.seed(plan.spec, absmax, params[0].device) if absmax else None
-        stored = lowbit.widen(plan.spec, tensors, absmax)
+        stored = lowbit.widen(plan.spec, tensors, {role: values[part] for role, values in plan.absmax.items()})
         args = {
             name: list(value[part].unbind()) if name in plan.per_tensor else value
             for name, value in plan.args.items()
         }
         scratch = [torch.empty_like(p) for p in tensors["param"]]
         plan.update(FOREACH_OPS, scratch=scratch, **tensors, **args)
-        lowbit.store(plan.spec, tensors, stored, step_seed)
+        lowbit.store(plan.spec, tensors, stored)
         if low_precision:
             write_back(params, tensors["param"], remainders, plan.stochastic_rounding)

@@ -29,7 +29,7 @@ from ..multi_tensor import PointerTable, disjoint, is_dense, pick
 from ..specs import ABSMAX
 from ..states import blockwise8, formats, master
 from ..step_cache import DEVICE, DTYPE, LAYOUT, SHAPE, OpCache, Signature
-from . import amp, backends, foreach, lowbit
+from . import amp, backends, foreach
 
 
 def state_format(param, states, spec):
@@ -166,9 +166,8 @@ def ordered_scalars(spec, kernel_scalars, args, found_inf, stochastic, device, v
 
 def _scalar_values(plan, device):
     """The kernel's scalars of ``plan`` in its spec's order (see :func:`ordered_scalars`)."""
-    return ordered_scalars(plan.spec, plan.kernel_scalars, plan.args, plan.found_inf,  # a seed for stochastic codes too
-                           plan.stochastic_rounding or lowbit.draws_seed(plan.spec, plan.absmax), device,
-                           plan.kernel_values)
+    return ordered_scalars(plan.spec, plan.kernel_scalars, plan.args, plan.found_inf, plan.stochastic_rounding,
+                           device, plan.kernel_values)
 
 
 class Tables:

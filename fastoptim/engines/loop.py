@@ -8,7 +8,6 @@ from .ops import LOW_PRECISION, TENSOR_OPS, summing_over, widened, write_back
 
 def run(plan):
     ops = TENSOR_OPS if plan.sum_group is None else summing_over(plan.sum_group)
-    step_seed = lowbit.seed(plan.spec, plan.absmax, plan.tensors["param"][0].device) if plan.absmax else None
     for i in range(len(plan)):
         tensors = {role: tensors[i:i + 1] for role, tensors in plan.tensors.items()}
         param, remainders = tensors["param"][0], tensors.pop(master.KEY, None)
@@ -19,6 +18,6 @@ def run(plan):
         args = {name: value[i] if name in plan.per_tensor else value for name, value in plan.args.items()}
         plan.update(ops, scratch=torch.empty_like(tensors["param"][0]),
                     **{role: values[0] for role, values in tensors.items()}, **args)
-        lowbit.store(plan.spec, tensors, stored, step_seed)
+        lowbit.store(plan.spec, tensors, stored)
         if low_precision:
             write_back([param], tensors["param"], remainders, plan.stochastic_rounding)

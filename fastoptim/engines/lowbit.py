@@ -1,24 +1,11 @@
 """Low-bit states on the loop and foreach engines: the math runs on fp32 working copies of one
 piece of the states at a time, which their formats then store back (bf16 to nearest even, 8-bit
 requantized block by block; see fastoptim.states.formats). A role whose 8-bit codes round
-stochastically (``Role.stochastic``) draws them from one seed per run, as the fused kernels draw
-one per launch (fastoptim.engines.fused.kernel_values), with the kernels' bits (fastoptim.states.
-blockwise8.quantize)."""
-import torch
-
+stochastically (``Role.stochastic``) takes the kernels' random bits, a hash of its row's salt, each
+block's new absmax and the element's position in its block (fastoptim.states.blockwise8.quantize):
+no seed, nothing drawn from torch's generator."""
 from ..specs import ABSMAX
-from ..states import formats
-
-
-def draws_seed(spec, absmax):
-    """Whether states with block maxima ``absmax`` (role: one per tensor, None where not 8-bit) of
-    ``spec`` have codes that round stochastically (so their step needs a seed)."""
-    return any(values is not None for role in spec.stochastic for values in absmax.get(role, ()))
-
-
-def seed(spec, absmax, device):
-    """The run's seed of stochastic codes, drawn as the fused kernels' (0-d, no host sync), or None."""
-    return torch.randint(1 << 24, (), device=device) if draws_seed(spec, absmax) else None
+from ..states import blockwise8, formats
 
 
 def widen(spec, tensors, absmax):
@@ -39,12 +26,12 @@ def widen(spec, tensors, absmax):
     return stored
 
 
-def store(spec, tensors, stored, step_seed=None):
+def store(spec, tensors, stored):
     """Write the working copies in ``tensors`` back into the states :func:`widen` replaced; the codes
-    of stochastic roles with the bits of ``step_seed`` (see :func:`seed`)."""
+    of stochastic roles rounded stochastically, salted by their row (blockwise8.code_salt)."""
     for role, k, state_format, state, companions in stored:
-        if step_seed is not None and state_format is formats.Q8 and spec.role(role).stochastic:
+        if state_format is formats.Q8 and spec.role(role).stochastic:
             state_format.store(spec.role(role), state, companions, tensors[role][k],
-                               (step_seed, spec.rows.index(role)))
+                               blockwise8.code_salt(spec.rows.index(role)))
         else:
             state_format.store(spec.role(role), state, companions, tensors[role][k])

@@ -148,7 +148,7 @@ INLINE float larger(float a, float b) { return a > b ? a : b; }
    NaN at 255; SIGNED: NaN at 255, for ±inf too), and the block's absmax is its finite elements'.
    Such blocks are rare: the vectorised quantizer leaves them to the portable one. */
 #define BLOCK 256
-#define CODE_SALT 0x5bd1e995u  /* the codes of state row r draw from seed ^ CODE_SALT·r (blockwise8.CODE_SALT) */
+#define CODE_SALT 0x5bd1e995u  /* the codes of state row r hash with CODE_SALT·r (blockwise8.code_salt) */
 enum { UNSIGNED, SIGNED, BF16_VALUES };  /* the code tables; or no table: Adan's g_prev, bf16 */
 
 INLINE float table_top(int table) { return table == SIGNED ? 1.875f : 61440.f; }
@@ -324,14 +324,13 @@ INLINE int32_t absmax_bits(const float *restrict values, int64_t n, int finite_o
     return top_bits;
 }
 
-/* Where a stochastic block's codes draw their bits: the salted seed and the block's first element;
-   the hash takes the block's new absmax as its tensor (blockwise8.quantize). */
-typedef struct { uint32_t seed; int64_t first; } Draw;
-
 /* n (at most BLOCK) values into their codes and their block's absmax; with ``stochastic``, the codes
-   rounded stochastically with the bits of ``draw`` (vectorised by the compiler: no fp16 conversion). */
+   rounded stochastically with the bits of random_bits(salt, the block's new absmax's bits, the
+   element's position in the block), blockwise8.quantize's: no seed, so that every layout whose
+   blocks are the whole state's (a dim-0 shard) draws the same bits (vectorised by the compiler: no
+   fp16 conversion). */
 INLINE void quantize_block(const float *restrict values, int64_t n, uint8_t *restrict codes, float *absmax, int table,
-                           int stochastic, Draw draw) {
+                           int stochastic, uint32_t salt) {
     int32_t top_bits = use_f16c ? absmax_bits_f16c(values, n) : absmax_bits(values, n, 0);
     const int finite = top_bits < INF_BITS;  /* else the block holds an inf or a NaN */
     if (!finite) top_bits = absmax_bits(values, n, 1);
@@ -342,7 +341,7 @@ INLINE void quantize_block(const float *restrict values, int64_t n, uint8_t *res
         memcpy(&absmax_bits, &top, sizeof absmax_bits);
         IVDEP for (int64_t k = 0; k < n; k++)
             codes[k] = quantize_stochastic(values[k], scale, table,
-                                           random_bits(draw.seed, absmax_bits, (uint32_t)(draw.first + k)) >> 12);
+                                           random_bits(salt, absmax_bits, (uint32_t)k) >> 12);
     }
     else if (use_f16c && finite) quantize_block_f16c(values, n, codes, scale, table);
     else IVDEP for (int64_t k = 0; k < n; k++) codes[k] = quantize(values[k], scale, table);
@@ -358,8 +357,7 @@ INLINE void dequantize_block(const uint8_t *restrict codes, float absmax, int64_
    reference. */
 VECTORISED int fastoptim_quantize(const float *values, int64_t n, int32_t table, uint8_t *codes, float *absmax) {
     for (int64_t i = 0; i < n; i += BLOCK)
-        quantize_block(values + i, n - i < BLOCK ? n - i : BLOCK, codes + i, absmax + i / BLOCK, table, 0,
-                       (Draw){0, 0});
+        quantize_block(values + i, n - i < BLOCK ? n - i : BLOCK, codes + i, absmax + i / BLOCK, table, 0, 0);
     return 0;
 }
 
@@ -379,7 +377,7 @@ typedef struct {
     float *block;         /* Q8: the values of the block being updated */
     int64_t first;        /* Q8: that block's first element */
     int stochastic;       /* Q8: its codes round stochastically (a compile-time constant of the walk) */
-    Draw draw;            /* Q8 stochastic: where its codes' random bits come from */
+    uint32_t salt;        /* Q8 stochastic: its codes' salt (CODE_SALT times its row) */
 } State;
 
 INLINE float get(const State *s, int64_t i, int format) {
@@ -410,7 +408,7 @@ INLINE void close_block(State *s, int64_t i, int64_t end, int format) {
         IVDEP for (int64_t k = 0; k < end - i; k++) store(s->data, i + k, s->block[k], BF16, 0, 0, 0);
     else if (format == Q8 && s->absmax)
         quantize_block(s->block, end - i, (uint8_t *)s->data + i, &s->absmax[i / BLOCK], s->table, s->stochastic,
-                       (Draw){s->draw.seed, i});
+                       s->salt);
 }
 
 /* --- The algorithms --------------------------------------------------------------------------
@@ -839,7 +837,7 @@ INLINE void walk(int kernel, const Work *w, int64_t t, int64_t start, int64_t co
         if (kept(kernel, r, flags))
             T.states[r] = (State){row(w, r, t), row(w, r - FIRST_STATE + states_end(kernel), t), role(kernel, r).table,
                                   blocks[r - FIRST_STATE], 0, role(kernel, r).stochastic,
-                                  {T.seed ^ (CODE_SALT * (uint32_t)r), 0}};
+                                  CODE_SALT * (uint32_t)r};
     const int64_t b = layout(w, t, SUBSET_ROWS), c = layout(w, t, SUBSET_COLUMNS), end = start + count;
     if (b == 1) {                                           /* dense: each element its own second moment */
         update_elements(kernel, &T, start, end, b, c, DENSE, dtype, rounding, flags, states);

@@ -230,11 +230,10 @@ def _load_q8(codes, absmax, block, index, mask, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def _store_q8(codes, absmax, block, index, mask, values, SIGNED: tl.constexpr, SALT: tl.constexpr = None, seed=0,
-              t=0):
+def _store_q8(codes, absmax, block, index, mask, values, SIGNED: tl.constexpr, SALT: tl.constexpr = None):
     """``values`` into block ``block``'s codes and absmax; with SALT (not None: a stochastic role's,
-    blockwise8.CODE_SALT times its row) rounding stochastically with the bits of (seed ^ SALT, the
-    block's new absmax's bits, index), as blockwise8.quantize."""
+    blockwise8.code_salt of its row) rounding stochastically with the bits of (SALT, the block's new
+    absmax's bits, the element's position in its block), as blockwise8.quantize: no seed."""
     # the largest |x| of the finite elements, from their bits as integers
     magnitude_bits = values.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     finite = magnitude_bits < INF_BITS
@@ -244,8 +243,8 @@ def _store_q8(codes, absmax, block, index, mask, values, SIGNED: tl.constexpr, S
     if SALT is None:
         indices = _quantize(tl.where(finite, values, 0.0) * tl.where(stored, scale, 0.0), SIGNED)
     else:
-        r = _random_bits(seed ^ SALT, tl.where(stored, top, 0.0).to(tl.uint32, bitcast=True), index) >> (
-            32 - RANDOM_BITS)
+        r = _random_bits(tl.full((), SALT, tl.uint32), tl.where(stored, top, 0.0).to(tl.uint32, bitcast=True),
+                         index % BLOCK8) >> (32 - RANDOM_BITS)
         indices = _quantize_stochastic(tl.where(finite, values, 0.0) * tl.where(stored, scale, 0.0), r, SIGNED)
     if SIGNED:
         indices = tl.where(finite, indices, NAN_INDEX)
@@ -256,15 +255,13 @@ def _store_q8(codes, absmax, block, index, mask, values, SIGNED: tl.constexpr, S
 
 
 @triton.jit
-def _blocks_kernel(values, codes, absmax, n, seed, t, SIGNED: tl.constexpr, QUANTIZE: tl.constexpr,
-                   SALT: tl.constexpr):
+def _blocks_kernel(values, codes, absmax, n, SIGNED: tl.constexpr, QUANTIZE: tl.constexpr, SALT: tl.constexpr):
     """The quantizer (QUANTIZE; stochastic with a SALT) or the dequantizer alone, one block per
     program, for the tests."""
     block = tl.program_id(0)
     index = block * BLOCK8 + tl.arange(0, BLOCK8)
     if QUANTIZE:
-        _store_q8(codes, absmax, block, index, index < n, tl.load(values + index, mask=index < n), SIGNED, SALT,
-                  seed.to(tl.uint32), t)
+        _store_q8(codes, absmax, block, index, index < n, tl.load(values + index, mask=index < n), SIGNED, SALT)
     else:
         tl.store(values + index, _load_q8(codes, absmax, block, index, index < n, SIGNED), mask=index < n)
 
@@ -337,14 +334,13 @@ def _gather_states(pointers, ROLES: tl.constexpr, index, mask):
 
 
 @triton.jit
-def _store_states(pointers, absmax, ROLES: tl.constexpr, index, mask, block, values, seed, t):
+def _store_states(pointers, absmax, ROLES: tl.constexpr, index, mask, block, values):
     """The kept states' new fp32 values into their formats (8-bit: requantizing ``block``, a
-    stochastic role's codes with the bits of the step's ``seed``)."""
+    stochastic role's codes rounded stochastically)."""
     for i in tl.static_range(len(ROLES.row)):
         if ROLES.row[i] is not None:
             if pointers[i].dtype.element_ty == tl.uint8:
-                _store_q8(pointers[i], absmax[i], block, index, mask, values[i], ROLES.signed[i], ROLES.salt[i], seed,
-                          t)
+                _store_q8(pointers[i], absmax[i], block, index, mask, values[i], ROLES.signed[i], ROLES.salt[i])
             else:
                 _store(pointers[i], index, values[i], mask)
 
@@ -357,12 +353,12 @@ def _store_states(pointers, absmax, ROLES: tl.constexpr, index, mask, block, val
 # moments' pointers as fp32 (one per subset under sn), ``*_absmax`` the 8-bit block maxima.
 
 @triton.jit
-def _moments_scale(moments, moments_absmax, index, mask, block, x, S, seed, t, K: tl.constexpr, F: tl.constexpr,
+def _moments_scale(moments, moments_absmax, index, mask, block, x, S, K: tl.constexpr, F: tl.constexpr,
                    MOMENTS: tl.constexpr, SECOND_MOMENTS: tl.constexpr, STEP_SCALE: tl.constexpr):
     """The elements' second moments, updated with ``x``, stored, and the step scale they give."""
     new_moments = SECOND_MOMENTS(_load_states(moments, moments_absmax, MOMENTS, index, mask, block), x, S, K, F,
                                  False)
-    _store_states(moments, moments_absmax, MOMENTS, index, mask, block, new_moments, seed, t)
+    _store_states(moments, moments_absmax, MOMENTS, index, mask, block, new_moments)
     return STEP_SCALE(new_moments, S, K, F)
 
 
@@ -382,15 +378,15 @@ def _tile(param, grad, states, states_absmax, moments, moments_absmax, reduced, 
             if b != 1:
                 scale = STEP_SCALE(_gather_states(reduced, MOMENTS, _subset_of(index, b, c), mask), S, K, F)
             else:
-                scale = _moments_scale(moments, moments_absmax, index, mask, block, terms[0], S, seed, t, K, F,
-                                       MOMENTS, SECOND_MOMENTS, STEP_SCALE)
+                scale = _moments_scale(moments, moments_absmax, index, mask, block, terms[0], S, K, F, MOMENTS,
+                                       SECOND_MOMENTS, STEP_SCALE)
         else:
-            scale = _moments_scale(moments, moments_absmax, index, mask, block, terms[0], S, seed, t, K, F, MOMENTS,
+            scale = _moments_scale(moments, moments_absmax, index, mask, block, terms[0], S, K, F, MOMENTS,
                                    SECOND_MOMENTS, STEP_SCALE)
     else:
         scale = 0
     p, values = UPDATE(_load_param(param, index, mask, ROUNDING), terms, values, scale, S, K, F)
-    _store_states(states, states_absmax, STATES, index, mask, block, values, seed, t)
+    _store_states(states, states_absmax, STATES, index, mask, block, values)
     _store_param(param, index, p, mask, seed, t, ROUNDING)
 
 
@@ -410,7 +406,7 @@ def _subset_sums(grad, states, states_absmax, reduced, start, count, b, c, S, K:
         in_range = subsets < last
         new_moments = SECOND_MOMENTS(_load_states(reduced, None, MOMENTS, subsets, in_range, None), sums, S, K, F,
                                      True)
-        _store_states(reduced, None, MOMENTS, subsets, in_range, None, new_moments, 0, 0)
+        _store_states(reduced, None, MOMENTS, subsets, in_range, None, new_moments)
 
 
 @triton.jit
@@ -427,7 +423,7 @@ def _subset_updates(param, grad, states, reduced, start, count, b, c, S, seed, t
             values = _load_states(states, None, STATES, index, mask, None)
             p, values = UPDATE(_load_param(param, index, mask, ROUNDING), TERMS(_load(grad, index, mask), values, S,
                                K, F), values, scale, S, K, F)
-            _store_states(states, None, STATES, index, mask, None, values, seed, t)
+            _store_states(states, None, STATES, index, mask, None, values)
             _store_param(param, index, p, mask, seed, t, ROUNDING)
 
 
@@ -673,7 +669,7 @@ TYPES = PARAM_TYPES | {torch.uint8: tl.uint8}  # and 8-bit states' codes
 # the pointer table and its block maxima's row (KernelSpec.rows; None where not kept), its 8-bit code
 # table (signed) and whether it stays bf16 beside 8-bit codes (half). A tuple per field, not a tuple
 # of records: Triton before 3.9 loses the field names of a record taken from a constexpr tuple.
-# salt: for a role whose 8-bit codes round stochastically, blockwise8's CODE_SALT times its row, else None.
+# salt: for a role whose 8-bit codes round stochastically, blockwise8.code_salt of its row, else None.
 Slots = namedtuple("Slots", "row absmax signed half salt")
 
 
@@ -697,8 +693,7 @@ def _variant(spec, flags):
             return tuple(None if role is None else value(role) for role in roles)
         return Slots(field(lambda role: rows.index(role.name)), field(lambda role: rows.index(role.name + ABSMAX)),
                      field(lambda role: role.signed), field(lambda role: role.half),
-                     field(lambda role: (blockwise8.CODE_SALT * rows.index(role.name)) & blockwise8.MASK32
-                           if role.stochastic else None))
+                     field(lambda role: blockwise8.code_salt(rows.index(role.name)) if role.stochastic else None))
 
     scalars = namedtuple(f"{spec.name}_scalars", spec.all_scalars)
     feature_flags = namedtuple(f"{spec.name}_flags", spec.flags)
@@ -748,22 +743,18 @@ def compile_for(capability, spec, param_dtype, state_dtype, *, stochastic=False,
     return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=NUM_WARPS))
 
 
-def quantize(values, signed, draw=None):
+def quantize(values, signed, salt=None):
     """The kernels' quantizer on a contiguous fp32 tensor: (uint8 codes, absmax), as
-    ``blockwise8.quantize`` computes them; ``draw``, (seed, row): rounded stochastically, as
-    ``blockwise8.quantize(values, codes, seed=blockwise8.code_seed(seed, row))``."""
+    ``blockwise8.quantize`` computes them; with ``salt`` (blockwise8.code_salt): rounded
+    stochastically, as ``blockwise8.quantize(values, codes, salt=salt)``."""
     codes = torch.empty(values.shape, dtype=torch.uint8, device=values.device)
     absmax = torch.empty(blockwise8.n_blocks(values.numel()), device=values.device)
-    seed, row = (0, None) if draw is None else draw
-    salt = None if row is None else (blockwise8.CODE_SALT * row) & blockwise8.MASK32
-    _blocks_kernel[(len(absmax),)](values, codes, absmax, values.numel(), seed, 0, SIGNED=signed, QUANTIZE=True,
-                                   SALT=salt)
+    _blocks_kernel[(len(absmax),)](values, codes, absmax, values.numel(), SIGNED=signed, QUANTIZE=True, SALT=salt)
     return codes, absmax
 
 
 def dequantize(codes, absmax, signed):
     """The kernels' dequantizer, as ``blockwise8.dequantize`` computes it."""
     values = torch.empty(codes.shape, device=codes.device)
-    _blocks_kernel[(len(absmax),)](values, codes, absmax, codes.numel(), 0, 0, SIGNED=signed, QUANTIZE=False,
-                                   SALT=None)
+    _blocks_kernel[(len(absmax),)](values, codes, absmax, codes.numel(), SIGNED=signed, QUANTIZE=False, SALT=None)
     return values

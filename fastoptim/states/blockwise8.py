@@ -23,14 +23,21 @@ Round-to-nearest is biased where a state moves by less than half a code step a s
 such as Muon's momentum, B ← B + (1−μ)·(g − B) with μ = 0.95, then never leaves its code. A role
 marked ``stochastic`` (fastoptim.specs.Role) rounds its codes stochastically instead: t goes to the
 magnitude above it with probability (t − lo) / (hi − lo), lo and hi the magnitudes around it, so
-the stored value is the true one on average (unbiased). The random bits come from the step's seed
-by a counter-based hash (:func:`random_bits`, the kernels' own) of the seed, the block's new absmax
-(which tells tensors apart without numbering them, so every engine draws the same bits however it
-groups the tensors) and the element's position in its tensor: a run is reproducible from torch's
-generator, and the engines agree bit for bit. A stochastic code's
-error is below one code step (|x| / 8 in the normal range), twice round-to-nearest's bound, but
-with no bias; zeros stay exact, and a block's largest element comes back exact unless it rounds
-down (with probability at most 2^-20, where ``|x| · scale`` falls an ulp below ``top``).
+the stored value is the true one on average (unbiased). The random bits are a counter-based hash
+(:func:`random_bits`, the kernels' own) of data that every layout of the state agrees on, and of no
+seed: the role's salt (:func:`code_salt`), the block's new absmax's fp32 bits and the element's
+position in its block. So every engine draws the same bits however it groups the tensors, and so
+does every rank of a sharded run whose shards cut the state at block boundaries (a dim-0 shard of
+a whole number of blocks, as FSDP2 and HSDP cut them): a sharded run is one process's, and replicas
+stay equal, with no RNG to seed alike. The absmax is a continuous function of the step's values that
+changes every step (the momentum's largest element moves by (1−μ)·(g − B)), and the hash maps a
+change of one ulp in it to unrelated bits: over steps, an element's bits are as if drawn afresh and
+independent of the fraction they round (which moves by far more than the absmax's ulp). They repeat
+only where a block's absmax comes back with the very same bits, as at an exact fp32 fixed point of
+B ← μB + (1−μ)g, which needs the gradient's largest element bit-identical step after step. A
+stochastic code's error is below one code step (|x| / 8 in the normal range), twice round-to-nearest's
+bound, but with no bias; zeros stay exact, and a block's largest element comes back exact unless it
+rounds down (with probability at most 2^-20, where ``|x| · scale`` falls an ulp below ``top``).
 
 A block whose scale is not finite (A is 0, or below top / 3.4e38: 5.5e-39 signed, 1.8e-34 unsigned)
 is stored as zeros, with absmax 0. A block's largest element comes back exact, and so do zeros.
@@ -60,15 +67,16 @@ NAN_INDEX = 255  # the index of NaN in both tables (and of ±inf in the signed o
 
 
 MASK32 = 0xFFFFFFFF
-CODE_SALT = 0x5BD1E995  # the codes of state row r draw from seed ^ (CODE_SALT · r): not the param's bits
+CODE_SALT = 0x5BD1E995  # the codes of state row r hash with CODE_SALT · r: not the param's bits
 RANDOM_BITS = 20  # of the hash's 32 (its top ones) that a stochastic code compares with its fraction
 
 
 def random_bits(seed, tensor, index):
     """The kernels' counter-based hash (murmur3's finaliser) of (seed, tensor, element): 32 random
-    bits per element of ``index`` (an int64 tensor of element positions), as int64. ``seed``: a
-    number or a 0-d integer tensor (the step's seed: no host sync); ``tensor``: a number, or a
-    tensor that broadcasts with ``index`` (stochastic codes: their block's absmax bits). The arithmetic is modulo 2^32, as the kernels' uint32."""
+    bits per element of ``index`` (an int64 tensor), as int64. ``seed``: a number or a 0-d integer
+    tensor (stochastic codes: their role's salt, :func:`code_salt`); ``tensor``: a number, or a
+    tensor that broadcasts with ``index`` (stochastic codes: their block's absmax bits, and ``index``
+    the element's position in its block). The arithmetic is modulo 2^32, as the kernels' uint32."""
     seed = torch.as_tensor(seed).to(device=index.device, dtype=torch.int64) & MASK32
     h = seed ^ ((tensor * 0x9E3779B9) & MASK32) ^ ((index * 0x85EBCA6B) & MASK32)
     h = h ^ (h >> 16)
@@ -78,9 +86,9 @@ def random_bits(seed, tensor, index):
     return h ^ (h >> 16)
 
 
-def code_seed(seed, row):
-    """The seed that the stochastic codes of the state in pointer-table row ``row`` draw from."""
-    return torch.as_tensor(seed, dtype=torch.int64) ^ ((CODE_SALT * row) & MASK32)
+def code_salt(row):
+    """The salt of the stochastic codes of the state in pointer-table row ``row`` (the hash's seed)."""
+    return (CODE_SALT * row) & MASK32
 
 
 @dataclass(frozen=True)
@@ -127,14 +135,15 @@ def n_blocks(numel):
     return -(-numel // BLOCK)
 
 
-def quantize(tensor, codes, block=BLOCK, seed=None):
+def quantize(tensor, codes, block=BLOCK, salt=None):
     """(indices, absmax): uint8 indices of the nearest codes in ``tensor``'s shape, and the fp32
     absolute maximum of each block's finite elements. The nearest magnitude is found for
     ``t = |x| * (top / absmax)``, against midpoints that are exact; a tie goes to the larger
     magnitude. Non-finite elements get their own indices (see the module's docstring).
 
-    With ``seed`` (a stochastic role's, :func:`code_seed`), the magnitude is rounded stochastically
-    instead, with ``random_bits(seed, absmax's fp32 bits, element)``: lo, the largest magnitude ≤ t, goes up to the next, hi, where
+    With ``salt`` (a stochastic role's, :func:`code_salt`), the magnitude is rounded stochastically
+    instead, with ``random_bits(salt, the block's absmax's fp32 bits, the element's position in its
+    block)``: lo, the largest magnitude ≤ t, goes up to the next, hi, where
     ``u < (t − lo) / (hi − lo)``, u the top ``RANDOM_BITS`` bits as a fraction of 1. The fraction is
     exact in fp32 (t − lo and hi − lo are: hi − lo is a power of two, the codes being fp16 numbers),
     so up is taken with probability exactly the fraction in fp16's normal range, where it is a
@@ -148,7 +157,7 @@ def quantize(tensor, codes, block=BLOCK, seed=None):
     stored = scale.isfinite()  # the other blocks are stored as zeros
     absmax, scale = torch.where(stored, absmax, 0), torch.where(stored, scale, 0)
     t = magnitudes * scale[:, None]
-    if seed is None:
+    if salt is None:
         magnitude = torch.bucketize(t, codes.midpoints.to(tensor.device), right=True)
     else:
         table = codes.magnitudes.to(tensor.device)
@@ -156,9 +165,8 @@ def quantize(tensor, codes, block=BLOCK, seed=None):
         hi = (lo + 1).clamp(max=len(table) - 1)  # t at or past top (a rounding above it) stays at top
         step = table[hi] - table[lo]
         fraction = torch.where(step > 0, (t - table[lo]) / torch.where(step > 0, step, 1), 0)
-        index = torch.arange(blocks.numel(), device=tensor.device).view(blocks.shape)
-        bits = random_bits(torch.as_tensor(seed).to(tensor.device), absmax.view(torch.int32).long()[:, None] & MASK32,
-                           index)
+        index = torch.arange(block, device=tensor.device)  # in the block: a shard's blocks are the whole's
+        bits = random_bits(salt, absmax.view(torch.int32).long()[:, None] & MASK32, index)
         u = (bits >> (32 - RANDOM_BITS)).float() * 2.0**-RANDOM_BITS
         magnitude = lo + (u < fraction).long()
     indices = codes.zero + torch.where(blocks < 0, -magnitude, magnitude)

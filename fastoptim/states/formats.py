@@ -105,11 +105,10 @@ class Blockwise8(Dense):
     def widen(self, role, state, companions):
         return blockwise8.dequantize(state, companions[ABSMAX], self.codes(role))
 
-    def store(self, role, state, companions, value, draw=None):
-        """As the fp32 format's; ``draw``, (the step's seed, the state's row in the kernel's table):
-        the codes rounded stochastically (blockwise8.quantize), for a ``stochastic`` role."""
-        seed = None if draw is None else blockwise8.code_seed(*draw)
-        codes, absmax = blockwise8.quantize(value, self.codes(role), seed=seed)
+    def store(self, role, state, companions, value, salt=None):
+        """As the fp32 format's; ``salt`` (blockwise8.code_salt of the state's row in the kernel's
+        table): the codes rounded stochastically (blockwise8.quantize), for a ``stochastic`` role."""
+        codes, absmax = blockwise8.quantize(value, self.codes(role), salt=salt)
         state.copy_(codes)
         companions[ABSMAX].copy_(absmax)
 
