@@ -72,7 +72,7 @@ def time_cells(eager, compiled_samples):
 
 def python_seconds(optimizer, steps):
     """The eager step's seconds with the native kernel call replaced by a no-op."""
-    with mock.patch.object(cpu_backend, "step", lambda launches: cpu_backend.STEPPED):
+    with mock.patch.object(cpu_backend, "step", lambda launches, clip=None: cpu_backend.STEPPED):
         optimizer.step()
         start = time.perf_counter()
         for _ in range(steps):

@@ -15,6 +15,10 @@
 #                                  torch's fused AdamW, and Muon's engines against torch.optim.Muon
 #   bash benchmarks/gpu.sh compile the compile tests with the machine's torch, and the code inductor makes of
 #                                  a CUDA step (output-code.log: what the op's mutated tensors cost)
+#   bash benchmarks/gpu.sh cpu     the CPU suite on the machine's cores (14 workers: a quick gate), then the
+#                                  Triton tests on CUDA tensors
+#   bash benchmarks/gpu.sh host    host time, CPU and CUDA, of this tree and of $BEFORE (another tree, with its own
+#                                  native library), in turns, on the same machine
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -104,6 +108,23 @@ formats)
         adamwsn-8bit-master24-fused-multi --out "$OUT/bf16" 2>&1 | tr '\r' '\n' | grep -v "step/s\]" \
         | grep -v "^gpt2-124m: "
     timeout 80 python3 -m benchmarks.muon --device cuda --model gpt2-124m 2>&1 | tee "$OUT/muon.md"
+    ;;
+cpu)
+    timeout "${SUITE_SECONDS:-270}" python3 -m pytest -q -p no:cacheprovider -n 14 --timeout 150 -rfE \
+        -m "not distributed and not sanitizers" --ignore tests/test_distributed.py --ignore tests/test_sanitizers.py \
+        --ignore tests/test_setup.py --ignore tests/test_bench.py --ignore tests/test_train.py tests \
+        > "$OUT/cpu-suite.log" 2>&1
+    tail -3 "$OUT/cpu-suite.log"; grep -E "^(FAILED|ERROR) " "$OUT/cpu-suite.log" | cut -c1-300 | head -60
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -n 8 --timeout 90 tests/test_triton.py -k "cuda" -rfE 2>&1 \
+        | tee "$OUT/triton-cuda.log" | tail -8
+    ;;
+host)
+    for tree in "$BEFORE" .; do
+        (cd "$tree" && PYTHONPATH=$PWD timeout 120 python3 -m benchmarks.host_time --steps 20 --repeats 5) \
+            > "$OUT/host-cpu-$(basename "$(realpath "$tree")").md" 2>&1
+        (cd "$tree" && PYTHONPATH=$PWD timeout 90 python3 -m benchmarks.host_time --device cuda --steps 20 \
+            --repeats 5) > "$OUT/host-cuda-$(basename "$(realpath "$tree")").md" 2>&1
+    done
     ;;
 compile)
     timeout 140 python3 -m pytest -q -p no:cacheprovider -n 14 --timeout 120 -rfE tests/test_compile.py 2>&1 \

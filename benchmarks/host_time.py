@@ -5,7 +5,10 @@ interleaved in one run, at 1 thread and at torch's default, optionally while ano
 one core busy (``--busy``); and 148 params alternating fp32 and bf16 (a group of two buckets) at the
 default threads. Each sample is the mean of ``--steps`` back-to-back steps; the table
 gives the median over ``--repeats`` samples, min..max, and the median ratio to torch's fused AdamW.
-A second table times each optimizer on 2000 params of 1,000-5,000 elements, as tensors of their own
+A second table times the options that must cost little beyond the plain step, each against its twin
+without it on the same params: clipping (``max_grad_norm``), subset-norm second moments (``sn``, on 148
+8x8 matrices), 8-bit states (on 148 params of 4096 elements, the smallest that keep 8-bit states).
+A third table times each optimizer on 2000 params of 1,000-5,000 elements, as tensors of their own
 and moved into one buffer by ``fastoptim.flatten_parameters``, against one param of the same numel,
 interleaved: what many tensors cost beyond their elements. With ``--device cuda`` the
 params are CUDA tensors (fastoptim's fused engine is then Triton's) and each sample ends with a sync.
@@ -78,6 +81,44 @@ def flattened(params):
     return params
 
 
+# (row, its twin, make(params), shape of each of the 148 params)
+VARIANTS = [
+    ("AdamW max_grad_norm=1", "AdamW", lambda p: fastoptim.AdamW(p, lr=1e-3, max_grad_norm=1.0), (16,)),
+    ("AdamW", None, lambda p: fastoptim.AdamW(p, lr=1e-3), (16,)),
+    ("Adan max_grad_norm=1", "Adan", lambda p: fastoptim.Adan(p, lr=1e-3, max_grad_norm=1.0), (16,)),
+    ("Adan", None, lambda p: fastoptim.Adan(p, lr=1e-3), (16,)),
+    ("AdamWSN sn, 8x8", "AdamWSN, 8x8", lambda p: fastoptim.AdamWSN(p, lr=1e-3, sn=True), (8, 8)),
+    ("AdamWSN, 8x8", None, lambda p: fastoptim.AdamWSN(p, lr=1e-3), (8, 8)),
+    ("AdamW state_bits=8, 4096", "AdamW, 4096", lambda p: fastoptim.AdamW(p, lr=1e-3, state_bits=8), (4096,)),
+    ("AdamW, 4096", None, lambda p: fastoptim.AdamW(p, lr=1e-3), (4096,)),
+]
+
+
+def variants(steps, repeats, device):
+    """Rows of the options' table: each variant's µs per step and its ratio to its twin, interleaved."""
+    optimizers = {}
+    for name, _, make, shape in VARIANTS:
+        params = [torch.nn.Parameter(torch.randn(shape, device=device)) for _ in range(148)]
+        for param in params:
+            param.grad = torch.randn_like(param)
+        optimizers[name] = make(params)
+        sample(optimizers[name], 3, device)
+    samples = {name: [] for name in optimizers}
+    for repeat in range(repeats):
+        names = list(optimizers)
+        for name in names[repeat % len(names):] + names[:repeat % len(names)]:
+            samples[name].append(sample(optimizers[name], steps, device))
+    rows = []
+    for name, twin, _, _ in VARIANTS:
+        times, ratio = samples[name], ""
+        if twin is not None:
+            ratios = [a / b for a, b in zip(times, samples[twin])]
+            ratio = f"{statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f})"
+        rows.append(f"| {name} | {statistics.median(times) * 1e6:.0f} | {min(times) * 1e6:.0f}..{max(times) * 1e6:.0f} "
+                    f"| {ratio} |")
+    return rows
+
+
 def many_against_one(steps, repeats, device):
     """Rows of the second table: each optimizer's step on 2000 params of 1,000-5,000 elements, each
     its own tensor or all in one buffer (fastoptim.flatten_parameters), and on one param of the same
@@ -128,6 +169,10 @@ def main():
         mixed = (torch.float32, torch.bfloat16)  # a group of two buckets
         print("\n".join(measure(148, default_threads, args.steps, args.repeats, args.device, mixed)), flush=True)
         torch.set_num_threads(default_threads)
+        print(f"\nOptions, 148 params, {default_threads} threads: each against its twin without the option")
+        print("| optimizer | µs per step | min..max | / its twin (min..max) |")
+        print("|---|---|---|---|")
+        print("\n".join(variants(args.steps, args.repeats, args.device)), flush=True)
         rows, numel = many_against_one(max(args.steps // 10, 3), args.repeats, args.device)
         print(f"\n2000 params of 1,000-5,000 elements ({numel / 1e6:.1f}M) against one param of that numel, "
               f"{default_threads} threads")

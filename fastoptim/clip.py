@@ -14,8 +14,7 @@ import torch
 
 from . import distributed
 from .engines import backends
-from .multi_tensor import buckets, chunk_plan, data_pointers, spans_disjoint
-from .step_cache import OpCache
+from .multi_tensor import buckets
 
 
 # Params whose grads an optimizer releases (steps and frees in backward: enable_gradient_release), by id,
@@ -33,49 +32,16 @@ def clip_backend(grads):
     return backend if backend.CLIPS and backend.available() else None
 
 
-class GradTables:
-    """The kernel's chunk plans over a list of grads, (indices, chunks) per (device, dtype) bucket,
-    kept from call to call: building them again cost as much as the norm of small grads. A kernel
-    checks that a plan covers the grads it is given (``PLAN_STALE`` if not), so no grad is read here."""
-
-    def __init__(self):
-        self.buckets, self.n = None, None
-
-    def __call__(self, grads, again=False):
-        if again or self.buckets is None or self.n != len(grads):
-            self.n = len(grads)
-            self.buckets = [(bucket, chunk_plan([grads[i].numel() for i in bucket])[0]) for bucket in buckets(grads)]
-        return self.buckets
-
-
-def _kernel_partials(grads, inf, kernel, tables):
-    """Per bucket, the kernel's partial sums of squares (or largest magnitudes) of ``grads``, or None
-    where it does not take them. A kept plan the kernel refuses in any way is built again from these
-    grads before that is decided: a plan made for other grads (in another order, or before one became
-    float64) groups them otherwise, and the scaling that follows takes the plans the norm leaves."""
-    for again in (False, True):
-        parts = []
-        for bucket, chunks in tables(grads, again):
-            status, partials = kernel.grad_norm_partials(grads if len(bucket) == len(grads) else
-                                                         [grads[i] for i in bucket], chunks, inf)
-            if status != kernel.TAKEN:
-                break
-            parts.append(partials)
-        else:
-            return parts
-        if again and status == kernel.NOT_TAKEN:
-            return None
-    raise RuntimeError("fastoptim: the clip kernel refused chunk plans built from its grads just now")
-
-
-def _total(grads, inf, kernel, tables):
+def _total(grads, inf, kernel):
     """The sum of squares (or with ``inf`` the largest magnitude) of ``grads``, float64 from the
-    kernel where it takes them (``kernel``: the backend whose kernels may, or None; ``tables``: a
-    :class:`GradTables`), else in the grads' widest dtype from ``torch._foreach_norm``, per device."""
-    parts = _kernel_partials(grads, inf, kernel, tables) if kernel else None
-    if parts is not None:
-        partials = torch.cat([parts[0].new_zeros(1)] + parts)
-        return partials.max() if inf else partials.sum()
+    kernel where it takes them (``kernel``: the backend whose kernels may, or None): each chunk's
+    partial, then the partials added in the grads' order, the one order in which fastoptim sums a
+    norm (a bound step's native call sums its grads so); else in the grads' widest dtype from
+    ``torch._foreach_norm``, per device."""
+    if kernel:
+        status, total = kernel.grad_norm_total(grads, inf)
+        if status == kernel.TAKEN:
+            return total
     wide = widest(grads)
     device, parts = grads[0].device, []
     for bucket in buckets(grads):
@@ -85,19 +51,13 @@ def _total(grads, inf, kernel, tables):
     return parts.max() if inf else parts.sum()
 
 
-def _scale(grads, factor, kernel, tables):
-    """Multiply ``grads`` by ``factor`` (a one-element tensor) in place, per bucket: by the kernel
-    where it takes them and no two share memory (its threads would race), else by
-    ``torch._foreach_mul_``. ``tables`` must have been built for these grads (by the norm)."""
-    cpu_factor = factor.to("cpu", torch.float32).reshape(()) if kernel else None  # the kernel reads one fp32 value
-    for bucket, chunks in (tables(grads) if kernel else [(bucket, None) for bucket in buckets(grads)]):
+def _scale(grads, factor, kernel):
+    """Multiply ``grads`` by ``factor`` (a one-element tensor) in place: by the kernel where it takes
+    them (no two sharing memory: its threads would race), else by ``torch._foreach_mul_`` per bucket."""
+    if kernel and kernel.scale_grads(grads, factor.to("cpu", torch.float32).reshape(())) == kernel.TAKEN:
+        return
+    for bucket in buckets(grads):
         part = [grads[i] for i in bucket]
-        if kernel and spans_disjoint(data_pointers(part), [g.numel() * g.element_size() for g in part]):
-            status = kernel.scale_grads(part, chunks, cpu_factor)
-            if status == kernel.TAKEN:
-                continue
-            if status == kernel.PLAN_STALE:
-                raise RuntimeError("fastoptim: the clip's chunk plans were made for other grads")
         torch._foreach_mul_(part, factor.to(part[0].device))
 
 
@@ -112,7 +72,7 @@ def _op_grad_norm_total(grads, inf):
     _check_grads("grad_norm_total", grads)
     if not grads:
         return torch.zeros((), dtype=torch.float64)
-    return _total(grads, inf, clip_backend(grads), _op_tables(grads)).double()
+    return _total(grads, inf, clip_backend(grads)).double()
 
 
 def _op_scale_grads(grads, factor):
@@ -121,41 +81,18 @@ def _op_scale_grads(grads, factor):
         raise ValueError(f"fastoptim::scale_grads: factor must be a one-element floating-point tensor, got "
                          f"{factor.dtype} of shape {tuple(factor.shape)}")
     if grads:
-        tables = _op_tables(grads)
-        tables(grads, again=True)  # no norm checked the plans against these grads
-        _scale(grads, factor, clip_backend(grads), tables)
+        _scale(grads, factor, clip_backend(grads))
 
 
-# The kernels as custom ops, which torch.compile keeps in a traced step (the native ops take chunk
-# plans, which a trace cannot build). Their tables are kept per list of grads (its length and first pointer), checked as
-# always, in the store that keeps the eager clip_grad_norm_'s.
-# Called with grads the kernel cannot take, they do what torch's foreach ops do.
+# The kernels as custom ops, which torch.compile keeps in a traced step (the native ops return status
+# codes and write into their arguments, which a trace cannot follow). Called with grads the kernel
+# cannot take, they do what torch's foreach ops do.
 _LIBRARY = torch.library.Library("fastoptim", "FRAGMENT")
 _LIBRARY.define("grad_norm_total(Tensor[] grads, bool inf) -> Tensor")
 _LIBRARY.define("scale_grads(Tensor(a!)[] grads, Tensor factor) -> ()")
 # the norm and the factor from the sum of squares (or largest magnitude): arithmetic left in a traced
 # graph would be a kernel that inductor compiles
 _LIBRARY.define("clip_factor(Tensor total, float max_norm, bool inf, ScalarType wide) -> Tensor[]")
-_OP_TABLES = OpCache()
-
-
-def _kept_tables(key):
-    """The :class:`GradTables` kept under ``key``, made where there are none."""
-    return _OP_TABLES.get(key) or _OP_TABLES.keep(key, GradTables())
-
-
-def _op_tables(grads):
-    return _kept_tables((len(grads), grads[0].data_ptr()))
-
-
-def _eager_tables(parameters, grads):
-    """The tables of an eager ``clip_grad_norm_`` over ``parameters``, kept between calls by the
-    parameters' count and first one (a training loop passes the same ones each step, with new grads):
-    building them costs more than the norm of small grads. The kernels check a plan against the
-    grads they are given, and one made for other grads is built again."""
-    return _kept_tables(("clip_grad_norm_", len(parameters), len(grads), id(parameters[0])))
-
-
 def _op_clip_factor(total, max_norm, inf, wide):
     norm = norm_of(total, inf, wide)
     norm = norm.clone() if norm is total else norm  # an op's output may not be its input
@@ -171,12 +108,12 @@ torch.library.register_fake("fastoptim::grad_norm_total", lambda grads, inf: tor
 torch.library.register_fake("fastoptim::scale_grads", lambda grads, factor: None, lib=_LIBRARY)
 
 
-def grad_norm(grads, norm_type=2.0, group=None, cache=None, kernel=None, wide=None):
+def grad_norm(grads, norm_type=2.0, group=None, kernel=None, wide=None):
     """The ``norm_type``-norm (2 or inf) over every tensor in ``grads``, as a 0-d tensor on the first
     grad's device: float64 where a grad is float64 (as torch's), else fp32 (``wide``: that dtype,
-    where the caller knows it: reading every grad's dtype costs 0.1 µs each). On grads the kernel
-    takes (``kernel``: the backend, ``clip_backend(grads)``; None: decided here), ``cache`` (a
-    :class:`GradTables`) keeps its tables. ``group``: a process group whose ranks hold the rest of
+    where the caller knows it: reading every grad's dtype costs 0.1 µs each), by the kernel where it
+    takes the grads (``kernel``: the backend, ``clip_backend(grads)``; None: decided here) in
+    fastoptim's one order of a norm's sum (see ``_total``). ``group``: a process group whose ranks hold the rest of
     the grads (each exactly once); the norm is then theirs all together, and every rank of it must
     call this, with grads or none."""
     inf, wide = norm_type == math.inf, widest(grads) if wide is None else wide
@@ -185,7 +122,7 @@ def grad_norm(grads, norm_type=2.0, group=None, cache=None, kernel=None, wide=No
     if kernel and torch.compiler.is_compiling():
         total = torch.ops.fastoptim.grad_norm_total(grads, inf)
     elif grads:
-        total = _total(grads, inf, kernel, cache or GradTables())
+        total = _total(grads, inf, kernel)
     else:
         total = torch.zeros((), dtype=torch.float64)
     if group is not None:  # one dtype on every rank, whichever way each one reduced
@@ -206,15 +143,16 @@ def norm_of(total, inf, wide):
 CLIP_EPS = 1e-6  # torch's clip_grad_norm_ divides by norm + 1e-6
 
 
-def clip_coefficient(grads, max_norm, eps, inv_scale=None, group=None, cache=None, wide=None):
+def clip_coefficient(grads, max_norm, eps, inv_scale=None, group=None, wide=None):
     """``min(1, max_norm / (norm + eps))``, the factor official Adan scales every gradient by.
     ``inv_scale`` (GradScaler's 1/scale, a tensor) unscales the norm of still-scaled grads; ``group``
-    (see :func:`grad_norm`) makes the norm global; ``cache`` and ``wide``: see :func:`grad_norm`."""
-    return coefficient_of(grad_norm(grads, group=group, cache=cache, wide=wide), max_norm, eps, inv_scale)
+    (see :func:`grad_norm`) makes the norm global; ``wide``: see :func:`grad_norm`."""
+    return coefficient_of(grad_norm(grads, group=group, wide=wide), max_norm, eps, inv_scale)
 
 
 def coefficient_of(norm, max_norm, eps, inv_scale=None):
-    """:func:`clip_coefficient` of grads whose 2-norm is ``norm``."""
+    """:func:`clip_coefficient` of grads whose 2-norm is ``norm``. A bound step's native call computes
+    it too (native.cpp's clip_coefficient): the same fp32 operations in the same order."""
     if inv_scale is not None:
         norm = norm * inv_scale
     return (max_norm / (norm + eps)).clamp(max=1.0)
@@ -255,13 +193,12 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
         return torch.tensor(0.0)
     kernel = clip_backend(grads)
     traced = kernel and torch.compiler.is_compiling()
-    tables = None if traced or not kernel else _eager_tables(parameters, grads)  # the norm's, used again by the scaling
     if traced:
         inf = norm_type == math.inf
         norm, factor = torch.ops.fastoptim.clip_factor(torch.ops.fastoptim.grad_norm_total(grads, inf), max_norm,
                                                        inf, widest(grads))
     else:
-        norm = grad_norm(grads, norm_type, cache=tables, kernel=kernel)
+        norm = grad_norm(grads, norm_type, kernel=kernel)
         factor = coefficient_of(norm, max_norm, CLIP_EPS)
     if error_if_nonfinite and not torch.isfinite(norm):  # a host sync, as in torch: only when asked for
         raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {norm.item()}, so it "
@@ -269,5 +206,5 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     if traced:
         torch.ops.fastoptim.scale_grads(grads, factor)
     else:
-        _scale(grads, factor, kernel, tables)
+        _scale(grads, factor, kernel)
     return norm

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from . import distributed
-from .multi_tensor import bump_versions, buckets
+from .multi_tensor import buckets
 from .specs import ABSMAX
 
 
@@ -76,9 +76,9 @@ class GroupWork:
         self.buckets = [(bucket, None) for bucket in buckets(params)]
         self.states = self.kept = self.tensors = self.context = self.states_chosen = self.state_signature = None
         self.count_owners = self.count_pointers = None
+        self.watched = self.grads_like = None  # see read_tensors
         self.bucket_caches = {}
         self.traced_scalars = None  # for a traced CPU step whose scalars an op computes: scalars.Prepared
-        self.host_count = HostCount()  # what eager steps know of its params' counts
 
     def fits(self, roles, engine, params, local_params):
         return (roles, engine) == (self.roles, self.engine) and self.signature.describes(params, local_params)
@@ -130,10 +130,25 @@ class GroupWork:
         self.tensors = {"param": self.local_params} | {role: list(map(engine_view, self.kept[role]))
                                                        for role in self.roles if role in self.kept}
         self.absmax = {role: self.kept[role + ABSMAX] for role in self.roles if role + ABSMAX in self.kept}
+        self.watched, self.grads_like = self._watched(), None
         if self.partitions:
+            self.grads_like = self.tensors["param"]  # a grad comes as its param is; the engines take views
             self.tensors = {role: [t if part is None or t is None else part.view_state(t) if role in self.reduced_roles
                                    else part.view_param(t) for t, part in zip(tensors, self.partitions)]
                             for role, tensors in self.tensors.items()}
+
+    def _watched(self):
+        """Per param, what native code checks beside the tensors the engines take (see
+        ``fused.Tables``), so that a step that checks none in Python (``BoundStep``) still sees them
+        change: the param and states where the engines take their (a, b, c) views (subset norm), and
+        the param's count with the one tensor it is a slot of (``context.counts``)."""
+        counts = self.context.counts
+        watched = [[] for _ in self.params] if counts is None else [[slot, counts] for slot in self.kept["step"]]
+        for i, part in enumerate(self.partitions or ()):
+            if part is not None:
+                watched[i] += [self.tensors[role][i] for role in self.roles
+                               if role in self.tensors and self.tensors[role][i] is not None]
+        return watched
 
     def traced(self, params, local_params):
         """This work, prepared by the optimizer's ``_init_group``, for a step that torch.compile traces:
@@ -169,52 +184,6 @@ def are_slots(counts: Tensor, tensors: list[Tensor]) -> bool:
     data pointers tell."""
     return (counts.dim() == 1 and counts.is_contiguous() and len(counts) == len(tensors)
             and list(map(Tensor.data_ptr, tensors)) == slot_pointers(counts))
-
-
-class HostCount:
-    """What a group's eager steps know of its params' CPU step counts (one fp32 tensor, a value per
-    param): the value every count holds, and the tensor's storage, version counter and bytes then.
-    While all of them stay, a step takes the number instead of comparing every count (several µs a
-    step); any write, also one behind the version counter (``.data``, a numpy view, another process
-    sharing the memory), changes the bytes, and the counts are read again. The step's own ``add``
-    keeps it, where the step read the counts through :meth:`read`. A group's 0-d count is read
-    directly (one ``item()``)."""
-
-    def __init__(self):
-        self.tensor, self.fresh = None, False
-
-    def read(self, count: Tensor) -> float | None:
-        """The value every element of ``count`` (a CPU tensor) holds, or None where they differ."""
-        if count.dim() == 0:
-            return count.item()
-        self.fresh = (count is self.tensor and count._version == self.version and count.data_ptr() == self.pointer
-                      and self.array.tobytes() == self.bytes)
-        if self.fresh:
-            return self.value
-        values = count.numpy()
-        value = float(values[0]) if (values == values[0]).all() else None
-        self.tensor = None
-        if value is not None and count.dim() == 1 and count.dtype == torch.float32 and not count.is_inference():
-            self.tensor, self.array, self.value, self.fresh = count, values, value, True
-            self._note()
-        return value
-
-    def add(self, count: Tensor, increment: int | Tensor) -> None:
-        """``count += increment``, the value kept where this step read it through :meth:`read`."""
-        fresh, self.fresh = self.fresh and count is self.tensor and count._version == self.version, False
-        if fresh and not isinstance(increment, Tensor):
-            # equal counts plus one number stay equal; numpy adds in place (the same fp32 sums) for a
-            # fraction of add_'s dispatch, and the version counter is bumped as add_ bumps it
-            self.array += increment
-            bump_versions([count])
-            self.value = float(self.array[0])
-            self._note()
-            return
-        count.add_(increment)
-        self.tensor = None
-
-    def _note(self):
-        self.version, self.pointer, self.bytes = self.tensor._version, self.tensor.data_ptr(), self.array.tobytes()
 
 
 class OpCache(dict):
@@ -379,28 +348,34 @@ class BoundStep:
     """A step whose every group runs on tables bound to native code (a backend that
     ``CHECKS_NATIVELY``), whose calls check every param, state and grad, so the step checks none in
     Python. Python checks what native code cannot see: that the same params have grads, in the same
-    groups, with the same options (``structure(group)``), that no state dict changed since (a
-    state replaced or removed: :func:`state_changes`), and that the params' counts are where the
-    step reads them (``GroupWork.counts_in_place``)."""
+    groups, with the same options (``structure(group)``), and that no state dict changed since (a
+    state replaced or removed: :func:`state_changes`). Native code also checks what the tensors it
+    takes derive from: the user's params and states where it takes views of them (subset norm), and
+    the params' counts, slots of one tensor (``GroupWork.watched``)."""
 
-    def __init__(self, state, groups, entries, structures):
+    def __init__(self, state, groups, entries, structures, runs, forced):
         self.state, self.groups, self.entries, self.structures = state, groups, entries, structures
+        self.runs = runs  # per group, per bucket: (its fused.Tables, its params' indices or None for all, its cache)
+        # its backend computes the step's scalars (clip, the rules') and advances the counts natively
+        self.step_scalars = all(tables.backend.STEP_SCALARS for group in runs for tables, _, _ in group)
+        self.forced = forced  # the backend FASTOPTIM_FUSED_BACKEND forced: another chooses other tables
+        self.group_counts = [group.get("step") for group in groups]
         self.changes = state_changes()
 
     @classmethod
-    def of(cls, state, work, structure, natively_checked):
-        """The BoundStep of a step's ``work`` ((group, GroupWork, grads) per group), or None when a
-        bucket is not ``natively_checked(entry, bucket_index)`` or a group's tensors are views."""
+    def of(cls, state, work, structure, runs, forced):
+        """The BoundStep of a step's ``work`` ((group, GroupWork, grads) per group) whose groups run
+        ``runs`` (per group, per bucket: its natively checked tables, its params' indices or None for
+        all, its cache; None where a group's step is not that alone), under the backend
+        FASTOPTIM_FUSED_BACKEND ``forced``; or None where a group's states are new or its tensors views."""
         for _, entry, _ in work:
             if entry.params and (entry.states is None or entry.local_params is not entry.params
-                                 or entry.viewed_states or entry.partitions
-                                 or not all(reduce is None and natively_checked(entry, index)
-                                            for index, (_, reduce) in enumerate(entry.buckets))):
+                                 or entry.viewed_states or entry.context.first_reads is not None):
                 return None
-        if type(state) is not OptimizerState:
+        if runs is None or type(state) is not OptimizerState:
             return None
         return cls(state, [group for group, _, _ in work], [entry for _, entry, _ in work],
-                   [Structure(structure, group) for group, _, _ in work])
+                   [Structure(structure, group) for group, _, _ in work], runs, forced)
 
     def work(self, state, groups, structure, check):
         """This step's (group, GroupWork, grads) per group, or None where the rule no longer holds;
@@ -409,15 +384,17 @@ class BoundStep:
                 or not all(map(operator.is_, groups, self.groups))):
             return None
         work = []
-        for group, entry, expected in zip(groups, self.entries, self.structures):
+        for group, entry, expected, count in zip(groups, self.entries, self.structures, self.group_counts):
             params = group["params"]
             grads = [param.grad for param in params]  # each read once: a Parameter's .grad costs 50-100 ns
             if not all(map(operator.is_not, grads, repeat(None))):
                 params = [param for param, grad in zip(params, grads) if grad is not None]
                 grads = [grad for grad in grads if grad is not None]
             if (len(params) != len(entry.params) or not all(map(operator.is_, params, entry.params))
-                    or not expected.holds(structure, group) or not entry.counts_in_place()):
+                    or not expected.holds(structure, group)):
                 return None
             check(group, params)
+            if group.get("step") is not count:  # a group's count (official Adan's) set anew: its tables hold the last
+                return None
             work.append((group, entry, grads))
         return work

@@ -177,9 +177,9 @@ def test_native_calls_one_per_bucket_then_one_per_step(monkeypatch, engine, per_
     once per tensor. fused=None picks the multi-tensor tier."""
     calls, real_step = [], cpu_backend.step
 
-    def counting_step(launches):
+    def counting_step(launches, clip=None):
         calls.append([(len(launch.grads), launch.per_tensor) for launch in launches])
-        return real_step(launches)
+        return real_step(launches, clip)
 
     monkeypatch.setattr(cpu_backend, "step", counting_step)
     shapes = [(7,), (5, 3), LARGE, (4,), (2, 2)]

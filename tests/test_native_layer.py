@@ -20,6 +20,7 @@ from fastoptim import engines
 from fastoptim.engines.backends import cpu as cpu_backend
 from fastoptim.specs import declared_specs
 from fastoptim.states import master
+from fastoptim.optimizers.algorithm import StepInputs
 from fastoptim.step_cache import ParamState
 
 from .registry import OPTIMIZERS
@@ -235,7 +236,8 @@ def test_a_bound_step_of_a_group_of_two_dtypes_is_the_checked_step(cls, engine, 
     (scalars with one value per param, cut to each bucket)."""
     shapes, dtypes = [(5, 7), (300,), (3,), (4, 4)], [torch.float32, torch.bfloat16] * 2
     batches, real = [], engines.fused.run_batch
-    monkeypatch.setattr(engines.fused, "run_batch", lambda batch: batches.append((len(batch), real(batch))) or batches[-1][1])
+    monkeypatch.setattr(engines.fused, "run_batch",
+                        lambda batch, clip=None: batches.append((len(batch), real(batch, clip))) or batches[-1][1])
     runs = []
     for checked in (False, True):
         batches.clear()
@@ -343,9 +345,9 @@ def test_the_step_op_updates_the_states_it_is_given_not_those_of_the_last_call()
 
 def test_a_bound_step_refuses_handles_and_counts_it_does_not_know():
     with pytest.raises(RuntimeError, match="no bound table"):
-        torch.ops.fastoptim.bound_step([-5], [], [], [], [], [0], [0])
-    with pytest.raises(RuntimeError, match="one flags and per_tensor entry per table"):
-        torch.ops.fastoptim.bound_step([-5], [], [], [], [], [], [])
+        torch.ops.fastoptim.bound_step([-5], [], [], [], [], [0], [0], [], None, [0], [])
+    with pytest.raises(RuntimeError, match="one flags, per_tensor and ruled entry per table"):
+        torch.ops.fastoptim.bound_step([-5], [], [], [], [], [], [], [], None, [], [])
 
 
 def a_bound_launch():
@@ -357,7 +359,7 @@ def a_bound_launch():
     launches = []
     real = cpu_backend.step
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu_backend, "step", lambda batch: launches.extend(batch) or real(batch))
+        patch.setattr(cpu_backend, "step", lambda batch, clip=None: launches.extend(batch) or real(batch, clip))
         opt.step()
     (launch,) = launches
     return params[0], launch
@@ -382,44 +384,65 @@ def test_a_bound_step_refuses_a_table_listed_twice():
 
 
 def clip_kernel_answers():
-    """What the clip kernels answer for a plan made for other grads (fewer, more, in another order)
-    and for grads they cannot take, and whether a refused call left the grads as they were."""
-    from fastoptim.multi_tensor import chunk_plan
+    """What the clip kernels answer for grads they take (of three dtypes, one empty) and for grads
+    they cannot take (float64, strided, overlapping, two views of one memory), and whether a refused
+    call left the grads as they were."""
     grads = [torch.ones(10), torch.ones(6)]
-    plan = chunk_plan([10, 6])[0]
-    answers = [cpu_backend.grad_norm_partials(grads, plan, False)[0]]
-    answers += [cpu_backend.grad_norm_partials(other, plan, False)[0]
-                for other in ([torch.ones(6), torch.ones(10)], grads[:1], grads + [torch.ones(3)])]
+    mixed = [torch.ones(70_000, dtype=torch.bfloat16), torch.ones(0), torch.ones(5, dtype=torch.float16)]
+    answers = [cpu_backend.grad_norm_total(grads, False)[0], cpu_backend.grad_norm_total(mixed, True)[0]]
+    memory = torch.ones(12)
     for other in (torch.ones(6, dtype=torch.float64), torch.ones(12)[::2], torch.ones(1).expand(6)):
-        answers += [cpu_backend.grad_norm_partials([grads[0], other], plan, False)[0],
-                    cpu_backend.scale_grads([grads[0], other], plan, torch.tensor(2.0))]
-    answers.append(cpu_backend.scale_grads(grads[::-1], plan, torch.tensor(2.0)))
-    return answers, all(torch.equal(g, torch.ones_like(g)) for g in grads)
+        answers += [cpu_backend.grad_norm_total([grads[0], other], False)[0],
+                    cpu_backend.scale_grads([grads[0], other], torch.tensor(2.0))]
+    answers.append(cpu_backend.scale_grads([memory[:8], memory[4:]], torch.tensor(2.0)))  # overlap: threads race
+    unchanged = all(torch.equal(g, torch.ones_like(g)) for g in (*grads, memory))
+    return answers, unchanged
 
 
-def test_the_clip_kernels_answer_for_grads_they_cannot_take_and_plans_made_for_others():
-    """In a fresh interpreter: a plan the kernels took for other grads would read out of bounds."""
+def test_the_clip_kernels_answer_for_grads_they_cannot_take():
+    """In a fresh interpreter: a grad the kernels took that they cannot walk would be read out of bounds."""
     code = "import json, tests.test_native_layer as t; print(json.dumps(t.clip_kernel_answers()))"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                             cwd=Path(__file__).parent.parent)
     assert result.returncode == 0, f"exit {result.returncode}:\n{result.stderr[-3000:]}"
-    taken, stale, refused = cpu_backend.TAKEN, cpu_backend.PLAN_STALE, cpu_backend.NOT_TAKEN
-    assert json.loads(result.stdout.splitlines()[-1]) == [[taken, stale, stale, stale] + [refused] * 6 + [stale], True]
+    taken, refused = cpu_backend.TAKEN, cpu_backend.NOT_TAKEN
+    assert json.loads(result.stdout.splitlines()[-1]) == [[taken, taken] + [refused] * 7, True]
+
+
+def test_the_norm_is_summed_chunk_by_chunk_in_the_grads_order():
+    """The one order fastoptim sums a norm in: each 32k-element chunk's sum of squares in float64, the
+    chunks added in the grads' order, whatever their dtypes (a bound step's native call sums so too);
+    the largest magnitude is the largest, a NaN kept."""
+    torch.manual_seed(0)
+    grads = [torch.randn(70_000), torch.randn(5).bfloat16(), torch.randn(0), torch.randn(40_000).half(),
+             torch.randn(3)]
+    total = 0.0
+    for grad in grads:
+        for chunk in grad.double().split(1 << 15):
+            total += float(chunk.square().sum())
+    status, ours = cpu_backend.grad_norm_total(grads, False)
+    assert status == cpu_backend.TAKEN
+    torch.testing.assert_close(ours, torch.tensor(total, dtype=torch.float64), rtol=1e-14, atol=0)
+    reordered = cpu_backend.grad_norm_total([grads[i] for i in (4, 0, 3, 1, 2)], False)[1]
+    torch.testing.assert_close(reordered, ours, rtol=1e-14, atol=0)
+    largest = max(float(g.abs().max()) for g in grads if g.numel())
+    assert cpu_backend.grad_norm_total(grads, True)[1].item() == largest
+    grads[3][7] = float("nan")
+    assert cpu_backend.grad_norm_total(grads, True)[1].isnan() and cpu_backend.grad_norm_total(grads, False)[1].isnan()
 
 
 def test_the_native_ops_refuse_chunks_outside_their_tensors():
-    grads = [torch.ones(10)]
     chunks = torch.tensor([[0, 5, 6, 0]])
-    assert torch.ops.fastoptim.scale_grads_in_chunks(grads, chunks, torch.tensor(2.0)) == cpu_backend.PLAN_STALE
-    assert torch.equal(grads[0], torch.ones(10))
     with pytest.raises(RuntimeError, match="reaches outside its tensor"):
-        torch.ops.fastoptim.bind("adan", [torch.ones(10)] * 5, [0, 2, 3, 4, 5], 1, 11, 16, chunks, None, [])
+        torch.ops.fastoptim.bind("adan", [torch.ones(10)] * 5, [0, 2, 3, 4, 5], 1, 11, 16, chunks, None, [], [], [],
+                                 "", [])
     with pytest.raises(RuntimeError, match="adan kernel reads 11 rows of pointers, not 10"):  # its remainders' too
-        torch.ops.fastoptim.bind("adan", [torch.ones(10)] * 5, [0, 2, 3, 4, 5], 1, 10, 16, chunks, None, [])
+        torch.ops.fastoptim.bind("adan", [torch.ones(10)] * 5, [0, 2, 3, 4, 5], 1, 10, 16, chunks, None, [], [], [],
+                                 "", [])
     for owner in (torch.ones(2, 10), torch.ones(20)[::2], torch.ones(0)):  # a flat buffer is contiguous 1-d
         with pytest.raises(RuntimeError, match="an owner must be a non-empty contiguous 1-d tensor"):
             torch.ops.fastoptim.bind("adan", [torch.ones(10)] * 5, [0, 2, 3, 4, 5], 1, 11, 16,
-                                     torch.tensor([[0, 0, 10, 0]]), None, [owner])
+                                     torch.tensor([[0, 0, 10, 0]]), None, [owner], [], [], "", [])
 
 
 @pytest.mark.parametrize("remainder, message", [
@@ -431,7 +454,7 @@ def test_bind_refuses_master_remainders_the_kernel_cannot_walk(remainder, messag
     states = [torch.zeros(10)] * 4
     with pytest.raises(RuntimeError, match=message):
         torch.ops.fastoptim.bind("adan", [param, *states, remainder], [0, 2, 3, 4, 5, 10], 1, 11, 16,
-                                 torch.tensor([[0, 0, 10, 0]]), None, [])
+                                 torch.tensor([[0, 0, 10, 0]]), None, [], [], [], "", [])
 
 
 def test_a_library_that_cannot_be_loaded_leaves_the_fused_engine_to_foreach_with_a_warning(tmp_path):
@@ -483,3 +506,111 @@ def test_the_library_reads_each_specs_rows():
     for spec in declared_specs():
         assert torch.ops.fastoptim.kernel_rows(spec.name) == len(spec.rows) and spec.rows[-1] == master.KEY
     assert torch.ops.fastoptim.kernel_rows("no such kernel") == -1
+
+
+def _refuse_checked_steps(*args, **kwargs):
+    raise AssertionError("the step checked its groups in Python: it did not take the bound path")
+
+
+LEAN_SHAPES = [(64, 80), (4096,), (33, 128)]  # 8-bit states need 4096+ elements; sn partitions matrices
+
+
+def _lean_run(cls, options, checked, monkeypatch, steps=4, scaled=False, change=None):
+    """``cls`` over fresh params for ``steps`` steps: with ``checked``, each step the checked one (its
+    bound step dropped first), else bound from the second on, where the checked path raises.
+    ``scaled``: GradScaler's scale (4) and found_inf handed to step(), the grads scaled by it;
+    ``change(opt, params)``: made before step 2."""
+    params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)))
+              for i, s in enumerate(LEAN_SHAPES)]
+    opt = cls(params, lr=1e-2, weight_decay=0.1, **options)
+    for step in range(steps):
+        for param in params:
+            param.grad = grad_for(param, step) * (4.0 if scaled else 1.0)
+        if scaled:
+            opt.grad_scale, opt.found_inf = torch.tensor(4.0), torch.tensor(0.0)
+        if step == 2 and change is not None:
+            with torch.no_grad():
+                change(opt, params)
+        if checked:
+            opt.__dict__.get("_engine_caches", {}).pop("bound", None)
+        with monkeypatch.context() as patch:
+            if not checked and step >= 1 and change is None:
+                patch.setattr(fastoptim.optimizers.base.FastOptimizer, "_group_work", _refuse_checked_steps)
+            opt.step()
+    return [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("options, scaled", [
+    (dict(sn=True), False), (dict(state_bits=8), False), (dict(sn=True, state_bits=8), False),
+    (dict(max_grad_norm=0.5), False), (dict(max_grad_norm=0.5, maximize=True), False),
+    (dict(max_grad_norm=0.5, sn=True), True)], ids=str)
+@pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.Adan])
+def test_lean_and_clipped_steps_run_bound_as_the_checked_step_runs_them(cls, options, scaled, monkeypatch):
+    """Subset-norm second moments, 8-bit states and clipping take the bound path (the checked one is
+    made to raise): a clipped step's native call computes the clip coefficient itself, from the sum of
+    squares of all its grads in the order every path sums a norm. Bit for bit a twin whose every step
+    is checked, with GradScaler's 1/scale in the norm and maximize's sign in the scale too."""
+    bound = _lean_run(cls, options, False, monkeypatch, scaled=scaled)
+    checked = _lean_run(cls, options, True, monkeypatch, scaled=scaled)
+    for ours, expected in zip(bound, checked):
+        torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+
+
+def _subset_norm_changes():
+    def param_data(opt, params):
+        params[0].data = params[0].detach() * 0.5
+    def param_set(opt, params):
+        params[2].set_(params[2].detach().flip(0).clone())
+    def second_moment_set(opt, params):
+        state = opt.state[params[0]]["exp_avg_sq"]
+        state.set_(state.clone() * 2)
+    def count_set(opt, params):
+        count = opt.state[params[0]].get("step")
+        if count is not None:
+            count.set_(torch.tensor(9.0))
+    return [param_data, param_set, second_moment_set, count_set]
+
+
+@pytest.mark.parametrize("change", _subset_norm_changes(), ids=lambda change: change.__name__)
+@pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.Adan])
+def test_a_bound_subset_norm_step_follows_the_tensors_its_views_are_of(cls, change, monkeypatch):
+    """The kernel of a bound subset-norm step walks (a, b, c) views of the params and second moments,
+    which keep their storage when the user's tensor gets new storage (``.data =``, ``set_``), and the
+    params' counts are slots of one tensor: native code watches the user's tensors and the counts, so
+    the step after such a change is the checked step's with the same change, bit for bit."""
+    runs = [_lean_run(cls, dict(sn=True), checked, monkeypatch, change=change) for checked in (False, True)]
+    for ours, expected in zip(*runs):
+        torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+
+
+RULED = [fastoptim.AdamW, fastoptim.AdamWSN, fastoptim.Adan, fastoptim.Lion]
+
+
+@pytest.mark.parametrize("cls", RULED, ids=lambda cls: cls.__name__)
+def test_each_native_rule_computes_the_kernel_scalars_of_its_algorithms_python(cls):
+    """A bound CPU step's scalars come from native code (``Algorithm.rule``, native.cpp's Rule), which
+    restates the algorithm's ``arguments`` and ``kernel_scalars``: the same float64 numbers, for
+    options and counts drawn at random (and the extremes: no decay, β at 0, correct_bias off)."""
+    algorithm = cls.algorithm
+    name, options_of = algorithm.rule
+    rng = torch.Generator().manual_seed(0)
+    spec = algorithm.spec
+    for case in range(300):
+        u = torch.rand(8, generator=rng, dtype=torch.float64).tolist()
+        betas = (0.0 if case % 7 == 0 else u[0], u[1], u[2])[:algorithm.n_betas]
+        group = dict(lr=u[3] * 0.1, betas=betas, eps=u[4] * 1e-6, weight_decay=0.0 if case % 5 == 0 else u[5],
+                     no_prox=case % 2 == 0, correct_bias=case % 3 != 0, amsgrad=False)
+        count = float(1 + int(u[6] * 1000) if case % 4 else 1)
+        inputs = StepInputs(group["lr"], None, count, torch.float32, None, None)
+        expected = algorithm.kernel_scalars(algorithm.arguments(group, inputs)[0])
+        native = torch.ops.fastoptim.rule_scalars(name, [float(x) for x in options_of(group)], count,
+                                                  len(spec.all_scalars))
+        for index, scalar in enumerate(spec.all_scalars[3:], start=3):
+            assert native[index] == float(expected[scalar]), (case, scalar, native[index], expected[scalar])
+
+
+def test_a_native_rule_refuses_options_it_does_not_take():
+    with pytest.raises(RuntimeError, match="no rule adamw of 4 options"):
+        torch.ops.fastoptim.rule_scalars("adamw", [0.1, 0.9, 0.99, 1e-8], 1.0, 11)
+    with pytest.raises(RuntimeError, match="no rule sgd"):
+        torch.ops.fastoptim.rule_scalars("sgd", [], 1.0, 11)

@@ -5,7 +5,7 @@ import torch
 import fastoptim
 from fastoptim.bench.peers import timm_adan_class
 from fastoptim.optimizers.algorithm import StepInputs
-from fastoptim.optimizers.scalars import count_after
+from fastoptim.optimizers.scalars import count_after, step_arguments
 
 from . import oracle
 from .test_lion import timm_lion_class
@@ -109,24 +109,24 @@ def test_adamw_skips_like_torch_when_some_params_have_no_grad():
     assert oracle.relative_error(params, peer_params) < 1e-5
 
 
-def test_per_param_counts_are_one_python_float_only_where_all_are_equal_on_the_host():
-    """A step's scalars cost Python arithmetic (as torch's single-tensor AdamW computes them) where
-    every param has the same count on the host; else each param keeps its own, in float64 tensors."""
+def test_counts_on_the_host_are_python_floats_each_param_its_own_as_torch_reads_them():
+    """A step's scalars cost Python arithmetic where the counts live on the host (as torch's
+    single-tensor and foreach AdamW compute them, a bound step's native rule too): one float per
+    param, the count + 1 (a step GradScaler skips reads no scalars); each param at its own count gets
+    its own arguments. Elsewhere (a tensor lr, another device) float64 tensors."""
     equal, unequal = torch.full((3,), 4.0), torch.tensor([4.0, 1.0, 4.0])
-    assert count_after(equal, 1, 0.1) == 5.0 and type(count_after(equal, 1, 0.1)) is float
-    assert count_after(torch.tensor(2.0), 1, 0.1) == 3.0
-    for count, increment, lr in ((unequal, 1, 0.1), (equal, torch.tensor(0.0), 0.1), (equal, 1, torch.tensor(0.1)),
-                                 (equal.to("meta"), 1, 0.1)):
-        result = count_after(count, increment, lr)
+    assert count_after(equal, 1, 0.1) == [5.0] * 3 and count_after(equal, torch.tensor(0.0), 0.1) == [5.0] * 3
+    assert count_after(torch.tensor(2.0), 1, 0.1) == [3.0] and count_after(unequal, 1, 0.1) == [5.0, 2.0, 5.0]
+    for count, lr in ((equal, torch.tensor(0.1)), (equal.to("meta"), 0.1)):
+        result = count_after(count, 1, lr)
         assert isinstance(result, torch.Tensor) and result.dtype == torch.float64 and result.shape == count.shape
-    assert torch.equal(count_after(unequal, 1, 0.1), torch.tensor([5.0, 2.0, 5.0], dtype=torch.float64))
-    args, per_param = fastoptim.AdamW.algorithm.arguments(
-        dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0), StepInputs(0.1, None, 5.0, torch.float32, None, None))
+    group = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    inputs = StepInputs(0.1, None, None, torch.float32, None, None)
+    args, per_param = step_arguments(fastoptim.AdamW.algorithm, group, equal, 1, inputs, traced=False)
     assert per_param == set() and args["step_size"] == 0.1 / (1 - 0.9**5)
-    args, per_param = fastoptim.AdamW.algorithm.arguments(
-        dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0),
-        StepInputs(0.1, None, count_after(unequal, 1, 0.1), torch.float32, None, None))
-    assert per_param == {"step_size", "bias_correction2_sqrt"} and args["step_size"].shape == (3,)
+    args, per_param = step_arguments(fastoptim.AdamW.algorithm, group, unequal, 1, inputs, traced=False)
+    assert per_param == {"step_size", "bias_correction2_sqrt"}
+    assert args["step_size"].tolist() == [torch.tensor(0.1 / (1 - 0.9**t)).item() for t in (5.0, 2.0, 5.0)]
 
 
 def test_adan_resumes_a_timm_checkpoint_on_the_same_trajectory():

@@ -78,14 +78,13 @@ USE_AFTER_FREE = """
 import ctypes
 import torch
 from fastoptim.engines.backends import cpu as cpu_backend
-from fastoptim.multi_tensor import chunk_plan
 
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 address = libc.malloc(400_000)
 libc.free(ctypes.c_void_p(address))
 freed = torch.frombuffer((ctypes.c_char * 400_000).from_address(address), dtype=torch.float32)  # owns nothing
-cpu_backend.scale_grads([freed], chunk_plan([freed.numel()])[0], torch.tensor(0.5))
+cpu_backend.scale_grads([freed], torch.tensor(0.5))
 """
 
 

@@ -424,8 +424,8 @@ WRITES = {"fill_": lambda count: count.fill_(40.0),  # bumps the version counter
 @pytest.mark.parametrize("which", ["all", "one"])
 @pytest.mark.parametrize("write", WRITES)
 def test_a_count_written_in_place_between_steps_is_the_count_the_next_step_reads(cls, engine, which, write):
-    """A step remembers the value of its params' CPU counts (``step_cache.HostCount``): a count the user
-    writes in place, in any way, must be read again, also when only one param's differs."""
+    """A count the user writes in place, in any way, is the count the next step reads, also when only
+    one param's differs (a bound step's native call reads the counts it holds, and refuses ones moved)."""
     params, optimizer = stepped(cls, ENGINES[engine], steps=3)
     counts = ([optimizer.param_groups[0]["step"]] if cls is fastoptim.Adan
               else [optimizer.state[param]["step"] for param in params])
@@ -457,7 +457,7 @@ def test_steps_under_inference_mode_are_the_steps_outside_it(cls, engine):
 @pytest.mark.parametrize("cls", OPTIMIZERS)
 def test_a_step_advances_its_counts_and_their_version_counters_as_add_does(cls, engine):
     """A step adds one to every count and bumps each count tensor's version counter once, as
-    ``count.add_(1)`` does, also where it adds through numpy (``HostCount.add``)."""
+    ``count.add_(1)`` does, also where native code adds (a bound step)."""
     params, optimizer = stepped(cls, ENGINES[engine], steps=3)
     counts = ([optimizer.param_groups[0]["step"]] if cls is fastoptim.Adan
               else [optimizer.state[param]["step"] for param in params])

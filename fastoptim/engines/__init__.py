@@ -26,8 +26,11 @@ class Plan:
     pointer table in, owned by the optimizer, which empties it when a param or state changes).
     A state role may hold bf16 or 8-bit (uint8 codes) tensors under ``state_bits``; ``absmax`` holds
     the block maxima of the 8-bit ones. ``sum_group``: the process group over which the loop engine
-    all-reduces subset sums (subsets that span FSDP2 shards), or None. ``batch``: where a step that
-    runs all its tables in one native call collects them (see :func:`fused.run_batch`), or None.
+    all-reduces subset sums (subsets that span FSDP2 shards), or None.
+    ``watched`` and ``grads_like``: per tensor, what a backend that checks natively checks besides the
+    tensors, and what else a grad may be laid out as; ``rule`` (the algorithm's) and ``counts`` (per
+    tensor, the step count it reads): what a bound step's native call computes the kernel's scalars
+    from (see :class:`fused.Tables`); None or "": nothing.
     ``kernel_values``: the fused kernel's scalars by name, found_inf and seed included, where an op made
     them (a traced CPU step's, ``fastoptim::step_scalars``, for a plan the kernel takes whole, whose
     ``args`` are then empty); None: the fused engine makes them from ``args``.
@@ -46,8 +49,11 @@ class Plan:
     cache: dict = field(default_factory=dict)
     absmax: dict = field(default_factory=dict)  # role: the block maxima of each 8-bit state (None for others)
     sum_group: object = None
-    batch: list | None = None  # a step's launches, which the fused engine appends to instead of running them
     kernel_values: dict | None = None
+    watched: list | None = None
+    grads_like: list | None = None
+    rule: str = ""
+    counts: list | None = None
 
     def __len__(self):
         return len(self.tensors["param"])
@@ -66,7 +72,10 @@ class Plan:
         if tensors is None:
             tensors, absmax = pick(self.tensors, owners), pick(self.absmax, owners)
         args = args_of(self.args, self.per_tensor, owners, self.tensors["param"][0].device)
-        return replace(self, tensors=tensors, absmax=absmax, cache={}, sum_group=None, args=args)
+        return replace(self, tensors=tensors, absmax=absmax, cache={}, sum_group=None, args=args,
+                       watched=None if self.watched is None else [self.watched[i] for i in owners],
+                       grads_like=None if self.grads_like is None else [self.grads_like[i] for i in owners],
+                       counts=None if self.counts is None else [self.counts[i] for i in owners])
 
 
 def args_of(args, per_tensor, owners, device, cache=None):

@@ -6,7 +6,7 @@ Multi-tensor (``foreach=True``, the default with ``fused=True``): one call per b
 tensor, parallel over fixed-size chunks across all of them. Single-tensor (``foreach=False``): one
 kernel call (or launch) per tensor, as the seeds' FusedAdan does. Both read the tables cached in
 ``plan.cache``: the params and states bound to native code, which checks them and the grads at every
-call (and a plan with a ``batch`` adds its launch to its step's calls); on the GPU also the pointer
+call (a bound step launches its tables without a plan: ``step_cache.BoundStep``); on the GPU also the pointer
 table, whose gradients' row is refreshed each step (and sent to the device only when a grad moved).
 
 States may be fp32, bf16 or 8-bit (``state_bits``): the C kernel dequantizes, updates and
@@ -156,6 +156,14 @@ def kernel_values(kernel_scalars, args, found_inf, stochastic, device):
     return kernel_scalars(args) | dict(found_inf=0.0 if found_inf is None else found_inf, seed=seed)
 
 
+def common_scalars(spec, grad_scale, found_inf, stochastic, device):
+    """The scalars of a launch whose table's rule computes the rest (see :class:`Tables`): found_inf,
+    the seed and the grad scale (None: 1) as :func:`kernel_values` makes them, then zeros."""
+    values = kernel_values(lambda args: {"grad_scale": 1.0 if grad_scale is None else grad_scale}, {}, found_inf,
+                           stochastic, device)
+    return [values.get(name, 0.0) for name in spec.all_scalars]
+
+
 def ordered_scalars(spec, kernel_scalars, args, found_inf, stochastic, device, values=None):
     """The kernel's scalars in ``spec.all_scalars`` order: ``values`` (by name), or by default
     :func:`kernel_values` of the other arguments."""
@@ -176,9 +184,16 @@ class Tables:
     format: None where the table mixes them). A backend that compiles a kernel per state format gets
     a table per format (in practice a group's states share one). The grads come with each launch.
     The rest holds while the tensors keep their storage and layouts, which a backend that
-    ``CHECKS_NATIVELY`` checks at every call, and the owner of the tables checks for the others."""
+    ``CHECKS_NATIVELY`` checks at every call, and the owner of the tables checks for the others.
+    ``watched`` (per tensor, a tuple) are tensors that such a backend checks too, though its kernel
+    does not walk them: those the tensors are views of, and the params' step counts; ``grads_like``
+    (per tensor, or None) what else a grad may come laid out as: the user's param where ``tensors``
+    holds a view of it (see ``GroupWork.watched``). Where the backend computes ``STEP_SCALARS``,
+    ``rule`` names what computes the kernel's scalars from a launch's ``options`` and ``counts`` (per
+    tensor, the step count it reads; a group's, held by each of its tensors, counts once)."""
 
-    def __init__(self, tensors, absmax, spec, backend, formats):
+    def __init__(self, tensors, absmax, spec, backend, formats, watched=None, grads_like=None, rule="",
+                 counts=None):
         self.backend = backend
         groups = {}  # positions, by table
         for position, states_format in enumerate(formats):
@@ -189,23 +204,31 @@ class Tables:
             table = PointerTable(part, spec.rows, [formats[i].kernel_code for i in indices],
                                  [formats[i].block for i in indices], backend.COLUMN_NUMEL, backend.BLOCK_COLUMNS)
             index = None if len(indices) == len(formats) else torch.tensor(indices, device=tensors["param"][0].device)
-            self.tables.append((indices, index, backend.bind(spec, part, table), table_format))
+            like = () if grads_like is None else [grads_like[i] for i in indices]
+            scalars_here = backend.STEP_SCALARS and rule
+            read = {id(counts[i]): counts[i] for i in indices} if scalars_here and counts is not None else {}
+            watch = {} if watched is None else {id(t): t for i in indices for t in watched[i]}  # a counts tensor once
+            watch = [t for key, t in watch.items() if key not in read]  # a count read is checked as it is read
+            bound = backend.bind(spec, part, table, watch, like, rule if scalars_here else "", list(read.values()))
+            self.tables.append((indices, index, bound, table_format))
         self.grad_strides = list(map(torch.Tensor.stride, tensors["grad"]))
 
     def fit(self, grads):
         """Whether the grads have the layouts the tables were built with."""
         return all(map(operator.eq, map(torch.Tensor.stride, grads), self.grad_strides))
 
-    def launch(self, spec, grads, scalars, flags, stochastic, per_tensor_calls, batch=None):
+    def launch(self, spec, grads, scalars, flags, stochastic, per_tensor_calls, batch=None, options=None):
         """Run the kernel over every table, or append (backend, launch) of each to ``batch``: ``scalars``
         in ``spec.all_scalars`` order (a 1-d tensor holds one value per tensor), ``flags`` the
-        spec's flags (name: bool). Returns False, having changed nothing, when the backend found a
+        spec's flags (name: bool); with ``options``, the tables' rule computes the scalars after the
+        first three (see ``__init__``). Returns False, having changed nothing, when the backend found a
         tensor moved or a grad that does not fit."""
         for indices, index, bound, table_format in self.tables:
             values = scalars if index is None else [
                 value[index] if isinstance(value, torch.Tensor) and value.dim() == 1 else value for value in scalars]
             part = grads if index is None else [grads[i] for i in indices]
-            launch = self.backend.launch(spec, bound, part, per_tensor_calls, table_format, values, flags, stochastic)
+            launch = self.backend.launch(spec, bound, part, per_tensor_calls, table_format, values, flags, stochastic,
+                                         options)
             if batch is not None:
                 batch.append((self.backend, launch))
             elif not self.backend.run_launches([launch]):
@@ -221,7 +244,8 @@ class Prepared:
         self.backend = backend
         self.taken, formats, self.left, self.reason = _split(plan.tensors, plan.spec, backend)
         taken = plan if not self.left else plan.subset(self.taken)
-        self.tables = Tables(taken.tensors, taken.absmax, plan.spec, backend, formats) if self.taken else None
+        self.tables = Tables(taken.tensors, taken.absmax, plan.spec, backend, formats, taken.watched,
+                             taken.grads_like, plan.rule, taken.counts) if self.taken else None
 
 
 def _prepare(plan, backend, again=False):
@@ -237,61 +261,34 @@ def _prepare(plan, backend, again=False):
 
 
 def _launch(plan, prepared, per_tensor_calls):
-    """Launch the kernel over what it takes of ``plan`` (or add it to ``plan.batch``); False when
-    the backend changed nothing."""
+    """Launch the kernel over what it takes of ``plan``; False when the backend changed nothing."""
     taken = plan if not prepared.left else plan.subset(prepared.taken)
     scalars = _scalar_values(taken, taken.tensors["param"][0].device)
     return prepared.tables.launch(plan.spec, taken.tensors["grad"], scalars, plan.flags, plan.stochastic_rounding,
-                                  per_tensor_calls, plan.batch)
-
-
-class Unbatched(Exception):
-    """A plan with a ``batch`` has tensors that its step's one native call cannot take (tables not
-    built yet, or some left to foreach); nothing ran, and the step runs unbatched."""
+                                  per_tensor_calls)
 
 
 def natively_checked(cache):
     """Whether the bucket whose engine cache is ``cache`` runs wholly on tables that a backend which
-    ``CHECKS_NATIVELY`` built, and so can join a batch."""
+    ``CHECKS_NATIVELY`` built, and so can join a bound step (see ``step_cache.BoundStep``)."""
     prepared = cache.get("prepared")
     return prepared is not None and prepared.backend.CHECKS_NATIVELY and prepared.tables is not None \
         and not prepared.left
 
 
-def launch_batched(cache, spec, scalars, grads, flags, stochastic, per_tensor_calls, batch):
-    """Add to ``batch`` the launch of a bucket that runs wholly on natively checked tables (``cache``:
-    its engine cache), from those tables, the ``grads`` and the ``scalars`` (in ``spec.all_scalars``
-    order, see :func:`kernel_values`): a bound step needs no plan. Raises :class:`Unbatched` where
-    the tables are not built, or not the backend's that the grads' device now gets."""
-    if not natively_checked(cache) or cache["prepared"].backend is not backends.for_device(grads[0].device):
-        raise Unbatched
-    cache["prepared"].tables.launch(spec, grads, scalars, flags, stochastic, per_tensor_calls, batch)
-
-
-def launch_bound(engine, cache, spec, scalars, grads, flags, stochastic, batch):
-    """Add the launch of a bucket of a bound step (see :func:`launch_batched`) to ``batch``,
-    without a plan: the fused engines' cached tables (``cache``) take the ``grads`` and the kernel's
-    ``scalars``, in ``spec.all_scalars`` order. Raises :class:`Unbatched` where they cannot."""
-    if engine not in ENGINES:
-        raise Unbatched
-    launch_batched(cache, spec, scalars, grads, flags, stochastic, engine == SINGLE, batch)
-
-
-def run_batch(launches):
-    """Run the (backend, launch) pairs that plans with a ``batch`` collected, checked together before
-    any runs; False, having changed nothing, when a tensor moved, a grad does not fit, or the launches
-    are of two backends (the step then runs unbatched)."""
+def run_batch(launches, clip=None):
+    """Run the (backend, launch) pairs of a bound step's tables (``Tables.launch`` collects them),
+    checked together before any runs, their grads clipped together by ``clip`` (max_norm, eps,
+    GradScaler's 1/scale or None: see the backends' ``STEP_SCALARS``); False, having changed nothing,
+    when a tensor moved, a grad does not fit, or the launches are of two backends (the step then runs
+    the checked way)."""
     backend = launches[0][0]
     if any(other is not backend for other, _ in launches):
         return False
-    return backend.run_launches([launch for _, launch in launches])
+    return backend.run_launches([launch for _, launch in launches], clip)
 
 
 def _run(plan, per_tensor_calls):
-    if plan.batch is not None:
-        launch_batched(plan.cache, plan.spec, _scalar_values(plan, plan.tensors["param"][0].device),
-                       plan.tensors["grad"], plan.flags, plan.stochastic_rounding, per_tensor_calls, plan.batch)
-        return
     if plan.kernel_scalars is None:
         _fallback(plan, f"no fused kernel for {plan.spec.name} yet")
         return

@@ -9,7 +9,10 @@
    and the caller binds afresh. So no pointer this library dereferences can outlive its tensor, and
    Python checks no tensor per step.
 
-   The other ops are the clip kernels (grad_norm_partials, scale_grads_in_chunks), the bandwidth probe, the 8-bit
+   A bound step may also clip: it sums the squares of all its tables' grads (the one order in which
+   fastoptim sums a norm: dense_grad_norm_total's) and scales them by the clip coefficient in the kernels.
+
+   The other ops are the clip kernels (dense_grad_norm_total, scale_dense_grads), the bandwidth probe, the 8-bit
    codes for the tests (quantize, dequantize) and the thread and F16C switches. Arguments that the
    kernels would read out of bounds are refused with an error before anything runs. */
 #include <torch/csrc/stable/library.h>
@@ -17,7 +20,9 @@
 #include <torch/csrc/stable/tensor.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <numeric>
@@ -278,19 +283,118 @@ struct StepScalars {
     }
 };
 
+// --- step rules: a bound step's scalars, computed here from the step counts its tables hold -------
+
+// A rule computes a kernel's scalars (in its spec's order, from COMMON_SCALARS on; found_inf, the seed
+// and the grad scale come with the call) from the group's ``options`` and ``t``, the count this step
+// reaches, as the algorithm's ``arguments`` and ``kernel_scalars`` compute them in Python
+// (fastoptim/optimizers/<algorithm>.py, whose ``rule`` names it and lists the options in this order):
+// the same float64 operations in the same order, so the same numbers (tests/test_native_layer.py).
+struct Rule {
+    const char *name;
+    int64_t n_options;
+    bool counts;  // whether it reads a step count
+    void (*scalars)(const double *options, double t, double *out);
+};
+
+// options: lr, beta1, beta2, eps, weight_decay (torch's AdamW: bias corrections of the count)
+void adamw_rule(const double *o, double t, double *s) {
+    const double lr = o[0], beta1 = o[1], beta2 = o[2];
+    s[ADAMW_ONE_MINUS_BETA1] = 1 - beta1;
+    s[ADAMW_BETA2] = beta2;
+    s[ADAMW_ONE_MINUS_BETA2] = 1 - beta2;
+    s[ADAMW_EPS] = o[3];
+    s[ADAMW_DECAY_MUL] = 1 - lr * o[4];
+    s[ADAMW_DECAY_AFTER] = 1.0;
+    s[ADAMW_STEP_SIZE] = lr / (1 - std::pow(beta1, t));
+    s[ADAMW_BIAS_CORRECTION2_SQRT] = std::sqrt(1 - std::pow(beta2, t));
+}
+
+// options: lr, beta1, beta2, eps, weight_decay, correct_bias (the subset-norm reference: both bias
+// corrections in the step size, weight decay after the update)
+void adamwsn_rule(const double *o, double t, double *s) {
+    const double lr = o[0], beta1 = o[1], beta2 = o[2];
+    s[ADAMW_ONE_MINUS_BETA1] = 1 - beta1;
+    s[ADAMW_BETA2] = beta2;
+    s[ADAMW_ONE_MINUS_BETA2] = 1 - beta2;
+    s[ADAMW_EPS] = o[3];
+    s[ADAMW_DECAY_MUL] = 1.0;
+    s[ADAMW_DECAY_AFTER] = 1 - lr * o[4];
+    s[ADAMW_STEP_SIZE] = o[5] != 0 ? lr * std::sqrt(1 - std::pow(beta2, t)) / (1 - std::pow(beta1, t)) : lr;
+    s[ADAMW_BIAS_CORRECTION2_SQRT] = 1.0;
+}
+
+// options: lr, beta1, beta2, beta3, eps, weight_decay, no_prox (official Adan; g_prev's weight 0 at the
+// first step)
+void adan_rule(const double *o, double t, double *s) {
+    const double lr = o[0], beta1 = o[1], beta2 = o[2], beta3 = o[3], decay = lr * o[5];
+    const bool no_prox = o[6] != 0;
+    s[ADAN_BETA1] = beta1;
+    s[ADAN_BETA2] = beta2;
+    s[ADAN_BETA3] = beta3;
+    s[ADAN_ONE_MINUS_BETA1] = 1 - beta1;
+    s[ADAN_ONE_MINUS_BETA2] = 1 - beta2;
+    s[ADAN_ONE_MINUS_BETA3] = 1 - beta3;
+    s[ADAN_EPS] = o[4];
+    s[ADAN_PRE_GRAD_WEIGHT] = t > 1 ? 1.0 : 0.0;
+    s[ADAN_BIAS_CORRECTION3_SQRT] = std::sqrt(1 - std::pow(beta3, t));
+    s[ADAN_STEP_SIZE] = lr / (1 - std::pow(beta1, t));
+    s[ADAN_DIFF_RATIO] = beta2 * (1 - std::pow(beta1, t)) / (1 - std::pow(beta2, t));
+    s[ADAN_DECAY_MUL] = no_prox ? 1 - decay : 1.0;
+    s[ADAN_DECAY_DIV] = no_prox ? 1.0 : 1 + decay;
+}
+
+// options: lr, beta1, beta2, weight_decay
+void lion_rule(const double *o, double, double *s) {
+    const double lr = o[0], beta1 = o[1], beta2 = o[2];
+    s[LION_BETA1] = beta1;
+    s[LION_ONE_MINUS_BETA1] = 1 - beta1;
+    s[LION_BETA2] = beta2;
+    s[LION_ONE_MINUS_BETA2] = 1 - beta2;
+    s[LION_LR] = lr;
+    s[LION_DECAY_MUL] = 1 - lr * o[3];
+}
+
+const Rule RULES[] = {{"adamw", 5, true, adamw_rule}, {"adamwsn", 6, true, adamwsn_rule},
+                      {"adan", 7, true, adan_rule}, {"lion", 4, false, lion_rule}};
+
+const Rule *find_rule(const std::string &name) {
+    for (const Rule &rule : RULES)
+        if (name == rule.name) return &rule;
+    return nullptr;
+}
+
+// The scalars rule ``name`` computes from ``options`` at count ``t`` (all of the kernel's: those the
+// call brings are 0 here), for the tests that hold it to the Python that it restates.
+std::vector<double> rule_scalars(std::string name, std::vector<double> options, double t, int64_t n_scalars) {
+    const char *op = "fastoptim::rule_scalars";
+    const Rule *rule = find_rule(name);
+    STD_TORCH_CHECK(rule && static_cast<int64_t>(options.size()) == rule->n_options && n_scalars >= COMMON_SCALARS,
+                    op, ": no rule ", name, " of ", options.size(), " options");
+    std::vector<double> out(n_scalars, 0.0);
+    rule->scalars(options.data(), t, out.data());
+    return out;
+}
+
 // --- bound tables ------------------------------------------------------------------------------
 
 // Held tensors (the params, the states that lie in no owner, then the owners), the states that lie
 // in an owner (``views``: only their pointers, dtypes, sizes and strides are checked, see moved_out),
-// and the kernel's tables over them. ``pointers`` is [row][tensor], the grads' row filled in at each call;
+// and the kernel's tables over them. ``watched`` tensors are not walked, but what the table holds
+// follows from them (a param that the table holds a view of, a step count): they are checked as held
+// ones are. ``pointers`` is [row][tensor], the grads' row filled in at each call;
 // ``layouts`` is [tensor][3] or empty. A table bound to no kernel (run is null: a GPU kernel's, which
 // Python launches) is only checked, by check_bound.
 struct Bound {
     KernelFn run;
     int32_t dtype;
     int64_t n_tensors, n_rows, n_scalars;
-    std::vector<Tensor> held, views;
-    std::vector<Layout> layouts_then, views_then;  // one per held tensor, one per view
+    std::vector<Tensor> held, views, watched;
+    std::vector<Layout> layouts_then, views_then, watched_then;  // one per held tensor, view, watched tensor
+    std::vector<Layout> grads_like;  // per tensor, what else its grad may be walked as (empty: the param only)
+    const Rule *rule = nullptr;  // what computes its scalars in a ruled call (see bound_step)
+    std::vector<Tensor> counts;  // the step counts it reads and advances: none, the group's, or one per tensor
+    std::vector<Layout> counts_then;
     std::vector<int64_t> pointers, chunks, layouts;
     // Held by a step while it checks and runs the table, whose grads' row it writes: two steps of
     // one table (an optimizer stepped from two threads) take turns instead of racing.
@@ -335,10 +439,16 @@ struct Locked {
    ``owners`` are flat state buffers (contiguous 1-d tensors): a state whose elements lie in one is
    checked through it, so a call reads a few buffers' layouts instead of every state's. Its pointer stays
    within memory that the held buffer owns while the buffer keeps its pointer and size; of the state
-   itself a call reads only its pointer, dtype, sizes and strides (moved_out). */
+   itself a call reads only its pointer, dtype, sizes and strides (moved_out).
+
+   ``watched`` tensors must keep their layouts too, though no row holds them: the tensors that held
+   ones are views of (a subset-norm param's (a, b, c) view is held, the user's param watched) and the
+   step counts of the params. ``grads_like`` (empty, or one per tensor) is what else each grad may be
+   laid out as: the user's param where the table holds a view of it (its grad comes as it is). */
 int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> rows, int64_t n_tensors,
              int64_t n_rows, int64_t n_scalars, Tensor chunks, std::optional<Tensor> layouts,
-             std::vector<Tensor> owners) {
+             std::vector<Tensor> owners, std::vector<Tensor> watched, std::vector<Tensor> grads_like,
+             std::string rule, std::vector<Tensor> counts) {
     const char *op = "fastoptim::bind";
     STD_TORCH_CHECK(n_tensors > 0 && static_cast<int64_t>(held.size()) == n_tensors * static_cast<int64_t>(rows.size())
                         && !rows.empty() && rows[0] == PARAM,
@@ -391,6 +501,31 @@ int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> 
     for (size_t k = 0; k < owners.size(); k++) {  // after the params, which are the first n_tensors held
         table->held.push_back(owners[k]);
         table->layouts_then.emplace_back(flat[k]);
+    }
+    STD_TORCH_CHECK(grads_like.empty() || static_cast<int64_t>(grads_like.size()) == n_tensors, op,
+                    ": grads_like must be empty or hold one tensor per param");
+    for (int64_t t = 0; t < static_cast<int64_t>(grads_like.size()); t++) {
+        const Read like = read_for(grads_like[t], op);
+        STD_TORCH_CHECK(like.dtype == first.dtype && like.dim >= 0 && grads_like[t].numel() == numels[t]
+                            && (!table->run || grads_like[t].is_cpu()),
+                        op, ": grads_like[", t, "] must have its param's dtype, elements and device");
+        table->grads_like.emplace_back(like);
+        watched.push_back(grads_like[t]);
+    }
+    for (const Tensor &tensor : watched) {
+        table->watched_then.emplace_back(read_for(tensor, op));
+        table->watched.push_back(tensor);
+    }
+    table->rule = rule.empty() ? nullptr : find_rule(rule);
+    STD_TORCH_CHECK(rule.empty() || (table->rule && table->run), op, ": no rule named ", rule, " (or no kernel)");
+    STD_TORCH_CHECK(counts.empty() || counts.size() == 1 || static_cast<int64_t>(counts.size()) == n_tensors, op,
+                    ": counts must be none, the group's or one per tensor");
+    for (const Tensor &count : counts) {
+        const Read r = read_for(count, op);
+        STD_TORCH_CHECK(count.is_cpu() && r.dim == 0 && r.dtype == aoti_torch_dtype_float32(), op,
+                        ": a step count must be a 0-d fp32 CPU tensor");
+        table->counts.push_back(count);
+        table->counts_then.emplace_back(r);
     }
     const int64_t *rows_of_chunks = checked_chunks(chunks, numels, op);
     table->chunks.assign(rows_of_chunks, rows_of_chunks + 4 * chunks.size(0));
@@ -451,11 +586,87 @@ int64_t check(Bound &table, const std::vector<AtenTensorHandle> &grads, size_t f
         prefetch_ahead(table.views.data(), i, table.views.size(), handle_of_tensor);
         if (table.views_then[i].moved_out(table.views[i])) return STALE;
     }
+    for (size_t i = 0; i < table.watched.size(); i++) {
+        prefetch_ahead(table.watched.data(), i, table.watched.size(), handle_of_tensor);
+        if (!table.watched_then[i].describes(table.watched[i])) return STALE;
+    }
+    for (size_t i = 0; i < table.counts.size(); i++)
+        if (!table.counts_then[i].describes(table.counts[i])) return STALE;
     for (int64_t t = 0; t < n; t++) {
         prefetch_ahead(grads.data() + first, t, n, handle_of_handle);
-        if (!fits(grads[first + t], table.layouts_then[t], &table.pointers[GRAD * n + t])) return GRADS_UNFIT;
+        int64_t *pointer = &table.pointers[GRAD * n + t];
+        if (!fits(grads[first + t], table.layouts_then[t], pointer)
+            && (table.grads_like.empty() || !fits(grads[first + t], table.grads_like[t], pointer)))
+            return GRADS_UNFIT;
     }
     return STEPPED;
+}
+
+// --- norms and scaling of dense grads ------------------------------------------------------------
+
+// A grad as the norm and scale kernels walk it: flat, from its first element (it is dense).
+struct Span {
+    int64_t pointer, numel;
+    int32_t format;  // fused_cpu.c's FP32, BF16 or FP16
+};
+
+constexpr int64_t NORM_CHUNK_NUMEL = 1 << 15;  // a thread's share is whole chunks
+
+// Spans cut into chunks of NORM_CHUNK_NUMEL elements, a chunk table per format, and where each span's
+// chunks are. A norm's partial sums are then each chunk's, whichever grads come with it: a total
+// summed in span order is the same number wherever those spans are listed in that order.
+struct Chunked {
+    std::vector<int64_t> pointers[3], chunks[3];
+    std::vector<int64_t> first_chunk, n_chunks;  // per span, in its format's table
+
+    explicit Chunked(const std::vector<Span> &spans) {
+        for (const Span &span : spans) {
+            std::vector<int64_t> &rows = chunks[span.format];
+            const int64_t tensor = static_cast<int64_t>(pointers[span.format].size());
+            pointers[span.format].push_back(span.pointer);
+            first_chunk.push_back(static_cast<int64_t>(rows.size() / 4));
+            for (int64_t start = 0; start < span.numel; start += NORM_CHUNK_NUMEL) {
+                const int64_t before = rows.empty() ? 0 : rows[rows.size() - 1] + rows[rows.size() - 2];
+                rows.insert(rows.end(), {tensor, start, std::min(NORM_CHUNK_NUMEL, span.numel - start), before});
+            }
+            n_chunks.push_back(static_cast<int64_t>(rows.size() / 4) - first_chunk.back());
+        }
+    }
+};
+
+// The sum of squares (or with ``inf`` the largest magnitude) of every element of ``spans``: each
+// chunk's partial in float64, then the partials added in span order, chunk after chunk (a NaN stays).
+double total_of(const std::vector<Span> &spans, bool inf) {
+    const Chunked chunked(spans);
+    std::vector<double> partials[3];
+    for (int32_t format = 0; format < 3; format++) {
+        const std::vector<int64_t> &rows = chunked.chunks[format];
+        partials[format].resize(rows.size() / 4);
+        if (!rows.empty())
+            fastoptim_grad_norm(chunked.pointers[format].data(), static_cast<int64_t>(chunked.pointers[format].size()),
+                                rows.data(), static_cast<int64_t>(rows.size() / 4), format, inf,
+                                partials[format].data(), threads());
+    }
+    double total = 0;
+    for (size_t i = 0; i < spans.size(); i++) {
+        const double *part = partials[spans[i].format].data() + chunked.first_chunk[i];
+        for (int64_t k = 0; k < chunked.n_chunks[i]; k++) {
+            if (!inf) total += part[k];
+            else if (total == total && !(part[k] <= total)) total = part[k];  // the larger, or a NaN, which stays
+        }
+    }
+    return total;
+}
+
+// The clip coefficient ``min(1, max_norm / (norm + eps))`` of grads whose sum of squares is
+// ``total``, the norm first multiplied by GradScaler's 1/scale where one is given: in fp32, each
+// operation as torch's tensor arithmetic does it (fastoptim.clip.coefficient_of; torch divides a number
+// by a tensor as its reciprocal times the number), with no fused multiply-add (none is compiled in).
+float clip_coefficient(double total, double max_norm, double eps, const float *inv_scale) {
+    float norm = static_cast<float>(std::sqrt(total));
+    if (inv_scale) norm = norm * *inv_scale;
+    const float coefficient = (1.0f / (norm + static_cast<float>(eps))) * static_cast<float>(max_norm);
+    return coefficient > 1.0f ? 1.0f : coefficient;  // a NaN stays, as torch's clamp keeps it
 }
 
 /* One step of bound tables ``handles``: table k takes the next n_tensors of ``grads`` and the next
@@ -463,13 +674,25 @@ int64_t check(Bound &table, const std::vector<AtenTensorHandle> &grads, size_t f
    flag bits ``flags[k]``, and runs in one kernel call or with
    ``per_tensor[k]`` one per tensor (as the seeds' FusedAdan steps). Every table is checked before
    any runs, so an answer other than STEPPED changed nothing: STALE when a held tensor moved or
-   changed its layout, GRADS_UNFIT when a grad is not a tensor its param's walk takes. */
+   changed its layout, GRADS_UNFIT when a grad is not a tensor its param's walk takes.
+
+   A table ``ruled[k]`` computes its scalars after the first three (found_inf, seed, grad scale) by its
+   rule (see Rule), from its next ``options``, at the count each tensor reaches (its count + 1: a step
+   GradScaler skips reads none); after every kernel ran, each count its ruled tables hold is advanced
+   once, by 1, or by 0 where found_inf is set. Scalars with one value per tensor where counts differ.
+
+   With ``clip`` (max_norm, eps), the grads of all tables are clipped by their norm as one: each
+   table's grad scale is multiplied by the clip coefficient of the sum of squares of every grad, in
+   the tables' order (total_of), the norm unscaled by ``clip_inv_scale`` (GradScaler's 1/scale, one
+   fp32 CPU value) where given. */
 int64_t bound_step(std::vector<int64_t> handles, const std::vector<AtenTensorHandle> &grads,
                    std::vector<double> numbers, std::vector<Tensor> tensor_scalars, std::vector<int64_t> slots,
-                   std::vector<int64_t> flags, std::vector<int64_t> per_tensor) {
+                   std::vector<int64_t> flags, std::vector<int64_t> per_tensor, std::vector<double> clip,
+                   std::optional<Tensor> clip_inv_scale, std::vector<int64_t> ruled, std::vector<double> options) {
     const char *op = "fastoptim::bound_step";
-    STD_TORCH_CHECK(flags.size() == handles.size() && per_tensor.size() == handles.size(), op,
-                    ": one flags and per_tensor entry per table");
+    STD_TORCH_CHECK(flags.size() == handles.size() && per_tensor.size() == handles.size()
+                        && ruled.size() == handles.size(),
+                    op, ": one flags, per_tensor and ruled entry per table");
     const Locked locked(handles, op);
     const std::vector<std::shared_ptr<Bound>> &tables = locked.tables;
     std::vector<int64_t> tensors_of_slot, first_scalars;
@@ -486,6 +709,64 @@ int64_t bound_step(std::vector<int64_t> handles, const std::vector<AtenTensorHan
     STD_TORCH_CHECK(first_grad == grads.size() && tensors_of_slot.size() == numbers.size(), op,
                     ": the grads and scalars must be the tables' own, all of them");
     const StepScalars values(numbers, tensor_scalars, slots, tensors_of_slot);
+    std::vector<Scalar> scalars = values.scalars;
+    std::vector<std::vector<float>> ruled_values(tables.size());
+    std::vector<std::pair<float *, float>> advanced;  // each count a ruled table holds, and its increment
+    size_t at = 0;
+    for (size_t k = 0; k < tables.size(); k++) {
+        if (!ruled[k]) continue;
+        const Bound &table = *tables[k];
+        const Rule *rule = table.rule;
+        STD_TORCH_CHECK(rule && at + rule->n_options <= options.size() && (!rule->counts || !table.counts.empty()),
+                        op, ": table ", k, " has no rule, its options or its counts");
+        const double *table_options = options.data() + at;
+        at += rule->n_options;
+        Scalar *s = scalars.data() + first_scalars[k];
+        const float increment = s[FOUND_INF].values[0] == 0 ? 1.0f : 0.0f;
+        std::vector<double> reached;
+        for (const Tensor &count : table.counts) {
+            float *value = static_cast<float *>(count.data_ptr());
+            reached.push_back(static_cast<double>(*value) + 1);
+            advanced.emplace_back(value, increment);
+        }
+        const bool shared = std::adjacent_find(reached.begin(), reached.end(), std::not_equal_to<>()) == reached.end();
+        const int64_t n = shared ? 1 : table.n_tensors, n_scalars = table.n_scalars;
+        std::vector<double> out(n_scalars);
+        std::vector<float> &computed = ruled_values[k];
+        computed.assign(n_scalars * n, 0.0f);
+        for (int64_t i = 0; i < n; i++) {
+            rule->scalars(table_options, reached.empty() ? 1.0 : reached[i], out.data());
+            for (int64_t j = COMMON_SCALARS; j < n_scalars; j++) computed[j * n + i] = static_cast<float>(out[j]);
+        }
+        for (int64_t j = COMMON_SCALARS; j < n_scalars; j++) s[j] = {&computed[j * n], shared ? 0 : 1};
+    }
+    STD_TORCH_CHECK(at == options.size(), op, ": more options than the ruled tables take");
+    std::vector<float> clipped_scales(tables.size());
+    if (!clip.empty()) {
+        STD_TORCH_CHECK(clip.size() == 2, op, ": clip must be (max_norm, eps) or empty");
+        const float *inv_scale = nullptr;
+        if (clip_inv_scale.has_value()) {
+            STD_TORCH_CHECK(clip_inv_scale->is_cpu() && clip_inv_scale->scalar_type() == ScalarType::Float
+                                && clip_inv_scale->numel() == 1,
+                            op, ": clip_inv_scale must be one fp32 CPU value");
+            inv_scale = static_cast<const float *>(clip_inv_scale->data_ptr());
+        }
+        std::vector<Span> spans;
+        for (const std::shared_ptr<Bound> &table : tables)
+            for (int64_t t = 0; t < table->n_tensors; t++) {
+                const Layout &param = table->layouts_then[t];
+                int64_t numel = 1;
+                for (int64_t size : param.sizes) numel *= size;
+                spans.push_back({table->pointers[GRAD * table->n_tensors + t], numel, kernel_dtype(param.dtype)});
+            }
+        const float coefficient = clip_coefficient(total_of(spans, false), clip[0], clip[1], inv_scale);
+        for (size_t k = 0; k < tables.size(); k++) {
+            Scalar &scale = scalars[first_scalars[k] + GRAD_SCALE];
+            STD_TORCH_CHECK(scale.stride == 0, op, ": a clipped table's grad scale must be one value");
+            clipped_scales[k] = coefficient * scale.values[0];
+            scale = {&clipped_scales[k], 0};
+        }
+    }
     for (size_t k = 0; k < tables.size(); k++) {
         Bound &table = *tables[k];
         const int64_t n = table.n_tensors;
@@ -496,12 +777,16 @@ int64_t bound_step(std::vector<int64_t> handles, const std::vector<AtenTensorHan
             if (per_tensor[k])  // the chunks of one tensor are consecutive rows
                 for (end = begin + 1; end < n_chunks && chunks[4 * end] == chunks[4 * begin]; end++) {}
             const int status = table.run(table.pointers.data(), n, chunks, begin, end, layouts,
-                                         values.scalars.data() + first_scalars[k],
+                                         scalars.data() + first_scalars[k],
                                          table.dtype, static_cast<int32_t>(flags[k]), threads());
             STD_TORCH_CHECK(status == 0, op, ": the kernel has no variant for dtype code ", table.dtype,
                             " with flags ", flags[k]);
         }
     }
+    std::sort(advanced.begin(), advanced.end());
+    for (size_t i = 0; i < advanced.size(); i++)  // a group's count, which each of its tables holds, once
+        if (i == 0 || advanced[i].first != advanced[i - 1].first)
+            *advanced[i].first = *advanced[i].first + advanced[i].second;
     return STEPPED;
 }
 
@@ -562,15 +847,19 @@ struct GradHandles {
 // unboxed as TORCH_BOX does).
 void bound_step_boxed(StableIValue *stack, uint64_t num_args, uint64_t num_outputs) {
     using torch::stable::detail::to;
-    STD_TORCH_CHECK(num_args == 7 && num_outputs == 1, "fastoptim::bound_step: a schema of 7 arguments, 1 output");
+    STD_TORCH_CHECK(num_args == 11 && num_outputs == 1, "fastoptim::bound_step: a schema of 11 arguments, 1 output");
     auto handles = to<std::vector<int64_t>>(stack[0]);
     const GradHandles grads(stack[1]);
     auto numbers = to<std::vector<double>>(stack[2]);
     auto tensor_scalars = to<std::vector<Tensor>>(stack[3]);
     auto slots = to<std::vector<int64_t>>(stack[4]), flags = to<std::vector<int64_t>>(stack[5]),
          per_tensor = to<std::vector<int64_t>>(stack[6]);
+    auto clip = to<std::vector<double>>(stack[7]);
+    auto clip_inv_scale = to<std::optional<Tensor>>(stack[8]);
+    auto ruled = to<std::vector<int64_t>>(stack[9]);
+    auto options = to<std::vector<double>>(stack[10]);
     stack[0] = torch::stable::detail::from(bound_step(handles, grads.handles, numbers, tensor_scalars, slots, flags,
-                                                      per_tensor));
+                                                      per_tensor, clip, clip_inv_scale, ruled, options));
 }
 
 void check_bound_boxed(StableIValue *stack, uint64_t num_args, uint64_t num_outputs) {
@@ -610,60 +899,56 @@ struct Rows {
     }
 };
 
-// Whether a chunk table covers every element of tensors of ``numels`` once, tensor after tensor (so
-// no chunk reaches outside its tensor): a plan made for other tensors does not.
-bool covers(const Tensor &chunks, const std::vector<int64_t> &numels, const char *op) {
-    const int64_t *rows = chunk_rows(chunks, op);
-    size_t t = 0;
-    int64_t next = 0;
-    auto skip_finished = [&](int64_t upcoming) {
-        while (t < numels.size() && next == numels[t] && static_cast<int64_t>(t) != upcoming) {
-            t++;
-            next = 0;
-        }
-    };
-    for (int64_t k = 0; k < chunks.size(0); k++) {
-        skip_finished(rows[4 * k]);
-        if (t == numels.size() || rows[4 * k] != static_cast<int64_t>(t) || rows[4 * k + 1] != next
-            || rows[4 * k + 2] <= 0)
-            return false;
-        next += rows[4 * k + 2];
+enum { TAKEN = 0, NOT_TAKEN = 2 };
+
+// The spans of ``grads`` into ``spans``: false unless each is a dense CPU tensor of a kernel dtype.
+bool read_spans(const std::vector<Tensor> &grads, std::vector<Span> &spans) {
+    static const int32_t cpu = aoti_torch_device_type_cpu();
+    for (const Tensor &grad : grads) {
+        const Read r(grad);
+        const int32_t format = kernel_dtype(r.dtype);
+        if (!r.readable || r.device_type != cpu || format < 0 || !is_dense(r)) return false;
+        const int64_t numel = grad.numel();
+        spans.push_back({numel ? reinterpret_cast<int64_t>(r.data) : 0, numel, format});
     }
-    skip_finished(-1);
-    return t == numels.size();
+    return true;
 }
 
-enum { TAKEN = 0, PLAN_STALE = 1, NOT_TAKEN = 2 };
-
-// Per chunk, the sum of squares (or with ``inf`` the largest magnitude) of the grads, into partials:
-// TAKEN; NOT_TAKEN (nothing read) unless the grads are dense CPU tensors of one kernel dtype;
-// PLAN_STALE unless ``chunks`` covers them exactly.
-int64_t grad_norm_partials(std::vector<Tensor> grads, Tensor chunks, bool inf, Tensor partials) {
-    const char *op = "fastoptim::grad_norm_partials";
-    Rows rows;
-    if (!rows.read(grads, 1, true, op)) return NOT_TAKEN;
-    if (!covers(chunks, rows.numels, op)) return PLAN_STALE;
-    STD_TORCH_CHECK(partials.is_cpu() && partials.scalar_type() == ScalarType::Double && partials.is_contiguous()
-                        && partials.numel() == chunks.size(0),
-                    op, ": partials must be a contiguous float64 CPU tensor, one per chunk");
-    fastoptim_grad_norm(rows.pointers.data(), static_cast<int64_t>(grads.size()),
-                        static_cast<const int64_t *>(chunks.data_ptr()), chunks.size(0), rows.dtype, inf,
-                        static_cast<double *>(partials.data_ptr()), threads());
+// The sum of squares (or with ``inf`` the largest magnitude) of the grads' elements, into ``total``
+// (a float64 CPU scalar), in the one order fastoptim sums a norm in (see total_of): TAKEN, or NOT_TAKEN
+// (nothing written) unless each grad is a dense CPU tensor of a kernel dtype.
+int64_t dense_grad_norm_total(std::vector<Tensor> grads, bool inf, Tensor total) {
+    const char *op = "fastoptim::dense_grad_norm_total";
+    STD_TORCH_CHECK(total.is_cpu() && total.scalar_type() == ScalarType::Double && total.numel() == 1, op,
+                    ": total must be one float64 CPU value");
+    std::vector<Span> spans;
+    if (!read_spans(grads, spans)) return NOT_TAKEN;
+    *static_cast<double *>(total.data_ptr()) = total_of(spans, inf);
     return TAKEN;
 }
 
-// Multiplies the grads by ``factor`` (a 0-d fp32 CPU tensor, read in C: no host sync); answers as
-// grad_norm_partials does, and changes nothing unless TAKEN.
-int64_t scale_grads_in_chunks(std::vector<Tensor> grads, Tensor chunks, Tensor factor) {
-    const char *op = "fastoptim::scale_grads_in_chunks";
-    Rows rows;
-    if (!rows.read(grads, 1, true, op)) return NOT_TAKEN;
-    if (!covers(chunks, rows.numels, op)) return PLAN_STALE;
+// Multiplies the grads by ``factor`` (one fp32 CPU value, read here: no host sync): TAKEN, or NOT_TAKEN
+// (nothing changed) unless each grad is a dense CPU tensor of a kernel dtype and no two share memory
+// (threads would race on it).
+int64_t scale_dense_grads(std::vector<Tensor> grads, Tensor factor) {
+    const char *op = "fastoptim::scale_dense_grads";
     STD_TORCH_CHECK(factor.is_cpu() && factor.scalar_type() == ScalarType::Float && factor.numel() == 1, op,
                     ": factor must be one fp32 CPU value");
-    fastoptim_scale_grads(rows.pointers.data(), static_cast<int64_t>(grads.size()),
-                          static_cast<const int64_t *>(chunks.data_ptr()), chunks.size(0), rows.dtype,
-                          static_cast<const float *>(factor.data_ptr()), threads());
+    std::vector<Span> spans;
+    if (!read_spans(grads, spans)) return NOT_TAKEN;
+    std::vector<std::pair<int64_t, int64_t>> extents;  // [first byte, past the last)
+    for (const Span &span : spans)
+        if (span.numel) extents.emplace_back(span.pointer, span.pointer + span.numel * (span.format == 0 ? 4 : 2));
+    std::sort(extents.begin(), extents.end());
+    for (size_t i = 1; i < extents.size(); i++)
+        if (extents[i].first < extents[i - 1].second) return NOT_TAKEN;
+    const Chunked chunked(spans);
+    for (int32_t format = 0; format < 3; format++)
+        if (!chunked.chunks[format].empty())
+            fastoptim_scale_grads(chunked.pointers[format].data(),
+                                  static_cast<int64_t>(chunked.pointers[format].size()), chunked.chunks[format].data(),
+                                  static_cast<int64_t>(chunked.chunks[format].size() / 4), format,
+                                  static_cast<const float *>(factor.data_ptr()), threads());
     return TAKEN;
 }
 
@@ -707,14 +992,15 @@ int64_t use_f16c(bool enable) { return fastoptim_use_f16c(enable); }
 
 STABLE_TORCH_LIBRARY_FRAGMENT(fastoptim, m) {
     m.def("bind(str kernel, Tensor[] held, int[] rows, int n_tensors, int n_rows, int n_scalars, Tensor chunks, "
-          "Tensor? layouts, Tensor[] owners) -> int");
+          "Tensor? layouts, Tensor[] owners, Tensor[] watched, Tensor[] grads_like, str rule, Tensor[] counts) -> int");
     m.def("unbind(int handle) -> ()");
     m.def("kernel_rows(str kernel) -> int");
     m.def("bound_step(int[] handles, Tensor[] grads, float[] numbers, Tensor[] tensor_scalars, int[] slots, int[] flags, "
-          "int[] per_tensor) -> int");
+          "int[] per_tensor, float[] clip, Tensor? clip_inv_scale, int[] ruled, float[] options) -> int");
+    m.def("rule_scalars(str rule, float[] options, float t, int n_scalars) -> float[]");
     m.def("check_bound(int[] handles, Tensor[] grads, Tensor(a!) grad_pointers) -> int");
-    m.def("grad_norm_partials(Tensor[] grads, Tensor chunks, bool inf, Tensor(a!) partials) -> int");
-    m.def("scale_grads_in_chunks(Tensor(a!)[] grads, Tensor chunks, Tensor factor) -> int");
+    m.def("dense_grad_norm_total(Tensor[] grads, bool inf, Tensor(a!) total) -> int");
+    m.def("scale_dense_grads(Tensor(a!)[] grads, Tensor factor) -> int");
     m.def("probe(Tensor(a!)[] tensors, Tensor chunks) -> ()");
     m.def("quantize(Tensor values, int table, Tensor(a!) codes, Tensor(b!) absmax) -> ()");
     m.def("dequantize(Tensor codes, Tensor absmax, int table, Tensor(a!) values) -> ()");
@@ -727,9 +1013,10 @@ STABLE_TORCH_LIBRARY_IMPL(fastoptim, CompositeExplicitAutograd, m) {
     m.impl("unbind", TORCH_BOX(&unbind));
     m.impl("kernel_rows", TORCH_BOX(&kernel_rows));
     m.impl("bound_step", &bound_step_boxed);
+    m.impl("rule_scalars", TORCH_BOX(&rule_scalars));
     m.impl("check_bound", &check_bound_boxed);
-    m.impl("grad_norm_partials", TORCH_BOX(&grad_norm_partials));
-    m.impl("scale_grads_in_chunks", TORCH_BOX(&scale_grads_in_chunks));
+    m.impl("dense_grad_norm_total", TORCH_BOX(&dense_grad_norm_total));
+    m.impl("scale_dense_grads", TORCH_BOX(&scale_dense_grads));
     m.impl("probe", TORCH_BOX(&probe));
     m.impl("quantize", TORCH_BOX(&quantize));
     m.impl("dequantize", TORCH_BOX(&dequantize));

@@ -69,6 +69,9 @@ class Algorithm(NamedTuple):
     ``n_betas``: how many betas its groups take.
     ``run(engine, plan, reduce_group)``: how a bucket's plan runs, where the engines' own way does
     not fit (Muon's, whose math needs whole matrices between two elementwise halves).
+    ``rule``: (name, options(group)): the native rule that computes ``kernel_scalars(arguments(...))``
+    in a bound CPU step (native.cpp's Rule of that name restates them, tests/test_native_layer.py
+    holds the two equal), and the group's numbers it takes, in its order; None: Python computes them.
     """
 
     spec: KernelSpec
@@ -81,3 +84,4 @@ class Algorithm(NamedTuple):
     factor_options: tuple[str, ...] = ()
     n_betas: int = 2
     run: Callable = engines.run_bucket
+    rule: tuple[str, Callable[[dict], list]] | None = None

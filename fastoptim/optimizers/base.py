@@ -14,8 +14,8 @@ from torch import Tensor
 from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
 from .. import distributed, engines, flat_params
-from ..clip import CLIP_EPS, GradTables, clip_backend, clip_coefficient
-from ..multi_tensor import FlatStates, pick
+from ..clip import CLIP_EPS, clip_backend, clip_coefficient
+from ..multi_tensor import FlatStates, bump_versions, pick
 from ..specs import ABSMAX
 from ..states import formats, master, subset_norm
 from ..step_cache import (DEVICE, DTYPE, SHAPE, BoundStep, GroupWork, OptimizerState, Signature, are_slots,
@@ -292,17 +292,14 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             return loss
         caches = self.__dict__.setdefault("_engine_caches", {})
         bound = caches.pop("bound", None)
-        work = None if bound is None else bound.work(self.state, self.param_groups, self._structure,
-                                                     self._check_between_steps)
-        if work is not None and self._apply(work, caches, batch=[]):
+        if bound is not None and self._step_bound(bound, caches):
             caches["bound"] = bound
             return loss
         work = [(group, *self._group_work(caches, index, group)) for index, group in enumerate(self.param_groups)]
         self._apply(work, caches)
         # not where the step reduces over ranks: a step run again would reduce twice on this rank alone
         caches["bound"] = None if self._reduce_group is not None else BoundStep.of(
-            self.state, work, self._structure,
-            lambda entry, index: engines.fused.natively_checked(entry.bucket_caches.get(index, {})))
+            self.state, work, self._structure, self._bound_runs(work), engines.backends.forced())
         return loss
 
     @torch._disable_dynamo
@@ -354,21 +351,13 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         roles = algorithm.spec.kept(algorithm.flags(group))
         return roles + (master.KEY,) if group["master_bits"] > 16 else roles
 
-    def _apply(self, work, caches, batch=None, whole_step=True):
-        """Step every group of ``work`` ((group, GroupWork, grads) per group, all checked). With a
-        ``batch`` (a list), the fused engine collects the tables' launches in it and they run in one
-        native call; False, having changed nothing, when one could not. A released bucket is not a
-        ``whole_step``: the per-group counts advance once, at ``step()``."""
-        amp_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+    def _apply(self, work, caches, whole_step=True):
+        """Step every group of ``work`` ((group, GroupWork, grads) per group, all checked), each bucket
+        on its engine. A released bucket is not a ``whole_step``: the per-group counts advance once, at
+        ``step()``."""
+        found_inf = getattr(self, "found_inf", None)
         eager = not torch.compiler.is_compiling()
-        # A param written by anyone but this optimizer starts again from the value written (a traced
-        # step does not look: see master.Writes)
-        writes = caches.get("writes") if eager else None
-        if eager and writes is None:
-            writes = caches["writes"] = master.Writes()
-        for _, entry, _ in work if eager else ():
-            if entry.versions is not None:
-                self._restart_masters(writes.written(entry.versions))
+        writes = self._restart_written(work, caches) if eager else None  # a traced step does not look
         # Eagerly, only the fused kernels skip an inf step on the device. The other engines look at
         # found_inf, and so do a step that would create states and one whose math is not elementwise
         # (Muon's kernel is half its step): a skipped step must leave no trace.
@@ -379,40 +368,125 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                                              or not self._algorithm(group).spec.elementwise)
                                   or any(reduce for _, reduce in entry.buckets)) for group, entry, _ in work):
             if found_inf.item():
-                return True
+                return
             found_inf = None
+        increment, scales, _ = self._grad_scales(work, found_inf, eager)
+        for (group, entry, grads), scale in zip(work, scales):
+            if entry.params:
+                self._step_group(group, entry, grads, scale, found_inf, increment)
+        self._advance(work, increment, writes, whole_step)
+
+    def _step_bound(self, bound, caches):
+        """A step of ``bound`` (see :class:`BoundStep`): every group's buckets on their bound tables, in one
+        native call that checks them all before any runs (and clips their grads, where asked). False,
+        having changed nothing, where the rule of ``bound`` no longer holds or that call found a tensor
+        changed. Its groups are fused, elementwise and have their states: an inf step GradScaler found is
+        skipped on the device."""
+        if engines.backends.forced() is not bound.forced:
+            return False
+        work = bound.work(self.state, self.param_groups, self._structure, self._check_between_steps)
+        if work is None:
+            return False
+        writes = self._restart_written(work, caches)
+        found_inf = getattr(self, "found_inf", None)
+        native = bound.step_scalars  # the scalars and counts: natively, by the algorithms' rules
+        increment, scales, clip = self._grad_scales(work, found_inf, eager=True, clip_in_step=native)
+        launches = []
+        for (group, entry, grads), scale, runs in zip(work, scales, bound.runs):
+            if not entry.params:
+                continue
+            algorithm, device = self._algorithm(group), grads[0].device
+            stochastic, flags, options = group["stochastic_rounding"], algorithm.flags(group), None
+            if native:
+                options = algorithm.rule[1](group)
+                if any(isinstance(option, Tensor) for option in options):
+                    return False  # a tensor lr (say): the checked step computes its scalars
+                options = list(map(float, options))
+            else:
+                args, per_tensor = self._arguments(algorithm, group, entry, scale, increment, traced=False)
+            for tables, bucket, cache in runs:  # a seed per bucket, in bucket order, as a checked step draws them
+                if native:
+                    ordered = engines.fused.common_scalars(algorithm.spec, scale, found_inf, stochastic, device)
+                else:
+                    ordered = engines.fused.ordered_scalars(
+                        algorithm.spec, algorithm.kernel_scalars,
+                        args if bucket is None else engines.args_of(args, per_tensor, bucket, device, cache),
+                        found_inf, stochastic, device)
+                tables.launch(algorithm.spec, grads if bucket is None else [grads[i] for i in bucket], ordered, flags,
+                              stochastic, entry.engine == engines.fused.SINGLE, launches, options)
+        if launches and not engines.fused.run_batch(launches, clip):
+            return False
+        self._advance(work, increment, writes, counted=native)
+        return True
+
+    def _bound_runs(self, work):
+        """Per group of a checked step's ``work``, per bucket: the natively checked tables it ran on
+        (``fused.Tables``), its params' indices (None: all) and its cache; None where a group's step is
+        not those tables' kernels alone (the algorithm runs its own way, has no kernel or no rule), or
+        a bucket reduces over ranks or left some tensors to foreach."""
+        runs = []
+        for group, entry, _ in work:
+            algorithm = self._algorithm(group)
+            caches = [entry.bucket_caches.get(index, {}) for index in range(len(entry.buckets))]
+            if entry.params and (algorithm.run is not engines.run_bucket or algorithm.kernel_scalars is None
+                                 or algorithm.rule is None or any(reduce for _, reduce in entry.buckets)
+                                 or not all(map(engines.fused.natively_checked, caches))):
+                return None
+            runs.append([(cache["prepared"].tables, None if len(bucket) == len(entry.params) else bucket, cache)
+                         for (bucket, _), cache in zip(entry.buckets, caches)] if entry.params else [])
+        return runs
+
+    def _restart_written(self, work, caches):
+        """A param written by anyone but this optimizer starts again from the value written: zero the
+        master remainders of ``work``'s params written since its steps wrote them (see master.Writes),
+        whose notes it returns."""
+        writes = caches.get("writes")
+        if writes is None:
+            writes = caches["writes"] = master.Writes()
+        for _, entry, _ in work:
+            if entry.versions is not None:
+                self._restart_masters(writes.written(entry.versions))
+        return writes
+
+    def _grad_scales(self, work, found_inf, eager, clip_in_step=False):
+        """What a step of ``work`` adds to the counts (1, or a tensor: 0 on a step GradScaler skipped),
+        each group's grad scale (the clip coefficient, GradScaler's 1/scale, −1 to maximize: see
+        ``scalars.grad_scale``) and, with ``clip_in_step`` (a bound step, whose native call clips), what
+        that call clips by: (max_norm, eps, 1/scale), the groups' scales then leaving the coefficient out."""
+        amp_scale = getattr(self, "grad_scale", None)
         max_norm = self.defaults["max_grad_norm"]
-        all_grads = [grad for _, _, grads in work for grad in grads] if max_norm > 0 else None
+        # in bucket order, as a step's one native call takes them: every path sums the norm in this order
+        all_grads = [grads[i] for _, entry, grads in work for bucket, _ in entry.buckets for i in bucket
+                     ] if max_norm > 0 else None
         clipped = max_norm > 0 and (all_grads or self._reduce_group is not None)  # each rank joins the reduction
         # official Adan takes eps for the clip from the last group; an algorithm without an eps (Lion),
         # torch's clip_grad_norm_'s, whatever keys its groups carry
         eps = self.param_groups[-1]["eps"] if "eps" in self.defaults else CLIP_EPS
         maximize = [group["maximize"] for group, _, _ in work]
         if not eager and self._factors_by_op(work, all_grads if clipped else None, amp_scale, found_inf):
-            increment, scales = scalars.traced_factors(all_grads if clipped else None, max_norm, eps, amp_scale,
-                                                       found_inf, maximize)
-        else:
-            increment, inv_scale = scalars.increment_of(found_inf), scalars.inverse_of(amp_scale)
-            clip = None
-            if clipped:  # the norm's dtype from the params' (the grads have theirs: checked before any kernel runs)
-                wide = (torch.float64 if any(entry.scalar_dtype is torch.float64 for _, entry, _ in work)
-                        else torch.float32)
-                clip = clip_coefficient(all_grads, max_norm, eps, inv_scale, self._reduce_group,
-                                        caches.setdefault("clip", GradTables()), wide)
-            scales = [scalars.grad_scale(clip, inv_scale, m) for m in maximize]
-        try:
-            for (group, entry, grads), scale in zip(work, scales):
-                if entry.params:
-                    self._step_group(group, entry, grads, scale, found_inf, increment, batch)
-        except engines.fused.Unbatched:
-            return False
-        if batch and not engines.fused.run_batch(batch):
-            return False
+            return (*scalars.traced_factors(all_grads if clipped else None, max_norm, eps, amp_scale, found_inf,
+                                            maximize), None)
+        increment, inv_scale = scalars.increment_of(found_inf), scalars.inverse_of(amp_scale)
+        if clipped and clip_in_step:
+            return increment, [scalars.grad_scale(None, inv_scale, m) for m in maximize], (max_norm, eps, inv_scale)
+        clip = None
+        if clipped:  # the norm's dtype from the params' (the grads have theirs: checked before any kernel runs)
+            wide = torch.float64 if any(entry.scalar_dtype is torch.float64 for _, entry, _ in work) else torch.float32
+            clip = clip_coefficient(all_grads, max_norm, eps, inv_scale, self._reduce_group, wide=wide)
+        return increment, [scalars.grad_scale(clip, inv_scale, m) for m in maximize], None
+
+    def _advance(self, work, increment, writes, whole_step=True, counted=False):
+        """After a step of ``work``: its counts advanced by ``increment`` (see ``_count_step``; where the
+        step's native call ``counted`` those of the groups with params, their version counters bumped,
+        as ``add_`` bumps them) and, where its ``writes`` are watched, the version counters its writes
+        left noted."""
         for group, entry, _ in work:
-            self._count_step(group, entry, increment, whole_step)
+            if counted and entry.params:
+                bump_versions(self._counts(group, entry))
+            else:
+                self._count_step(group, entry, increment, whole_step)
             if writes is not None and entry.versions is not None:
                 writes.note(entry.versions)
-        return True
 
     def _init_group(self):
         """The eager part of a step that torch.compile traces. torch.compile runs an optimizer's
@@ -424,7 +498,6 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         reads the state dict once, after it. The states are created here, even for a step that
         GradScaler then skips: zeros, and the step count stays, so the trajectory is eager's."""
         caches = self.__dict__.setdefault("_engine_caches", {})
-        caches.setdefault("clip", GradTables())  # which the step would otherwise add, changing what it guards
         flat_params.drop_frozen_grads(self.param_groups)  # a step traced again once a param is frozen (guarded)
         for index, group in enumerate(self.param_groups):
             entry, grads = self._group_work(caches, index, group)
@@ -564,35 +637,23 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                 "state was created? Convert the state (a state dict round trip does), or clear it with "
                 "optimizer.state[param].clear()")
 
-    def _step_group(self, group, entry, grads, grad_scale, found_inf, increment, batch=None):
+    def _step_group(self, group, entry, grads, grad_scale, found_inf, increment):
         if entry.states is None:  # every group is checked by now: states may be created
             self._use_new_states(group, entry, traced=torch.compiler.is_compiling())
         algorithm, traced = self._algorithm(group), torch.compiler.is_compiling()
         prepared = entry.traced_scalars if traced else None
-        counts, inputs = self._counts(group, entry), self._step_inputs(group, entry, grad_scale)
         args, per_tensor = {}, ()  # where an op makes each bucket's scalars
         if prepared is None:
-            args, per_tensor = scalars.step_arguments(algorithm, group, scalars.one_count(counts), increment, inputs,
-                                                      traced, entry.host_count)
-        if batch is not None and algorithm.run is engines.run_bucket and algorithm.kernel_scalars is not None \
-                and entry.partitions is None and inputs.first_reads is None \
-                and all(reduce is None for _, reduce in entry.buckets):
-            # a bound step: each bucket's tables take its grads and the kernel's scalars, no plan (the
-            # scalars made per bucket, in bucket order, as the plan path makes them: one seed each)
-            stochastic, flags, device = group["stochastic_rounding"], algorithm.flags(group), grads[0].device
-            for index, (bucket, _) in enumerate(entry.buckets):
-                whole, cache = len(bucket) == len(entry.params), entry.bucket_caches.get(index, {})
-                ordered = engines.fused.ordered_scalars(
-                    algorithm.spec, algorithm.kernel_scalars,
-                    args if whole else engines.args_of(args, per_tensor, bucket, device, cache), found_inf, stochastic,
-                    device)
-                engines.fused.launch_bound(entry.engine, cache, algorithm.spec, ordered,
-                                           grads if whole else [grads[i] for i in bucket], flags, stochastic, batch)
-            return
+            args, per_tensor = self._arguments(algorithm, group, entry, grad_scale, increment, traced)
+        else:
+            counts, inputs = self._counts(group, entry), self._step_inputs(group, entry, grad_scale)
         plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, algorithm.update, algorithm.spec,
                             algorithm.kernel_scalars, algorithm.flags(group), args,
                             frozenset(per_tensor), found_inf, group["stochastic_rounding"],
-                            warn_fallback=group["fused"] is True, absmax=entry.absmax, batch=batch)
+                            warn_fallback=group["fused"] is True, absmax=entry.absmax,
+                            watched=entry.watched, grads_like=entry.grads_like,
+                            rule="" if algorithm.rule is None else algorithm.rule[0],
+                            counts=self._read_counts(group, entry))
         for index, (bucket, reduce_group) in enumerate(entry.buckets):
             whole = len(bucket) == len(entry.params)
             part = plan if whole else plan.subset(bucket)
@@ -604,12 +665,19 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
                 part = part.without(master.KEY)
             part.cache = entry.bucket_caches.setdefault(index, {})
             algorithm.run(entry.engine, part, reduce_group)
-        if inputs.first_reads is not None:  # for one step: then every param has its optional states
+        first_reads = entry.context.first_reads
+        if first_reads is not None:  # for one step: then every param has its optional states
             entry.context = entry.context._replace(first_reads=None)
             if prepared is not None:
-                scalars.traced_mark_read(inputs.first_reads, increment)
+                scalars.traced_mark_read(first_reads, increment)
             elif traced:  # a compiled step reads them again on every call, and a step that counts gave every
-                inputs.first_reads.clamp_(min=increment)  # param its optional states
+                first_reads.clamp_(min=increment)  # param its optional states
+
+    def _arguments(self, algorithm, group, entry, grad_scale, increment, traced):
+        """``algorithm``'s arguments for this step of ``group`` (``entry``: its work) and the names of those
+        that hold one value per param (see ``scalars.step_arguments``)."""
+        return scalars.step_arguments(algorithm, group, scalars.one_count(self._counts(group, entry)), increment,
+                                      self._step_inputs(group, entry, grad_scale), traced)
 
     def _counts(self, group, entry):
         """The step counts ``group``'s step reads and advances (see ``scalars.one_count``): the
@@ -750,6 +818,13 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             group["step"] = count = step_count(count, device)
         return count
 
+    def _read_counts(self, group, entry):
+        """Per param of ``entry``, the step count its step reads (a ``PER_GROUP`` count for each), or None."""
+        counts = self._algorithm(group).counts
+        if counts == PER_GROUP:
+            return [self._group_count(group)] * len(entry.params)
+        return [state["step"] for state in entry.states] if counts == PER_PARAM else None
+
     def _count_step(self, group, entry, increment, whole_step=True):
         """Advance the group's step counts by ``increment`` (1, or 0 on a step GradScaler skipped),
         after the update: a ``PER_GROUP`` count whether or not its params had grads (on a
@@ -764,8 +839,6 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         if traced and counts[0].device.type == "cpu" and (
                 entry is None or not entry.params or entry.traced_scalars is not None):
             scalars.traced_count_up(counts, increment)
-        elif len(counts) == 1 and not traced and entry is not None:
-            entry.host_count.add(counts[0], increment)
         elif len(counts) == 1:
             counts[0].add_(increment)
         else:

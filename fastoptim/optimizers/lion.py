@@ -56,7 +56,8 @@ def lion_kernel_scalars(args: dict) -> dict:
                 grad_scale=1.0 if args["grad_scale"] is None else args["grad_scale"])
 
 
-LION = Algorithm(SPEC, lion_update, lion_arguments, lion_kernel_scalars)
+LION = Algorithm(SPEC, lion_update, lion_arguments, lion_kernel_scalars,
+                 rule=("lion", lambda group: [group["lr"], *group["betas"], group["weight_decay"]]))
 
 
 class Lion(FastOptimizer):

@@ -222,8 +222,6 @@ def run_muon_bucket(engine: str, part: engines.Plan, reduce_group=None) -> None:
     if not kernel and reduce_group is None:  # a traced fused step runs muon_update on foreach, as documented
         engines.run_bucket("foreach" if engine in engines.FUSED else engine, part)  # (no fallback warning)
         return
-    if part.batch is not None:  # the directions are read before the step's other launches would run
-        raise engines.fused.Unbatched
     momentum_engine = engine if kernel else "foreach"
     if reduce_group is None:
         pieces = [part.subset(range(piece.start, piece.stop))

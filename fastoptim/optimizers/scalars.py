@@ -16,24 +16,21 @@ import torch
 from torch import Tensor
 
 from .. import clip, engines
-from ..step_cache import HostCount
 from .algorithm import Algorithm, StepInputs
 
 
-def count_after(count, increment, lr, traced=None, host=None):
+def count_after(count, increment, lr, traced=None):
     """This step's count, ``count + increment`` (``count``: a group's 0-d count, or a 1-d tensor of
-    each param's), for the step's scalars (bias corrections), which need float64. A Python float
-    where all of it lives on the host (a CPU ``count``, a number ``increment`` and ``lr``), no trace
-    is running (``traced``: by default, whether torch.compile is tracing) and every param has the same
-    count, as torch.optim reads a CPU step count: the scalars then cost Python arithmetic instead of a
-    dozen tensor ops. Else a float64 tensor (on a GPU, or in a compiled step, nothing is read; params
-    that started at other steps keep their own). ``host``: the group's :class:`HostCount`, which
-    reads the count (one is made for this call without it)."""
+    each param's), for the step's scalars (bias corrections), which need float64: Python floats
+    (one, or one per param) where all of it lives on the host (a CPU ``count`` and ``lr``) and no
+    trace is running (``traced``: by default, whether torch.compile is tracing), as torch.optim reads
+    a CPU step count; each the count + 1, as a step that a GradScaler skips reads no scalars (a CPU
+    ``found_inf``'s increment is not read). The scalars then cost Python arithmetic, the same that a
+    bound step's native rule does (see Algorithm.rule). Else a float64 tensor (on a GPU, or in a
+    compiled step, nothing is read)."""
     traced = torch.compiler.is_compiling() if traced is None else traced
-    if count.device.type == "cpu" and not isinstance(increment, Tensor) and not isinstance(lr, Tensor) and not traced:
-        value = (host or HostCount()).read(count)
-        if value is not None:
-            return value + increment
+    if count.device.type == "cpu" and not isinstance(lr, Tensor) and not traced:
+        return [value + 1 for value in count.reshape(-1).numpy().tolist()]  # a CPU tensor's memory: no sync
     return count.to(torch.float64) + increment
 
 
@@ -65,14 +62,24 @@ def grad_scale(clip_factor: Tensor | None, inv_scale: Tensor | None, maximize: b
 
 
 def step_arguments(algorithm: Algorithm, group: dict, count: Tensor | None, increment: float | Tensor,
-                   inputs: StepInputs, traced: bool, host: HostCount | None = None) -> tuple[dict, set[str]]:
+                   inputs: StepInputs, traced: bool) -> tuple[dict, set[str]]:
     """``algorithm``'s arguments for a step of ``group`` and the names of those that hold one value per
-    param: ``inputs`` with the count the step reads, ``count + increment`` (``count``: the group's
+    param: ``inputs`` with the count the step reads (see :func:`count_after`; ``count``: the group's
     0-d count, the params' 1-d counts, or None; ``increment``: 1, or 0 on a step GradScaler skipped),
-    for a step that torch.compile traces or not (``traced``); ``host``: the group's :class:`HostCount`."""
-    if count is not None:
-        inputs = inputs._replace(count=count_after(count, increment, inputs.lr, traced, host))
-    return algorithm.arguments(group, inputs)
+    for a step that torch.compile traces or not (``traced``). Params at different counts on the host
+    each get their arguments from their own count as a Python number, as torch.optim's AdamW computes
+    them, those that depend on it one value per param (in ``inputs.wide``)."""
+    if count is None:
+        return algorithm.arguments(group, inputs)
+    reached = count_after(count, increment, inputs.lr, traced)
+    if isinstance(reached, Tensor):
+        return algorithm.arguments(group, inputs._replace(count=reached))
+    if len(set(reached)) == 1:
+        return algorithm.arguments(group, inputs._replace(count=reached[0]))
+    by_count = {t: algorithm.arguments(group, inputs._replace(count=t, counts_per_param=True))[0] for t in set(reached)}
+    args, per_param = algorithm.arguments(group, inputs._replace(count=reached[0], counts_per_param=True))
+    return args | {name: torch.tensor([by_count[t][name] for t in reached], dtype=inputs.wide, device=count.device)
+                   for name in per_param}, per_param
 
 
 # --- the ops of a traced CPU step -----------------------------------------------------------------

@@ -6,17 +6,22 @@ kernels are compiled for one state format, so each format gets a table of its ow
 ``COLUMN_NUMEL`` (the elements of a chunk of a column-subset tensor), ``BLOCK_COLUMNS`` (its kernels
 take a column-subset tensor with 8-bit states in runs of whole blocks of columns, where its rows are
 whole blocks; else all its columns in one chunk),
-``CLIPS`` (it has the clip's kernels, ``grad_norm_partials(grads, chunks, inf)`` and
-``scale_grads(grads, chunks, factor)``, which answer ``TAKEN``, ``PLAN_STALE`` (a chunk plan made
-for other grads) or another status when they cannot take the grads and changed nothing),
+``CLIPS`` (it has the clip's kernels, ``grad_norm_total(grads, inf)`` (status and the float64 sum
+of squares or largest magnitude, in fastoptim's one order of a norm's sum) and
+``scale_grads(grads, factor)``, which answer ``TAKEN``, or ``NOT_TAKEN`` when they cannot take
+the grads and changed nothing), ``STEP_SCALARS`` (its bound step computes the step's scalars: its
+``run_launches`` takes ``clip`` and clips the grads of all its launches together, as
+``clip.clip_coefficient`` would, and a launch with ``options`` has its table's rule compute the
+kernel's scalars from them and its counts, which it advances: see native.cpp's Rule),
 ``available()``, ``refusal(param)`` (why it cannot run a tensor at all, its device or dtype
-included, or None), ``bind(spec, tensors, table)`` (what its launches read of a cached pointer
-table and its tensors, by role), ``launch(spec, bound, grads, per_tensor, state_format, values,
-flags, stochastic)`` (one run of its kernel over what ``bind`` made, with the grads, the scalar
+included, or None), ``bind(spec, tensors, table, watched, grads_like, rule, counts)`` (what its
+launches read of a cached pointer table and its tensors, by role; see ``fused.Tables``),
+``launch(spec, bound, grads, per_tensor, state_format, values, flags, stochastic, options)`` (one
+run of its kernel over what ``bind`` made, with the grads, the scalar
 ``values`` (in ``spec.all_scalars`` order: a number, a 0-d tensor or a 1-d tensor with one value per
 tensor), the spec's ``flags`` (name: bool) and whether it rounds stochastically, once or once per
 tensor) and
-``run_launches(launches)`` (run them all, checked before any runs; False, having changed nothing,
+``run_launches(launches, clip=None)`` (run them all, checked before any runs; False, having changed nothing,
 when a tensor moved or a grad does not fit: the caller builds the tables again). A step whose
 every table a backend that ``CHECKS_NATIVELY`` holds runs its launches together, unchecked in
 Python. A new backend is one more module in ``BACKENDS``.

@@ -28,7 +28,7 @@ from ...states import blockwise8
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernels take of params and grads
 STEPPED, STALE, GRADS_UNFIT = 0, 1, 2  # what a bound step answers (native.cpp's bound_step)
-TAKEN, PLAN_STALE, NOT_TAKEN = 0, 1, 2  # what the clip kernels answer (native.cpp's grad_norm_partials)
+TAKEN, NOT_TAKEN = 0, 2  # what the clip kernels answer (native.cpp's dense_grad_norm_total)
 _EMPTY = torch.empty(0, device="cpu")  # a table's entry for a tensor that has none in its role (no block maxima)
 
 
@@ -120,11 +120,12 @@ class BoundTable:
     """``spec``'s kernel bound to a table's tensors (``tensors``: role to one tensor per param, None
     where a tensor has none in a role; ``table``: their :class:`~fastoptim.multi_tensor.PointerTable`,
     whose chunk plan and layouts it takes). Native code holds the params, states and block maxima
-    until this object is collected; each :func:`step` passes the grads. With ``runs`` False the
+    until this object is collected; each :func:`step` passes the grads. ``watched``, ``grads_like``,
+    ``rule`` and ``counts``: see :class:`fastoptim.engines.fused.Tables`. With ``runs`` False the
     table is bound to no kernel and may hold tensors of any device: a GPU kernel's, which
     :func:`check` checks before Python launches it."""
 
-    def __init__(self, spec, tensors, table, runs=True):
+    def __init__(self, spec, tensors, table, runs=True, watched=(), grads_like=(), rule="", counts=()):
         held, rows = [], []
         for row, role in enumerate(spec.rows):
             if role != "grad" and role in tensors:
@@ -134,15 +135,17 @@ class BoundTable:
         self.params = tensors["param"]  # whose version counters a step bumps
         self.handle = torch.ops.fastoptim.bind(spec.name if runs else "", held, rows, len(tensors["param"]),
                                                len(spec.rows), len(spec.all_scalars), torch.from_numpy(table.chunks),
-                                               layouts, flat_buffers(held[len(self.params):]))
+                                               layouts, flat_buffers(held[len(self.params):]), list(watched),
+                                               list(grads_like), rule, list(counts))
         weakref.finalize(self, torch.ops.fastoptim.unbind, self.handle).atexit = False
 
 
 class Launch(NamedTuple):
     """One bound table's part of a :func:`step`: its grads, its scalars in the spec's ``all_scalars``
     order (``numbers``, of which ``tensors[j]`` replaces number ``slots[j]``: an fp32 or float64
-    tensor, 0-d or with one value per tensor), the spec's flag bits, and whether it runs once per
-    tensor (the single-tensor engine) or in one kernel call."""
+    tensor, 0-d or with one value per tensor), the spec's flag bits, whether it runs once per
+    tensor (the single-tensor engine) or in one kernel call, and the ``options`` its table's rule
+    computes the other scalars from (None: ``numbers`` holds them all; see native.cpp's Rule)."""
     table: BoundTable
     grads: list
     numbers: list
@@ -150,16 +153,21 @@ class Launch(NamedTuple):
     slots: list
     flags: int
     per_tensor: bool
+    options: list | None
 
 
-def step(launches):
+def step(launches, clip=None):
     """Run the kernels of ``launches`` in one native call, and bump the updated params' version
     counters (as torch's in-place ops do, so autograd notices a param it saved being changed).
-    Returns STEPPED, or, having changed nothing (every table is checked before any runs), STALE (a
-    held tensor moved or changed its layout) or GRADS_UNFIT (a grad is not walked as its param)."""
+    ``clip``: (max_norm, eps, GradScaler's 1/scale or None), to clip the launches' grads together
+    first (see :func:`run_launches`). Returns STEPPED, or, having changed nothing (every table is
+    checked before any runs), STALE (a held tensor moved or changed its layout) or GRADS_UNFIT (a grad
+    is not walked as its param)."""
+    clip_numbers, inv_scale = ([], None) if clip is None else (list(clip[:2]), clip[2])
     if len(launches) == 1:
-        (table, grads, numbers, tensors, slots, flags, per_tensor), = launches
-        status = torch.ops.fastoptim.bound_step([table.handle], grads, numbers, tensors, slots, [flags], [per_tensor])
+        (table, grads, numbers, tensors, slots, flags, per_tensor, options), = launches
+        status = torch.ops.fastoptim.bound_step([table.handle], grads, numbers, tensors, slots, [flags], [per_tensor],
+                                                clip_numbers, inv_scale, [options is not None], options or [])
     else:
         firsts = [0]
         for launch in launches[:-1]:
@@ -168,7 +176,9 @@ def step(launches):
             [launch.table.handle for launch in launches], [g for launch in launches for g in launch.grads],
             [x for launch in launches for x in launch.numbers], [t for launch in launches for t in launch.tensors],
             [first + slot for launch, first in zip(launches, firsts) for slot in launch.slots],
-            [launch.flags for launch in launches], [launch.per_tensor for launch in launches])
+            [launch.flags for launch in launches], [launch.per_tensor for launch in launches], clip_numbers,
+            inv_scale, [launch.options is not None for launch in launches],
+            [x for launch in launches for x in launch.options or ()])
     if status == STEPPED:
         for launch in launches:
             bump_versions(launch.table.params)
@@ -189,19 +199,20 @@ def probe(tensors, chunks):
     torch.ops.fastoptim.probe([t for row in tensors for t in row], torch.from_numpy(chunks))
 
 
-def grad_norm_partials(grads, chunks, inf):
-    """Per chunk of ``chunks`` (a chunk plan over ``grads``): the sum of squares, or with ``inf`` the
-    largest magnitude, as a float64 tensor, and TAKEN; or None and NOT_TAKEN (the grads are not
-    dense CPU tensors of one kernel dtype) or PLAN_STALE (the plan was made for other grads)."""
-    partials = torch.empty(len(chunks), dtype=torch.float64, device="cpu")
-    status = torch.ops.fastoptim.grad_norm_partials(grads, torch.from_numpy(chunks), inf, partials)
-    return status, partials if status == TAKEN else None
+def grad_norm_total(grads, inf):
+    """The sum of squares of ``grads``' elements (each chunk's in float64, the chunks added in the
+    grads' order), or with ``inf`` their largest magnitude, as a 0-d float64 tensor, and TAKEN; or
+    None and NOT_TAKEN (a grad is not a dense CPU tensor of a kernel dtype)."""
+    total = torch.empty((), dtype=torch.float64, device="cpu")
+    status = torch.ops.fastoptim.dense_grad_norm_total(grads, inf, total)
+    return status, total if status == TAKEN else None
 
 
-def scale_grads(grads, chunks, factor):
-    """Multiplies ``grads`` (``chunks`` their chunk plan) by ``factor`` (a 0-d fp32 tensor, read in C:
-    no host sync); answers as :func:`grad_norm_partials` does, and changes nothing unless TAKEN."""
-    return torch.ops.fastoptim.scale_grads_in_chunks(grads, torch.from_numpy(chunks), factor)
+def scale_grads(grads, factor):
+    """Multiplies ``grads`` by ``factor`` (a 0-d fp32 tensor, read in C: no host sync): TAKEN, or
+    NOT_TAKEN, having changed nothing, where a grad is not a dense CPU tensor of a kernel dtype or
+    two share memory."""
+    return torch.ops.fastoptim.scale_dense_grads(grads, factor)
 
 
 def quantize(values, codes):
@@ -225,7 +236,8 @@ def dequantize(indices, absmax, codes):
 NAME = "cpu"
 DEVICE_TYPES = ("cpu",)
 SPLITS_FORMATS = False  # the C kernel reads each tensor's state format from its layout row
-CLIPS = True  # it has the clip's kernels, which check the grads themselves: grad_norm_partials, scale_grads
+CLIPS = True  # it has the clip's kernels, which check the grads themselves: grad_norm_total, scale_grads
+STEP_SCALARS = True  # its bound step computes the clip coefficient and its rules' scalars, and advances the counts
 CHECKS_NATIVELY = True  # a call refuses a moved tensor or an unfit grad: Python checks no layout per step
 REMAINDERS = True  # it reads and writes bf16 params' master remainders (master_bits 24 and 32)
 COLUMN_NUMEL = CPU_COLUMN_CHUNK_NUMEL  # a column-subset chunk: whole rows, which stream best from DRAM
@@ -246,12 +258,12 @@ def refusal(param):
     return None
 
 
-def bind(spec, tensors, table):
+def bind(spec, tensors, table, watched=(), grads_like=(), rule="", counts=()):
     """Hand the table's params and states to native code (see :class:`BoundTable`)."""
-    return BoundTable(spec, tensors, table)
+    return BoundTable(spec, tensors, table, watched=watched, grads_like=grads_like, rule=rule, counts=counts)
 
 
-def launch(spec, bound, grads, per_tensor, state_format, values, flags, stochastic):
+def launch(spec, bound, grads, per_tensor, state_format, values, flags, stochastic, options=None):
     """One table's part of a native step call, which ``run_launches`` runs with others. The scalar
     ``values`` (in ``spec.all_scalars`` order: a number, a 0-d tensor or a 1-d tensor with one value
     per tensor) go as numbers, and the tensors among them, in fp32 or float64, replace theirs (no
@@ -261,10 +273,11 @@ def launch(spec, bound, grads, per_tensor, state_format, values, flags, stochast
     numbers = [0.0 if isinstance(value, torch.Tensor) else float(value) for value in values]
     tensors = [values[slot] if values[slot].dtype in (torch.float32, torch.float64) else values[slot].float()
                for slot in slots]
-    return Launch(bound, grads, numbers, tensors, slots, spec.flag_bits(flags, stochastic), per_tensor)
+    return Launch(bound, grads, numbers, tensors, slots, spec.flag_bits(flags, stochastic), per_tensor, options)
 
 
-def run_launches(launches):
-    """Run ``launches`` in one native call; False, having changed nothing, when one did not fit."""
-    return step(launches) == STEPPED
+def run_launches(launches, clip=None):
+    """Run ``launches`` in one native call, their grads clipped together by ``clip`` (see :func:`step`;
+    None: not clipped); False, having changed nothing, when one did not fit."""
+    return step(launches, clip) == STEPPED
 

@@ -24,6 +24,7 @@ NAME = "triton"
 DEVICE_TYPES = ("cuda",)
 SPLITS_FORMATS = True  # a kernel is compiled for one state dtype
 CLIPS = False  # the clip runs torch's foreach ops on CUDA tensors
+STEP_SCALARS = False
 CHECKS_NATIVELY = cpu.AVAILABLE  # else the step work and the engine check the tensors in Python
 REMAINDERS = True  # it reads and writes bf16 params' master remainders (master_bits 24 and 32)
 COLUMN_NUMEL = CHUNK_NUMEL  # a column-subset chunk: one program's share, for the GPU's parallelism
@@ -87,18 +88,22 @@ class Launch(NamedTuple):
     stochastic: bool
 
 
-def bind(spec, tensors, table):
-    """The pointer table, and its params, states and block maxima bound to native code."""
+def bind(spec, tensors, table, watched=(), grads_like=(), rule="", counts=()):
+    """The pointer table, and its params, states and block maxima bound to native code (which checks
+    the ``watched`` tensors too, and takes a grad laid out as its ``grads_like`` entry). Its launches
+    bring every scalar: no ``rule`` computes them, and Python advances the ``counts``."""
     remainders = tensors.get(master.KEY)
-    return Table(table, cpu.BoundTable(spec, tensors, table, runs=False) if CHECKS_NATIVELY else None,
+    native = cpu.BoundTable(spec, tensors, table, runs=False, watched=watched,
+                            grads_like=grads_like) if CHECKS_NATIVELY else None
+    return Table(table, native,
                  tensors["param"], 0 if remainders is None else remainders[0].element_size() * 8)
 
 
-def launch(spec, bound, grads, per_tensor, state_format, values, flags, stochastic):
+def launch(spec, bound, grads, per_tensor, state_format, values, flags, stochastic, options=None):
     return Launch(spec, bound, grads, per_tensor, state_format, values, flags, stochastic)
 
 
-def run_launches(launches):
+def run_launches(launches, clip=None):
     """Check every launch's tables and grads (natively where the library is loaded, all before any
     runs), then launch each and bump its params' version counters (as torch's in-place ops do);
     False, having changed nothing, when a tensor moved or a grad does not fit."""
