@@ -31,11 +31,6 @@ class Role:
     ``half``: kept in bf16, not 8-bit codes, under ``state_bits=8``.
     ``when``: the feature flag without which the algorithm keeps no such state (None: always kept).
     ``optional``: a saved state may lack it (the first step does not read it).
-    ``stochastic``: its 8-bit codes round stochastically (unbiased: up with probability equal to the
-    fraction of the code step, with random bits hashed from the block's new absmax and the element's
-    position in its block, no seed, so sharded and replicated runs draw alike; fastoptim.states.
-    blockwise8.quantize), where round-to-nearest would bias it: an average that moves by less than a
-    code step a step.
     """
 
     name: str
@@ -44,7 +39,6 @@ class Role:
     half: bool = False
     when: str | None = None
     optional: bool = False
-    stochastic: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,11 +84,6 @@ class KernelSpec:
     @property
     def half(self):
         return tuple(role.name for role in self.roles if role.half)
-
-    @property
-    def stochastic(self):
-        """The roles whose 8-bit codes round stochastically."""
-        return tuple(role.name for role in self.roles if role.stochastic)
 
     @property
     def optional(self):

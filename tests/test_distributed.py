@@ -635,8 +635,8 @@ def test_hsdp_replicas_stay_equal_bit_for_bit(runs_on_four, name):
 
 
 def test_hsdp_replicas_stay_equal_whatever_each_ranks_torch_seed(runs_on_four):
-    """8-bit Muon's stochastic codes draw no seed (their bits hash each block's new absmax and the
-    element's place in its block): ranks seeded apart round their replicas' codes alike."""
+    """No step draws from the ranks' torch RNG (8-bit codes round to nearest): ranks seeded apart keep
+    their replicas equal."""
     for measured in result(runs_on_four, "hsdp rank seeds"):
         assert measured["replicas differ"] == 0
 

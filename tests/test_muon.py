@@ -614,8 +614,7 @@ def test_low_bit_momenta_stay_close_to_fp32_ones_at_their_bytes(state_bits):
         else:
             assert state["momentum_buffer"].dtype == torch.bfloat16
             momentum = state["momentum_buffer"].float()
-        # each step's rounding of the momentum, at most: 8-bit codes round stochastically, within a code step
-        relative = 1 / 8 if state_bits == 8 else 2.0**-8
+        relative = 1 / 16 if state_bits == 8 else 2.0**-8  # each step's rounding of the momentum, at most
         assert 0 < (momentum - reference).norm() <= relative * reference.norm()
         # the bf16 iterations may round a slightly different U otherwise, and amplify it a little
         assert 0 < (b - a).norm() <= 4 * relative * (a - start).norm()
@@ -764,70 +763,3 @@ def test_the_matrices_of_one_shape_are_orthogonalized_as_one_batch(engine, monke
         param.grad = torch.randn_like(param)
     fastoptim.Muon(params, lr=0.01, **ENGINES[engine]).step()
     assert sorted(batches) == [(1, 8, 4), (2, 4, 8), (2, 8, 4)]
-
-
-# --- 8-bit momentum: stochastic codes -------------------------------------------------------------
-# Under state_bits=8 the momentum's codes round stochastically (Role(stochastic=True), see
-# fastoptim.states.blockwise8): each step moves the buffer by (1−μ)·(g − B), often below a code step,
-# which round-to-nearest would drop. The bits hash each block's new absmax and the element's place in
-# its block: no seed, nothing drawn from torch's generator (so shards and replicas round alike).
-
-def eight_bit_run(engine, shapes=((96, 64), (64, 96), (48, 48), (128, 64)), seed=0, steps=3):
-    """Params and momentum states (codes, absmax) after ``steps`` 8-bit Muon steps on ``engine``,
-    torch's generator seeded with ``seed`` first."""
-    params = make_params(list(shapes))
-    grads = grads_of(params, steps=steps)
-    torch.manual_seed(seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no fallback
-        optimizer = fastoptim.Muon(params, lr=0.02, state_bits=8, **ENGINES[engine])
-        run(optimizer, params, grads)
-    states = [optimizer.state[p].get(key, torch.zeros(0)) for p in params
-              for key in ("momentum_buffer", "momentum_buffer_absmax")]
-    return [p.detach() for p in params] + states
-
-
-@pytest.mark.parametrize("engine", ["foreach", "fused-single", "fused-multi", "triton"])
-def test_eight_bit_momentum_is_bit_for_bit_the_loop_engines_on_every_engine(engine, monkeypatch):
-    """Every engine draws the same bits (the hash takes each block's absmax, not a tensor's position
-    in a kernel's table, so a 48×48 matrix kept in fp32 changes nothing)."""
-    if engine == "triton":
-        pytest.importorskip("triton", reason="Triton is an optional extra: pip install fastoptim[triton]")
-        monkeypatch.setenv("FASTOPTIM_FUSED_BACKEND", "triton")
-        engine = "fused-multi"
-    expected = eight_bit_run("loop")
-    assert expected[4].dtype == torch.uint8 and expected[8].dtype == torch.float32  # 48×48 keeps fp32
-    assert_equal(eight_bit_run(engine), expected)
-
-
-def test_eight_bit_momentum_does_not_depend_on_torchs_generator():
-    """A run seeded otherwise (as each rank of a sharded run may be) gives the same codes, bit for bit."""
-    assert_equal(eight_bit_run("fused-multi", seed=1), eight_bit_run("fused-multi", seed=2))
-    assert_equal(eight_bit_run("loop", seed=1), eight_bit_run("loop", seed=2))
-
-
-@pytest.mark.parametrize("backend", ["cpu", "triton"])
-def test_the_kernels_stochastic_codes_are_the_references(backend, monkeypatch):
-    """One fused step's momentum codes are blockwise8.quantize's of the reference lerp (the C and
-    Triton restatements of the stochastic quantizer, held to the readable one), salted by the
-    momentum's row."""
-    if backend == "triton":
-        pytest.importorskip("triton", reason="Triton is an optional extra: pip install fastoptim[triton]")
-    monkeypatch.setenv("FASTOPTIM_FUSED_BACKEND", backend)
-    params = make_params([(128, 96)])
-    optimizer = fastoptim.Muon(params, lr=0.02, state_bits=8, fused=True)
-    for step, grad in enumerate(grads_of(params, steps=2)):
-        params[0].grad = grad[0]
-        state = optimizer.state.get(params[0])
-        before = None if not state else blockwise8.dequantize(state["momentum_buffer"], state["momentum_buffer_absmax"],
-                                                              blockwise8.SIGNED)
-        optimizer.step()
-        expected = torch.zeros_like(grad[0]) if before is None else before
-        expected = expected.lerp(grad[0], 1 - 0.95)
-        codes, absmax = blockwise8.quantize(expected, blockwise8.SIGNED, salt=blockwise8.code_salt(
-            muon.MOMENTUM_SPEC.rows.index("momentum_buffer")))
-        state = optimizer.state[params[0]]
-        assert torch.equal(state["momentum_buffer"], codes) and torch.equal(state["momentum_buffer_absmax"], absmax)
-        if step:
-            nearest = blockwise8.quantize(expected, blockwise8.SIGNED)[0]
-            assert not torch.equal(codes, nearest)  # they are stochastic

@@ -1,11 +1,8 @@
 """Low-bit states on the loop and foreach engines: the math runs on fp32 working copies of one
 piece of the states at a time, which their formats then store back (bf16 to nearest even, 8-bit
-requantized block by block; see fastoptim.states.formats). A role whose 8-bit codes round
-stochastically (``Role.stochastic``) takes the kernels' random bits, a hash of its row's salt, each
-block's new absmax and the element's position in its block (fastoptim.states.blockwise8.quantize):
-no seed, nothing drawn from torch's generator."""
+requantized block by block; see fastoptim.states.formats)."""
 from ..specs import ABSMAX
-from ..states import blockwise8, formats
+from ..states import formats
 
 
 def widen(spec, tensors, absmax):
@@ -27,11 +24,6 @@ def widen(spec, tensors, absmax):
 
 
 def store(spec, tensors, stored):
-    """Write the working copies in ``tensors`` back into the states :func:`widen` replaced; the codes
-    of stochastic roles rounded stochastically, salted by their row (blockwise8.code_salt)."""
+    """Write the working copies in ``tensors`` back into the states :func:`widen` replaced."""
     for role, k, state_format, state, companions in stored:
-        if state_format is formats.Q8 and spec.role(role).stochastic:
-            state_format.store(spec.role(role), state, companions, tensors[role][k],
-                               blockwise8.code_salt(spec.rows.index(role)))
-        else:
-            state_format.store(spec.role(role), state, companions, tensors[role][k])
+        state_format.store(spec.role(role), state, companions, tensors[role][k])

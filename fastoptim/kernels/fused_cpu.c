@@ -148,7 +148,6 @@ INLINE float larger(float a, float b) { return a > b ? a : b; }
    NaN at 255; SIGNED: NaN at 255, for ±inf too), and the block's absmax is its finite elements'.
    Such blocks are rare: the vectorised quantizer leaves them to the portable one. */
 #define BLOCK 256
-#define CODE_SALT 0x5bd1e995u  /* the codes of state row r hash with CODE_SALT·r (blockwise8.code_salt) */
 enum { UNSIGNED, SIGNED, BF16_VALUES };  /* the code tables; or no table: Adan's g_prev, bf16 */
 
 INLINE float table_top(int table) { return table == SIGNED ? 1.875f : 61440.f; }
@@ -183,23 +182,6 @@ INLINE uint8_t quantize(float x, float scale, int table) {
     memcpy(&bits, &t, sizeof bits);
     const int32_t normal = ((bits + (1 << 19)) >> 20) - ((127 - 15) << 3);
     const int32_t subnormal = (int32_t)whole + (steps - whole >= 0.5f);
-    int32_t k = t < 0x1p-14f ? subnormal : normal;
-    k = k > last(table) ? last(table) : k;
-    return (uint8_t)(table == SIGNED ? (x < 0 ? 127 - k : 127 + k) : k);
-}
-
-/* quantize(), rounding the magnitude stochastically (blockwise8.quantize with random bits): from lo,
-   the largest magnitude <= t, up with probability (t - lo) / (hi - lo), where r, the hash's top 20
-   bits, is below that fraction times 2^20. In fp16's normal range lo is t's bits with the 20 below
-   fp16's 3 dropped, and the fraction times 2^20 is those 20 bits; below it, lo is t·2^17 made whole,
-   and the fraction what is left (exact). */
-INLINE uint8_t quantize_stochastic(float x, float scale, int table, uint32_t r) {
-    if (!isfinite(x)) return table == UNSIGNED && x > 0 ? UNSIGNED_INF_INDEX : NAN_INDEX;
-    const float t = fabsf(x) * scale, steps = (t < 0x1p-14f ? t : 0x1p-14f) * 0x1p17f, whole = floorf(steps);
-    int32_t bits;
-    memcpy(&bits, &t, sizeof bits);
-    const int32_t normal = (bits >> 20) - ((127 - 15) << 3) + ((uint32_t)(bits & 0xfffff) > r);
-    const int32_t subnormal = (int32_t)whole + ((float)(int32_t)r < (steps - whole) * 0x1p20f);
     int32_t k = t < 0x1p-14f ? subnormal : normal;
     k = k > last(table) ? last(table) : k;
     return (uint8_t)(table == SIGNED ? (x < 0 ? 127 - k : 127 + k) : k);
@@ -324,26 +306,14 @@ INLINE int32_t absmax_bits(const float *restrict values, int64_t n, int finite_o
     return top_bits;
 }
 
-/* n (at most BLOCK) values into their codes and their block's absmax; with ``stochastic``, the codes
-   rounded stochastically with the bits of random_bits(salt, the block's new absmax's bits, the
-   element's position in the block), blockwise8.quantize's: no seed, so that every layout whose
-   blocks are the whole state's (a dim-0 shard) draws the same bits (vectorised by the compiler: no
-   fp16 conversion). */
-INLINE void quantize_block(const float *restrict values, int64_t n, uint8_t *restrict codes, float *absmax, int table,
-                           int stochastic, uint32_t salt) {
+/* n (at most BLOCK) values into their codes and their block's absmax. */
+INLINE void quantize_block(const float *restrict values, int64_t n, uint8_t *restrict codes, float *absmax, int table) {
     int32_t top_bits = use_f16c ? absmax_bits_f16c(values, n) : absmax_bits(values, n, 0);
     const int finite = top_bits < INF_BITS;  /* else the block holds an inf or a NaN */
     if (!finite) top_bits = absmax_bits(values, n, 1);
     float top = from_bits(top_bits);
     const float scale = block_scale(&top, table);
-    if (stochastic) {
-        uint32_t absmax_bits;
-        memcpy(&absmax_bits, &top, sizeof absmax_bits);
-        IVDEP for (int64_t k = 0; k < n; k++)
-            codes[k] = quantize_stochastic(values[k], scale, table,
-                                           random_bits(salt, absmax_bits, (uint32_t)k) >> 12);
-    }
-    else if (use_f16c && finite) quantize_block_f16c(values, n, codes, scale, table);
+    if (use_f16c && finite) quantize_block_f16c(values, n, codes, scale, table);
     else IVDEP for (int64_t k = 0; k < n; k++) codes[k] = quantize(values[k], scale, table);
     *absmax = top;
 }
@@ -357,7 +327,7 @@ INLINE void dequantize_block(const uint8_t *restrict codes, float absmax, int64_
    reference. */
 VECTORISED int fastoptim_quantize(const float *values, int64_t n, int32_t table, uint8_t *codes, float *absmax) {
     for (int64_t i = 0; i < n; i += BLOCK)
-        quantize_block(values + i, n - i < BLOCK ? n - i : BLOCK, codes + i, absmax + i / BLOCK, table, 0, 0);
+        quantize_block(values + i, n - i < BLOCK ? n - i : BLOCK, codes + i, absmax + i / BLOCK, table);
     return 0;
 }
 
@@ -376,8 +346,6 @@ typedef struct {
                              too, so that the update loop reads and writes fp32 only */
     float *block;         /* Q8: the values of the block being updated */
     int64_t first;        /* Q8: that block's first element */
-    int stochastic;       /* Q8: its codes round stochastically (a compile-time constant of the walk) */
-    uint32_t salt;        /* Q8 stochastic: its codes' salt (CODE_SALT times its row) */
 } State;
 
 INLINE float get(const State *s, int64_t i, int format) {
@@ -407,8 +375,7 @@ INLINE void close_block(State *s, int64_t i, int64_t end, int format) {
     if (format == Q8 && s->table == BF16_VALUES)
         IVDEP for (int64_t k = 0; k < end - i; k++) store(s->data, i + k, s->block[k], BF16, 0, 0, 0);
     else if (format == Q8 && s->absmax)
-        quantize_block(s->block, end - i, (uint8_t *)s->data + i, &s->absmax[i / BLOCK], s->table, s->stochastic,
-                       s->salt);
+        quantize_block(s->block, end - i, (uint8_t *)s->data + i, &s->absmax[i / BLOCK], s->table);
 }
 
 /* --- The algorithms --------------------------------------------------------------------------
@@ -649,13 +616,11 @@ INLINE void update(int kernel, const Scalars *s, float *x, float scale, int flag
 
 /* A kernel's states: the end of their rows, and per row (the header's TABLES, REDUCED and NEEDS)
    its code table, whether it is per subset under sn, the flag it needs. */
-typedef struct { int table, reduced, needs, stochastic; } Role;
+typedef struct { int table, reduced, needs; } Role;
 #define STATES_END_OF(name, NAME) if (kernel == KERNEL_##NAME) return NAME##_STATES_END;
 #define ROLE_OF(name, NAME) if (kernel == KERNEL_##NAME) {                                                \
         static const int tables[] = NAME##_TABLES, reduced[] = NAME##_REDUCED, needs[] = NAME##_NEEDS;      \
-        static const int stochastic[] = NAME##_STOCHASTIC;                                                  \
-        return (Role){tables[row - FIRST_STATE], reduced[row - FIRST_STATE], needs[row - FIRST_STATE],     \
-                      stochastic[row - FIRST_STATE]}; }
+        return (Role){tables[row - FIRST_STATE], reduced[row - FIRST_STATE], needs[row - FIRST_STATE]}; }
 #define REMAINDER_OF(name, NAME) if (kernel == KERNEL_##NAME) return NAME##_REMAINDER;
 INLINE int states_end(int kernel) { FOR_EACH_KERNEL(STATES_END_OF) return FIRST_STATE; }
 INLINE int remainder_row(int kernel) { FOR_EACH_KERNEL(REMAINDER_OF) return 0; }
@@ -836,8 +801,7 @@ INLINE void walk(int kernel, const Work *w, int64_t t, int64_t start, int64_t co
     EACH_STATE(kernel, r)  /* the rows of the states' block maxima follow the states' */
         if (kept(kernel, r, flags))
             T.states[r] = (State){row(w, r, t), row(w, r - FIRST_STATE + states_end(kernel), t), role(kernel, r).table,
-                                  blocks[r - FIRST_STATE], 0, role(kernel, r).stochastic,
-                                  CODE_SALT * (uint32_t)r};
+                                  blocks[r - FIRST_STATE], 0};
     const int64_t b = layout(w, t, SUBSET_ROWS), c = layout(w, t, SUBSET_COLUMNS), end = start + count;
     if (b == 1) {                                           /* dense: each element its own second moment */
         update_elements(kernel, &T, start, end, b, c, DENSE, dtype, rounding, flags, states);

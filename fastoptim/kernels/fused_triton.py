@@ -51,7 +51,6 @@ SIGNED_TOP, UNSIGNED_TOP = tl.constexpr(blockwise8.SIGNED.top), tl.constexpr(blo
 NAN_INDEX, UNSIGNED_INF_INDEX = tl.constexpr(blockwise8.NAN_INDEX), tl.constexpr(blockwise8.UNSIGNED.inf_index)
 INF_BITS = tl.constexpr(0x7F800000)  # +inf's bits: |x|'s bits are at least these where x is not finite
 FLOAT32_MAX = tl.constexpr(torch.finfo(torch.float32).max)
-RANDOM_BITS = tl.constexpr(blockwise8.RANDOM_BITS)  # of the hash's 32 that a stochastic code compares
 
 
 # --- loads and stores -------------------------------------------------------------------------
@@ -208,44 +207,19 @@ def _quantize(t, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def _quantize_stochastic(t, r, SIGNED: tl.constexpr):
-    """The codes of t, its magnitude rounded stochastically with ``r`` (20 random bits, uint32), as
-    the C kernel's quantize_stochastic: from lo, the largest magnitude <= |t| (|t|'s bits with the 20
-    below fp16's 3 dropped; below fp16's normal range, |t|·2^17 made whole), up where r is below the
-    fraction of the step past lo times 2^20 (those 20 bits; below, what is left of |t|·2^17)."""
-    magnitude = tl.abs(t)
-    bits = magnitude.to(tl.int32, bitcast=True)
-    random = r.to(tl.int32)
-    normal = (bits >> 20) - ((127 - 15) << 3) + ((bits & 0xFFFFF) > random).to(tl.int32)
-    steps = tl.minimum(magnitude, 2.0**-14) * 2.0**17
-    whole = tl.floor(steps)
-    subnormal = whole.to(tl.int32) + (random.to(tl.float32) < (steps - whole) * 1048576.0).to(tl.int32)
-    k = tl.minimum(tl.where(magnitude < 2.0**-14, subnormal, normal), 127 if SIGNED else 247)
-    return (tl.where(t < 0, 127 - k, 127 + k) if SIGNED else k).to(tl.uint8)
-
-
-@triton.jit
 def _load_q8(codes, absmax, block, index, mask, SIGNED: tl.constexpr):
     return _dequantize(tl.load(codes + index, mask=mask), tl.load(absmax + block), SIGNED)
 
 
 @triton.jit
-def _store_q8(codes, absmax, block, index, mask, values, SIGNED: tl.constexpr, SALT: tl.constexpr = None):
-    """``values`` into block ``block``'s codes and absmax; with SALT (not None: a stochastic role's,
-    blockwise8.code_salt of its row) rounding stochastically with the bits of (SALT, the block's new
-    absmax's bits, the element's position in its block), as blockwise8.quantize: no seed."""
+def _store_q8(codes, absmax, block, index, mask, values, SIGNED: tl.constexpr):
     # the largest |x| of the finite elements, from their bits as integers
     magnitude_bits = values.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     finite = magnitude_bits < INF_BITS
     top = tl.max(tl.where(mask & finite, magnitude_bits, 0), axis=0).to(tl.float32, bitcast=True)
     scale = tl.div_rn(SIGNED_TOP if SIGNED else UNSIGNED_TOP, tl.where(top > 0, top, 1.0))
     stored = (top > 0) & (scale <= FLOAT32_MAX)  # else the block is stored as zeros
-    if SALT is None:
-        indices = _quantize(tl.where(finite, values, 0.0) * tl.where(stored, scale, 0.0), SIGNED)
-    else:
-        r = _random_bits(tl.full((), SALT, tl.uint32), tl.where(stored, top, 0.0).to(tl.uint32, bitcast=True),
-                         index % BLOCK8) >> (32 - RANDOM_BITS)
-        indices = _quantize_stochastic(tl.where(finite, values, 0.0) * tl.where(stored, scale, 0.0), r, SIGNED)
+    indices = _quantize(tl.where(finite, values, 0.0) * tl.where(stored, scale, 0.0), SIGNED)
     if SIGNED:
         indices = tl.where(finite, indices, NAN_INDEX)
     else:
@@ -255,13 +229,12 @@ def _store_q8(codes, absmax, block, index, mask, values, SIGNED: tl.constexpr, S
 
 
 @triton.jit
-def _blocks_kernel(values, codes, absmax, n, SIGNED: tl.constexpr, QUANTIZE: tl.constexpr, SALT: tl.constexpr):
-    """The quantizer (QUANTIZE; stochastic with a SALT) or the dequantizer alone, one block per
-    program, for the tests."""
+def _blocks_kernel(values, codes, absmax, n, SIGNED: tl.constexpr, QUANTIZE: tl.constexpr):
+    """The quantizer (QUANTIZE) or the dequantizer alone, one block per program, for the tests."""
     block = tl.program_id(0)
     index = block * BLOCK8 + tl.arange(0, BLOCK8)
     if QUANTIZE:
-        _store_q8(codes, absmax, block, index, index < n, tl.load(values + index, mask=index < n), SIGNED, SALT)
+        _store_q8(codes, absmax, block, index, index < n, tl.load(values + index, mask=index < n), SIGNED)
     else:
         tl.store(values + index, _load_q8(codes, absmax, block, index, index < n, SIGNED), mask=index < n)
 
@@ -335,12 +308,11 @@ def _gather_states(pointers, ROLES: tl.constexpr, index, mask):
 
 @triton.jit
 def _store_states(pointers, absmax, ROLES: tl.constexpr, index, mask, block, values):
-    """The kept states' new fp32 values into their formats (8-bit: requantizing ``block``, a
-    stochastic role's codes rounded stochastically)."""
+    """The kept states' new fp32 values into their formats (8-bit: requantizing ``block``)."""
     for i in tl.static_range(len(ROLES.row)):
         if ROLES.row[i] is not None:
             if pointers[i].dtype.element_ty == tl.uint8:
-                _store_q8(pointers[i], absmax[i], block, index, mask, values[i], ROLES.signed[i], ROLES.salt[i])
+                _store_q8(pointers[i], absmax[i], block, index, mask, values[i], ROLES.signed[i])
             else:
                 _store(pointers[i], index, values[i], mask)
 
@@ -669,8 +641,7 @@ TYPES = PARAM_TYPES | {torch.uint8: tl.uint8}  # and 8-bit states' codes
 # the pointer table and its block maxima's row (KernelSpec.rows; None where not kept), its 8-bit code
 # table (signed) and whether it stays bf16 beside 8-bit codes (half). A tuple per field, not a tuple
 # of records: Triton before 3.9 loses the field names of a record taken from a constexpr tuple.
-# salt: for a role whose 8-bit codes round stochastically, blockwise8.code_salt of its row, else None.
-Slots = namedtuple("Slots", "row absmax signed half salt")
+Slots = namedtuple("Slots", "row absmax signed half")
 
 
 @functools.lru_cache(maxsize=None)
@@ -692,8 +663,7 @@ def _variant(spec, flags):
         def field(value):
             return tuple(None if role is None else value(role) for role in roles)
         return Slots(field(lambda role: rows.index(role.name)), field(lambda role: rows.index(role.name + ABSMAX)),
-                     field(lambda role: role.signed), field(lambda role: role.half),
-                     field(lambda role: blockwise8.code_salt(rows.index(role.name)) if role.stochastic else None))
+                     field(lambda role: role.signed), field(lambda role: role.half))
 
     scalars = namedtuple(f"{spec.name}_scalars", spec.all_scalars)
     feature_flags = namedtuple(f"{spec.name}_flags", spec.flags)
@@ -743,18 +713,17 @@ def compile_for(capability, spec, param_dtype, state_dtype, *, stochastic=False,
     return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=NUM_WARPS))
 
 
-def quantize(values, signed, salt=None):
+def quantize(values, signed):
     """The kernels' quantizer on a contiguous fp32 tensor: (uint8 codes, absmax), as
-    ``blockwise8.quantize`` computes them; with ``salt`` (blockwise8.code_salt): rounded
-    stochastically, as ``blockwise8.quantize(values, codes, salt=salt)``."""
+    ``blockwise8.quantize`` computes them."""
     codes = torch.empty(values.shape, dtype=torch.uint8, device=values.device)
     absmax = torch.empty(blockwise8.n_blocks(values.numel()), device=values.device)
-    _blocks_kernel[(len(absmax),)](values, codes, absmax, values.numel(), SIGNED=signed, QUANTIZE=True, SALT=salt)
+    _blocks_kernel[(len(absmax),)](values, codes, absmax, values.numel(), SIGNED=signed, QUANTIZE=True)
     return codes, absmax
 
 
 def dequantize(codes, absmax, signed):
     """The kernels' dequantizer, as ``blockwise8.dequantize`` computes it."""
     values = torch.empty(codes.shape, device=codes.device)
-    _blocks_kernel[(len(absmax),)](values, codes, absmax, codes.numel(), SIGNED=signed, QUANTIZE=False, SALT=None)
+    _blocks_kernel[(len(absmax),)](values, codes, absmax, codes.numel(), SIGNED=signed, QUANTIZE=False)
     return values

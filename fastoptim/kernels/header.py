@@ -31,12 +31,10 @@ def _spec(spec):
         lines.append("enum { " + ", ".join(f"{prefix}{flag.upper()} = {1 << (i + 1)}"
                                            for i, flag in enumerate(spec.flags)) + " };")
     lines += [
-        "/* per state, in row order: its 8-bit code table, whether it is per subset under sn, the flag it needs,"
-        " whether its 8-bit codes round stochastically */",
+        "/* per state, in row order: its 8-bit code table, whether it is per subset under sn, the flag it needs */",
         f"#define {prefix}TABLES {{{', '.join(tables)}}}",
         f"#define {prefix}REDUCED {{{', '.join(str(int(role.reduced)) for role in spec.roles)}}}",
         f"#define {prefix}NEEDS {{{', '.join(needs)}}}",
-        f"#define {prefix}STOCHASTIC {{{', '.join(str(int(role.stochastic)) for role in spec.roles)}}}",
     ]
     return "\n".join(lines)
 

@@ -25,12 +25,10 @@ from .checks import check_number
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-# The momentum's 8-bit codes round stochastically: each step moves the buffer by (1−μ)·(g − B), often less
-# than a code step, which round-to-nearest would drop (fastoptim.states.blockwise8.quantize)
-SPEC = KernelSpec("muon", roles=(Role("momentum_buffer", stochastic=True),), scalars=(), elementwise=False)
+SPEC = KernelSpec("muon", roles=(Role("momentum_buffer"),), scalars=(), elementwise=False)
 # Its elementwise first half (muon_momentum), which the fused kernels restate: the param row holds the
 # direction it writes, in the param's dtype.
-MOMENTUM_SPEC = KernelSpec("muon_momentum", roles=(Role("momentum_buffer", stochastic=True),),
+MOMENTUM_SPEC = KernelSpec("muon_momentum", roles=(Role("momentum_buffer"),),
                            scalars=("momentum", "one_minus_momentum"), flags=("nesterov",))
 DEFAULT_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, as torch.optim.Muon's
 # adjust_lr_fn: the factor of lr for a matrix of rows × cols, as torch.optim.Muon's (an empty one: no update)

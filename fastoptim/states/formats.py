@@ -105,10 +105,8 @@ class Blockwise8(Dense):
     def widen(self, role, state, companions):
         return blockwise8.dequantize(state, companions[ABSMAX], self.codes(role))
 
-    def store(self, role, state, companions, value, salt=None):
-        """As the fp32 format's; ``salt`` (blockwise8.code_salt of the state's row in the kernel's
-        table): the codes rounded stochastically (blockwise8.quantize), for a ``stochastic`` role."""
-        codes, absmax = blockwise8.quantize(value, self.codes(role), salt=salt)
+    def store(self, role, state, companions, value):
+        codes, absmax = blockwise8.quantize(value, self.codes(role))
         state.copy_(codes)
         companions[ABSMAX].copy_(absmax)
 
