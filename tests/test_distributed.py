@@ -479,13 +479,13 @@ def hsdp_refusals(rank):
     return messages
 
 
-def run_workers(directory, world, timeout):
-    """Start ``world`` workers, and return their results by case and rank, their directory and their
-    outputs."""
+def run_workers(directory, world, timeout, module="tests.test_distributed"):
+    """Start ``world`` workers (``module`` run as ``python -m module rank directory world``), and return
+    their results by case and rank, their directory and their outputs."""
     root = Path(__file__).parents[1]
     path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
-    workers = [subprocess.Popen([sys.executable, "-m", "tests.test_distributed", str(rank), str(directory), str(world)],
+    workers = [subprocess.Popen([sys.executable, "-m", module, str(rank), str(directory), str(world)],
                                 cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
                for rank in range(world)]
     outputs = []

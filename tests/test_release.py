@@ -11,7 +11,6 @@ import copy
 import gc
 import json
 import os
-import subprocess
 import sys
 import traceback
 from datetime import timedelta
@@ -28,6 +27,7 @@ from .registry import OPTIMIZERS
 from .test_adversarial import ENGINES
 from .test_bad_input import assert_unchanged, snapshot
 from .test_compile import assert_same
+from .test_distributed import result, run_workers
 
 SMALL_BUCKETS = 300  # elements: the model below is cut into several buckets
 
@@ -688,33 +688,7 @@ def dist_worker(rank, directory, world):
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
 def dist_runs(request, tmp_path_factory):
-    return run_workers(tmp_path_factory.mktemp(f"release-{request.param}"), request.param, 300)
-
-
-def run_workers(directory, world, timeout):
-    """Start ``world`` workers, and return their results by case and rank, their directory and their
-    outputs (as tests/test_distributed.py's)."""
-    root = Path(__file__).parents[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
-    workers = [subprocess.Popen([sys.executable, "-m", "tests.test_release", str(rank), str(directory), str(world)],
-                                cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-               for rank in range(world)]
-    outputs = []
-    for process in workers:
-        try:
-            outputs.append(process.communicate(timeout=timeout)[0].decode())
-        except subprocess.TimeoutExpired:
-            for other in workers:
-                other.kill()
-            outputs.append(process.communicate()[0].decode())
-    files = [directory / f"rank{rank}.json" for rank in range(world)]
-    return [json.loads(file.read_text()) if file.exists() else {} for file in files], directory, outputs
-
-
-def dist_result(runs, name):
-    from .test_distributed import result
-    return result(runs, name)
+    return run_workers(tmp_path_factory.mktemp(f"release-{request.param}"), request.param, 300, "tests.test_release")
 
 
 @pytest.mark.distributed
@@ -723,7 +697,7 @@ def dist_result(runs, name):
 def test_a_released_sharded_run_is_the_unreleased_run_bit_for_bit(dist_runs, name):
     """DDP: each bucket stepped when its all-reduce lands; FSDP2: on its local shards when its units'
     reduce-scatters land (and its grads freed: the workers assert it after each backward)."""
-    for differing in dist_result(dist_runs, name):
+    for differing in result(dist_runs, name):
         assert differing == [], f"tensors {differing} differ"
 
 
@@ -735,7 +709,7 @@ def test_what_release_cannot_hook_under_a_process_group_is_refused_with_nothing_
                 "another comm hook": "comm hook already", "fsdp1": "FSDP1", "fsdp2 without the param":
                 "not a param of a fully_shard module", "fsdp2 with clipping": "max_grad_norm",
                 "unwrapped module": "Sequential: release follows"}
-    for messages in dist_result(dist_runs, "refusals"):
+    for messages in result(dist_runs, "refusals"):
         for name, words in expected.items():
             assert messages[name] != "not refused", name
             message, changed = messages[name]
@@ -751,7 +725,7 @@ def test_under_fsdp2_release_keeps_no_grad_past_a_unit(dist_runs):
     most one unit's reduced shard (1/8 of the model's bf16 grads / 2 ranks)."""
     if len(dist_runs[0]) != 2:
         pytest.skip("measured on 2 ranks")
-    for kept in dist_result(dist_runs, "kept bytes"):
+    for kept in result(dist_runs, "kept bytes"):
         released, unreleased = kept["released"], kept["unreleased"]
         assert released["params"] + released["states"] + released["grads"] <= 4.1 / 2
         assert released["grads"] == 0 and unreleased["grads"] == 1.0
