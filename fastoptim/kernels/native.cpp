@@ -192,9 +192,7 @@ bool walked_as(const Read &r, const Layout &param) {
 
 // A grad fits its param when it has the param's dtype and is walked as the param is, from ``pointer``
 // (0 for an empty one, which is never read).
-bool fits(AtenTensorHandle grad, const Layout &param, int64_t *pointer) {
-    if (grad == nullptr) return false;
-    const Read r(grad);
+bool fits(const Read &r, const Layout &param, int64_t *pointer) {
     if (!r.readable || r.dtype != param.dtype || !walked_as(r, param)) return false;
     *pointer = param.empty ? 0 : reinterpret_cast<int64_t>(r.data);
     return true;
@@ -595,8 +593,10 @@ int64_t check(Bound &table, const std::vector<AtenTensorHandle> &grads, size_t f
     for (int64_t t = 0; t < n; t++) {
         prefetch_ahead(grads.data() + first, t, n, handle_of_handle);
         int64_t *pointer = &table.pointers[GRAD * n + t];
-        if (!fits(grads[first + t], table.layouts_then[t], pointer)
-            && (table.grads_like.empty() || !fits(grads[first + t], table.grads_like[t], pointer)))
+        if (grads[first + t] == nullptr) return GRADS_UNFIT;
+        const Read grad(grads[first + t]);  // read once: it may fit the param's view or the param
+        if (!fits(grad, table.layouts_then[t], pointer)
+            && (table.grads_like.empty() || !fits(grad, table.grads_like[t], pointer)))
             return GRADS_UNFIT;
     }
     return STEPPED;
