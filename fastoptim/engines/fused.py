@@ -242,10 +242,19 @@ class Prepared:
 
     def __init__(self, plan, backend):
         self.backend = backend
+        self.counts = plan.counts  # the count tensors its tables read and advance natively (see _prepare)
         self.taken, formats, self.left, self.reason = _split(plan.tensors, plan.spec, backend)
         taken = plan if not self.left else plan.subset(self.taken)
         self.tables = Tables(taken.tensors, taken.absmax, plan.spec, backend, formats, taken.watched,
                              taken.grads_like, plan.rule, taken.counts) if self.taken else None
+
+
+def _same_counts(held, given):
+    """Whether the count tensors that tables were bound with (``held``) are the plan's now: a group's
+    count set anew (official Adan's int, or another tensor) leaves the states as they were, and a
+    bound step's native call would read and advance the old one."""
+    return held is given or (held is not None and given is not None and len(held) == len(given)
+                             and all(map(operator.is_, held, given)))
 
 
 def _prepare(plan, backend, again=False):
@@ -253,7 +262,8 @@ def _prepare(plan, backend, again=False):
     empties whenever a param or state tensor changes), built ``again`` when a launch found a tensor
     moved, and, for a backend that does not check natively, when the grads changed their layouts."""
     prepared = plan.cache.get("prepared")
-    if again or prepared is None or prepared.backend is not backend or (
+    if again or prepared is None or prepared.backend is not backend or not _same_counts(prepared.counts,
+                                                                                         plan.counts) or (
             not backend.CHECKS_NATIVELY and prepared.tables is not None and not prepared.tables.fit(
                 plan.tensors["grad"] if not prepared.left else [plan.tensors["grad"][i] for i in prepared.taken])):
         prepared = plan.cache["prepared"] = Prepared(plan, backend)

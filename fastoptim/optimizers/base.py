@@ -390,17 +390,21 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
         writes = self._restart_written(work, caches)
         found_inf = getattr(self, "found_inf", None)
         native = bound.step_scalars  # the scalars and counts: natively, by the algorithms' rules
+        ruled = [None] * len(work)
+        if native:  # every group's, before any seed is drawn: a step that goes the checked way draws its own
+            for k, (group, entry, _) in enumerate(work):
+                if entry.params:
+                    ruled[k] = self._algorithm(group).rule[1](group)
+                    if any(isinstance(option, Tensor) for option in ruled[k]):
+                        return False  # a tensor lr (say): the checked step computes its scalars
         increment, scales, clip = self._grad_scales(work, found_inf, eager=True, clip_in_step=native)
         launches = []
-        for (group, entry, grads), scale, runs in zip(work, scales, bound.runs):
+        for (group, entry, grads), scale, runs, options in zip(work, scales, bound.runs, ruled):
             if not entry.params:
                 continue
             algorithm, device = self._algorithm(group), grads[0].device
-            stochastic, flags, options = group["stochastic_rounding"], algorithm.flags(group), None
+            stochastic, flags = group["stochastic_rounding"], algorithm.flags(group)
             if native:
-                options = algorithm.rule[1](group)
-                if any(isinstance(option, Tensor) for option in options):
-                    return False  # a tensor lr (say): the checked step computes its scalars
                 options = list(map(float, options))
             else:
                 args, per_tensor = self._arguments(algorithm, group, entry, scale, increment, traced=False)
