@@ -293,6 +293,8 @@ struct Rule {
     int64_t n_options;
     bool counts;  // whether it reads a step count
     void (*scalars)(const double *options, double t, double *out);
+    const char *kernel;  // the kernel whose scalars it computes
+    int64_t n_scalars;  // that kernel's scalars, every one of which it writes past COMMON_SCALARS
 };
 
 // options: lr, beta1, beta2, eps, weight_decay (torch's AdamW: bias corrections of the count)
@@ -353,8 +355,10 @@ void lion_rule(const double *o, double, double *s) {
     s[LION_DECAY_MUL] = 1 - lr * o[3];
 }
 
-const Rule RULES[] = {{"adamw", 5, true, adamw_rule}, {"adamwsn", 6, true, adamwsn_rule},
-                      {"adan", 7, true, adan_rule}, {"lion", 4, false, lion_rule}};
+const Rule RULES[] = {{"adamw", 5, true, adamw_rule, "adamw", ADAMW_BIAS_CORRECTION2_SQRT + 1},
+                      {"adamwsn", 6, true, adamwsn_rule, "adamw", ADAMW_BIAS_CORRECTION2_SQRT + 1},
+                      {"adan", 7, true, adan_rule, "adan", ADAN_DECAY_DIV + 1},
+                      {"lion", 4, false, lion_rule, "lion", LION_DECAY_MUL + 1}};
 
 const Rule *find_rule(const std::string &name) {
     for (const Rule &rule : RULES)
@@ -367,8 +371,10 @@ const Rule *find_rule(const std::string &name) {
 std::vector<double> rule_scalars(std::string name, std::vector<double> options, double t, int64_t n_scalars) {
     const char *op = "fastoptim::rule_scalars";
     const Rule *rule = find_rule(name);
-    STD_TORCH_CHECK(rule && static_cast<int64_t>(options.size()) == rule->n_options && n_scalars >= COMMON_SCALARS,
-                    op, ": no rule ", name, " of ", options.size(), " options");
+    STD_TORCH_CHECK(rule && static_cast<int64_t>(options.size()) == rule->n_options, op, ": no rule ", name, " of ",
+                    options.size(), " options");
+    STD_TORCH_CHECK(n_scalars == rule->n_scalars, op, ": rule ", name, " computes the ", rule->n_scalars,
+                    " scalars of the ", rule->kernel, " kernel, not ", n_scalars);
     std::vector<double> out(n_scalars, 0.0);
     rule->scalars(options.data(), t, out.data());
     return out;
@@ -516,6 +522,9 @@ int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> 
     }
     table->rule = rule.empty() ? nullptr : find_rule(rule);
     STD_TORCH_CHECK(rule.empty() || (table->rule && table->run), op, ": no rule named ", rule, " (or no kernel)");
+    STD_TORCH_CHECK(!table->rule || (kernel == table->rule->kernel && n_scalars == table->rule->n_scalars), op,
+                    ": rule ", rule, " computes the ", table->rule ? table->rule->n_scalars : 0, " scalars of the ",
+                    table->rule ? table->rule->kernel : "", " kernel, not ", n_scalars, " of ", kernel, "'s");
     STD_TORCH_CHECK(counts.empty() || counts.size() == 1 || static_cast<int64_t>(counts.size()) == n_tensors, op,
                     ": counts must be none, the group's or one per tensor");
     for (const Tensor &count : counts) {
