@@ -320,10 +320,13 @@ def host_reads_in_step(rank, mode="fsdp"):
     return failures
 
 
-def worker(rank, directory, world=WORLD):
+def joined(rank, directory, world):
+    """Join this rank to the gloo group of ``world`` ranks that meet in ``directory``, on one thread
+    (several ranks on a 2-core machine); returns ``record(name, measure)``, which keeps ``measure()``,
+    or its traceback, in this rank's results file."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)  # several ranks on a 2-core machine
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{directory}/rendezvous", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))  # a case that fails on one rank fails, not hangs
     results = {}
@@ -334,6 +337,13 @@ def worker(rank, directory, world=WORLD):
         except Exception:
             results[name] = traceback.format_exc()
         Path(directory, f"rank{rank}.json").write_text(json.dumps(results))
+    return record
+
+
+def worker(rank, directory, world=WORLD):
+    import torch.distributed as dist
+
+    record = joined(rank, directory, world)
 
     if world != WORLD:
         for name in FOUR_RANKS:

@@ -9,12 +9,8 @@ the same data and write whether their params and states are equal bit for bit, t
 process group, and the bytes per param an FSDP2 rank keeps."""
 import copy
 import gc
-import json
 import os
 import sys
-import traceback
-from datetime import timedelta
-from pathlib import Path
 import warnings
 import weakref
 
@@ -27,7 +23,7 @@ from .registry import OPTIMIZERS
 from .test_adversarial import ENGINES
 from .test_bad_input import assert_unchanged, snapshot
 from .test_compile import assert_same
-from .test_distributed import result, run_workers
+from .test_distributed import joined, result, run_workers
 
 SMALL_BUCKETS = 300  # elements: the model below is cut into several buckets
 
@@ -659,17 +655,7 @@ def two_optimizers(mode, rank, world):
 def dist_worker(rank, directory, world):
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{directory}/rendezvous", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    results = {}
-
-    def record(name, measure):
-        try:
-            results[name] = measure()
-        except Exception:
-            results[name] = traceback.format_exc()
-        Path(directory, f"rank{rank}.json").write_text(json.dumps(results))
+    record = joined(rank, directory, world)
 
     for name in DIST_CASES:
         record(name, lambda: equal(dist_run(name, rank, world, False), dist_run(name, rank, world, True)))
