@@ -1,6 +1,7 @@
-"""An adversarial review of the bound step (6d667b0): a bound optimizer's run against a twin whose every
-step takes the checked way (``_engine_caches["bound"]`` popped before each step), bit for bit, where
-a user changes something between steps."""
+"""The bound step (scalars, clip and counts in its native call) against the checked step, where a user
+changes something between steps: a bound optimizer's run against a twin whose every step takes the
+checked way (``_engine_caches["bound"]`` popped before each step), bit for bit; and the native ops'
+refusals of rules that do not fit their kernel. Found by an adversarial review of 6d667b0."""
 import subprocess
 import sys
 import warnings
