@@ -297,13 +297,18 @@ struct Rule {
     int64_t n_scalars;  // that kernel's scalars, every one of which it writes past COMMON_SCALARS
 };
 
+// The AdamW kernel's moment scalars, from options that begin lr, beta1, beta2, eps (both its rules').
+void adamw_moments(const double *o, double *s) {
+    s[ADAMW_ONE_MINUS_BETA1] = 1 - o[1];
+    s[ADAMW_BETA2] = o[2];
+    s[ADAMW_ONE_MINUS_BETA2] = 1 - o[2];
+    s[ADAMW_EPS] = o[3];
+}
+
 // options: lr, beta1, beta2, eps, weight_decay (torch's AdamW: bias corrections of the count)
 void adamw_rule(const double *o, double t, double *s) {
     const double lr = o[0], beta1 = o[1], beta2 = o[2];
-    s[ADAMW_ONE_MINUS_BETA1] = 1 - beta1;
-    s[ADAMW_BETA2] = beta2;
-    s[ADAMW_ONE_MINUS_BETA2] = 1 - beta2;
-    s[ADAMW_EPS] = o[3];
+    adamw_moments(o, s);
     s[ADAMW_DECAY_MUL] = 1 - lr * o[4];
     s[ADAMW_DECAY_AFTER] = 1.0;
     s[ADAMW_STEP_SIZE] = lr / (1 - std::pow(beta1, t));
@@ -314,10 +319,7 @@ void adamw_rule(const double *o, double t, double *s) {
 // corrections in the step size, weight decay after the update)
 void adamwsn_rule(const double *o, double t, double *s) {
     const double lr = o[0], beta1 = o[1], beta2 = o[2];
-    s[ADAMW_ONE_MINUS_BETA1] = 1 - beta1;
-    s[ADAMW_BETA2] = beta2;
-    s[ADAMW_ONE_MINUS_BETA2] = 1 - beta2;
-    s[ADAMW_EPS] = o[3];
+    adamw_moments(o, s);
     s[ADAMW_DECAY_MUL] = 1.0;
     s[ADAMW_DECAY_AFTER] = 1 - lr * o[4];
     s[ADAMW_STEP_SIZE] = o[5] != 0 ? lr * std::sqrt(1 - std::pow(beta2, t)) / (1 - std::pow(beta1, t)) : lr;
