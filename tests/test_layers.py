@@ -132,3 +132,23 @@ def test_the_step_s_structure_does_not_grow():
     assert bound["files"] <= 9, bound["file list"]
     assert sum(is_compiling_mentions().values()) <= 17, is_compiling_mentions()
     assert len(stores()) <= 7, stores()
+
+
+def test_a_fused_muon_step_makes_no_python_call_per_param():
+    """A fused Muon bucket's slices, batches and direction views are planned once (``muon.Directions``):
+    a step's Python calls do not grow with the matrices (553 on 148 4x4 matrices before, one
+    ``matrix_shape`` twice and one ``aligned_offset`` per matrix), and stay within issue 51's ceiling
+    (80) plus what the checked step path costs today (99 calls)."""
+    import torch
+
+    from benchmarks.structure import count_calls
+
+    def calls(n):
+        params = [torch.nn.Parameter(torch.randn(4 + i % 3, 4, device="cpu")) for i in range(n)]
+        for param in params:
+            param.grad = torch.randn_like(param)
+        return count_calls(fastoptim.Muon(params, fused=True))["calls"]
+
+    few, many = calls(148), calls(296)
+    assert few == many, (few, many)
+    assert few <= 99 + 2 * 5, few  # three matrix shapes: five calls (its iterations) more each than one shape

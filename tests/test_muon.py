@@ -276,7 +276,8 @@ def test_the_momentum_kernels_tables_are_bound_once_and_step_as_tables_made_anew
     runs = []
     for fresh in (False, True):
         if fresh:  # fresh direction buffers every step, so tables made anew every step (as before they were kept)
-            monkeypatch.setattr(muon, "staged_directions", lambda pieces, stage: None)
+            monkeypatch.setattr(muon, "directions_of", lambda part: muon.Directions.of(
+                part, torch.float32 if isinstance(part.args["grad_scale"], torch.Tensor) else dtype))
         params = clone(matrices)
         optimizer = fastoptim.Muon(params, lr=0.02, **ENGINES[engine])
         made.clear()

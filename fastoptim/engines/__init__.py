@@ -66,12 +66,13 @@ class Plan:
         """The plan restricted to tensors ``indices`` (with a cache of its own)."""
         return self.cut(indices)
 
-    def cut(self, owners, tensors=None, absmax=None):
+    def cut(self, owners, tensors=None, absmax=None, owners_cache=None):
         """A plan (with a cache of its own) whose i-th tensor is tensor ``owners[i]`` of this one, or
-        a piece of it: ``tensors`` and ``absmax`` then hold the pieces by role."""
+        a piece of it: ``tensors`` and ``absmax`` then hold the pieces by role. ``owners_cache``: see
+        :func:`args_of`."""
         if tensors is None:
             tensors, absmax = pick(self.tensors, owners), pick(self.absmax, owners)
-        args = args_of(self.args, self.per_tensor, owners, self.tensors["param"][0].device)
+        args = args_of(self.args, self.per_tensor, owners, self.tensors["param"][0].device, owners_cache)
         return replace(self, tensors=tensors, absmax=absmax, cache={}, sum_group=None, args=args,
                        watched=None if self.watched is None else [self.watched[i] for i in owners],
                        grads_like=None if self.grads_like is None else [self.grads_like[i] for i in owners],

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from functools import partial
+from itertools import groupby
 from typing import TYPE_CHECKING
 
 import torch
@@ -207,89 +208,116 @@ def by_matrix_shape(part: engines.Plan) -> engines.Plan:
     return part if order == list(range(len(shapes))) else part.subset(order)
 
 
+@dataclass(frozen=True)
+class DirectionSlice:
+    """One slice of a fused Muon bucket (see :class:`Directions`)."""
+
+    indices: list[int]  # the bucket's params in this slice, by matrix shape
+    directions: list[Tensor]  # theirs, views of the bucket's buffer, each its grad's shape
+    # per matrix shape: its directions as one batch, their positions, whether each is a matrix of the batch
+    # (not a param of another shape whose matrices these are: see matrix_shape)
+    batches: list[tuple[Tensor, int, int, bool]]
+    tables: dict = field(default_factory=dict)  # the momentum kernel's engine cache: tables bound once
+    owners: dict = field(default_factory=dict)  # the slice's index on the device (see engines.args_of)
+
+
+@dataclass(frozen=True)
+class Directions:
+    """Where a fused Muon bucket writes its directions, made once per bucket and direction ``dtype``
+    (the grads', or fp32 where a clip or GradScaler coefficient scales them first) and kept with the
+    bucket's tables, which its user empties when a param or state changes. Its params, in matrix-shape
+    order, are cut into slices of at most ``MATRIX_SLICE_NUMEL`` elements (the directions' memory is
+    one slice's: the slices share the one buffer, each using it in turn); in a slice the directions of
+    one matrix shape are consecutive in the buffer, so their batch is a view of it, not a copy, and the
+    momentum kernel's tables, bound to views that stay, are bound once."""
+
+    dtype: torch.dtype
+    slices: list[DirectionSlice]
+
+    @classmethod
+    def of(cls, part: engines.Plan, dtype: torch.dtype) -> Directions:
+        """The directions of bucket ``part`` (a fused Muon bucket's plan) in ``dtype``."""
+        grads = part.tensors["grad"]
+        shapes = [matrix_shape(grad.shape, part.args["flatten"]) for grad in grads]
+        order = sorted(range(len(grads)), key=shapes.__getitem__)
+        layouts, need = [], 0
+        for cut in foreach.slices([grads[i] for i in order], foreach.slice_numel(part.spec)):
+            runs = [list(run) for _, run in groupby(order[cut], key=shapes.__getitem__)]
+            starts, end = [], 0
+            for run in runs:  # each batch starts aligned, its matrices packed
+                starts.append(aligned_offset(end, (1,), dtype))
+                end = starts[-1] + sum(grads[i].numel() for i in run)
+            layouts.append((runs, starts))
+            need = max(need, end)
+        buffer = torch.empty(need, dtype=dtype, device=grads[0].device)
+        slices = []
+        for runs, starts in layouts:
+            directions, batches = [], []
+            for run, start in zip(runs, starts):
+                batch = buffer[start:start + len(run) * grads[run[0]].numel()].view(len(run), *shapes[run[0]])
+                batches.append((batch, len(directions), len(directions) + len(run),
+                                 all(grads[i].shape == batch.shape[1:] for i in run)))
+                directions += [matrix.view(grads[i].shape) for matrix, i in zip(batch.unbind(), run)]
+            slices.append(DirectionSlice([i for run in runs for i in run], directions, batches))
+        return cls(dtype, slices)
+
+
+DIRECTIONS = "muon directions"  # a fused bucket's cache: its Directions
+
+
+def directions_of(part: engines.Plan) -> Directions:
+    """The :class:`Directions` of fused bucket ``part``, kept in its cache for their dtype."""
+    dtype = torch.float32 if isinstance(part.args["grad_scale"], Tensor) else part.tensors["grad"][0].dtype
+    kept = part.cache.get(DIRECTIONS)
+    if kept is None or kept.dtype != dtype:
+        kept = part.cache[DIRECTIONS] = Directions.of(part, dtype)
+    return kept
+
+
 def run_muon_bucket(engine: str, part: engines.Plan, reduce_group=None) -> None:
     """A Muon bucket on a fused engine or over FSDP2 shards runs in three parts (see
-    :func:`run_in_three_parts`), slice by slice as foreach's, to bound the directions' memory; over
+    :func:`run_in_three_parts`), slice by slice on a fused engine (see :class:`Directions`); over
     shards, whole (ranks whose shards differ in size would cut it otherwise, and their collectives
     must pair up). The loop and foreach engines, and fused ones in a step that torch.compile
     traces, run ``muon_update`` whole."""
     kernel = engine in engines.FUSED and not torch.compiler.is_compiling()
-    stage = part.cache  # the bucket's, kept between steps (a reordered part gets a cache of its own)
-    if reduce_group is None:
-        part = by_matrix_shape(part)
-    if not kernel and reduce_group is None:  # a traced fused step runs muon_update on foreach, as documented
-        engines.run_bucket("foreach" if engine in engines.FUSED else engine, part)  # (no fallback warning)
-        return
-    momentum_engine = engine if kernel else "foreach"
-    if reduce_group is None:
-        pieces = [part.subset(range(piece.start, piece.stop))
-                  for piece in foreach.slices(part.tensors["param"], foreach.slice_numel(part.spec))]
-        staged = staged_directions(pieces, stage)
-        for index, piece in enumerate(pieces):
-            if staged is None:  # fresh directions every step, so fresh tables (kept ones would write elsewhere)
-                run_in_three_parts(momentum_engine, piece)
-            else:
-                tables = stage.setdefault(("muon slice", index), {})
-                run_in_three_parts(momentum_engine, piece, None, staged[index], tables)
+    if reduce_group is not None:
+        run_in_three_parts(engine if kernel else "foreach", part, reduce_group)  # whole: fresh directions
+    elif not kernel:  # a traced fused step runs muon_update on foreach, as documented (no fallback warning)
+        engines.run_bucket("foreach" if engine in engines.FUSED else engine, by_matrix_shape(part))
     else:
-        run_in_three_parts(momentum_engine, part, reduce_group)  # whole: fresh directions, not kept
+        for piece in directions_of(part).slices:
+            whole = len(piece.indices) == len(part) and piece.indices == list(range(len(part)))
+            run_in_three_parts(engine, part if whole else part.cut(piece.indices, owners_cache=piece.owners),
+                               None, piece)
 
 
-def staged_directions(pieces: list[engines.Plan], stage: dict) -> list[list[Tensor]] | None:
-    """Buffers for each slice's directions (its grads' shapes, in the dtype the kernel writes them in:
-    fp32 where a clip or GradScaler coefficient scales the grads first), as views of one buffer that
-    ``stage`` (a bucket's cache) keeps between steps: the momentum kernel's tables, bound to them, are
-    then bound once (fresh buffers every step made it split, bind and drop a table each step), and the
-    memory stays one slice's. Each view starts on an aligned boundary. A buffer made anew drops the
-    slices' tables, which hold views of the last one. None (fresh buffers) for grads of several dtypes."""
-    scaled = isinstance(pieces[0].args["grad_scale"], Tensor)
-    dtypes = {torch.float32 if scaled else grad.dtype for piece in pieces for grad in piece.tensors["grad"]}
-    if len(dtypes) != 1:
-        return None
-    (dtype,) = dtypes
-    offsets, need = [], 0
-    for piece in pieces:
-        end, starts = 0, []
-        for grad in piece.tensors["grad"]:
-            starts.append(aligned_offset(end, grad.shape, dtype))
-            end = starts[-1] + grad.numel()
-        offsets.append(starts)
-        need = max(need, end)
-    device = pieces[0].tensors["grad"][0].device
-    buffer = stage.get("directions")
-    if buffer is None or buffer.numel() < need or buffer.dtype != dtype or buffer.device != device:
-        buffer = stage["directions"] = torch.empty(need, dtype=dtype, device=device)
-        for key in [key for key in stage if isinstance(key, tuple) and key[0] == "muon slice"]:
-            del stage[key]
-    return [[buffer[start:start + g.numel()].view(g.shape) for start, g in zip(starts, piece.tensors["grad"])]
-            for starts, piece in zip(offsets, pieces)]
-
-
-def run_in_three_parts(momentum_engine: str, part: engines.Plan, reduce_group=None, directions=None,
-                       tables=None) -> None:
-    """``muon_momentum`` into ``directions`` (see :func:`staged_directions`; fresh buffers without
-    them) on ``momentum_engine`` (the kernel's work on a fused one, its tables kept in ``tables``),
-    the iterations (the matrices of one shape as a batch; over shards, each matrix on
-    one owner rank, see distributed.by_owners), then ``muon_apply`` on the foreach engine (with the
-    params' rounding or master remainders)."""
+def run_in_three_parts(momentum_engine: str, part: engines.Plan, reduce_group=None,
+                       piece: DirectionSlice | None = None) -> None:
+    """``muon_momentum`` into the directions of ``piece`` (fresh buffers without it) on ``momentum_engine``
+    (the kernel's work on a fused one, its tables kept in ``piece``), the iterations (the matrices of
+    one shape as a batch; over shards, each matrix on one owner rank, see distributed.by_owners), then
+    ``muon_apply`` on the foreach engine (with the params' rounding or master remainders)."""
     kernel = momentum_engine in engines.FUSED
     grads, args = part.tensors["grad"], part.args
     grad_scale = args["grad_scale"]
     if kernel and isinstance(grad_scale, Tensor):  # a clip or GradScaler coefficient: the kernel would fuse
         grads = torch._foreach_mul([grad.float() for grad in grads], grad_scale)  # the product into the lerp;
         grad_scale = None  # the reference rounds it first, in fp32
-    if directions is None:  # the kernel's param row: the grads' dtype
-        directions = [torch.empty_like(grad) for grad in grads]
+    directions = [torch.empty_like(grad) for grad in grads] if piece is None else piece.directions
     engines.run(momentum_engine, replace(
         part, tensors={"param": directions, "grad": grads, "momentum_buffer": part.tensors["momentum_buffer"]},
         update=muon_momentum, spec=MOMENTUM_SPEC, kernel_scalars=momentum_kernel_scalars,
         flags=dict(nesterov=args["nesterov"]), per_tensor=frozenset(), stochastic_rounding=False,
         args=dict(momentum=args["momentum"], nesterov=args["nesterov"], grad_scale=grad_scale),
-        cache={} if tables is None else tables))
+        cache={} if piece is None else piece.tables))
     function = iterations(args)
-    shape_of = partial(matrix_shape, flatten=args["flatten"])
-    if reduce_group is None:
-        orthogonal = FOREACH_OPS.per_matrix(function, directions, shape_of)
+    if piece is not None:  # each batch a view of the directions
+        orthogonal = [None] * len(directions)
+        for batch, start, stop, matrices in piece.batches:
+            results = function(batch).unbind()
+            orthogonal[start:stop] = results if matrices else [
+                result.reshape(direction.shape) for result, direction in zip(results, directions[start:stop])]
     else:
         orthogonal = orthogonalize_shards(function, directions, part.cache[SHARDED_PARAMS], args["flatten"],
                                           reduce_group, part.cache)
