@@ -23,7 +23,7 @@ from .registry import OPTIMIZERS
 from .test_adversarial import ENGINES
 from .test_bad_input import assert_unchanged, snapshot
 from .test_compile import assert_same
-from .test_distributed import joined, result, run_workers
+from .test_distributed import docs_snippet, joined, result, run_workers
 
 SMALL_BUCKETS = 300  # elements: the model below is cut into several buckets
 
@@ -405,7 +405,13 @@ DIST_CASES = {
     # the lean configuration release is for
     "fsdp-adamw-lean": ("fsdp", "AdamW", dict(fused=True, master_bits=24, state_bits=8, sn=True), 300,
                         torch.bfloat16),
+    # HSDP, on 4 ranks only (a 2 x 2 mesh): FSDP2 runs the hooks once the replicas' all-reduce has landed
+    "hsdp-adan-fused": ("hsdp", "Adan", dict(fused=True), 300, torch.float32),
+    "hsdp-muon-fused": ("hsdp", "Muon", dict(fused=True), 300, torch.float32),
+    "hsdp-adamw-lean": ("hsdp", "AdamW", dict(fused=True, master_bits=24, state_bits=8, sn=True), 300,
+                        torch.bfloat16),
 }
+HSDP_MESH = (2, 2)  # (replicate, shard)
 ACCUMULATED = ("ddp-adan-fused", "fsdp-adan-fused")  # two microbatches, the first reducing nothing
 
 
@@ -424,16 +430,18 @@ def dist_batch(step, rank, world, dtype, micro=None):
 
 
 def wrapped(mode, module, options):
-    """``module`` under DDP, or each Linear and the whole under fully_shard."""
+    """``module`` under DDP, or each Linear and the whole under fully_shard (on HSDP_MESH for "hsdp")."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
     if mode == "ddp":
         return DistributedDataParallel(module, bucket_cap_mb=0.01,  # several DDP buckets
                                        gradient_as_bucket_view=options.pop("gradient_as_bucket_view", False))
+    mesh = init_device_mesh("cpu", HSDP_MESH, mesh_dim_names=("replicate", "shard")) if mode == "hsdp" else None
     for layer in module:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    return fully_shard(module)
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(module, mesh=mesh)
 
 
 def dist_groups(cls_name, module):
@@ -466,7 +474,7 @@ def dist_run(name, rank, world, release, accumulate=False, kept=None):
             module(dist_batch(step, rank, world, dtype)).float().square().mean().backward()
         if release:  # every bucket stepped in backward
             assert optimizer._release.stepped == {id(p) for p in module.parameters()}
-        if release and mode == "fsdp":
+        if release and mode != "ddp":
             assert all(p.grad is None for p in module.parameters()), "release keeps no grad after backward"
         if kept is not None:
             kept.append(grad_storage_bytes(module.parameters()))
@@ -652,12 +660,41 @@ def two_optimizers(mode, rank, world):
     return equal(*runs)
 
 
+class Layers(torch.nn.Module):
+    """dist_model's Linear layers as a model's ``layers``, as docs/distributed.md's loop names them."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layer for layer in dist_model(dtype) if isinstance(layer, torch.nn.Linear))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def docs_release_loop(rank, world):
+    """docs/distributed.md's FSDP2 loop with release, run as written in bf16, and without its
+    enable_gradient_release line: which params and states differ, and whether the first released."""
+    from torch.distributed.fsdp import fully_shard
+    loop = docs_snippet("opt.enable_gradient_release(model=model)")
+    runs, released = [], None
+    for snippet in (loop, "\n".join(line for line in loop.splitlines() if "enable_gradient_release" not in line)):
+        batches = [(dist_batch(step, rank, world, torch.bfloat16), torch.zeros(DIST_BATCH, 3)) for step in range(4)]
+        namespace = dict(fastoptim=fastoptim, fully_shard=fully_shard, model=Layers(torch.bfloat16), batches=batches,
+                         loss_fn=lambda out, target: (out.float() - target).square().mean())
+        exec(snippet, namespace)
+        runs.append(local_tensors(namespace["model"], namespace["opt"]))
+        released = namespace["opt"]._release is not None if released is None else released
+    return {"differ": equal(*runs), "released": released}
+
+
 def dist_worker(rank, directory, world):
     import torch.distributed as dist
 
     record = joined(rank, directory, world)
 
-    for name in DIST_CASES:
+    for name in [name for name in DIST_CASES if world == 4 or not name.startswith("hsdp")]:
         record(name, lambda: equal(dist_run(name, rank, world, False), dist_run(name, rank, world, True)))
     for name in ACCUMULATED:
         record("accumulated-" + name, lambda: equal(dist_run(name, rank, world, False, accumulate=True),
@@ -668,6 +705,7 @@ def dist_worker(rank, directory, world):
     if world == 2:
         record("refusals", lambda: refusals(rank, world))
         record("kept bytes", lambda: kept_bytes(rank, world))
+        record("docs release loop", lambda: docs_release_loop(rank, world))
     dist.destroy_process_group()
     os._exit(0)  # gloo's threads can abort at interpreter exit
 
@@ -682,7 +720,10 @@ def dist_runs(request, tmp_path_factory):
                                   "ddp remove and again", "ddp two optimizers", "fsdp two optimizers"])
 def test_a_released_sharded_run_is_the_unreleased_run_bit_for_bit(dist_runs, name):
     """DDP: each bucket stepped when its all-reduce lands; FSDP2: on its local shards when its units'
-    reduce-scatters land (and its grads freed: the workers assert it after each backward)."""
+    reduce-scatters land (and its grads freed: the workers assert it after each backward); HSDP: when
+    the replicas' all-reduce that follows has landed, so each replica steps the averaged grad."""
+    if name.startswith("hsdp") and len(dist_runs[0]) != 4:
+        pytest.skip("HSDP runs on 4 ranks, 2 x 2")
     for differing in result(dist_runs, name):
         assert differing == [], f"tensors {differing} differ"
 
@@ -716,6 +757,16 @@ def test_under_fsdp2_release_keeps_no_grad_past_a_unit(dist_runs):
         assert released["params"] + released["states"] + released["grads"] <= 4.1 / 2
         assert released["grads"] == 0 and unreleased["grads"] == 1.0
         assert released["peak_grads"] <= 2 / 8 / 2
+
+
+@pytest.mark.distributed
+def test_the_docs_fsdp2_loop_with_release_is_the_loop_without_it_bit_for_bit(dist_runs):
+    """docs/distributed.md's port of an FSDP2 loop (bf16, master_bits=24, 8-bit states, sn), run as
+    written on 2 ranks, against the same block without its enable_gradient_release line."""
+    if len(dist_runs[0]) != 2:
+        pytest.skip("run on 2 ranks")
+    for measured in result(dist_runs, "docs release loop"):
+        assert measured == {"differ": [], "released": True}
 
 
 if __name__ == "__main__":
