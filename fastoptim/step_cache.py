@@ -202,20 +202,10 @@ class OpCache(dict):
 
 # --- state dicts that count their changes -------------------------------------------------------
 
-_state_changes = 0  # changes to every OptimizerState and ParamState so far: a BoundStep's rule
-
-
-def state_changes():
-    """How many times a watched state dict has changed in this process."""
-    return _state_changes
-
-
 def _changed(state):
-    """Count a change in every watched state dict, and in the OptimizerState that ``state`` is, or
-    those that hold it (a ParamState's ``owners``, weak references: strong ones would make a cycle,
-    and an optimizer's states would wait for the garbage collector)."""
-    global _state_changes
-    _state_changes += 1
+    """Count a change in the OptimizerState that ``state`` is, or in those that hold it (a ParamState's
+    ``owners``, weak references: strong ones would make a cycle, and an optimizer's states would wait
+    for the garbage collector)."""
     for owner in [state] if type(state) is OptimizerState else [ref() for ref in state.owners]:
         if owner is not None:
             owner.changes += 1
@@ -240,7 +230,7 @@ def _counting_changes(cls):
 
 @_counting_changes
 class ParamState(dict):
-    """A param's state dict, as torch.optim's, which counts its changes (see :func:`state_changes`),
+    """A param's state dict, as torch.optim's, which counts its changes in the OptimizerStates that hold it,
     so a step can tell that none of its states was replaced or removed without looking at each."""
 
     owners = ()  # weak references to the OptimizerStates that hold it
@@ -257,8 +247,8 @@ class ParamState(dict):
 @_counting_changes
 class OptimizerState(defaultdict):
     """An optimizer's ``state``: param to its :class:`ParamState` (a dict stored in it becomes one,
-    a copy), counting its changes and theirs in ``changes`` (a compiled step's guard) and in
-    :func:`state_changes`. Like torch's ``defaultdict(dict)``, it takes any other key and value
+    a copy), counting its changes and theirs in ``changes`` (a compiled step's guard and a bound
+    step's rule). Like torch's ``defaultdict(dict)``, it takes any other key and value
     too (torch's own state-dict hooks keep ``state["test"] = 1``), kept as they are."""
 
     def __init__(self, states=()):
@@ -293,108 +283,3 @@ class OptimizerState(defaultdict):
 
     def __copy__(self):  # defaultdict's would call OptimizerState(default_factory, self)
         return OptimizerState(self)
-
-
-class _Reading(dict):
-    """A copy of a param group that notes which of its options are read."""
-
-    def __init__(self, group):
-        super().__init__(group)
-        self.read = {}
-
-    def __getitem__(self, key):
-        self.read[key] = None
-        return super().__getitem__(key)
-
-    def get(self, key, default=None):
-        self.read[key] = None
-        return super().get(key, default)
-
-    def __contains__(self, key):
-        self.read[key] = None
-        return super().__contains__(key)
-
-
-class Structure:
-    """``structure(group)``, with the options of ``group`` that it read and the objects they held:
-    while each still holds the same object, a step knows the structure without computing it.
-    ``structure`` reads options as ``group[key]``, ``group.get(key)`` or ``key in group`` (what
-    ``_Reading`` sees), and nothing else that changes between steps."""
-
-    def __init__(self, structure, group):
-        reading = _Reading(group)
-        self.value = structure(reading)
-        self.keys = list(reading.read)
-        self.held = self._options(group)
-
-    def _options(self, group):
-        return [group.get(key, _MISSING) for key in self.keys]
-
-    def holds(self, structure, group):
-        """Whether ``structure(group)`` is still this one."""
-        if all(map(operator.is_, self._options(group), self.held)):
-            return True
-        now = Structure(structure, group)
-        if now.value != self.value:
-            return False
-        self.keys, self.held = now.keys, now.held  # options that changed and left it as it was (a scheduled beta)
-        return True
-
-
-_MISSING = object()
-
-
-class BoundStep:
-    """A step whose every group runs on tables bound to native code (a backend that
-    ``CHECKS_NATIVELY``), whose calls check every param, state and grad, so the step checks none in
-    Python. Python checks what native code cannot see: that the same params have grads, in the same
-    groups, with the same options (``structure(group)``), and that no state dict changed since (a
-    state replaced or removed: :func:`state_changes`). Native code also checks what the tensors it
-    takes derive from: the user's params and states where it takes views of them (subset norm), and
-    the params' counts, slots of one tensor (``GroupWork.watched``)."""
-
-    def __init__(self, state, groups, entries, structures, runs, forced):
-        self.state, self.groups, self.entries, self.structures = state, groups, entries, structures
-        self.runs = runs  # per group, per bucket: (its fused.Tables, its params' indices or None for all, its cache)
-        # its backend computes the step's scalars (clip, the rules') and advances the counts natively
-        self.step_scalars = all(tables.backend.STEP_SCALARS for group in runs for tables, _, _ in group)
-        self.forced = forced  # the backend FASTOPTIM_FUSED_BACKEND forced: another chooses other tables
-        self.group_counts = [group.get("step") for group in groups]
-        self.changes = state_changes()
-
-    @classmethod
-    def of(cls, state, work, structure, runs, forced):
-        """The BoundStep of a step's ``work`` ((group, GroupWork, grads) per group) whose groups run
-        ``runs`` (per group, per bucket: its natively checked tables, its params' indices or None for
-        all, its cache; None where a group's step is not that alone), under the backend
-        FASTOPTIM_FUSED_BACKEND ``forced``; or None where a group's states are new or its tensors views."""
-        for _, entry, _ in work:
-            if entry.params and (entry.states is None or entry.local_params is not entry.params
-                                 or entry.viewed_states or entry.context.first_reads is not None):
-                return None
-        if runs is None or type(state) is not OptimizerState:
-            return None
-        return cls(state, [group for group, _, _ in work], [entry for _, entry, _ in work],
-                   [Structure(structure, group) for group, _, _ in work], runs, forced)
-
-    def work(self, state, groups, structure, check):
-        """This step's (group, GroupWork, grads) per group, or None where the rule no longer holds;
-        ``check(group, params)`` raises for what the group's options may have broken since."""
-        if (state_changes() != self.changes or state is not self.state or len(groups) != len(self.groups)
-                or not all(map(operator.is_, groups, self.groups))):
-            return None
-        work = []
-        for group, entry, expected, count in zip(groups, self.entries, self.structures, self.group_counts):
-            params = group["params"]
-            grads = [param.grad for param in params]  # each read once: a Parameter's .grad costs 50-100 ns
-            if not all(map(operator.is_not, grads, repeat(None))):
-                params = [param for param, grad in zip(params, grads) if grad is not None]
-                grads = [grad for grad in grads if grad is not None]
-            if (len(params) != len(entry.params) or not all(map(operator.is_, params, entry.params))
-                    or not expected.holds(structure, group)):
-                return None
-            check(group, params)
-            if group.get("step") is not count:  # a group's count (official Adan's) set anew: its tables hold the last
-                return None
-            work.append((group, entry, grads))
-        return work

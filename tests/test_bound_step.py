@@ -11,6 +11,7 @@ import torch
 
 import fastoptim
 from fastoptim import engines
+from fastoptim.bound_step import BoundStep
 from fastoptim.engines.backends import cpu as cpu_backend
 
 pytestmark = pytest.mark.skipif(not cpu_backend.AVAILABLE, reason="the native library is not built")
@@ -46,8 +47,8 @@ def _run(factory, change, checked, steps=6, dtypes=None, bound_calls=None):
 
 
 def _bound_and_checked(factory, change, monkeypatch, **kwargs):
-    calls, real = [], engines.fused.run_batch
-    monkeypatch.setattr(engines.fused, "run_batch", lambda batch, clip=None: calls.append(real(batch, clip)) or calls[-1])
+    calls, real = [], BoundStep.step
+    monkeypatch.setattr(BoundStep, "step", lambda self, *args: calls.append(real(self, *args)) or calls[-1])
     bound = _run(factory, change, False, **kwargs)
     ran_bound = list(calls)
     checked = _run(factory, change, True, **kwargs)

@@ -17,6 +17,7 @@ import torch
 
 import fastoptim
 from fastoptim import engines
+from fastoptim.bound_step import BoundStep
 from fastoptim.engines.backends import cpu as cpu_backend
 from fastoptim.specs import declared_specs
 from fastoptim.states import master
@@ -235,9 +236,9 @@ def test_a_bound_step_of_a_group_of_two_dtypes_is_the_checked_step(cls, engine, 
     rounding (a seed per bucket, drawn in the same order) and, for AdamW, params at different counts
     (scalars with one value per param, cut to each bucket)."""
     shapes, dtypes = [(5, 7), (300,), (3,), (4, 4)], [torch.float32, torch.bfloat16] * 2
-    batches, real = [], engines.fused.run_batch
-    monkeypatch.setattr(engines.fused, "run_batch",
-                        lambda batch, clip=None: batches.append((len(batch), real(batch, clip))) or batches[-1][1])
+    batches, real = [], BoundStep.step
+    monkeypatch.setattr(BoundStep, "step", lambda self, *args: batches.append(
+        (sum(map(len, self.tables[0])), real(self, *args))) or batches[-1][1])
     runs = []
     for checked in (False, True):
         batches.clear()

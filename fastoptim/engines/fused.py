@@ -6,7 +6,7 @@ Multi-tensor (``foreach=True``, the default with ``fused=True``): one call per b
 tensor, parallel over fixed-size chunks across all of them. Single-tensor (``foreach=False``): one
 kernel call (or launch) per tensor, as the seeds' FusedAdan does. Both read the tables cached in
 ``plan.cache``: the params and states bound to native code, which checks them and the grads at every
-call (a bound step launches its tables without a plan: ``step_cache.BoundStep``); on the GPU also the pointer
+call (a bound step launches its tables without a plan: ``bound_step.BoundStep``); on the GPU also the pointer
 table, whose gradients' row is refreshed each step (and sent to the device only when a grad moved).
 
 States may be fp32, bf16 or 8-bit (``state_bits``): the C kernel dequantizes, updates and
@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 from ..multi_tensor import PointerTable, disjoint, is_dense, pick
-from ..specs import ABSMAX
+from ..specs import ABSMAX, COMMON_SCALARS
 from ..states import blockwise8, formats, master
 from ..step_cache import DEVICE, DTYPE, LAYOUT, SHAPE, OpCache, Signature
 from . import amp, backends, foreach
@@ -148,20 +148,25 @@ def _fallback(plan, reason):
     amp.run_unless_inf(foreach.run, plan)
 
 
+def _found_inf_and_seed(found_inf, stochastic, device):
+    """GradScaler's ``found_inf`` (None: 0) and, with ``stochastic`` rounding, a seed drawn on ``device``."""
+    return dict(found_inf=0.0 if found_inf is None else found_inf,
+                seed=torch.randint(1 << 24, (), device=device) if stochastic else 0)
+
+
 def kernel_values(kernel_scalars, args, found_inf, stochastic, device):
     """The kernel's scalars by name, ``kernel_scalars(args)`` with GradScaler's ``found_inf`` (or None)
     and, with ``stochastic`` rounding, its seed, drawn on ``device``: Python numbers, 0-d tensors, or
     1-d tensors with one value per tensor."""
-    seed = torch.randint(1 << 24, (), device=device) if stochastic else 0
-    return kernel_scalars(args) | dict(found_inf=0.0 if found_inf is None else found_inf, seed=seed)
+    return kernel_scalars(args) | _found_inf_and_seed(found_inf, stochastic, device)
 
 
 def common_scalars(spec, grad_scale, found_inf, stochastic, device):
     """The scalars of a launch whose table's rule computes the rest (see :class:`Tables`): found_inf,
     the seed and the grad scale (None: 1) as :func:`kernel_values` makes them, then zeros."""
-    values = kernel_values(lambda args: {"grad_scale": 1.0 if grad_scale is None else grad_scale}, {}, found_inf,
-                           stochastic, device)
-    return [values.get(name, 0.0) for name in spec.all_scalars]
+    values = _found_inf_and_seed(found_inf, stochastic, device) | {"grad_scale": 1.0 if grad_scale is None
+                                                                   else grad_scale}
+    return [values[name] for name in COMMON_SCALARS] + [0.0] * len(spec.scalars)
 
 
 def ordered_scalars(spec, kernel_scalars, args, found_inf, stochastic, device, values=None):
@@ -218,7 +223,7 @@ class Tables:
         return all(map(operator.eq, map(torch.Tensor.stride, grads), self.grad_strides))
 
     def launch(self, spec, grads, scalars, flags, stochastic, per_tensor_calls, batch=None, options=None):
-        """Run the kernel over every table, or append (backend, launch) of each to ``batch``: ``scalars``
+        """Run the kernel over every table, or append the launch of each to ``batch``: ``scalars``
         in ``spec.all_scalars`` order (a 1-d tensor holds one value per tensor), ``flags`` the
         spec's flags (name: bool); with ``options``, the tables' rule computes the scalars after the
         first three (see ``__init__``). Returns False, having changed nothing, when the backend found a
@@ -230,7 +235,7 @@ class Tables:
             launch = self.backend.launch(spec, bound, part, per_tensor_calls, table_format, values, flags, stochastic,
                                          options)
             if batch is not None:
-                batch.append((self.backend, launch))
+                batch.append(launch)
             elif not self.backend.run_launches([launch]):
                 return False
         return True
@@ -280,22 +285,10 @@ def _launch(plan, prepared, per_tensor_calls):
 
 def natively_checked(cache):
     """Whether the bucket whose engine cache is ``cache`` runs wholly on tables that a backend which
-    ``CHECKS_NATIVELY`` built, and so can join a bound step (see ``step_cache.BoundStep``)."""
+    ``CHECKS_NATIVELY`` built, and so can join a bound step (see ``bound_step.BoundStep``)."""
     prepared = cache.get("prepared")
     return prepared is not None and prepared.backend.CHECKS_NATIVELY and prepared.tables is not None \
         and not prepared.left
-
-
-def run_batch(launches, clip=None):
-    """Run the (backend, launch) pairs of a bound step's tables (``Tables.launch`` collects them),
-    checked together before any runs, their grads clipped together by ``clip`` (max_norm, eps,
-    GradScaler's 1/scale or None: see the backends' ``STEP_SCALARS``); False, having changed nothing,
-    when a tensor moved, a grad does not fit, or the launches are of two backends (the step then runs
-    the checked way)."""
-    backend = launches[0][0]
-    if any(other is not backend for other, _ in launches):
-        return False
-    return backend.run_launches([launch for _, launch in launches], clip)
 
 
 def _run(plan, per_tensor_calls):

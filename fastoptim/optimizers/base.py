@@ -18,8 +18,8 @@ from ..clip import CLIP_EPS, clip_backend, clip_coefficient
 from ..multi_tensor import FlatStates, bump_versions, pick
 from ..specs import ABSMAX
 from ..states import formats, master, subset_norm
-from ..step_cache import (DEVICE, DTYPE, SHAPE, BoundStep, GroupWork, OptimizerState, Signature, are_slots,
-                          engine_view)
+from ..bound_step import BoundStep
+from ..step_cache import DEVICE, DTYPE, SHAPE, GroupWork, OptimizerState, Signature, are_slots, engine_view
 from .algorithm import PER_GROUP, PER_PARAM, Algorithm, StepInputs
 from . import release, scalars
 from .checks import check_hyperparameters, check_params, check_tensor_lr, is_step_count, normalize_betas, step_count
@@ -292,14 +292,15 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             return loss
         caches = self.__dict__.setdefault("_engine_caches", {})
         bound = caches.pop("bound", None)
-        if bound is not None and self._step_bound(bound, caches):
+        if bound is not None and bound.step(self, caches):
             caches["bound"] = bound
             return loss
         work = [(group, *self._group_work(caches, index, group)) for index, group in enumerate(self.param_groups)]
         self._apply(work, caches)
         # not where the step reduces over ranks: a step run again would reduce twice on this rank alone
         caches["bound"] = None if self._reduce_group is not None else BoundStep.of(
-            self.state, work, self._structure, self._bound_runs(work), engines.backends.forced())
+            self.state, work, [self._algorithm(group) for group, _, _ in work], self._counts, self._structure,
+            engines.backends.forced())
         return loss
 
     @torch._disable_dynamo
@@ -375,70 +376,6 @@ class FastOptimizer(StateDicts, torch.optim.Optimizer):
             if entry.params:
                 self._step_group(group, entry, grads, scale, found_inf, increment)
         self._advance(work, increment, writes, whole_step)
-
-    def _step_bound(self, bound, caches):
-        """A step of ``bound`` (see :class:`BoundStep`): every group's buckets on their bound tables, in one
-        native call that checks them all before any runs (and clips their grads, where asked). False,
-        having changed nothing, where the rule of ``bound`` no longer holds or that call found a tensor
-        changed. Its groups are fused, elementwise and have their states: an inf step GradScaler found is
-        skipped on the device."""
-        if engines.backends.forced() is not bound.forced:
-            return False
-        work = bound.work(self.state, self.param_groups, self._structure, self._check_between_steps)
-        if work is None:
-            return False
-        writes = self._restart_written(work, caches)
-        found_inf = getattr(self, "found_inf", None)
-        native = bound.step_scalars  # the scalars and counts: natively, by the algorithms' rules
-        ruled = [None] * len(work)
-        if native:  # every group's, before any seed is drawn: a step that goes the checked way draws its own
-            for k, (group, entry, _) in enumerate(work):
-                if entry.params:
-                    ruled[k] = self._algorithm(group).rule[1](group)
-                    if any(isinstance(option, Tensor) for option in ruled[k]):
-                        return False  # a tensor lr (say): the checked step computes its scalars
-        increment, scales, clip = self._grad_scales(work, found_inf, eager=True, clip_in_step=native)
-        launches = []
-        for (group, entry, grads), scale, runs, options in zip(work, scales, bound.runs, ruled):
-            if not entry.params:
-                continue
-            algorithm, device = self._algorithm(group), grads[0].device
-            stochastic, flags = group["stochastic_rounding"], algorithm.flags(group)
-            if native:
-                options = list(map(float, options))
-            else:
-                args, per_tensor = self._arguments(algorithm, group, entry, scale, increment, traced=False)
-            for tables, bucket, cache in runs:  # a seed per bucket, in bucket order, as a checked step draws them
-                if native:
-                    ordered = engines.fused.common_scalars(algorithm.spec, scale, found_inf, stochastic, device)
-                else:
-                    ordered = engines.fused.ordered_scalars(
-                        algorithm.spec, algorithm.kernel_scalars,
-                        args if bucket is None else engines.args_of(args, per_tensor, bucket, device, cache),
-                        found_inf, stochastic, device)
-                tables.launch(algorithm.spec, grads if bucket is None else [grads[i] for i in bucket], ordered, flags,
-                              stochastic, entry.engine == engines.fused.SINGLE, launches, options)
-        if launches and not engines.fused.run_batch(launches, clip):
-            return False
-        self._advance(work, increment, writes, counted=native)
-        return True
-
-    def _bound_runs(self, work):
-        """Per group of a checked step's ``work``, per bucket: the natively checked tables it ran on
-        (``fused.Tables``), its params' indices (None: all) and its cache; None where a group's step is
-        not those tables' kernels alone (the algorithm runs its own way, has no kernel or no rule), or
-        a bucket reduces over ranks or left some tensors to foreach."""
-        runs = []
-        for group, entry, _ in work:
-            algorithm = self._algorithm(group)
-            caches = [entry.bucket_caches.get(index, {}) for index in range(len(entry.buckets))]
-            if entry.params and (algorithm.run is not engines.run_bucket or algorithm.kernel_scalars is None
-                                 or algorithm.rule is None or any(reduce for _, reduce in entry.buckets)
-                                 or not all(map(engines.fused.natively_checked, caches))):
-                return None
-            runs.append([(cache["prepared"].tables, None if len(bucket) == len(entry.params) else bucket, cache)
-                         for (bucket, _), cache in zip(entry.buckets, caches)] if entry.params else [])
-        return runs
 
     def _restart_written(self, work, caches):
         """A param written by anyone but this optimizer starts again from the value written: zero the

@@ -1,0 +1,221 @@
+"""The bound step: a step whose every group runs on tables bound to native code, which checks every
+param, state and grad at each call, so that Python checks none. It is planned once, from a checked step
+(:meth:`BoundStep.of`), and holds what each step would otherwise work out again: per group its
+algorithm, and per bucket the tables and the grads each takes. Each step then reads the grads, checks
+what native code cannot see (the rule of :meth:`BoundStep.work`), takes each group's numbers and runs
+every table in one native call, which computes the step's scalars, clips and counts (see the backends'
+``STEP_SCALARS``)."""
+import operator
+from itertools import repeat
+
+from torch import Tensor
+
+from . import engines
+from .multi_tensor import bump_versions
+from .step_cache import OptimizerState
+
+
+class _Reading(dict):
+    """A copy of a param group that notes which of its options are read."""
+
+    def __init__(self, group):
+        super().__init__(group)
+        self.read = {}
+
+    def __getitem__(self, key):
+        self.read[key] = None
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.read[key] = None
+        return super().get(key, default)
+
+    def __contains__(self, key):
+        self.read[key] = None
+        return super().__contains__(key)
+
+
+class Structure:
+    """``structure(group)``, with the options of ``group`` that it read and the objects they held:
+    while each still holds the same object, a step knows the structure without computing it.
+    ``structure`` reads options as ``group[key]``, ``group.get(key)`` or ``key in group`` (what
+    ``_Reading`` sees), and nothing else that changes between steps."""
+
+    def __init__(self, structure, group):
+        reading = _Reading(group)
+        self.value = structure(reading)
+        self.keys = list(reading.read)
+        self.held = self._options(group)
+
+    def _options(self, group):
+        return [group.get(key, _MISSING) for key in self.keys]
+
+    def holds(self, structure, group):
+        """Whether ``structure(group)`` is still this one."""
+        if all(map(operator.is_, self._options(group), self.held)):
+            return True
+        now = Structure(structure, group)
+        if now.value != self.value:
+            return False
+        self.keys, self.held = now.keys, now.held  # options that changed and left it as it was (a scheduled beta)
+        return True
+
+
+_MISSING = object()
+
+
+class BoundStep:
+    """A step whose every group runs on tables bound to native code (a backend that
+    ``CHECKS_NATIVELY``), whose calls check every param, state and grad, so the step checks none in
+    Python. Python checks what native code cannot see: that the same params have grads, in the same
+    groups, with the same options (``structure(group)``), and that no state dict changed since (a
+    state replaced or removed: ``OptimizerState.changes``). Native code also checks what the tensors it
+    takes derive from: the user's params and states where it takes views of them (subset norm), and
+    the params' counts, slots of one tensor (``GroupWork.watched``)."""
+
+    def __init__(self, state, work, algorithms, counts, structures, runs, forced):
+        self.state, self.structures, self.algorithms, self.forced = state, structures, algorithms, forced
+        self.groups = [group for group, _, _ in work]
+        self.entries = [entry for _, entry, _ in work]
+        self.runs = runs  # per group, per bucket: (its fused.Tables, its params' indices or None for all, its cache)
+        self.backend = runs_backend(runs)  # the one backend whose native call runs every table
+        # its backend computes the step's scalars (clip, the rules') and advances the counts natively
+        self.step_scalars = self.backend is not None and self.backend.STEP_SCALARS
+        # per group, per bucket, per table: (what its backend bound, its states' format, the positions of
+        # the group's grads it takes: None for all)
+        self.tables = [[[(bound, table_format, taken(bucket, indices, index is None))
+                         for indices, index, bound, table_format in tables.tables] for tables, bucket, _ in buckets]
+                       for buckets in runs]
+        self.single = [entry.engine == engines.fused.SINGLE for entry in self.entries]
+        self.group_counts = [group.get("step") for group in self.groups]
+        self.counts = counts  # those the native call advances, whose version counters a step bumps as add_ would
+        self.masters = any(entry.versions is not None for entry in self.entries)  # see FastOptimizer._restart_written
+        self.changes = state.changes
+
+    @classmethod
+    def of(cls, state, work, algorithms, counts_of, structure, forced):
+        """The BoundStep of a checked step's ``work`` ((group, GroupWork, grads) per group) whose groups
+        run ``algorithms`` and read and advance the count tensors ``counts_of(group, entry)``, under the backend FASTOPTIM_FUSED_BACKEND ``forced``; None where a group's
+        step is not its bound tables' kernels alone (the algorithm runs its own way, has no kernel or no
+        rule; a bucket reduces over ranks or left some tensors to foreach), its states are new, its
+        tensors views, or the tables are of two backends."""
+        runs = []
+        for algorithm, (group, entry, _) in zip(algorithms, work):
+            if not entry.params:
+                runs.append([])
+                continue
+            caches = [entry.bucket_caches.get(index, {}) for index in range(len(entry.buckets))]
+            if (entry.states is None or entry.local_params is not entry.params or entry.viewed_states
+                    or entry.context.first_reads is not None or algorithm.run is not engines.run_bucket
+                    or algorithm.kernel_scalars is None or algorithm.rule is None
+                    or any(reduce for _, reduce in entry.buckets)
+                    or not all(map(engines.fused.natively_checked, caches))):
+                return None
+            runs.append([(cache["prepared"].tables, None if len(bucket) == len(entry.params) else bucket, cache)
+                         for (bucket, _), cache in zip(entry.buckets, caches)])
+        if type(state) is not OptimizerState or runs_backend(runs) is None:
+            return None
+        counts = [count for group, entry, _ in work if entry.params for count in counts_of(group, entry)]
+        return cls(state, work, algorithms, counts, [Structure(structure, group) for group, _, _ in work], runs,
+                   forced)
+
+    def work(self, state, groups, structure, check):
+        """This step's (group, GroupWork, grads) per group, or None where the rule no longer holds;
+        ``check(group, params)`` raises for what the group's options may have broken since."""
+        if (state is not self.state or state.changes != self.changes or len(groups) != len(self.groups)
+                or not all(map(operator.is_, groups, self.groups))):
+            return None
+        work = []
+        for group, entry, expected, count in zip(groups, self.entries, self.structures, self.group_counts):
+            params = group["params"]
+            grads = [param.grad for param in params]  # each read once: a Parameter's .grad costs 50-100 ns
+            if not all(map(operator.is_not, grads, repeat(None))):
+                params = [param for param, grad in zip(params, grads) if grad is not None]
+                grads = [grad for grad in grads if grad is not None]
+            if (len(params) != len(entry.params) or not all(map(operator.is_, params, entry.params))
+                    or not expected.holds(structure, group)):
+                return None
+            check(group, params)
+            if group.get("step") is not count:  # a group's count (official Adan's) set anew: its tables hold the last
+                return None
+            work.append((group, entry, grads))
+        return work
+
+    def step(self, optimizer, caches):
+        """A step of ``optimizer`` on these tables, in one native call that checks them all before any
+        runs (and clips their grads, where asked); False, having changed nothing, where the rule of
+        :meth:`work` no longer holds or that call found a tensor changed. Its groups are fused,
+        elementwise and have their states: an inf step GradScaler found is skipped on the device."""
+        if engines.backends.forced() is not self.forced:
+            return False
+        work = self.work(optimizer.state, optimizer.param_groups, optimizer._structure, optimizer._check_between_steps)
+        if work is None:
+            return False
+        writes = optimizer._restart_written(work, caches) if self.masters else None
+        found_inf = getattr(optimizer, "found_inf", None)
+        if not self.step_scalars:
+            return self._step_with_python_scalars(optimizer, work, writes, found_inf)
+        options = []  # every group's, before any seed is drawn: a step that goes the checked way draws its own
+        for algorithm, (group, entry, _) in zip(self.algorithms, work):
+            numbers = algorithm.rule[1](group) if entry.params else ()
+            if any(isinstance(number, Tensor) for number in numbers):
+                return False  # a tensor lr (say): the checked step computes its scalars
+            options.append(list(map(float, numbers)))
+        increment, scales, clip = optimizer._grad_scales(work, found_inf, eager=True, clip_in_step=True)
+        launches = []
+        for (group, entry, grads), scale, algorithm, buckets, single, numbers in zip(
+                work, scales, self.algorithms, self.tables, self.single, options):
+            stochastic, flags = group["stochastic_rounding"], algorithm.flags(group)
+            for tables in buckets:  # a seed per bucket, in bucket order, as a checked step draws them
+                values = engines.fused.common_scalars(algorithm.spec, scale, found_inf, stochastic, grads[0].device)
+                launches += [self.backend.launch(algorithm.spec, bound, grads if positions is None else
+                                                 [grads[i] for i in positions], single, table_format, values, flags,
+                                                 stochastic, numbers)
+                             for bound, table_format, positions in tables]
+        if launches and not self.backend.run_launches(launches, clip):
+            return False
+        bump_versions(self.counts)  # advanced natively, as add_ would have: their version counters
+        for group, entry, _ in work:
+            if not entry.params:  # a group's count (official Adan's) advances whether or not it had grads
+                optimizer._count_step(group, entry, increment)
+            if writes is not None and entry.versions is not None:
+                writes.note(entry.versions)
+        return True
+
+    def _step_with_python_scalars(self, optimizer, work, writes, found_inf):
+        """:meth:`step` on a backend that computes no step scalars (Triton's): Python computes them, and
+        advances the counts, as a checked step does."""
+        increment, scales, _ = optimizer._grad_scales(work, found_inf, eager=True)
+        launches = []
+        for (group, entry, grads), scale, algorithm, buckets, single in zip(
+                work, scales, self.algorithms, self.runs, self.single):
+            if not entry.params:
+                continue
+            args, per_tensor = optimizer._arguments(algorithm, group, entry, scale, increment, traced=False)
+            stochastic, flags, device = group["stochastic_rounding"], algorithm.flags(group), grads[0].device
+            for tables, bucket, cache in buckets:  # a seed per bucket, in bucket order, as a checked step draws them
+                ordered = engines.fused.ordered_scalars(
+                    algorithm.spec, algorithm.kernel_scalars,
+                    args if bucket is None else engines.args_of(args, per_tensor, bucket, device, cache),
+                    found_inf, stochastic, device)
+                tables.launch(algorithm.spec, grads if bucket is None else [grads[i] for i in bucket], ordered, flags,
+                              stochastic, single, launches)
+        if launches and not self.backend.run_launches(launches):
+            return False
+        optimizer._advance(work, increment, writes)
+        return True
+
+
+def runs_backend(runs):
+    """The one backend of every table of ``runs`` (see :class:`BoundStep`), or None where there are two."""
+    backends = {tables.backend for buckets in runs for tables, _, _ in buckets}
+    return backends.pop() if len(backends) == 1 else None
+
+
+def taken(bucket, indices, whole):
+    """The positions in its group of the params a table takes: its ``indices`` in its ``bucket`` (None:
+    the group's every param), or None where it takes them all (a ``whole`` table of such a bucket)."""
+    if whole:
+        return bucket
+    return indices if bucket is None else [bucket[i] for i in indices]
+
