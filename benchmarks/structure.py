@@ -44,7 +44,7 @@ COMPREHENSIONS = {"<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>"}
 N_PARAMS, TINY, EIGHT_BIT_NUMEL = 148, 16, 4096
 
 # (file or folder under fastoptim/) that make up the machinery between opt.step() and the kernel
-STEP_MACHINERY = ("optimizers/base.py", "step_cache.py", "engines", "multi_tensor.py", "clip.py",
+STEP_MACHINERY = ("optimizers/base.py", "step_cache.py", "bound_step.py", "engines", "multi_tensor.py", "clip.py",
                   "optimizers/scalars.py", "optimizers/algorithm.py")
 TOOLS = ("bench", "train", "kernels", "cli.py")  # left out of "the library without its tools"
 MAX_FILE_LINES = 450
@@ -54,7 +54,7 @@ MAX_FILE_LINES = 450
 STORES = (
     ("optimizer._engine_caches (per optimizer, several key kinds)", "optimizers/base.py", r"\b_engine_caches\b"),
     ("GroupWork.bucket_caches (per group entry, per bucket)", None, r"\bbucket_caches\s*="),
-    ("BoundStep / Structure (the bound step's plan)", "step_cache.py", r"^class (BoundStep|Structure)\b"),
+    ("BoundStep / Structure (the bound step's plan)", "bound_step.py", r"^class (BoundStep|Structure)\b"),
     ("engines.fused._PREPARED (prepared op calls by layout id)", None, r"^_PREPARED\s*="),
     ("engines.fused._OP_CACHE (traced op calls)", None, r"^_OP_CACHE\s*="),
     ("clip: _engine_caches['clip'] GradTables (an optimizer's clip tables)", None,
