@@ -116,10 +116,11 @@ def test_the_command_s_help_and_the_package_import_no_torch():
 def test_the_step_s_structure_does_not_grow():
     """Ratchets toward issue 51's structure targets (bound AdamW <= 35 calls in <= 6 files, <= 3
     ``is_compiling`` mentions, <= 2 stores), measured as ``benchmarks/structure.py`` measures them: the
-    ceilings are the counts since the bound step is planned once (``bound_step.BoundStep``: 26 calls
-    in 9 files, 17 mentions, 7 stores; 36 calls before, 54 before the native scalars), plus a small
-    margin for calls, so a change that adds Python to the step, a fork or a store fails here. Lower
-    them as the redesign lands, until they are the targets."""
+    ceilings are the counts since the bound step is planned once (``bound_step.BoundStep``: 26 calls in
+    10 files, 15 mentions, 7 stores; 36 calls in 9 files and 17 mentions before, 54 calls before the
+    native scalars; the tenth file is ``optimizers/step_path.py``, split from ``base.py``), plus a small
+    margin for calls, so a change that adds Python to the step, a fork or a store fails here. Lower them
+    as the redesign lands, until they are the targets."""
     import torch
 
     from benchmarks.structure import count_calls, is_compiling_mentions, stores
@@ -129,8 +130,8 @@ def test_the_step_s_structure_does_not_grow():
         param.grad = torch.randn_like(param)
     bound = count_calls(fastoptim.AdamW(params, lr=1e-3))
     assert bound["calls"] <= 26 + 2, bound
-    assert bound["files"] <= 9, bound["file list"]
-    assert sum(is_compiling_mentions().values()) <= 17, is_compiling_mentions()
+    assert bound["files"] <= 10, bound["file list"]
+    assert sum(is_compiling_mentions().values()) <= 15, is_compiling_mentions()
     assert len(stores()) <= 7, stores()
 
 

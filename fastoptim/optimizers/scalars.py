@@ -19,16 +19,15 @@ from .. import clip, engines
 from .algorithm import Algorithm, StepInputs
 
 
-def count_after(count, increment, lr, traced=None):
+def count_after(count, increment, lr, traced):
     """This step's count, ``count + increment`` (``count``: a group's 0-d count, or a 1-d tensor of
     each param's), for the step's scalars (bias corrections), which need float64: Python floats
     (one, or one per param) where all of it lives on the host (a CPU ``count`` and ``lr``) and no
-    trace is running (``traced``: by default, whether torch.compile is tracing), as torch.optim reads
+    trace is running (``traced``: whether torch.compile is tracing), as torch.optim reads
     a CPU step count; each the count + 1, as a step that a GradScaler skips reads no scalars (a CPU
     ``found_inf``'s increment is not read). The scalars then cost Python arithmetic, the same that a
     bound step's native rule does (see Algorithm.rule). Else a float64 tensor (on a GPU, or in a
     compiled step, nothing is read)."""
-    traced = torch.compiler.is_compiling() if traced is None else traced
     if count.device.type == "cpu" and not isinstance(lr, Tensor) and not traced:
         return [value + 1 for value in count.reshape(-1).numpy().tolist()]  # a CPU tensor's memory: no sync
     return count.to(torch.float64) + increment

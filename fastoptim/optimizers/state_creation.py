@@ -1,0 +1,179 @@
+"""How a fastoptim optimizer's states are made and checked, the half of :class:`FastOptimizer
+<fastoptim.optimizers.base.FastOptimizer>` that knows their formats: each param's state with every
+role its group's options keep (zeros in their format, second moments in its subset-norm partition,
+new states in flat buffers), and the check that a state still fits its param."""
+import functools
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from .. import distributed
+from ..multi_tensor import FlatStates
+from ..specs import ABSMAX
+from ..states import formats, master, subset_norm
+from ..step_cache import are_slots
+from .algorithm import PER_PARAM
+from .checks import is_step_count, step_count
+
+
+class StateContext(NamedTuple):
+    """What a group's step reads of its states besides the tensors, made when they change (see
+    ``_prepare_states``): the params' ``step`` counts as views of one tensor (``PER_PARAM``; None:
+    separate tensors), the algorithm's ``param_factors`` and :class:`StepInputs`' ``first_reads``."""
+
+    counts: Tensor | None = None
+    factors: Tensor | None = None
+    first_reads: Tensor | None = None
+
+
+class StateCreation:
+    """The states' half of :class:`~fastoptim.optimizers.base.FastOptimizer` (see the module docstring)."""
+
+    def _check_state(self, param, state, group):
+        """Raise if a state tensor no longer fits its parameter (``param.data = ...`` after the state
+        was created, or an edited state): its shape, dtype and device must be what a fresh one has.
+        A flattened subset-norm partition needs a contiguous param."""
+        try:
+            subset_norm.check_record(param.shape, state)
+        except ValueError as error:
+            raise RuntimeError(f"{type(self).__name__}: {error}: was the param changed after its state was "
+                               "created? Clear its state with optimizer.state[param].clear()") from None
+        partition = self._partition(param, state, group)
+        if distributed.is_dtensor(param) and subset_norm.needs_contiguous(partition):
+            distributed.check_flattened(param, partition)
+        if subset_norm.needs_contiguous(partition) and not distributed.local(param).is_contiguous():
+            raise ValueError(f"{type(self).__name__}: subset_size cuts a param into subsets in its row-major "
+                             f"order, which needs a contiguous param; got shape {tuple(param.shape)} with strides "
+                             f"{param.stride()}. Make it contiguous, or use subset_size=None (rows or columns)")
+        expected = self._expected_state(group, param, state)
+        for key, (shape, dtype) in expected.items():
+            value = state.get(key)
+            if key == "step" and value is not None and not is_step_count(value, param.device):
+                # a count set by hand (``state["step"] = 1``): _prepare_states takes it as torch takes one
+                step_count(value, param.device, f"step of a param of shape {tuple(param.shape)}")
+                continue
+            role = key.removesuffix(ABSMAX)
+            if value is None and role != key and role in state:  # a companion is never created alone
+                raise RuntimeError(
+                    f"{type(self).__name__}: state '{role}' holds 8-bit codes without its block maxima '{key}': "
+                    "was it deleted? Restore it, or clear the param's state with optimizer.state[param].clear()")
+            if value is not None and (value.shape != shape or value.dtype != dtype or value.device != param.device):
+                raise RuntimeError(
+                    f"{type(self).__name__}: state '{key}' is {value.dtype} {tuple(value.shape)} on {value.device}, "
+                    f"but its param ({param.dtype} {tuple(param.shape)} on {param.device}) needs {dtype} "
+                    f"{tuple(shape)}: was the param (or state_bits, master_bits) changed after its state was created? "
+                    "Convert the state (a state dict round trip does), or clear it with optimizer.state[param].clear()")
+        if master.KEY in state and master.KEY not in expected:
+            raise RuntimeError(
+                f"{type(self).__name__}: state '{master.KEY}' holds a master remainder that master_bits="
+                f"{group['master_bits']} does not keep for a {param.dtype} param: was master_bits changed after the "
+                "state was created? Convert the state (a state dict round trip does), or clear it with "
+                "optimizer.state[param].clear()")
+
+    def _use_new_states(self, group, entry, traced):
+        """Create the missing states of ``entry``'s params and hand them to it, for a ``traced`` step or
+        an eager one. (Not ``torch.compiler.is_compiling()`` here: it is False in the ``_init_group``
+        that dynamo runs at tracing before torch 2.13.)"""
+        states, context = self._prepare_states(entry.params, group, traced)
+        partitions = [subset_norm.from_record(p.shape, s) for p, s in zip(entry.params, states)]
+        spec = self._algorithm(group).spec
+        entry.use_states(states, context, partitions, spec.reduced, self._reduce_group, not spec.elementwise)
+        entry.states_chosen = self._states_chosen(group)  # checked again if one of these options changes
+
+    def _partition(self, param, state, group):
+        """The subset-norm partition of a param: the one its state records; for a state without a
+        second moment yet, the group's (``sn``, ``subset_size``); None: a dense second moment, which
+        a complex param always keeps (as its states, see ``formats.for_state``)."""
+        if param.is_complex():
+            return None
+        if any(key in state for key in (*subset_norm.RECORDS, *self._algorithm(group).spec.reduced)):
+            return subset_norm.from_record(param.shape, state)
+        return subset_norm.from_options(param.shape, group.get("subset_size")) if group.get("sn") else None
+
+    def _formats(self, group, param, state):
+        """The format of each state role of ``param`` that ``group``'s options keep (see
+        fastoptim.states.formats), and its subset-norm partition (None: dense)."""
+        partition, algorithm = self._partition(param, state, group), self._algorithm(group)
+        return {role: formats.for_state(param, algorithm.spec.role(role), group["state_bits"], partition)
+                for role in algorithm.spec.kept(algorithm.flags(group))}, partition
+
+    def _ensure_state(self, param, group, place=None):
+        """The param's state with every role of the group present: missing ones are zeros in their
+        format, second moments in the param's partition (recorded in the state when it is new), and
+        a ``step`` count first where the algorithm counts per param (as torch orders its state).
+        ``place(key, tensor)``: where a new state goes (its slot in a flat buffer); the states are
+        then made as "meta" tensors, which ``place`` turns into their slots, zeros, then filled with
+        their format's ``fill`` where it is not 0."""
+        state = self.state[param]
+        like = param if place is None else torch.empty_like(param, device="meta")
+
+        def add(states, fill=lambda key: 0):
+            if place is not None:
+                states = {key: place(key, value) for key, value in states.items()}
+                for key, value in states.items():
+                    if start := fill(key):
+                        value.fill_(start)
+            state.update(states)
+        if self._algorithm(group).counts == PER_PARAM and "step" not in state:
+            add({"step": torch.zeros((), dtype=torch.float32, device=like.device)})
+        states_formats, partition = self._formats(group, param, state)
+        if partition is not None:
+            state.update(partition.record)
+        for role, state_format in states_formats.items():
+            if role not in state:
+                spec_role = self._algorithm(group).spec.role(role)
+                add(state_format.zeros(like, spec_role, partition), functools.partial(state_format.fill, spec_role))
+        if master.dtype(param, group["master_bits"]) is not None and master.KEY not in state:
+            add({master.KEY: master.zeros(like, group["master_bits"])})
+        return state
+
+    def _expected_state(self, group, param, state):
+        """The (shape, dtype) of each state tensor that a param's state must have, companions
+        (an 8-bit state's block maxima) included."""
+        states_formats, partition = self._formats(group, param, state)
+        expected = {"step": (torch.Size([]), torch.float32)} if self._algorithm(group).counts == PER_PARAM else {}
+        for role, state_format in states_formats.items():
+            expected |= state_format.expected(param, self._algorithm(group).spec.role(role), partition)
+        remainder = master.dtype(param, group["master_bits"])
+        if remainder is not None:
+            expected[master.KEY] = (param.shape, remainder)
+        return expected
+
+    def _prepare_states(self, params, group, traced):
+        """The state dicts of a group's params with grads, with missing states created, and their
+        :class:`StateContext`, which ``_step_inputs`` reads. Called when they change, not every
+        step. New states are made in flat buffers (``multi_tensor.FlatStates``): a fused step checks
+        a buffer per key instead of a tensor per state, and per-param counts are views of one tensor,
+        so a step adds to them in one op (2000 separate 0-d tensors cost milliseconds of dispatch),
+        and a compiled step hands its op a few buffers; not for DTensor or complex params. A ``traced``
+        step leaves per-param counts it finds apart as they are (see below)."""
+        algorithm, device = self._algorithm(group), params[0].device
+        optional = algorithm.spec.optional  # read before the states are created
+        first_reads = [float(all(role in self.state.get(param, ()) for role in optional)) for param in params
+                       ] if optional else []
+        if self._viewed:
+            states = [self._ensure_state(param, group) for param in params]
+        else:  # new states go into flat buffers, one param's at a time
+            now = [self.state.get(param, {}) for param in params]
+            flat = FlatStates([{key: layout for key, layout in self._expected_state(group, param, state).items()
+                                if key not in state} for param, state in zip(params, now)], device)
+            states = [self._ensure_state(param, group, functools.partial(flat.take, index))
+                      for index, param in enumerate(params)]
+        counts = None
+        if algorithm.counts == PER_PARAM:
+            for param, state in zip(params, states):
+                if not is_step_count(state["step"], param.device):  # one set by hand, checked by _check_state
+                    state["step"] = step_count(state["step"], param.device)
+            steps = [state["step"] for state in states]
+            counts = steps[0]._base
+            if counts is None or not are_slots(counts, steps):
+                # A traced step leaves them unpacked (its counts are then stacked in the graph): the step
+                # traced for another pattern of grads (a GAN's halves) guards the state dicts packing changes.
+                counts = None if traced else torch.stack(steps)
+                for i, state in enumerate(states if counts is not None else ()):
+                    state["step"] = counts[i]
+        factors = None if algorithm.param_factors is None else torch.tensor(
+            [algorithm.param_factors(group, param) for param in params], dtype=torch.float64, device=device)
+        first_reads = torch.tensor(first_reads, device=device) if 0.0 in first_reads else None
+        return states, StateContext(counts, factors, first_reads)
