@@ -95,9 +95,10 @@ class BoundStep:
     @classmethod
     def of(cls, state, work, algorithms, counts_of, structure, forced):
         """The BoundStep of a checked step's ``work`` ((group, GroupWork, grads) per group) whose groups
-        run ``algorithms`` and read and advance the count tensors ``counts_of(group, entry)``, under the backend FASTOPTIM_FUSED_BACKEND ``forced``; None where a group's
-        step is not its bound tables' kernels alone (the algorithm runs its own way, has no kernel or no
-        rule; a bucket reduces over ranks or left some tensors to foreach), its states are new, its
+        run ``algorithms`` and read and advance the count tensors ``counts_of(group, entry)``, under the
+        backend FASTOPTIM_FUSED_BACKEND ``forced``; None where a group's step is not its bound tables'
+        kernels alone (the algorithm runs its own way, has no kernel or no rule; a bucket reduces over
+        ranks or left some tensors to foreach), its states are new, its
         tensors views, or the tables are of two backends."""
         runs = []
         for algorithm, (group, entry, _) in zip(algorithms, work):

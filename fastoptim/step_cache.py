@@ -281,5 +281,7 @@ class OptimizerState(defaultdict):
     def __reduce__(self):
         return OptimizerState, (dict(self),)
 
-    def __copy__(self):  # defaultdict's would call OptimizerState(default_factory, self)
+    def copy(self):  # defaultdict's would call OptimizerState(default_factory, self)
         return OptimizerState(self)
+
+    __copy__ = copy

@@ -223,9 +223,9 @@ class DirectionSlice:
 
 @dataclass(frozen=True)
 class Directions:
-    """Where a fused Muon bucket writes its directions, made once per bucket and direction ``dtype``
-    (the grads', or fp32 where a clip or GradScaler coefficient scales them first) and kept with the
-    bucket's tables, which its user empties when a param or state changes. Its params, in matrix-shape
+    """Where a fused Muon bucket writes its directions, made once per bucket and direction ``dtype`` (the
+    grads', or :func:`scaled_dtype` where a clip or GradScaler coefficient scales them first) and kept
+    with the bucket's tables, which its user empties when a param or state changes. Its params, in matrix-shape
     order, are cut into slices of at most ``MATRIX_SLICE_NUMEL`` elements (the directions' memory is
     one slice's: the slices share the one buffer, each using it in turn); in a slice the directions of
     one matrix shape are consecutive in the buffer, so their batch is a view of it, not a copy, and the
@@ -265,9 +265,16 @@ class Directions:
 DIRECTIONS = "muon directions"  # a fused bucket's cache: its Directions
 
 
+def scaled_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of grads of ``dtype`` scaled by a clip or GradScaler coefficient before a fused momentum
+    step, as the reference scales them: fp32, or float64 for float64 grads."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def directions_of(part: engines.Plan) -> Directions:
     """The :class:`Directions` of fused bucket ``part``, kept in its cache for their dtype."""
-    dtype = torch.float32 if isinstance(part.args["grad_scale"], Tensor) else part.tensors["grad"][0].dtype
+    dtype = part.tensors["grad"][0].dtype
+    dtype = scaled_dtype(dtype) if isinstance(part.args["grad_scale"], Tensor) else dtype
     kept = part.cache.get(DIRECTIONS)
     if kept is None or kept.dtype != dtype:
         kept = part.cache[DIRECTIONS] = Directions.of(part, dtype)
@@ -302,8 +309,8 @@ def run_in_three_parts(momentum_engine: str, part: engines.Plan, reduce_group=No
     grads, args = part.tensors["grad"], part.args
     grad_scale = args["grad_scale"]
     if kernel and isinstance(grad_scale, Tensor):  # a clip or GradScaler coefficient: the kernel would fuse
-        grads = torch._foreach_mul([grad.float() for grad in grads], grad_scale)  # the product into the lerp;
-        grad_scale = None  # the reference rounds it first, in fp32
+        grads = torch._foreach_mul([grad.to(scaled_dtype(grad.dtype)) for grad in grads], grad_scale)  # the product
+        grad_scale = None  # into the lerp; the reference rounds it first, in fp32 (float64 for float64 grads)
     directions = [torch.empty_like(grad) for grad in grads] if piece is None else piece.directions
     engines.run(momentum_engine, replace(
         part, tensors={"param": directions, "grad": grads, "momentum_buffer": part.tensors["momentum_buffer"]},
