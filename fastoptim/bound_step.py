@@ -73,11 +73,12 @@ class BoundStep:
     takes derive from: the user's params and states where it takes views of them (subset norm), and
     the params' counts, slots of one tensor (``GroupWork.watched``)."""
 
-    def __init__(self, state, work, algorithms, counts, structures, runs, forced):
+    def __init__(self, state, work, algorithms, counts, structures, runs, parts, forced):
         self.state, self.structures, self.algorithms, self.forced = state, structures, algorithms, forced
         self.groups = [group for group, _, _ in work]
         self.entries = [entry for _, entry, _ in work]
         self.runs = runs  # per group, per bucket: (its fused.Tables, its params' indices or None for all, its cache)
+        self.parts = parts  # per group, its buckets' bound parts (see Algorithm.bound_part), or None
         self.backend = runs_backend(runs)  # the one backend whose native call runs every table
         # its backend computes the step's scalars (clip, the rules') and advances the counts natively
         self.step_scalars = self.backend is not None and self.backend.STEP_SCALARS
@@ -93,32 +94,44 @@ class BoundStep:
         self.changes = state.changes
 
     @classmethod
-    def of(cls, state, work, algorithms, counts_of, structure, forced):
+    def of(cls, state, work, algorithms, counts_of, structure, forced, clipped):
         """The BoundStep of a checked step's ``work`` ((group, GroupWork, grads) per group) whose groups
         run ``algorithms`` and read and advance the count tensors ``counts_of(group, entry)``, under the
         backend FASTOPTIM_FUSED_BACKEND ``forced``; None where a group's step is not its bound tables'
         kernels alone (the algorithm runs its own way, has no kernel or no rule; a bucket reduces over
-        ranks or left some tensors to foreach), its states are new, its
-        tensors views, or the tables are of two backends."""
-        runs = []
+        ranks or left some tensors to foreach) or its ``bound_part`` (Muon's: not ``clipped``, the
+        constructor's max_grad_norm, which the native call would fuse into its kernel), its states are
+        new, its tensors views, or the tables are of two backends."""
+        runs, parts = [], []
         for algorithm, (group, entry, _) in zip(algorithms, work):
+            caches = [entry.bucket_caches.get(index, {}) for index in range(len(entry.buckets))]
             if not entry.params:
                 runs.append([])
+                parts.append(None)
                 continue
-            caches = [entry.bucket_caches.get(index, {}) for index in range(len(entry.buckets))]
             if (entry.states is None or entry.local_params is not entry.params or entry.viewed_states
-                    or entry.context.first_reads is not None or algorithm.run is not engines.run_bucket
-                    or algorithm.kernel_scalars is None or algorithm.rule is None
-                    or any(reduce for _, reduce in entry.buckets)
+                    or entry.context.first_reads is not None or any(reduce for _, reduce in entry.buckets)):
+                return None
+            if algorithm.bound_part is not None and not clipped:
+                found = [algorithm.bound_part(entry.tensors, bucket, cache)
+                         for (bucket, _), cache in zip(entry.buckets, caches)]
+                if None in found:
+                    return None
+                runs.append([(part.tables, part.positions, None) for part in found])
+                parts.append(found)
+                continue
+            if (algorithm.run is not engines.run_bucket or algorithm.kernel_scalars is None or algorithm.rule is None
                     or not all(map(engines.fused.natively_checked, caches))):
                 return None
             runs.append([(cache["prepared"].tables, None if len(bucket) == len(entry.params) else bucket, cache)
                          for (bucket, _), cache in zip(entry.buckets, caches)])
-        if type(state) is not OptimizerState or runs_backend(runs) is None:
+            parts.append(None)
+        backend = runs_backend(runs)
+        if type(state) is not OptimizerState or backend is None or any(parts) and not backend.STEP_SCALARS:
             return None
         counts = [count for group, entry, _ in work if entry.params for count in counts_of(group, entry)]
         return cls(state, work, algorithms, counts, [Structure(structure, group) for group, _, _ in work], runs,
-                   forced)
+                   parts, forced)
 
     def work(self, state, groups, structure, check):
         """This step's (group, GroupWork, grads) per group, or None where the rule no longer holds;
@@ -157,24 +170,42 @@ class BoundStep:
         if not self.step_scalars:
             return self._step_with_python_scalars(optimizer, work, writes, found_inf)
         options = []  # every group's, before any seed is drawn: a step that goes the checked way draws its own
-        for algorithm, (group, entry, _) in zip(self.algorithms, work):
-            numbers = algorithm.rule[1](group) if entry.params else ()
-            if any(isinstance(number, Tensor) for number in numbers):
-                return False  # a tensor lr (say): the checked step computes its scalars
+        for algorithm, (group, entry, _), parts in zip(self.algorithms, work, self.parts):
+            numbers = algorithm.rule[1](group) if entry.params and parts is None else ()
+            if any(isinstance(number, Tensor) for number in numbers) or parts and (
+                    found_inf is not None or group["stochastic_rounding"]):
+                # a tensor lr (say): the checked step computes its scalars; a bound part (Muon's) skips a step
+                # GradScaler found an inf in on the host, and its update draws random bits after the call
+                return False
             options.append(list(map(float, numbers)))
         increment, scales, clip = optimizer._grad_scales(work, found_inf, eager=True, clip_in_step=True)
         launches = []
-        for (group, entry, grads), scale, algorithm, buckets, single, numbers in zip(
-                work, scales, self.algorithms, self.tables, self.single, options):
-            stochastic, flags = group["stochastic_rounding"], algorithm.flags(group)
+        for (group, entry, grads), scale, algorithm, buckets, single, numbers, parts in zip(
+                work, scales, self.algorithms, self.tables, self.single, options, self.parts):
+            stochastic, device = group["stochastic_rounding"], grads[0].device if grads else None
+            if parts is not None:
+                if isinstance(scale, Tensor):  # GradScaler's: the reference scales the grads first (see muon)
+                    return False
+                for part, tables in zip(parts, buckets):
+                    values, flags = part.launch_values(group, scale, found_inf, device)
+                    launches += [self.backend.launch(part.spec, bound, [grads[i] for i in positions], single,
+                                                     table_format, values, flags, False)
+                                 for bound, table_format, positions in tables]
+                continue
+            flags = algorithm.flags(group)
             for tables in buckets:  # a seed per bucket, in bucket order, as a checked step draws them
-                values = engines.fused.common_scalars(algorithm.spec, scale, found_inf, stochastic, grads[0].device)
+                values = engines.fused.common_scalars(algorithm.spec, scale, found_inf, stochastic, device)
                 launches += [self.backend.launch(algorithm.spec, bound, grads if positions is None else
                                                  [grads[i] for i in positions], single, table_format, values, flags,
                                                  stochastic, numbers)
                              for bound, table_format, positions in tables]
         if launches and not self.backend.run_launches(launches, clip):
             return False
+        for algorithm, (group, entry, _), scale, parts in zip(self.algorithms, work, scales, self.parts):
+            if parts:  # the rest of the step of the groups whose kernels ran part of it
+                args, per_tensor = optimizer._arguments(algorithm, group, entry, scale, increment, traced=False)
+                for part in parts:
+                    part.finish(group, args, per_tensor)
         bump_versions(self.counts)  # advanced natively, as add_ would have: their version counters
         for group, entry, _ in work:
             if not entry.params:  # a group's count (official Adan's) advances whether or not it had grads

@@ -542,6 +542,41 @@ def _lean_run(cls, options, checked, monkeypatch, steps=4, scaled=False, change=
     return [p.detach().clone() for p in params]
 
 
+def _muon_run(options, engine, checked, monkeypatch, steps=4):
+    """Muon over two matrices (its group) and a vector (an AdamW companion group), as ``_lean_run``:
+    with ``checked``, every step the checked one, else bound from the second on, the checked path
+    made to raise."""
+    shapes, dtype, group = [(64, 80), (32, 128), (4096,)], options.pop("dtype", torch.float32), options.pop("group", {})
+    params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)).to(dtype))
+              for i, s in enumerate(shapes)]
+    opt = fastoptim.Muon([{"params": params[:2], **group}, {"params": params[2:], "use_muon": False}], lr=0.02,
+                         **ENGINES[engine], **options)
+    for step in range(steps):
+        for param in params:
+            param.grad = grad_for(param, step)
+        if checked:
+            opt.__dict__.get("_engine_caches", {}).pop("bound", None)
+        with monkeypatch.context() as patch:
+            if not checked and step >= 1:
+                patch.setattr(fastoptim.optimizers.base.FastOptimizer, "_group_work", _refuse_checked_steps)
+            opt.step()
+    return [p.detach().clone() for p in params]
+
+
+@pytest.mark.parametrize("options", [{}, dict(state_bits=8), dict(maximize=True, nesterov=False),
+                                     dict(dtype=torch.bfloat16, master_bits=24), dict(group=dict(num_heads=4))], ids=str)
+@pytest.mark.parametrize("engine", ["fused-single", "fused-multi"])
+def test_fused_muon_steps_run_bound_as_the_checked_step_runs_them(options, engine, monkeypatch):
+    """A fused Muon step takes the bound path (the checked one is made to raise): its momentum kernel's
+    tables run in the step's one native call with its AdamW companions', then its iterations and update
+    (muon.BoundMomentum). Bit for bit a twin whose every step is checked, 8-bit momentum and bf16 params
+    with master remainders included."""
+    bound = _muon_run(dict(options), engine, False, monkeypatch)
+    checked = _muon_run(dict(options), engine, True, monkeypatch)
+    for ours, expected in zip(bound, checked):
+        torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("options, scaled", [
     (dict(sn=True), False), (dict(state_bits=8), False), (dict(sn=True, state_bits=8), False),
     (dict(max_grad_norm=0.5), False), (dict(max_grad_norm=0.5, maximize=True), False),

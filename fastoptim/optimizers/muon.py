@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from itertools import groupby
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import Tensor
@@ -18,6 +18,7 @@ from ..engines import foreach
 from ..engines.ops import FOREACH_OPS
 from ..multi_tensor import aligned_offset
 from ..specs import KernelSpec, Role
+from ..states import master
 from .adamw import ADAMW
 from .algorithm import Algorithm, StepInputs
 from .base import FastOptimizer
@@ -220,6 +221,16 @@ class DirectionSlice:
     tables: dict = field(default_factory=dict)  # the momentum kernel's engine cache: tables bound once
     owners: dict = field(default_factory=dict)  # the slice's index on the device (see engines.args_of)
 
+    def orthogonalized(self, function: Callable[[Tensor], Tensor]) -> list[Tensor]:
+        """``function`` (the iterations, of a batch of matrices) of each batch of this slice's directions,
+        per param in its shape."""
+        orthogonal = [None] * len(self.directions)
+        for batch, start, stop, matrices in self.batches:
+            results = function(batch).unbind()
+            orthogonal[start:stop] = results if matrices else [
+                result.reshape(direction.shape) for result, direction in zip(results, self.directions[start:stop])]
+        return orthogonal
+
 
 @dataclass(frozen=True)
 class Directions:
@@ -318,20 +329,65 @@ def run_in_three_parts(momentum_engine: str, part: engines.Plan, reduce_group=No
         flags=dict(nesterov=args["nesterov"]), per_tensor=frozenset(), stochastic_rounding=False,
         args=dict(momentum=args["momentum"], nesterov=args["nesterov"], grad_scale=grad_scale),
         cache={} if piece is None else piece.tables))
-    function = iterations(args)
-    if piece is not None:  # each batch a view of the directions
-        orthogonal = [None] * len(directions)
-        for batch, start, stop, matrices in piece.batches:
-            results = function(batch).unbind()
-            orthogonal[start:stop] = results if matrices else [
-                result.reshape(direction.shape) for result, direction in zip(results, directions[start:stop])]
-    else:
-        orthogonal = orthogonalize_shards(function, directions, part.cache[SHARDED_PARAMS], args["flatten"],
+    if piece is None:
+        orthogonal = orthogonalize_shards(iterations(args), directions, part.cache[SHARDED_PARAMS], args["flatten"],
                                           reduce_group, part.cache)
-    engines.run("foreach", replace(
-        part, tensors={role: tensors for role, tensors in part.tensors.items() if role != "momentum_buffer"}
-        | {"grad": orthogonal}, update=muon_apply, absmax={},
-        args={name: args[name] for name in ("lr", "weight_decay", "step_size")}))
+    else:
+        orthogonal = piece.orthogonalized(iterations(args))
+    apply_update(replace(part, tensors={role: tensors for role, tensors in part.tensors.items()
+                                        if role not in ("grad", "momentum_buffer")}), orthogonal)
+
+
+def apply_update(part: engines.Plan, orthogonal: list[Tensor]) -> None:
+    """``muon_apply`` of the ``orthogonal`` directions to the params of ``part`` (and their master
+    remainders), on the foreach engine, with the params' rounding."""
+    engines.run("foreach", replace(part, tensors=part.tensors | {"grad": orthogonal}, update=muon_apply, absmax={},
+                                   args={name: part.args[name] for name in ("lr", "weight_decay", "step_size")}))
+
+
+class BoundMomentum(NamedTuple):
+    """A fused Muon bucket's part of a bound step (see fastoptim.bound_step): its momentum's tables (those
+    of its one slice: see :class:`Directions`), launched in the step's one native call, then its
+    iterations and update (:meth:`finish`)."""
+
+    tables: engines.fused.Tables
+    positions: list[int]  # of the group's params, the slice's, in its order
+    piece: DirectionSlice
+    params: dict  # role to the slice's tensors that muon_apply updates: its params (and master remainders)
+    spec: KernelSpec = MOMENTUM_SPEC
+
+    def launch_values(self, group: dict, grad_scale: float | None, found_inf: Tensor | None,
+                      device: torch.device) -> tuple[list, dict]:
+        """The momentum kernel's scalars (in its spec's order) and flags for a step of ``group``."""
+        args = dict(momentum=group["momentum"], grad_scale=grad_scale)
+        return (engines.fused.ordered_scalars(MOMENTUM_SPEC, momentum_kernel_scalars, args, found_inf, False, device),
+                dict(nesterov=group["nesterov"]))
+
+    def finish(self, group: dict, args: dict, per_tensor: set[str]) -> None:
+        """The iterations and update of a step whose ``args`` (``muon_arguments``'s, of the whole group)
+        the momentum kernel's launch has written its directions for."""
+        device = self.params["param"][0].device
+        apply_update(engines.Plan(self.params, muon_apply, SPEC, per_tensor=frozenset(per_tensor),
+                                  stochastic_rounding=group["stochastic_rounding"],
+                                  args=engines.args_of(args, per_tensor, self.positions, device, self.piece.owners)),
+                     self.piece.orthogonalized(iterations(args)))
+
+
+def bound_momentum(tensors: dict, bucket: list[int], cache: dict) -> BoundMomentum | None:
+    """The :class:`BoundMomentum` of a fused Muon bucket (``bucket``: its params' positions in the group,
+    ``tensors``: the group's by role, ``cache``: the bucket's engine cache) whose last step made its
+    directions in one slice and ran their momentum wholly on natively checked tables; else None."""
+    directions = cache.get(DIRECTIONS)
+    if directions is None or len(directions.slices) != 1:
+        return None
+    piece = directions.slices[0]
+    if not engines.fused.natively_checked(piece.tables):
+        return None
+    positions = [bucket[i] for i in piece.indices]
+    params = {role: [tensors[role][i] for i in positions] for role in ("param", master.KEY) if role in tensors}
+    if master.KEY in params and params[master.KEY][0] is None:  # a bucket of one dtype: fp32 params keep none
+        del params[master.KEY]
+    return BoundMomentum(piece.tables["prepared"].tables, positions, piece, params)
 
 
 SHARDED_PARAMS = "sharded params"  # a sharded bucket's cache: its DTensor params (see Muon._use_new_states)
@@ -360,7 +416,7 @@ def orthogonalize_shards(function, directions: list[Tensor], params: list[Tensor
 
 MUON = Algorithm(SPEC, muon_update, muon_arguments, param_factors=lr_factor,
                  factor_options=("adjust_lr_fn", "flatten", "split_sizes", "num_heads"),
-                 run=run_muon_bucket)
+                 run=run_muon_bucket, bound_part=bound_momentum)
 COMPANIONS = ADAMW._replace(flags=lambda group: dict(amsgrad=False, first_moment=True))  # use_muon=False groups
 
 
