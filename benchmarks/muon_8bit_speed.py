@@ -1,12 +1,13 @@
 """The 8-bit Muon momentum's speed in two builds (issue 52, item 3: the linear codes against the
 float-like ones they replaced). Each round runs one process per source tree (each with its own built
 library), in alternating order; a process steps ``fastoptim.Muon(fused=True, state_bits=8)`` and
-takes the time of its momentum kernel (the ``fastoptim::bound_step`` op, from torch's profiler:
-the Newton–Schulz iterations around it are the same in both builds and would drown it). The params
+takes the least time of its momentum kernel over its steps (the ``fastoptim::bound_step`` op, from
+torch's profiler: the Newton–Schulz iterations around it are the same in both builds and would drown
+it; the least, since on a shared machine interference only adds time). The params
 are wide matrices of few rows, so that the iterations cost little. Also, in this process (whose
 fastoptim must have the linear table), the codecs alone: dequantizing and requantizing the same
 elements in each table, interleaved.
-Reports per tree the median of the rounds' medians with their min..max, and the median and range of
+Reports per tree the median of the rounds' times with their min..max, and the median and range of
 the rounds' ratios (second tree / first).
 Usage, from the repository root: .venv/bin/python -m benchmarks.muon_8bit_speed OLD_TREE NEW_TREE [--rounds N]
 """
@@ -24,7 +25,7 @@ SHAPES = [(16, 1 << 18)] * 4  # 16.8M elements: 8-bit states far beyond the cach
 
 
 def kernel_ms(steps: int) -> float:
-    """The median time (ms) of the momentum kernel over ``steps`` profiled Muon steps, in this
+    """The least time (ms) of the momentum kernel over ``steps`` profiled Muon steps, in this
     process's fastoptim, at 1 thread."""
     import fastoptim
     from torch.profiler import profile
@@ -42,7 +43,7 @@ def kernel_ms(steps: int) -> float:
         kernel = [event for event in prof.events() if event.name == "fastoptim::bound_step"]
         assert len(kernel) == 1, [event.name for event in prof.events()]
         times.append(kernel[0].cpu_time_total / 1e3)
-    return statistics.median(times[2:])
+    return min(times[2:])
 
 
 def codec_ms(table: int, values: torch.Tensor, rounds: int) -> list[float]:

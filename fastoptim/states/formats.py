@@ -123,7 +123,7 @@ class Blockwise8(Dense):
         if absmax is None:
             raise ValueError(f"state '{role.name}' holds 8-bit codes without its '{role.name}{ABSMAX}'")
         name = saved.get(role.name + CODES, UNNAMED[role.codes])  # the table they were written in
-        if name not in blockwise8.TABLES:
+        if not isinstance(name, str) or name not in blockwise8.TABLES:
             raise ValueError(f"state '{role.name}' names 8-bit code table {name!r}; there are "
                              f"{sorted(blockwise8.TABLES)}")
         return blockwise8.dequantize(torch.as_tensor(saved[role.name]), torch.as_tensor(absmax).float(),
