@@ -137,8 +137,9 @@ INLINE float larger(float a, float b) { return a > b ? a : b; }
    sign, zero at index 127; UNSIGNED: k up to 247); LINEAR's are the whole numbers k up to 127, with
    a sign, zero at index 127. Every chunk starts on a block (the chunk plan makes sure), so each
    thread owns its blocks. It dequantizes a block's states into buffers on its stack, updates them
-   there, and requantizes them: no dequantized copy of a state exists beyond those buffers. Adan's bf16 g_prev is widened into a buffer too: the update loop
-   then reads and writes fp32 only, in 8 lanes, where bf16 made GCC spill (measured 4% faster).
+   there, and requantizes them: no dequantized copy of a state exists beyond those buffers. Adan's
+   bf16 g_prev is widened into a buffer too: the update loop then reads and writes fp32 only, in 8
+   lanes, where bf16 made GCC spill (measured 4% faster).
    With fp32 or bf16 states, a whole run is one block and the states are updated where they are.
 
    Converting is most of an 8-bit step's work, and GCC does not vectorise fp16 conversions, so the
@@ -282,7 +283,8 @@ F16C static void quantize_linear_avx2(const float *restrict values, int64_t n, u
     for (; k < n; k++) codes[k] = quantize(values[k], scale, LINEAR);
 }
 
-F16C static void dequantize_linear_avx2(const uint8_t *restrict codes, float absmax, int64_t n, float *restrict values) {
+F16C static void dequantize_linear_avx2(const uint8_t *restrict codes, float absmax, int64_t n,
+                                       float *restrict values) {
     const __m256 absmax8 = _mm256_set1_ps(absmax), inverse_top = _mm256_set1_ps(1 / table_top(LINEAR));
     const __m256 nan = _mm256_set1_ps(NAN);
     const __m256i zero = _mm256_set1_epi32(127), nan_index = _mm256_set1_epi32(NAN_INDEX);
