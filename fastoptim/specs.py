@@ -14,6 +14,9 @@ from dataclasses import dataclass
 COMMON_SCALARS = ("found_inf", "seed", "grad_scale")  # every kernel's first scalars, in this order
 ABSMAX = "_absmax"  # the suffix of an 8-bit state's block maxima, as a role and as a state-dict key
 REMAINDER = "master_remainder"  # the role and state-dict key of a bf16 param's master remainder
+# The 8-bit code tables (fastoptim/states/blockwise8.py) by name; a table's position is its number in the kernels
+CODE_TABLES = ("unsigned", "signed", "linear")
+CODES = "_codes"  # the suffix of the key naming a saved 8-bit state's code table (fastoptim/states/formats.py)
 STOCHASTIC_ROUNDING = 1  # the flag bit every kernel has
 # The fused kernels' element formats, by their code (the position): of params fp32, bf16, fp16, and a
 # bf16 param beside its 8- or 16-bit master remainder (fastoptim/states/master.py); of states fp32,
@@ -26,7 +29,9 @@ _DECLARED = {}  # every kernel spec, by name, in the order they were declared
 class Role:
     """A state of an algorithm.
 
-    ``signed``: its 8-bit code table (a moment of either sign) or the unsigned one (a second moment).
+    ``codes``: its 8-bit code table (fastoptim.states.blockwise8): ``"signed"`` for a moment of
+    either sign, ``"unsigned"`` for a second moment (both float-like: even relative precision), or
+    ``"linear"`` (evenly spaced, fine near the block's largest elements: Muon's momentum).
     ``reduced``: kept per subset under ``sn`` (fastoptim.states.subset_norm), so fp32 and small.
     ``half``: kept in bf16, not 8-bit codes, under ``state_bits=8``.
     ``when``: the feature flag without which the algorithm keeps no such state (None: always kept).
@@ -34,11 +39,15 @@ class Role:
     """
 
     name: str
-    signed: bool = True
+    codes: str = "signed"
     reduced: bool = False
     half: bool = False
     when: str | None = None
     optional: bool = False
+
+    def __post_init__(self):
+        if self.codes not in CODE_TABLES:
+            raise ValueError(f"role {self.name!r}: no 8-bit code table {self.codes!r} (tables: {CODE_TABLES})")
 
 
 @dataclass(frozen=True)

@@ -5,11 +5,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fastoptim.engines.backends import cpu as cpu_backend
-from fastoptim.states.blockwise8 import BLOCK, SIGNED, UNSIGNED, dequantize, n_blocks, quantize
+from fastoptim.states.blockwise8 import BLOCK, LINEAR, SIGNED, TABLES, UNSIGNED, dequantize, n_blocks, quantize
 
-# The documented bound: |x| / 16 in the normal range, else half the smallest step times the absmax.
-SMALLEST_HALF_STEP = {"signed": 2.0**-18, "unsigned": 2.0**-33}
-TABLES = {"signed": SIGNED, "unsigned": UNSIGNED}
+# The documented bound: float-like tables, |x| / 16 in the normal range, else half the smallest step
+# times the absmax; the linear one, half its step times the absmax.
+SMALLEST_HALF_STEP = {"signed": 2.0**-18, "unsigned": 2.0**-33, "linear": 1 / 254}
+RELATIVE = {"signed": 1 / 16, "unsigned": 1 / 16, "linear": 0.0}
+KINDS = st.sampled_from(sorted(TABLES))
 
 finite = st.floats(width=32, allow_nan=False, allow_infinity=False, allow_subnormal=True)
 magnitudes = st.sampled_from([0.0, 1.4e-45, 1e-40, 1e-30, 1e-8, 1e-3, 1.0, 1e3, 1e20, 3.4e38])
@@ -24,7 +26,7 @@ def check_round_trip(x, kind):
     assert back.dtype == torch.float32 and back.shape == x.shape
     block_absmax = absmax.repeat_interleave(BLOCK)[:x.numel()].view(x.shape).double()
     x64, error = x.double(), (back.double() - x.double()).abs()
-    bound = torch.maximum(x64.abs() / 16, block_absmax * SMALLEST_HALF_STEP[kind]) + 1e-6 * x64.abs()
+    bound = torch.maximum(x64.abs() * RELATIVE[kind], block_absmax * SMALLEST_HALF_STEP[kind]) + 1e-6 * x64.abs()
     # blocks stored as zeros are those whose scale, top / absmax, overflows fp32
     flushed = (block_absmax == 0) & (x != 0)
     assert torch.isinf(TABLES[kind].top / x[flushed].abs()).all() and (back[flushed] == 0).all()
@@ -33,7 +35,7 @@ def check_round_trip(x, kind):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(values, min_size=1, max_size=3 * BLOCK + 7), st.sampled_from(["signed", "unsigned"]))
+@given(st.lists(values, min_size=1, max_size=3 * BLOCK + 7), KINDS)
 def test_round_trips_stay_within_the_documented_error(elements, kind):
     x = torch.tensor(elements, dtype=torch.float32)
     if kind == "unsigned":
@@ -45,13 +47,13 @@ def test_round_trips_stay_within_the_documented_error(elements, kind):
 @given(st.integers(1, 5000), st.floats(1e-12, 1e12), st.integers(0, 2**31))
 def test_gaussian_states_of_any_shape_round_trip_and_requantize_to_the_same_indices(numel, scale, seed):
     x = torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * scale
-    for kind, tensor in (("signed", x.view(1, -1)), ("unsigned", x.square().view(-1, 1))):
+    for kind, tensor in (("signed", x.view(1, -1)), ("unsigned", x.square().view(-1, 1)), ("linear", x.view(-1, 1))):
         indices, absmax, back = check_round_trip(tensor, kind)
         again, again_absmax = quantize(back, TABLES[kind])  # a state moved or resumed stays bit-exact
         assert torch.equal(again, indices) and torch.equal(again_absmax, absmax)
 
 
-@pytest.mark.parametrize("kind", ["signed", "unsigned"])
+@pytest.mark.parametrize("kind", sorted(TABLES))
 def test_each_blocks_largest_element_and_zeros_come_back_exact(kind):
     x = torch.randn(5 * BLOCK + 3, generator=torch.Generator().manual_seed(0)) * 10
     x = x.abs() if kind == "unsigned" else x
@@ -65,12 +67,13 @@ def test_each_blocks_largest_element_and_zeros_come_back_exact(kind):
 
 
 def test_the_code_tables():
-    for codes, size, low in ((SIGNED, 255, -1.0), (UNSIGNED, 248, 0.0)):
+    for codes, size, low in ((SIGNED, 255, -1.0), (UNSIGNED, 248, 0.0), (LINEAR, 255, -1.0)):
         table = codes.values
         assert table.dtype == torch.float32 and table.numel() == size
         assert (table[1:] > table[:-1]).all()
         assert table[0] == low and table[-1] == 1.0 and (table == 0).sum() == 1 and table[codes.zero] == 0
-    assert SIGNED.zero == 127 and torch.equal(SIGNED.values[:127], -SIGNED.values[128:].flip(0))  # symmetric
+    for codes in (SIGNED, LINEAR):  # symmetric
+        assert codes.zero == 127 and torch.equal(codes.values[:127], -codes.values[128:].flip(0))
     # fp16 numbers with 3 mantissa bits: index k is the fp16 number with bits k << 7
     for codes in (SIGNED, UNSIGNED):
         magnitudes = (codes.values[codes.zero:] * codes.top).half()  # within an fp32 rounding of fp16 numbers
@@ -79,10 +82,14 @@ def test_the_code_tables():
         # 1/8 between neighbours across fp16's normal range, so rounding errs by at most 1/16
         normal = magnitudes[magnitudes >= 2.0**-14]
         assert ((normal[1:] - normal[:-1]) / normal[:-1]).max() <= 1 / 8 + 1e-6
+    # linear: k / 127, each the fp32 product k · (1/127), as the kernels decode it
+    k = torch.arange(-127, 128, dtype=torch.float32)
+    assert LINEAR.top == 127 and torch.equal(LINEAR.values, k * (1 / torch.tensor(127.0)))
+    torch.testing.assert_close(LINEAR.values.double(), k.double() / 127, rtol=2**-24, atol=0)
 
 
 def test_a_tie_goes_to_the_larger_magnitude():
-    for codes in (SIGNED, UNSIGNED):
+    for codes in TABLES.values():
         for sign in (1, -1) if codes.signed else (1,):
             between = torch.arange(len(codes.midpoints))  # midpoint j lies between magnitudes j and j + 1
             near = codes.midpoints / codes.top
@@ -104,6 +111,22 @@ def portable(function):
     return call
 
 
+def c_quantize(values, codes):
+    """The C kernel's quantizer in ``codes``' table, by its number (``cpu_backend.quantize`` passes
+    ``int(codes.signed)``, which names the float-like tables only)."""
+    indices = torch.empty(values.shape, dtype=torch.uint8)
+    absmax = torch.empty(n_blocks(values.numel()))
+    torch.ops.fastoptim.quantize(values, codes.table, indices, absmax)
+    return indices, absmax
+
+
+def c_dequantize(indices, absmax, codes):
+    """The C kernel's dequantizer in ``codes``' table, by its number (see :func:`c_quantize`)."""
+    values = torch.empty(indices.shape)
+    torch.ops.fastoptim.dequantize(indices, absmax, codes.table, values)
+    return values
+
+
 def kernel_functions(kernel):
     """The (quantize, dequantize) of the C kernel (with F16C where the CPU has it, or portable) or
     the Triton kernels (in Triton's interpreter without a GPU)."""
@@ -111,16 +134,16 @@ def kernel_functions(kernel):
         if not cpu_backend.AVAILABLE:
             pytest.skip("the fused CPU kernel is not built")
         if kernel == "c-portable":
-            return portable(cpu_backend.quantize), portable(cpu_backend.dequantize)
-        return cpu_backend.quantize, cpu_backend.dequantize
+            return portable(c_quantize), portable(c_dequantize)
+        return c_quantize, c_dequantize
     fused_triton = pytest.importorskip("fastoptim.kernels.fused_triton")
-    return (lambda x, codes: fused_triton.quantize(x, codes.signed),
-            lambda indices, absmax, codes: fused_triton.dequantize(indices, absmax, codes.signed))
+    return (lambda x, codes: fused_triton.quantize(x, codes.table),
+            lambda indices, absmax, codes: fused_triton.dequantize(indices, absmax, codes.table))
 
 
 @pytest.mark.parametrize("kernel", ["c", "c-portable", "triton"])
 @settings(max_examples=100, deadline=None)
-@given(st.lists(values, min_size=1, max_size=3 * BLOCK + 7), st.sampled_from(["signed", "unsigned"]))
+@given(st.lists(values, min_size=1, max_size=3 * BLOCK + 7), KINDS)
 def test_the_kernels_quantizer_is_the_reference_bit_for_bit(kernel, elements, kind):
     kernel_quantize, kernel_dequantize = kernel_functions(kernel)
     codes = TABLES[kind]
@@ -138,7 +161,8 @@ def test_non_finite_elements_keep_codes_of_their_own_and_leave_their_blocks_fini
     state's ±inf to NaN: see fastoptim.states.blockwise8)."""
     x = torch.randn(3 * BLOCK + 5, generator=torch.Generator().manual_seed(1))
     bad = torch.tensor([3, BLOCK + 40, BLOCK + 41, 3 * BLOCK - 1, 3 * BLOCK + 2])
-    for kind, bad_values in (("signed", [float("nan"), float("inf"), -float("inf"), 1e30, -3.4e38]),
+    signed_values = [float("nan"), float("inf"), -float("inf"), 1e30, -3.4e38]
+    for kind, bad_values in (("signed", signed_values), ("linear", signed_values),
                              ("unsigned", [float("nan"), float("inf"), float("inf"), 1e30, float("nan")])):
         codes, y = TABLES[kind], x.abs() if kind == "unsigned" else x.clone()
         y[bad[:3]] = torch.tensor(bad_values[:3])  # three non-finite elements among finite ones
@@ -161,8 +185,7 @@ non_finite = st.sampled_from([float("nan"), float("inf"), -float("inf")])
 
 @pytest.mark.parametrize("kernel", ["c", "c-portable", "triton"])
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.one_of(values, non_finite), min_size=1, max_size=2 * BLOCK + 7),
-       st.sampled_from(["signed", "unsigned"]))
+@given(st.lists(st.one_of(values, non_finite), min_size=1, max_size=2 * BLOCK + 7), KINDS)
 def test_the_kernels_store_non_finite_elements_as_the_reference_does(kernel, elements, kind):
     kernel_quantize, kernel_dequantize = kernel_functions(kernel)
     codes = TABLES[kind]
@@ -181,7 +204,7 @@ def test_every_index_decodes_as_the_reference_decodes_it(kernel):
     _, kernel_dequantize = kernel_functions(kernel)
     every_index = torch.arange(256, dtype=torch.uint8).repeat(2)
     absmax = torch.tensor([0.0, 3.0])
-    for codes in (SIGNED, UNSIGNED):
+    for codes in TABLES.values():
         expected = dequantize(every_index, absmax, codes)
         torch.testing.assert_close(kernel_dequantize(every_index, absmax, codes), expected, rtol=0, atol=0,
                                    equal_nan=True)
@@ -191,7 +214,7 @@ def test_every_index_decodes_as_the_reference_decodes_it(kernel):
 @pytest.mark.parametrize("kernel", ["c", "c-portable", "triton"])
 def test_the_kernels_codes_and_ties_are_the_reference_s(kernel):
     kernel_quantize, kernel_dequantize = kernel_functions(kernel)
-    for codes in (SIGNED, UNSIGNED):
+    for codes in TABLES.values():
         every_code = torch.arange(len(codes.values), dtype=torch.uint8)
         assert torch.equal(kernel_dequantize(every_code, torch.ones(1), codes), codes.values)
         near = codes.midpoints / codes.top  # ties, and their neighbours, in blocks of absmax 1

@@ -609,7 +609,7 @@ def test_low_bit_momenta_stay_close_to_fp32_ones_at_their_bytes(state_bits):
         if state_bits == 8:
             assert state["momentum_buffer"].dtype == torch.uint8
             momentum = blockwise8.dequantize(state["momentum_buffer"], state["momentum_buffer_absmax"],
-                                             blockwise8.SIGNED)
+                                             blockwise8.LINEAR)
             size = state["momentum_buffer"].nbytes + state["momentum_buffer_absmax"].nbytes
             assert size <= 0.26 * reference.nbytes
         else:
@@ -619,6 +619,41 @@ def test_low_bit_momenta_stay_close_to_fp32_ones_at_their_bytes(state_bits):
         assert 0 < (momentum - reference).norm() <= relative * reference.norm()
         # the bf16 iterations may round a slightly different U otherwise, and amplify it a little
         assert 0 < (b - a).norm() <= 4 * relative * (a - start).norm()
+
+
+@pytest.mark.parametrize("bad", [float("inf"), -float("inf"), float("nan")])
+def test_a_non_finite_gradient_element_stays_in_its_8_bit_momentum_element_on_every_engine(bad, monkeypatch):
+    """As in an fp32 momentum: that element turns NaN (linear codes keep ±inf as NaN), and its block's
+    255 other elements, and every other, are what the loop engine stores, on every engine and the
+    Triton kernel (interpreted). The step turns the whole matrix NaN, as the fp32 step does: its
+    Newton–Schulz input is not finite."""
+    params = make_params([(64, 128)])
+    grads = grads_of(params, steps=2)
+    grads[1][0][5, 7] = bad
+    momenta = {}
+    for name in [*ENGINES, "triton", "fp32"]:
+        if name == "triton":
+            pytest.importorskip("triton", reason="Triton is an optional extra: pip install fastoptim[triton]")
+            monkeypatch.setenv("FASTOPTIM_FUSED_BACKEND", "triton")
+        if name in FUSED or name == "triton":  # the kernel, and nothing else, computes the momentum
+            monkeypatch.setattr(muon, "muon_momentum", lambda ops, **kwargs: pytest.fail("muon_momentum ran on ops"))
+        ours = clone(params)
+        optimizer = fastoptim.Muon(ours, lr=0.02, state_bits=32 if name == "fp32" else 8,
+                                   **ENGINES.get(name, ENGINES["fused-multi"]))
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            run(optimizer, ours, grads)
+        assert not [w for w in record if "fused=True" in str(w.message)], name  # in the kernel: no fallback
+        assert ours[0].isnan().all(), name
+        state = optimizer.state[ours[0]]
+        if name != "fp32":
+            momenta[name] = blockwise8.dequantize(state["momentum_buffer"], state["momentum_buffer_absmax"],
+                                                  blockwise8.LINEAR)
+    loop = momenta["loop"]
+    assert loop[5, 7].isnan() and loop.isnan().sum() == 1
+    for name, momentum in momenta.items():
+        exact = dict(rtol=1e-5, atol=1e-6) if name == "triton" else dict(rtol=0, atol=0)
+        torch.testing.assert_close(momentum, loop, equal_nan=True, **exact)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

@@ -1,6 +1,7 @@
 """``state_bits``: bf16 and 8-bit blockwise states on every engine, against the fp32 optimizer whose
 states are rounded the same way after each step; their bytes, state dicts and training parity."""
 import copy
+import io
 import warnings
 
 import pytest
@@ -197,6 +198,58 @@ def test_codes_without_their_block_maxima_are_refused_before_anything_changes():
     after = optimizer.state_dict()
     for key, value in before["state"][0].items():
         assert torch.equal(torch.as_tensor(value), torch.as_tensor(after["state"][0][key]))
+
+
+def muon(state_bits):
+    """One 8-bit-sized matrix and a fastoptim.Muon over it."""
+    params = [torch.nn.Parameter(torch.randn(96, 80, generator=torch.Generator().manual_seed(0)))]
+    return params, fastoptim.Muon(params, lr=0.02, state_bits=state_bits)
+
+
+def test_muon_state_dicts_name_their_linear_codes_and_old_float_like_ones_load_as_what_they_held():
+    """Muon's momentum took linear codes after its state dicts had been saved in the signed float-like
+    ones, which name no table: those load as the values they held, and the new ones name theirs."""
+    params, full = muon(32)
+    run(params, full, 2)
+    old = copy.deepcopy(full.state_dict())  # as fastoptim saved an 8-bit Muon before its linear codes
+    codes, absmax = blockwise8.quantize(full.state[params[0]]["momentum_buffer"], blockwise8.SIGNED)
+    old["state"][0] |= {"momentum_buffer": codes, "momentum_buffer_absmax": absmax}
+    held = blockwise8.dequantize(codes, absmax, blockwise8.SIGNED)
+    (wide_param,), wide = muon(32)
+    wide.load_state_dict(old)
+    assert torch.equal(wide.state[wide_param]["momentum_buffer"], held)
+    (param,), eight = muon(8)
+    eight.load_state_dict(old)
+    linear = blockwise8.quantize(held, blockwise8.LINEAR)
+    assert torch.equal(eight.state[param]["momentum_buffer"], linear[0])
+    assert torch.equal(eight.state[param]["momentum_buffer_absmax"], linear[1])
+    saved = io.BytesIO()
+    torch.save(eight.state_dict(), saved)
+    saved.seek(0)
+    saved = torch.load(saved, weights_only=True)
+    assert saved["state"][0]["momentum_buffer_codes"] == "linear"
+    (again_param,), again = muon(32)
+    again.load_state_dict(saved)
+    assert torch.equal(again.state[again_param]["momentum_buffer"], blockwise8.dequantize(*linear, blockwise8.LINEAR))
+    eight.load_state_dict(saved)  # 8 bits to 8 bits: the same codes
+    assert torch.equal(eight.state[param]["momentum_buffer"], linear[0])
+    assert "momentum_buffer_codes" not in eight.state[param]
+    # the float-like tables' states name none, as before
+    adamw_params, adamw = make(fastoptim.AdamW, 8)
+    run(adamw_params, adamw, 1)
+    assert not [key for state in adamw.state_dict()["state"].values() for key in state if key.endswith("_codes")]
+
+
+def test_a_saved_state_naming_an_unknown_code_table_is_refused_before_anything_changes():
+    (param,), optimizer = muon(8)
+    run([param], optimizer, 1)
+    before = copy.deepcopy(optimizer.state[param])
+    broken = copy.deepcopy(optimizer.state_dict())
+    broken["state"][0]["momentum_buffer_codes"] = "cubic"
+    with pytest.raises(ValueError, match="names 8-bit code table 'cubic'"):
+        optimizer.load_state_dict(broken)
+    for key, value in before.items():
+        assert torch.equal(torch.as_tensor(value), torch.as_tensor(optimizer.state[param][key]))
 
 
 def test_changing_state_bits_under_existing_states_is_a_clear_error():

@@ -17,6 +17,7 @@ import torch
 import fastoptim
 from fastoptim.bench.peers import timm_adan_class
 from fastoptim.multi_tensor import FlatStates
+from fastoptim.specs import CODE_TABLES, Role
 from fastoptim.states import formats, subset_norm
 
 from . import oracle, registry
@@ -381,12 +382,11 @@ def test_the_first_step_allocates_the_states_once(options):
 
 
 @pytest.mark.parametrize("state_format", [*formats.FORMATS.values(), formats.REDUCED, formats.REDUCED64], ids=repr)
-@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
-def test_a_formats_fill_is_what_its_zeros_hold(state_format, signed):
+@pytest.mark.parametrize("codes", CODE_TABLES)
+def test_a_formats_fill_is_what_its_zeros_hold(state_format, codes):
     """A new state in a flat buffer starts at its format's ``fill`` (its slot, zero, filled); one of
-    its own at ``zeros``: the two must agree, key by key."""
-    spec = fastoptim.Adan.algorithm.spec
-    role = next(role for role in map(spec.role, spec.states) if role.signed == signed)
+    its own at ``zeros``: the two must agree, key by key, in every 8-bit code table."""
+    role = Role("exp_avg", codes=codes)
     param = torch.zeros(300, 40, dtype=torch.complex64 if state_format.dtype.is_complex else torch.float32)
     partition = subset_norm.from_options(param.shape, None) if isinstance(state_format, formats.SubsetNorm) else None
     for key, tensor in state_format.zeros(param, role, partition).items():

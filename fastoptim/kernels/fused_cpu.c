@@ -131,33 +131,37 @@ INLINE float larger(float a, float b) { return a > b ? a : b; }
 /* --- States in fp32, bf16 or 8 bits ----------------------------------------------------------
 
    8-bit states follow fastoptim/states/blockwise8.py: blocks of BLOCK elements in row-major order,
-   one fp32 absmax each, and per element the index of a code: an fp16 number with 3 mantissa bits
-   (magnitude k has the fp16 bits k << 7; SIGNED: k up to 127 with a sign, zero at index 127;
-   UNSIGNED: k up to 247) divided by its table's largest, top. Every chunk starts on a block (the
-   chunk plan makes sure), so each thread owns its blocks. It dequantizes a block's states into
-   buffers on its stack, updates them there, and requantizes them: no dequantized copy of a state
-   exists beyond those buffers. Adan's bf16 g_prev is widened into a buffer too: the update loop
-   then reads and writes fp32 only, in 8 lanes, where bf16 made GCC spill (measured 4% faster).
+   one fp32 absmax each, and per element the index of a code of its role's table (fused_cpu_specs.h):
+   a magnitude k divided by its table's largest, top. The float-like tables' magnitudes are fp16
+   numbers with 3 mantissa bits (magnitude k has the fp16 bits k << 7; SIGNED: k up to 127 with a
+   sign, zero at index 127; UNSIGNED: k up to 247); LINEAR's are the whole numbers k up to 127, with
+   a sign, zero at index 127. Every chunk starts on a block (the chunk plan makes sure), so each
+   thread owns its blocks. It dequantizes a block's states into buffers on its stack, updates them
+   there, and requantizes them: no dequantized copy of a state exists beyond those buffers. Adan's
+   bf16 g_prev is widened into a buffer too: the update loop then reads and writes fp32 only, in 8
+   lanes, where bf16 made GCC spill (measured 4% faster).
    With fp32 or bf16 states, a whole run is one block and the states are updated where they are.
 
    Converting is most of an 8-bit step's work, and GCC does not vectorise fp16 conversions, so the
    block functions come twice: with AVX2 and F16C's conversions, 8 elements an instruction, where
-   the CPU has them, and portable C that finds the same codes from fp32 bits.
+   the CPU has them, and portable C that finds the same codes from fp32 bits. LINEAR's come twice
+   too, their AVX2 path taken with the float-like tables' (use_f16c).
 
    A non-finite element keeps an index of its own that decodes to itself (UNSIGNED: +inf at 248,
-   NaN at 255; SIGNED: NaN at 255, for ±inf too), and the block's absmax is its finite elements'.
-   Such blocks are rare: the vectorised quantizer leaves them to the portable one. */
+   NaN at 255; SIGNED and LINEAR: NaN at 255, for ±inf too), and the block's absmax is its finite
+   elements'. Such blocks are rare: the vectorised quantizer leaves them to the portable one. */
 #define BLOCK 256
-enum { UNSIGNED, SIGNED, BF16_VALUES };  /* the code tables; or no table: Adan's g_prev, bf16 */
+enum { BF16_VALUES = CODE_TABLES };  /* no code table: Adan's g_prev, bf16 */
 
-INLINE float table_top(int table) { return table == SIGNED ? 1.875f : 61440.f; }
-INLINE int32_t last(int table) { return table == SIGNED ? 127 : 247; }
+INLINE float table_top(int table) { return table == SIGNED ? 1.875f : table == LINEAR ? 127.f : 61440.f; }
+INLINE int32_t last(int table) { return table == UNSIGNED ? 247 : 127; }
 enum { UNSIGNED_INF_INDEX = 248, NAN_INDEX = 255 };
 #define INF_BITS 0x7f800000  /* +inf's bits: |x|'s bits are at least these where x is not finite */
 
-/* Magnitude k as fp32 (exact): fp16's bits moved into fp32's, its exponent rebased from fp16's
-   bias (15) to fp32's (127); below 8, an fp16 subnormal, k·2^-17. */
-INLINE float magnitude(int32_t k) {
+/* Magnitude k as fp32 (exact): LINEAR's is k; a float-like one is fp16's bits moved into fp32's,
+   its exponent rebased from fp16's bias (15) to fp32's (127), and below 8 an fp16 subnormal, k·2^-17. */
+INLINE float magnitude(int32_t k, int table) {
+    if (table == LINEAR) return (float)k;
     const int32_t bits = (k << 20) + ((127 - 15) << 23);
     float normal;
     memcpy(&normal, &bits, sizeof normal);
@@ -165,26 +169,32 @@ INLINE float magnitude(int32_t k) {
 }
 
 INLINE float dequantize(uint8_t index, float absmax, int table) {
-    if (index > (table == SIGNED ? 127 + last(table) : last(table)))  /* not a code: a non-finite value */
+    if (index > (table == UNSIGNED ? last(table) : 127 + last(table)))  /* not a code: a non-finite value */
         return table == UNSIGNED && index == UNSIGNED_INF_INDEX ? INFINITY : NAN;
-    const int32_t k = table == SIGNED ? index - 127 : index;
-    const float code = magnitude(k < 0 ? -k : k) * (1 / table_top(table));  /* a product: no division */
+    const int32_t k = table == UNSIGNED ? index : index - 127;
+    const float code = magnitude(k < 0 ? -k : k, table) * (1 / table_top(table));  /* a product: no division */
     return (k < 0 ? -code : code) * absmax;
 }
 
-/* The index of the magnitude nearest to t = |x|·scale, a tie going up: from t's fp32 bits, rounding
-   away the 20 bits below fp16's 3 and rebasing the exponent; below fp16's normal range (2^-14), by
-   rounding t·2^17 to a whole number. */
+/* t rounded to a whole number, a tie going up (t + 0.5 would round some t below a tie up first). */
+INLINE int32_t round_half_up(float t) {
+    const float whole = floorf(t);
+    return (int32_t)whole + (t - whole >= 0.5f);
+}
+
+/* The index of the magnitude nearest to t = |x|·scale, a tie going up. LINEAR: t rounded whole.
+   Float-like: from t's fp32 bits, rounding away the 20 bits below fp16's 3 and rebasing the
+   exponent; below fp16's normal range (2^-14), by rounding t·2^17 whole. */
 INLINE uint8_t quantize(float x, float scale, int table) {
     if (!isfinite(x)) return table == UNSIGNED && x > 0 ? UNSIGNED_INF_INDEX : NAN_INDEX;
-    const float t = fabsf(x) * scale, steps = (t < 0x1p-14f ? t : 0x1p-14f) * 0x1p17f, whole = floorf(steps);
+    const float t = fabsf(x) * scale;
     int32_t bits;
     memcpy(&bits, &t, sizeof bits);
     const int32_t normal = ((bits + (1 << 19)) >> 20) - ((127 - 15) << 3);
-    const int32_t subnormal = (int32_t)whole + (steps - whole >= 0.5f);
-    int32_t k = t < 0x1p-14f ? subnormal : normal;
+    const int32_t subnormal = round_half_up((t < 0x1p-14f ? t : 0x1p-14f) * 0x1p17f);  /* clamped: no overflow */
+    int32_t k = table == LINEAR ? round_half_up(t) : t < 0x1p-14f ? subnormal : normal;
     k = k > last(table) ? last(table) : k;
-    return (uint8_t)(table == SIGNED ? (x < 0 ? 127 - k : 127 + k) : k);
+    return (uint8_t)(table == UNSIGNED ? k : x < 0 ? 127 - k : 127 + k);
 }
 
 /* A block's scale, top / absmax; where that is not finite, 0, and the block is stored as zeros. */
@@ -246,6 +256,46 @@ F16C static void dequantize_block_f16c(const uint8_t *restrict codes, float absm
         _mm256_storeu_ps(values + k, value);
     }
     for (; k < n; k++) values[k] = dequantize(codes[k], absmax, table);
+}
+
+/* quantize() of LINEAR on 32 elements at a time: t = |x|·scale rounded whole, a tie going up, as
+   the floor plus whether t's fraction is at least 1/2 (exact); the sign from x's sign bit. */
+F16C static void quantize_linear_avx2(const float *restrict values, int64_t n, uint8_t *restrict codes, float scale) {
+    const __m256 scale8 = _mm256_set1_ps(scale), half = _mm256_set1_ps(0.5f);
+    const __m256 no_sign = _mm256_castsi256_ps(_mm256_set1_epi32(INT32_MAX));
+    const __m256i largest = _mm256_set1_epi32(last(LINEAR)), zero = _mm256_set1_epi32(127);
+    const __m256i in_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    int64_t k = 0;
+    for (; k + 32 <= n; k += 32) {
+        __m256i index[4];
+        for (int j = 0; j < 4; j++) {
+            const __m256 x = _mm256_loadu_ps(values + k + 8 * j), t = _mm256_mul_ps(_mm256_and_ps(x, no_sign), scale8);
+            const __m256 whole = _mm256_floor_ps(t);
+            const __m256i up = _mm256_castps_si256(_mm256_cmp_ps(_mm256_sub_ps(t, whole), half, _CMP_GE_OQ));
+            const __m256i m = _mm256_min_epi32(_mm256_sub_epi32(_mm256_cvttps_epi32(whole), up), largest);  /* up: -1 */
+            index[j] = _mm256_add_epi32(_mm256_sign_epi32(m, _mm256_castps_si256(x)), zero);
+        }
+        /* the packs interleave the four quarters' 128-bit lanes; the permute puts them back in order */
+        const __m256i bytes = _mm256_packus_epi16(_mm256_packs_epi32(index[0], index[1]),
+                                                  _mm256_packs_epi32(index[2], index[3]));
+        _mm256_storeu_si256((__m256i *)(codes + k), _mm256_permutevar8x32_epi32(bytes, in_order));
+    }
+    for (; k < n; k++) codes[k] = quantize(values[k], scale, LINEAR);
+}
+
+F16C static void dequantize_linear_avx2(const uint8_t *restrict codes, float absmax, int64_t n,
+                                       float *restrict values) {
+    const __m256 absmax8 = _mm256_set1_ps(absmax), inverse_top = _mm256_set1_ps(1 / table_top(LINEAR));
+    const __m256 nan = _mm256_set1_ps(NAN);
+    const __m256i zero = _mm256_set1_epi32(127), nan_index = _mm256_set1_epi32(NAN_INDEX);
+    int64_t k = 0;
+    for (; k + 8 <= n; k += 8) {
+        const __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(codes + k)));
+        const __m256 code = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(index, zero)), inverse_top);
+        const __m256 not_code = _mm256_castsi256_ps(_mm256_cmpeq_epi32(index, nan_index));
+        _mm256_storeu_ps(values + k, _mm256_blendv_ps(_mm256_mul_ps(code, absmax8), nan, not_code));
+    }
+    for (; k < n; k++) values[k] = dequantize(codes[k], absmax, LINEAR);
 }
 
 /* |x|'s bits. As integers they order magnitudes as floats do, with NaN above infinity: their
@@ -313,13 +363,15 @@ INLINE void quantize_block(const float *restrict values, int64_t n, uint8_t *res
     if (!finite) top_bits = absmax_bits(values, n, 1);
     float top = from_bits(top_bits);
     const float scale = block_scale(&top, table);
-    if (use_f16c && finite) quantize_block_f16c(values, n, codes, scale, table);
+    if (use_f16c && finite && table == LINEAR) quantize_linear_avx2(values, n, codes, scale);
+    else if (use_f16c && finite) quantize_block_f16c(values, n, codes, scale, table);
     else IVDEP for (int64_t k = 0; k < n; k++) codes[k] = quantize(values[k], scale, table);
     *absmax = top;
 }
 
 INLINE void dequantize_block(const uint8_t *restrict codes, float absmax, int64_t n, float *restrict values, int table) {
-    if (use_f16c) dequantize_block_f16c(codes, absmax, n, values, table);
+    if (use_f16c && table == LINEAR) dequantize_linear_avx2(codes, absmax, n, values);
+    else if (use_f16c) dequantize_block_f16c(codes, absmax, n, values, table);
     else IVDEP for (int64_t k = 0; k < n; k++) values[k] = dequantize(codes[k], absmax, table);
 }
 
@@ -342,7 +394,7 @@ VECTORISED int fastoptim_dequantize(const uint8_t *codes, const float *absmax, i
 typedef struct {
     void *data;
     float *absmax;        /* Q8: one per block; NULL for a state without codes (fp32 or bf16) */
-    int table;            /* Q8: SIGNED or UNSIGNED; BF16_VALUES for bf16 values, held in the block
+    int table;            /* Q8: its code table; BF16_VALUES for bf16 values, held in the block
                              too, so that the update loop reads and writes fp32 only */
     float *block;         /* Q8: the values of the block being updated */
     int64_t first;        /* Q8: that block's first element */

@@ -7,6 +7,8 @@ enum { FP32, BF16, FP16, Q8, BF16_R8, BF16_R16 };  /* the element formats of par
 
 enum { FOUND_INF, SEED, GRAD_SCALE, COMMON_SCALARS };  /* every kernel's first scalars */
 
+enum { UNSIGNED, SIGNED, LINEAR, CODE_TABLES };  /* the 8-bit code tables (fastoptim/states/blockwise8.py) */
+
 enum { STOCHASTIC_ROUNDING = 1 };  /* every kernel's first flag bit */
 
 enum { MAX_STATES = 4 };  /* the most states of any kernel */
@@ -45,7 +47,7 @@ enum { MUON_MOMENTUM_REMAINDER = 4 };
 enum { MUON_MOMENTUM_MOMENTUM = COMMON_SCALARS, MUON_MOMENTUM_ONE_MINUS_MOMENTUM };
 enum { MUON_MOMENTUM_NESTEROV = 2 };
 /* per state, in row order: its 8-bit code table, whether it is per subset under sn, the flag it needs */
-#define MUON_MOMENTUM_TABLES {SIGNED}
+#define MUON_MOMENTUM_TABLES {LINEAR}
 #define MUON_MOMENTUM_REDUCED {0}
 #define MUON_MOMENTUM_NEEDS {0}
 

@@ -45,8 +45,11 @@ BLOCK = tl.constexpr(1024)  # elements per tile of a dense chunk
 NUM_WARPS = 8  # 4 fp32 per thread and stream: one 128-bit access each (Adan: 99 registers on sm_90, 222 with 4 warps)
 SUBSET_TILE, MEMBER_TILE = tl.constexpr(16), tl.constexpr(32)  # subsets × members: 512 elements, 2 per thread
 BLOCK8 = tl.constexpr(blockwise8.BLOCK)
-# The largest magnitude of each code table (blockwise8.SIGNED.top, UNSIGNED.top): codes are magnitudes / top
-SIGNED_TOP, UNSIGNED_TOP = tl.constexpr(blockwise8.SIGNED.top), tl.constexpr(blockwise8.UNSIGNED.top)
+# The code tables' numbers (fastoptim.specs.CODE_TABLES), and the largest magnitude of each (blockwise8's
+# tables' top): codes are magnitudes / top
+UNSIGNED, SIGNED, LINEAR = (tl.constexpr(blockwise8.TABLES[name].table) for name in ("unsigned", "signed", "linear"))
+UNSIGNED_TOP, SIGNED_TOP, LINEAR_TOP = (tl.constexpr(blockwise8.TABLES[name].top)
+                                        for name in ("unsigned", "signed", "linear"))
 # The indices of non-finite values, which decode to themselves (see blockwise8's docstring)
 NAN_INDEX, UNSIGNED_INF_INDEX = tl.constexpr(blockwise8.NAN_INDEX), tl.constexpr(blockwise8.UNSIGNED.inf_index)
 INF_BITS = tl.constexpr(0x7F800000)  # +inf's bits: |x|'s bits are at least these where x is not finite
@@ -174,69 +177,85 @@ def _subset_of(index, b, c):
 
 # --- 8-bit blockwise states (fastoptim/states/blockwise8.py, as fused_cpu.c restates it) ----------
 # A block of BLOCK8 elements is one tile: its codes are dequantized, updated and requantized in
-# registers with its new absmax. Magnitude k of a code is the fp16 number with bits k << 7 (SIGNED:
-# up to 127, centred on index 127; UNSIGNED: up to 247), and quantizing finds the magnitude nearest
-# to t = |x|·top/absmax, a tie going up, as the C kernel's portable path does. (Triton's interpreter
-# converts fp32 below fp16's range to fp16 wrongly, so the rounding is done on fp32 bits.) Non-finite
-# values keep indices of their own, which decode to themselves: UNSIGNED's past its codes are fp16's
-# +inf and NaNs already.
+# registers with its new absmax. TABLE is a state's code table (its number). Magnitude k of a
+# float-like code is the fp16 number with bits k << 7 (SIGNED: up to 127, centred on index 127;
+# UNSIGNED: up to 247); of a LINEAR one, k itself (up to 127, centred on index 127). Quantizing finds
+# the magnitude nearest to t = |x|·top/absmax, a tie going up, as the C kernel's portable path does.
+# (Triton's interpreter converts fp32 below fp16's range to fp16 wrongly, so the rounding is done on
+# fp32 bits.) Non-finite values keep indices of their own, which decode to themselves: UNSIGNED's
+# past its codes are fp16's +inf and NaNs already; the signed tables' NaN index is NaN.
 
 @triton.jit
-def _dequantize(codes, absmax, SIGNED: tl.constexpr):
-    k = codes.to(tl.int32) - 127 if SIGNED else codes.to(tl.int32)
-    magnitude = (tl.abs(k) * 128).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-    if SIGNED:
+def _dequantize(codes, absmax, TABLE: tl.constexpr):
+    k = codes.to(tl.int32) if TABLE == UNSIGNED else codes.to(tl.int32) - 127
+    if TABLE == LINEAR:
+        magnitude = tl.abs(k).to(tl.float32)
+    else:
+        magnitude = (tl.abs(k) * 128).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    if TABLE != UNSIGNED:
         magnitude = tl.where(codes == NAN_INDEX, INF_BITS + 1, magnitude.to(tl.int32, bitcast=True)).to(
             tl.float32, bitcast=True)
-    code = magnitude * (1 / SIGNED_TOP if SIGNED else 1 / UNSIGNED_TOP)
+    code = magnitude * (1 / LINEAR_TOP if TABLE == LINEAR else 1 / SIGNED_TOP if TABLE == SIGNED else 1 / UNSIGNED_TOP)
     value = tl.where(k < 0, -code, code) * absmax
     return tl.where(tl.abs(magnitude) < float("inf"), value, magnitude)
 
 
 @triton.jit
-def _quantize(t, SIGNED: tl.constexpr):
-    """The codes of t = x·top/absmax, from |t|'s fp32 bits: rounding away the 20 bits below fp16's 3
-    mantissa bits and rebasing the exponent; below fp16's normal range, rounding |t|·2^17 whole."""
+def _round_half_up(t):
+    """t (>= 0) rounded whole, a tie going up: the floor plus whether the fraction is at least 1/2
+    (exact; t + 0.5 would round some t below a tie up first)."""
+    whole = tl.floor(t)
+    return whole.to(tl.int32) + (t - whole >= 0.5).to(tl.int32)
+
+
+@triton.jit
+def _quantize(t, TABLE: tl.constexpr):
+    """The codes of t = x·top/absmax. LINEAR: |t| rounded whole. Float-like: from |t|'s fp32 bits,
+    rounding away the 20 bits below fp16's 3 mantissa bits and rebasing the exponent; below fp16's
+    normal range, rounding |t|·2^17 whole."""
     magnitude = tl.abs(t)
-    normal = ((magnitude.to(tl.int32, bitcast=True) + (1 << 19)) >> 20) - ((127 - 15) << 3)
-    steps = tl.minimum(magnitude, 2.0**-14) * 2.0**17
-    whole = tl.floor(steps)
-    subnormal = whole.to(tl.int32) + (steps - whole >= 0.5).to(tl.int32)
-    k = tl.minimum(tl.where(magnitude < 2.0**-14, subnormal, normal), 127 if SIGNED else 247)
-    return (tl.where(t < 0, 127 - k, 127 + k) if SIGNED else k).to(tl.uint8)
+    if TABLE == LINEAR:
+        k = _round_half_up(magnitude)
+    else:
+        normal = ((magnitude.to(tl.int32, bitcast=True) + (1 << 19)) >> 20) - ((127 - 15) << 3)
+        subnormal = _round_half_up(tl.minimum(magnitude, 2.0**-14) * 2.0**17)
+        k = tl.where(magnitude < 2.0**-14, subnormal, normal)
+    k = tl.minimum(k, 247 if TABLE == UNSIGNED else 127)
+    return (k if TABLE == UNSIGNED else tl.where(t < 0, 127 - k, 127 + k)).to(tl.uint8)
 
 
 @triton.jit
-def _load_q8(codes, absmax, block, index, mask, SIGNED: tl.constexpr):
-    return _dequantize(tl.load(codes + index, mask=mask), tl.load(absmax + block), SIGNED)
+def _load_q8(codes, absmax, block, index, mask, TABLE: tl.constexpr):
+    return _dequantize(tl.load(codes + index, mask=mask), tl.load(absmax + block), TABLE)
 
 
 @triton.jit
-def _store_q8(codes, absmax, block, index, mask, values, SIGNED: tl.constexpr):
+def _store_q8(codes, absmax, block, index, mask, values, TABLE: tl.constexpr):
     # the largest |x| of the finite elements, from their bits as integers
     magnitude_bits = values.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     finite = magnitude_bits < INF_BITS
     top = tl.max(tl.where(mask & finite, magnitude_bits, 0), axis=0).to(tl.float32, bitcast=True)
-    scale = tl.div_rn(SIGNED_TOP if SIGNED else UNSIGNED_TOP, tl.where(top > 0, top, 1.0))
+    scale = tl.div_rn(LINEAR_TOP if TABLE == LINEAR else SIGNED_TOP if TABLE == SIGNED else UNSIGNED_TOP,
+                      tl.where(top > 0, top, 1.0))
     stored = (top > 0) & (scale <= FLOAT32_MAX)  # else the block is stored as zeros
-    indices = _quantize(tl.where(finite, values, 0.0) * tl.where(stored, scale, 0.0), SIGNED)
-    if SIGNED:
-        indices = tl.where(finite, indices, NAN_INDEX)
-    else:
+    indices = _quantize(tl.where(finite, values, 0.0) * tl.where(stored, scale, 0.0), TABLE)
+    if TABLE == UNSIGNED:
         indices = tl.where(finite, indices, tl.where(values == float("inf"), UNSIGNED_INF_INDEX, NAN_INDEX))
+    else:
+        indices = tl.where(finite, indices, NAN_INDEX)
     tl.store(codes + index, indices, mask=mask)
     tl.store(absmax + block, tl.where(stored, top, 0.0))
 
 
 @triton.jit
-def _blocks_kernel(values, codes, absmax, n, SIGNED: tl.constexpr, QUANTIZE: tl.constexpr):
+def _blocks_kernel(values, codes, absmax, n, TABLE: tl.constexpr, QUANTIZE: tl.constexpr):
     """The quantizer (QUANTIZE) or the dequantizer alone, one block per program, for the tests."""
     block = tl.program_id(0)
     index = block * BLOCK8 + tl.arange(0, BLOCK8)
     if QUANTIZE:
-        _store_q8(codes, absmax, block, index, index < n, tl.load(values + index, mask=index < n), SIGNED)
+        _store_q8(codes, absmax, block, index, index < n, tl.load(values + index, mask=index < n), TABLE)
     else:
-        tl.store(values + index, _load_q8(codes, absmax, block, index, index < n, SIGNED), mask=index < n)
+        tl.store(values + index, _load_q8(codes, absmax, block, index, index < n, TABLE), mask=index < n)
 
 
 # --- a tuple of states: their pointers, loads and stores ------------------------------------------
@@ -286,9 +305,9 @@ def _load_states(pointers, absmax, ROLES: tl.constexpr, index, mask, block):
         elif pointers[i].dtype.element_ty == tl.uint8:
             if block is None:
                 values = values + (_dequantize(tl.load(pointers[i] + index, mask=mask),
-                                               tl.load(absmax[i] + index // BLOCK8, mask=mask), ROLES.signed[i]),)
+                                               tl.load(absmax[i] + index // BLOCK8, mask=mask), ROLES.table[i]),)
             else:
-                values = values + (_load_q8(pointers[i], absmax[i], block, index, mask, ROLES.signed[i]),)
+                values = values + (_load_q8(pointers[i], absmax[i], block, index, mask, ROLES.table[i]),)
         else:
             values = values + (_load(pointers[i], index, mask),)
     return values
@@ -312,7 +331,7 @@ def _store_states(pointers, absmax, ROLES: tl.constexpr, index, mask, block, val
     for i in tl.static_range(len(ROLES.row)):
         if ROLES.row[i] is not None:
             if pointers[i].dtype.element_ty == tl.uint8:
-                _store_q8(pointers[i], absmax[i], block, index, mask, values[i], ROLES.signed[i])
+                _store_q8(pointers[i], absmax[i], block, index, mask, values[i], ROLES.table[i])
             else:
                 _store(pointers[i], index, values[i], mask)
 
@@ -639,9 +658,9 @@ PARAM_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.flo
 TYPES = PARAM_TYPES | {torch.uint8: tl.uint8}  # and 8-bit states' codes
 # State roles as the walks see them, a tuple per field with an entry per role: each kept role's row in
 # the pointer table and its block maxima's row (KernelSpec.rows; None where not kept), its 8-bit code
-# table (signed) and whether it stays bf16 beside 8-bit codes (half). A tuple per field, not a tuple
+# table's number (table) and whether it stays bf16 beside 8-bit codes (half). A tuple per field, not a tuple
 # of records: Triton before 3.9 loses the field names of a record taken from a constexpr tuple.
-Slots = namedtuple("Slots", "row absmax signed half")
+Slots = namedtuple("Slots", "row absmax table half")
 
 
 @functools.lru_cache(maxsize=None)
@@ -663,7 +682,7 @@ def _variant(spec, flags):
         def field(value):
             return tuple(None if role is None else value(role) for role in roles)
         return Slots(field(lambda role: rows.index(role.name)), field(lambda role: rows.index(role.name + ABSMAX)),
-                     field(lambda role: role.signed), field(lambda role: role.half))
+                     field(lambda role: blockwise8.TABLES[role.codes].table), field(lambda role: role.half))
 
     scalars = namedtuple(f"{spec.name}_scalars", spec.all_scalars)
     feature_flags = namedtuple(f"{spec.name}_flags", spec.flags)
@@ -713,17 +732,17 @@ def compile_for(capability, spec, param_dtype, state_dtype, *, stochastic=False,
     return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=NUM_WARPS))
 
 
-def quantize(values, signed):
-    """The kernels' quantizer on a contiguous fp32 tensor: (uint8 codes, absmax), as
-    ``blockwise8.quantize`` computes them."""
+def quantize(values: torch.Tensor, table: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' quantizer on a contiguous fp32 tensor, in code table number ``table``
+    (``blockwise8.Codes.table``): (uint8 codes, absmax), as ``blockwise8.quantize`` computes them."""
     codes = torch.empty(values.shape, dtype=torch.uint8, device=values.device)
     absmax = torch.empty(blockwise8.n_blocks(values.numel()), device=values.device)
-    _blocks_kernel[(len(absmax),)](values, codes, absmax, values.numel(), SIGNED=signed, QUANTIZE=True)
+    _blocks_kernel[(len(absmax),)](values, codes, absmax, values.numel(), TABLE=table, QUANTIZE=True)
     return codes, absmax
 
 
-def dequantize(codes, absmax, signed):
-    """The kernels' dequantizer, as ``blockwise8.dequantize`` computes it."""
+def dequantize(codes: torch.Tensor, absmax: torch.Tensor, table: int) -> torch.Tensor:
+    """The kernels' dequantizer of code table number ``table``, as ``blockwise8.dequantize`` computes it."""
     values = torch.empty(codes.shape, device=codes.device)
-    _blocks_kernel[(len(absmax),)](values, codes, absmax, codes.numel(), SIGNED=signed, QUANTIZE=False)
+    _blocks_kernel[(len(absmax),)](values, codes, absmax, codes.numel(), TABLE=table, QUANTIZE=False)
     return values

@@ -4,7 +4,7 @@ and macros named after it. ``python -m fastoptim.kernels.header`` rewrites the h
 when the committed one differs, so a reordered spec cannot compile silently into the old layout."""
 from pathlib import Path
 
-from ..specs import COMMON_SCALARS, ELEMENT_FORMATS, STOCHASTIC_ROUNDING, declared_specs
+from ..specs import CODE_TABLES, COMMON_SCALARS, ELEMENT_FORMATS, STOCHASTIC_ROUNDING, declared_specs
 
 PATH = Path(__file__).with_name("fused_cpu_specs.h")
 
@@ -19,7 +19,7 @@ def _enum(names, first=None):
 def _spec(spec):
     prefix = spec.name.upper() + "_"
     states = [prefix + name for name in spec.states]
-    tables = ["BF16_VALUES" if role.half else "SIGNED" if role.signed else "UNSIGNED" for role in spec.roles]
+    tables = ["BF16_VALUES" if role.half else role.codes.upper() for role in spec.roles]
     needs = [f"{prefix}{role.when.upper()}" if role.when else "0" for role in spec.roles]
     lines = [
         f"/* {spec.name}: rows param, grad, {', '.join(spec.states)}, each state's block maxima, the remainders */",
@@ -47,6 +47,7 @@ def c_header(specs):
         "enum { PARAM, GRAD, FIRST_STATE };  /* the first rows of every pointer table */",
         _enum(ELEMENT_FORMATS) + "  /* the element formats of params and states */",
         _enum(COMMON_SCALARS + ("common_scalars",)) + "  /* every kernel's first scalars */",
+        _enum(CODE_TABLES + ("code_tables",)) + "  /* the 8-bit code tables (fastoptim/states/blockwise8.py) */",
         f"enum {{ STOCHASTIC_ROUNDING = {STOCHASTIC_ROUNDING} }};  /* every kernel's first flag bit */",
         f"enum {{ MAX_STATES = {max(len(spec.states) for spec in specs)} }};  /* the most states of any kernel */",
         *map(_spec, specs),

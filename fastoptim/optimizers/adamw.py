@@ -16,8 +16,8 @@ if TYPE_CHECKING:
 
 SPEC = KernelSpec(  # AdamW's family: AdamWSN and RMSPropSN take it too
     "adamw",
-    roles=(Role("exp_avg", when="first_moment"), Role("exp_avg_sq", signed=False, reduced=True),
-           Role("max_exp_avg_sq", signed=False, reduced=True, when="amsgrad")),
+    roles=(Role("exp_avg", when="first_moment"), Role("exp_avg_sq", codes="unsigned", reduced=True),
+           Role("max_exp_avg_sq", codes="unsigned", reduced=True, when="amsgrad")),
     scalars=("one_minus_beta1", "beta2", "one_minus_beta2", "eps", "decay_mul", "decay_after", "step_size",
              "bias_correction2_sqrt"),
     flags=("amsgrad", "first_moment"))

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 SPEC = KernelSpec(
     "adan",
-    roles=(Role("exp_avg"), Role("exp_avg_sq", signed=False, reduced=True), Role("exp_avg_diff"),
+    roles=(Role("exp_avg"), Role("exp_avg_sq", codes="unsigned", reduced=True), Role("exp_avg_diff"),
            # g_prev is subtracted from g: 8-bit codes would put their 1/16 error into every difference;
            # step 1 does not read it
            Role("neg_pre_grad", half=True, optional=True)),

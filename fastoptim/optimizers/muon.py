@@ -27,10 +27,13 @@ from .checks import check_number
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-SPEC = KernelSpec("muon", roles=(Role("momentum_buffer"),), scalars=(), elementwise=False)
+# Linear 8-bit codes: Newton–Schulz sees the momentum's largest entries most, which they keep to 1/254 of
+# their block's absmax (docs/results/muon-8bit-linear-2026-11-28.md)
+MOMENTUM = Role("momentum_buffer", codes="linear")
+SPEC = KernelSpec("muon", roles=(MOMENTUM,), scalars=(), elementwise=False)
 # Its elementwise first half (muon_momentum), which the fused kernels restate: the param row holds the
 # direction it writes, in the param's dtype.
-MOMENTUM_SPEC = KernelSpec("muon_momentum", roles=(Role("momentum_buffer"),),
+MOMENTUM_SPEC = KernelSpec("muon_momentum", roles=(MOMENTUM,),
                            scalars=("momentum", "one_minus_momentum"), flags=("nesterov",))
 DEFAULT_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic, as torch.optim.Muon's
 # adjust_lr_fn: the factor of lr for a matrix of rows × cols, as torch.optim.Muon's (an empty one: no update)

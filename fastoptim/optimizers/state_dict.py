@@ -29,7 +29,9 @@ class StateDicts:
     def state_dict(self):
         """torch's, except that the 8-bit states of DTensor params come dequantized, as fp32 DTensors:
         their blocks are per local shard, so only their values can be resharded. Loading quantizes
-        them again, into the very codes and block maxima on the same shards. Each param's state is a
+        them again, into the very codes and block maxima on the same shards. Other 8-bit states name
+        their code table where a state naming none would be read in another (Muon's momentum:
+        fastoptim.states.formats.named_codes). Each param's state is a
         plain dict (``torch.load(weights_only=True)`` knows no other kind); other entries of
         ``state`` (a hook's) are saved as they are, as torch saves them. The master remainder of a
         param written since the last step is saved as zeros, which its written value goes with."""
@@ -37,15 +39,15 @@ class StateDicts:
         state_dict = super().state_dict()
         state_dict["state"] = {key: dict(state) if isinstance(state, dict) else state
                                for key, state in state_dict["state"].items()}
-        if self._sharded:
-            specs = {key: self._algorithm(group).spec for group in state_dict["param_groups"]
-                     for key in group["params"]}
-            for key, state in state_dict["state"].items():
-                if key not in specs:
-                    continue
-                for role in [role for role in state if role + ABSMAX in state]:
-                    state = formats.convert(state, specs[key].role(role), formats.FP32)
-                state_dict["state"][key] = state
+        specs = {key: self._algorithm(group).spec for group in state_dict["param_groups"] for key in group["params"]}
+        for key, state in state_dict["state"].items():
+            if key not in specs:
+                continue
+            for role in [specs[key].role(role) for role in state if role + ABSMAX in state]:  # 8-bit codes
+                state = state | formats.named_codes(role)
+                if self._sharded:
+                    state = formats.convert(state, role, formats.FP32)
+            state_dict["state"][key] = state
         return state_dict
 
     def load_state_dict(self, state_dict):

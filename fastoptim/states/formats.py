@@ -9,15 +9,23 @@ saved state into it (``encode``, from any format's ``decode``), its code for the
 non-finite values is each format's own: fp32, bf16 and float64 hold them as they are, and 8-bit
 blocks contain them (see fastoptim.states.blockwise8).
 
-Roles are :class:`fastoptim.specs.Role`: a role's ``signed`` picks its 8-bit code table, ``half``
+Roles are :class:`fastoptim.specs.Role`: a role's ``codes`` picks its 8-bit code table, ``half``
 keeps it in bf16 under 8-bit states, and ``reduced`` keeps it per subset under ``sn``, in the
 :class:`SubsetNorm` format (fp32, or float64 for a float64 param).
+
+A saved 8-bit state names its code table under ``{role}_codes`` (:func:`named_codes`) where a state
+that names none would be read in another table: state dicts from before the linear table name none,
+and their codes are the float-like table of the role's sign (``UNNAMED``).
 """
 import torch
 
 from .. import distributed
-from ..specs import ABSMAX, ELEMENT_FORMATS
+from ..specs import ABSMAX, CODES, ELEMENT_FORMATS
 from . import blockwise8
+
+# The code table of a saved 8-bit state that names none, by its role's table: Muon's momentum was
+# saved in the signed float-like codes before it took linear ones.
+UNNAMED = {"signed": "signed", "unsigned": "unsigned", "linear": "signed"}
 
 
 class Dense:
@@ -87,8 +95,8 @@ class Blockwise8(Dense):
 
     @staticmethod
     def codes(role):
-        """The code table of a role: unsigned for second moments, signed for the rest."""
-        return blockwise8.SIGNED if role.signed else blockwise8.UNSIGNED
+        """The code table of a role (``role.codes``)."""
+        return blockwise8.TABLES[role.codes]
 
     def expected(self, param, role, partition):  # its blocks are the local shard's
         blocks = torch.Size([blockwise8.n_blocks(distributed.local(param).numel())])
@@ -114,8 +122,12 @@ class Blockwise8(Dense):
         absmax = saved.get(role.name + ABSMAX)
         if absmax is None:
             raise ValueError(f"state '{role.name}' holds 8-bit codes without its '{role.name}{ABSMAX}'")
+        name = saved.get(role.name + CODES, UNNAMED[role.codes])  # the table they were written in
+        if not isinstance(name, str) or name not in blockwise8.TABLES:
+            raise ValueError(f"state '{role.name}' names 8-bit code table {name!r}; there are "
+                             f"{sorted(blockwise8.TABLES)}")
         return blockwise8.dequantize(torch.as_tensor(saved[role.name]), torch.as_tensor(absmax).float(),
-                                     self.codes(role))
+                                     blockwise8.TABLES[name])
 
     def encode(self, role, value):
         codes, absmax = blockwise8.quantize(value.float(), self.codes(role))
@@ -161,15 +173,21 @@ def for_state(param, role, state_bits, partition):
     return Q8
 
 
+def named_codes(role):
+    """The entries that name ``role``'s code table in a saved state of its 8-bit codes: none where
+    a state naming none is read in that table (``UNNAMED``), so that those state dicts are as before."""
+    return {} if UNNAMED[role.codes] == role.codes else {role.name + CODES: role.codes}
+
+
 def convert(saved, role, target):
     """``saved`` (a state dict of one param) with ``role`` converted into format ``target``, from
-    whatever format it was saved in; a DTensor's local shard is converted (8-bit blocks are the
-    shard's)."""
+    whatever format it was saved in (8-bit codes in the table it names); a DTensor's local shard is
+    converted (8-bit blocks are the shard's)."""
     value = torch.as_tensor(saved[role.name])
     if distributed.is_dtensor(value):
         local = saved | {role.name: value.to_local()}
         converted = convert(local, role, target)
         return converted | {role.name: distributed.like(converted[role.name], value)}
     source = of(value) or FP32
-    rest = {key: v for key, v in saved.items() if key not in {role.name + c for c in source.companions}}
+    rest = {key: v for key, v in saved.items() if key not in {role.name + c for c in (*source.companions, CODES)}}
     return rest | target.encode(role, source.decode(role, saved))
