@@ -309,3 +309,225 @@ def test_fused_muon_steps_clipped_float64_params_as_foreach():
     got = _muon_run(FUSED, [(6, 4), (4, 6)], lambda s, b: None, [torch.float64] * 2, steps=2, max_grad_norm=0.5)
     for param, want in zip(got, expected):
         assert torch.equal(param, want)
+
+
+# --- review of 835b524: fused Muon in the bound step (muon.BoundMomentum) -----------------------------
+# A fused Muon bound (its momentum tables in the step's one native call, then BoundMomentum.finish)
+# against a twin whose every step is checked, under what users change between steps.
+
+BOUND_SHAPES = [(8, 4), (4, 8), (16,)]  # two Muon matrices (one slice), an AdamW companion vector
+
+
+def _muon_groups(params, **options):
+    return fastoptim.Muon([{"params": params[:2]}, {"params": params[2:], "use_muon": False}], lr=0.02, **options)
+
+
+def _bound_muon_run(factory, change, checked, shapes, dtype, steps):
+    params = make(shapes, [dtype] * len(shapes))
+    box = {"opt": factory(params), "params": params}
+    for step in range(steps):
+        for param in box["params"]:
+            param.grad = grad_for(param, step)
+        with torch.no_grad():
+            change(step, box)
+        if checked:
+            box["opt"].__dict__.get("_engine_caches", {}).pop("bound", None)
+        torch.manual_seed(step)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            box["opt"].step()
+    return box
+
+
+def _muon_bound_and_checked(monkeypatch, change, factory=_muon_groups, shapes=BOUND_SHAPES, dtype=torch.float32,
+                            steps=4):
+    """The bound path's results (True/False per bound attempt) of ``factory`` stepped with ``change``
+    before each step, its params and momentum buffers bit for bit a checked twin's."""
+    calls, real = [], BoundStep.step
+    monkeypatch.setattr(BoundStep, "step", lambda self, *args: calls.append(real(self, *args)) or calls[-1])
+    bound = _bound_muon_run(factory, change, False, shapes, dtype, steps)
+    ran = list(calls)
+    checked = _bound_muon_run(factory, change, True, shapes, dtype, steps)
+    for ours, theirs in zip(bound["params"], checked["params"]):
+        assert torch.equal(ours, theirs)
+        for key, value in bound["opt"].state[ours].items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, checked["opt"].state[theirs][key]), key
+    return ran
+
+
+def _set(step, **options):
+    return lambda now, box: box["opt"].param_groups[0].update(options) if now == step else None
+
+
+def _write(step, write):
+    return lambda now, box: write(box["opt"], box["params"]) if now == step else None
+
+
+def _momentum(opt, params):
+    return opt.state[params[0]]["momentum_buffer"]
+
+
+def _scaler_attributes_on_then_off(step, box):
+    if step == 2:
+        box["opt"].grad_scale, box["opt"].found_inf = torch.tensor(4.0), torch.tensor(0.0)
+    if step == 3:
+        del box["opt"].grad_scale, box["opt"].found_inf
+
+
+def _a_grad_gone_for_a_step(step, box):
+    if step == 2:
+        box["params"][0].grad = None
+
+
+def _saved_then_loaded(step, box):
+    if step == 1:
+        box["saved"] = copy.deepcopy(box["opt"].state_dict())
+    if step == 2:
+        box["opt"].load_state_dict(box["saved"])
+
+
+def _a_matrix_appended(step, box):
+    if step == 2:
+        box["params"].insert(2, torch.nn.Parameter(torch.randn(6, 4, generator=torch.Generator().manual_seed(7))))
+        box["params"][2].grad = grad_for(box["params"][2], step)
+        box["opt"].param_groups[0]["params"].append(box["params"][2])
+
+
+# change -> the bound attempts of steps 1..3: True ran bound, False refused (then checked)
+BOUND_MUON_CHANGES = {
+    "param mul_": (_write(2, lambda opt, params: params[0].mul_(0.5)), [True] * 3),
+    "param set_": (_write(2, lambda opt, params: params[0].set_(params[0].clone() * 0.5)), [True] * 3),
+    "momentum mul_": (_write(2, lambda opt, params: _momentum(opt, params).mul_(2)), [True] * 3),
+    "momentum assigned": (_write(2, lambda opt, params: opt.state[params[0]].__setitem__(
+        "momentum_buffer", _momentum(opt, params) * 2)), [True, False, True]),
+    "lr schedule": (lambda step, box: [group.__setitem__("lr", 0.02 / (step + 1)) for group in box["opt"].param_groups],
+                    [True] * 3),
+    "tensor lr in the Muon group": (_set(2, lr=torch.tensor(0.01)), [True] * 3),
+    "momentum": (_set(2, momentum=0.5), [True] * 3),
+    "nesterov off": (_set(2, nesterov=False), [True] * 3),
+    "ns_steps": (_set(2, ns_steps=2), [True] * 3),
+    "ns_coefficients": (_set(2, ns_coefficients=(2.0, -1.5, 0.5)), [True] * 3),
+    "maximize": (_set(2, maximize=True), [True] * 3),
+    "adjust_lr_fn": (_set(2, adjust_lr_fn="match_rms_adamw"), [True, False, True]),
+    "num_heads": (_set(2, num_heads=2), [True, False, True]),
+    "use_muon off": (_set(2, use_muon=False, eps=1e-8, adamw_eps=1e-8), [True, False, True]),
+    "GradScaler on then off": (_scaler_attributes_on_then_off, [True, False, True]),
+    "a grad None for a step": (_a_grad_gone_for_a_step, [True, False, False]),
+    "params reordered": (lambda step, box: box["opt"].param_groups[0]["params"].reverse() if step == 2 else None,
+                         [True, False, True]),
+    "a matrix appended": (_a_matrix_appended, [True, False, True]),
+    "state dict loaded": (_saved_then_loaded, [True, True]),
+}
+
+
+@native
+@pytest.mark.parametrize("change", BOUND_MUON_CHANGES)
+def test_a_bound_fused_muon_follows_what_the_user_changes_between_steps(change, monkeypatch):
+    """Each write between steps reaches BoundMomentum's next step (its group's options are read at each
+    launch and finish) or makes a new plan, bit for bit a checked twin, params and momentum buffers."""
+    write, expected = BOUND_MUON_CHANGES[change]
+    assert _muon_bound_and_checked(monkeypatch, write) == expected
+
+
+BOUND_MUON_SETUPS = {
+    "split_sizes set": (lambda p: _muon_groups(p, foreach=True, fused=True),
+                        _set(2, split_sizes=(4, 4)), [(8, 4), (8, 4), (16,)], torch.float32, [True, False, True]),
+    "stochastic rounding on and off": (lambda p: _muon_groups(p, foreach=True, fused=True),
+                                       lambda step, box: box["opt"].param_groups[0].__setitem__(
+                                           "stochastic_rounding", step % 2 == 1),
+                                       BOUND_SHAPES, torch.bfloat16, [False, True, False]),
+    "single, bf16, master_bits=32, param mul_": (lambda p: _muon_groups(p, foreach=False, fused=True, master_bits=32),
+                                                 _write(2, lambda opt, params: params[0].mul_(0.5)), BOUND_SHAPES,
+                                                 torch.bfloat16, [True] * 3),
+    "8-bit momentum written in place": (
+        lambda p: _muon_groups(p, foreach=True, fused=True, state_bits=8),
+        _write(2, lambda opt, params: [t.mul_(0.5) for t in opt.state[params[0]].values()
+                                       if isinstance(t, torch.Tensor) and t.is_floating_point()]),
+        [(64, 80), (32, 128), (4096,)], torch.float32, [True] * 3),
+    "Muon groups alone": (lambda p: fastoptim.Muon([{"params": p[:2]}, {"params": p[2:], "nesterov": False}],
+                                                   lr=0.02, foreach=True, fused=True),
+                          lambda step, box: None, [(8, 4), (4, 8), (6, 6)], torch.float32, [True] * 3),
+    "companions first and last": (lambda p: fastoptim.Muon(
+        [{"params": p[:1], "use_muon": False}, {"params": p[1:3]}, {"params": p[3:], "use_muon": False}], lr=0.02,
+        foreach=True, fused=True), _write(2, lambda opt, params: params[1].mul_(0.5)),
+        [(16,), (8, 4), (4, 8), (5,)], torch.float32, [True] * 3),
+    "float64 (no fused kernel: never bound)": (lambda p: _muon_groups(p, foreach=True, fused=True),
+                                              lambda step, box: None, BOUND_SHAPES, torch.float64, []),
+}
+
+
+@native
+@pytest.mark.parametrize("setup", BOUND_MUON_SETUPS)
+def test_a_bound_fused_muon_under_other_options_follows_the_checked_twin(setup, monkeypatch):
+    factory, change, shapes, dtype, expected = BOUND_MUON_SETUPS[setup]
+    assert _muon_bound_and_checked(monkeypatch, change, factory, shapes, dtype) == expected
+
+
+def _snapshot(opt, params):
+    return ([p.detach().clone() for p in params],
+            [{k: v.clone() for k, v in opt.state[p].items() if isinstance(v, torch.Tensor)} for p in params])
+
+
+def _bad_ns_coefficients(opt, params):
+    opt.param_groups[0]["ns_coefficients"] = (1.0, float("nan"), 0.0)
+
+
+def _param_resized_grad_stale(opt, params):
+    params[0].data = torch.randn(6, 4)  # its grad, left from before, is (8, 4)
+
+
+@native
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "835b524: a bound fused Muon step that raises in BoundMomentum.finish changes what it ran first. The "
+    "native call has already run the Muon group's momentum kernel (momentum buffers lerped) and every "
+    "AdamW companion group's step (params, exp_avg, exp_avg_sq, counts) when finish raises: "
+    "muon_arguments' coefficients(group) on ns_coefficients made invalid between steps (never checked by "
+    "_check_between_steps), or apply_update's foreach on a param given another shape by .data = while "
+    "its grad still has the old one (the native checks see only directions, grads and momentum buffers, "
+    "which still agree). The checked step raises the same error before anything runs "
+    "(muon_arguments before the group's run; _check_grads)."))
+@pytest.mark.parametrize("write", [_bad_ns_coefficients, _param_resized_grad_stale],
+                         ids=lambda write: write.__name__)
+def test_a_bound_fused_muon_step_that_raises_changes_nothing(write, monkeypatch):
+    calls, real = [], BoundStep.step
+    monkeypatch.setattr(BoundStep, "step", lambda self, *args: calls.append(real(self, *args)) or calls[-1])
+    params = make(BOUND_SHAPES)
+    opt = _muon_groups(params, foreach=True, fused=True)
+    for step in range(2):
+        for param in params:
+            param.grad = grad_for(param, step)
+        opt.step()
+    assert calls == [True]
+    for param in params:
+        param.grad = grad_for(param, 2)
+    with torch.no_grad():
+        write(opt, params)
+    before = _snapshot(opt, params)
+    with pytest.raises((ValueError, RuntimeError)):
+        opt.step()
+    after = _snapshot(opt, params)
+    for ours, theirs in zip(after[0], before[0]):
+        assert torch.equal(ours, theirs)
+    for ours, theirs in zip(after[1], before[1]):
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def _grad_scale_alone_at_step_2(step, box):
+    if step == 2:
+        box["opt"].grad_scale = torch.tensor(4.0)
+
+
+@native
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "835b524: BoundStep.step refuses a Muon bound part under a tensor grad scale (isinstance(scale, Tensor): "
+    "the optimizer's grad_scale attribute set without found_inf) only inside its launch loop, after the "
+    "groups before it have drawn their stochastic-rounding seeds (engines.fused.common_scalars), against "
+    "its own comment ('every group's, before any seed is drawn'): the checked step it falls back to then "
+    "draws from a torch RNG already advanced, and a use_muon=False group with stochastic_rounding placed "
+    "before the Muon group rounds its bf16 params otherwise than the checked twin."))
+def test_a_bound_muon_step_refused_for_a_grad_scale_draws_no_seed_first(monkeypatch):
+    factory = lambda p: fastoptim.Muon([{"params": p[2:], "use_muon": False, "stochastic_rounding": True},  # noqa: E731
+                                        {"params": p[:2]}], lr=0.02, foreach=True, fused=True)
+    assert _muon_bound_and_checked(monkeypatch, _grad_scale_alone_at_step_2, factory, dtype=torch.bfloat16,
+                                   steps=3) == [True, False]
