@@ -179,13 +179,19 @@ class BoundStep:
                 return False
             options.append(list(map(float, numbers)))
         increment, scales, clip = optimizer._grad_scales(work, found_inf, eager=True, clip_in_step=True)
+        finishing = []  # (its parts, its arguments) of each group whose parts finish after the native call
+        for algorithm, (group, entry, _), scale, parts in zip(self.algorithms, work, scales, self.parts):
+            if parts:
+                if isinstance(scale, Tensor):  # GradScaler's: the reference scales the grads first (see muon)
+                    return False
+                # before anything runs: what raises here (an option made invalid) must change nothing
+                finishing.append((group, parts, *optimizer._arguments(algorithm, group, entry, scale, increment,
+                                                                      traced=False)))
         launches = []
         for (group, entry, grads), scale, algorithm, buckets, single, numbers, parts in zip(
                 work, scales, self.algorithms, self.tables, self.single, options, self.parts):
             stochastic, device = group["stochastic_rounding"], grads[0].device if grads else None
             if parts is not None:
-                if isinstance(scale, Tensor):  # GradScaler's: the reference scales the grads first (see muon)
-                    return False
                 for part, tables in zip(parts, buckets):
                     values, flags = part.launch_values(group, scale, found_inf, device)
                     launches += [self.backend.launch(part.spec, bound, [grads[i] for i in positions], single,
@@ -201,11 +207,9 @@ class BoundStep:
                              for bound, table_format, positions in tables]
         if launches and not self.backend.run_launches(launches, clip):
             return False
-        for algorithm, (group, entry, _), scale, parts in zip(self.algorithms, work, scales, self.parts):
-            if parts:  # the rest of the step of the groups whose kernels ran part of it
-                args, per_tensor = optimizer._arguments(algorithm, group, entry, scale, increment, traced=False)
-                for part in parts:
-                    part.finish(group, args, per_tensor)
+        for group, parts, args, per_tensor in finishing:  # the rest of the step of those whose kernels ran part
+            for part in parts:
+                part.finish(group, args, per_tensor)
         bump_versions(self.counts)  # advanced natively, as add_ would have: their version counters
         for group, entry, _ in work:
             if not entry.params:  # a group's count (official Adan's) advances whether or not it had grads

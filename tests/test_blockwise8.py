@@ -111,22 +111,6 @@ def portable(function):
     return call
 
 
-def c_quantize(values, codes):
-    """The C kernel's quantizer in ``codes``' table, by its number (``cpu_backend.quantize`` passes
-    ``int(codes.signed)``, which names the float-like tables only)."""
-    indices = torch.empty(values.shape, dtype=torch.uint8)
-    absmax = torch.empty(n_blocks(values.numel()))
-    torch.ops.fastoptim.quantize(values, codes.table, indices, absmax)
-    return indices, absmax
-
-
-def c_dequantize(indices, absmax, codes):
-    """The C kernel's dequantizer in ``codes``' table, by its number (see :func:`c_quantize`)."""
-    values = torch.empty(indices.shape)
-    torch.ops.fastoptim.dequantize(indices, absmax, codes.table, values)
-    return values
-
-
 def kernel_functions(kernel):
     """The (quantize, dequantize) of the C kernel (with F16C where the CPU has it, or portable) or
     the Triton kernels (in Triton's interpreter without a GPU)."""
@@ -134,8 +118,8 @@ def kernel_functions(kernel):
         if not cpu_backend.AVAILABLE:
             pytest.skip("the fused CPU kernel is not built")
         if kernel == "c-portable":
-            return portable(c_quantize), portable(c_dequantize)
-        return c_quantize, c_dequantize
+            return portable(cpu_backend.quantize), portable(cpu_backend.dequantize)
+        return cpu_backend.quantize, cpu_backend.dequantize
     fused_triton = pytest.importorskip("fastoptim.kernels.fused_triton")
     return (lambda x, codes: fused_triton.quantize(x, codes.table),
             lambda indices, absmax, codes: fused_triton.dequantize(indices, absmax, codes.table))

@@ -397,7 +397,8 @@ def _a_matrix_appended(step, box):
 # change -> the bound attempts of steps 1..3: True ran bound, False refused (then checked)
 BOUND_MUON_CHANGES = {
     "param mul_": (_write(2, lambda opt, params: params[0].mul_(0.5)), [True] * 3),
-    "param set_": (_write(2, lambda opt, params: params[0].set_(params[0].clone() * 0.5)), [True] * 3),
+    # native code watches the params: one given other storage refuses a step, then binds again
+    "param set_": (_write(2, lambda opt, params: params[0].set_(params[0].clone() * 0.5)), [True, False, True]),
     "momentum mul_": (_write(2, lambda opt, params: _momentum(opt, params).mul_(2)), [True] * 3),
     "momentum assigned": (_write(2, lambda opt, params: opt.state[params[0]].__setitem__(
         "momentum_buffer", _momentum(opt, params) * 2)), [True, False, True]),
@@ -478,18 +479,13 @@ def _param_resized_grad_stale(opt, params):
 
 
 @native
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "835b524: a bound fused Muon step that raises in BoundMomentum.finish changes what it ran first. The "
-    "native call has already run the Muon group's momentum kernel (momentum buffers lerped) and every "
-    "AdamW companion group's step (params, exp_avg, exp_avg_sq, counts) when finish raises: "
-    "muon_arguments' coefficients(group) on ns_coefficients made invalid between steps (never checked by "
-    "_check_between_steps), or apply_update's foreach on a param given another shape by .data = while "
-    "its grad still has the old one (the native checks see only directions, grads and momentum buffers, "
-    "which still agree). The checked step raises the same error before anything runs "
-    "(muon_arguments before the group's run; _check_grads)."))
 @pytest.mark.parametrize("write", [_bad_ns_coefficients, _param_resized_grad_stale],
                          ids=lambda write: write.__name__)
 def test_a_bound_fused_muon_step_that_raises_changes_nothing(write, monkeypatch):
+    """ns_coefficients made invalid between steps, or a param given another shape by .data = while its
+    grad keeps the old one: the bound step raises before its native call runs anything (the Muon
+    group's arguments are computed first; native code watches the params, which finish updates), as
+    the checked step does (found by the review of 835b524)."""
     calls, real = [], BoundStep.step
     monkeypatch.setattr(BoundStep, "step", lambda self, *args: calls.append(real(self, *args)) or calls[-1])
     params = make(BOUND_SHAPES)
@@ -519,14 +515,10 @@ def _grad_scale_alone_at_step_2(step, box):
 
 
 @native
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "835b524: BoundStep.step refuses a Muon bound part under a tensor grad scale (isinstance(scale, Tensor): "
-    "the optimizer's grad_scale attribute set without found_inf) only inside its launch loop, after the "
-    "groups before it have drawn their stochastic-rounding seeds (engines.fused.common_scalars), against "
-    "its own comment ('every group's, before any seed is drawn'): the checked step it falls back to then "
-    "draws from a torch RNG already advanced, and a use_muon=False group with stochastic_rounding placed "
-    "before the Muon group rounds its bf16 params otherwise than the checked twin."))
 def test_a_bound_muon_step_refused_for_a_grad_scale_draws_no_seed_first(monkeypatch):
+    """A Muon bound part refused under a tensor grad scale (``grad_scale`` set without found_inf) is
+    refused before any group draws a stochastic-rounding seed, so the checked step it falls back to
+    rounds as its twin's does (found by the review of 835b524)."""
     factory = lambda p: fastoptim.Muon([{"params": p[2:], "use_muon": False, "stochastic_rounding": True},  # noqa: E731
                                         {"params": p[:2]}], lr=0.02, foreach=True, fused=True)
     assert _muon_bound_and_checked(monkeypatch, _grad_scale_alone_at_step_2, factory, dtype=torch.bfloat16,

@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
-from itertools import groupby
+from itertools import groupby, repeat
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -326,8 +326,12 @@ def run_in_three_parts(momentum_engine: str, part: engines.Plan, reduce_group=No
         grads = torch._foreach_mul([grad.to(scaled_dtype(grad.dtype)) for grad in grads], grad_scale)  # the product
         grad_scale = None  # into the lerp; the reference rounds it first, in fp32 (float64 for float64 grads)
     directions = [torch.empty_like(grad) for grad in grads] if piece is None else piece.directions
+    # the params too are watched by native code, though the kernel does not walk them: a bound step updates
+    # them after its native call (see BoundMomentum), which must refuse a param given other storage
+    watched = [[param, *others] for param, others in zip(part.tensors["param"], part.watched or repeat(()))]
     engines.run(momentum_engine, replace(
         part, tensors={"param": directions, "grad": grads, "momentum_buffer": part.tensors["momentum_buffer"]},
+        watched=watched,
         update=muon_momentum, spec=MOMENTUM_SPEC, kernel_scalars=momentum_kernel_scalars,
         flags=dict(nesterov=args["nesterov"]), per_tensor=frozenset(), stochastic_rounding=False,
         args=dict(momentum=args["momentum"], nesterov=args["nesterov"], grad_scale=grad_scale),

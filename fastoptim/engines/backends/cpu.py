@@ -220,14 +220,14 @@ def quantize(values, codes):
     ``blockwise8.quantize(values, codes)`` computes them."""
     indices = torch.empty(values.shape, dtype=torch.uint8, device="cpu")
     absmax = torch.empty(blockwise8.n_blocks(values.numel()), device="cpu")
-    torch.ops.fastoptim.quantize(values, int(codes.signed), indices, absmax)
+    torch.ops.fastoptim.quantize(values, codes.table, indices, absmax)
     return indices, absmax
 
 
 def dequantize(indices, absmax, codes):
     """The kernels' dequantizer, as ``blockwise8.dequantize(indices, absmax, codes)`` computes it."""
     values = torch.empty(indices.shape, device="cpu")
-    torch.ops.fastoptim.dequantize(indices, absmax, int(codes.signed), values)
+    torch.ops.fastoptim.dequantize(indices, absmax, codes.table, values)
     return values
 
 
