@@ -13,7 +13,7 @@ from .registry import OPTIMIZERS
 
 def test_the_committed_c_header_is_what_the_specs_generate():
     assert header.PATH.read_text() == header.c_header(declared_specs()), (
-        "fastoptim/kernels/fused_cpu_specs.h is stale: run `python -m fastoptim.kernels.header` and rebuild")
+        "fastoptim/kernels/fused_cpu_specs.h is stale: run `python scripts/c_header.py` and rebuild")
 
 
 def test_the_header_gives_every_kernel_its_rows_scalars_and_flags_in_spec_order():

@@ -1,6 +1,6 @@
 """Generates ``fused_cpu_specs.h``, the C kernel's view of the kernel specs (fastoptim.specs): for
 each spec, its pointer-table rows, its scalars, its flag bits and its states' properties, as enums
-and macros named after it. ``python -m fastoptim.kernels.header`` rewrites the header; a test fails
+and macros named after it. ``scripts/c_header.py`` rewrites the header; a test fails
 when the committed one differs, so a reordered spec cannot compile silently into the old layout."""
 from pathlib import Path
 
@@ -54,6 +54,3 @@ def c_header(specs):
         f"/* X(name, NAME) for every kernel spec */\n#define FOR_EACH_KERNEL(X) {kernels}",
     ]) + "\n"
 
-
-if __name__ == "__main__":
-    PATH.write_text(c_header(declared_specs()))  # run as a module, it has imported fastoptim: every spec
