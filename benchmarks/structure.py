@@ -53,11 +53,11 @@ MAX_FILE_LINES = 450
 # The stores a step keeps, each found by a pattern over the package's source (bench/ and train/ aside):
 # (name, file or None for any, regex). The issue's target replaces them all by one plan store.
 STORES = (
-    ("optimizer._engine_caches (per optimizer, several key kinds)", "optimizers/base.py", r"\b_engine_caches\b"),
+    ("optimizer._engine_caches (per optimizer, several key kinds)", None, r"\b_engine_caches\b"),
     ("GroupWork.bucket_caches (per group entry, per bucket)", None, r"\bbucket_caches\s*="),
     ("BoundStep / Structure (the bound step's plan)", "bound_step.py", r"^class (BoundStep|Structure)\b"),
-    ("engines.fused._PREPARED (prepared op calls by layout id)", None, r"^_PREPARED\s*="),
-    ("engines.fused._OP_CACHE (traced op calls)", None, r"^_OP_CACHE\s*="),
+    ("engines.step_op._PREPARED (prepared op calls by layout id)", None, r"^_PREPARED\s*="),
+    ("engines.step_op._OP_CACHE (traced op calls)", None, r"^_OP_CACHE\s*="),
     ("clip: _engine_caches['clip'] GradTables (an optimizer's clip tables)", None,
      r"""caches\.setdefault\(["']clip["']"""),
     ("clip._OP_TABLES (clip_grad_norm_'s and the traced clip's tables)", "clip.py", r"^_OP_TABLES\s*="),
@@ -179,8 +179,10 @@ def stores():
 
 
 def engine_cache_keys():
-    """The kinds of key of ``_engine_caches``: its string keys in base.py, plus the group index entries."""
-    text = (PACKAGE / "optimizers/base.py").read_text()
+    """The kinds of key of ``_engine_caches``: its string keys in base.py and step_path.py (split from
+    it), plus the group index entries."""
+    text = "".join((PACKAGE / "optimizers" / name).read_text() for name in ("base.py", "step_path.py")
+                   if (PACKAGE / "optimizers" / name).exists())
     keys = sorted(set(ENGINE_CACHE_KEY.findall(text)))
     if re.search(r"caches\[index\]\s*=", text):
         keys.append("<group index>")

@@ -139,7 +139,7 @@ class GroupWork:
 
     def _watched(self):
         """Per param, what native code checks beside the tensors the engines take (see
-        ``fused.Tables``), so that a step that checks none in Python (``BoundStep``) still sees them
+        ``tables.Tables``), so that a step that checks none in Python (``BoundStep``) still sees them
         change: the param and states where the engines take their (a, b, c) views (subset norm), and
         the param's count with the one tensor it is a slot of (``context.counts``)."""
         counts = self.context.counts

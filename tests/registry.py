@@ -123,4 +123,4 @@ def step_op(cls, param, grad, states, absmax, scalars, flags, per_tensor_calls=F
     tensors = {"param": param} | {role: values for role, values in zip(spec.states, states) if values}
     maxima = {role: values for role, values in zip(spec.states, absmax) if values}
     op = getattr(torch.ops.fastoptim, f"{spec.name}_step")
-    op(param, grad, *fastoptim.engines.fused.op_states(tensors, maxima, spec), scalars, flags, per_tensor_calls)
+    op(param, grad, *fastoptim.engines.step_op.op_states(tensors, maxima, spec), scalars, flags, per_tensor_calls)

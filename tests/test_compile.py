@@ -560,7 +560,7 @@ def test_a_fallback_in_a_compiled_step_warns_once_at_tracing():
 
 def call_lion_op(params, grads, exp_avgs, layout=None):
     spec = fastoptim.Lion.algorithm.spec
-    holders, made = engines.fused.op_states({"param": params, "exp_avg": exp_avgs}, {}, spec)
+    holders, made = engines.step_op.op_states({"param": params, "exp_avg": exp_avgs}, {}, spec)
     scalars = [torch.tensor(0.0)] * len(spec.all_scalars)
     torch.ops.fastoptim.lion_step(params, grads, holders, made if layout is None else layout, scalars, 0, False)
 
@@ -583,7 +583,7 @@ def test_the_op_refuses_a_layout_it_did_not_make_and_changes_nothing(layout):
     """Records cut short, one too many, a holder that is not there, a view past its holder's end."""
     params, exp_avgs = [torch.zeros(4), torch.zeros(4)], [torch.zeros(4), torch.zeros(4)]
     layout = torch.tensor(layout + [-1, -1], dtype=torch.int64)  # and no block maxima
-    with pytest.raises(ValueError, match="states and layout must be what fastoptim.engines.fused.op_states makes"):
+    with pytest.raises(ValueError, match="states and layout must be what fastoptim.engines.step_op.op_states makes"):
         call_lion_op(params, [torch.ones(4)] * 2, exp_avgs, layout)
     assert not any(t.any() for t in params + exp_avgs)
 
@@ -613,7 +613,7 @@ def test_the_op_runs_on_states_in_one_buffer_as_on_separate_ones():
                   one_minus_beta2=0.01, lr=0.1, decay_mul=0.99)
     scalars = [torch.tensor(values[name]) for name in spec.all_scalars]
     for ps, states, holders_expected in ((params, views, [buffer]), (separate_params, separate_states, None)):
-        holders, layout = engines.fused.op_states({"param": ps, "exp_avg": states}, {}, spec)
+        holders, layout = engines.step_op.op_states({"param": ps, "exp_avg": states}, {}, spec)
         assert holders == holders_expected if holders_expected else len(holders) == 2
         torch.ops.fastoptim.lion_step(ps, grads, holders, layout, scalars, 0, False)
     assert all(map(torch.equal, params, separate_params)) and all(map(torch.equal, views, separate_states))

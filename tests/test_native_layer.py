@@ -340,7 +340,7 @@ def test_the_step_op_updates_the_states_it_is_given_not_those_of_the_last_call()
     assert len(scalars) == len(SPEC.all_scalars)
     first, second = [torch.zeros(8)], [torch.zeros(8)]
     for states in (first, second):
-        op(param, grad, *engines.fused.op_states({"param": param, "exp_avg": states}, {}, SPEC), scalars, 0, False)
+        op(param, grad, *engines.step_op.op_states({"param": param, "exp_avg": states}, {}, SPEC), scalars, 0, False)
     assert torch.equal(first[0], second[0]) and first[0].abs().sum() > 0
 
 

@@ -94,7 +94,7 @@ def test_the_step_op_checks_again_when_the_same_tensors_come_with_other_flags():
         p, g, m, v = torch.zeros(64), torch.ones(64), torch.zeros(64), torch.zeros(64)
         first_moment = 1 << (1 + spec.flags.index("first_moment"))
         amsgrad = 1 << (1 + spec.flags.index("amsgrad"))
-        states = fastoptim.engines.fused.op_states({"param": [p], "exp_avg": [m], "exp_avg_sq": [v]}, {}, spec)
+        states = fastoptim.engines.step_op.op_states({"param": [p], "exp_avg": [m], "exp_avg_sq": [v]}, {}, spec)
         adamw([p], [g], *states, scalars, first_moment, False)
         before = p.clone()
         try:

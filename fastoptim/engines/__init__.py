@@ -30,7 +30,7 @@ class Plan:
     ``watched`` and ``grads_like``: per tensor, what a backend that checks natively checks besides the
     tensors, and what else a grad may be laid out as; ``rule`` (the algorithm's) and ``counts`` (per
     tensor, the step count it reads): what a bound step's native call computes the kernel's scalars
-    from (see :class:`fused.Tables`); None or "": nothing.
+    from (see :class:`tables.Tables`); None or "": nothing.
     ``kernel_values``: the fused kernel's scalars by name, found_inf and seed included, where an op made
     them (a traced CPU step's, ``fastoptim::step_scalars``, for a plan the kernel takes whole, whose
     ``args`` are then empty); None: the fused engine makes them from ``args``.

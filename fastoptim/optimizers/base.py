@@ -84,7 +84,7 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
             cls.__doc__ = cls.__doc__.replace(COMMON_ARGS_LINE, COMMON_ARGS)
         spec = cls.__dict__["algorithm"].spec if "algorithm" in cls.__dict__ else None
         if spec is not None and spec.elementwise:  # its fused kernels' op, which torch.compile keeps
-            engines.fused.define_op(spec)
+            engines.step_op.define_op(spec)
 
     def __init__(self, params, defaults, shard_group):
         """``shard_group``: the process group whose ranks' params, together, are the model's, each

@@ -357,7 +357,7 @@ class BoundMomentum(NamedTuple):
     of its one slice: see :class:`Directions`), launched in the step's one native call, then its
     iterations and update (:meth:`finish`)."""
 
-    tables: engines.fused.Tables
+    tables: engines.tables.Tables
     positions: list[int]  # of the group's params, the slice's, in its order
     piece: DirectionSlice
     params: dict  # role to the slice's tensors that muon_apply updates: its params (and master remainders)

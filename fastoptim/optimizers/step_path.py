@@ -203,7 +203,7 @@ class StepPath:
                     absmax = pick(entry.absmax, bucket)
                     originals = [t for key, values in entry.kept.items() for i in bucket
                                  if isinstance(t := values[i], Tensor) and (key in part or key.endswith(ABSMAX))]
-                    cache["traced split"] = engines.fused.split(part, absmax, algorithm.spec, originals,
+                    cache["traced split"] = engines.step_op.split(part, absmax, algorithm.spec, originals,
                                                                 functools.partial(_remade, entry, bucket))
             # a CPU kernel that takes every tensor gets its scalars from an op (see scalars.py)
             whole = fused and algorithm.run is engines.run_bucket and all(

@@ -15,7 +15,7 @@ the grads and changed nothing), ``STEP_SCALARS`` (its bound step computes the st
 kernel's scalars from them and its counts, which it advances: see native.cpp's Rule),
 ``available()``, ``refusal(param)`` (why it cannot run a tensor at all, its device or dtype
 included, or None), ``bind(spec, tensors, table, watched, grads_like, rule, counts)`` (what its
-launches read of a cached pointer table and its tensors, by role; see ``fused.Tables``),
+launches read of a cached pointer table and its tensors, by role; see ``tables.Tables``),
 ``launch(spec, bound, grads, per_tensor, state_format, values, flags, stochastic, options)`` (one
 run of its kernel over what ``bind`` made, with the grads, the scalar
 ``values`` (in ``spec.all_scalars`` order: a number, a 0-d tensor or a 1-d tensor with one value per

@@ -121,7 +121,7 @@ class BoundTable:
     where a tensor has none in a role; ``table``: their :class:`~fastoptim.multi_tensor.PointerTable`,
     whose chunk plan and layouts it takes). Native code holds the params, states and block maxima
     until this object is collected; each :func:`step` passes the grads. ``watched``, ``grads_like``,
-    ``rule`` and ``counts``: see :class:`fastoptim.engines.fused.Tables`. With ``runs`` False the
+    ``rule`` and ``counts``: see :class:`fastoptim.engines.tables.Tables`. With ``runs`` False the
     table is bound to no kernel and may hold tensors of any device: a GPU kernel's, which
     :func:`check` checks before Python launches it."""
 
