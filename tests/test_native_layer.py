@@ -234,8 +234,9 @@ def test_a_bound_step_of_a_group_of_two_dtypes_is_the_checked_step(cls, engine, 
     """A group of fp32 and bf16 params (a bucket each) runs bound, each bucket's tables launched without
     a plan: bit for bit the steps of a twin that takes the checked way every step, with stochastic
     rounding (a seed per bucket, drawn in the same order) and, for AdamW, params at different counts
-    (scalars with one value per param, cut to each bucket)."""
-    shapes, dtypes = [(5, 7), (300,), (3,), (4, 4)], [torch.float32, torch.bfloat16] * 2
+    (scalars with one value per param, cut to each bucket; the bf16 bucket's last two at one count,
+    whose scalars the native rule computes once)."""
+    shapes, dtypes = [(5, 7), (300,), (3,), (4, 4), (6,), (2, 3)], [torch.float32, torch.bfloat16] * 3
     batches, real = [], BoundStep.step
     monkeypatch.setattr(BoundStep, "step", lambda self, *args: batches.append(
         (sum(map(len, self.tables[0])), real(self, *args))) or batches[-1][1])

@@ -735,8 +735,8 @@ int64_t bound_step(std::vector<int64_t> handles, const std::vector<AtenTensorHan
         Scalar *s = scalars.data() + first_scalars[k];
         const float increment = s[FOUND_INF].values[0] == 0 ? 1.0f : 0.0f;
         std::vector<double> reached;
-        for (const Tensor &count : table.counts) {
-            float *value = static_cast<float *>(count.data_ptr());
+        for (const Layout &count : table.counts_then) {  // where check found each count: no second read
+            float *value = static_cast<float *>(count.data);
             reached.push_back(static_cast<double>(*value) + 1);
             advanced.emplace_back(value, increment);
         }
@@ -746,7 +746,8 @@ int64_t bound_step(std::vector<int64_t> handles, const std::vector<AtenTensorHan
         std::vector<float> &computed = ruled_values[k];
         computed.assign(n_scalars * n, 0.0f);
         for (int64_t i = 0; i < n; i++) {
-            rule->scalars(table_options, reached.empty() ? 1.0 : reached[i], out.data());
+            if (i == 0 || reached[i] != reached[i - 1])  // a run of params at one count shares its scalars
+                rule->scalars(table_options, reached.empty() ? 1.0 : reached[i], out.data());
             for (int64_t j = COMMON_SCALARS; j < n_scalars; j++) computed[j * n + i] = static_cast<float>(out[j]);
         }
         for (int64_t j = COMMON_SCALARS; j < n_scalars; j++) s[j] = {&computed[j * n], shared ? 0 : 1};
@@ -794,7 +795,8 @@ int64_t bound_step(std::vector<int64_t> handles, const std::vector<AtenTensorHan
                             " with flags ", flags[k]);
         }
     }
-    std::sort(advanced.begin(), advanced.end());
+    if (!std::is_sorted(advanced.begin(), advanced.end()))  // counts in a flat buffer come in its order
+        std::sort(advanced.begin(), advanced.end());
     for (size_t i = 0; i < advanced.size(); i++)  // a group's count, which each of its tables holds, once
         if (i == 0 || advanced[i].first != advanced[i - 1].first)
             *advanced[i].first = *advanced[i].first + advanced[i].second;
