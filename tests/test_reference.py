@@ -1,4 +1,6 @@
 """The loop engine against float64 re-statements of the equations and against peers."""
+import functools
+
 import pytest
 import torch
 
@@ -115,10 +117,11 @@ def test_counts_on_the_host_are_python_floats_each_param_its_own_as_torch_reads_
     param, the count + 1 (a step GradScaler skips reads no scalars); each param at its own count gets
     its own arguments. Elsewhere (a tensor lr, another device) float64 tensors."""
     equal, unequal = torch.full((3,), 4.0), torch.tensor([4.0, 1.0, 4.0])
-    assert count_after(equal, 1, 0.1) == [5.0] * 3 and count_after(equal, torch.tensor(0.0), 0.1) == [5.0] * 3
-    assert count_after(torch.tensor(2.0), 1, 0.1) == [3.0] and count_after(unequal, 1, 0.1) == [5.0, 2.0, 5.0]
-    for count, lr in ((equal, torch.tensor(0.1)), (equal.to("meta"), 0.1)):
-        result = count_after(count, 1, lr)
+    eager = functools.partial(count_after, traced=False)
+    assert eager(equal, 1, 0.1) == [5.0] * 3 and eager(equal, torch.tensor(0.0), 0.1) == [5.0] * 3
+    assert eager(torch.tensor(2.0), 1, 0.1) == [3.0] and eager(unequal, 1, 0.1) == [5.0, 2.0, 5.0]
+    for count, lr, traced in ((equal, torch.tensor(0.1), False), (equal.to("meta"), 0.1, False), (equal, 0.1, True)):
+        result = count_after(count, 1, lr, traced)
         assert isinstance(result, torch.Tensor) and result.dtype == torch.float64 and result.shape == count.shape
     group = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     inputs = StepInputs(0.1, None, None, torch.float32, None, None)
