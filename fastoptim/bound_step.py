@@ -73,15 +73,15 @@ class BoundStep:
     takes derive from: the user's params and states where it takes views of them (subset norm), and
     the params' counts, slots of one tensor (``GroupWork.watched``)."""
 
-    def __init__(self, state, work, algorithms, counts, structures, runs, parts, forced):
+    def __init__(self, state, work, algorithms, counts, structures, runs, parts, backend, forced):
         self.state, self.structures, self.algorithms, self.forced = state, structures, algorithms, forced
         self.groups = [group for group, _, _ in work]
         self.entries = [entry for _, entry, _ in work]
         self.runs = runs  # per group, per bucket: (its tables.Tables, its params' indices or None for all, its cache)
         self.parts = parts  # per group, its buckets' bound parts (see Algorithm.bound_part), or None
-        self.backend = runs_backend(runs)  # the one backend whose native call runs every table
+        self.backend = backend  # the one backend whose native call runs every table
         # its backend computes the step's scalars (clip, the rules') and advances the counts natively
-        self.step_scalars = self.backend is not None and self.backend.STEP_SCALARS
+        self.step_scalars = backend.STEP_SCALARS
         # per group, per bucket, per table: (what its backend bound, its states' format, the positions of
         # the group's grads it takes: None for all)
         self.tables = [[[(bound, table_format, taken(bucket, indices, index is None))
@@ -104,11 +104,11 @@ class BoundStep:
         new, its tensors views, or the tables are of two backends."""
         runs, parts = [], []
         for algorithm, (group, entry, _) in zip(algorithms, work):
-            caches = [entry.bucket_caches.get(index, {}) for index in range(len(entry.buckets))]
             if not entry.params:
                 runs.append([])
                 parts.append(None)
                 continue
+            caches = [entry.bucket_caches.get(index, {}) for index in range(len(entry.buckets))]
             if (entry.states is None or entry.local_params is not entry.params or entry.viewed_states
                     or entry.context.first_reads is not None or any(reduce for _, reduce in entry.buckets)):
                 return None
@@ -131,7 +131,7 @@ class BoundStep:
             return None
         counts = [count for group, entry, _ in work if entry.params for count in counts_of(group, entry)]
         return cls(state, work, algorithms, counts, [Structure(structure, group) for group, _, _ in work], runs,
-                   parts, forced)
+                   parts, backend, forced)
 
     def work(self, state, groups, structure, check):
         """This step's (group, GroupWork, grads) per group, or None where the rule no longer holds;

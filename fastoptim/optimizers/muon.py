@@ -23,6 +23,7 @@ from .adamw import ADAMW
 from .algorithm import Algorithm, StepInputs
 from .base import FastOptimizer
 from .checks import check_number
+from .step_path import keeps_no_remainders
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -153,6 +154,13 @@ def muon_update(ops, *, param, grad, scratch, momentum_buffer, momentum, nestero
                                                 num_heads=num_heads)), direction, partial(matrix_shape, flatten=flatten))
     muon_apply(ops, param=param, grad=orthogonal, scratch=scratch, lr=lr, weight_decay=weight_decay,
                step_size=step_size)
+
+
+def momentum_inputs(options: dict, grad_scale: float | Tensor | None) -> tuple[dict, dict]:
+    """``muon_momentum``'s arguments and the momentum kernel's flags, from ``options`` (a group, or
+    ``muon_arguments``' arguments) and the grad's scale (None: 1)."""
+    return (dict(momentum=options["momentum"], nesterov=options["nesterov"], grad_scale=grad_scale),
+            dict(nesterov=options["nesterov"]))
 
 
 def momentum_kernel_scalars(args):
@@ -308,7 +316,7 @@ def run_muon_bucket(engine: str, part: engines.Plan, reduce_group=None) -> None:
         engines.run_bucket("foreach" if engine in engines.FUSED else engine, by_matrix_shape(part))
     else:
         for piece in directions_of(part).slices:
-            whole = len(piece.indices) == len(part) and piece.indices == list(range(len(part)))
+            whole = piece.indices == list(range(len(part)))
             run_in_three_parts(engine, part if whole else part.cut(piece.indices, owners_cache=piece.owners),
                                None, piece)
 
@@ -329,12 +337,11 @@ def run_in_three_parts(momentum_engine: str, part: engines.Plan, reduce_group=No
     # the params too are watched by native code, though the kernel does not walk them: a bound step updates
     # them after its native call (see BoundMomentum), which must refuse a param given other storage
     watched = [[param, *others] for param, others in zip(part.tensors["param"], part.watched or repeat(()))]
+    momentum_args, flags = momentum_inputs(args, grad_scale)
     engines.run(momentum_engine, replace(
         part, tensors={"param": directions, "grad": grads, "momentum_buffer": part.tensors["momentum_buffer"]},
-        watched=watched,
-        update=muon_momentum, spec=MOMENTUM_SPEC, kernel_scalars=momentum_kernel_scalars,
-        flags=dict(nesterov=args["nesterov"]), per_tensor=frozenset(), stochastic_rounding=False,
-        args=dict(momentum=args["momentum"], nesterov=args["nesterov"], grad_scale=grad_scale),
+        watched=watched, update=muon_momentum, spec=MOMENTUM_SPEC, kernel_scalars=momentum_kernel_scalars,
+        flags=flags, per_tensor=frozenset(), stochastic_rounding=False, args=momentum_args,
         cache={} if piece is None else piece.tables))
     if piece is None:
         orthogonal = orthogonalize_shards(iterations(args), directions, part.cache[SHARDED_PARAMS], args["flatten"],
@@ -366,9 +373,9 @@ class BoundMomentum(NamedTuple):
     def launch_values(self, group: dict, grad_scale: float | None, found_inf: Tensor | None,
                       device: torch.device) -> tuple[list, dict]:
         """The momentum kernel's scalars (in its spec's order) and flags for a step of ``group``."""
-        args = dict(momentum=group["momentum"], grad_scale=grad_scale)
-        return (engines.fused.ordered_scalars(MOMENTUM_SPEC, momentum_kernel_scalars, args, found_inf, False, device),
-                dict(nesterov=group["nesterov"]))
+        args, flags = momentum_inputs(group, grad_scale)
+        return engines.fused.ordered_scalars(MOMENTUM_SPEC, momentum_kernel_scalars, args, found_inf, False,
+                                             device), flags
 
     def finish(self, group: dict, args: dict, per_tensor: set[str]) -> None:
         """The iterations and update of a step whose ``args`` (``muon_arguments``'s, of the whole group)
@@ -392,7 +399,7 @@ def bound_momentum(tensors: dict, bucket: list[int], cache: dict) -> BoundMoment
         return None
     positions = [bucket[i] for i in piece.indices]
     params = {role: [tensors[role][i] for i in positions] for role in ("param", master.KEY) if role in tensors}
-    if master.KEY in params and params[master.KEY][0] is None:  # a bucket of one dtype: fp32 params keep none
+    if keeps_no_remainders(params):
         del params[master.KEY]
     return BoundMomentum(piece.tables["prepared"].tables, positions, piece, params)
 

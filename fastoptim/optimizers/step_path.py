@@ -38,7 +38,7 @@ def _remade(entry, bucket, taken):
     return pick(entry.tensors, indices, leave=(master.KEY,)), pick(entry.absmax, indices)
 
 
-def _keeps_no_remainders(tensors):
+def keeps_no_remainders(tensors):
     """Whether a bucket's ``tensors`` (role to one tensor per param) hold the remainders' role with
     none in it: a group with master_bits keeps them for its bf16 params, and a bucket has one dtype."""
     return master.KEY in tensors and tensors[master.KEY][0] is None
@@ -198,7 +198,7 @@ class StepPath:
                 cache = entry.bucket_caches.setdefault(bucket_index, {})  # made here, not by the traced step
                 if fused:
                     part = pick(tensors, bucket)
-                    if _keeps_no_remainders(part):
+                    if keeps_no_remainders(part):
                         del part[master.KEY]
                     absmax = pick(entry.absmax, bucket)
                     originals = [t for key, values in entry.kept.items() for i in bucket
@@ -308,7 +308,7 @@ class StepPath:
                 part.kernel_values = scalars.traced_kernel_scalars(
                     algorithm, prepared, group, counts, increment, inputs, found_inf, group["stochastic_rounding"],
                     entry.tensors["param"][0].device, len(entry.params), [] if whole else bucket)
-            if _keeps_no_remainders(part.tensors):
+            if keeps_no_remainders(part.tensors):
                 part = part.without(master.KEY)
             part.cache = entry.bucket_caches.setdefault(index, {})
             algorithm.run(entry.engine, part, reduce_group)
