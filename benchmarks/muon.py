@@ -13,7 +13,7 @@ import torch
 import fastoptim
 from fastoptim.bench.models import with_gradients
 from fastoptim.measure import cpu_features, machine
-from fastoptim.optimizers import muon
+from fastoptim.optimizers import muon, muon_parts
 from fastoptim.engines.ops import FOREACH_OPS, TENSOR_OPS
 
 
@@ -36,12 +36,12 @@ def main():
     params = [p for p, m in zip(params, matrices) if m]
     updates = [p.grad.clone() for p in params]
     coefficients = [muon.DEFAULT_COEFFICIENTS] * 5
-    shape = muon.matrix_shape
+    shape = muon_parts.matrix_shape
 
     def iterations(ops):
-        return lambda: ops.per_matrix(lambda x: muon.orthogonalize(x, coefficients, 1e-7), updates,
+        return lambda: ops.per_matrix(lambda x: muon_parts.orthogonalize(x, coefficients, 1e-7), updates,
                                       lambda s: shape(s, False)) if ops is FOREACH_OPS else [
-            TENSOR_OPS.per_matrix(lambda x: muon.orthogonalize(x, coefficients, 1e-7), u, lambda s: shape(s, False))
+            TENSOR_OPS.per_matrix(lambda x: muon_parts.orthogonalize(x, coefficients, 1e-7), u, lambda s: shape(s, False))
             for u in updates]
 
     steps = {"torch.optim.Muon": torch.optim.Muon(params, lr=1e-4).step,

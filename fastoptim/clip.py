@@ -108,18 +108,19 @@ torch.library.register_fake("fastoptim::grad_norm_total", lambda grads, inf: tor
 torch.library.register_fake("fastoptim::scale_grads", lambda grads, factor: None, lib=_LIBRARY)
 
 
-def grad_norm(grads, norm_type=2.0, group=None, kernel=None, wide=None):
+def grad_norm(grads, norm_type=2.0, group=None, kernel=None, wide=None, traced=False):
     """The ``norm_type``-norm (2 or inf) over every tensor in ``grads``, as a 0-d tensor on the first
     grad's device: float64 where a grad is float64 (as torch's), else fp32 (``wide``: that dtype,
     where the caller knows it: reading every grad's dtype costs 0.1 µs each), by the kernel where it
     takes the grads (``kernel``: the backend, ``clip_backend(grads)``; None: decided here) in
     fastoptim's one order of a norm's sum (see ``_total``). ``group``: a process group whose ranks hold the rest of
     the grads (each exactly once); the norm is then theirs all together, and every rank of it must
-    call this, with grads or none."""
+    call this, with grads or none. ``traced``: in a step that torch.compile traces, where the kernel's
+    sum is its op."""
     inf, wide = norm_type == math.inf, widest(grads) if wide is None else wide
     # not bool(grads): dynamo before torch 2.13 cannot trace bool() of a list
     kernel = (clip_backend(grads) if kernel is None else kernel) if len(grads) > 0 else None
-    if kernel and torch.compiler.is_compiling():
+    if kernel and traced:
         total = torch.ops.fastoptim.grad_norm_total(grads, inf)
     elif grads:
         total = _total(grads, inf, kernel)
@@ -143,11 +144,11 @@ def norm_of(total, inf, wide):
 CLIP_EPS = 1e-6  # torch's clip_grad_norm_ divides by norm + 1e-6
 
 
-def clip_coefficient(grads, max_norm, eps, inv_scale=None, group=None, wide=None):
+def clip_coefficient(grads, max_norm, eps, inv_scale=None, group=None, wide=None, traced=False):
     """``min(1, max_norm / (norm + eps))``, the factor official Adan scales every gradient by.
     ``inv_scale`` (GradScaler's 1/scale, a tensor) unscales the norm of still-scaled grads; ``group``
-    (see :func:`grad_norm`) makes the norm global; ``wide``: see :func:`grad_norm`."""
-    return coefficient_of(grad_norm(grads, group=group, wide=wide), max_norm, eps, inv_scale)
+    (see :func:`grad_norm`) makes the norm global; ``wide`` and ``traced``: see :func:`grad_norm`."""
+    return coefficient_of(grad_norm(grads, group=group, wide=wide, traced=traced), max_norm, eps, inv_scale)
 
 
 def coefficient_of(norm, max_norm, eps, inv_scale=None):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fastoptim
-from fastoptim import engines
+
 from fastoptim.bound_step import BoundStep
 from fastoptim.engines.backends import cpu as cpu_backend
 

@@ -139,14 +139,16 @@ GRAD_SCALER_ENGINES = {"fused": ({}, model_params),
                        "loop": (dict(foreach=False, fused=False), model_params)}
 
 
-@pytest.mark.parametrize("engine", GRAD_SCALER_ENGINES)
 @pytest.mark.parametrize("inf_step", [0, 2])
-@pytest.mark.parametrize("cls", [info.cls for info in OPTIMIZERS])
+@pytest.mark.parametrize("cls, engine", [(info.cls, engine) for info in OPTIMIZERS for engine in GRAD_SCALER_ENGINES
+                                         if engine.startswith("fused") or info is ADAN])
 def test_grad_scaler_steps_compile_and_a_skipped_step_leaves_no_trace(cls, inf_step, engine):
     """As GradScaler hands them to step(): the scale and found_inf, inf on one step. The compiled
     step skips it on the device, with no host read, so the graph holds, on every engine (the fused
     kernels in the kernel, the others and the kernels' fallback in the graph); a skipped first step
-    leaves zero states where eager leaves none, and the same trajectory."""
+    leaves zero states where eager leaves none, and the same trajectory. Every optimizer on the fused
+    engine and its fallback (foreach's traced skip, over each algorithm's math); the foreach and loop
+    engines, which skip alike for every algorithm, with Adan."""
     options, make_params = GRAD_SCALER_ENGINES[engine]
     def scaler(opt, step):
         opt.grad_scale = torch.tensor(256.0)
@@ -620,12 +622,23 @@ def test_the_op_runs_on_states_in_one_buffer_as_on_separate_ones():
     assert torch.equal(buffer[5:8], gap) and not torch.equal(params[0], original)  # only the views, and they moved
 
 
-def test_a_table_sent_to_a_gpu_from_a_traced_step_is_not_pinned():
+def test_a_table_sent_to_a_gpu_from_a_traced_step_is_not_pinned(monkeypatch):
     """A traced step makes its tables in the graph: pinning them for an asynchronous copy (as an eager
     step does for a GPU) fails there (fake tensors have no memory), and so did every step on CUDA that
-    cut a plan with per-tensor arguments (the foreach engine, a fused engine's fallback)."""
-    staged = torch.compile(lambda: fastoptim.multi_tensor.staged([1, 2, 3], "cuda"), backend="eager", fullgraph=True)
+    cut a plan with per-tensor arguments (the foreach engine, a fused engine's fallback): a traced
+    plan's cut sends its per-tensor arguments' index unpinned."""
+    staged = torch.compile(lambda: fastoptim.multi_tensor.staged([1, 2, 3], "cuda", traced=True), backend="eager",
+                           fullgraph=True)
     assert staged().tolist() == [1, 2, 3]
+    sent = []
+    monkeypatch.setattr(engines, "sent_to", lambda values, device, traced=False: sent.append(traced) or
+                        torch.as_tensor(values))
+    params = [torch.zeros(2) for _ in range(3)]
+    for traced in (True, False):
+        plan = engines.Plan({"param": params}, None, ADAMW.cls.algorithm.spec, args={"lr": torch.ones(3)},
+                            per_tensor=frozenset({"lr"}), traced=traced)
+        assert plan.cut([0, 2]).args["lr"].tolist() == [1.0, 1.0] and plan.cut([1]).traced is traced
+    assert sent == [True, True, False, False]
 
 
 def test_algorithms_that_share_their_scalar_math_compile_in_one_process():

@@ -541,13 +541,13 @@ def worker(rank, directory, world=WORLD, checkpoints=None):
 
     def orthogonalized():
         """How many matrices this rank orthogonalized in an FSDP2 Muon run: each once, on its owner."""
-        from fastoptim.optimizers import muon
-        calls, original = [], muon.orthogonalize
-        muon.orthogonalize = lambda matrices, *args: calls.append(len(matrices)) or original(matrices, *args)
+        from fastoptim.optimizers import muon_parts
+        calls, original = [], muon_parts.orthogonalize
+        muon_parts.orthogonalize = lambda matrices, *args: calls.append(len(matrices)) or original(matrices, *args)
         try:
             distributed_run(CASES["fsdp-muon-foreach"], rank)
         finally:
-            muon.orthogonalize = original
+            muon_parts.orthogonalize = original
         return sum(calls)
     record("orthogonalized", orthogonalized)
     record("collectives", lambda: collectives_per_step(CASES["fsdp-muon-fused"], rank))
@@ -600,13 +600,13 @@ def hsdp_worker(rank, directory, record):
 
     def orthogonalized():
         """How many matrices this rank orthogonalized in an HSDP Muon run, and its replica group."""
-        from fastoptim.optimizers import muon
-        calls, original = [], muon.orthogonalize
-        muon.orthogonalize = lambda matrices, *args: calls.append(len(matrices)) or original(matrices, *args)
+        from fastoptim.optimizers import muon_parts
+        calls, original = [], muon_parts.orthogonalize
+        muon_parts.orthogonalize = lambda matrices, *args: calls.append(len(matrices)) or original(matrices, *args)
         try:
             model, _ = distributed_run(HSDP["hsdp-muon-foreach"], rank)
         finally:
-            muon.orthogonalize = original
+            muon_parts.orthogonalize = original
         return [sum(calls), next(model.parameters()).device_mesh.get_local_rank(0)]
     record("hsdp orthogonalized", orthogonalized)
     record("hsdp host syncs", lambda: host_syncs_in_step(rank, "hsdp"))

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import fastoptim
 from fastoptim import engines
 from fastoptim.engines import foreach
-from fastoptim.optimizers import muon
+from fastoptim.optimizers import muon, muon_parts
 from fastoptim.states import blockwise8
 
 from .test_fused import ENGINES, FUSED
@@ -251,7 +251,8 @@ def test_the_fused_engines_run_the_momentum_on_the_kernel_as_foreach_computes_it
     results = {}
     for name, flags in (("foreach", ENGINES["foreach"]), (engine, ENGINES[engine])):
         if name == engine:  # the kernel, and nothing else, computes the momentum now
-            monkeypatch.setattr(muon, "muon_momentum", lambda ops, **kwargs: pytest.fail("muon_momentum ran on ops"))
+            for module in (muon, muon_parts):  # the whole update's, and the fused run's
+                monkeypatch.setattr(module, "muon_momentum", lambda ops, **kwargs: pytest.fail("muon_momentum ran on ops"))
         params = clone(matrices) + clone(companions)
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no fallback
@@ -276,7 +277,7 @@ def test_the_momentum_kernels_tables_are_bound_once_and_step_as_tables_made_anew
     runs = []
     for fresh in (False, True):
         if fresh:  # fresh direction buffers every step, so tables made anew every step (as before they were kept)
-            monkeypatch.setattr(muon, "directions_of", lambda part: muon.Directions.of(
+            monkeypatch.setattr(muon_parts, "directions_of", lambda part: muon_parts.Directions.of(
                 part, torch.float32 if isinstance(part.args["grad_scale"], torch.Tensor) else dtype))
         params = clone(matrices)
         optimizer = fastoptim.Muon(params, lr=0.02, **ENGINES[engine])
@@ -305,7 +306,8 @@ def test_the_triton_kernel_runs_the_momentum_as_foreach_computes_it(dtype, state
     grads = grads_of(params)
     foreach = stepped(fastoptim.Muon, params, grads, lr=0.02, state_bits=state_bits, **ENGINES["foreach"])
     monkeypatch.setenv("FASTOPTIM_FUSED_BACKEND", "triton")
-    monkeypatch.setattr(muon, "muon_momentum", lambda ops, **kwargs: pytest.fail("muon_momentum ran on ops"))
+    for module in (muon, muon_parts):  # the whole update's, and the fused run's
+        monkeypatch.setattr(module, "muon_momentum", lambda ops, **kwargs: pytest.fail("muon_momentum ran on ops"))
     triton = stepped(fastoptim.Muon, params, grads, lr=0.02, state_bits=state_bits, fused=True)
     for a, b in zip(triton, foreach):
         torch.testing.assert_close(a.float(), b.float(), rtol=2**-7 if dtype == torch.bfloat16 else 1e-5, atol=2e-5)
@@ -357,8 +359,8 @@ def test_orthogonalize_blocks_is_orthogonalize_of_each_block():
     matrices = torch.randn(3, 24, 16, generator=torch.Generator().manual_seed(0))
     coefficients = muon.coefficients(dict(ns_coefficients=muon.DEFAULT_COEFFICIENTS, ns_steps=5))
     for options, sizes in ((dict(num_heads=4), (6,) * 4), (dict(split_sizes=(10, 4, 10)), (10, 4, 10))):
-        result = muon.orthogonalize_blocks(matrices, coefficients, 1e-7, **options)
-        expected = torch.cat([muon.orthogonalize(block, coefficients, 1e-7) for block in matrices.split(sizes, -2)], -2)
+        result = muon_parts.orthogonalize_blocks(matrices, coefficients, 1e-7, **options)
+        expected = torch.cat([muon_parts.orthogonalize(block, coefficients, 1e-7) for block in matrices.split(sizes, -2)], -2)
         assert torch.equal(result, expected)
 
 
@@ -565,7 +567,7 @@ def test_a_coefficient_schedule_takes_one_triple_per_step():
 
 def test_the_orthogonalized_update_has_singular_values_near_one():
     update = torch.randn(64, 32, generator=torch.Generator().manual_seed(0))
-    singular = torch.linalg.svdvals(muon.orthogonalize(update[None], [muon.DEFAULT_COEFFICIENTS] * 5, 1e-7)[0].float())
+    singular = torch.linalg.svdvals(muon_parts.orthogonalize(update[None], [muon.DEFAULT_COEFFICIENTS] * 5, 1e-7)[0].float())
     assert singular.min() > 0.5 and singular.max() < 1.3
 
 
@@ -636,7 +638,8 @@ def test_a_non_finite_gradient_element_stays_in_its_8_bit_momentum_element_on_ev
             pytest.importorskip("triton", reason="Triton is an optional extra: pip install fastoptim[triton]")
             monkeypatch.setenv("FASTOPTIM_FUSED_BACKEND", "triton")
         if name in FUSED or name == "triton":  # the kernel, and nothing else, computes the momentum
-            monkeypatch.setattr(muon, "muon_momentum", lambda ops, **kwargs: pytest.fail("muon_momentum ran on ops"))
+            for module in (muon, muon_parts):  # the whole update's, and the fused run's
+                monkeypatch.setattr(module, "muon_momentum", lambda ops, **kwargs: pytest.fail("muon_momentum ran on ops"))
         ours = clone(params)
         optimizer = fastoptim.Muon(ours, lr=0.02, state_bits=32 if name == "fp32" else 8,
                                    **ENGINES.get(name, ENGINES["fused-multi"]))
@@ -787,13 +790,13 @@ def test_the_matrices_of_one_shape_are_orthogonalized_as_one_batch(engine, monke
     """Matrices of one shape are sliced together, and a slice makes one batch per shape: on a GPU, each batch's iterations
     cost a few launches whatever its size (4× faster than one matrix at a time on GPT-2 124M)."""
     monkeypatch.setattr(foreach, "MATRIX_SLICE_NUMEL", 2 * 32)  # two of these matrices per slice
-    batches, real = [], muon.orthogonalize
+    batches, real = [], muon_parts.orthogonalize
 
     def recording(matrices, coefficients, eps):
         batches.append(tuple(matrices.shape))
         return real(matrices, coefficients, eps)
 
-    monkeypatch.setattr(muon, "orthogonalize", recording)
+    monkeypatch.setattr(muon_parts, "orthogonalize", recording)
     params = make_params([(8, 4), (4, 8), (8, 4), (4, 8), (8, 4)])
     for param in params:
         param.grad = torch.randn_like(param)

@@ -570,7 +570,7 @@ def _muon_run(options, engine, checked, monkeypatch, steps=4):
 def test_fused_muon_steps_run_bound_as_the_checked_step_runs_them(options, engine, monkeypatch):
     """A fused Muon step takes the bound path (the checked one is made to raise): its momentum kernel's
     tables run in the step's one native call with its AdamW companions', then its iterations and update
-    (muon.BoundMomentum). Bit for bit a twin whose every step is checked, 8-bit momentum and bf16 params
+    (muon_parts.BoundMomentum). Bit for bit a twin whose every step is checked, 8-bit momentum and bf16 params
     with master remainders included."""
     bound = _muon_run(dict(options), engine, False, monkeypatch)
     checked = _muon_run(dict(options), engine, True, monkeypatch)

@@ -16,7 +16,7 @@ import fastoptim
 from fastoptim.bound_step import BoundStep
 from fastoptim.engines import foreach
 from fastoptim.engines.backends import cpu as cpu_backend
-from fastoptim.optimizers import muon
+from fastoptim.optimizers import muon_parts
 
 native = pytest.mark.skipif(not cpu_backend.AVAILABLE, reason="the native library is not built")
 
@@ -299,8 +299,8 @@ def test_fused_muon_s_planned_directions_step_as_foreach_bit_for_bit(case, monke
     bucket, and again only where the dtype, the grads' pattern or the params changed."""
     shapes, dtype, options, change, made_expected = MUON_CASES[case]
     monkeypatch.setattr(foreach, "MATRIX_SLICE_NUMEL", 100)
-    made, real = [], muon.Directions.of.__func__
-    monkeypatch.setattr(muon.Directions, "of", classmethod(
+    made, real = [], muon_parts.Directions.of.__func__
+    monkeypatch.setattr(muon_parts.Directions, "of", classmethod(
         lambda cls, part, dtype: made.append(dtype) or real(cls, part, dtype)))
     expected = _muon_run(FOREACH, shapes, change, [dtype] * len(shapes), **options)
     assert not made
@@ -317,7 +317,7 @@ def test_fused_muon_steps_clipped_float64_params_as_foreach():
         assert torch.equal(param, want)
 
 
-# --- review of 835b524: fused Muon in the bound step (muon.BoundMomentum) -----------------------------
+# --- review of 835b524: fused Muon in the bound step (muon_parts.BoundMomentum) -----------------------------
 # A fused Muon bound (its momentum tables in the step's one native call, then BoundMomentum.finish)
 # against a twin whose every step is checked, under what users change between steps.
 

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("triton", reason="Triton is an optional extra: pip install fastoptim[triton]")
 
 from benchmarks.triton_kernels import DTYPES, checked_variants, variant_name  # noqa: E402
-from fastoptim.optimizers import muon  # noqa: E402
+from fastoptim.optimizers import muon_parts  # noqa: E402
 from fastoptim.specs import declared_specs  # noqa: E402
 
 VARIANTS = {variant_name(spec, param, state, **flags): (spec, param, state, flags)
@@ -36,7 +36,7 @@ def streams(spec, flags):
     algorithm keeps with these flags (Adan: 6 and 5; AdamW: 3 to 5 and 2 to 4; Lion: 3 and 2; Muon's
     momentum: 2 and 2, as it writes its param row, the direction, without reading it)."""
     states = len(spec.kept({name: flags[name] for name in spec.flags}))
-    return 2 + states - (spec is muon.MOMENTUM_SPEC), 1 + states  # grad is not written
+    return 2 + states - (spec is muon_parts.MOMENTUM_SPEC), 1 + states  # grad is not written
 
 
 @pytest.mark.parametrize("capability", [80, 90])

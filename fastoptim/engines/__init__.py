@@ -31,6 +31,8 @@ class Plan:
     tensors, and what else a grad may be laid out as; ``rule`` (the algorithm's) and ``counts`` (per
     tensor, the step count it reads): what a bound step's native call computes the kernel's scalars
     from (see :class:`tables.Tables`); None or "": nothing.
+    ``traced``: the plan is of a step that torch.compile traces (decided once, at ``step()``): the fused
+    engines call their ops, and found_inf is not read on the host.
     ``kernel_values``: the fused kernel's scalars by name, found_inf and seed included, where an op made
     them (a traced CPU step's, ``fastoptim::step_scalars``, for a plan the kernel takes whole, whose
     ``args`` are then empty); None: the fused engine makes them from ``args``.
@@ -54,6 +56,7 @@ class Plan:
     grads_like: list | None = None
     rule: str = ""
     counts: list | None = None
+    traced: bool = False
 
     def __len__(self):
         return len(self.tensors["param"])
@@ -72,22 +75,24 @@ class Plan:
         :func:`args_of`."""
         if tensors is None:
             tensors, absmax = pick(self.tensors, owners), pick(self.absmax, owners)
-        args = args_of(self.args, self.per_tensor, owners, self.tensors["param"][0].device, owners_cache)
+        args = args_of(self.args, self.per_tensor, owners, self.tensors["param"][0].device, owners_cache,
+                       self.traced)
         return replace(self, tensors=tensors, absmax=absmax, cache={}, sum_group=None, args=args,
                        watched=None if self.watched is None else [self.watched[i] for i in owners],
                        grads_like=None if self.grads_like is None else [self.grads_like[i] for i in owners],
                        counts=None if self.counts is None else [self.counts[i] for i in owners])
 
 
-def args_of(args, per_tensor, owners, device, cache=None):
+def args_of(args, per_tensor, owners, device, cache=None, traced=False):
     """A step's ``args`` for tensors ``owners`` of its plan: those named in ``per_tensor`` (one value
     per tensor, on ``device``) cut to theirs. ``cache``: a dict that keeps the owners' index on the
-    device for the next step (a GPU step would send it every time)."""
+    device for the next step (a GPU step would send it every time); ``traced``: of a step that
+    torch.compile traces."""
     if not any(key in args for key in per_tensor):  # not `&` with dict keys: dynamo before torch 2.13
         return args
     index = None if cache is None else cache.get("owners")
     if index is None:
-        index = sent_to(np.array(owners, dtype=np.int64), device)
+        index = sent_to(np.array(owners, dtype=np.int64), device, traced)
         if cache is not None:
             cache["owners"] = index
     return {k: v[index] if k in per_tensor else v for k, v in args.items()}
@@ -122,7 +127,7 @@ def run_summing_over(plan, group):
     the fused kernels sum subsets inside themselves, and foreach may cut a param into pieces."""
     if plan.warn_fallback:
         fused.warn("fastoptim: fused=True, but subset-norm sums that span FSDP2 shards are all-reduced between ranks, "
-                   "which the kernel cannot do; those tensors take the loop engine", stacklevel=4)
+                   "which the kernel cannot do; those tensors take the loop engine", plan.traced, stacklevel=4)
     plan.sum_group = group
     loop.run(plan)
 

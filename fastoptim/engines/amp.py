@@ -17,7 +17,7 @@ def run_unless_inf(run, plan):
     if plan.found_inf is None:
         run(plan)
         return
-    if not torch.compiler.is_compiling():
+    if not plan.traced:
         if not plan.found_inf.item():
             run(replace(plan, found_inf=None))
         return

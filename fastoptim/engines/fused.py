@@ -33,10 +33,10 @@ def _warn_at_tracing(ctx):
     warnings.warn(ctx.get_local("message").as_python_constant())
 
 
-def warn(message, stacklevel):
-    """``warnings.warn``, also in a step that torch.compile traces, where it warns once, at tracing
+def warn(message, traced, stacklevel):
+    """``warnings.warn``, also in a step that torch.compile ``traced``, where it warns once, at tracing
     (a traced ``warnings.warn`` would break the graph)."""
-    if torch.compiler.is_compiling():
+    if traced:
         from torch._dynamo.comptime import comptime  # loaded by now: dynamo is tracing
         comptime(_warn_at_tracing)  # reads ``message``, the one local it may see
     else:
@@ -45,7 +45,7 @@ def warn(message, stacklevel):
 
 def _fallback(plan, reason):
     if plan.warn_fallback:
-        warn(f"fastoptim: fused=True, but {reason}; those tensors take the foreach engine", stacklevel=4)
+        warn(f"fastoptim: fused=True, but {reason}; those tensors take the foreach engine", plan.traced, stacklevel=4)
     amp.run_unless_inf(foreach.run, plan)
 
 
@@ -138,7 +138,7 @@ def _run(plan, per_tensor_calls):
     if plan.kernel_scalars is None:
         _fallback(plan, f"no fused kernel for {plan.spec.name} yet")
         return
-    if torch.compiler.is_compiling():
+    if plan.traced:
         _run_traced(plan, per_tensor_calls)
         return
     backend = backends.for_device(plan.tensors["param"][0].device)

@@ -127,9 +127,10 @@ def sqrt(x):
     A CPU tensor of several elements goes
     through numpy: torch's CPU sqrt hands it to MKL's vector sqrt, which wakes MKL's OpenMP threads
     even for a hundred elements, milliseconds a step on a shared machine (AdamW's per-param bias
-    corrections took 2-5 ms instead of 10 µs with one of two cores busy)."""
+    corrections took 2-5 ms instead of 10 µs with one of two cores busy). Traced, dynamo makes the
+    numpy calls torch's."""
     if not isinstance(x, torch.Tensor):
         return math.sqrt(x)
-    if x.device.type != "cpu" or x.dim() == 0 or torch.compiler.is_compiling():
+    if x.device.type != "cpu" or x.dim() == 0:
         return x.sqrt()
     return torch.from_numpy(np.sqrt(x.numpy()))

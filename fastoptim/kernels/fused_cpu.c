@@ -11,7 +11,7 @@
    threads spin for a while; threads of our own would fight them for the cores (measured: +2 ms on
    a 4 ms step). Without an OpenMP runtime in the process, plain pthreads do the work.
 
-   The per-element math restates fastoptim/optimizers/adan.py, adamw.py, adamwsn.py, lion.py and muon.py,
+   The per-element math restates fastoptim/optimizers/adan.py, adamw.py, adamwsn.py, lion.py and muon_parts.py,
    the reference the tests hold these kernels to; the comments name the reference's steps. Each
    algorithm's math is written once, as inline functions of one element (see "The algorithms");
    one walk over memory serves them all (see "The walk"): a dense tensor, the subsets of a

@@ -621,7 +621,7 @@ def _lion_update(p, terms, states, scale, S, K: tl.constexpr, F: tl.constexpr):
     return p, (m * tl.load(S + K.beta2) + g * tl.load(S + K.one_minus_beta2),)
 
 
-# Muon's momentum (``fastoptim.optimizers.muon.muon_momentum``). States: momentum_buffer; the param
+# Muon's momentum (``fastoptim.optimizers.muon_parts.muon_momentum``). States: momentum_buffer; the param
 # row holds the direction it writes (the Newton–Schulz iterations' input), not a param.
 
 

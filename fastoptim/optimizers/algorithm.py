@@ -78,7 +78,7 @@ class Algorithm(NamedTuple):
     ``positions`` of the grads they take, their ``spec``, ``launch_values(group, grad_scale, found_inf,
     device)`` (their scalars and flags) and ``finish(group, args, per_tensor)``, run after the step's
     native call with ``arguments``' values; None where the bucket cannot run bound (Muon's:
-    muon.BoundMomentum).
+    muon_parts.BoundMomentum).
     """
 
     spec: KernelSpec

@@ -16,6 +16,7 @@ from ..states import master
 from ..step_cache import OptimizerState
 from .algorithm import PER_GROUP, Algorithm
 from . import release
+from .release_reductions import refusal
 from .checks import check_hyperparameters, check_params, check_tensor_lr, is_step_count, normalize_betas, step_count
 from .state_creation import StateCreation
 from .step_path import StepPath, grads_pattern, without_grad
@@ -215,7 +216,7 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
                 raise RuntimeError("fastoptim: a state dict changed while a step was traced")
             self._apply([(group, *self._traced_group_work(caches["patterns"][index, grads_pattern(group["params"])],
                                                           group))
-                         for index, group in enumerate(self.param_groups)], caches)
+                         for index, group in enumerate(self.param_groups)], caches, traced=True)
             # a traced step notes no version counters: the next eager step starts afresh (set only where an
             # eager step left notes: a key added at every call would change the caches' length, a guard)
             if caches.get("writes") is not None:
@@ -320,7 +321,7 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
         """
         if type(bucket_numel) is not int or bucket_numel < 1:
             raise ValueError(f"Invalid bucket_numel: {bucket_numel!r} (must be an int >= 1)")
-        reason = release.refusal(self, model)
+        reason = refusal(self, model)
         if reason is not None:
             raise RuntimeError(f"fastoptim: gradient release is refused: {reason}")
         self._release = release.GradientRelease(self, bucket_numel, model)

@@ -14,7 +14,9 @@ A grad is final where it is known to be:
 - under DDP, after its bucket's all-reduce completed: release registers a DDP comm hook that averages
   and all-reduces the bucket as DDP does without one, and whose future's ``then()`` makes each of the
   bucket's params' grads a view of the reduced bucket and marks them final. DDP keeps its bucket buffers
-  whatever happens, so there the grads are views of them until ``step()``, which drops them."""
+  whatever happens, so there the grads are views of them until ``step()``, which drops them.
+
+Which models' reductions it follows, and what it refuses up front: ``release_reductions.py``."""
 from __future__ import annotations
 
 import operator
@@ -31,106 +33,12 @@ from torch.optim import Optimizer
 
 from .. import flat_params
 from ..clip import RELEASED
+from .release_reductions import DDPState, ddp_comm_hook, reduction_mode
 
 BUCKET_NUMEL = 1 << 22  # elements per released bucket (16 MiB of fp32 grads): DDP's default is 25 MiB
 
 # The frame of an autograd Function's backward: a backward run from inside it is reentrant.
 FUNCTION_BACKWARD = BackwardCFunction.apply.__code__
-
-
-def refusal(optimizer: Optimizer, model: torch.nn.Module | None = None) -> str | None:
-    """Why ``optimizer``'s steps cannot be released exactly, following the reduction of ``model`` (a
-    DDP or ``fully_shard`` model; None: one process), or None."""
-    if optimizer.defaults["max_grad_norm"] > 0:
-        return "max_grad_norm clips by the norm of all grads, which release never holds at once"
-    if model is None and (optimizer.shard_group is not None or optimizer._sharded or (
-            torch.distributed.is_available() and torch.distributed.is_initialized())):
-        return ("its grads would be stepped before DDP or FSDP reduce them over the ranks: pass the model, "
-                "enable_gradient_release(model=model), where it is a DistributedDataParallel or fully_shard "
-                "(FSDP2) model, whose reductions release then follows")
-    if model is not None:
-        reason = _model_refusal(optimizer, model)
-        if reason is not None:
-            return reason
-    if getattr(optimizer, "_release", None) is not None:
-        return "it is on already: call remove() on the handle enable_gradient_release() returned"
-    return None
-
-
-def _mode(model: torch.nn.Module | None) -> str:
-    """"ddp", "fsdp" (FSDP2: a ``fully_shard`` module, or one holding some) or "local" (None); "" for
-    another model."""
-    if model is None:
-        return "local"
-    if not torch.distributed.is_available():
-        return ""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.nn.parallel import DistributedDataParallel
-    if isinstance(model, DistributedDataParallel):
-        return "ddp"
-    if isinstance(model, torch.nn.Module) and any(isinstance(module, FSDPModule) for module in model.modules()):
-        return "fsdp"
-    return ""
-
-
-def fsdp_managed(model: torch.nn.Module) -> dict[int, Tensor]:
-    """The sharded params of the ``fully_shard`` modules in ``model``, by id: those whose reduced grads
-    FSDP2 hands to their post-accumulate-grad hooks."""
-    from torch.distributed.fsdp import FSDPModule
-    managed = {}
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            state = module._get_fsdp_state()
-            groups = getattr(state, "_fsdp_param_groups", None)
-            if groups is None:  # torch before per-param meshes: one group per state
-                groups = [state._fsdp_param_group]
-            for group in groups:
-                for fsdp_param in [] if group is None else group.fsdp_params:
-                    managed[id(fsdp_param.sharded_param)] = fsdp_param.sharded_param
-    return managed
-
-
-def _model_refusal(optimizer: Optimizer, model) -> str | None:
-    mode = _mode(model)
-    if not mode:
-        fsdp1 = False
-        if torch.distributed.is_available():
-            from torch.distributed.fsdp import FullyShardedDataParallel
-            fsdp1 = isinstance(model, torch.nn.Module) and any(
-                isinstance(module, FullyShardedDataParallel) for module in model.modules())
-        if fsdp1:
-            return ("FullyShardedDataParallel (FSDP1) reduces grads in flat handles with no hook that hands a "
-                    "param its reduced grad: use fully_shard (FSDP2), which does")
-        return (f"model= is a {type(model).__name__}: release follows the reductions of a DistributedDataParallel "
-                "model or of a fully_shard (FSDP2) model, and nothing else")
-    if optimizer.shard_group is not None:
-        return ("shard_group: each rank steps its partition of a ZeroRedundancyOptimizer after DDP's reduction, "
-                "which release does not follow")
-    if mode == "ddp":
-        if optimizer._sharded:
-            return "its params are DTensors, which DDP does not reduce"
-        if model.find_unused_parameters:
-            return ("DDP's find_unused_parameters=True leaves a param that no rank used its old grad, which only "
-                    "DDP's end of backward knows, after the buckets were reduced: release cannot step at a "
-                    "bucket's reduction then; build DDP without it")
-        if getattr(model, "_use_python_reducer", False) or getattr(model, "_delay_all_reduce_all_params", False):
-            return "this DDP reduces its grads without buckets, so no comm hook sees them"
-        others = [hook for hook, state in getattr(model, "_comm_hooks", []) if not isinstance(state, _DDPState)]
-        if others:
-            return (f"this DDP has a comm hook already ({getattr(others[0], '__qualname__', others[0])}): release "
-                    "registers its own, which averages and all-reduces as DDP does without one, and DDP takes "
-                    "only one")
-        return None
-    try:
-        managed = fsdp_managed(model)
-    except AttributeError as error:  # FSDP2's state as torch 2.13 keeps it
-        return f"this torch's fully_shard keeps its params where release does not find them ({error})"
-    for index, group in enumerate(optimizer.param_groups):
-        for position, param in enumerate(group["params"]):
-            if param.requires_grad and managed.get(id(param)) is not param:
-                return (f"param {position} of param group {index} ({tuple(param.shape)}) is not a param of a "
-                        "fully_shard module of model=, so no reduce-scatter hands it its grad")
-    return None
 
 
 def in_reentrant_backward() -> bool:
@@ -203,41 +111,14 @@ def _weak_hook(release: GradientRelease, reduced: bool = False) -> Callable[[Ten
     return grad_ready
 
 
-class _DDPState:
-    """The state of release's DDP comm hook: DDP's process group and the releases it tells of each
-    reduced bucket (those of the optimizers that step the model's params), held weakly (none once
-    removed: the hook then only averages, as DDP does without it). DDP takes one comm hook, for good, so
-    a later release on the same model joins this one."""
-
-    def __init__(self, process_group):
-        self.process_group = process_group
-        self.releases = weakref.WeakSet()
-
-
-def _ddp_comm_hook(state, bucket):  # unannotated: DDP checks the annotation's object, not its string
-    """Average ``bucket`` over DDP's ranks as DDP does without a comm hook (each grad times 1 / world, then
-    an all-reduce of the sum), and once it has landed, tell the releases on it of its params' reduced grads."""
-    group = state.process_group
-    buffer = bucket.buffer()
-    buffer.mul_(1 / group.size())
-    future = torch.distributed.all_reduce(buffer, group=group, async_op=True).get_future()
-
-    def reduced(future):
-        tensor = future.value()[0]
-        for release in list(state.releases):
-            release._ddp_reduced(bucket.parameters(), bucket.gradients())
-        return tensor
-    return future.then(reduced)
-
-
 def _hook_ddp(model, release: GradientRelease) -> None:
     """Add ``release`` to those that ``model``'s release comm hook tells, registering it the first time."""
     for hook, state in getattr(model, "_comm_hooks", []):
-        if isinstance(state, _DDPState):
+        if isinstance(state, DDPState):
             break
     else:
-        state = _DDPState(model.process_group)
-        model.register_comm_hook(state, _ddp_comm_hook)
+        state = DDPState(model.process_group)
+        model.register_comm_hook(state, ddp_comm_hook)
     state.releases.add(release)
 
 
@@ -256,7 +137,7 @@ class GradientRelease:
     def __init__(self, optimizer: Optimizer, bucket_numel: int, model: torch.nn.Module | None = None):
         self._optimizer = weakref.ref(optimizer)
         self.bucket_numel = bucket_numel
-        self.mode = _mode(model)  # "local", "ddp" or "fsdp": where a grad is final (see the module)
+        self.mode = reduction_mode(model)  # "local", "ddp" or "fsdp": where a grad is final (see the module)
         self.hooks = _Hooks()
         self._unhook = weakref.finalize(optimizer, self.hooks.clear)
         self._hook = None if self.mode == "ddp" else _weak_hook(self, reduced=self.mode == "fsdp")
@@ -458,7 +339,7 @@ class GradientRelease:
         ddp = self.__dict__.get("_ddp")
         ddp = None if ddp is None else ddp()
         for _, state in getattr(ddp, "_comm_hooks", []):
-            if isinstance(state, _DDPState):
+            if isinstance(state, DDPState):
                 state.releases.discard(self)  # without releases, the hook averages, as DDP without one
         if optimizer is None:
             return

@@ -73,8 +73,8 @@ class StateCreation:
 
     def _use_new_states(self, group, entry, traced):
         """Create the missing states of ``entry``'s params and hand them to it, for a ``traced`` step or
-        an eager one. (Not ``torch.compiler.is_compiling()`` here: it is False in the ``_init_group``
-        that dynamo runs at tracing before torch 2.13.)"""
+        an eager one. (The caller knows which: dynamo's own test reads False in the ``_init_group``
+        that it runs at tracing before torch 2.13.)"""
         states, context = self._prepare_states(entry.params, group, traced)
         partitions = [subset_norm.from_record(p.shape, s) for p, s in zip(entry.params, states)]
         spec = self._algorithm(group).spec

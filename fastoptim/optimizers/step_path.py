@@ -13,7 +13,7 @@ from torch import Tensor
 
 from .. import engines, flat_params
 from ..clip import CLIP_EPS, clip_backend, clip_coefficient
-from ..multi_tensor import bump_versions, pick
+from ..multi_tensor import pick
 from ..specs import ABSMAX
 from ..states import master
 from ..step_cache import DEVICE, DTYPE, SHAPE, GroupWork, Signature, engine_view
@@ -54,13 +54,9 @@ def group_lr(group):
 def without_grad(function):
     """``function`` run with grad mode off, as ``@torch.no_grad()`` runs it, but for a fraction of a
     microsecond instead of several eagerly (that decorator makes a context object, and its entry and
-    exit make one more each): a bound step costs tens of microseconds in all. Traced, it is
-    ``torch.no_grad()``, which dynamo knows."""
+    exit make one more each): a bound step costs tens of microseconds in all."""
     @functools.wraps(function)
     def wrapper(*args, **kwargs):
-        if torch.compiler.is_compiling():
-            with torch.no_grad():
-                return function(*args, **kwargs)
         enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
@@ -99,12 +95,12 @@ class StepPath:
         roles = algorithm.spec.kept(algorithm.flags(group))
         return roles + (master.KEY,) if group["master_bits"] > 16 else roles
 
-    def _apply(self, work, caches, whole_step=True):
+    def _apply(self, work, caches, whole_step=True, traced=False):
         """Step every group of ``work`` ((group, GroupWork, grads) per group, all checked), each bucket
-        on its engine. A released bucket is not a ``whole_step``: the per-group counts advance once, at
-        ``step()``."""
+        on its engine, in a step that torch.compile ``traced`` or eagerly. A released bucket is not a
+        ``whole_step``: the per-group counts advance once, at ``step()``."""
         found_inf = getattr(self, "found_inf", None)
-        eager = not torch.compiler.is_compiling()
+        eager = not traced
         writes = self._restart_written(work, caches) if eager else None  # a traced step does not look
         # Eagerly, only the fused kernels skip an inf step on the device. The other engines look at
         # found_inf, and so do a step that would create states and one whose math is not elementwise
@@ -121,8 +117,8 @@ class StepPath:
         increment, scales, _ = self._grad_scales(work, found_inf, eager)
         for (group, entry, grads), scale in zip(work, scales):
             if entry.params:
-                self._step_group(group, entry, grads, scale, found_inf, increment)
-        self._advance(work, increment, writes, whole_step)
+                self._step_group(group, entry, grads, scale, found_inf, increment, traced)
+        self._advance(work, increment, writes, whole_step, traced)
 
     def _restart_written(self, work, caches):
         """A param written by anyone but this optimizer starts again from the value written: zero the
@@ -160,19 +156,16 @@ class StepPath:
         clip = None
         if clipped:  # the norm's dtype from the params' (the grads have theirs: checked before any kernel runs)
             wide = torch.float64 if any(entry.scalar_dtype is torch.float64 for _, entry, _ in work) else torch.float32
-            clip = clip_coefficient(all_grads, max_norm, eps, inv_scale, self._reduce_group, wide=wide)
+            clip = clip_coefficient(all_grads, max_norm, eps, inv_scale, self._reduce_group, wide=wide,
+                                    traced=not eager)
         return increment, [scalars.grad_scale(clip, inv_scale, m) for m in maximize], None
 
-    def _advance(self, work, increment, writes, whole_step=True, counted=False):
-        """After a step of ``work``: its counts advanced by ``increment`` (see ``_count_step``; where the
-        step's native call ``counted`` those of the groups with params, their version counters bumped,
-        as ``add_`` bumps them) and, where its ``writes`` are watched, the version counters its writes
+    def _advance(self, work, increment, writes, whole_step=True, traced=False):
+        """After a step of ``work`` (``traced``: see ``_apply``): its counts advanced by ``increment``
+        (see ``_count_step``) and, where its ``writes`` are watched, the version counters its writes
         left noted."""
         for group, entry, _ in work:
-            if counted and entry.params:
-                bump_versions(self._counts(group, entry))
-            else:
-                self._count_step(group, entry, increment, whole_step)
+            self._count_step(group, entry, increment, whole_step, traced)
             if writes is not None and entry.versions is not None:
                 writes.note(entry.versions)
 
@@ -284,8 +277,8 @@ class StepPath:
         if len(devices) > 1:
             raise RuntimeError(f"{name}: all params of a group must be on one device, got {sorted(map(str, devices))}")
 
-    def _step_group(self, group, entry, grads, grad_scale, found_inf, increment):
-        algorithm, traced = self._algorithm(group), torch.compiler.is_compiling()
+    def _step_group(self, group, entry, grads, grad_scale, found_inf, increment, traced):
+        algorithm = self._algorithm(group)
         if entry.states is None:  # every group is checked by now: states may be created
             self._use_new_states(group, entry, traced=traced)
         prepared = entry.traced_scalars if traced else None
@@ -300,7 +293,7 @@ class StepPath:
                             warn_fallback=group["fused"] is True, absmax=entry.absmax,
                             watched=entry.watched, grads_like=entry.grads_like,
                             rule="" if algorithm.rule is None else algorithm.rule[0],
-                            counts=self._read_counts(group, entry))
+                            counts=self._read_counts(group, entry), traced=traced)
         for index, (bucket, reduce_group) in enumerate(entry.buckets):
             whole = len(bucket) == len(entry.params)
             part = plan if whole else plan.subset(bucket)
@@ -350,17 +343,17 @@ class StepPath:
             return [self._group_count(group)] * len(entry.params)
         return [state["step"] for state in entry.states] if counts == PER_PARAM else None
 
-    def _count_step(self, group, entry, increment, whole_step=True):
+    def _count_step(self, group, entry, increment, whole_step=True, traced=False):
         """Advance the group's step counts by ``increment`` (1, or 0 on a step GradScaler skipped),
-        after the update: a ``PER_GROUP`` count whether or not its params had grads (on a
-        ``whole_step``: not for each released bucket), ``PER_PARAM`` counts of the params of
-        ``entry`` that had (None: the per-group counts of a released step alone)."""
+        after the update (of a step that torch.compile ``traced``, or an eager one): a ``PER_GROUP``
+        count whether or not its params had grads (on a ``whole_step``: not for each released bucket),
+        ``PER_PARAM`` counts of the params of ``entry`` that had (None: the per-group counts of a
+        released step alone)."""
         if not whole_step and self._algorithm(group).counts == PER_GROUP:
             return  # a released bucket: the group's count advances at step()
         counts = self._counts(group, entry)
         if not counts:
             return
-        traced = torch.compiler.is_compiling()
         if traced and counts[0].device.type == "cpu" and (
                 entry is None or not entry.params or entry.traced_scalars is not None):
             scalars.traced_count_up(counts, increment)
