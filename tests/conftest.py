@@ -2,7 +2,8 @@
 It must be chosen before Triton's kernels are defined, when fastoptim is first imported. On a GPU
 machine, ``FASTOPTIM_TEST_DEVICE=cuda`` makes the tensors that tests create without naming a device
 CUDA tensors, so that the CPU suites run their steps on the GPU (benchmarks/gpu.sh). A session
-that will run the sanitizer tests starts their build in the background (see tests/sanitized_build.py)."""
+that will run the sanitizer tests starts their build, and the kernel tests' run on it, in the
+background (see tests/sanitized_build.py)."""
 import os
 import shutil
 import tempfile
@@ -19,22 +20,20 @@ if os.environ.get("FASTOPTIM_TEST_DEVICE"):
     torch.set_default_device(os.environ["FASTOPTIM_TEST_DEVICE"])
 
 
-SANITIZED_BUILD = pytest.StashKey()  # (gcc process, library path) of the sanitized kernel's build
+SANITIZED_BUILD = pytest.StashKey()  # the sanitized kernel's build and test run (sanitized_build.Background)
 
 
 def pytest_collection_finish(session):
-    """Start the sanitized kernel's build (minutes on one core) now, if its tests will run."""
+    """Start the sanitized kernel's build and its tests' run (minutes on one core) now, if the
+    sanitizer tests will run."""
     if any(item.get_closest_marker("sanitizers") for item in session.items) and sanitized_build.runtimes():
         directory = Path(tempfile.mkdtemp(prefix="fastoptim-sanitizers-"))
-        path = directory / "native_sanitized.so"
-        session.config.stash[SANITIZED_BUILD] = sanitized_build.start(path), path
+        session.config.stash[SANITIZED_BUILD] = sanitized_build.Background(directory / "native_sanitized.so")
 
 
 def pytest_sessionfinish(session):
-    build = session.config.stash.get(SANITIZED_BUILD, None)
-    if build is not None:
-        process, path = build
-        if process.poll() is None:  # the run stopped before the sanitizer tests
-            process.kill()
-        process.communicate()
-        shutil.rmtree(path.parent, ignore_errors=True)
+    run = session.config.stash.get(SANITIZED_BUILD, None)
+    if run is not None:
+        run.stop()  # where the session stopped before the sanitizer tests: what still goes ends here
+        run.wait()
+        shutil.rmtree(run.path.parent, ignore_errors=True)
