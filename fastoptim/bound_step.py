@@ -172,10 +172,15 @@ class BoundStep:
         options = []  # every group's, before any seed is drawn: a step that goes the checked way draws its own
         for algorithm, (group, entry, _), parts in zip(self.algorithms, work, self.parts):
             numbers = algorithm.rule[1](group) if entry.params and parts is None else ()
-            if any(isinstance(number, Tensor) for number in numbers) or parts and (
-                    found_inf is not None or group["stochastic_rounding"]):
-                # a tensor lr (say): the checked step computes its scalars; a bound part (Muon's) skips a step
-                # GradScaler found an inf in on the host, and its update draws random bits after the call
+            if any(isinstance(number, Tensor) for number in numbers):
+                # a tensor lr (say), which the native rules do not take: Python computes the scalars as the
+                # checked step does, as tensors, and the counts it advances, which native code then does not
+                # check (see GroupWork.counts_in_place); Muon's parts take the checked way
+                return (not any(self.parts) and all(entry.counts_in_place() for _, entry, _ in work)
+                        and self._step_with_python_scalars(optimizer, work, writes, found_inf))
+            if parts and (found_inf is not None or group["stochastic_rounding"]):
+                # a bound part (Muon's) skips a step GradScaler found an inf in on the host, and its update
+                # draws random bits after the call
                 return False
             options.append(list(map(float, numbers)))
         increment, scales, clip = optimizer._grad_scales(work, found_inf, eager=True, clip_in_step=True)
@@ -219,8 +224,8 @@ class BoundStep:
         return True
 
     def _step_with_python_scalars(self, optimizer, work, writes, found_inf):
-        """:meth:`step` on a backend that computes no step scalars (Triton's): Python computes them, and
-        advances the counts, as a checked step does."""
+        """:meth:`step` where Python computes the scalars, and advances the counts, as a checked step does:
+        on a backend that computes no step scalars (Triton's), or for options its rules do not take."""
         increment, scales, _ = optimizer._grad_scales(work, found_inf, eager=True)
         launches = []
         for (group, entry, grads), scale, algorithm, buckets, single in zip(

@@ -124,13 +124,19 @@ def write_back(params, results, remainders, stochastic):
 
 def sqrt(x):
     """``x.sqrt()``, bit for bit (both round correctly), of a tensor or a Python float (``math.sqrt``).
-    A CPU tensor of several elements goes
-    through numpy: torch's CPU sqrt hands it to MKL's vector sqrt, which wakes MKL's OpenMP threads
-    even for a hundred elements, milliseconds a step on a shared machine (AdamW's per-param bias
-    corrections took 2-5 ms instead of 10 µs with one of two cores busy). Traced, dynamo makes the
-    numpy calls torch's."""
+    A CPU tensor of several elements goes through numpy, in an op (``fastoptim::host_sqrt``, which a
+    traced step keeps, so that its graph does not depend on dynamo's numpy tracing): torch's CPU sqrt
+    hands it to MKL's vector sqrt, which wakes MKL's OpenMP threads even for a hundred elements,
+    milliseconds a step on a shared machine (AdamW's per-param bias corrections took 2-5 ms instead of
+    10 µs with one of two cores busy)."""
     if not isinstance(x, torch.Tensor):
         return math.sqrt(x)
     if x.device.type != "cpu" or x.dim() == 0:
         return x.sqrt()
-    return torch.from_numpy(np.sqrt(x.numpy()))
+    return torch.ops.fastoptim.host_sqrt(x)
+
+
+_LIBRARY = torch.library.Library("fastoptim", "FRAGMENT")
+_LIBRARY.define("host_sqrt(Tensor x) -> Tensor")
+_LIBRARY.impl("host_sqrt", lambda x: torch.from_numpy(np.sqrt(x.numpy())), "CPU")
+torch.library.register_fake("fastoptim::host_sqrt", lambda x: x.new_empty(x.shape), lib=_LIBRARY)

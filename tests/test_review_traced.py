@@ -1,0 +1,304 @@
+"""Review of the change that decides once, at ``step()``, whether a step is traced by torch.compile and
+hands ``traced`` down (``Plan.traced``, ``_apply``/``_step_group``/``_count_step``, clip, amp, fused,
+Muon), with ``without_grad`` and ``engines.ops.sqrt`` no longer forking on ``is_compiling()``.
+
+A traced step must stay the eager step bit for bit on the paths the change rewired: per-param counts
+that differ between params (the numpy sqrt, now traced by dynamo), GradScaler's found_inf and the clip
+on the engines that skip in the graph and on the fused fallback, 8-bit and subset-norm states, fp32 and
+bf16 params in one group with master remainders, Muon with its AdamW companions; grad mode off in the
+step and back after it, a closure's backward with grad on; the fused fallback's warning once."""
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import fastoptim
+from fastoptim import engines
+from fastoptim.engines import amp
+from fastoptim.optimizers import muon_parts
+
+from .test_compile import assert_same, model_params, pair, set_grads, with_a_float64_param
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*script_method:DeprecationWarning")
+
+
+def drop_some_grads(params, step):
+    """Param 1 without a grad on odd steps, param 3 on the first: the params' counts differ."""
+    if step % 2 == 1:
+        params[1].grad = None
+    if step == 0:
+        params[3].grad = None
+
+
+def run_pair(cls, options, backend="aot_eager", fullgraph=True, steps=4, make_params=model_params, before_step=None,
+             closure=None):
+    """The eager and the compiled twin over ``steps`` steps; returns both and the graphs made."""
+    eager, traced = pair(cls, options, make_params)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(traced[1].step, backend=backend, fullgraph=fullgraph)
+    for step in range(steps):
+        for params, opt in (eager, traced):
+            set_grads(params, step)
+            if before_step:
+                before_step(params, opt, step)
+        if closure is None:
+            eager[1].step()
+            compiled()
+        else:
+            eager[1].step(closure(eager, step))
+            compiled(closure(traced, step))
+    return eager, traced, counters["stats"]["unique_graphs"]
+
+
+# --- per-param counts: the sqrt of their bias corrections, through numpy eagerly, traced by dynamo ----------
+
+
+@pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.AdamWSN])
+@pytest.mark.parametrize("engine", ["foreach", "fused"])
+def test_per_param_counts_that_differ_compile_as_eager(cls, engine, backend="aot_eager", fullgraph=True):
+    options = dict(foreach=True, fused=False) if engine == "foreach" else {}
+    eager, traced, graphs = run_pair(cls, options, backend, fullgraph,
+                                     before_step=lambda params, opt, step: drop_some_grads(params, step))
+    assert_same(eager, traced)
+    counts = [float(traced[1].state[p]["step"]) for p in traced[0]]
+    assert counts == [4.0, 2.0, 4.0, 3.0, 4.0]  # they did differ
+    assert graphs == 3  # one per grads pattern: no graph break
+
+
+@pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.AdamWSN])
+def test_per_param_counts_compile_without_numpy_tracing(cls):
+    """``torch._dynamo.config.trace_numpy=False`` is a supported dynamo setting: a foreach step with
+    per-param counts compiled as one graph before (``ops.sqrt`` took ``x.sqrt()`` when traced); it
+    must not need dynamo to trace numpy now."""
+    with torch._dynamo.config.patch(trace_numpy=False):
+        eager, traced, graphs = run_pair(cls, dict(foreach=True, fused=False),
+                                         before_step=lambda params, opt, step: drop_some_grads(params, step))
+    assert_same(eager, traced)
+    assert graphs == 3
+
+
+def test_per_param_counts_compiled_by_inductor_read_the_counts_of_each_param():
+    """The fused CPU step of AdamW with counts that differ, compiled by inductor: the eager step."""
+    eager, traced, _ = run_pair(fastoptim.AdamW, {}, "inductor", steps=3,
+                                before_step=lambda params, opt, step: drop_some_grads(params, step))
+    assert_same(eager, traced)
+
+
+# --- GradScaler's found_inf and the clip, on the engines that skip in the graph --------------------------
+
+
+def scaler(params, opt, step, inf_step=1):
+    opt.grad_scale = torch.tensor(256.0)
+    opt.found_inf = torch.tensor(float(step == inf_step))
+    for param in params:
+        param.grad.mul_(256.0)
+
+
+ENGINE_OPTIONS = {"foreach": (dict(foreach=True, fused=False), model_params),
+                  "loop": (dict(foreach=False, fused=False), model_params),
+                  "fused fallback": (dict(fused=True), with_a_float64_param)}
+
+
+@pytest.mark.parametrize("engine", ["foreach", "loop"])  # the fused fallback: test_compile, for every optimizer
+@pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.Lion])
+def test_a_scaled_clipped_step_with_a_skipped_step_compiles_as_eager(cls, engine, fullgraph=True):
+    options, make_params = ENGINE_OPTIONS[engine]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="fastoptim: fused=True")
+        eager, traced, graphs = run_pair(cls, dict(max_grad_norm=1.0, **options), fullgraph=fullgraph,
+                                         make_params=make_params, before_step=scaler)
+    assert graphs == 1
+    # the loop engine, traced, rounds an ulp or two apart from eager (docs/compile.md)
+    assert_same(eager, traced, exact=engine != "loop")
+    if engine != "loop":
+        assert not torch.equal(eager[0][0], model_params()[0])  # it stepped
+
+
+# --- lean and mixed states -------------------------------------------------------------------------------
+
+
+def test_eight_bit_subset_norm_clipped_maximized_steps_with_grads_that_come_and_go_compile_as_eager():
+    def params():
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(shape)) for shape in ((40, 300), (5000,), (17,), (3, 30))]
+
+    def drop(params, opt, step):
+        if step == 1:
+            params[2].grad = None
+
+    eager, traced, _ = run_pair(fastoptim.AdamW, dict(state_bits=8, sn=True, max_grad_norm=0.5, maximize=True),
+                                make_params=params, before_step=drop)
+    assert_same(eager, traced)
+
+
+def mixed_params(seed=0):
+    params = model_params(seed)
+    return params[:1] + [torch.nn.Parameter(p.detach().bfloat16()) for p in params[1:]]
+
+
+@pytest.mark.parametrize("options", [dict(master_bits=24, foreach=True, fused=False),
+                                     dict(master_bits=24, foreach=True, fused=False, max_grad_norm=1.0)])
+def test_fp32_and_bf16_params_with_master_remainders_on_foreach_compile_as_eager(options):
+    eager, traced, _ = run_pair(fastoptim.AdamW, options, make_params=mixed_params, before_step=scaler)
+    assert_same(eager, traced)
+
+
+def test_fp32_and_bf16_params_with_master_bits_on_the_fused_engine_step_the_eager_params():
+    """A compiled step's kernels keep no master remainders (step_op), so only the params are compared."""
+    eager, traced, _ = run_pair(fastoptim.AdamW, dict(master_bits=24), make_params=mixed_params)
+    assert all(torch.equal(a, b) for a, b in zip(eager[0], traced[0]))
+
+
+# --- Muon with its AdamW companions ---------------------------------------------------------------------
+
+
+def muon_pair(options):
+    def make():
+        params = model_params()
+        return params
+
+    made = []
+    for _ in range(2):
+        params = make()
+        groups = [dict(params=[p for p in params if p.dim() == 2], use_muon=True),
+                  dict(params=[p for p in params if p.dim() != 2], use_muon=False)]
+        made.append((params, fastoptim.Muon(groups, lr=torch.tensor(0.01), **options)))
+    return made
+
+
+@pytest.mark.parametrize("options, scaled", [(dict(fused=True), True), (dict(fused=True, max_grad_norm=0.5), False),
+                                             (dict(foreach=True, fused=False, max_grad_norm=0.5), True)])
+def test_muon_with_companions_compiles_as_eager(options, scaled):
+    eager, traced = muon_pair(options)
+    torch._dynamo.reset()
+    compiled = torch.compile(traced[1].step, backend="aot_eager", fullgraph=True)
+    for step in range(4):
+        for params, opt in (eager, traced):
+            set_grads(params, step)
+            if scaled:
+                scaler(params, opt, step)
+            else:
+                drop_some_grads(params, step)
+        eager[1].step()
+        compiled()
+    assert_same(eager, traced)
+
+
+def test_a_traced_muon_bucket_runs_muon_update_on_foreach_by_its_plan(monkeypatch):
+    """``run_muon_bucket`` reads the plan's ``traced``: a traced plan on a fused engine runs the whole
+    update on foreach, an eager one the three parts on its directions."""
+    ran = []
+    monkeypatch.setattr(engines, "run_bucket", lambda engine, part, reduce_group=None: ran.append(
+        (engine, part.traced)))
+    monkeypatch.setattr(muon_parts, "by_matrix_shape", lambda part: part)
+    monkeypatch.setattr(muon_parts, "directions_of", lambda part: ran.append("directions") or
+                        muon_parts.Directions(torch.float32, []))
+    plan = engines.Plan({"param": [torch.zeros(2, 2)]}, None, muon_parts.SPEC, traced=True)
+    muon_parts.run_muon_bucket("fused-multi", plan)
+    muon_parts.run_muon_bucket("fused-multi", replace(plan, traced=False))
+    assert ran == [("foreach", True), "directions"]
+
+
+# --- plans carry ``traced`` ------------------------------------------------------------------------------
+
+
+def test_every_plan_made_from_a_traced_plan_is_traced():
+    params = [torch.zeros(4) for _ in range(3)]
+    for traced in (True, False):
+        plan = engines.Plan({"param": params, "exp_avg": [torch.zeros(4) for _ in range(3)]}, None,
+                            fastoptim.AdamW.algorithm.spec, args={"lr": torch.ones(3)}, per_tensor=frozenset({"lr"}),
+                            traced=traced)
+        derived = [plan.subset([0, 2]), plan.without("exp_avg"), plan.cut([1]), replace(plan, found_inf=None),
+                   plan.cut([0, 0], {"param": [params[0][:2], params[0][2:]], "exp_avg": [params[0][:2]] * 2}, {})]
+        assert [part.traced for part in derived] == [traced] * len(derived)
+
+
+def test_a_traced_plan_skips_an_inf_step_without_reading_found_inf_on_the_host(monkeypatch):
+    """amp reads ``plan.traced``: a traced plan keeps the old values where found_inf is set, in the graph
+    (no ``item()``); an eager plan reads found_inf on the host."""
+    reads = []
+    real_item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: reads.append(1) or real_item(self))
+
+    for traced in (True, False):
+        param, grad = torch.ones(5), torch.ones(5)
+        plan = engines.Plan({"param": [param], "grad": [grad]}, None, fastoptim.Lion.algorithm.spec,
+                            found_inf=torch.tensor(1.0), traced=traced)
+        reads.clear()
+        amp.run_unless_inf(lambda part: torch._foreach_add_(part.tensors["param"], part.tensors["grad"]), plan)
+        assert torch.equal(param, torch.ones(5))  # skipped
+        assert reads == ([] if traced else [1])
+
+
+# --- grad mode --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_compiled_step_runs_without_grad_and_gives_grad_mode_back(backend):
+    params = model_params()
+    opt = fastoptim.Adan(params, lr=torch.tensor(0.01), foreach=True, fused=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(opt.step, backend=backend, fullgraph=True)
+    for step, mode in enumerate((True, False, True)):
+        set_grads(params, step)
+        with torch.set_grad_enabled(mode):
+            compiled()  # in-place on leaves that require grad: raises unless grad mode is off inside
+            assert torch.is_grad_enabled() is mode
+    assert all(p.grad_fn is None and p.requires_grad for p in params)
+    assert not any(s.requires_grad for p in params for s in opt.state[p].values() if isinstance(s, torch.Tensor))
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_closure_in_a_compiled_step_runs_with_grad_and_its_backward_steps_as_eager(backend):
+    """A closure whose backward breaks the graph (fullgraph=False): it runs with grad on, the step after
+    it without, and the trajectory is eager's bit for bit."""
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.GELU(), torch.nn.Linear(16, 3))
+        opt = fastoptim.AdamW(model.parameters(), lr=torch.tensor(0.01), max_grad_norm=1.0)
+        torch._dynamo.reset()
+        step = torch.compile(opt.step, backend=backend) if compiled else opt.step
+        modes = []
+        for i in range(3):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(i))
+
+            def closure():
+                opt.zero_grad()
+                modes.append(torch.is_grad_enabled())
+                loss = model(x).square().mean()
+                loss.backward()
+                return loss
+
+            loss = step(closure)
+            assert loss.requires_grad and torch.is_grad_enabled()
+        assert modes == [True] * 3
+        runs.append(([p.detach().clone() for p in model.parameters()],
+                     [s.clone() for p in model.parameters() for s in opt.state[p].values()
+                      if isinstance(s, torch.Tensor)]))
+    for a, b in zip(runs[0][0] + runs[0][1], runs[1][0] + runs[1][1]):
+        assert torch.equal(a, b)
+
+
+# --- the fused fallback's warning -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_fallback_in_a_compiled_step_warns_once_at_tracing_on_every_backend(backend, fullgraph):
+    params = [torch.nn.Parameter(torch.randn(10, dtype=torch.float64)), torch.nn.Parameter(torch.randn(10))]
+    opt = fastoptim.AdamW(params, lr=torch.tensor(0.01), fused=True, max_grad_norm=1.0)
+    torch._dynamo.reset()
+    compiled = torch.compile(opt.step, backend=backend, fullgraph=fullgraph)
+    said = []
+    for step in range(3):
+        set_grads(params, step)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled()
+        said.append([str(w.message) for w in caught if "fastoptim" in str(w.message)])
+    assert said == [["fastoptim: fused=True, but no fused kernel for torch.float64; those tensors take the foreach "
+                     "engine"], [], []]
