@@ -9,7 +9,7 @@ bench: $(VENV)/.ready-bench
 	$(VENV)/bin/fastoptim bench
 
 test: $(VENV)/.ready-test
-	$(VENV)/bin/python -m pytest -q
+	$(VENV)/bin/python -m pytest -q --durations=20
 
 # The site's home page is the README, its links made relative to docs/; warnings are errors.
 docs: $(VENV)/.ready-docs

@@ -73,8 +73,11 @@ def assert_same(eager, traced, exact=True):
             assert same(value, other) if isinstance(value, torch.Tensor) else value == other, key
 
 
-def run_both(cls, options, backend, steps=5, before_step=None, fullgraph=True, make_params=model_params,
-             exact=True):
+def run_pair(cls, options, backend="aot_eager", fullgraph=True, steps=4, make_params=model_params, before_step=None,
+             closure=None):
+    """The eager twin and the compiled one over ``steps`` steps, ``before_step(params, opt, step)`` run on
+    each before each step, ``closure(twin, step)`` (None: none) handed to each step; returns both and the
+    graphs made."""
     eager, traced = pair(cls, options, make_params)
     torch._dynamo.reset()
     counters.clear()
@@ -83,11 +86,23 @@ def run_both(cls, options, backend, steps=5, before_step=None, fullgraph=True, m
         for params, opt in (eager, traced):
             set_grads(params, step)
             if before_step:
-                before_step(opt, step)
-        eager[1].step()
-        compiled()
+                before_step(params, opt, step)
+        if closure is None:
+            eager[1].step()
+            compiled()
+        else:
+            eager[1].step(closure(eager, step))
+            compiled(closure(traced, step))
+    return eager, traced, counters["stats"]["unique_graphs"]
+
+
+def run_both(cls, options, backend, steps=5, before_step=None, fullgraph=True, make_params=model_params,
+             exact=True):
+    """:func:`run_pair` (``before_step(opt, step)``), the twins asserted the same; returns the graphs made."""
+    eager, traced, graphs = run_pair(cls, options, backend, fullgraph, steps, make_params,
+                                     before_step and (lambda params, opt, step: before_step(opt, step)))
     assert_same(eager, traced, exact)
-    return counters["stats"]["unique_graphs"]
+    return graphs
 
 
 @pytest.mark.parametrize("cls, options", CASES, ids=lambda x: x.__name__ if isinstance(x, type) else str(x))

@@ -121,9 +121,9 @@ def test_master_bits_24_keeps_what_bf16_alone_loses():
     assert errors[24] < errors[16] / 20, errors
 
 
-@pytest.mark.parametrize("backend, device", [("cpu", "cpu"), ("triton", "cpu")] + (
-    [("triton", "cuda")] if torch.cuda.is_available() else []))
-@pytest.mark.parametrize("engine", FUSED)
+@pytest.mark.parametrize("backend, device, engine", [("cpu", "cpu", engine) for engine in FUSED] + [
+    ("triton", "cpu", "fused-multi")] + ([("triton", "cuda", engine) for engine in FUSED] if torch.cuda.is_available()
+                                        else []))  # the interpreter: seconds a case, fused-single its same kernels
 @pytest.mark.parametrize("info", OPTIMIZERS, ids=lambda info: info.name)
 def test_an_8_bit_remainder_is_the_kernels_fp32_step_split(info, engine, backend, device, monkeypatch):
     """On the C and Triton kernels, each step of a bf16 param with an 8-bit remainder is the same kernel's fp32

@@ -12,14 +12,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 import fastoptim
 from fastoptim import engines
 from fastoptim.engines import amp
 from fastoptim.optimizers import muon_parts
 
-from .test_compile import assert_same, model_params, pair, set_grads, with_a_float64_param
+from .test_compile import assert_same, model_params, run_pair, set_grads, with_a_float64_param
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*script_method:DeprecationWarning")
 
@@ -30,27 +29,6 @@ def drop_some_grads(params, step):
         params[1].grad = None
     if step == 0:
         params[3].grad = None
-
-
-def run_pair(cls, options, backend="aot_eager", fullgraph=True, steps=4, make_params=model_params, before_step=None,
-             closure=None):
-    """The eager and the compiled twin over ``steps`` steps; returns both and the graphs made."""
-    eager, traced = pair(cls, options, make_params)
-    torch._dynamo.reset()
-    counters.clear()
-    compiled = torch.compile(traced[1].step, backend=backend, fullgraph=fullgraph)
-    for step in range(steps):
-        for params, opt in (eager, traced):
-            set_grads(params, step)
-            if before_step:
-                before_step(params, opt, step)
-        if closure is None:
-            eager[1].step()
-            compiled()
-        else:
-            eager[1].step(closure(eager, step))
-            compiled(closure(traced, step))
-    return eager, traced, counters["stats"]["unique_graphs"]
 
 
 # --- per-param counts: the sqrt of their bias corrections, through numpy eagerly, traced by dynamo ----------
