@@ -359,19 +359,19 @@ def test_a_cuda_step_picks_triton_by_itself(monkeypatch, launches):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, benchmarks/gpu.sh runs the benchmark itself")
 def test_the_gpu_benchmark_runs_its_fused_engines_in_the_interpreter(tmp_path, launches):
     """The code path of ``fastoptim bench --device cuda`` for fastoptim's engines, on a tiny model's CPU
-    tensors in the interpreter: what only a GPU adds is CUDA's clock and memory counters. Two of its
-    rows, dense and 8-bit (each costs the interpreter ten seconds and more; the kernels' other paths are
-    the other tests'), and every row's name known to the bench."""
+    tensors in the interpreter: what only a GPU adds is CUDA's clock and memory counters. One of its
+    rows (each costs the interpreter ten seconds and more; the kernels' paths are the other tests'),
+    and every row's name known to the bench."""
     from fastoptim.bench import run as harness
     assert set(bench_command.GPU_OURS) <= set(harness.optimizers())
-    chosen = ["adan-fused-multi", "adamw-8bit-fused-multi"]
+    chosen = ["adamw-8bit-fused-multi"]
     assert set(chosen) <= set(bench_command.GPU_OURS)
     cli.main(["bench", "--models", "gpt2-tiny", "--optimizers", *chosen, "--steps", "1",
               "--repeats", "1", "--no-memory", "--random-grads", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "results.json").read_text())["models"][0]["optimizers"]
     assert [row["optimizer"] for row in rows] == chosen
     assert all(row["status"] == "ok" for row in rows), rows
-    assert {spec.name for spec, _, _ in launches} == {"adan", "adamw"}
+    assert {spec.name for spec, _, _ in launches} == {"adamw"}
 
 
 @needs_interpreter
@@ -466,7 +466,7 @@ def test_a_cuda_step_never_waits_for_the_gpu(info):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.Adan])
+@pytest.mark.parametrize("cls", [fastoptim.Adan])  # the walk is the algorithms' (seconds a case in the interpreter)
 def test_8_bit_column_subsets_in_runs_of_whole_blocks_match_the_loop_engine(cls, device, launches, monkeypatch):
     """A column-subset param whose rows are whole 256-element blocks (24 × 768) with 8-bit states: the
     kernel takes it in three runs of 256 columns, each program walking its rows' segments (on an H200,
