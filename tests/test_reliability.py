@@ -4,6 +4,7 @@ variants of an algorithm are refused at load, Lion clips with torch's eps, compl
 optimized as torch.optim optimizes them, and a compiled step reuses the graph of a grads pattern
 it has seen. The cases that used to crash the process run in a subprocess."""
 import copy
+import math
 import inspect
 import warnings
 
@@ -142,6 +143,23 @@ def test_the_clip_ops_refuse_a_factor_they_cannot_read(factor, message):
     assert torch.equal(g, torch.ones(8))
     with pytest.raises(ValueError, match=r"grads\[1\] must be a strided"):
         torch.ops.fastoptim.grad_norm_total([g, torch.ones(3, dtype=torch.int64)], False)
+
+
+def test_the_host_sqrt_op_is_torchs_sqrt_and_refuses_dtypes_numpy_would_round_otherwise():
+    """``engines.ops.sqrt`` of a CPU tensor of several elements (per-param bias corrections) goes through
+    ``fastoptim::host_sqrt``: correctly rounded, as ``math.sqrt`` (and the native rules' C sqrt) rounds
+    it, which torch's CPU sqrt of a tensor is not everywhere (MKL's vector sqrt), also of a strided
+    view; an integer tensor (numpy's sqrt would make float64 of it), bf16 (numpy has none) or a tensor
+    that requires grad is refused by name, its input left as it was."""
+    from fastoptim.engines import ops
+    for x in (torch.rand(5000, dtype=torch.float64) * 10, (torch.rand(3000) * 10)[::3], torch.rand(900).half()):
+        rounded = torch.tensor([math.sqrt(v) for v in x.tolist()], dtype=torch.float64).to(x.dtype)
+        assert torch.equal(ops.sqrt(x), rounded) and ops.sqrt(x).dtype == x.dtype
+    for bad in (torch.arange(4), torch.ones(3, dtype=torch.bfloat16), torch.ones(3, requires_grad=True)):
+        before = bad.detach().clone()
+        with pytest.raises(ValueError, match="fastoptim::host_sqrt: x must be an fp16, fp32 or float64"):
+            torch.ops.fastoptim.host_sqrt(bad)
+        assert torch.equal(bad.detach(), before)
 
 
 # --- 3. an 8-bit state without its block maxima ---------------------------------------------------
