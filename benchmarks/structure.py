@@ -45,6 +45,7 @@ N_PARAMS, TINY, EIGHT_BIT_NUMEL = 148, 16, 4096
 
 # (file or folder under fastoptim/) that make up the machinery between opt.step() and the kernel
 STEP_MACHINERY = ("optimizers/base.py", "optimizers/step_path.py", "optimizers/state_creation.py", "step_cache.py",
+                  "optimizers/step_counts.py",
                   "bound_step.py", "engines", "multi_tensor.py", "clip.py",
                   "optimizers/scalars.py", "optimizers/algorithm.py")
 TOOLS = ("bench", "train", "kernels", "cli.py")  # left out of "the library without its tools"

@@ -94,9 +94,9 @@ class BoundStep:
         self.changes = state.changes
 
     @classmethod
-    def of(cls, state, work, algorithms, counts_of, structure, forced, clipped):
+    def of(cls, state, work, algorithms, structure, forced, clipped):
         """The BoundStep of a checked step's ``work`` ((group, GroupWork, grads) per group) whose groups
-        run ``algorithms`` and read and advance the count tensors ``counts_of(group, entry)``, under the
+        run ``algorithms`` and read and advance their step counts (``StepCounts.read``), under the
         backend FASTOPTIM_FUSED_BACKEND ``forced``; None where a group's step is not its bound tables'
         kernels alone (the algorithm runs its own way, has no kernel or no rule; a bucket reduces over
         ranks or left some tensors to foreach) or its ``bound_part`` (Muon's: not ``clipped``, the
@@ -129,7 +129,7 @@ class BoundStep:
         backend = runs_backend(runs)
         if type(state) is not OptimizerState or backend is None or any(parts) and not backend.STEP_SCALARS:
             return None
-        counts = [count for group, entry, _ in work if entry.params for count in counts_of(group, entry)]
+        counts = [count for group, entry, _ in work if entry.params for count in entry.context.counts.read(group)]
         return cls(state, work, algorithms, counts, [Structure(structure, group) for group, _, _ in work], runs,
                    parts, backend, forced)
 
@@ -175,8 +175,9 @@ class BoundStep:
             if any(isinstance(number, Tensor) for number in numbers):
                 # a tensor lr (say), which the native rules do not take: Python computes the scalars as the
                 # checked step does, as tensors, and the counts it advances, which native code then does not
-                # check (see GroupWork.counts_in_place); Muon's parts take the checked way
-                return (not any(self.parts) and all(entry.counts_in_place() for _, entry, _ in work)
+                # check (see StepCounts.in_place); Muon's parts take the checked way
+                return (not any(self.parts) and all(entry.context.counts.in_place() for _, entry, _ in work
+                                                    if entry.params)
                         and self._step_with_python_scalars(optimizer, work, writes, found_inf))
             if parts and (found_inf is not None or group["stochastic_rounding"]):
                 # a bound part (Muon's) skips a step GradScaler found an inf in on the host, and its update

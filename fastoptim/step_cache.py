@@ -75,7 +75,6 @@ class GroupWork:
         self.scalar_dtype = torch.float64 if any(p.dtype == torch.float64 for p in local_params) else torch.float32
         self.buckets = [(bucket, None) for bucket in buckets(params)]
         self.states = self.kept = self.tensors = self.context = self.states_chosen = self.state_signature = None
-        self.count_owners = self.count_pointers = None
         self.watched = self.grads_like = None  # see read_tensors
         self.bucket_caches = {}
         self.traced_scalars = None  # for a traced CPU step whose scalars an op computes: scalars.Prepared
@@ -89,15 +88,7 @@ class GroupWork:
         return (self.states is not None and all(map(operator.is_, states, self.states))
                 and all(all(map(operator.is_, map(dict.get, states, repeat(key)), tensors))
                         for key, tensors in self.kept.items())
-                and self.state_signature.matches(self._local_states(), *LAYOUT) and self.counts_in_place())
-
-    def counts_in_place(self):
-        """Whether the params' counts (their states' ``step``) are still the elements of the one tensor
-        that the step reads and advances (``context.counts``), and it is where it was: a count given
-        storage of its own (``set_``, ``.data =``; see :func:`are_slots`), or the tensor given new
-        storage without them, is seen by no version counter (``.data =`` bumps none) and by no native
-        check (native code holds the params and states, not the counts). ~50 ns a param."""
-        return self.count_owners is None or list(map(Tensor.data_ptr, self.count_owners)) == self.count_pointers
+                and self.state_signature.matches(self._local_states(), *LAYOUT) and self.context.counts.in_place())
 
     def _local_states(self):
         """The state tensors this work was built on, as the engines see them (their ``engine_view``)."""
@@ -112,9 +103,6 @@ class GroupWork:
         keys = {key for state in states for key in state}
         self.kept = {key: list(map(dict.get, states, repeat(key))) for key in keys}
         self.state_owners = [t for tensors in self.kept.values() for t in tensors if isinstance(t, Tensor)]
-        counts = context.counts  # the params' counts as one tensor, each param's "step" a slot of it
-        self.count_owners = None if counts is None else [counts, *self.kept["step"]]
-        self.count_pointers = None if counts is None else [counts.data_ptr(), *slot_pointers(counts)]
         self.state_signature = Signature(self.state_owners, self._local_states())
         self.partitions, self.reduced_roles = partitions if any(partitions) else None, reduced_roles
         self.read_tensors()
@@ -141,9 +129,8 @@ class GroupWork:
         """Per param, what native code checks beside the tensors the engines take (see
         ``tables.Tables``), so that a step that checks none in Python (``BoundStep``) still sees them
         change: the param and states where the engines take their (a, b, c) views (subset norm), and
-        the param's count with the one tensor it is a slot of (``context.counts``)."""
-        counts = self.context.counts
-        watched = [[] for _ in self.params] if counts is None else [[slot, counts] for slot in self.kept["step"]]
+        the param's count with the one tensor it is a slot of (``context.counts``: ``StepCounts``)."""
+        watched = self.context.counts.watched() or [[] for _ in self.params]
         for i, part in enumerate(self.partitions or ()):
             if part is not None:
                 watched[i] += [self.tensors[role][i] for role in self.roles
@@ -170,20 +157,6 @@ class GroupWork:
         if self.partitions is None:
             return grads
         return [grad if part is None else part.view_param(grad) for grad, part in zip(grads, self.partitions)]
-
-
-def slot_pointers(counts: Tensor) -> list[int]:
-    """The data pointers of the elements of ``counts``, a contiguous 1-d tensor."""
-    start, size = counts.data_ptr(), counts.element_size()
-    return list(range(start, start + size * len(counts), size))
-
-
-def are_slots(counts: Tensor, tensors: list[Tensor]) -> bool:
-    """Whether ``tensors`` are the elements of ``counts``, a 1-d tensor, in order, in its storage now.
-    ``set_`` or ``.data =`` on one of them gives it storage of its own (its ``_base`` stays): their
-    data pointers tell."""
-    return (counts.dim() == 1 and counts.is_contiguous() and len(counts) == len(tensors)
-            and list(map(Tensor.data_ptr, tensors)) == slot_pointers(counts))
 
 
 class OpCache(dict):

@@ -123,6 +123,39 @@ def test_a_tensor_lr_steps_bound_and_as_the_checked_step(cls, options, monkeypat
             assert torch.equal(opt.state[param][key], value), key
 
 
+@pytest.mark.parametrize("write", ["set_", "data", "packed"])
+@pytest.mark.parametrize("lr", [1e-2, torch.tensor(1e-2)], ids=["float lr", "tensor lr"])
+def test_a_count_written_by_hand_is_the_count_the_bound_steps_read_and_advance(lr, write, monkeypatch):
+    """A param's count (a slot of the group's one count tensor, ``StepCounts``) given a value of its own
+    between steps: ``set_`` or ``.data =`` on the slot (storage of its own, which no version counter
+    and no native check sees), or ``.data =`` on the tensor it is a slot of (the slots, which the user
+    sees, keep their storage and their values). With a tensor lr the bound
+    step computes its scalars in Python: both ways must read the count written, advance it where the
+    user sees it, and match a checked twin bit for bit."""
+    def change(step, opt, params):
+        if step != 2:
+            return
+        slot = opt.state[params[1]]["step"]
+        if write == "set_":
+            slot.set_(torch.tensor(9.0))
+        elif write == "data":
+            slot.data = torch.tensor(9.0)
+        else:
+            packed = slot._base
+            packed.data = torch.full_like(packed, 9.0)
+
+    (params, opt), (twin_params, twin), ran_bound = _bound_and_checked(
+        lambda ps: fastoptim.AdamW(ps, lr=lr.clone() if torch.is_tensor(lr) else lr, fused=True), change,
+        monkeypatch)
+    assert ran_bound[-2:] == [True, True]  # planned again after the write, then bound
+    counts = [opt.state[param]["step"].item() for param in params]
+    assert counts == [twin.state[param]["step"].item() for param in twin_params]
+    # the slots are what the user sees: a new storage under the tensor they were slots of leaves them be
+    assert counts == ([6.0] * 4 if write == "packed" else [6.0, 9.0 + 4, 6.0, 6.0])
+    for param, expected in zip(params, twin_params):
+        assert torch.equal(param, expected)
+
+
 @pytest.mark.xfail(strict=True, reason="a bound step draws each bucket's stochastic rounding seed before its native "
                    "call checks the tables; when that call answers STALE (a param given new storage), the checked "
                    "step that follows draws again, so the global RNG (and the rounding) runs apart from a twin "

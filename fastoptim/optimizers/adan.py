@@ -11,6 +11,7 @@ from ..specs import KernelSpec, Role
 from ..engines.ops import sqrt
 from .algorithm import PER_GROUP, Algorithm, StepInputs
 from .base import FastOptimizer, in_dtype
+from .step_counts import group_count
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -155,7 +156,7 @@ class Adan(FastOptimizer):
     def restart_opt(self) -> None:
         """Restart as the official code does: step 0, zero moments, and the next gradient is g_prev."""
         for group in self.param_groups:
-            group["step"] = torch.zeros_like(self._group_count(group))
+            group["step"] = torch.zeros_like(group_count(group))
             for param in group["params"]:
                 if param.requires_grad:
                     self.state[param].clear()

@@ -17,8 +17,9 @@ from ..step_cache import OptimizerState
 from .algorithm import PER_GROUP, Algorithm
 from . import release
 from .release_reductions import refusal
-from .checks import check_hyperparameters, check_params, check_tensor_lr, is_step_count, normalize_betas, step_count
+from .checks import check_hyperparameters, check_params, check_tensor_lr, normalize_betas
 from .state_creation import StateCreation
+from .step_counts import group_count
 from .step_path import StepPath, grads_pattern, without_grad
 from .state_dict import StateDicts
 
@@ -134,7 +135,7 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
                                  "master_bits=16")
             self._find_reduce_group()
             if self._algorithm(group).counts == PER_GROUP:
-                self._group_count(group)  # now, not at the first step: a compiled step must find it
+                group_count(group)  # now, not at the first step: a compiled step must find it
         except Exception:
             self.param_groups.pop()
             raise
@@ -237,7 +238,7 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
         self._apply(work, caches)
         # not where the step reduces over ranks: a step run again would reduce twice on this rank alone
         caches["bound"] = None if self._reduce_group is not None else BoundStep.of(
-            self.state, work, [self._algorithm(group) for group, _, _ in work], self._counts, self._structure,
+            self.state, work, [self._algorithm(group) for group, _, _ in work], self._structure,
             engines.backends.forced(), self.defaults["max_grad_norm"] > 0)
         return loss
 
@@ -266,17 +267,6 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
     def _algorithm(self, group):
         """The :class:`Algorithm` that steps ``group``: the optimizer's own."""
         return self.algorithm
-
-    def _group_count(self, group):
-        """A ``PER_GROUP`` algorithm's step count: ``group["step"]``, a 0-d fp32 tensor on the
-        group's device (created at 0). One that the user set as a number (official Adan keeps an
-        int) or as another tensor is taken as such a tensor, as a loaded one is, or refused with a
-        ValueError (see ``checks.step_count``)."""
-        count = group.get("step", 0)
-        device = group["params"][0].device if group["params"] else getattr(count, "device", None)
-        if not is_step_count(count, device):
-            group["step"] = count = step_count(count, device)
-        return count
 
     def enable_gradient_release(self, bucket_numel: int = release.BUCKET_NUMEL, *,
                                 model: torch.nn.Module | None = None) -> release.GradientRelease:

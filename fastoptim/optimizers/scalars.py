@@ -7,7 +7,7 @@ compiler, which costs more than the rest of a compiled step's first call. ``fast
 computes those scalars as an eager step does, with the same code (and so the same numbers: Python
 arithmetic where the eager step's count is a host number, and each bucket's rounding seed drawn where
 the eager step draws it), ``fastoptim::step_factors`` the clip coefficient and GradScaler's factors,
-``fastoptim::count_up`` advances the counts and ``fastoptim::mark_read`` the states' first reads; the
+``fastoptim::mark_read`` marks the states' first reads (``step_counts`` advances the counts); the
 graph of a fused step keeps these ops and the kernels', and compiles nothing."""
 import json
 from typing import NamedTuple
@@ -34,7 +34,7 @@ def count_after(count, increment, lr, traced):
 
 
 def one_count(counts: list[Tensor]) -> Tensor | None:
-    """The counts a step reads (see ``FastOptimizer._counts``) as one tensor: none, the one given (a
+    """The counts a step reads (see ``StepCounts.read``) as one tensor: none, the one given (a
     group's 0-d count, or the params' as one 1-d tensor), or the params' 0-d counts stacked."""
     if not counts:
         return None
@@ -91,7 +91,6 @@ _LIBRARY.define("step_scalars(str algorithm, str group, float[] numbers, Tensor?
                 "int n, int[] owners) -> Tensor[]")
 _LIBRARY.define("step_factors(Tensor? total, Tensor? amp_scale, Tensor? found_inf, float max_norm, float eps, "
                 "ScalarType wide, bool[] maximize) -> Tensor[]")
-_LIBRARY.define("count_up(Tensor(a!)[] counts, Tensor? increment) -> ()")
 _LIBRARY.define("mark_read(Tensor(a!) first_reads, Tensor? increment) -> ()")  # no op may both mutate and return
 
 
@@ -204,10 +203,6 @@ def _factors(total, amp_scale, found_inf, max_norm, eps, wide, maximize):
     return ([] if found_inf is None else [increment_of(found_inf)]) + scales
 
 
-def _count_up(counts, increment):
-    torch._foreach_add_(counts, 1 if increment is None else increment)
-
-
 def _mark_read(first_reads, increment):
     first_reads.clamp_(min=1 if increment is None else increment)
 
@@ -216,8 +211,6 @@ _LIBRARY.impl("step_scalars", _scalars, "CompositeExplicitAutograd")
 torch.library.register_fake("fastoptim::step_scalars", lambda *args: _scalars(*args, fake=True), lib=_LIBRARY)
 _LIBRARY.impl("step_factors", _factors, "CompositeExplicitAutograd")
 torch.library.register_fake("fastoptim::step_factors", _factors, lib=_LIBRARY)  # tensor math: fake tensors run it
-_LIBRARY.impl("count_up", _count_up, "CompositeExplicitAutograd")
-torch.library.register_fake("fastoptim::count_up", lambda counts, increment: None, lib=_LIBRARY)
 _LIBRARY.impl("mark_read", _mark_read, "CompositeExplicitAutograd")
 torch.library.register_fake("fastoptim::mark_read", lambda first_reads, increment: None, lib=_LIBRARY)
 
@@ -261,11 +254,3 @@ def traced_mark_read(first_reads: Tensor, increment: int | Tensor) -> None:
     ``fastoptim::mark_read``: a compiled step reads them on every call, and a step that counts gave
     every param its optional states."""
     torch.ops.fastoptim.mark_read(first_reads, _tensor(increment))
-
-
-def traced_count_up(counts: list[Tensor], increment: int | Tensor) -> None:
-    """Add ``increment`` (1, or a 0-d tensor: 0 on a step GradScaler skipped) to ``counts`` in a traced
-    step, through ``fastoptim::count_up``, where no kernel of the graph reads them (inductor may run
-    an op that mutates a graph input before a kernel that reads it): where ``step_scalars`` computed
-    the group's scalars, or the group had no grads."""
-    torch.ops.fastoptim.count_up(counts, _tensor(increment))

@@ -12,17 +12,17 @@ from .. import distributed
 from ..multi_tensor import FlatStates
 from ..specs import ABSMAX
 from ..states import formats, master, subset_norm
-from ..step_cache import are_slots
 from .algorithm import PER_PARAM
 from .checks import is_step_count, step_count
+from .step_counts import StepCounts
 
 
 class StateContext(NamedTuple):
     """What a group's step reads of its states besides the tensors, made when they change (see
-    ``_prepare_states``): the params' ``step`` counts as views of one tensor (``PER_PARAM``; None:
-    separate tensors), the algorithm's ``param_factors`` and :class:`StepInputs`' ``first_reads``."""
+    ``_prepare_states``): the step counts (:class:`StepCounts`), the algorithm's ``param_factors``
+    and :class:`StepInputs`' ``first_reads``."""
 
-    counts: Tensor | None = None
+    counts: StepCounts
     factors: Tensor | None = None
     first_reads: Tensor | None = None
 
@@ -147,7 +147,7 @@ class StateCreation:
         a buffer per key instead of a tensor per state, and per-param counts are views of one tensor,
         so a step adds to them in one op (2000 separate 0-d tensors cost milliseconds of dispatch),
         and a compiled step hands its op a few buffers; not for DTensor or complex params. A ``traced``
-        step leaves per-param counts it finds apart as they are (see below)."""
+        step leaves per-param counts it finds apart as they are (see ``StepCounts.of_states``)."""
         algorithm, device = self._algorithm(group), params[0].device
         optional = algorithm.spec.optional  # read before the states are created
         first_reads = [float(all(role in self.state.get(param, ()) for role in optional)) for param in params
@@ -160,19 +160,7 @@ class StateCreation:
                                 if key not in state} for param, state in zip(params, now)], device)
             states = [self._ensure_state(param, group, functools.partial(flat.take, index))
                       for index, param in enumerate(params)]
-        counts = None
-        if algorithm.counts == PER_PARAM:
-            for param, state in zip(params, states):
-                if not is_step_count(state["step"], param.device):  # one set by hand, checked by _check_state
-                    state["step"] = step_count(state["step"], param.device)
-            steps = [state["step"] for state in states]
-            counts = steps[0]._base
-            if counts is None or not are_slots(counts, steps):
-                # A traced step leaves them unpacked (its counts are then stacked in the graph): the step
-                # traced for another pattern of grads (a GAN's halves) guards the state dicts packing changes.
-                counts = None if traced else torch.stack(steps)
-                for i, state in enumerate(states if counts is not None else ()):
-                    state["step"] = counts[i]
+        counts = StepCounts.of_states(algorithm.counts, params, states, traced)
         factors = None if algorithm.param_factors is None else torch.tensor(
             [algorithm.param_factors(group, param) for param in params], dtype=torch.float64, device=device)
         first_reads = torch.tensor(first_reads, device=device) if 0.0 in first_reads else None

@@ -18,8 +18,9 @@ from ..specs import ABSMAX
 from ..states import master
 from ..step_cache import DEVICE, DTYPE, SHAPE, GroupWork, Signature, engine_view
 from . import scalars
-from .algorithm import PER_GROUP, PER_PARAM, StepInputs
+from .algorithm import PER_GROUP, StepInputs
 from .checks import check_params, check_tensor_lr
+from .step_counts import StepCounts, group_count
 
 GRADS_PATTERNS_KEPT = 8  # torch.compile's recompile limit: a step traced for more patterns recompiles anyway
 
@@ -70,11 +71,11 @@ class StepPath:
 
     def _check_between_steps(self, group, params):
         """Raise if what a scheduler or the user may have set in ``group`` since the last step does not
-        fit ``params`` (those with grads): a tensor lr, a ``PER_GROUP`` count (see ``_group_count``)."""
+        fit ``params`` (those with grads): a tensor lr, a ``PER_GROUP`` count (see ``group_count``)."""
         if isinstance(group["lr"], Tensor) and params:
             check_tensor_lr(group["lr"], params[0].device)
         if self._algorithm(group).counts == PER_GROUP:
-            self._group_count(group)
+            group_count(group)
 
     def _structure(self, group):
         """What of ``group``'s options decides its step work: its state roles, engine and formats."""
@@ -286,14 +287,15 @@ class StepPath:
         if prepared is None:
             args, per_tensor = self._arguments(algorithm, group, entry, grad_scale, increment, traced)
         else:
-            counts, inputs = self._counts(group, entry), self._step_inputs(group, entry, grad_scale)
+            counts, inputs = self._step_counts(group, entry).read(group), self._step_inputs(group, entry, grad_scale)
         plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, algorithm.update, algorithm.spec,
                             algorithm.kernel_scalars, algorithm.flags(group), args,
                             frozenset(per_tensor), found_inf, group["stochastic_rounding"],
                             warn_fallback=group["fused"] is True, absmax=entry.absmax,
                             watched=entry.watched, grads_like=entry.grads_like,
                             rule="" if algorithm.rule is None else algorithm.rule[0],
-                            counts=self._read_counts(group, entry), traced=traced)
+                            counts=self._step_counts(group, entry).per_param(group, len(entry.params)),
+                            traced=traced)
         for index, (bucket, reduce_group) in enumerate(entry.buckets):
             whole = len(bucket) == len(entry.params)
             part = plan if whole else plan.subset(bucket)
@@ -316,51 +318,26 @@ class StepPath:
     def _arguments(self, algorithm, group, entry, grad_scale, increment, traced):
         """``algorithm``'s arguments for this step of ``group`` (``entry``: its work) and the names of those
         that hold one value per param (see ``scalars.step_arguments``)."""
-        return scalars.step_arguments(algorithm, group, scalars.one_count(self._counts(group, entry)), increment,
-                                      self._step_inputs(group, entry, grad_scale), traced)
+        return scalars.step_arguments(algorithm, group, scalars.one_count(self._step_counts(group, entry).read(group)),
+                                      increment, self._step_inputs(group, entry, grad_scale), traced)
 
-    def _counts(self, group, entry):
-        """The step counts ``group``'s step reads and advances (see ``scalars.one_count``): the
-        group's (``PER_GROUP``), those of ``entry``'s params (``PER_PARAM``: as one tensor, or one
-        each), or none."""
-        counts = self._algorithm(group).counts
-        if counts == PER_GROUP:
-            return [self._group_count(group)]
-        if counts == PER_PARAM and entry is not None and entry.params:
-            return [entry.context.counts] if entry.context.counts is not None else [
-                state["step"] for state in entry.states]
-        return []
+    def _step_counts(self, group, entry):
+        """The :class:`StepCounts` of ``group``'s params with grads (``entry``: their work, or None)."""
+        context = None if entry is None else entry.context
+        return context.counts if context is not None else StepCounts(self._algorithm(group).counts)
 
     def _step_inputs(self, group, entry, grad_scale):
-        """The :class:`StepInputs` of this step of ``group`` besides its count (see ``_counts``)."""
+        """The :class:`StepInputs` of this step of ``group`` besides its count (see ``StepCounts``)."""
         context = entry.context
         return StepInputs(group_lr(group), grad_scale, None, entry.scalar_dtype, context.first_reads, context.factors)
 
-    def _read_counts(self, group, entry):
-        """Per param of ``entry``, the step count its step reads (a ``PER_GROUP`` count for each), or None."""
-        counts = self._algorithm(group).counts
-        if counts == PER_GROUP:
-            return [self._group_count(group)] * len(entry.params)
-        return [state["step"] for state in entry.states] if counts == PER_PARAM else None
-
     def _count_step(self, group, entry, increment, whole_step=True, traced=False):
-        """Advance the group's step counts by ``increment`` (1, or 0 on a step GradScaler skipped),
-        after the update (of a step that torch.compile ``traced``, or an eager one): a ``PER_GROUP``
-        count whether or not its params had grads (on a ``whole_step``: not for each released bucket),
-        ``PER_PARAM`` counts of the params of ``entry`` that had (None: the per-group counts of a
-        released step alone)."""
-        if not whole_step and self._algorithm(group).counts == PER_GROUP:
-            return  # a released bucket: the group's count advances at step()
-        counts = self._counts(group, entry)
-        if not counts:
-            return
-        if traced and counts[0].device.type == "cpu" and (
-                entry is None or not entry.params or entry.traced_scalars is not None):
-            scalars.traced_count_up(counts, increment)
-        elif len(counts) == 1:
-            counts[0].add_(increment)
-        else:
-            torch._foreach_add_(counts, increment)
+        """Advance the group's step counts by ``increment`` (see ``StepCounts.advance``) after a step of
+        its params with grads (``entry``: their work; None: a released step's per-group counts alone),
+        which torch.compile ``traced`` or ran eagerly: a traced CPU step whose scalars an op computed, or
+        whose group had no grads, advances them through an op too."""
+        by_op = traced and (entry is None or not entry.params or entry.traced_scalars is not None)
+        self._step_counts(group, entry).advance(group, increment, by_op, whole_step)
 
     def _factors_by_op(self, work, clipped_grads, amp_scale, found_inf):
         """Whether a traced step computes its clip coefficient and GradScaler's factors through
