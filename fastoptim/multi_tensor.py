@@ -181,18 +181,17 @@ def subset_layouts(tensors):
     return np.array(layouts, dtype=np.int64).reshape(-1, 2)
 
 
-def staged(values, device, traced=False):
+def staged(values, device):
     """``values`` (a numpy array or a list of numbers) as a CPU tensor that a copy to ``device`` need
     not wait for: pinned for a GPU, so the copy is asynchronous (a copy from pageable memory waits
-    until the stream has run everything before it, which stalls the host each step). Not in a step
-    that torch.compile ``traced``, which makes its tensors in the graph: fake tensors cannot pin."""
+    until the stream has run everything before it, which stalls the host each step)."""
     tensor = torch.from_numpy(np.array(values))
-    return tensor.pin_memory() if torch.device(device).type == "cuda" and not traced else tensor
+    return tensor.pin_memory() if torch.device(device).type == "cuda" else tensor
 
 
-def sent_to(values, device, traced=False):
-    """``values`` as a tensor on ``device``, sent from :func:`staged` memory (``traced``: see there)."""
-    return staged(values, device, traced).to(device, non_blocking=True)
+def sent_to(values, device):
+    """``values`` as a tensor on ``device``, sent from :func:`staged` memory."""
+    return staged(values, device).to(device, non_blocking=True)
 
 
 def _increment_version_takes_lists():

@@ -46,13 +46,16 @@ def test_per_param_counts_that_differ_compile_as_eager(cls, engine, backend="aot
     assert graphs == 3  # one per grads pattern: no graph break
 
 
-@pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.AdamWSN])
-def test_per_param_counts_compile_without_numpy_tracing(cls):
+@pytest.mark.parametrize("cls, engine", [(fastoptim.AdamW, "foreach"), (fastoptim.AdamWSN, "foreach"),
+                                         (fastoptim.AdamW, "fused fallback")])
+def test_per_param_counts_compile_without_numpy_tracing(cls, engine):
     """``torch._dynamo.config.trace_numpy=False`` is a supported dynamo setting: a foreach step with
     per-param counts compiled as one graph before (``ops.sqrt`` took ``x.sqrt()`` when traced); it
-    must not need dynamo to trace numpy now."""
+    must not need dynamo to trace numpy now. Nor must a fused group whose float64 param the kernel
+    leaves to foreach (its per-param arguments cut by an index that numpy made)."""
+    options, make_params = ENGINE_OPTIONS[engine]
     with torch._dynamo.config.patch(trace_numpy=False):
-        eager, traced, graphs = run_pair(cls, dict(foreach=True, fused=False),
+        eager, traced, graphs = run_pair(cls, options, make_params=make_params,
                                          before_step=lambda params, opt, step: drop_some_grads(params, step))
     assert_same(eager, traced)
     assert graphs == 3

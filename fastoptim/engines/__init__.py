@@ -5,6 +5,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from ..multi_tensor import pick, sent_to
@@ -92,7 +93,9 @@ def args_of(args, per_tensor, owners, device, cache=None, traced=False):
         return args
     index = None if cache is None else cache.get("owners")
     if index is None:
-        index = sent_to(np.array(owners, dtype=np.int64), device, traced)
+        # a traced step makes it in the graph, a constant: numpy there would need dynamo's trace_numpy
+        index = torch.tensor(owners, dtype=torch.int64, device=device) if traced else sent_to(
+            np.array(owners, dtype=np.int64), device)
         if cache is not None:
             cache["owners"] = index
     return {k: v[index] if k in per_tensor else v for k, v in args.items()}
