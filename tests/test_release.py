@@ -69,6 +69,44 @@ def test_a_released_run_is_a_normal_run_bit_for_bit(info, engine):
     assert [g.get("step") for g in plain.param_groups] == [g.get("step") for g in opt.param_groups]
 
 
+@pytest.mark.parametrize("compiled", ["training step", "optimizer step"])
+@pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.Adan])
+def test_a_compiled_step_under_release_is_the_normal_run_bit_for_bit(cls, compiled):
+    """torch.compile over a training step (forward, backward, step, zero_grad) or over
+    ``optimizer.step`` alone: the release hooks and ``step()``'s rest run eagerly (dynamo breaks the
+    graph around them), on real tensors. Traced, a hook reached the native binds with fake tensors and
+    raised; a compiled ``step()`` stepped the rest as a traced step and left release's own step
+    unended (every ``zero_grad()`` warned that a backward had not reached its step)."""
+    normal, released = model(), model()
+    plain = cls(list(normal.parameters()), lr=1e-2, weight_decay=0.05)
+    opt = cls(list(released.parameters()), lr=1e-2, weight_decay=0.05)
+    opt.enable_gradient_release(bucket_numel=SMALL_BUCKETS)
+    train(normal, plain)
+
+    def training_step(x):
+        released(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    torch._dynamo.reset()
+    if compiled == "training step":
+        step = torch.compile(training_step, backend="aot_eager")
+    else:
+        compiled_step = torch.compile(opt.step, backend="aot_eager")
+
+        def step(x):
+            released(x).square().mean().backward()
+            compiled_step()
+            opt.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # release's warnings (a step left unended) among them
+        warnings.filterwarnings("ignore", message=".*record_function")  # dynamo's, of the step's profile range
+        for x in batches(4):
+            step(x)
+    assert_equal_runs(normal, plain, released, opt)
+    assert [g.get("step") for g in plain.param_groups] == [g.get("step") for g in opt.param_groups]
+
+
 @pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.Adan])
 def test_lean_options_compose_with_release(cls):
     """bf16 params with master remainders and 8-bit states: the lean configuration release is for."""

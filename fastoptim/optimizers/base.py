@@ -205,6 +205,10 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        release = self.__dict__.get("_release")
+        if release is not None:  # backward stepped the rest, eagerly, even in a compiled step (see release)
+            release.step()
+            return loss
         if torch.compiler.is_compiling():
             self._init_group()  # run eagerly by torch.compile, at tracing
             caches = self._engine_caches
@@ -225,10 +229,6 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
             return loss
         if flat_params.GRAD_BUFFERS:
             flat_params.drop_frozen_grads(self.param_groups)
-        release = self.__dict__.get("_release")
-        if release is not None:
-            release.step()
-            return loss
         caches = self.__dict__.setdefault("_engine_caches", {})
         bound = caches.pop("bound", None)
         if bound is not None and bound.step(self, caches):

@@ -104,6 +104,7 @@ def _weak_hook(release: GradientRelease, reduced: bool = False) -> Callable[[Ten
     step the model in a later optimizer's backward)."""
     reference = weakref.ref(release)
 
+    @torch._disable_dynamo  # a compiled training step runs it eagerly: it steps on real tensors, in native code
     def grad_ready(param):
         live = reference()
         if live is not None:
@@ -277,11 +278,14 @@ class GradientRelease:
         if self.mode != "ddp":
             flat_params.zero_grads(params)  # a flat grad is zeroed in place: its buffer is held anyway
 
+    @torch._disable_dynamo  # as the hooks: a compiled optimizer.step() runs it eagerly
     def step(self) -> None:
         """``optimizer.step()`` under release: every param with a grad that backward did not step (its
         bucket did not fill, a reentrant backward accumulated into it, or it is new to its group), on
         the grads they have, then the per-group step counts."""
         optimizer = self.optimizer
+        if flat_params.GRAD_BUFFERS:
+            flat_params.drop_frozen_grads(optimizer.param_groups)
         if getattr(optimizer, "grad_scale", None) is not None:
             raise RuntimeError("fastoptim: GradScaler scales the loss, and gradient release has already stepped "
                                "the params with the scaled grads in backward: remove the release handle to use "
