@@ -59,6 +59,8 @@ STORES = (
     ("BoundStep / Structure (the bound step's plan)", "bound_step.py", r"^class (BoundStep|Structure)\b"),
     ("engines.step_op._PREPARED (prepared op calls by layout id)", None, r"^_PREPARED\s*="),
     ("engines.step_op._OP_CACHE (traced op calls)", None, r"^_OP_CACHE\s*="),
+    ("engines.step_op._CALLS (the step ops' calls: prepared ones and the op's own, one rule)", None,
+     r"^_CALLS\s*="),
     ("clip: _engine_caches['clip'] GradTables (an optimizer's clip tables)", None,
      r"""caches\.setdefault\(["']clip["']"""),
     ("clip._OP_TABLES (clip_grad_norm_'s and the traced clip's tables)", "clip.py", r"^_OP_TABLES\s*="),

@@ -159,20 +159,6 @@ class GroupWork:
         return [grad if part is None else part.view_param(grad) for grad, part in zip(grads, self.partitions)]
 
 
-class OpCache(dict):
-    """What a custom op keeps between calls (its pointer tables), by a key of its tensors, each entry
-    checked by its user on every call. Emptied when a new key would pass ``SIZE``: an op keyed by
-    tensors that keep changing must not grow it without bound."""
-
-    SIZE = 64
-
-    def keep(self, key, value):
-        if key not in self and len(self) >= self.SIZE:
-            self.clear()
-        self[key] = value
-        return value
-
-
 # --- state dicts that count their changes -------------------------------------------------------
 
 def _changed(state):

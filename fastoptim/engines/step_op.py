@@ -13,7 +13,7 @@ import torch
 from ..multi_tensor import disjoint, pick
 from ..specs import ABSMAX
 from ..states import blockwise8, formats, master
-from ..step_cache import DEVICE, DTYPE, LAYOUT, SHAPE, OpCache, Signature
+from ..step_cache import DEVICE, DTYPE, LAYOUT, SHAPE, Signature
 from . import backends
 from .tables import Tables, split_taken
 
@@ -135,8 +135,8 @@ def split(tensors, absmax, spec, originals=None, remake=None):
         return TracedSplit(taken, left, reason)
     states, absmax = pick(tensors, taken, leave=("grad",)), pick(absmax, taken)
     holders, layout = op_states(states, absmax, spec)
-    call = _PREPARED[id(layout)] = PreparedCall(states["param"], holders, layout, states, absmax, originals,
-                                                lambda: remake(taken))
+    call = _CALLS.prepared(spec.name, PreparedCall(states["param"], holders, layout, states, absmax, originals,
+                                                   lambda: remake(taken)))
     return TracedSplit(taken, left, reason, call)
 
 
@@ -185,9 +185,37 @@ class PreparedCall(OpCall):
         self.tables = None
 
 
-_PREPARED = weakref.WeakValueDictionary()  # id of a prepared call's layout: the call
-# (spec name, id of the layout, which the entry holds): an OpCall made by the op itself
-_OP_CACHE = OpCache()
+class OpCalls:
+    """The step ops' calls, in one store with one rule: a call is found by its op's spec and its
+    layout tensor (made for one call: see :func:`op_states`), and only if it was made for that very
+    tensor (an id may be reused once a tensor is freed). The calls that ``split`` prepared for an
+    optimizer before tracing are held weakly: the optimizer's plan holds them, and they go with it.
+    Those the op made itself, for a caller that prepared none, are held up to ``SIZE``: emptied when
+    a new one would pass it, as an op called on ever new tensors must not grow it without bound."""
+
+    SIZE = 64
+
+    def __init__(self):
+        self._prepared = weakref.WeakValueDictionary()
+        self._own = {}
+
+    def prepared(self, spec_name: str, call: "PreparedCall") -> "PreparedCall":
+        self._prepared[spec_name, id(call.layout)] = call
+        return call
+
+    def own(self, spec_name: str, call: OpCall) -> None:
+        key = spec_name, id(call.layout)
+        if key not in self._own and len(self._own) >= self.SIZE:
+            self._own.clear()
+        self._own[key] = call
+
+    def find(self, spec_name: str, layout: torch.Tensor) -> OpCall | None:
+        key = spec_name, id(layout)
+        call = self._prepared.get(key) or self._own.get(key)
+        return call if call is not None and call.layout is layout else None
+
+
+_CALLS = OpCalls()
 
 
 def _is_real_number(tensor):
@@ -280,8 +308,7 @@ def _op_step(spec, param, grad, holders, layout, scalars, flag_bits, per_tensor_
         return
     flags, stochastic = spec.unpack_flags(flag_bits)
     backend = backends.for_device(param[0].device)
-    call = _PREPARED.get(id(layout)) or _OP_CACHE.get((spec.name, id(layout)))
-    call = call if call is not None and call.layout is layout else None
+    call = _CALLS.find(spec.name, layout)
     prepared = isinstance(call, PreparedCall)
     same = call is not None and _same_tensors(param, call.params) and _same_tensors(holders, call.holders)
     if prepared and not same and call.moved():
@@ -303,7 +330,7 @@ def _op_step(spec, param, grad, holders, layout, scalars, flag_bits, per_tensor_
         kept = not prepared
         call = OpCall(param, holders, layout, *_read_states(op, spec, len(param), holders, layout))
         if kept:
-            _OP_CACHE.keep((spec.name, id(layout)), call)
+            _CALLS.own(spec.name, call)
     tensors = {"param": param, "grad": grad} | {role: ts for role, ts in call.tensors.items() if role != "param"}
     absmax = {role: ts for role, ts in call.absmax.items() if any(t is not None for t in ts)}
     _check_op_grads(op, param, grad)
