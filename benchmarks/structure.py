@@ -18,8 +18,8 @@ with the issue's target beside it in the table:
   ``cli.py``. Target: <= 5,200, and no file of it over 450 lines (the largest are listed, flagged).
 - **stores**: the caches a step keeps of pointer tables, plans or prepared calls, from the declared
   list ``STORES`` (each a name and the pattern that finds it in the source): a store whose pattern no
-  longer matches is gone, so the count drops as they are removed. ``_engine_caches``' key kinds are
-  listed too. Target: <= 2 (one plan store per optimizer, plus the native registry's re-check).
+  longer matches is gone, so the count drops as they are removed (``_engine_caches``, a dict of six
+  kinds of key, became ``PlanStore``, a class whose fields are declared). Target: <= 2 (one plan store per optimizer, plus the native registry's re-check).
 - **engines -> optimizers**: imports of ``fastoptim.optimizers`` in ``fastoptim/engines/``, and the
   distinct calls, during the counted steps, made from a function of ``engines/`` to one of
   ``optimizers/`` (an algorithm's scalars, helpers or update function called back; the last is what a
@@ -55,6 +55,8 @@ MAX_FILE_LINES = 450
 # (name, file or None for any, regex). The issue's target replaces them all by one plan store.
 STORES = (
     ("optimizer._engine_caches (per optimizer, several key kinds)", None, r"\b_engine_caches\b"),
+    ("optimizer._plans: step_cache.PlanStore (per optimizer: each group's work and its grads patterns', "
+     "the bound step, the traced state, the write notes)", None, r"^class PlanStore\b"),
     ("GroupWork.bucket_caches (per group entry, per bucket)", None, r"\bbucket_caches\s*="),
     ("BoundStep / Structure (the bound step's plan)", "bound_step.py", r"^class (BoundStep|Structure)\b"),
     ("engines.step_op._PREPARED (prepared op calls by layout id)", None, r"^_PREPARED\s*="),
@@ -67,8 +69,6 @@ STORES = (
     ("plan.cache['prepared'] (a plan's prepared tables)", None, r"""cache\[["']prepared["']\]\s*="""),
     ("native registry of bound tables (native.cpp)", "kernels/native.cpp", r"unordered_map<[^>]*Bound>"),
 )
-# the key kinds of _engine_caches, found as caches["..."] / caches.get("...") / .setdefault("...") in base.py
-ENGINE_CACHE_KEY = re.compile(r"""caches(?:\[|\.get\(|\.setdefault\()["']([^"']+)["']""")
 
 
 def _params(numel, n=N_PARAMS, dtypes=(torch.float32,), shape=None):
@@ -181,17 +181,6 @@ def stores():
     return found
 
 
-def engine_cache_keys():
-    """The kinds of key of ``_engine_caches``: its string keys in base.py and step_path.py (split from
-    it), plus the group index entries."""
-    text = "".join((PACKAGE / "optimizers" / name).read_text() for name in ("base.py", "step_path.py")
-                   if (PACKAGE / "optimizers" / name).exists())
-    keys = sorted(set(ENGINE_CACHE_KEY.findall(text)))
-    if re.search(r"caches\[index\]\s*=", text):
-        keys.append("<group index>")
-    return keys
-
-
 def engine_to_optimizer_imports():
     """Imports of fastoptim.optimizers in fastoptim/engines/ (file:line: the statement)."""
     pattern = re.compile(r"^\s*(from\s+(\.\.+optimizers|fastoptim\.optimizers)\b.*|import\s+fastoptim\.optimizers\b.*"
@@ -215,7 +204,7 @@ def measure(cases=None):
         calls[name] = count_calls(make())
     lines = line_counts()
     return {"torch": torch.__version__, "calls": calls, "is_compiling": is_compiling_mentions(), "lines": lines,
-            "stores": stores(), "engine cache keys": engine_cache_keys(),
+            "stores": stores(),
             "engines -> optimizers imports": engine_to_optimizer_imports()}
 
 
@@ -248,8 +237,6 @@ def report(result):
     found = result["stores"]
     out += ["", f"## Stores: {len(found)} found of {len(STORES)} declared (target <= 2)", ""]
     out += [f"- {name}: {', '.join(where)}" for name, where in found.items()]
-    out += [f"- _engine_caches key kinds ({len(result['engine cache keys'])}): "
-            + ", ".join(result["engine cache keys"])]
     imports = result["engines -> optimizers imports"]
     out += ["", f"## engines -> optimizers imports: {len(imports)} (target 0)", ""] + [f"- {line}" for line in imports]
     back = sorted({call for row in result["calls"].values() for call in row["engines -> optimizers calls"]})

@@ -155,7 +155,7 @@ class BoundStep:
             work.append((group, entry, grads))
         return work
 
-    def step(self, optimizer, caches):
+    def step(self, optimizer, plans):
         """A step of ``optimizer`` on these tables, in one native call that checks them all before any
         runs (and clips their grads, where asked); False, having changed nothing, where the rule of
         :meth:`work` no longer holds or that call found a tensor changed. Its groups are fused,
@@ -165,7 +165,7 @@ class BoundStep:
         work = self.work(optimizer.state, optimizer.param_groups, optimizer._structure, optimizer._check_between_steps)
         if work is None:
             return False
-        writes = optimizer._restart_written(work, caches) if self.masters else None
+        writes = optimizer._restart_written(work, plans) if self.masters else None
         found_inf = getattr(optimizer, "found_inf", None)
         if not self.step_scalars:
             return self._step_with_python_scalars(optimizer, work, writes, found_inf)

@@ -13,6 +13,7 @@ from torch import Tensor
 from . import distributed
 from .multi_tensor import buckets
 from .specs import ABSMAX
+from .states import master
 
 
 SHAPE, STRIDES, DTYPE, DEVICE = attrgetter("shape"), Tensor.stride, attrgetter("dtype"), attrgetter("device")
@@ -157,6 +158,48 @@ class GroupWork:
         if self.partitions is None:
             return grads
         return [grad if part is None else part.view_param(grad) for grad, part in zip(grads, self.partitions)]
+
+
+GRADS_PATTERNS_KEPT = 8  # torch.compile's recompile limit: a step traced for more patterns recompiles anyway
+
+
+class PlanStore:
+    """An optimizer's step plans, in one place, with their one validity rule (:meth:`GroupWork.fits`,
+    over :class:`Signature`, then :meth:`GroupWork.holds` for the states): where a plan no longer fits
+    what the user wrote, a new one is made, never patched.
+
+    ``current``: each group's work in use, by key (the group's index, or a released bucket's key);
+    ``patterns``: the work of each pattern of grads seen per key, kept up to ``GRADS_PATTERNS_KEPT``
+    (a model whose frozen parts alternate, a GAN's, comes back to one, and a compiled step to the
+    graph it traced for it); ``bound``: the bound step planned from the last checked step
+    (``bound_step.BoundStep``), or None; ``traced_state``: the state dict and its change count that
+    a traced step's eager part found; ``writes``: the notes of the params' version counters after the
+    optimizer's own writes (``states.master.Writes``), or None."""
+
+    def __init__(self):
+        self.current, self.patterns = {}, {}
+        self.bound = self.traced_state = self.writes = None
+
+    def work(self, key, pattern, roles, engine, params, local_params):
+        """The :class:`GroupWork` of key ``key`` over ``params`` (``local_params``: what the engines update of
+        them), whose grads are at positions ``pattern`` of their group's, under ``roles`` and ``engine``:
+        the one in use, or the one kept for that pattern, where it fits, else a new one; and whether it
+        was not the one in use (its params are then to be checked again: one may have new storage)."""
+        entry = self.current.get(key)
+        if entry is not None and entry.fits(roles, engine, params, local_params):
+            return entry, False
+        seen = (key, pattern)
+        entry = self.patterns.get(seen)
+        if entry is None or not entry.fits(roles, engine, params, local_params):
+            mine = [other for other in self.patterns if other[0] == key]  # a key's own: all are in one step
+            if seen not in self.patterns and len(mine) >= GRADS_PATTERNS_KEPT:
+                for other in mine:
+                    del self.patterns[other]
+            versions = master.Versions(params) if master.KEY in roles else None
+            entry = self.patterns[seen] = GroupWork(roles, engine, params, local_params,
+                                                    Signature(params, local_params), versions)
+        self.current[key] = entry
+        return entry, True
 
 
 # --- state dicts that count their changes -------------------------------------------------------

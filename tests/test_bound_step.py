@@ -1,6 +1,6 @@
 """The bound step (scalars, clip and counts in its native call) against the checked step, where a user
 changes something between steps: a bound optimizer's run against a twin whose every step takes the
-checked way (``_engine_caches["bound"]`` popped before each step), bit for bit; and the native ops'
+checked way (``_plans.bound`` dropped before each step), bit for bit; and the native ops'
 refusals of rules that do not fit their kernel. Found by an adversarial review of 6d667b0."""
 import subprocess
 import sys
@@ -38,7 +38,7 @@ def _run(factory, change, checked, steps=6, dtypes=None, bound_calls=None):
         with torch.no_grad():
             change(step, opt, params)
         if checked:
-            opt.__dict__.get("_engine_caches", {}).pop("bound", None)
+            opt._plans.bound = None
         torch.manual_seed(step)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -230,7 +230,7 @@ def test_a_bound_step_with_bad_flags_on_its_second_table_changes_nothing():
         for p in ps:
             p.grad = torch.randn_like(p)
         opt.step()
-        run_tables, _, _ = opt._engine_caches["bound"].runs[0][0]
+        run_tables, _, _ = opt._plans.bound.runs[0][0]
         tables.append((opt, run_tables.tables[0][2]))
         grads += [p.grad for p in ps]
         params += ps

@@ -16,7 +16,7 @@ from torch._dynamo.utils import counters
 import fastoptim
 from fastoptim import engines
 from fastoptim.clip import clip_backend
-from fastoptim.optimizers.step_path import GRADS_PATTERNS_KEPT
+from fastoptim.step_cache import GRADS_PATTERNS_KEPT
 
 from .registry import ADAMW, ADAN, OPTIMIZERS
 

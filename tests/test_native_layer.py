@@ -252,7 +252,7 @@ def test_a_bound_step_of_a_group_of_two_dtypes_is_the_checked_step(cls, engine, 
             if step == 2 and cls is fastoptim.AdamW:
                 opt.state[params[1]]["step"].fill_(7.0)  # in place: the step stays bound
             if checked:
-                opt.__dict__.get("_engine_caches", {}).pop("bound", None)
+                opt._plans.bound = None
             torch.manual_seed(step)
             opt.step()
         # steps 2-5 ran bound, both buckets in one native call that took them
@@ -535,7 +535,7 @@ def _lean_run(cls, options, checked, monkeypatch, steps=4, scaled=False, change=
             with torch.no_grad():
                 change(opt, params)
         if checked:
-            opt.__dict__.get("_engine_caches", {}).pop("bound", None)
+            opt._plans.bound = None
         with monkeypatch.context() as patch:
             if not checked and step >= 1 and change is None:
                 patch.setattr(fastoptim.optimizers.base.FastOptimizer, "_group_work", _refuse_checked_steps)
@@ -556,7 +556,7 @@ def _muon_run(options, engine, checked, monkeypatch, steps=4):
         for param in params:
             param.grad = grad_for(param, step)
         if checked:
-            opt.__dict__.get("_engine_caches", {}).pop("bound", None)
+            opt._plans.bound = None
         with monkeypatch.context() as patch:
             if not checked and step >= 1:
                 patch.setattr(fastoptim.optimizers.base.FastOptimizer, "_group_work", _refuse_checked_steps)

@@ -2,7 +2,7 @@
 and direction dtype) and 4781b1a (``BoundStep`` planned once; its rule reads ``OptimizerState.changes``,
 which ParamStates bump through their ``owners``): what a user writes between steps must reach the plan
 or make a new one. A bound optimizer runs against a twin whose every step is checked
-(``_engine_caches["bound"]`` popped), a fused Muon against foreach, bit for bit; each also asserts
+(``_plans.bound`` dropped), a fused Muon against foreach, bit for bit; each also asserts
 that the plan was really used (or refused, then used again) where it should be."""
 import copy
 import pickle
@@ -45,7 +45,7 @@ def _run(factory, change, checked, steps=6, shapes=SHAPES, dtype=torch.float32):
         with torch.no_grad():
             change(step, box)
         if checked:
-            box["opt"].__dict__.get("_engine_caches", {}).pop("bound", None)
+            box["opt"]._plans.bound = None
         torch.manual_seed(step)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -153,7 +153,7 @@ def test_two_optimizers_sharing_states_each_follow_a_write_made_through_the_othe
                 if step == 3 and opt is b:
                     a.state[params[0]]["exp_avg"] = a.state[params[0]]["exp_avg"] * 2
                 if checked:
-                    opt.__dict__.get("_engine_caches", {}).pop("bound", None)
+                    opt._plans.bound = None
                 opt.step()
         return params
 

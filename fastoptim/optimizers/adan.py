@@ -160,4 +160,4 @@ class Adan(FastOptimizer):
             for param in group["params"]:
                 if param.requires_grad:
                     self.state[param].clear()
-        self._forget_engine_caches()
+        self._forget_plans()

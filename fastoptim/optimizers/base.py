@@ -13,7 +13,7 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 from .. import distributed, engines, flat_params
 from ..bound_step import BoundStep
 from ..states import master
-from ..step_cache import OptimizerState
+from ..step_cache import OptimizerState, PlanStore
 from .algorithm import PER_GROUP, Algorithm
 from . import release
 from .release_reductions import refusal
@@ -98,6 +98,7 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
         self._check_group(defaults, defaults["max_grad_norm"])
         distributed.check_shard_group(shard_group)
         self.shard_group = shard_group
+        self._plans = PlanStore()
         super().__init__(params, defaults)
 
     @property
@@ -165,6 +166,7 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
     def __setstate__(self, state):
         declared = "differentiable" in self.__dict__.get("defaults", state.get("defaults", {}))
         super().__setstate__(state)
+        self._plans = PlanStore()  # a copy plans its own steps
         self.state = self.__dict__["state"]  # torch's __setstate__ sets it in __dict__, past the setter
         if not declared:  # torch adds it to defaults; an optimizer that does not take it keeps it out of its groups
             self.defaults.pop("differentiable", None)
@@ -211,33 +213,33 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
             return loss
         if torch.compiler.is_compiling():
             self._init_group()  # run eagerly by torch.compile, at tracing
-            caches = self._engine_caches
+            plans = self._plans
             # Never raises: comparing the state's identity and its count makes dynamo guard them, so that
             # the step traced on the states _init_group found is traced again (and _init_group run again)
-            # once a state dict changes or another is assigned (whose count may be the same). The caches
+            # once a state dict changes or another is assigned (whose count may be the same). The store
             # hold the traced state, so no other takes its id.
-            traced_state, traced_changes = caches["traced state"]
+            traced_state, traced_changes = plans.traced_state
             if id(self.state) != id(traced_state) or self.state.changes != traced_changes:
                 raise RuntimeError("fastoptim: a state dict changed while a step was traced")
-            self._apply([(group, *self._traced_group_work(caches["patterns"][index, grads_pattern(group["params"])],
+            self._apply([(group, *self._traced_group_work(plans.patterns[index, grads_pattern(group["params"])],
                                                           group))
-                         for index, group in enumerate(self.param_groups)], caches, traced=True)
+                         for index, group in enumerate(self.param_groups)], plans, traced=True)
             # a traced step notes no version counters: the next eager step starts afresh (set only where an
-            # eager step left notes: a key added at every call would change the caches' length, a guard)
-            if caches.get("writes") is not None:
-                caches["writes"] = None
+            # eager step left notes: a write at every call would be a side effect of every graph)
+            if plans.writes is not None:
+                plans.writes = None
             return loss
         if flat_params.GRAD_BUFFERS:
             flat_params.drop_frozen_grads(self.param_groups)
-        caches = self.__dict__.setdefault("_engine_caches", {})
-        bound = caches.pop("bound", None)
-        if bound is not None and bound.step(self, caches):
-            caches["bound"] = bound
+        plans = self._plans
+        bound, plans.bound = plans.bound, None
+        if bound is not None and bound.step(self, plans):
+            plans.bound = bound
             return loss
-        work = [(group, *self._group_work(caches, index, group)) for index, group in enumerate(self.param_groups)]
-        self._apply(work, caches)
+        work = [(group, *self._group_work(plans, index, group)) for index, group in enumerate(self.param_groups)]
+        self._apply(work, plans)
         # not where the step reduces over ranks: a step run again would reduce twice on this rank alone
-        caches["bound"] = None if self._reduce_group is not None else BoundStep.of(
+        plans.bound = None if self._reduce_group is not None else BoundStep.of(
             self.state, work, [self._algorithm(group) for group, _, _ in work], self._structure,
             engines.backends.forced(), self.defaults["max_grad_norm"] > 0)
         return loss

@@ -267,7 +267,7 @@ class GradientRelease:
             self.viewed.clear()
 
     def _step(self, group_index, params, key):
-        """Step ``params`` of group ``group_index`` (``key``: their step work's in the optimizer's caches),
+        """Step ``params`` of group ``group_index`` (``key``: their step work's in the optimizer's plan store),
         then free their grads (under DDP, at ``step()``: they are views of DDP's buckets, which DDP writes
         again at the end of backward)."""
         optimizer = self.optimizer

@@ -1,6 +1,6 @@
 """The step path of every fastoptim optimizer, the half of :class:`FastOptimizer
 <fastoptim.optimizers.base.FastOptimizer>` between ``step()`` and the engines: each group's step work
-found in the optimizer's caches or made (and checked), the step's scalars and counts, each bucket's
+found in the optimizer's plan store or made (and checked), the step's scalars and counts, each bucket's
 plan handed to its engine, and the traced step's preparation. Its other half (base.py) is the
 torch.optim contract and the states' creation."""
 import functools
@@ -16,14 +16,11 @@ from ..clip import CLIP_EPS, clip_backend, clip_coefficient
 from ..multi_tensor import pick
 from ..specs import ABSMAX
 from ..states import master
-from ..step_cache import DEVICE, DTYPE, SHAPE, GroupWork, Signature, engine_view
+from ..step_cache import DEVICE, DTYPE, SHAPE, PlanStore, engine_view
 from . import scalars
 from .algorithm import PER_GROUP, StepInputs
 from .checks import check_params, check_tensor_lr
 from .step_counts import StepCounts, group_count
-
-GRADS_PATTERNS_KEPT = 8  # torch.compile's recompile limit: a step traced for more patterns recompiles anyway
-
 
 def grads_pattern(params):
     """Which of ``params`` have grads: their positions."""
@@ -96,13 +93,13 @@ class StepPath:
         roles = algorithm.spec.kept(algorithm.flags(group))
         return roles + (master.KEY,) if group["master_bits"] > 16 else roles
 
-    def _apply(self, work, caches, whole_step=True, traced=False):
+    def _apply(self, work, plans, whole_step=True, traced=False):
         """Step every group of ``work`` ((group, GroupWork, grads) per group, all checked), each bucket
         on its engine, in a step that torch.compile ``traced`` or eagerly. A released bucket is not a
         ``whole_step``: the per-group counts advance once, at ``step()``."""
         found_inf = getattr(self, "found_inf", None)
         eager = not traced
-        writes = self._restart_written(work, caches) if eager else None  # a traced step does not look
+        writes = self._restart_written(work, plans) if eager else None  # a traced step does not look
         # Eagerly, only the fused kernels skip an inf step on the device. The other engines look at
         # found_inf, and so do a step that would create states and one whose math is not elementwise
         # (Muon's kernel is half its step): a skipped step must leave no trace.
@@ -121,13 +118,13 @@ class StepPath:
                 self._step_group(group, entry, grads, scale, found_inf, increment, traced)
         self._advance(work, increment, writes, whole_step, traced)
 
-    def _restart_written(self, work, caches):
+    def _restart_written(self, work, plans):
         """A param written by anyone but this optimizer starts again from the value written: zero the
         master remainders of ``work``'s params written since its steps wrote them (see master.Writes),
-        whose notes it returns."""
-        writes = caches.get("writes")
+        whose notes (``plans.writes``) it returns."""
+        writes = plans.writes
         if writes is None:
-            writes = caches["writes"] = master.Writes()
+            writes = plans.writes = master.Writes()
         for _, entry, _ in work:
             if entry.versions is not None:
                 self._restart_masters(writes.written(entry.versions))
@@ -179,10 +176,10 @@ class StepPath:
         guards on every tensor it reads keep them valid. Every group is prepared in one call: dynamo
         reads the state dict once, after it. The states are created here, even for a step that
         GradScaler then skips: zeros, and the step count stays, so the trajectory is eager's."""
-        caches = self.__dict__.setdefault("_engine_caches", {})
+        plans = self._plans
         flat_params.drop_frozen_grads(self.param_groups)  # a step traced again once a param is frozen (guarded)
         for index, group in enumerate(self.param_groups):
-            entry, grads = self._group_work(caches, index, group)
+            entry, grads = self._group_work(plans, index, group)
             if entry.states is None and entry.params:
                 self._use_new_states(group, entry, traced=True)
             algorithm = self._algorithm(group)
@@ -205,7 +202,7 @@ class StepPath:
                 for i, (_, reduce) in enumerate(entry.buckets))
             entry.traced_scalars = scalars.prepare(algorithm, group) if (
                 whole and entry.params[0].device.type == "cpu") else None
-        caches["traced state"] = self.state, self.state.changes
+        plans.traced_state = self.state, self.state.changes
 
     def _traced_group_work(self, entry, group):
         """A traced step's work for ``group``: the decisions ``_init_group`` took (``entry``) and the
@@ -226,31 +223,16 @@ class StepPath:
             return params, params, grads
         return params, list(map(engine_view, params)), list(map(engine_view, grads))
 
-    def _group_work(self, caches, index, group, some=None):
-        """The group's :class:`GroupWork` and its params' grads (local shards of DTensors), all
-        checked; nothing is changed. ``some``: only these of its params (a released bucket), with
-        ``index`` a key of their own."""
+    def _group_work(self, plans, index, group, some=None):
+        """The group's :class:`GroupWork` (in ``plans``, the optimizer's :class:`PlanStore`) and its
+        params' grads (local shards of DTensors), all checked; nothing is changed. ``some``: only these
+        of its params (a released bucket), with ``index`` a key of their own."""
         params, local_params, grads = self._with_grads(group, some)
-        roles = self._roles(group)
-        engine = engines.engine_name(group["foreach"], group["fused"])
         self._check_between_steps(group, params)
-        entry = caches.get(index)
-        if entry is None or not entry.fits(roles, engine, params, local_params):
+        entry, fresh = plans.work(index, grads_pattern(group["params"] if some is None else some), self._roles(group),
+                                  engines.engine_name(group["foreach"], group["fused"]), params, local_params)
+        if fresh:
             check_params(params, type(self).__name__)  # a param's storage may have changed since it was added
-            # The work of each pattern of grads seen is kept: a model whose frozen parts alternate
-            # (a GAN's) comes back to one, and a compiled step to the graph it traced for it.
-            patterns = caches.setdefault("patterns", {})
-            key = (index, grads_pattern(group["params"] if some is None else some))
-            entry = patterns.get(key)
-            if entry is None or not entry.fits(roles, engine, params, local_params):
-                mine = [seen for seen in patterns if seen[0] == index]  # each group's own: all are in one step
-                if key not in patterns and len(mine) >= GRADS_PATTERNS_KEPT:
-                    for seen in mine:
-                        del patterns[seen]
-                versions = master.Versions(params) if master.KEY in roles else None
-                entry = patterns[key] = GroupWork(roles, engine, params, local_params, Signature(params, local_params),
-                                                  versions)
-            caches[index] = entry
         self._check_grads(local_params, grads, entry.signature)
         states = list(map(self.state.get, params))
         if not entry.holds(states) or entry.states_chosen != self._states_chosen(group):
@@ -351,12 +333,12 @@ class StepPath:
     @without_grad
     def _step_released(self, key, group_index, params):
         """Step ``params`` of group ``group_index`` on their grads (a released bucket, or what backward
-        left; ``key``: their step work's in the caches), checked as a step checks them; the group's
+        left; ``key``: their step work's in the plan store), checked as a step checks them; the group's
         per-group count advances at ``step()``."""
-        caches = self.__dict__.setdefault("_engine_caches", {})
-        caches.pop("bound", None)  # the next normal step is checked again
+        plans = self._plans
+        plans.bound = None  # the next normal step is checked again
         group = self.param_groups[group_index]
-        self._apply([(group, *self._group_work(caches, key, group, params))], caches, whole_step=False)
+        self._apply([(group, *self._group_work(plans, key, group, params))], plans, whole_step=False)
 
     def _restart_masters(self, params):
         """Zero the master remainders of ``params``, written by someone else since this optimizer's
@@ -368,10 +350,10 @@ class StepPath:
 
     def _restart_written_masters(self):
         """:meth:`_restart_masters` of every param written since this optimizer's step last wrote it."""
-        writes = self.__dict__.get("_engine_caches", {}).get("writes")
+        writes = self._plans.writes
         if writes is not None:
             self._restart_masters(writes.all_written())
 
-    def _forget_engine_caches(self):
-        """Drop the step work and pointer tables, which hold the states: for when states are replaced."""
-        self.__dict__.pop("_engine_caches", None)
+    def _forget_plans(self):
+        """Drop the step plans and pointer tables, which hold the states: for when states are replaced."""
+        self._plans = PlanStore()
