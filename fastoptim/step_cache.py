@@ -165,8 +165,8 @@ GRADS_PATTERNS_KEPT = 8  # torch.compile's recompile limit: a step traced for mo
 
 class PlanStore:
     """An optimizer's step plans, in one place, with their one validity rule (:meth:`GroupWork.fits`,
-    over :class:`Signature`, then :meth:`GroupWork.holds` for the states): where a plan no longer fits
-    what the user wrote, a new one is made, never patched.
+    over :class:`Signature`, then :meth:`GroupWork.holds` for the states): a work whose params no
+    longer fit what the user wrote is replaced by a new one; one whose states do not takes them again.
 
     ``current``: each group's work in use, by key (the group's index, or a released bucket's key);
     ``patterns``: the work of each pattern of grads seen per key, kept up to ``GRADS_PATTERNS_KEPT``
