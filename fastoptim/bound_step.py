@@ -77,7 +77,7 @@ class BoundStep:
         self.state, self.structures, self.algorithms, self.forced = state, structures, algorithms, forced
         self.groups = [group for group, _, _ in work]
         self.entries = [entry for _, entry, _ in work]
-        self.runs = runs  # per group, per bucket: (its tables.Tables, its params' indices or None for all, its cache)
+        self.runs = runs  # per group, per bucket: (its tables.Tables, its params' indices or None for all, its BucketPlan)
         self.parts = parts  # per group, its buckets' bound parts (see Algorithm.bound_part), or None
         self.backend = backend  # the one backend whose native call runs every table
         # its backend computes the step's scalars (clip, the rules') and advances the counts natively
@@ -108,23 +108,22 @@ class BoundStep:
                 runs.append([])
                 parts.append(None)
                 continue
-            caches = [entry.bucket_caches.get(index, {}) for index in range(len(entry.buckets))]
             if (entry.states is None or entry.local_params is not entry.params or entry.viewed_states
                     or entry.context.first_reads is not None or any(reduce for _, reduce in entry.buckets)):
                 return None
             if algorithm.bound_part is not None and not clipped:
-                found = [algorithm.bound_part(entry.tensors, bucket, cache)
-                         for (bucket, _), cache in zip(entry.buckets, caches)]
+                found = [algorithm.bound_part(entry.tensors, bucket, plan)
+                         for (bucket, _), plan in zip(entry.buckets, entry.bucket_plans)]
                 if None in found:
                     return None
                 runs.append([(part.tables, part.positions, None) for part in found])
                 parts.append(found)
                 continue
             if (algorithm.run is not engines.run_bucket or algorithm.kernel_scalars is None or algorithm.rule is None
-                    or not all(map(engines.fused.natively_checked, caches))):
+                    or not all(map(engines.fused.natively_checked, entry.bucket_plans))):
                 return None
-            runs.append([(cache["prepared"].tables, None if len(bucket) == len(entry.params) else bucket, cache)
-                         for (bucket, _), cache in zip(entry.buckets, caches)])
+            runs.append([(plan.prepared.tables, None if len(bucket) == len(entry.params) else bucket, plan)
+                         for (bucket, _), plan in zip(entry.buckets, entry.bucket_plans)])
             parts.append(None)
         backend = runs_backend(runs)
         if type(state) is not OptimizerState or backend is None or any(parts) and not backend.STEP_SCALARS:
@@ -235,10 +234,10 @@ class BoundStep:
                 continue
             args, per_tensor = optimizer._arguments(algorithm, group, entry, scale, increment, traced=False)
             stochastic, flags, device = group["stochastic_rounding"], algorithm.flags(group), grads[0].device
-            for tables, bucket, cache in buckets:  # a seed per bucket, in bucket order, as a checked step draws them
+            for tables, bucket, plan in buckets:  # a seed per bucket, in bucket order, as a checked step draws them
                 ordered = engines.fused.ordered_scalars(
                     algorithm.spec, algorithm.kernel_scalars,
-                    args if bucket is None else engines.args_of(args, per_tensor, bucket, device, cache),
+                    args if bucket is None else engines.args_of(args, per_tensor, bucket, device, plan),
                     found_inf, stochastic, device)
                 tables.launch(algorithm.spec, grads if bucket is None else [grads[i] for i in bucket], ordered, flags,
                               stochastic, single, launches)

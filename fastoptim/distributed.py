@@ -250,16 +250,16 @@ class ShapeGroup:
 
 
 def by_owners(function: Callable[[Tensor], Tensor], pieces: list[Tensor], shapes: list[tuple[int, int]],
-              group: ProcessGroup, cache: dict, dtype: torch.dtype | None = None) -> list[Tensor]:
+              group: ProcessGroup, kept, dtype: torch.dtype | None = None) -> list[Tensor]:
     """``function`` of each whole matrix (global ``shapes``) whose rows the ranks of ``group`` hold,
     as DTensor's Shard(0) cuts them (``pieces``: this rank's, ``(local rows, cols)``), each computed
     once, on its owner, the matrices of one shape as one batch (see :class:`OwnerExchange`). The
-    exchange is made once and kept in ``cache`` (a dict kept between steps) while the shapes and the
-    group stay. Returns this rank's rows of each result, in ``dtype`` (None: the pieces'), in which
+    exchange is made once and kept in ``kept.owner_exchange`` (a bucket's plan, kept between steps)
+    while the shapes and the group stay. Returns this rank's rows of each result, in ``dtype`` (None: the pieces'), in which
     the rows travel."""
-    exchange = cache.get("owner exchange")
+    exchange = kept.owner_exchange
     if exchange is None or exchange.key != (tuple(shapes), group):
-        exchange = cache["owner exchange"] = OwnerExchange(shapes, group)
+        exchange = kept.owner_exchange = OwnerExchange(shapes, group)
     return exchange.run(function, pieces, dtype or pieces[0].dtype)
 
 

@@ -55,10 +55,24 @@ class Signature:
                 and all(map(operator.is_, owners, self.owners)) and self.matches(tensors, *LAYOUT))
 
 
+class BucketPlan:
+    """What the engines made of one bucket of a group's work, kept with it (and made anew with its
+    buckets when the states change): the fused kernel's tables and what it leaves to foreach
+    (``prepared``: ``engines.fused.Prepared``), a traced step's split (``traced_split``:
+    ``engines.step_op.TracedSplit``), the index of its params among the group's on the device
+    (``owners``: the cut of per-param arguments), and what Muon's run keeps of it (``directions``: its
+    direction buffers, ``sharded_params``: the DTensor params of a bucket whose matrices go whole to
+    one owner rank, ``owner_exchange``: the plan of that exchange, ``distributed.OwnerExchange``)."""
+
+    def __init__(self):
+        self.prepared = self.traced_split = self.owners = None
+        self.directions = self.sharded_params = self.owner_exchange = None
+
+
 class GroupWork:
     """What a step of one group needs of its params that have grads: the params, their (device,
     dtype) buckets, their states and state tensors by role, what ``_prepare_states`` made of the
-    states (``context``) and the engines' caches per bucket (the fused engine's pointer tables).
+    states (``context``) and what the engines made of each bucket (``bucket_plans``: :class:`BucketPlan`).
 
     It is reused while the params and their states pass :class:`Signature`'s rule: the same params
     have grads, the params' state dicts hold the very tensors it was built on under every key (a
@@ -77,7 +91,7 @@ class GroupWork:
         self.buckets = [(bucket, None) for bucket in buckets(params)]
         self.states = self.kept = self.tensors = self.context = self.states_chosen = self.state_signature = None
         self.watched = self.grads_like = None  # see read_tensors
-        self.bucket_caches = {}
+        self.bucket_plans = [BucketPlan() for _ in self.buckets]
         self.traced_scalars = None  # for a traced CPU step whose scalars an op computes: scalars.Prepared
 
     def fits(self, roles, engine, params, local_params):
@@ -100,7 +114,7 @@ class GroupWork:
         dense): the tensors of a partitioned param are handed to the engines in its (a, b, c) view.
         Params whose subsets span FSDP2 shards, and every DTensor param of math that needs each
         tensor ``whole`` (Muon's), get buckets of their own, which communicate over ``group``."""
-        self.states, self.context, self.bucket_caches = states, context, {}
+        self.states, self.context = states, context
         keys = {key for state in states for key in state}
         self.kept = {key: list(map(dict.get, states, repeat(key))) for key in keys}
         self.state_owners = [t for tensors in self.kept.values() for t in tensors if isinstance(t, Tensor)]
@@ -113,6 +127,7 @@ class GroupWork:
         self.buckets = [(part, reduce) for bucket in buckets(self.params)
                         for part, reduce in (([i for i in bucket if i not in spanning], None),
                                              ([i for i in bucket if i in spanning], group)) if part]
+        self.bucket_plans = [BucketPlan() for _ in self.buckets]
 
     def read_tensors(self):
         """The tensors by role from the kept states, and the block maxima of the 8-bit ones."""
@@ -146,7 +161,7 @@ class GroupWork:
         work = GroupWork(self.roles, self.engine, params, local_params)
         if not params:  # no grads in the group this step: nothing to update
             return work
-        work.states, work.context, work.bucket_caches = self.states, self.context, self.bucket_caches
+        work.states, work.context, work.bucket_plans = self.states, self.context, self.bucket_plans
         work.states_chosen, work.kept, work.traced_scalars = self.states_chosen, self.kept, self.traced_scalars
         work.partitions, work.reduced_roles, work.buckets = self.partitions, self.reduced_roles, self.buckets
         work.tensors = self.tensors | {"param": work.viewed(local_params)}  # a partitioned param in its view

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from ..multi_tensor import pick, sent_to
 from ..specs import KernelSpec
+from ..step_cache import BucketPlan
 from . import amp, backends, foreach, fused, loop
 
 
@@ -23,8 +24,9 @@ class Plan:
     ``args`` holds the rest of ``update``'s keyword arguments: Python numbers and bools, 0-d tensors
     shared by every parameter, or 1-d tensors with one entry per parameter (named in ``per_tensor``).
     The fused engines also read ``found_inf`` (GradScaler's, or None), ``stochastic_rounding``,
-    ``warn_fallback`` (fused was asked for, not picked) and ``cache`` (a dict they keep their
-    pointer table in, owned by the optimizer, which empties it when a param or state changes).
+    ``warn_fallback`` (fused was asked for, not picked) and ``bucket`` (the
+    :class:`~fastoptim.step_cache.BucketPlan` they keep their tables in, the group's plan's, made
+    anew when a param or state changes).
     A state role may hold bf16 or 8-bit (uint8 codes) tensors under ``state_bits``; ``absmax`` holds
     the block maxima of the 8-bit ones. ``sum_group``: the process group over which the loop engine
     all-reduces subset sums (subsets that span FSDP2 shards), or None.
@@ -49,7 +51,7 @@ class Plan:
     found_inf: Tensor | None = None
     stochastic_rounding: bool = False
     warn_fallback: bool = False
-    cache: dict = field(default_factory=dict)
+    bucket: BucketPlan | None = None  # None: one of its own (made in __post_init__: dynamo traces no default_factory)
     absmax: dict = field(default_factory=dict)  # role: the block maxima of each 8-bit state (None for others)
     sum_group: object = None
     kernel_values: dict | None = None
@@ -59,6 +61,10 @@ class Plan:
     counts: list | None = None
     traced: bool = False
 
+    def __post_init__(self):
+        if self.bucket is None:
+            self.bucket = BucketPlan()
+
     def __len__(self):
         return len(self.tensors["param"])
 
@@ -67,37 +73,37 @@ class Plan:
         return replace(self, tensors={name: values for name, values in self.tensors.items() if name != role})
 
     def subset(self, indices):
-        """The plan restricted to tensors ``indices`` (with a cache of its own)."""
+        """The plan restricted to tensors ``indices`` (with a bucket plan of its own)."""
         return self.cut(indices)
 
-    def cut(self, owners, tensors=None, absmax=None, owners_cache=None):
-        """A plan (with a cache of its own) whose i-th tensor is tensor ``owners[i]`` of this one, or
-        a piece of it: ``tensors`` and ``absmax`` then hold the pieces by role. ``owners_cache``: see
+    def cut(self, owners, tensors=None, absmax=None, owners_bucket=None):
+        """A plan (with a bucket plan of its own) whose i-th tensor is tensor ``owners[i]`` of this one,
+        or a piece of it: ``tensors`` and ``absmax`` then hold the pieces by role. ``owners_bucket``: see
         :func:`args_of`."""
         if tensors is None:
             tensors, absmax = pick(self.tensors, owners), pick(self.absmax, owners)
-        args = args_of(self.args, self.per_tensor, owners, self.tensors["param"][0].device, owners_cache,
+        args = args_of(self.args, self.per_tensor, owners, self.tensors["param"][0].device, owners_bucket,
                        self.traced)
-        return replace(self, tensors=tensors, absmax=absmax, cache={}, sum_group=None, args=args,
+        return replace(self, tensors=tensors, absmax=absmax, bucket=BucketPlan(), sum_group=None, args=args,
                        watched=None if self.watched is None else [self.watched[i] for i in owners],
                        grads_like=None if self.grads_like is None else [self.grads_like[i] for i in owners],
                        counts=None if self.counts is None else [self.counts[i] for i in owners])
 
 
-def args_of(args, per_tensor, owners, device, cache=None, traced=False):
+def args_of(args, per_tensor, owners, device, bucket=None, traced=False):
     """A step's ``args`` for tensors ``owners`` of its plan: those named in ``per_tensor`` (one value
-    per tensor, on ``device``) cut to theirs. ``cache``: a dict that keeps the owners' index on the
-    device for the next step (a GPU step would send it every time); ``traced``: of a step that
-    torch.compile traces."""
+    per tensor, on ``device``) cut to theirs. ``bucket``: the :class:`BucketPlan` that keeps the owners'
+    index on the device for the next step (a GPU step would send it every time); ``traced``: of a step
+    that torch.compile traces."""
     if not any(key in args for key in per_tensor):  # not `&` with dict keys: dynamo before torch 2.13
         return args
-    index = None if cache is None else cache.get("owners")
+    index = None if bucket is None else bucket.owners
     if index is None:
         # a traced step makes it in the graph, a constant: numpy there would need dynamo's trace_numpy
         index = torch.tensor(owners, dtype=torch.int64, device=device) if traced else sent_to(
             np.array(owners, dtype=np.int64), device)
-        if cache is not None:
-            cache["owners"] = index
+        if bucket is not None:
+            bucket.owners = index
     return {k: v[index] if k in per_tensor else v for k, v in args.items()}
 
 

@@ -5,7 +5,7 @@ between the kernel and the foreach fallback, and caches the pointer tables.
 Multi-tensor (``foreach=True``, the default with ``fused=True``): one call per bucket updates every
 tensor, parallel over fixed-size chunks across all of them. Single-tensor (``foreach=False``): one
 kernel call (or launch) per tensor, as the seeds' FusedAdan does. Both read the tables (``tables.py``) cached in
-``plan.cache``: the params and states bound to native code, which checks them and the grads at every
+``plan.bucket`` (the group's plan's): the params and states bound to native code, which checks them and the grads at every
 call (a bound step launches its tables without a plan: ``bound_step.BoundStep``); on the GPU also the
 pointer table, whose gradients' row is refreshed each step (and sent to the device only when a grad
 moved). A step that torch.compile traces calls each bucket's op (``step_op.py``).
@@ -106,15 +106,15 @@ def _same_counts(held, given):
 
 
 def _prepare(plan, backend, again=False):
-    """What ``backend``'s kernel takes of ``plan``, cached in ``plan.cache`` (which the optimizer
-    empties whenever a param or state tensor changes), built ``again`` when a launch found a tensor
+    """What ``backend``'s kernel takes of ``plan``, kept in ``plan.bucket`` (made anew whenever a param or
+    state tensor changes), built ``again`` when a launch found a tensor
     moved, and, for a backend that does not check natively, when the grads changed their layouts."""
-    prepared = plan.cache.get("prepared")
+    prepared = plan.bucket.prepared
     if again or prepared is None or prepared.backend is not backend or not _same_counts(prepared.counts,
                                                                                          plan.counts) or (
             not backend.CHECKS_NATIVELY and prepared.tables is not None and not prepared.tables.fit(
                 plan.tensors["grad"] if not prepared.left else [plan.tensors["grad"][i] for i in prepared.taken])):
-        prepared = plan.cache["prepared"] = Prepared(plan, backend)
+        prepared = plan.bucket.prepared = Prepared(plan, backend)
     return prepared
 
 
@@ -126,10 +126,10 @@ def _launch(plan, prepared, per_tensor_calls):
                                   per_tensor_calls)
 
 
-def natively_checked(cache):
-    """Whether the bucket whose engine cache is ``cache`` runs wholly on tables that a backend which
+def natively_checked(bucket):
+    """Whether the bucket whose plan is ``bucket`` (a ``BucketPlan``) runs wholly on tables that a backend which
     ``CHECKS_NATIVELY`` built, and so can join a bound step (see ``bound_step.BoundStep``)."""
-    prepared = cache.get("prepared")
+    prepared = bucket.prepared
     return prepared is not None and prepared.backend.CHECKS_NATIVELY and prepared.tables is not None \
         and not prepared.left
 
@@ -167,7 +167,7 @@ def _run_traced(plan, per_tensor_calls):
     """A step that torch.compile traces: the split was decided before tracing (``split``, called by
     the optimizer's ``_init_group``), and the kernel's tensors go to ``spec``'s op, which the graph
     keeps."""
-    traced = plan.cache["traced split"]
+    traced = plan.bucket.traced_split
     if traced.left:
         _fallback(plan.subset(traced.left), traced.reason)
     if not traced.taken:

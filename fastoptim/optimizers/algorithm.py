@@ -72,9 +72,9 @@ class Algorithm(NamedTuple):
     ``rule``: (name, options(group)): the native rule that computes ``kernel_scalars(arguments(...))``
     in a bound CPU step (native.cpp's Rule of that name restates them, tests/test_native_layer.py
     holds the two equal), and the group's numbers it takes, in its order; None: Python computes them.
-    ``bound_part(tensors, bucket, cache)``: where it ``run``s its own way, its part of a bound step for
+    ``bound_part(tensors, bucket, plan)``: where it ``run``s its own way, its part of a bound step for
     a bucket (``bucket``: its params' positions in the group, ``tensors``: the group's by role,
-    ``cache``: the bucket's engine cache): an object with the ``tables`` of its elementwise kernel, the
+    ``plan``: what the engines made of the bucket, its ``BucketPlan``): an object with the ``tables`` of its elementwise kernel, the
     ``positions`` of the grads they take, their ``spec``, ``launch_values(group, grad_scale, found_inf,
     device)`` (their scalars and flags) and ``finish(group, args, per_tensor)``, run after the step's
     native call with ``arguments``' values; None where the bucket cannot run bound (Muon's:

@@ -15,7 +15,7 @@ from .adamw import ADAMW
 from .algorithm import Algorithm, StepInputs
 from .base import FastOptimizer
 from .checks import check_number
-from .muon_parts import (SHARDED_PARAMS, SPEC, bound_momentum, iterations, matrix_shape, muon_apply, muon_momentum,
+from .muon_parts import (SPEC, bound_momentum, iterations, matrix_shape, muon_apply, muon_momentum,
                          row_blocks, run_muon_bucket)
 
 if TYPE_CHECKING:
@@ -203,11 +203,11 @@ class Muon(FastOptimizer):
 
     def _use_new_states(self, group, entry, traced):
         # a sharded bucket's exchange is planned from its params' global shapes, which its plan's local
-        # shards do not tell: its cache (kept between steps, made anew with the buckets) holds them
+        # shards do not tell: its bucket plan (kept between steps, made anew with the buckets) holds them
         super()._use_new_states(group, entry, traced)
         for index, (bucket, reduce_group) in enumerate(entry.buckets):
             if reduce_group is not None:
-                entry.bucket_caches.setdefault(index, {})[SHARDED_PARAMS] = [entry.params[i] for i in bucket]
+                entry.bucket_plans[index].sharded_params = [entry.params[i] for i in bucket]
 
     def _check_group(self, group, max_grad_norm=None):
         super()._check_group(group, max_grad_norm)

@@ -23,6 +23,7 @@ from ..engines.ops import FOREACH_OPS
 from ..multi_tensor import aligned_offset
 from ..specs import KernelSpec, Role
 from ..states import master
+from ..step_cache import BucketPlan
 from .step_path import keeps_no_remainders
 
 if TYPE_CHECKING:
@@ -165,8 +166,8 @@ class DirectionSlice:
     # per matrix shape: its directions as one batch, their positions, whether each is a matrix of the batch
     # (not a param of another shape whose matrices these are: see matrix_shape)
     batches: list[tuple[Tensor, int, int, bool]]
-    tables: dict = field(default_factory=dict)  # the momentum kernel's engine cache: tables bound once
-    owners: dict = field(default_factory=dict)  # the slice's index on the device (see engines.args_of)
+    momentum: BucketPlan = field(default_factory=BucketPlan)  # the momentum kernel's plan: tables bound once
+    cut: BucketPlan = field(default_factory=BucketPlan)  # the slice's own: its index on the device (engines.args_of)
 
     def orthogonalized(self, function: Callable[[Tensor], Tensor]) -> list[Tensor]:
         """``function`` (the iterations, of a batch of matrices) of each batch of this slice's directions,
@@ -183,7 +184,7 @@ class DirectionSlice:
 class Directions:
     """Where a fused Muon bucket writes its directions, made once per bucket and direction ``dtype`` (the
     grads', or :func:`scaled_dtype` where a clip or GradScaler coefficient scales them first) and kept
-    with the bucket's tables, which its user empties when a param or state changes. Its params, in matrix-shape
+    in the bucket's plan (``BucketPlan.directions``), made anew when a param or state changes. Its params, in matrix-shape
     order, are cut into slices of at most ``MATRIX_SLICE_NUMEL`` elements (the directions' memory is
     one slice's: the slices share the one buffer, each using it in turn); in a slice the directions of
     one matrix shape are consecutive in the buffer, so their batch is a view of it, not a copy, and the
@@ -220,9 +221,6 @@ class Directions:
         return cls(dtype, slices)
 
 
-DIRECTIONS = "muon directions"  # a fused bucket's cache: its Directions
-
-
 def scaled_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of grads of ``dtype`` scaled by a clip or GradScaler coefficient before a fused momentum
     step, as the reference scales them: fp32, or float64 for float64 grads."""
@@ -230,12 +228,12 @@ def scaled_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def directions_of(part: engines.Plan) -> Directions:
-    """The :class:`Directions` of fused bucket ``part``, kept in its cache for their dtype."""
+    """The :class:`Directions` of fused bucket ``part``, kept in its bucket plan for their dtype."""
     dtype = part.tensors["grad"][0].dtype
     dtype = scaled_dtype(dtype) if isinstance(part.args["grad_scale"], Tensor) else dtype
-    kept = part.cache.get(DIRECTIONS)
+    kept = part.bucket.directions
     if kept is None or kept.dtype != dtype:
-        kept = part.cache[DIRECTIONS] = Directions.of(part, dtype)
+        kept = part.bucket.directions = Directions.of(part, dtype)
     return kept
 
 
@@ -253,7 +251,7 @@ def run_muon_bucket(engine: str, part: engines.Plan, reduce_group=None) -> None:
     else:
         for piece in directions_of(part).slices:
             whole = piece.indices == list(range(len(part)))
-            run_in_three_parts(engine, part if whole else part.cut(piece.indices, owners_cache=piece.owners),
+            run_in_three_parts(engine, part if whole else part.cut(piece.indices, owners_bucket=piece.cut),
                                None, piece)
 
 
@@ -278,10 +276,10 @@ def run_in_three_parts(momentum_engine: str, part: engines.Plan, reduce_group=No
         part, tensors={"param": directions, "grad": grads, "momentum_buffer": part.tensors["momentum_buffer"]},
         watched=watched, update=muon_momentum, spec=MOMENTUM_SPEC, kernel_scalars=momentum_kernel_scalars,
         flags=flags, per_tensor=frozenset(), stochastic_rounding=False, args=momentum_args,
-        cache={} if piece is None else piece.tables))
+        bucket=BucketPlan() if piece is None else piece.momentum))
     if piece is None:
-        orthogonal = orthogonalize_shards(iterations(args), directions, part.cache[SHARDED_PARAMS], args["flatten"],
-                                          reduce_group, part.cache)
+        orthogonal = orthogonalize_shards(iterations(args), directions, part.bucket.sharded_params, args["flatten"],
+                                          reduce_group, part.bucket)
     else:
         orthogonal = piece.orthogonalized(iterations(args))
     apply_update(replace(part, tensors={role: tensors for role, tensors in part.tensors.items()
@@ -319,37 +317,34 @@ class BoundMomentum(NamedTuple):
         device = self.params["param"][0].device
         apply_update(engines.Plan(self.params, muon_apply, SPEC, per_tensor=frozenset(per_tensor),
                                   stochastic_rounding=group["stochastic_rounding"],
-                                  args=engines.args_of(args, per_tensor, self.positions, device, self.piece.owners)),
+                                  args=engines.args_of(args, per_tensor, self.positions, device, self.piece.cut)),
                      self.piece.orthogonalized(iterations(args)))
 
 
-def bound_momentum(tensors: dict, bucket: list[int], cache: dict) -> BoundMomentum | None:
+def bound_momentum(tensors: dict, bucket: list[int], plan: BucketPlan) -> BoundMomentum | None:
     """The :class:`BoundMomentum` of a fused Muon bucket (``bucket``: its params' positions in the group,
-    ``tensors``: the group's by role, ``cache``: the bucket's engine cache) whose last step made its
+    ``tensors``: the group's by role, ``plan``: what the engines made of the bucket) whose last step made its
     directions in one slice and ran their momentum wholly on natively checked tables; else None."""
-    directions = cache.get(DIRECTIONS)
+    directions = plan.directions
     if directions is None or len(directions.slices) != 1:
         return None
     piece = directions.slices[0]
-    if not engines.fused.natively_checked(piece.tables):
+    if not engines.fused.natively_checked(piece.momentum):
         return None
     positions = [bucket[i] for i in piece.indices]
     params = {role: [tensors[role][i] for i in positions] for role in ("param", master.KEY) if role in tensors}
     if keeps_no_remainders(params):
         del params[master.KEY]
-    return BoundMomentum(piece.tables["prepared"].tables, positions, piece, params)
-
-
-SHARDED_PARAMS = "sharded params"  # a sharded bucket's cache: its DTensor params (see Muon._use_new_states)
+    return BoundMomentum(piece.momentum.prepared.tables, positions, piece, params)
 
 
 def orthogonalize_shards(function, directions: list[Tensor], params: list[Tensor], flatten: bool,
-                         group: ProcessGroup, cache: dict) -> list[Tensor]:
+                         group: ProcessGroup, kept: BucketPlan) -> list[Tensor]:
     """``function`` (the iterations, of a batch of matrices) of the matrices of DTensor ``params``
     sharded on dim 0 over ``group``, whose local rows of the direction are ``directions``. A 3-D
     param's matrices are whole on each rank (its experts are cut apart, not its rows): they are
     orthogonalized where they live. The others go whole to one owner each, batched by shape, and
-    their rows come back (see distributed.by_owners, whose exchange ``cache`` keeps); they travel in
+    their rows come back (see distributed.by_owners, whose exchange ``kept`` keeps); they travel in
     bf16, the iterations' first rounding, so the owner computes on the numbers it would have made."""
     shape_of = partial(matrix_shape, flatten=flatten)
     whole = [i for i, param in enumerate(params) if len(shape_of(param.shape)) == 3]
@@ -359,6 +354,6 @@ def orthogonalize_shards(function, directions: list[Tensor], params: list[Tensor
         results[i] = result
     shapes = [shape_of(params[i].shape) for i in spread]
     pieces = [directions[i].reshape(len(directions[i]), cols) for i, (_, cols) in zip(spread, shapes)]
-    for i, result in zip(spread, distributed.by_owners(function, pieces, shapes, group, cache, torch.bfloat16)):
+    for i, result in zip(spread, distributed.by_owners(function, pieces, shapes, group, kept, torch.bfloat16)):
         results[i] = result.view(directions[i].shape)
     return results

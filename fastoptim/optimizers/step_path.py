@@ -186,7 +186,6 @@ class StepPath:
             fused = entry.engine in engines.FUSED and entry.params and algorithm.kernel_scalars is not None
             tensors = entry.tensors | {"grad": entry.viewed(grads)} if fused else None
             for bucket_index, (bucket, _) in enumerate(entry.buckets):
-                cache = entry.bucket_caches.setdefault(bucket_index, {})  # made here, not by the traced step
                 if fused:
                     part = pick(tensors, bucket)
                     if keeps_no_remainders(part):
@@ -194,11 +193,11 @@ class StepPath:
                     absmax = pick(entry.absmax, bucket)
                     originals = [t for key, values in entry.kept.items() for i in bucket
                                  if isinstance(t := values[i], Tensor) and (key in part or key.endswith(ABSMAX))]
-                    cache["traced split"] = engines.step_op.split(part, absmax, algorithm.spec, originals,
+                    entry.bucket_plans[bucket_index].traced_split = engines.step_op.split(part, absmax, algorithm.spec, originals,
                                                                 functools.partial(_remade, entry, bucket))
             # a CPU kernel that takes every tensor gets its scalars from an op (see scalars.py)
             whole = fused and algorithm.run is engines.run_bucket and all(
-                reduce is None and not entry.bucket_caches[i]["traced split"].left
+                reduce is None and not entry.bucket_plans[i].traced_split.left
                 for i, (_, reduce) in enumerate(entry.buckets))
             entry.traced_scalars = scalars.prepare(algorithm, group) if (
                 whole and entry.params[0].device.type == "cpu") else None
@@ -287,7 +286,7 @@ class StepPath:
                     entry.tensors["param"][0].device, len(entry.params), [] if whole else bucket)
             if keeps_no_remainders(part.tensors):
                 part = part.without(master.KEY)
-            part.cache = entry.bucket_caches.setdefault(index, {})
+            part.bucket = entry.bucket_plans[index]
             algorithm.run(entry.engine, part, reduce_group)
         first_reads = entry.context.first_reads
         if first_reads is not None:  # for one step: then every param has its optional states
