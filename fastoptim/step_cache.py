@@ -187,13 +187,15 @@ class PlanStore:
     ``patterns``: the work of each pattern of grads seen per key, kept up to ``GRADS_PATTERNS_KEPT``
     (a model whose frozen parts alternate, a GAN's, comes back to one, and a compiled step to the
     graph it traced for it); ``bound``: the bound step planned from the last checked step
-    (``bound_step.BoundStep``), or None; ``traced_state``: the state dict and its change count that
-    a traced step's eager part found; ``writes``: the notes of the params' version counters after the
+    (``bound_step.BoundStep``), or None; ``traced_states``: per pattern of grads of every group (the
+    graph a compiled step traced for it), the state dict and its change count that its eager part
+    found (one per pattern: a value that another graph's tracing rewrote would pass this one's guard); ``writes``: the notes of the params' version counters after the
     optimizer's own writes (``states.master.Writes``), or None."""
 
     def __init__(self):
         self.current, self.patterns = {}, {}
-        self.bound = self.traced_state = self.writes = None
+        self.traced_states = {}
+        self.bound = self.writes = None
 
     def work(self, key, pattern, roles, engine, params, local_params):
         """The :class:`GroupWork` of key ``key`` over ``params`` (``local_params``: what the engines update of

@@ -217,8 +217,8 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
             # Never raises: comparing the state's identity and its count makes dynamo guard them, so that
             # the step traced on the states _init_group found is traced again (and _init_group run again)
             # once a state dict changes or another is assigned (whose count may be the same). The store
-            # hold the traced state, so no other takes its id.
-            traced_state, traced_changes = plans.traced_state
+            # holds the traced state, so no other takes its id.
+            traced_state, traced_changes = plans.traced_states[self._grads_patterns()]
             if id(self.state) != id(traced_state) or self.state.changes != traced_changes:
                 raise RuntimeError("fastoptim: a state dict changed while a step was traced")
             self._apply([(group, *self._traced_group_work(plans.patterns[index, grads_pattern(group["params"])],

@@ -22,6 +22,9 @@ from .algorithm import PER_GROUP, StepInputs
 from .checks import check_params, check_tensor_lr
 from .step_counts import StepCounts, group_count
 
+TRACED_STATES_KEPT = 64  # patterns of grads whose traced state is kept (dynamo recompiles after 8 anyway)
+
+
 def grads_pattern(params):
     """Which of ``params`` have grads: their positions."""
     return tuple(i for i, param in enumerate(params) if param.grad is not None)
@@ -142,8 +145,8 @@ class StepPath:
                      ] if max_norm > 0 else None
         clipped = max_norm > 0 and (all_grads or self._reduce_group is not None)  # each rank joins the reduction
         # official Adan takes eps for the clip from the last group; an algorithm without an eps (Lion),
-        # torch's clip_grad_norm_'s, whatever keys its groups carry
-        eps = self.param_groups[-1]["eps"] if "eps" in self.defaults else CLIP_EPS
+        # torch's clip_grad_norm_'s, whatever keys its groups carry (or with no group left)
+        eps = self.param_groups[-1]["eps"] if "eps" in self.defaults and self.param_groups else CLIP_EPS
         maximize = [group["maximize"] for group, _, _ in work]
         if not eager and self._factors_by_op(work, all_grads if clipped else None, amp_scale, found_inf):
             return (*scalars.traced_factors(all_grads if clipped else None, max_norm, eps, amp_scale, found_inf,
@@ -201,7 +204,13 @@ class StepPath:
                 for i, (_, reduce) in enumerate(entry.buckets))
             entry.traced_scalars = scalars.prepare(algorithm, group) if (
                 whole and entry.params[0].device.type == "cpu") else None
-        plans.traced_state = self.state, self.state.changes
+        if len(plans.traced_states) >= TRACED_STATES_KEPT:
+            plans.traced_states.clear()  # a graph whose entry went is traced again: its guard reads it
+        plans.traced_states[self._grads_patterns()] = self.state, self.state.changes
+
+    def _grads_patterns(self):
+        """Which params have grads, per group: what decides the graph a compiled step traced."""
+        return tuple(grads_pattern(group["params"]) for group in self.param_groups)
 
     def _traced_group_work(self, entry, group):
         """A traced step's work for ``group``: the decisions ``_init_group`` took (``entry``) and the
