@@ -18,8 +18,9 @@ with the issue's target beside it in the table:
   ``cli.py``. Target: <= 5,200, and no file of it over 450 lines (the largest are listed, flagged).
 - **stores**: the caches a step keeps of pointer tables, plans or prepared calls, from the declared
   list ``STORES`` (each a name and the pattern that finds it in the source): a store whose pattern no
-  longer matches is gone, so the count drops as they are removed (``_engine_caches``, a dict of six
-  kinds of key, became ``PlanStore``, a class whose fields are declared). Target: <= 2 (one plan store per optimizer, plus the native registry's re-check).
+  longer matches is gone, so the count drops as they are removed (``_engine_caches``, a dict of five
+  kinds of key, became ``PlanStore``, a class whose fields are declared). Target: <= 2 (one plan store
+  per optimizer, plus the native registry's re-check).
 - **engines -> optimizers**: imports of ``fastoptim.optimizers`` in ``fastoptim/engines/``, and the
   distinct calls, during the counted steps, made from a function of ``engines/`` to one of
   ``optimizers/`` (an algorithm's scalars, helpers or update function called back; the last is what a

@@ -77,7 +77,8 @@ class BoundStep:
         self.state, self.structures, self.algorithms, self.forced = state, structures, algorithms, forced
         self.groups = [group for group, _, _ in work]
         self.entries = [entry for _, entry, _ in work]
-        self.runs = runs  # per group, per bucket: (its tables.Tables, its params' indices or None for all, its BucketPlan)
+        # per group, per bucket: (its tables.Tables, its params' indices or None for all, its BucketPlan)
+        self.runs = runs
         self.parts = parts  # per group, its buckets' bound parts (see Algorithm.bound_part), or None
         self.backend = backend  # the one backend whose native call runs every table
         # its backend computes the step's scalars (clip, the rules') and advances the counts natively

@@ -255,8 +255,8 @@ def by_owners(function: Callable[[Tensor], Tensor], pieces: list[Tensor], shapes
     as DTensor's Shard(0) cuts them (``pieces``: this rank's, ``(local rows, cols)``), each computed
     once, on its owner, the matrices of one shape as one batch (see :class:`OwnerExchange`). The
     exchange is made once and kept in ``kept.owner_exchange`` (a bucket's plan, kept between steps)
-    while the shapes and the group stay. Returns this rank's rows of each result, in ``dtype`` (None: the pieces'), in which
-    the rows travel."""
+    while the shapes and the group stay. Returns this rank's rows of each result, in ``dtype`` (None:
+    the pieces'), in which the rows travel."""
     exchange = kept.owner_exchange
     if exchange is None or exchange.key != (tuple(shapes), group):
         exchange = kept.owner_exchange = OwnerExchange(shapes, group)

@@ -189,8 +189,9 @@ class PlanStore:
     graph it traced for it); ``bound``: the bound step planned from the last checked step
     (``bound_step.BoundStep``), or None; ``traced_states``: per pattern of grads of every group (the
     graph a compiled step traced for it), the state dict and its change count that its eager part
-    found (one per pattern: a value that another graph's tracing rewrote would pass this one's guard); ``writes``: the notes of the params' version counters after the
-    optimizer's own writes (``states.master.Writes``), or None."""
+    found (one per pattern: a value that another graph's tracing rewrote would pass this one's
+    guard); ``writes``: the notes of the params' version counters after the optimizer's own writes
+    (``states.master.Writes``), or None."""
 
     def __init__(self):
         self.current, self.patterns = {}, {}

@@ -4,11 +4,12 @@ between the kernel and the foreach fallback, and caches the pointer tables.
 
 Multi-tensor (``foreach=True``, the default with ``fused=True``): one call per bucket updates every
 tensor, parallel over fixed-size chunks across all of them. Single-tensor (``foreach=False``): one
-kernel call (or launch) per tensor, as the seeds' FusedAdan does. Both read the tables (``tables.py``) cached in
-``plan.bucket`` (the group's plan's): the params and states bound to native code, which checks them and the grads at every
-call (a bound step launches its tables without a plan: ``bound_step.BoundStep``); on the GPU also the
-pointer table, whose gradients' row is refreshed each step (and sent to the device only when a grad
-moved). A step that torch.compile traces calls each bucket's op (``step_op.py``).
+kernel call (or launch) per tensor, as the seeds' FusedAdan does. Both read the tables (``tables.py``)
+kept in ``plan.bucket`` (the group's plan's): the params and states bound to native code, which
+checks them and the grads at every call (a bound step launches its tables without a plan:
+``bound_step.BoundStep``); on the GPU also the pointer table, whose gradients' row is refreshed each
+step (and sent to the device only when a grad moved). A step that torch.compile traces calls each
+bucket's op (``step_op.py``).
 
 States may be fp32, bf16 or 8-bit (``state_bits``): the C kernel dequantizes, updates and
 requantizes each 256-element block in one pass, and so do the Triton kernels.

@@ -74,11 +74,11 @@ class Algorithm(NamedTuple):
     holds the two equal), and the group's numbers it takes, in its order; None: Python computes them.
     ``bound_part(tensors, bucket, plan)``: where it ``run``s its own way, its part of a bound step for
     a bucket (``bucket``: its params' positions in the group, ``tensors``: the group's by role,
-    ``plan``: what the engines made of the bucket, its ``BucketPlan``): an object with the ``tables`` of its elementwise kernel, the
-    ``positions`` of the grads they take, their ``spec``, ``launch_values(group, grad_scale, found_inf,
-    device)`` (their scalars and flags) and ``finish(group, args, per_tensor)``, run after the step's
-    native call with ``arguments``' values; None where the bucket cannot run bound (Muon's:
-    muon_parts.BoundMomentum).
+    ``plan``: what the engines made of the bucket, its ``BucketPlan``): an object with the ``tables``
+    of its elementwise kernel, the ``positions`` of the grads they take, their ``spec``,
+    ``launch_values(group, grad_scale, found_inf, device)`` (their scalars and flags) and
+    ``finish(group, args, per_tensor)``, run after the step's native call with ``arguments``' values;
+    None where the bucket cannot run bound (Muon's: muon_parts.BoundMomentum).
     """
 
     spec: KernelSpec

@@ -20,7 +20,7 @@ from .release_reductions import refusal
 from .checks import check_hyperparameters, check_params, check_tensor_lr, normalize_betas
 from .state_creation import StateCreation
 from .step_counts import group_count
-from .step_path import StepPath, grads_pattern, without_grad
+from .step_path import StepPath, without_grad
 from .state_dict import StateDicts
 
 
@@ -218,12 +218,13 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
             # the step traced on the states _init_group found is traced again (and _init_group run again)
             # once a state dict changes or another is assigned (whose count may be the same). The store
             # holds the traced state, so no other takes its id.
-            traced_state, traced_changes = plans.traced_states[self._grads_patterns()]
+            patterns = self._grads_patterns()
+            traced_state, traced_changes = plans.traced_states[patterns]
             if id(self.state) != id(traced_state) or self.state.changes != traced_changes:
                 raise RuntimeError("fastoptim: a state dict changed while a step was traced")
-            self._apply([(group, *self._traced_group_work(plans.patterns[index, grads_pattern(group["params"])],
-                                                          group))
-                         for index, group in enumerate(self.param_groups)], plans, traced=True)
+            self._apply([(group, *self._traced_group_work(plans.patterns[index, pattern], group))
+                         for index, (group, pattern) in enumerate(zip(self.param_groups, patterns))],
+                        plans, traced=True)
             # a traced step notes no version counters: the next eager step starts afresh (set only where an
             # eager step left notes: a write at every call would be a side effect of every graph)
             if plans.writes is not None:

@@ -184,9 +184,10 @@ class DirectionSlice:
 class Directions:
     """Where a fused Muon bucket writes its directions, made once per bucket and direction ``dtype`` (the
     grads', or :func:`scaled_dtype` where a clip or GradScaler coefficient scales them first) and kept
-    in the bucket's plan (``BucketPlan.directions``), made anew when a param or state changes. Its params, in matrix-shape
-    order, are cut into slices of at most ``MATRIX_SLICE_NUMEL`` elements (the directions' memory is
-    one slice's: the slices share the one buffer, each using it in turn); in a slice the directions of
+    in the bucket's plan (``BucketPlan.directions``), made anew when a param or state changes. Its
+    params, in matrix-shape order, are cut into slices of at most ``MATRIX_SLICE_NUMEL`` elements (the
+    directions' memory is one slice's: the slices share the one buffer, each using it in turn); in a
+    slice the directions of
     one matrix shape are consecutive in the buffer, so their batch is a view of it, not a copy, and the
     momentum kernel's tables, bound to views that stay, are bound once."""
 

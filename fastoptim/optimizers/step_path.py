@@ -196,8 +196,8 @@ class StepPath:
                     absmax = pick(entry.absmax, bucket)
                     originals = [t for key, values in entry.kept.items() for i in bucket
                                  if isinstance(t := values[i], Tensor) and (key in part or key.endswith(ABSMAX))]
-                    entry.bucket_plans[bucket_index].traced_split = engines.step_op.split(part, absmax, algorithm.spec, originals,
-                                                                functools.partial(_remade, entry, bucket))
+                    entry.bucket_plans[bucket_index].traced_split = engines.step_op.split(
+                        part, absmax, algorithm.spec, originals, functools.partial(_remade, entry, bucket))
             # a CPU kernel that takes every tensor gets its scalars from an op (see scalars.py)
             whole = fused and algorithm.run is engines.run_bucket and all(
                 reduce is None and not entry.bucket_plans[i].traced_split.left
