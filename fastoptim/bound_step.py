@@ -6,13 +6,19 @@ what native code cannot see (the rule of :meth:`BoundStep.work`), takes each gro
 every table in one native call, which computes the step's scalars, clips and counts (see the backends'
 ``STEP_SCALARS``)."""
 import operator
+import os
 from itertools import repeat
 
 from torch import Tensor
 
 from . import engines
+from .engines.backends import FORCING_VARIABLE
 from .multi_tensor import bump_versions
+from .specs import COMMON_SCALARS, STOCHASTIC_ROUNDING
 from .step_cache import OptimizerState
+
+# where a launch's first scalars go, in the order every kernel declares them (its rule computes the rest)
+FOUND_INF, SEED, GRAD_SCALE = map(COMMON_SCALARS.index, ("found_inf", "seed", "grad_scale"))
 
 
 class _Reading(dict):
@@ -73,8 +79,9 @@ class BoundStep:
     takes derive from: the user's params and states where it takes views of them (subset norm), and
     the params' counts, slots of one tensor (``GroupWork.watched``)."""
 
-    def __init__(self, state, work, algorithms, counts, structures, runs, parts, backend, forced):
-        self.state, self.structures, self.algorithms, self.forced = state, structures, algorithms, forced
+    def __init__(self, state, work, algorithms, counts, structures, runs, parts, backend):
+        self.state, self.structures, self.algorithms = state, structures, algorithms
+        self.forced = os.environ.get(FORCING_VARIABLE)  # that the checked step ran under: a change plans again
         self.groups = [group for group, _, _ in work]
         self.entries = [entry for _, entry, _ in work]
         # per group, per bucket: (its tables.Tables, its params' indices or None for all, its BucketPlan)
@@ -89,16 +96,21 @@ class BoundStep:
                          for indices, index, bound, table_format in tables.tables] for tables, bucket, _ in buckets]
                        for buckets in runs]
         self.single = [entry.engine == engines.fused.SINGLE for entry in self.entries]
+        # per group, its kernels' flag bits but stochastic rounding's (``structure`` holds them: see work),
+        # and its launches' scalars, zeros where the rule computes them
+        self.flag_bits = [algorithm.spec.flag_bits(algorithm.flags(group)) for algorithm, group in
+                          zip(algorithms, self.groups)]
+        self.zeros = [[0.0] * len(algorithm.spec.all_scalars) for algorithm in algorithms]
         self.group_counts = [group.get("step") for group in self.groups]
         self.counts = counts  # those the native call advances, whose version counters a step bumps as add_ would
         self.masters = any(entry.versions is not None for entry in self.entries)  # see FastOptimizer._restart_written
         self.changes = state.changes
 
     @classmethod
-    def of(cls, state, work, algorithms, structure, forced, clipped):
+    def of(cls, state, work, algorithms, structure, clipped):
         """The BoundStep of a checked step's ``work`` ((group, GroupWork, grads) per group) whose groups
-        run ``algorithms`` and read and advance their step counts (``StepCounts.read``), under the
-        backend FASTOPTIM_FUSED_BACKEND ``forced``; None where a group's step is not its bound tables'
+        run ``algorithms`` and read and advance their step counts (``StepCounts.read``), under
+        ``structure(group)`` (which holds the group's kernel flag bits); None where a group's step is not its bound tables'
         kernels alone (the algorithm runs its own way, has no kernel or no rule; a bucket reduces over
         ranks or left some tensors to foreach) or its ``bound_part`` (Muon's: not ``clipped``, the
         constructor's max_grad_norm, which the native call would fuse into its kernel), its states are
@@ -131,7 +143,7 @@ class BoundStep:
             return None
         counts = [count for group, entry, _ in work if entry.params for count in entry.context.counts.read(group)]
         return cls(state, work, algorithms, counts, [Structure(structure, group) for group, _, _ in work], runs,
-                   parts, backend, forced)
+                   parts, backend)
 
     def work(self, state, groups, structure, check):
         """This step's (group, GroupWork, grads) per group, or None where the rule no longer holds;
@@ -160,7 +172,7 @@ class BoundStep:
         runs (and clips their grads, where asked); False, having changed nothing, where the rule of
         :meth:`work` no longer holds or that call found a tensor changed. Its groups are fused,
         elementwise and have their states: an inf step GradScaler found is skipped on the device."""
-        if engines.backends.forced() is not self.forced:
+        if os.environ.get(FORCING_VARIABLE) != self.forced:
             return False
         work = self.work(optimizer.state, optimizer.param_groups, optimizer._structure, optimizer._check_between_steps)
         if work is None:
@@ -171,7 +183,7 @@ class BoundStep:
             return self._step_with_python_scalars(optimizer, work, writes, found_inf)
         options = []  # every group's, before any seed is drawn: a step that goes the checked way draws its own
         for algorithm, (group, entry, _), parts in zip(self.algorithms, work, self.parts):
-            numbers = algorithm.rule[1](group) if entry.params and parts is None else ()
+            numbers = rule_numbers(group, algorithm.rule[1]) if entry.params and parts is None else ()
             if any(isinstance(number, Tensor) for number in numbers):
                 # a tensor lr (say), which the native rules do not take: Python computes the scalars as the
                 # checked step does, as tensors, and the counts it advances, which native code then does not
@@ -194,22 +206,27 @@ class BoundStep:
                 finishing.append((group, parts, *optimizer._arguments(algorithm, group, entry, scale, increment,
                                                                       traced=False)))
         launches = []
-        for (group, entry, grads), scale, algorithm, buckets, single, numbers, parts in zip(
-                work, scales, self.algorithms, self.tables, self.single, options, self.parts):
+        for (group, entry, grads), scale, algorithm, buckets, single, numbers, parts, flag_bits, zeros in zip(
+                work, scales, self.algorithms, self.tables, self.single, options, self.parts, self.flag_bits,
+                self.zeros):
             stochastic, device = group["stochastic_rounding"], grads[0].device if grads else None
             if parts is not None:
                 for part, tables in zip(parts, buckets):
                     values, flags = part.launch_values(group, scale, found_inf, device)
                     launches += [self.backend.launch(part.spec, bound, [grads[i] for i in positions], single,
-                                                     table_format, values, flags, False)
+                                                     table_format, values, part.spec.flag_bits(flags))
                                  for bound, table_format, positions in tables]
                 continue
-            flags = algorithm.flags(group)
+            if stochastic:
+                flag_bits |= STOCHASTIC_ROUNDING
             for tables in buckets:  # a seed per bucket, in bucket order, as a checked step draws them
-                values = engines.fused.common_scalars(algorithm.spec, scale, found_inf, stochastic, device)
+                values = zeros.copy()
+                values[FOUND_INF] = 0.0 if found_inf is None else found_inf
+                values[SEED] = engines.fused.draw_seed(device) if stochastic else 0
+                values[GRAD_SCALE] = 1.0 if scale is None else scale
                 launches += [self.backend.launch(algorithm.spec, bound, grads if positions is None else
-                                                 [grads[i] for i in positions], single, table_format, values, flags,
-                                                 stochastic, numbers)
+                                                 [grads[i] for i in positions], single, table_format, values,
+                                                 flag_bits, numbers)
                              for bound, table_format, positions in tables]
         if launches and not self.backend.run_launches(launches, clip):
             return False
@@ -246,6 +263,19 @@ class BoundStep:
             return False
         optimizer._advance(work, increment, writes)
         return True
+
+
+def rule_numbers(group, keys):
+    """The numbers of ``group`` that a native rule computes its scalars from (see ``Algorithm.rule``): its
+    options ``keys``, in order, a sequence's (the betas) each."""
+    numbers = []
+    for key in keys:
+        value = group[key]
+        if isinstance(value, (tuple, list)):
+            numbers += value
+        else:
+            numbers.append(value)
+    return numbers
 
 
 def runs_backend(runs):

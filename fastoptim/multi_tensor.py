@@ -204,17 +204,15 @@ def _increment_version_takes_lists():
     return True
 
 
-_VERSION_LISTS = _increment_version_takes_lists()
+def _bump_each(tensors):
+    for tensor in tensors:
+        torch._C._increment_version(tensor)
 
 
-def bump_versions(tensors):
-    """Bump the version counters of ``tensors`` (a list) once each, as an in-place op would, so that
-    autograd notices a saved tensor that a kernel changed behind torch's back."""
-    if _VERSION_LISTS:
-        torch._C._increment_version(tensors)
-    else:
-        for tensor in tensors:
-            torch._C._increment_version(tensor)
+# bump_versions(tensors): bump the version counters of ``tensors`` (a list) once each, as an in-place op
+# would, so that autograd notices a saved tensor that a kernel changed behind torch's back; torch's own
+# function where it takes a list (no Python frame: a bound step calls it twice)
+bump_versions = torch._C._increment_version if _increment_version_takes_lists() else _bump_each
 
 
 def data_pointers(tensors):

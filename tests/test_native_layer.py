@@ -17,7 +17,7 @@ import torch
 
 import fastoptim
 from fastoptim import engines
-from fastoptim.bound_step import BoundStep
+from fastoptim.bound_step import BoundStep, rule_numbers
 from fastoptim.engines.backends import cpu as cpu_backend
 from fastoptim.specs import declared_specs
 from fastoptim.states import master
@@ -631,7 +631,7 @@ def test_each_native_rule_computes_the_kernel_scalars_of_its_algorithms_python(c
     restates the algorithm's ``arguments`` and ``kernel_scalars``: the same float64 numbers, for
     options and counts drawn at random (and the extremes: no decay, β at 0, correct_bias off)."""
     algorithm = cls.algorithm
-    name, options_of = algorithm.rule
+    name, keys = algorithm.rule
     rng = torch.Generator().manual_seed(0)
     spec = algorithm.spec
     for case in range(300):
@@ -642,7 +642,7 @@ def test_each_native_rule_computes_the_kernel_scalars_of_its_algorithms_python(c
         count = float(1 + int(u[6] * 1000) if case % 4 else 1)
         inputs = StepInputs(group["lr"], None, count, torch.float32, None, None)
         expected = algorithm.kernel_scalars(algorithm.arguments(group, inputs)[0])
-        native = torch.ops.fastoptim.rule_scalars(name, [float(x) for x in options_of(group)], count,
+        native = torch.ops.fastoptim.rule_scalars(name, [float(x) for x in rule_numbers(group, keys)], count,
                                                   len(spec.all_scalars))
         for index, scalar in enumerate(spec.all_scalars[3:], start=3):
             assert native[index] == float(expected[scalar]), (case, scalar, native[index], expected[scalar])

@@ -24,7 +24,6 @@ import warnings
 
 import torch
 
-from ..specs import COMMON_SCALARS
 from . import amp, backends, foreach
 from .step_op import OPS
 from .tables import Tables, split_taken
@@ -50,25 +49,17 @@ def _fallback(plan, reason):
     amp.run_unless_inf(foreach.run, plan)
 
 
-def _found_inf_and_seed(found_inf, stochastic, device):
-    """GradScaler's ``found_inf`` (None: 0) and, with ``stochastic`` rounding, a seed drawn on ``device``."""
-    return dict(found_inf=0.0 if found_inf is None else found_inf,
-                seed=torch.randint(1 << 24, (), device=device) if stochastic else 0)
+def draw_seed(device):
+    """A stochastic rounding's seed for one launch, drawn on ``device`` (no host sync)."""
+    return torch.randint(1 << 24, (), device=device)
 
 
 def kernel_values(kernel_scalars, args, found_inf, stochastic, device):
     """The kernel's scalars by name, ``kernel_scalars(args)`` with GradScaler's ``found_inf`` (or None)
     and, with ``stochastic`` rounding, its seed, drawn on ``device``: Python numbers, 0-d tensors, or
     1-d tensors with one value per tensor."""
-    return kernel_scalars(args) | _found_inf_and_seed(found_inf, stochastic, device)
-
-
-def common_scalars(spec, grad_scale, found_inf, stochastic, device):
-    """The scalars of a launch whose table's rule computes the rest (see :class:`Tables`): found_inf,
-    the seed and the grad scale (None: 1) as :func:`kernel_values` makes them, then zeros."""
-    values = _found_inf_and_seed(found_inf, stochastic, device) | {"grad_scale": 1.0 if grad_scale is None
-                                                                   else grad_scale}
-    return [values[name] for name in COMMON_SCALARS] + [0.0] * len(spec.scalars)
+    return kernel_scalars(args) | dict(found_inf=0.0 if found_inf is None else found_inf,
+                                       seed=draw_seed(device) if stochastic else 0)
 
 
 def ordered_scalars(spec, kernel_scalars, args, found_inf, stochastic, device, values=None):

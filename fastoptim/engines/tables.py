@@ -123,12 +123,12 @@ class Tables:
         spec's flags (name: bool); with ``options``, the tables' rule computes the scalars after the
         first three (see ``__init__``). Returns False, having changed nothing, when the backend found a
         tensor moved or a grad that does not fit."""
+        flag_bits = spec.flag_bits(flags, stochastic)
         for indices, index, bound, table_format in self.tables:
             values = scalars if index is None else [
                 value[index] if isinstance(value, torch.Tensor) and value.dim() == 1 else value for value in scalars]
             part = grads if index is None else [grads[i] for i in indices]
-            launch = self.backend.launch(spec, bound, part, per_tensor_calls, table_format, values, flags, stochastic,
-                                         options)
+            launch = self.backend.launch(spec, bound, part, per_tensor_calls, table_format, values, flag_bits, options)
             if batch is not None:
                 batch.append(launch)
             elif not self.backend.run_launches([launch]):

@@ -90,14 +90,9 @@ def adamw_kernel_scalars(args: dict) -> dict:
         decay_mul=1.0 if after else decay, decay_after=decay if after else 1.0)
 
 
-def adamw_rule_options(group: dict) -> list:
-    """What native code computes AdamW's kernel scalars from (native.cpp's adamw rule), in its order."""
-    return [group["lr"], *group["betas"], group["eps"], group["weight_decay"]]
-
-
 ADAMW = Algorithm(SPEC, adamw_update, adamw_arguments, adamw_kernel_scalars,
                   flags=lambda group: dict(amsgrad=group["amsgrad"], first_moment=True), counts=PER_PARAM,
-                  rule=("adamw", adamw_rule_options))
+                  rule=("adamw", ("lr", "betas", "eps", "weight_decay")))
 
 
 class AdamW(FastOptimizer):

@@ -30,8 +30,7 @@ def adamwsn_arguments(group: dict, inputs: StepInputs) -> tuple[dict, set[str]]:
 # AdamW's kernel family, with no bias correction inside the root and no first moment where β1 = 0
 ADAMWSN = ADAMW._replace(arguments=adamwsn_arguments,
                          flags=lambda group: dict(amsgrad=False, first_moment=group["betas"][0] != 0),
-                         rule=("adamwsn", lambda group: [group["lr"], *group["betas"], group["eps"],
-                                                         group["weight_decay"], group["correct_bias"]]))
+                         rule=("adamwsn", ("lr", "betas", "eps", "weight_decay", "correct_bias")))
 
 
 class AdamWSN(AdamW):

@@ -101,13 +101,8 @@ def adan_kernel_scalars(args: dict) -> dict:
         decay_mul=1 - decay if args["no_prox"] else 1.0, decay_div=1.0 if args["no_prox"] else 1 + decay)
 
 
-def adan_rule_options(group: dict) -> list:
-    """What native code computes Adan's kernel scalars from (native.cpp's adan rule), in its order."""
-    return [group["lr"], *group["betas"], group["eps"], group["weight_decay"], group["no_prox"]]
-
-
 ADAN = Algorithm(SPEC, adan_update, adan_arguments, adan_kernel_scalars, counts=PER_GROUP, n_betas=3,
-                 rule=("adan", adan_rule_options))
+                 rule=("adan", ("lr", "betas", "eps", "weight_decay", "no_prox")))
 
 
 class Adan(FastOptimizer):

@@ -69,9 +69,10 @@ class Algorithm(NamedTuple):
     ``n_betas``: how many betas its groups take.
     ``run(engine, plan, reduce_group)``: how a bucket's plan runs, where the engines' own way does
     not fit (Muon's, whose math needs whole matrices between two elementwise halves).
-    ``rule``: (name, options(group)): the native rule that computes ``kernel_scalars(arguments(...))``
+    ``rule``: (name, option keys): the native rule that computes ``kernel_scalars(arguments(...))``
     in a bound CPU step (native.cpp's Rule of that name restates them, tests/test_native_layer.py
-    holds the two equal), and the group's numbers it takes, in its order; None: Python computes them.
+    holds the two equal), and the group's options it takes, in its order (a sequence's values, the
+    betas, each); None: Python computes them.
     ``bound_part(tensors, bucket, plan)``: where it ``run``s its own way, its part of a bound step for
     a bucket (``bucket``: its params' positions in the group, ``tensors``: the group's by role,
     ``plan``: what the engines made of the bucket, its ``BucketPlan``): an object with the ``tables``
@@ -91,5 +92,5 @@ class Algorithm(NamedTuple):
     factor_options: tuple[str, ...] = ()
     n_betas: int = 2
     run: Callable = engines.run_bucket
-    rule: tuple[str, Callable[[dict], list]] | None = None
+    rule: tuple[str, tuple[str, ...]] | None = None
     bound_part: Callable | None = None

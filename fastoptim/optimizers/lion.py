@@ -57,7 +57,7 @@ def lion_kernel_scalars(args: dict) -> dict:
 
 
 LION = Algorithm(SPEC, lion_update, lion_arguments, lion_kernel_scalars,
-                 rule=("lion", lambda group: [group["lr"], *group["betas"], group["weight_decay"]]))
+                 rule=("lion", ("lr", "betas", "weight_decay")))
 
 
 class Lion(FastOptimizer):

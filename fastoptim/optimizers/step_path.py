@@ -78,9 +78,11 @@ class StepPath:
             group_count(group)
 
     def _structure(self, group):
-        """What of ``group``'s options decides its step work: its state roles, engine and formats."""
+        """What of ``group``'s options decides its step work: its state roles, engine, formats and kernel flags."""
+        algorithm = self._algorithm(group)
         return (self._roles(group), engines.engine_name(group["foreach"], group["fused"]),
-                self._states_chosen(group), group.get("sn"), group.get("subset_size"))
+                self._states_chosen(group), group.get("sn"), group.get("subset_size"),
+                algorithm.spec.flag_bits(algorithm.flags(group)))
 
     def _states_chosen(self, group):
         """The options that a group's states and what ``_prepare_states`` made of them were made under:

@@ -16,11 +16,11 @@ kernel's scalars from them and its counts, which it advances: see native.cpp's R
 ``available()``, ``refusal(param)`` (why it cannot run a tensor at all, its device or dtype
 included, or None), ``bind(spec, tensors, table, watched, grads_like, rule, counts)`` (what its
 launches read of a cached pointer table and its tensors, by role; see ``tables.Tables``),
-``launch(spec, bound, grads, per_tensor, state_format, values, flags, stochastic, options)`` (one
+``launch(spec, bound, grads, per_tensor, state_format, values, flag_bits, options)`` (one
 run of its kernel over what ``bind`` made, with the grads, the scalar
 ``values`` (in ``spec.all_scalars`` order: a number, a 0-d tensor or a 1-d tensor with one value per
-tensor), the spec's ``flags`` (name: bool) and whether it rounds stochastically, once or once per
-tensor) and
+tensor) and the spec's flags and stochastic rounding as ``KernelSpec.flag_bits`` packs them, once or
+once per tensor) and
 ``run_launches(launches, clip=None)`` (run them all, checked before any runs; False, having changed nothing,
 when a tensor moved or a grad does not fit: the caller builds the tables again). A step whose
 every table a backend that ``CHECKS_NATIVELY`` holds runs its launches together, unchecked in
@@ -35,9 +35,12 @@ BACKENDS = {backend.NAME: backend for backend in (cpu, triton)}
 BY_DEVICE_TYPE = {kind: backend for backend in reversed(BACKENDS.values()) for kind in backend.DEVICE_TYPES}
 
 
+FORCING_VARIABLE = "FASTOPTIM_FUSED_BACKEND"
+
+
 def forced():
     """The backend ``FASTOPTIM_FUSED_BACKEND`` forces, or None; a ValueError for an unknown name."""
-    name = os.environ.get("FASTOPTIM_FUSED_BACKEND") or None
+    name = os.environ.get(FORCING_VARIABLE) or None
     if name not in (None, *BACKENDS):
         raise ValueError(f"FASTOPTIM_FUSED_BACKEND={name!r}: expected one of {tuple(BACKENDS)}")
     return name and BACKENDS[name]

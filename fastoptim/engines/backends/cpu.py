@@ -263,7 +263,7 @@ def bind(spec, tensors, table, watched=(), grads_like=(), rule="", counts=()):
     return BoundTable(spec, tensors, table, watched=watched, grads_like=grads_like, rule=rule, counts=counts)
 
 
-def launch(spec, bound, grads, per_tensor, state_format, values, flags, stochastic, options=None):
+def launch(spec, bound, grads, per_tensor, state_format, values, flag_bits, options=None):
     """One table's part of a native step call, which ``run_launches`` runs with others. The scalar
     ``values`` (in ``spec.all_scalars`` order: a number, a 0-d tensor or a 1-d tensor with one value
     per tensor) go as numbers, and the tensors among them, in fp32 or float64, replace theirs (no
@@ -273,7 +273,7 @@ def launch(spec, bound, grads, per_tensor, state_format, values, flags, stochast
     numbers = [0.0 if isinstance(value, torch.Tensor) else float(value) for value in values]
     tensors = [values[slot] if values[slot].dtype in (torch.float32, torch.float64) else values[slot].float()
                for slot in slots]
-    return Launch(bound, grads, numbers, tensors, slots, spec.flag_bits(flags, stochastic), per_tensor, options)
+    return Launch(bound, grads, numbers, tensors, slots, flag_bits, per_tensor, options)
 
 
 def run_launches(launches, clip=None):

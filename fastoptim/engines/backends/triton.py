@@ -99,8 +99,8 @@ def bind(spec, tensors, table, watched=(), grads_like=(), rule="", counts=()):
                  tensors["param"], 0 if remainders is None else remainders[0].element_size() * 8)
 
 
-def launch(spec, bound, grads, per_tensor, state_format, values, flags, stochastic, options=None):
-    return Launch(spec, bound, grads, per_tensor, state_format, values, flags, stochastic)
+def launch(spec, bound, grads, per_tensor, state_format, values, flag_bits, options=None):
+    return Launch(spec, bound, grads, per_tensor, state_format, values, *spec.unpack_flags(flag_bits))
 
 
 def run_launches(launches, clip=None):
