@@ -279,3 +279,35 @@ def test_a_state_dict_whose_partition_does_not_fit_is_refused():
     with pytest.raises(ValueError, match="subset_size 5 does not divide"):
         other.load_state_dict(saved)
     assert not other.state
+
+
+def _lane_sum(values):
+    """fused_cpu.c's ``sum_of_squares`` of at most 64 fp32 ``values``, restated: lane j holds values[j]²
+    (rounded once, as fmaf(q, q, 0)), the 64 lanes (zeros past the values) then add pairwise, lane j and
+    lane j + width for width 32, 16, .., 1, in fp32."""
+    import numpy as np
+
+    lanes = np.zeros(64, dtype=np.float32)
+    lanes[:len(values)] = (values.astype(np.float64) ** 2).astype(np.float32)
+    width = 32
+    while width:
+        lanes[:width] = lanes[:width] + lanes[width:2 * width]
+        width //= 2
+    return lanes[0]
+
+
+@pytest.mark.skipif(not cpu.available(), reason="the native library is not built")
+def test_a_subset_shorter_than_the_kernel_s_lanes_sums_as_64_lanes_do():
+    """A subset of fewer than 64 elements fills only the first lanes of the kernel's sum, and starts its
+    pairwise adds at the lanes it filled (a 4x4 matrix's rows spent most of their step adding zeros):
+    the same number as 64 lanes give, bit for bit, for every length. One step from zero states with
+    β2 = 0.5, so the second moment of a row is exactly half its sum of g²."""
+    for length in range(1, 65):
+        param = torch.nn.Parameter(torch.zeros(70, length))
+        param.grad = torch.randn(70, length, generator=torch.Generator().manual_seed(length))
+        opt = fastoptim.AdamWSN([param], lr=1e-3, betas=(0.9, 0.5), sn=True, fused=True)
+        opt.step()
+        moments = opt.state[param]["exp_avg_sq"]
+        assert moments.shape == (70, 1), moments.shape
+        expected = torch.tensor([0.5 * _lane_sum(row) for row in param.grad.numpy()]).view(70, 1)
+        assert torch.equal(moments, expected), length

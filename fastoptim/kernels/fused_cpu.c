@@ -792,10 +792,17 @@ INLINE float subset_scale(int kernel, const Tensor *T, int64_t k, int flags) {
    SUM_LANES, each lane in element order, with one rounding per element), whose totals then add
    pairwise: one order in every specialisation. An omp simd reduction lets the compiler pick its own
    lanes per specialisation: under AVX2, a bf16 param's subset sums and an fp32 param's of the same
-   values differed, and a master_bits=32 master left its fp32 run by an ulp. */
+   values differed, and a master_bits=32 master left its fp32 run by an ulp. A subset of fewer elements
+   fills only the first ``used`` lanes (a power of two): the others would stay zeros, and adding a zero
+   leaves every lane as it is (each is +0, a square or a NaN), so its sums start at the half of ``used``,
+   the same number without 64 lanes' worth of adds per subset (a 4x4 matrix's rows spent most of their
+   step there, its scalar stores stalling the vector adds that read them back). */
 #define SUM_LANES 64  /* 4 AVX-512 or 8 AVX2 vectors of sums: FMAs that do not wait on each other */
 INLINE float sum_of_squares(int kernel, const Tensor *T, int64_t from, int64_t to, int dtype, int flags, int states) {
-    float lanes[SUM_LANES] = {0};
+    float lanes[SUM_LANES] = {0};  /* all of them, in vector stores, which the vector loads after read back */
+    int used = SUM_LANES;
+    if (to - from < SUM_LANES)
+        for (used = 1; used < to - from; used *= 2) {}
     int64_t i = from;
     for (; i + SUM_LANES <= to; i += SUM_LANES)
         for (int j = 0; j < SUM_LANES; j++) {
@@ -806,7 +813,7 @@ INLINE float sum_of_squares(int kernel, const Tensor *T, int64_t from, int64_t t
         const float q = squared_in_place(kernel, T, i + j, dtype, flags, states);
         lanes[j] = fmaf(q, q, lanes[j]);
     }
-    for (int width = SUM_LANES / 2; width > 0; width /= 2)
+    for (int width = used / 2; width > 0; width /= 2)
         for (int j = 0; j < width; j++) lanes[j] += lanes[j + width];
     return lanes[0];
 }
