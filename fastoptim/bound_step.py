@@ -52,18 +52,23 @@ class Structure:
         self.value = structure(reading)
         self.keys = list(reading.read)
         self.held = self._options(group)
+        # a list option (betas) may be edited in place: its items, as they were, are compared too
+        self.items = [(key, tuple(value)) for key, value in zip(self.keys, self.held) if type(value) is list]
 
     def _options(self, group):
         return [group.get(key, _MISSING) for key in self.keys]
 
     def holds(self, structure, group):
         """Whether ``structure(group)`` is still this one."""
-        if all(map(operator.is_, self._options(group), self.held)):
+        if all(map(operator.is_, self._options(group), self.held)) and (
+                not self.items or all(len(group[key]) == len(items) and all(map(operator.is_, group[key], items))
+                                      for key, items in self.items)):
             return True
         now = Structure(structure, group)
         if now.value != self.value:
             return False
-        self.keys, self.held = now.keys, now.held  # options that changed and left it as it was (a scheduled beta)
+        # options that changed and left it as it was (a scheduled beta)
+        self.keys, self.held, self.items = now.keys, now.held, now.items
         return True
 
 
@@ -244,6 +249,11 @@ class BoundStep:
     def _step_with_python_scalars(self, optimizer, work, writes, found_inf):
         """:meth:`step` where Python computes the scalars, and advances the counts, as a checked step does:
         on a backend that computes no step scalars (Triton's), or for options its rules do not take."""
+        for algorithm, group, flag_bits in zip(self.algorithms, self.groups, self.flag_bits):
+            # options read as tensors (a β1 that a tensor holds, edited in place) may set flags its plan did
+            # not see: the checked step plans again
+            if algorithm.spec.flag_bits(algorithm.flags(group)) != flag_bits:
+                return False
         increment, scales, _ = optimizer._grad_scales(work, found_inf, eager=True)
         launches = []
         for (group, entry, grads), scale, algorithm, buckets, single in zip(
@@ -271,8 +281,9 @@ def rule_numbers(group, keys):
     numbers = []
     for key in keys:
         value = group[key]
-        if isinstance(value, (tuple, list)):
-            numbers += value
+        # a tuple, a list or any other sequence (a numpy array), as the checked step reads it
+        if isinstance(value, (tuple, list)) or not isinstance(value, Tensor) and hasattr(value, "__iter__"):
+            numbers.extend(value)
         else:
             numbers.append(value)
     return numbers

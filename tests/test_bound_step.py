@@ -257,3 +257,87 @@ def test_two_adan_groups_sharing_one_count_count_alike_bound_and_checked(monkeyp
     assert opt.param_groups[0]["step"].item() == twin.param_groups[0]["step"].item()
     for param, expected in zip(params, twin_params):
         assert torch.equal(param, expected)
+
+
+@pytest.mark.parametrize("schedule", [(0.0, 0.0, 0.9, 0.9, 0.9, 0.9), (0.9, 0.9, 0.0, 0.0, 0.9, 0.9)],
+                         ids=["from 0", "to 0 and back"])
+def test_a_beta_edited_in_place_in_its_list_reaches_the_bound_step(schedule, monkeypatch):
+    """AdamWSN's β1 decides whether it keeps a first moment (a kernel flag). Set in its list of betas
+    (the same list object), the bound step plans again, as the checked step does: bit for bit, with the
+    same states. (The bound step kept the first β1's flag: from 0 it never made the first moment, to 0
+    it went on updating it; before it held its flags, a β1 from 0 crashed in the kernel.)"""
+
+    def change(step, opt, params):
+        opt.param_groups[0]["betas"][0] = schedule[step]
+
+    def factory(params):
+        return fastoptim.AdamWSN(params, lr=0.1, betas=[schedule[0], 0.999], sn=True, fused=True)
+
+    (bound, bound_opt), (checked, checked_opt), ran_bound = _bound_and_checked(factory, change, monkeypatch)
+    assert all(map(torch.equal, bound, checked))
+    for ours, theirs in zip(bound, checked):
+        assert sorted(bound_opt.state[ours]) == sorted(checked_opt.state[theirs])
+    assert ran_bound.count(True) >= 2, ran_bound
+
+
+def test_betas_set_as_a_numpy_array_between_steps_step_bound_as_checked(monkeypatch):
+    """A group's betas replaced by a numpy array (the constructor takes only a tuple or list, a
+    scheduler may write anything the checked step reads): the bound step reads its numbers as the
+    checked step does, at every step (it raised at every other step, reading the array as one number)."""
+    import numpy as np
+
+    def change(step, opt, params):
+        opt.param_groups[0]["betas"] = np.array([0.9, 0.99 + step / 1000])
+
+    (bound, _), (checked, _), ran_bound = _bound_and_checked(
+        lambda params: fastoptim.AdamW(params, lr=0.1, fused=True), change, monkeypatch)
+    assert all(map(torch.equal, bound, checked))
+    assert ran_bound.count(True) >= 4, ran_bound
+
+
+def test_a_tensor_beta_edited_in_place_reaches_the_bound_step():
+    """A β1 that a 0-d tensor holds (set between steps), filled in place from 0: its flags (a first moment) are the
+    kernel's, which the step's tables were bound without, so the step plans again, as a checked one
+    does. In a subprocess: it crashed in the kernel before the bound step compared its flags."""
+    code, out = _in_subprocess("""
+import torch, fastoptim
+def run(checked):
+    beta1 = torch.tensor(0.0)
+    param = torch.nn.Parameter(torch.ones(4, 4))
+    opt = fastoptim.AdamWSN([param], lr=0.1, betas=(0.0, 0.999), sn=True, fused=True)
+    for step in range(5):
+        param.grad = torch.full((4, 4), float(step + 1))
+        if step == 1:
+            opt.param_groups[0]["betas"] = (beta1, 0.999)
+        if step == 3:
+            beta1.fill_(0.9)
+        if checked:
+            opt._plans.bound = None
+        opt.step()
+    return param.detach(), sorted(opt.state[param])
+(ours, keys), (theirs, their_keys) = run(False), run(True)
+print(torch.equal(ours, theirs), keys == their_keys, "exp_avg" in keys)
+""")
+    assert code == 0 and out.split()[-3:] == ["True", "True", "True"], out
+
+
+def test_a_bound_step_refuses_flags_that_keep_a_state_its_tables_lack():
+    """Native code's safety net: flags that keep a state the table was bound without (amsgrad's, on
+    an AdamW table bound with amsgrad off) would have the kernel walk null pointers: the call answers
+    STALE and changes nothing."""
+    from fastoptim.optimizers.adamw import SPEC
+
+    params = [torch.nn.Parameter(torch.randn(8))]
+    params[0].grad = torch.ones(8)
+    opt = fastoptim.AdamW(params, lr=1e-2, fused=True)
+    opt.step()
+    launches, real = [], cpu_backend.step
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_backend, "step", lambda batch, clip=None: launches.extend(batch) or real(batch, clip))
+        opt.step()
+    (launch,) = launches
+    before = params[0].detach().clone()
+    amsgrad = launch._replace(flags=SPEC.flag_bits(dict(amsgrad=True, first_moment=True)))
+    assert cpu_backend.step([amsgrad]) == cpu_backend.STALE
+    assert torch.equal(params[0], before)
+    assert cpu_backend.step([launch]) == cpu_backend.STEPPED

@@ -62,8 +62,10 @@ using torch::stable::Tensor;
 typedef int (*KernelFn)(const int64_t *, int64_t, const int64_t *, int64_t, int64_t, const int64_t *,
                         const Scalar *, int32_t, int32_t, int32_t);
 
-struct Kernel { const char *name; KernelFn run; int64_t n_rows; };  // its table's rows: up to its remainders'
-#define KERNEL_ENTRY(name, NAME) {#name, fastoptim_##name, NAME##_REMAINDER + 1},
+// Its table's rows (up to its remainders'), and per state row from FIRST_STATE to states_end the flag bit
+// that keeps it (0: always kept).
+struct Kernel { const char *name; KernelFn run; int64_t n_rows, states_end; int64_t needs[MAX_STATES]; };
+#define KERNEL_ENTRY(name, NAME) {#name, fastoptim_##name, NAME##_REMAINDER + 1, NAME##_STATES_END, NAME##_NEEDS},
 const Kernel KERNELS[] = {FOR_EACH_KERNEL(KERNEL_ENTRY)};
 #undef KERNEL_ENTRY
 
@@ -393,6 +395,8 @@ std::vector<double> rule_scalars(std::string name, std::vector<double> options, 
 // Python launches) is only checked, by check_bound.
 struct Bound {
     KernelFn run;
+    const Kernel *kernel = nullptr;
+    std::vector<bool> rows_bound;  // per row of the pointer table, whether bind gave it tensors
     int32_t dtype;
     int64_t n_tensors, n_rows, n_scalars;
     std::vector<Tensor> held, views, watched;
@@ -465,6 +469,8 @@ int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> 
     STD_TORCH_CHECK(!named || n_rows == named->n_rows, op, ": the ", kernel, " kernel reads ",
                     named ? named->n_rows : 0, " rows of pointers, not ", n_rows);
     table->run = named ? named->run : nullptr;
+    table->kernel = named;
+    table->rows_bound.assign(n_rows, false);
     const Read first = read_for(held[0], op);
     table->dtype = kernel_dtype(first.dtype);
     STD_TORCH_CHECK(table->dtype >= 0, op, ": no kernel for the params' dtype");
@@ -503,6 +509,7 @@ int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> 
             }
             table->pointers[rows[k] * n_tensors + t] = address(tensor);
         }
+        table->rows_bound[rows[k]] = true;
     }
     for (size_t k = 0; k < owners.size(); k++) {  // after the params, which are the first n_tensors held
         table->held.push_back(owners[k]);
@@ -580,6 +587,17 @@ void prefetch_ahead(const Handle *handles, size_t i, size_t n, AtenTensorHandle 
 
 AtenTensorHandle handle_of_tensor(const Tensor &t) { return t.get(); }
 AtenTensorHandle handle_of_handle(const AtenTensorHandle &h) { return h; }
+
+// Whether ``flags`` keep only states that ``table`` was bound with: a flag set by an option that changed
+// where the step's plan did not see it (AdamWSN's β1 from 0, edited in place in its list) would have the
+// kernel walk a row of null pointers. The step then plans again (STALE).
+bool keeps_bound_rows(const Bound &table, int64_t flags) {
+    for (int64_t row = FIRST_STATE; row < table.kernel->states_end; row++) {
+        const int64_t needs = table.kernel->needs[row - FIRST_STATE];
+        if ((!needs || flags & needs) && !table.rows_bound[row]) return false;
+    }
+    return true;
+}
 
 // Whether ``table`` may run with ``grads`` from ``first``: STALE when a held tensor moved or changed
 // its layout, GRADS_UNFIT when a grad is not walked as its param, else STEPPED, with the table's
@@ -713,6 +731,7 @@ int64_t bound_step(std::vector<int64_t> handles, const std::vector<AtenTensorHan
         STD_TORCH_CHECK(table.run, op, ": table bound to no kernel");
         const int64_t status = check(table, grads, first_grad, op);  // a refused call runs none
         if (status != STEPPED) return status;
+        if (!keeps_bound_rows(table, flags[&held_table - tables.data()])) return STALE;
         first_grad += table.n_tensors;
         first_scalars.push_back(static_cast<int64_t>(tensors_of_slot.size()));
         tensors_of_slot.insert(tensors_of_slot.end(), table.n_scalars, table.n_tensors);
