@@ -142,10 +142,12 @@ class StepPath:
         that call clips by: (max_norm, eps, 1/scale), the groups' scales then leaving the coefficient out."""
         amp_scale = getattr(self, "grad_scale", None)
         max_norm = self.defaults["max_grad_norm"]
-        # in bucket order, as a step's one native call takes them: every path sums the norm in this order
+        # each rank joins the reduction, grads or not
+        clipped = max_norm > 0 and (self._reduce_group is not None or any(
+            bucket for _, entry, _ in work for bucket, _ in entry.buckets))
+        # in bucket order, as a step's one native call takes them (which has them): every path sums the norm so
         all_grads = [grads[i] for _, entry, grads in work for bucket, _ in entry.buckets for i in bucket
-                     ] if max_norm > 0 else None
-        clipped = max_norm > 0 and (all_grads or self._reduce_group is not None)  # each rank joins the reduction
+                     ] if clipped and not clip_in_step else None
         # official Adan takes eps for the clip from the last group; an algorithm without an eps (Lion),
         # torch's clip_grad_norm_'s, whatever keys its groups carry (or with no group left)
         eps = self.param_groups[-1]["eps"] if "eps" in self.defaults and self.param_groups else CLIP_EPS
