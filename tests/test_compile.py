@@ -154,20 +154,20 @@ GRAD_SCALER_ENGINES = {"fused": ({}, model_params),
                        "loop": (dict(foreach=False, fused=False), model_params)}
 
 
-@pytest.mark.parametrize("inf_step", [0, 2])
 @pytest.mark.parametrize("cls, engine", [(info.cls, engine) for info in OPTIMIZERS for engine in GRAD_SCALER_ENGINES
                                          if engine.startswith("fused") or info is ADAN])
-def test_grad_scaler_steps_compile_and_a_skipped_step_leaves_no_trace(cls, inf_step, engine):
-    """As GradScaler hands them to step(): the scale and found_inf, inf on one step. The compiled
-    step skips it on the device, with no host read, so the graph holds, on every engine (the fused
-    kernels in the kernel, the others and the kernels' fallback in the graph); a skipped first step
-    leaves zero states where eager leaves none, and the same trajectory. Every optimizer on the fused
-    engine and its fallback (foreach's traced skip, over each algorithm's math); the foreach and loop
-    engines, which skip alike for every algorithm, with Adan."""
+def test_grad_scaler_steps_compile_and_a_skipped_step_leaves_no_trace(cls, engine):
+    """As GradScaler hands them to step(): the scale and found_inf, inf on the first and the third
+    step. The compiled step skips them on the device, with no host read, so the graph holds, on every
+    engine (the fused kernels in the kernel, the others and the kernels' fallback in the graph); the
+    skipped first step leaves zero states where eager leaves none, and the same trajectory, through a
+    skipped step once states exist. Every optimizer on the fused engine and its fallback (foreach's
+    traced skip, over each algorithm's math); the foreach and loop engines, which skip alike for every
+    algorithm, with Adan."""
     options, make_params = GRAD_SCALER_ENGINES[engine]
     def scaler(opt, step):
         opt.grad_scale = torch.tensor(256.0)
-        opt.found_inf = torch.tensor(float(step == inf_step))
+        opt.found_inf = torch.tensor(float(step in (0, 2)))
         for group in opt.param_groups:
             for param in group["params"]:
                 param.grad.mul_(256.0)
@@ -245,8 +245,10 @@ def test_a_fused_cpu_step_compiles_to_ops_and_no_arithmetic(cls, options):
     assert_no_arithmetic(targets, f"fastoptim.{cls.algorithm.spec.name}_step.default")
 
 
-@pytest.mark.parametrize("cls", [info.cls for info in OPTIMIZERS if info.cls.algorithm.kernel_scalars is not None])
-@pytest.mark.parametrize("clip, amp", [(True, False), (False, True), (True, True)])
+# both, with every optimizer; each alone (the factors' other branches), with AdamW
+@pytest.mark.parametrize("cls, clip, amp", [(info.cls, True, True) for info in OPTIMIZERS
+                                            if info.cls.algorithm.kernel_scalars is not None]
+                         + [(fastoptim.AdamW, True, False), (fastoptim.AdamW, False, True)])
 def test_a_clipped_or_scaled_fused_cpu_step_compiles_to_ops_and_no_arithmetic(cls, clip, amp):
     """The clip coefficient and GradScaler's factors (1/scale, the skip's count increment, −1 to
     maximize) come from fastoptim::step_factors, not from arithmetic in the graph."""
