@@ -54,12 +54,16 @@ def draw_seed(device):
     return torch.randint(1 << 24, (), device=device)
 
 
+def with_common(values, found_inf, stochastic, device):
+    """A kernel's scalars by name (``values``: its algorithm's) with GradScaler's ``found_inf`` (None: 0)
+    and, with ``stochastic`` rounding, its seed, drawn on ``device``."""
+    return values | dict(found_inf=0.0 if found_inf is None else found_inf, seed=draw_seed(device) if stochastic else 0)
+
+
 def kernel_values(kernel_scalars, args, found_inf, stochastic, device):
-    """The kernel's scalars by name, ``kernel_scalars(args)`` with GradScaler's ``found_inf`` (or None)
-    and, with ``stochastic`` rounding, its seed, drawn on ``device``: Python numbers, 0-d tensors, or
-    1-d tensors with one value per tensor."""
-    return kernel_scalars(args) | dict(found_inf=0.0 if found_inf is None else found_inf,
-                                       seed=draw_seed(device) if stochastic else 0)
+    """The kernel's scalars by name, ``kernel_scalars(args)`` :func:`with_common` ones: Python numbers,
+    0-d tensors, or 1-d tensors with one value per tensor."""
+    return with_common(kernel_scalars(args), found_inf, stochastic, device)
 
 
 def ordered_scalars(spec, kernel_scalars, args, found_inf, stochastic, device, values=None):

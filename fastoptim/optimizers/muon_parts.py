@@ -309,8 +309,8 @@ class BoundMomentum(NamedTuple):
                       device: torch.device) -> tuple[list, dict]:
         """The momentum kernel's scalars (in its spec's order) and flags for a step of ``group``."""
         args, flags = momentum_inputs(group, grad_scale)
-        return engines.fused.ordered_scalars(MOMENTUM_SPEC, momentum_kernel_scalars, args, found_inf, False,
-                                             device), flags
+        values = engines.fused.with_common(momentum_kernel_scalars(args), found_inf, False, device)
+        return [values[name] for name in MOMENTUM_SPEC.all_scalars], flags
 
     def finish(self, group: dict, args: dict, per_tensor: set[str]) -> None:
         """The iterations and update of a step whose ``args`` (``muon_arguments``'s, of the whole group)
