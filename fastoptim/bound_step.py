@@ -166,9 +166,9 @@ class BoundStep:
             if (len(params) != len(entry.params) or not all(map(operator.is_, params, entry.params))
                     or not expected.holds(structure, group)):
                 return None
-            check(group, params)
             if group.get("step") is not count:  # a group's count (official Adan's) set anew: its tables hold the last
                 return None
+            check(group, params)
             work.append((group, entry, grads))
         return work
 

@@ -71,11 +71,10 @@ class StepPath:
 
     def _check_between_steps(self, group, params):
         """Raise if what a scheduler or the user may have set in ``group`` since the last step does not
-        fit ``params`` (those with grads): a tensor lr, a ``PER_GROUP`` count (see ``group_count``)."""
+        fit ``params`` (those with grads): a tensor lr. (A ``PER_GROUP`` count set anew is checked by the
+        step that plans with it, see ``_group_work``: a bound step holds the one it was planned with.)"""
         if isinstance(group["lr"], Tensor) and params:
             check_tensor_lr(group["lr"], params[0].device)
-        if self._algorithm(group).counts == PER_GROUP:
-            group_count(group)
 
     def _structure(self, group):
         """What of ``group``'s options decides its step work: its state roles, engine, formats and kernel flags."""
@@ -241,6 +240,8 @@ class StepPath:
         of its params (a released bucket), with ``index`` a key of their own."""
         params, local_params, grads = self._with_grads(group, some)
         self._check_between_steps(group, params)
+        if self._algorithm(group).counts == PER_GROUP:
+            group_count(group)  # a count set as a number becomes a tensor; an invalid one raises, before any change
         entry, fresh = plans.work(index, grads_pattern(group["params"] if some is None else some), self._roles(group),
                                   engines.engine_name(group["foreach"], group["fused"]), params, local_params)
         if fresh:
