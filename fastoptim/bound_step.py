@@ -115,11 +115,11 @@ class BoundStep:
     def of(cls, state, work, algorithms, structure, clipped):
         """The BoundStep of a checked step's ``work`` ((group, GroupWork, grads) per group) whose groups
         run ``algorithms`` and read and advance their step counts (``StepCounts.read``), under
-        ``structure(group)`` (which holds the group's kernel flag bits); None where a group's step is not its bound tables'
-        kernels alone (the algorithm runs its own way, has no kernel or no rule; a bucket reduces over
-        ranks or left some tensors to foreach) or its ``bound_part`` (Muon's: not ``clipped``, the
-        constructor's max_grad_norm, which the native call would fuse into its kernel), its states are
-        new, its tensors views, or the tables are of two backends."""
+        ``structure(group)`` (which holds the group's kernel flag bits); None where a group's step is not
+        its bound tables' kernels alone (the algorithm runs its own way, has no kernel or no rule; a
+        bucket reduces over ranks or left some tensors to foreach) or its ``bound_part`` (Muon's: not
+        ``clipped``, the constructor's max_grad_norm, which the native call would fuse into its kernel),
+        its states are new, its tensors views, or the tables are of two backends."""
         runs, parts = [], []
         for algorithm, (group, entry, _) in zip(algorithms, work):
             if not entry.params:
