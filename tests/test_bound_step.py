@@ -341,3 +341,28 @@ def test_a_bound_step_refuses_flags_that_keep_a_state_its_tables_lack():
     assert cpu_backend.step([amsgrad]) == cpu_backend.STALE
     assert torch.equal(params[0], before)
     assert cpu_backend.step([launch]) == cpu_backend.STEPPED
+
+
+@pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW], ids=lambda cls: cls.__name__)
+def test_a_count_written_below_zero_in_place_fails_as_the_checked_step_does(cls):
+    """A step count filled with -1 in place (the group's, official Adan's; a param's, AdamW's): its
+    bias corrections divide by zero. The bound step left it to no one and wrote NaN params; native
+    code now refuses it, and the checked step raises, changing nothing, as it does unbound."""
+
+    def run(checked):
+        param = torch.nn.Parameter(torch.randn(4, generator=torch.Generator().manual_seed(0)))
+        opt = cls([param], lr=1e-2, fused=True)
+        for _ in range(3):
+            param.grad = torch.ones(4)
+            opt.step()
+        count = opt.param_groups[0]["step"] if cls is fastoptim.Adan else opt.state[param]["step"]
+        count.fill_(-1)
+        before = param.detach().clone()
+        if checked:
+            opt._plans.bound = None
+        with pytest.raises(Exception) as raised:
+            opt.step()
+        assert torch.equal(param, before) and count.item() == -1
+        return type(raised.value)
+
+    assert run(False) is run(True)

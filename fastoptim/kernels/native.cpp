@@ -707,8 +707,9 @@ float clip_coefficient(double total, double max_norm, double eps, const float *i
 
    A table ``ruled[k]`` computes its scalars after the first three (found_inf, seed, grad scale) by its
    rule (see Rule), from its next ``options``, at the count each tensor reaches (its count + 1: a step
-   GradScaler skips reads none); after every kernel ran, each count its ruled tables hold is advanced
-   once, by 1, or by 0 where found_inf is set. Scalars with one value per tensor where counts differ.
+   GradScaler skips reads none; one that reaches less than 1, or NaN, makes the call STALE); after every
+   kernel ran, each count its ruled tables hold is advanced once, by 1, or by 0 where found_inf is set.
+   Scalars with one value per tensor where counts differ.
 
    With ``clip`` (max_norm, eps), the grads of all tables are clipped by their norm as one: each
    table's grad scale is multiplied by the clip coefficient of the sum of squares of every grad, in
@@ -757,6 +758,9 @@ int64_t bound_step(std::vector<int64_t> handles, const std::vector<AtenTensorHan
         for (const Layout &count : table.counts_then) {  // where check found each count: no second read
             float *value = static_cast<float *>(count.data);
             reached.push_back(static_cast<double>(*value) + 1);
+            // a count written below 0 (or NaN) in place: its bias corrections divide by zero, which the
+            // checked step answers for (as it does for a count set anew); nothing has run yet
+            if (!(reached.back() >= 1)) return STALE;
             advanced.emplace_back(value, increment);
         }
         const bool shared = std::adjacent_find(reached.begin(), reached.end(), std::not_equal_to<>()) == reached.end();
