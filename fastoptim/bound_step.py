@@ -119,7 +119,8 @@ class BoundStep:
         its bound tables' kernels alone (the algorithm runs its own way, has no kernel or no rule; a
         bucket reduces over ranks or left some tensors to foreach) or its ``bound_part`` (Muon's: not
         ``clipped``, the constructor's max_grad_norm, which the native call would fuse into its kernel),
-        its states are new, its tensors views, or the tables are of two backends."""
+        its states are new, its tensors views, the tables are of two backends, or two groups hold one
+        count tensor."""
         runs, parts = [], []
         for algorithm, (group, entry, _) in zip(algorithms, work):
             if not entry.params:
@@ -146,6 +147,9 @@ class BoundStep:
         backend = runs_backend(runs)
         if type(state) is not OptimizerState or backend is None or any(parts) and not backend.STEP_SCALARS:
             return None
+        group_counts = [group["step"] for group, _, _ in work if isinstance(group.get("step"), Tensor)]
+        if len(set(map(id, group_counts))) != len(group_counts):
+            return None  # groups given one count tensor: a checked step advances it once per group, native code once
         counts = [count for group, entry, _ in work if entry.params for count in entry.context.counts.read(group)]
         return cls(state, work, algorithms, counts, [Structure(structure, group) for group, _, _ in work], runs,
                    parts, backend)

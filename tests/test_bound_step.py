@@ -242,11 +242,11 @@ def test_a_bound_step_with_bad_flags_on_its_second_table_changes_nothing():
     assert all(torch.equal(p, b) for p, b in zip(params, before))
 
 
-@pytest.mark.xfail(strict=True, reason="two Adan groups given one count tensor (group[\"step\"] = other[\"step\"]): "
-                   "a checked step adds to it once per group, a bound step's native call once (it advances each "
-                   "count it holds once, meant for a group's count held by each of its tables), so the bound "
-                   "and checked runs part")
 def test_two_adan_groups_sharing_one_count_count_alike_bound_and_checked(monkeypatch):
+    """Two Adan groups given one count tensor between steps (``group["step"] = other["step"]``): a
+    checked step adds to it once per group; a bound step's native call advanced it once (it advances
+    each count it holds once, meant for a group's count held by each of its tables), so the runs
+    parted. Such groups are not bound (a known limit until then, a strict xfail)."""
     def change(step, opt, params):
         if step == 2:
             opt.param_groups[1]["step"] = opt.param_groups[0]["step"]
@@ -366,3 +366,17 @@ def test_a_count_written_below_zero_in_place_fails_as_the_checked_step_does(cls)
         return type(raised.value)
 
     assert run(False) is run(True)
+
+
+def test_two_adan_groups_given_one_count_at_construction_count_as_the_checked_step(monkeypatch):
+    """Two groups given one count tensor when the optimizer is made: a checked step advances it once
+    per group; the bound step, whose native call advances each count it holds once, advanced it once
+    in all (found by helper-23). Such groups are not bound: every step counts as the checked one."""
+    def factory(params):
+        count = torch.zeros(())
+        return fastoptim.Adan([{"params": params[:2], "step": count}, {"params": params[2:], "step": count}],
+                              lr=1e-2, fused=True)
+
+    (params, opt), (twin_params, twin), _ = _bound_and_checked(factory, lambda step, opt, params: None, monkeypatch)
+    assert opt.param_groups[0]["step"].item() == twin.param_groups[0]["step"].item()
+    assert all(map(torch.equal, params, twin_params))
