@@ -253,26 +253,27 @@ class BoundStep:
     def _step_with_python_scalars(self, optimizer, work, writes, found_inf):
         """:meth:`step` where Python computes the scalars, and advances the counts, as a checked step does:
         on a backend that computes no step scalars (Triton's), or for options its rules do not take."""
-        for algorithm, group, flag_bits in zip(self.algorithms, self.groups, self.flag_bits):
-            # options read as tensors (a β1 that a tensor holds, edited in place) may set flags its plan did
-            # not see: the checked step plans again
-            if algorithm.spec.flag_bits(algorithm.flags(group)) != flag_bits:
-                return False
+        flags = [algorithm.flags(group) for algorithm, group in zip(self.algorithms, self.groups)]
+        # options read as tensors (a β1 that a tensor holds, edited in place) may set flags its plan did not
+        # see: the checked step plans again
+        if any(algorithm.spec.flag_bits(now) != planned
+               for algorithm, now, planned in zip(self.algorithms, flags, self.flag_bits)):
+            return False
         increment, scales, _ = optimizer._grad_scales(work, found_inf, eager=True)
         launches = []
-        for (group, entry, grads), scale, algorithm, buckets, single in zip(
-                work, scales, self.algorithms, self.runs, self.single):
+        for (group, entry, grads), scale, algorithm, buckets, single, group_flags in zip(
+                work, scales, self.algorithms, self.runs, self.single, flags):
             if not entry.params:
                 continue
             args, per_tensor = optimizer._arguments(algorithm, group, entry, scale, increment, traced=False)
-            stochastic, flags, device = group["stochastic_rounding"], algorithm.flags(group), grads[0].device
+            stochastic, device = group["stochastic_rounding"], grads[0].device
             for tables, bucket, plan in buckets:  # a seed per bucket, in bucket order, as a checked step draws them
                 ordered = engines.fused.ordered_scalars(
                     algorithm.spec, algorithm.kernel_scalars,
                     args if bucket is None else engines.args_of(args, per_tensor, bucket, device, plan),
                     found_inf, stochastic, device)
-                tables.launch(algorithm.spec, grads if bucket is None else [grads[i] for i in bucket], ordered, flags,
-                              stochastic, single, launches)
+                tables.launch(algorithm.spec, grads if bucket is None else [grads[i] for i in bucket], ordered,
+                              group_flags, stochastic, single, launches)
         if launches and not self.backend.run_launches(launches):
             return False
         optimizer._advance(work, increment, writes)
@@ -286,7 +287,7 @@ def rule_numbers(group, keys):
     for key in keys:
         value = group[key]
         # a tuple, a list or any other sequence (a numpy array), as the checked step reads it
-        if isinstance(value, (tuple, list)) or not isinstance(value, Tensor) and hasattr(value, "__iter__"):
+        if not isinstance(value, Tensor) and hasattr(value, "__iter__"):
             numbers.extend(value)
         else:
             numbers.append(value)

@@ -144,7 +144,7 @@ class StepPath:
         # each rank joins the reduction, grads or not
         clipped = max_norm > 0 and (self._reduce_group is not None or any(
             bucket for _, entry, _ in work for bucket, _ in entry.buckets))
-        # in bucket order, as a step's one native call takes them (which has them): every path sums the norm so
+        # in bucket order, the order every path sums the norm in (a bound step's native call takes them itself)
         all_grads = [grads[i] for _, entry, grads in work for bucket, _ in entry.buckets for i in bucket
                      ] if clipped and not clip_in_step else None
         # official Adan takes eps for the clip from the last group; an algorithm without an eps (Lion),
