@@ -8,8 +8,10 @@ SETUP_INPUTS := pyproject.toml setup.py scripts/setup.sh scripts/install_torch.p
 bench: $(VENV)/.ready-bench
 	$(VENV)/bin/fastoptim bench
 
+# Two worker processes, one per core of the CI machine, each taking whole files (a file's tests keep
+# their order); the sanitizer job goes first (tests/conftest.py).
 test: $(VENV)/.ready-test
-	$(VENV)/bin/python -m pytest -q --durations=20
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=20
 
 # The site's home page is the README, its links made relative to docs/; warnings are errors.
 docs: $(VENV)/.ready-docs

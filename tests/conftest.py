@@ -3,7 +3,10 @@ It must be chosen before Triton's kernels are defined, when fastoptim is first i
 machine, ``FASTOPTIM_TEST_DEVICE=cuda`` makes the tensors that tests create without naming a device
 CUDA tensors, so that the CPU suites run their steps on the GPU (benchmarks/gpu.sh). A session
 that will run the sanitizer tests starts their build, and the kernel tests' run on it, in the
-background (see tests/sanitized_build.py)."""
+background (see tests/sanitized_build.py). Under pytest-xdist (``make test``: two workers, each
+taking whole files) no worker knows at collection whether the sanitizer tests will be its own, so
+they come first and start that job themselves: their worker waits on it while the other runs the
+rest, one core each."""
 import os
 import shutil
 import tempfile
@@ -23,10 +26,21 @@ if os.environ.get("FASTOPTIM_TEST_DEVICE"):
 SANITIZED_BUILD = pytest.StashKey()  # the sanitized kernel's build and test run (sanitized_build.Background)
 
 
+def _in_a_worker():
+    return "PYTEST_XDIST_WORKER" in os.environ
+
+
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist, the sanitizer tests first (see the module's docstring)."""
+    if _in_a_worker():
+        items.sort(key=lambda item: item.get_closest_marker("sanitizers") is None)  # a stable sort
+
+
 def pytest_collection_finish(session):
     """Start the sanitized kernel's build and its tests' run (minutes on one core) now, if the
-    sanitizer tests will run."""
-    if any(item.get_closest_marker("sanitizers") for item in session.items) and sanitized_build.runtimes():
+    sanitizer tests will run in this process, and not under pytest-xdist (see the module's docstring)."""
+    if (not _in_a_worker() and any(item.get_closest_marker("sanitizers") for item in session.items)
+            and sanitized_build.runtimes()):
         directory = Path(tempfile.mkdtemp(prefix="fastoptim-sanitizers-"))
         session.config.stash[SANITIZED_BUILD] = sanitized_build.Background(directory / "native_sanitized.so")
 
