@@ -11,7 +11,7 @@ bench: $(VENV)/.ready-bench
 # Two worker processes, one per core of the CI machine, each taking whole files (a file's tests keep
 # their order); the sanitizer job goes first (tests/conftest.py).
 test: $(VENV)/.ready-test
-	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=20
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20
 
 # The site's home page is the README, its links made relative to docs/; warnings are errors.
 docs: $(VENV)/.ready-docs
