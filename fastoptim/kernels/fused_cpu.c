@@ -813,8 +813,16 @@ INLINE float sum_of_squares(int kernel, const Tensor *T, int64_t from, int64_t t
         const float q = squared_in_place(kernel, T, i + j, dtype, flags, states);
         lanes[j] = fmaf(q, q, lanes[j]);
     }
-    for (int width = used / 2; width > 0; width /= 2)
-        for (int j = 0; j < width; j++) lanes[j] += lanes[j + width];
+    switch (used) {  /* each width a constant: unrolled adds, no loop branches to mispredict per subset */
+#define HALVE(width) for (int j = 0; j < (width); j++) lanes[j] += lanes[j + (width)]
+    case 64: HALVE(32);  /* fall through */
+    case 32: HALVE(16);  /* fall through */
+    case 16: HALVE(8);   /* fall through */
+    case 8: HALVE(4);    /* fall through */
+    case 4: HALVE(2);    /* fall through */
+    case 2: HALVE(1);
+#undef HALVE
+    }
     return lanes[0];
 }
 
