@@ -90,7 +90,7 @@ class GroupWork:
         self.scalar_dtype = torch.float64 if any(p.dtype == torch.float64 for p in local_params) else torch.float32
         self.buckets = [(bucket, None) for bucket in buckets(params)]
         self.states = self.kept = self.tensors = self.context = self.states_chosen = self.state_signature = None
-        self.watched = self.grads_like = None  # see read_tensors
+        self.watched = self.originals = None  # see read_tensors
         self.bucket_plans = [BucketPlan() for _ in self.buckets]
         self.traced_scalars = None  # for a traced CPU step whose scalars an op computes: scalars.Prepared
 
@@ -134,24 +134,14 @@ class GroupWork:
         self.tensors = {"param": self.local_params} | {role: list(map(engine_view, self.kept[role]))
                                                        for role in self.roles if role in self.kept}
         self.absmax = {role: self.kept[role + ABSMAX] for role in self.roles if role + ABSMAX in self.kept}
-        self.watched, self.grads_like = self._watched(), None
-        if self.partitions:
-            self.grads_like = self.tensors["param"]  # a grad comes as its param is; the engines take views
+        # what native code checks beside the tensors it binds, so that a step that checks none in Python
+        # (BoundStep) still sees them change: each param's count, with the one tensor it is a slot of
+        self.watched, self.originals = self.context.counts.watched(), None
+        if self.partitions:  # native code binds the tensors themselves, the engines their (a, b, c) views
+            self.originals = self.tensors
             self.tensors = {role: [t if part is None or t is None else part.view_state(t) if role in self.reduced_roles
                                    else part.view_param(t) for t, part in zip(tensors, self.partitions)]
                             for role, tensors in self.tensors.items()}
-
-    def _watched(self):
-        """Per param, what native code checks beside the tensors the engines take (see
-        ``tables.Tables``), so that a step that checks none in Python (``BoundStep``) still sees them
-        change: the param and states where the engines take their (a, b, c) views (subset norm), and
-        the param's count with the one tensor it is a slot of (``context.counts``: ``StepCounts``)."""
-        watched = self.context.counts.watched() or [[] for _ in self.params]
-        for i, part in enumerate(self.partitions or ()):
-            if part is not None:
-                watched[i] += [self.tensors[role][i] for role in self.roles
-                               if role in self.tensors and self.tensors[role][i] is not None]
-        return watched
 
     def traced(self, params, local_params):
         """This work, prepared by the optimizer's ``_init_group``, for a step that torch.compile traces:

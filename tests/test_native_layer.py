@@ -603,20 +603,24 @@ def _subset_norm_changes():
     def second_moment_set(opt, params):
         state = opt.state[params[0]]["exp_avg_sq"]
         state.set_(state.clone() * 2)
+    def first_moment_data(opt, params):
+        state = opt.state[params[0]]["exp_avg"]
+        state.data = state.detach() * 2
     def count_set(opt, params):
         count = opt.state[params[0]].get("step")
         if count is not None:
             count.set_(torch.tensor(9.0))
-    return [param_data, param_set, second_moment_set, count_set]
+    return [param_data, param_set, second_moment_set, first_moment_data, count_set]
 
 
 @pytest.mark.parametrize("change", _subset_norm_changes(), ids=lambda change: change.__name__)
 @pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.Adan])
 def test_a_bound_subset_norm_step_follows_the_tensors_its_views_are_of(cls, change, monkeypatch):
-    """The kernel of a bound subset-norm step walks (a, b, c) views of the params and second moments,
-    which keep their storage when the user's tensor gets new storage (``.data =``, ``set_``), and the
-    params' counts are slots of one tensor: native code watches the user's tensors and the counts, so
-    the step after such a change is the checked step's with the same change, bit for bit."""
+    """The engines of a subset-norm step take (a, b, c) views of the params and states, which keep
+    their storage when the user's tensor gets new storage (``.data =``, ``set_``), and the params'
+    counts are slots of one tensor: native code holds and checks the user's tensors in place of the
+    views, and watches the counts, so the step after such a change is the checked step's with the same
+    change, bit for bit."""
     runs = [_lean_run(cls, dict(sn=True), checked, monkeypatch, change=change) for checked in (False, True)]
     for ours, expected in zip(*runs):
         torch.testing.assert_close(ours, expected, rtol=0, atol=0)

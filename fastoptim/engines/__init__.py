@@ -30,8 +30,9 @@ class Plan:
     A state role may hold bf16 or 8-bit (uint8 codes) tensors under ``state_bits``; ``absmax`` holds
     the block maxima of the 8-bit ones. ``sum_group``: the process group over which the loop engine
     all-reduces subset sums (subsets that span FSDP2 shards), or None.
-    ``watched`` and ``grads_like``: per tensor, what a backend that checks natively checks besides the
-    tensors, and what else a grad may be laid out as; ``rule`` (the algorithm's) and ``counts`` (per
+    ``watched`` and ``originals``: per tensor, what a backend that checks natively checks besides the
+    tensors, and by role the tensors that ``tensors`` are views of, which it binds in their place;
+    ``rule`` (the algorithm's) and ``counts`` (per
     tensor, the step count it reads): what a bound step's native call computes the kernel's scalars
     from (see :class:`tables.Tables`); None or "": nothing.
     ``traced``: the plan is of a step that torch.compile traces (decided once, at ``step()``): the fused
@@ -56,7 +57,7 @@ class Plan:
     sum_group: object = None
     kernel_values: dict | None = None
     watched: list | None = None
-    grads_like: list | None = None
+    originals: dict | None = None
     rule: str = ""
     counts: list | None = None
     traced: bool = False
@@ -86,7 +87,7 @@ class Plan:
                        self.traced)
         return replace(self, tensors=tensors, absmax=absmax, bucket=BucketPlan(), sum_group=None, args=args,
                        watched=None if self.watched is None else [self.watched[i] for i in owners],
-                       grads_like=None if self.grads_like is None else [self.grads_like[i] for i in owners],
+                       originals=None if self.originals is None else pick(self.originals, owners),
                        counts=None if self.counts is None else [self.counts[i] for i in owners])
 
 

@@ -90,7 +90,7 @@ class Prepared:
         self.taken, taken_formats, self.left, self.reason = split_taken(plan.tensors, plan.spec, backend)
         taken = plan if not self.left else plan.subset(self.taken)
         self.tables = Tables(taken.tensors, taken.absmax, plan.spec, backend, taken_formats, taken.watched,
-                             taken.grads_like, plan.rule, taken.counts) if self.taken else None
+                             taken.originals, plan.rule, taken.counts) if self.taken else None
 
 
 def _same_counts(held, given):

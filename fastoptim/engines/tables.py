@@ -86,13 +86,13 @@ class Tables:
     The rest holds while the tensors keep their storage and layouts, which a backend that
     ``CHECKS_NATIVELY`` checks at every call, and the owner of the tables checks for the others.
     ``watched`` (per tensor, a tuple) are tensors that such a backend checks too, though its kernel
-    does not walk them: those the tensors are views of, and the params' step counts; ``grads_like``
-    (per tensor, or None) what else a grad may come laid out as: the user's param where ``tensors``
-    holds a view of it (see ``GroupWork.watched``). Where the backend computes ``STEP_SCALARS``,
+    does not walk them: the params' step counts; ``originals`` (by role, or None) the tensors that
+    ``tensors`` are views of (a subset-norm param's and states' (a, b, c) views), which it binds and
+    checks in their place (see ``GroupWork.read_tensors``). Where the backend computes ``STEP_SCALARS``,
     ``rule`` names what computes the kernel's scalars from a launch's ``options`` and ``counts`` (per
     tensor, the step count it reads; a group's, held by each of its tensors, counts once)."""
 
-    def __init__(self, tensors, absmax, spec, backend, formats, watched=None, grads_like=None, rule="",
+    def __init__(self, tensors, absmax, spec, backend, formats, watched=None, originals=None, rule="",
                  counts=None):
         self.backend = backend
         groups = {}  # positions, by table
@@ -104,12 +104,12 @@ class Tables:
             table = PointerTable(part, spec.rows, [formats[i].kernel_code for i in indices],
                                  [formats[i].block for i in indices], backend.COLUMN_NUMEL, backend.BLOCK_COLUMNS)
             index = None if len(indices) == len(formats) else torch.tensor(indices, device=tensors["param"][0].device)
-            like = () if grads_like is None else [grads_like[i] for i in indices]
             scalars_here = backend.STEP_SCALARS and rule
             read = {id(counts[i]): counts[i] for i in indices} if scalars_here and counts is not None else {}
             watch = {} if watched is None else {id(t): t for i in indices for t in watched[i]}  # a counts tensor once
             watch = [t for key, t in watch.items() if key not in read]  # a count read is checked as it is read
-            bound = backend.bind(spec, part, table, watch, like, rule if scalars_here else "", list(read.values()))
+            bound = backend.bind(spec, part, table, watch, None if originals is None else pick(originals, indices),
+                                 rule if scalars_here else "", list(read.values()))
             self.tables.append((indices, index, bound, table_format))
         self.grad_strides = list(map(torch.Tensor.stride, tensors["grad"]))
 

@@ -451,10 +451,11 @@ struct Locked {
    within memory that the held buffer owns while the buffer keeps its pointer and size; of the state
    itself a call reads only its pointer, dtype, sizes and strides (moved_out).
 
-   ``watched`` tensors must keep their layouts too, though no row holds them: the tensors that held
-   ones are views of (a subset-norm param's (a, b, c) view is held, the user's param watched) and the
-   step counts of the params. ``grads_like`` (empty, or one per tensor) is what else each grad may be
-   laid out as: the user's param where the table holds a view of it (its grad comes as it is). */
+   ``watched`` tensors must keep their layouts too, though no row holds them: the step counts of the
+   params. ``grads_like`` (empty, or one per tensor) is what else each grad may be laid out as, read
+   once, here: the (a, b, c) view of a subset-norm param that a checked step hands its grad in (the table
+   holds the user's param, whose grad a bound step passes as it is). Such a view is the plan's own,
+   which nothing else changes, and has the pointer of the param it views, which is checked. */
 int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> rows, int64_t n_tensors,
              int64_t n_rows, int64_t n_scalars, Tensor chunks, std::optional<Tensor> layouts,
              std::vector<Tensor> owners, std::vector<Tensor> watched, std::vector<Tensor> grads_like,
@@ -523,7 +524,6 @@ int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> 
                             && (!table->run || grads_like[t].is_cpu()),
                         op, ": grads_like[", t, "] must have its param's dtype, elements and device");
         table->grads_like.emplace_back(like);
-        watched.push_back(grads_like[t]);
     }
     for (const Tensor &tensor : watched) {
         table->watched_then.emplace_back(read_for(tensor, op));

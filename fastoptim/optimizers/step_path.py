@@ -287,7 +287,7 @@ class StepPath:
                             algorithm.kernel_scalars, algorithm.flags(group), args,
                             frozenset(per_tensor), found_inf, group["stochastic_rounding"],
                             warn_fallback=group["fused"] is True, absmax=entry.absmax,
-                            watched=entry.watched, grads_like=entry.grads_like,
+                            watched=entry.watched, originals=entry.originals,
                             rule="" if algorithm.rule is None else algorithm.rule[0],
                             counts=self._step_counts(group, entry).per_param(group, len(entry.params)),
                             traced=traced)

@@ -14,7 +14,7 @@ the grads and changed nothing), ``STEP_SCALARS`` (its bound step computes the st
 ``clip.clip_coefficient`` would, and a launch with ``options`` has its table's rule compute the
 kernel's scalars from them and its counts, which it advances: see native.cpp's Rule),
 ``available()``, ``refusal(param)`` (why it cannot run a tensor at all, its device or dtype
-included, or None), ``bind(spec, tensors, table, watched, grads_like, rule, counts)`` (what its
+included, or None), ``bind(spec, tensors, table, watched, originals, rule, counts)`` (what its
 launches read of a cached pointer table and its tensors, by role; see ``tables.Tables``),
 ``launch(spec, bound, grads, per_tensor, state_format, values, flag_bits, options)`` (one
 run of its kernel over what ``bind`` made, with the grads, the scalar

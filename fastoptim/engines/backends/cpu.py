@@ -120,12 +120,15 @@ class BoundTable:
     """``spec``'s kernel bound to a table's tensors (``tensors``: role to one tensor per param, None
     where a tensor has none in a role; ``table``: their :class:`~fastoptim.multi_tensor.PointerTable`,
     whose chunk plan and layouts it takes). Native code holds the params, states and block maxima
-    until this object is collected; each :func:`step` passes the grads. ``watched``, ``grads_like``,
+    until this object is collected; each :func:`step` passes the grads. ``watched``, ``originals`` (the
+    tensors it holds in place of the views among ``tensors``; a grad may come laid out as either),
     ``rule`` and ``counts``: see :class:`fastoptim.engines.tables.Tables`. With ``runs`` False the
     table is bound to no kernel and may hold tensors of any device: a GPU kernel's, which
     :func:`check` checks before Python launches it."""
 
-    def __init__(self, spec, tensors, table, runs=True, watched=(), grads_like=(), rule="", counts=()):
+    def __init__(self, spec, tensors, table, runs=True, watched=(), originals=None, rule="", counts=()):
+        grads_like = () if originals is None else tensors["param"]
+        tensors = tensors if originals is None else tensors | originals  # block maxima are never viewed
         held, rows = [], []
         for row, role in enumerate(spec.rows):
             if role != "grad" and role in tensors:
@@ -258,9 +261,9 @@ def refusal(param):
     return None
 
 
-def bind(spec, tensors, table, watched=(), grads_like=(), rule="", counts=()):
+def bind(spec, tensors, table, watched=(), originals=None, rule="", counts=()):
     """Hand the table's params and states to native code (see :class:`BoundTable`)."""
-    return BoundTable(spec, tensors, table, watched=watched, grads_like=grads_like, rule=rule, counts=counts)
+    return BoundTable(spec, tensors, table, watched=watched, originals=originals, rule=rule, counts=counts)
 
 
 def launch(spec, bound, grads, per_tensor, state_format, values, flag_bits, options=None):

@@ -88,13 +88,13 @@ class Launch(NamedTuple):
     stochastic: bool
 
 
-def bind(spec, tensors, table, watched=(), grads_like=(), rule="", counts=()):
+def bind(spec, tensors, table, watched=(), originals=None, rule="", counts=()):
     """The pointer table, and its params, states and block maxima bound to native code (which checks
-    the ``watched`` tensors too, and takes a grad laid out as its ``grads_like`` entry). Its launches
+    the ``watched`` tensors too, and holds the ``originals`` in place of their views). Its launches
     bring every scalar: no ``rule`` computes them, and Python advances the ``counts``."""
     remainders = tensors.get(master.KEY)
     native = cpu.BoundTable(spec, tensors, table, runs=False, watched=watched,
-                            grads_like=grads_like) if CHECKS_NATIVELY else None
+                            originals=originals) if CHECKS_NATIVELY else None
     return Table(table, native,
                  tensors["param"], 0 if remainders is None else remainders[0].element_size() * 8)
 
