@@ -6,7 +6,8 @@ that will run the sanitizer tests starts their build, and the kernel tests' run 
 background (see tests/sanitized_build.py). Under pytest-xdist (``make test``: two workers, each
 taking whole files) no worker knows at collection whether the sanitizer tests will be its own, so
 they come first and start that job themselves: their worker waits on it while the other runs the
-rest, one core each."""
+rest, one core each. That takes a ``--dist`` that keeps a file's tests in one worker (``loadfile``,
+as ``make test`` runs them); under ``load`` or ``worksteal`` two workers may each start the job."""
 import os
 import shutil
 import tempfile

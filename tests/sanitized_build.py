@@ -66,7 +66,8 @@ def sanitized(library, *args):
     """``python *args`` with the sanitized ``library`` loaded, started; its stdout and stderr together,
     as text, piped."""
     found = runtimes()
-    env = dict(os.environ, LD_PRELOAD=f"{found['libasan.so']} {found['libstdc++.so.6']}",
+    env = dict({key: value for key, value in os.environ.items() if not key.startswith("PYTEST_XDIST")},  # its own run
+               LD_PRELOAD=f"{found['libasan.so']} {found['libstdc++.so.6']}",
                ASAN_OPTIONS="detect_leaks=0",
                UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1", FASTOPTIM_NATIVE_LIBRARY=str(library))
     return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,

@@ -626,6 +626,56 @@ def test_a_bound_subset_norm_step_follows_the_tensors_its_views_are_of(cls, chan
         torch.testing.assert_close(ours, expected, rtol=0, atol=0)
 
 
+def test_a_muon_matrix_whose_state_keeps_a_subset_norm_record_steps_as_without_it():
+    """A state dict can give Muon's matrices a subset-norm record (``reduce_dim``), so that its group
+    plans their (a, b, c) views; its momentum kernel takes direction buffers as its params. Native code
+    holds the user's tensors in place of views of them only: held in place of the directions, the bound
+    steps wrote the directions into the params."""
+    def run(record):
+        params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)))
+                  for i, s in enumerate([(64, 80), (32, 128)])]
+        opt = fastoptim.Muon(params, lr=0.02, fused=True)
+        for step in range(4):
+            for param in params:
+                param.grad = grad_for(param, step)
+            opt.step()
+            if step == 0:
+                state = opt.state_dict()
+                for values in state["state"].values():
+                    values.update(dict(reduce_dim=1) if record else {})
+                opt = fastoptim.Muon(params, lr=0.02, fused=True)
+                opt.load_state_dict(state)
+        return params + [opt.state[param]["momentum_buffer"] for param in params]
+
+    for ours, expected in zip(run(True), run(False)):
+        assert torch.equal(ours, expected)
+
+
+def test_fp32_and_bf16_params_with_remainders_and_subset_norm_in_one_group_run_bound_as_checked(monkeypatch):
+    """The fp32 params' bucket of a group with ``master_bits`` keeps no remainders, and its table binds
+    none: the group's tensors that native code holds in place of the views did put that row back, and
+    binding raised."""
+    def run(checked):
+        params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)).to(dtype))
+                  for i, (s, dtype) in enumerate([((64, 80), torch.float32), ((33, 128), torch.bfloat16),
+                                                  ((48, 40), torch.float32)])]
+        opt = fastoptim.AdamW(params, lr=1e-2, weight_decay=0.1, sn=True, master_bits=24, fused=True)
+        for step in range(4):
+            for param in params:
+                param.grad = grad_for(param, step)
+            if checked:
+                opt._plans.bound = None
+            with monkeypatch.context() as patch:
+                if not checked and step >= 1:
+                    patch.setattr(fastoptim.optimizers.base.FastOptimizer, "_group_work", _refuse_checked_steps)
+                opt.step()
+        return params + [value for param in params for _, value in sorted(opt.state[param].items())
+                          if isinstance(value, torch.Tensor)]
+
+    for ours, expected in zip(run(False), run(True)):
+        assert torch.equal(ours, expected)
+
+
 RULED = [fastoptim.AdamW, fastoptim.AdamWSN, fastoptim.Adan, fastoptim.Lion]
 
 

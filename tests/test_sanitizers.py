@@ -20,8 +20,9 @@ def background(request, tmp_path_factory):
     """The sanitized kernel's build and the kernel tests' run on it, finished: those the session started
     in the background (tests/conftest.py), or started now."""
     run = request.config.stash.get(SANITIZED_BUILD, None)
-    if run is None:
-        run = Background(tmp_path_factory.mktemp("sanitizers") / "native_sanitized.so")
+    if run is None:  # stashed: a session that stops while it goes ends it (tests/conftest.py)
+        run = request.config.stash[SANITIZED_BUILD] = Background(tmp_path_factory.mktemp("sanitizers")
+                                                                 / "native_sanitized.so")
     run.wait()
     assert run.build.returncode == 0, run.build_errors[-5000:]
     return run

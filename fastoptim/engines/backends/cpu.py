@@ -116,19 +116,32 @@ def flat_buffers(states):
     return list(bases.values())
 
 
+def _in_place_of(tensor, original):
+    """What native code holds in place of a plan's ``tensor``: its ``original`` (the user's tensor, of
+    which it is a view) where the two have the same memory, else the tensor itself. A plan derived from
+    another (Muon's momentum part, whose params are direction buffers; a bucket without remainders)
+    may keep originals that its tensors are not views of."""
+    same = (tensor is not None and original is not None and tensor.data_ptr() == original.data_ptr()
+            and tensor.numel() == original.numel())
+    return original if same else tensor
+
+
 class BoundTable:
     """``spec``'s kernel bound to a table's tensors (``tensors``: role to one tensor per param, None
     where a tensor has none in a role; ``table``: their :class:`~fastoptim.multi_tensor.PointerTable`,
     whose chunk plan and layouts it takes). Native code holds the params, states and block maxima
-    until this object is collected; each :func:`step` passes the grads. ``watched``, ``originals`` (the
-    tensors it holds in place of the views among ``tensors``; a grad may come laid out as either),
+    until this object is collected; each :func:`step` passes the grads. ``watched``, ``originals`` (by
+    role, the tensors it holds in place of those of ``tensors`` that are views of them; a grad may come
+    laid out as either),
     ``rule`` and ``counts``: see :class:`fastoptim.engines.tables.Tables`. With ``runs`` False the
     table is bound to no kernel and may hold tensors of any device: a GPU kernel's, which
     :func:`check` checks before Python launches it."""
 
     def __init__(self, spec, tensors, table, runs=True, watched=(), originals=None, rule="", counts=()):
         grads_like = () if originals is None else tensors["param"]
-        tensors = tensors if originals is None else tensors | originals  # block maxima are never viewed
+        if originals is not None:
+            tensors = {role: ts if role not in originals else list(map(_in_place_of, ts, originals[role]))
+                       for role, ts in tensors.items()}
         held, rows = [], []
         for row, role in enumerate(spec.rows):
             if role != "grad" and role in tensors:
