@@ -535,13 +535,19 @@ def _lean_run(cls, options, checked, monkeypatch, steps=4, scaled=False, change=
         if step == 2 and change is not None:
             with torch.no_grad():
                 change(opt, params)
-        if checked:
-            opt._plans.bound = None
-        with monkeypatch.context() as patch:
-            if not checked and step >= 1 and change is None:
-                patch.setattr(fastoptim.optimizers.base.FastOptimizer, "_group_work", _refuse_checked_steps)
-            opt.step()
+        _bound_or_checked_step(opt, step, checked, monkeypatch, refuse=change is None)
     return [p.detach().clone() for p in params]
+
+
+def _bound_or_checked_step(opt, step, checked, monkeypatch, refuse=True):
+    """Step ``step`` of a run: with ``checked`` the checked one (its bound step dropped first), else
+    the bound one, the checked path made to raise (with ``refuse``) from the second step on."""
+    if checked:
+        opt._plans.bound = None
+    with monkeypatch.context() as patch:
+        if not checked and step >= 1 and refuse:
+            patch.setattr(fastoptim.optimizers.base.FastOptimizer, "_group_work", _refuse_checked_steps)
+        opt.step()
 
 
 def _muon_run(options, engine, checked, monkeypatch, steps=4):
@@ -556,12 +562,7 @@ def _muon_run(options, engine, checked, monkeypatch, steps=4):
     for step in range(steps):
         for param in params:
             param.grad = grad_for(param, step)
-        if checked:
-            opt._plans.bound = None
-        with monkeypatch.context() as patch:
-            if not checked and step >= 1:
-                patch.setattr(fastoptim.optimizers.base.FastOptimizer, "_group_work", _refuse_checked_steps)
-            opt.step()
+        _bound_or_checked_step(opt, step, checked, monkeypatch)
     return [p.detach().clone() for p in params]
 
 
@@ -663,12 +664,7 @@ def test_fp32_and_bf16_params_with_remainders_and_subset_norm_in_one_group_run_b
         for step in range(4):
             for param in params:
                 param.grad = grad_for(param, step)
-            if checked:
-                opt._plans.bound = None
-            with monkeypatch.context() as patch:
-                if not checked and step >= 1:
-                    patch.setattr(fastoptim.optimizers.base.FastOptimizer, "_group_work", _refuse_checked_steps)
-                opt.step()
+            _bound_or_checked_step(opt, step, checked, monkeypatch)
         return params + [value for param in params for _, value in sorted(opt.state[param].items())
                           if isinstance(value, torch.Tensor)]
 
