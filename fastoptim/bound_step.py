@@ -81,8 +81,8 @@ class BoundStep:
     Python. Python checks what native code cannot see: that the same params have grads, in the same
     groups, with the same options (``structure(group)``), and that no state dict changed since (a
     state replaced or removed: ``OptimizerState.changes``). Native code also checks what the tensors it
-    takes derive from: the user's params and states where it takes views of them (subset norm), and
-    the params' counts, slots of one tensor (``GroupWork.watched``)."""
+    takes derive from: the params' counts, slots of one tensor (``GroupWork.watched``); of a subset-norm
+    param it holds the user's param and states in place of the views the engines take."""
 
     def __init__(self, state, work, algorithms, counts, structures, runs, parts, backend):
         self.state, self.structures, self.algorithms = state, structures, algorithms
