@@ -311,3 +311,23 @@ def test_a_subset_shorter_than_the_kernel_s_lanes_sums_as_64_lanes_do():
         assert moments.shape == (70, 1), moments.shape
         expected = torch.tensor([0.5 * _lane_sum(row) for row in param.grad.numpy()]).view(70, 1)
         assert torch.equal(moments, expected), length
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("make_grad", [lambda g: g.t().contiguous().t(), lambda g: g[:, :1].expand_as(g)],
+                         ids=["transposed", "expanded"])
+def test_a_flattened_partition_takes_a_grad_of_any_layout_as_its_contiguous_copy(engine, make_grad):
+    """A flattened partition (``subset_size``) views each grad as (a, b, c) of its param's layout; a
+    grad whose strides allow no such view (transposed, expanded) is read through a copy, as torch's
+    optimizers take any layout. It raised torch's view error on every engine."""
+    def run(layout):
+        param = torch.nn.Parameter(torch.linspace(-1, 1, 64 * 80).reshape(64, 80))
+        opt = fastoptim.AdamWSN([param], lr=1e-2, subset_size=16, sn=True, **ENGINES[engine])
+        for step in range(3):
+            grad = make_grad(torch.linspace(-1, 1, 64 * 80).reshape(64, 80).mul(step + 1).sin())
+            param.grad = layout(grad)
+            opt.step()
+        return param.detach(), opt.state[param]["exp_avg"], opt.state[param]["exp_avg_sq"]
+
+    for ours, expected in zip(run(lambda g: g), run(torch.Tensor.contiguous)):
+        assert torch.equal(ours, expected)

@@ -50,6 +50,13 @@ class Partition:
             return tensor.unsqueeze(2 if self.record["reduce_dim"] == 0 else 0)
         return tensor.view(-1, self.b, self.c)
 
+    def view_grad(self, grad):
+        """A grad as :meth:`view_param` takes its param; a copy where its strides allow no such view (a
+        transposed grad of a flattened partition): the step only reads it."""
+        if "reduce_dim" in self.record:
+            return self.view_param(grad)
+        return grad.reshape(-1, self.b, self.c)
+
     @staticmethod
     def view_state(tensor):
         """The second moment, (a, c), as (a, 1, c): broadcast over each subset."""
