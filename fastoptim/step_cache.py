@@ -14,6 +14,7 @@ from . import distributed
 from .multi_tensor import buckets
 from .specs import ABSMAX
 from .states import master
+from .states.subset_norm import Partition
 
 
 SHAPE, STRIDES, DTYPE, DEVICE = attrgetter("shape"), Tensor.stride, attrgetter("dtype"), attrgetter("device")
@@ -154,16 +155,15 @@ class GroupWork:
         work.states, work.context, work.bucket_plans = self.states, self.context, self.bucket_plans
         work.states_chosen, work.kept, work.traced_scalars = self.states_chosen, self.kept, self.traced_scalars
         work.partitions, work.reduced_roles, work.buckets = self.partitions, self.reduced_roles, self.buckets
-        work.tensors = self.tensors | {"param": work.viewed(local_params, "param")}  # a partitioned param in its view
+        work.tensors = self.tensors | {"param": work.viewed(local_params, Partition.view_param)}  # in its view
         work.absmax = self.absmax
         return work
 
-    def viewed(self, tensors, role="grad"):
-        """This step's grads (or, with ``role`` "param", params), in their params' views."""
+    def viewed(self, tensors, view=Partition.view_grad):
+        """This step's grads (or, with ``view`` ``Partition.view_param``, params), in their params' views."""
         if self.partitions is None:
             return tensors
-        return [t if part is None else part.view_param(t) if role == "param" else part.view_grad(t)
-                for t, part in zip(tensors, self.partitions)]
+        return [t if part is None else view(part, t) for t, part in zip(tensors, self.partitions)]
 
 
 GRADS_PATTERNS_KEPT = 8  # torch.compile's recompile limit: a step traced for more patterns recompiles anyway

@@ -138,8 +138,9 @@ class BoundTable:
     :func:`check` checks before Python launches it."""
 
     def __init__(self, spec, tensors, table, runs=True, watched=(), originals=None, rule="", counts=()):
-        grads_like = () if originals is None else tensors["param"]
-        if originals is not None:
+        grads_like = ()
+        if originals is not None:  # a grad may come laid out as the plan's param (a view) or as the original
+            grads_like = tensors["param"]
             tensors = {role: ts if role not in originals else list(map(_in_place_of, ts, originals[role]))
                        for role, ts in tensors.items()}
         held, rows = [], []
