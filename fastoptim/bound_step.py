@@ -17,9 +17,8 @@ from .multi_tensor import bump_versions
 from .specs import COMMON_SCALARS, STOCHASTIC_ROUNDING
 from .step_cache import OptimizerState
 
-# where a launch's first scalars go, in the order every kernel declares them (its rule computes the rest)
+# where a table's first scalars go, in the order every kernel declares them (its rule computes the rest)
 FOUND_INF, SEED, GRAD_SCALE = map(COMMON_SCALARS.index, ("found_inf", "seed", "grad_scale"))
-
 
 class _Reading(dict):
     """A copy of a param group that notes which of its options are read."""
@@ -93,19 +92,28 @@ class BoundStep:
         self.runs = runs
         self.parts = parts  # per group, its buckets' bound parts (see Algorithm.bound_part), or None
         self.backend = backend  # the one backend whose native call runs every table
-        # its backend computes the step's scalars (clip, the rules') and advances the counts natively
-        self.step_scalars = backend.STEP_SCALARS
-        # per group, per bucket, per table: (what its backend bound, its states' format, the positions of
-        # the group's grads it takes: None for all)
-        self.tables = [[[(bound, table_format, taken(bucket, indices, index is None))
-                         for indices, index, bound, table_format in tables.tables] for tables, bucket, _ in buckets]
-                       for buckets in runs]
+        # per group, per bucket, the positions of the group's grads each of its tables takes (None: all)
+        self.positions = [[[taken(bucket, indices, index is None) for indices, index, _, _ in tables.tables]
+                           for tables, bucket, _ in buckets] for buckets in runs]
         self.single = [entry.engine == engines.fused.SINGLE for entry in self.entries]
-        # per group, its kernels' flag bits but stochastic rounding's (``structure`` holds them: see work),
-        # and its launches' scalars, zeros where the rule computes them
+        # per group, its kernels' flag bits but stochastic rounding's (``structure`` holds them: see work)
         self.flag_bits = [algorithm.spec.flag_bits(algorithm.flags(group)) for algorithm, group in
                           zip(algorithms, self.groups)]
-        self.zeros = [[0.0] * len(algorithm.spec.all_scalars) for algorithm in algorithms]
+        # the native call of every table (in the order of the groups, their buckets and tables), where the
+        # backend computes the step's scalars (clip, the rules') and advances the counts natively
+        self.call = None
+        if backend.STEP_SCALARS:
+            tables, n_scalars, per_tensor, ruled = [], [], [], []
+            for algorithm, buckets, group_parts, single in zip(algorithms, runs, parts, self.single):
+                for index, (bucket_tables, _, _) in enumerate(buckets):
+                    spec = algorithm.spec if group_parts is None else group_parts[index].spec
+                    for _, _, bound, _ in bucket_tables.tables:
+                        tables.append(bound)
+                        n_scalars.append(len(spec.all_scalars))
+                        per_tensor.append(single)
+                        ruled.append(group_parts is None)
+            self.call = backend.step_call(tables, n_scalars, per_tensor, ruled)
+            self.one_table = len(tables) == 1
         self.group_counts = [group.get("step") for group in self.groups]
         self.counts = counts  # those the native call advances, whose version counters a step bumps as add_ would
         self.masters = any(entry.versions is not None for entry in self.entries)  # see FastOptimizer._restart_written
@@ -188,12 +196,12 @@ class BoundStep:
             return False
         writes = optimizer._restart_written(work, plans) if self.masters else None
         found_inf = getattr(optimizer, "found_inf", None)
-        if not self.step_scalars:
+        if self.call is None:
             return self._step_with_python_scalars(optimizer, work, writes, found_inf)
-        options = []  # every group's, before any seed is drawn: a step that goes the checked way draws its own
+        numbers = []  # every group's, before any seed is drawn: a step that goes the checked way draws its own
         for algorithm, (group, entry, _), parts in zip(self.algorithms, work, self.parts):
-            numbers = rule_numbers(group, algorithm.rule[1]) if entry.params and parts is None else ()
-            if any(isinstance(number, Tensor) for number in numbers):
+            values = rule_numbers(group, algorithm.rule[1]) if entry.params and parts is None else ()
+            if any(map(isinstance, values, repeat(Tensor))):
                 # a tensor lr (say), which the native rules do not take: Python computes the scalars as the
                 # checked step does, as tensors, and the counts it advances, which native code then does not
                 # check (see StepCounts.in_place); Muon's parts take the checked way
@@ -204,7 +212,7 @@ class BoundStep:
                 # a bound part (Muon's) skips a step GradScaler found an inf in on the host, and its update
                 # draws random bits after the call
                 return False
-            options.append(list(map(float, numbers)))
+            numbers.append(list(map(float, values)))
         increment, scales, clip = optimizer._grad_scales(work, found_inf, eager=True, clip_in_step=True)
         finishing = []  # (its parts, its arguments) of each group whose parts finish after the native call
         for algorithm, (group, entry, _), scale, parts in zip(self.algorithms, work, scales, self.parts):
@@ -214,31 +222,34 @@ class BoundStep:
                 # before anything runs: what raises here (an option made invalid) must change nothing
                 finishing.append((group, parts, *optimizer._arguments(algorithm, group, entry, scale, increment,
                                                                       traced=False)))
-        launches = []
-        for (group, entry, grads), scale, algorithm, buckets, single, numbers, parts, flag_bits, zeros in zip(
-                work, scales, self.algorithms, self.tables, self.single, options, self.parts, self.flag_bits,
-                self.zeros):
+        grads_in, values, flags, options = [], [], [], []  # per table, in the call's order; the rules' options
+        for (group, entry, grads), scale, buckets, group_numbers, parts, flag_bits in zip(
+                work, scales, self.positions, numbers, self.parts, self.flag_bits):
             stochastic, device = group["stochastic_rounding"], grads[0].device if grads else None
             if parts is not None:
                 for part, tables in zip(parts, buckets):
-                    values, flags = part.launch_values(group, scale, found_inf, device)
-                    launches += [self.backend.launch(part.spec, bound, [grads[i] for i in positions], single,
-                                                     table_format, values, part.spec.flag_bits(flags))
-                                 for bound, table_format, positions in tables]
+                    part_values, part_flags = part.launch_values(group, scale, found_inf, device)
+                    for positions in tables:
+                        grads_in.append([grads[i] for i in positions])
+                        values.append(part_values)
+                        flags.append(part.spec.flag_bits(part_flags))
                 continue
             if stochastic:
                 flag_bits |= STOCHASTIC_ROUNDING
             for tables in buckets:  # a seed per bucket, in bucket order, as a checked step draws them
-                values = zeros.copy()
-                values[FOUND_INF] = 0.0 if found_inf is None else found_inf
-                values[SEED] = engines.fused.draw_seed(device) if stochastic else 0
-                values[GRAD_SCALE] = 1.0 if scale is None else scale
-                launches += [self.backend.launch(algorithm.spec, bound, grads if positions is None else
-                                                 [grads[i] for i in positions], single, table_format, values,
-                                                 flag_bits, numbers)
-                             for bound, table_format, positions in tables]
-        if launches and not self.backend.run_launches(launches, clip):
-            return False
+                common = [0.0] * len(COMMON_SCALARS)
+                common[FOUND_INF] = 0.0 if found_inf is None else found_inf
+                common[SEED] = engines.fused.draw_seed(device) if stochastic else 0
+                common[GRAD_SCALE] = 1.0 if scale is None else scale
+                for positions in tables:
+                    grads_in.append(grads if positions is None else [grads[i] for i in positions])
+                    values.append(common)
+                    flags.append(flag_bits)
+                    options += group_numbers
+        if grads_in:
+            all_grads = grads_in[0] if self.one_table else [grad for grads in grads_in for grad in grads]
+            if self.call.run(all_grads, values, flags, options, clip) != self.backend.STEPPED:
+                return False
         for group, parts, args, per_tensor in finishing:  # the rest of the step of those whose kernels ran part
             for part in parts:
                 part.finish(group, args, per_tensor)
@@ -286,12 +297,14 @@ def rule_numbers(group, keys):
     numbers = []
     for key in keys:
         value = group[key]
-        # a tuple, a list or any other sequence (a numpy array), as the checked step reads it
-        if not isinstance(value, Tensor) and hasattr(value, "__iter__"):
-            numbers.extend(value)
-        else:
+        if type(value) in _NUMBERS or isinstance(value, Tensor) or not hasattr(value, "__iter__"):
             numbers.append(value)
+        else:  # a tuple, a list or any other sequence (a numpy array), as the checked step reads it
+            numbers.extend(value)
     return numbers
+
+
+_NUMBERS = (float, int)  # what most options hold, told apart from a sequence at once
 
 
 def runs_backend(runs):

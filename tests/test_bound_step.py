@@ -331,16 +331,16 @@ def test_a_bound_step_refuses_flags_that_keep_a_state_its_tables_lack():
     params[0].grad = torch.ones(8)
     opt = fastoptim.AdamW(params, lr=1e-2, fused=True)
     opt.step()
-    launches, real = [], cpu_backend.step
+    calls, real = [], cpu_backend.StepCall.run
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu_backend, "step", lambda batch, clip=None: launches.extend(batch) or real(batch, clip))
+        patch.setattr(cpu_backend.StepCall, "run", lambda call, *args: calls.append((call, args)) or real(call, *args))
         opt.step()
-    (launch,) = launches
+    (call, (grads, values, _, options, clip)), = calls
     before = params[0].detach().clone()
-    amsgrad = launch._replace(flags=SPEC.flag_bits(dict(amsgrad=True, first_moment=True)))
-    assert cpu_backend.step([amsgrad]) == cpu_backend.STALE
+    assert call.run(grads, values, [SPEC.flag_bits(dict(amsgrad=True, first_moment=True))], options,
+                    clip) == cpu_backend.STALE
     assert torch.equal(params[0], before)
-    assert cpu_backend.step([launch]) == cpu_backend.STEPPED
+    assert call.run(*calls[0][1]) == cpu_backend.STEPPED
 
 
 @pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW], ids=lambda cls: cls.__name__)

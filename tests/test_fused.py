@@ -175,13 +175,13 @@ def test_native_calls_one_per_bucket_then_one_per_step(monkeypatch, engine, per_
     """Three fp32 params and two bf16 ones: two buckets. The first step makes one native call per
     bucket; the next ones, bound, one call for both. The single-tensor engine's call runs the kernel
     once per tensor. fused=None picks the multi-tensor tier."""
-    calls, real_step = [], cpu_backend.step
+    calls, real_run = [], cpu_backend.StepCall.run
 
-    def counting_step(launches, clip=None):
-        calls.append([(len(launch.grads), launch.per_tensor) for launch in launches])
-        return real_step(launches, clip)
+    def counting_run(call, *args):
+        calls.append([(len(table.params), per_tensor) for table, per_tensor in zip(call.tables, call.per_tensor)])
+        return real_run(call, *args)
 
-    monkeypatch.setattr(cpu_backend, "step", counting_step)
+    monkeypatch.setattr(cpu_backend.StepCall, "run", counting_run)
     shapes = [(7,), (5, 3), LARGE, (4,), (2, 2)]
     params = oracle.make_params(shapes[:3]) + oracle.make_params(shapes[3:], torch.bfloat16)
     flags = dict(foreach=None, fused=None) if engine == "auto" else FUSED[engine]

@@ -240,7 +240,7 @@ def test_a_bound_step_of_a_group_of_two_dtypes_is_the_checked_step(cls, engine, 
     shapes, dtypes = [(5, 7), (300,), (3,), (4, 4), (6,), (2, 3)], [torch.float32, torch.bfloat16] * 3
     batches, real = [], BoundStep.step
     monkeypatch.setattr(BoundStep, "step", lambda self, *args: batches.append(
-        (sum(map(len, self.tables[0])), real(self, *args))) or batches[-1][1])
+        (len(self.call.tables), real(self, *args))) or batches[-1][1])
     runs = []
     for checked in (False, True):
         batches.clear()
@@ -353,36 +353,38 @@ def test_a_bound_step_refuses_handles_and_counts_it_does_not_know():
         torch.ops.fastoptim.bound_step([-5], [], [], [], [], [], [], [], None, [], [])
 
 
-def a_bound_launch():
-    """A one-param Adan's param, and the launch its bound step ran last (the param as it left it)."""
+def a_bound_call():
+    """A one-param Adan's param, and the native call its bound step ran last, with its arguments (the
+    param as it left it)."""
     params = [torch.nn.Parameter(torch.randn(8))]
     params[0].grad = torch.ones(8)
     opt = OPTIMIZERS[0].cls(params, lr=1e-2, fused=True)
     opt.step()
-    launches = []
-    real = cpu_backend.step
+    calls = []
+    real = cpu_backend.StepCall.run
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(cpu_backend, "step", lambda batch, clip=None: launches.extend(batch) or real(batch, clip))
+        patch.setattr(cpu_backend.StepCall, "run", lambda call, *args: calls.append((call, args)) or real(call, *args))
         opt.step()
-    (launch,) = launches
-    return params[0], launch
+    (call, args), = calls
+    return params[0], call, args
 
 
 def test_a_bound_step_refuses_scalars_it_cannot_read_and_changes_nothing():
-    param, launch = a_bound_launch()
+    param, call, args = a_bound_call()
     before = param.detach().clone()
+    handles, grads, numbers, _, _, *rest = call.arguments(*args)
     for bad in (torch.ones(3), torch.ones((), dtype=torch.int64), torch.ones(8)[::2]):
-        broken = launch._replace(tensors=[bad], slots=[len(launch.numbers) - 1])
         with pytest.raises(RuntimeError, match="must be a contiguous fp32 or float64 CPU tensor"):
-            cpu_backend.step([broken])
+            torch.ops.fastoptim.bound_step(handles, grads, numbers, [bad], [len(numbers) - 1], *rest)
     assert torch.equal(param, before)
 
 
 def test_a_bound_step_refuses_a_table_listed_twice():
-    param, launch = a_bound_launch()
+    param, call, (grads, values, flags, options, clip) = a_bound_call()
     before = param.detach().clone()
+    twice = cpu_backend.StepCall(call.tables * 2, [len(call.zeros)] * 2, call.per_tensor * 2, call.ruled * 2)
     with pytest.raises(RuntimeError, match="listed twice"):
-        cpu_backend.step([launch, launch])
+        twice.run(grads * 2, values * 2, flags * 2, options * 2, clip)
     assert torch.equal(param, before)
 
 

@@ -18,6 +18,7 @@ import importlib.machinery
 import os
 import warnings
 import weakref
+from itertools import accumulate
 from pathlib import Path
 from typing import NamedTuple
 
@@ -158,48 +159,64 @@ class BoundTable:
 
 
 class Launch(NamedTuple):
-    """One bound table's part of a :func:`step`: its grads, its scalars in the spec's ``all_scalars``
-    order (``numbers``, of which ``tensors[j]`` replaces number ``slots[j]``: an fp32 or float64
-    tensor, 0-d or with one value per tensor), the spec's flag bits, whether it runs once per
-    tensor (the single-tensor engine) or in one kernel call, and the ``options`` its table's rule
-    computes the other scalars from (None: ``numbers`` holds them all; see native.cpp's Rule)."""
+    """One bound table's part of a :func:`run_launches` call: its grads, its scalar ``values`` in the
+    spec's ``all_scalars`` order (see :meth:`StepCall.run`), the spec's flag bits, whether it runs once
+    per tensor (the single-tensor engine) or in one kernel call, and the ``options`` its table's rule
+    computes the scalars past the first three from (None: ``values`` holds them all; see native.cpp's
+    Rule)."""
     table: BoundTable
     grads: list
-    numbers: list
-    tensors: list
-    slots: list
+    values: list
     flags: int
     per_tensor: bool
     options: list | None
 
 
-def step(launches, clip=None):
-    """Run the kernels of ``launches`` in one native call, and bump the updated params' version
-    counters (as torch's in-place ops do, so autograd notices a param it saved being changed).
-    ``clip``: (max_norm, eps, GradScaler's 1/scale or None), to clip the launches' grads together
-    first (see :func:`run_launches`). Returns STEPPED, or, having changed nothing (every table is
-    checked before any runs), STALE (a held tensor moved or changed its layout) or GRADS_UNFIT (a grad
-    is not walked as its param)."""
-    clip_numbers, inv_scale = ([], None) if clip is None else (list(clip[:2]), clip[2])
-    if len(launches) == 1:
-        (table, grads, numbers, tensors, slots, flags, per_tensor, options), = launches
-        status = torch.ops.fastoptim.bound_step([table.handle], grads, numbers, tensors, slots, [flags], [per_tensor],
-                                                clip_numbers, inv_scale, [options is not None], options or [])
-    else:
-        firsts = [0]
-        for launch in launches[:-1]:
-            firsts.append(firsts[-1] + len(launch.numbers))
-        status = torch.ops.fastoptim.bound_step(
-            [launch.table.handle for launch in launches], [g for launch in launches for g in launch.grads],
-            [x for launch in launches for x in launch.numbers], [t for launch in launches for t in launch.tensors],
-            [first + slot for launch, first in zip(launches, firsts) for slot in launch.slots],
-            [launch.flags for launch in launches], [launch.per_tensor for launch in launches], clip_numbers,
-            inv_scale, [launch.options is not None for launch in launches],
-            [x for launch in launches for x in launch.options or ()])
-    if status == STEPPED:
-        for launch in launches:
-            bump_versions(launch.table.params)
-    return status
+_FLOATS = (torch.float32, torch.float64)  # the scalar tensors native code reads as they are
+
+
+class StepCall:
+    """One native step over bound ``tables``, its constant arguments made once (a bound step's plan
+    holds one): per table its handle, whether it runs once per tensor (``per_tensor``), whether its
+    rule computes its scalars past the first three (``ruled``), and where its ``n_scalars`` begin
+    among all. It holds the tables, and so their bindings. Native code checks every table before any
+    runs."""
+
+    def __init__(self, tables, n_scalars, per_tensor, ruled):
+        self.tables, self.per_tensor, self.ruled = list(tables), list(per_tensor), list(ruled)
+        self.handles = [table.handle for table in self.tables]
+        self.firsts = list(accumulate(n_scalars, initial=0))[:-1]
+        self.zeros = [0.0] * sum(n_scalars)
+        self.params = [param for table in self.tables for param in table.params]  # whose version counters a step bumps
+
+    def arguments(self, grads, values, flag_bits, options, clip=None):
+        """The native op's arguments for a call: table k takes the next of ``grads`` (its tensors' count),
+        ``values[k]`` (its first scalars, in its spec's ``all_scalars`` order: numbers, or tensors in any
+        float dtype, 0-d or with one value per tensor, read where they are: no host sync; the rest are
+        zeros, which its rule computes), ``flag_bits[k]`` (the spec's flags and stochastic rounding, as
+        ``KernelSpec.flag_bits`` packs them), and its rule the next of ``options``. ``clip``: (max_norm,
+        eps, GradScaler's 1/scale or None), to clip the grads of all tables together first."""
+        numbers, tensors, slots = self.zeros.copy(), [], []
+        for first, leading in zip(self.firsts, values):
+            for slot, value in enumerate(leading, first):
+                if isinstance(value, torch.Tensor):
+                    slots.append(slot)
+                    tensors.append(value if value.dtype in _FLOATS else value.float())
+                else:
+                    numbers[slot] = float(value)
+        clip_numbers, inv_scale = ([], None) if clip is None else (list(clip[:2]), clip[2])
+        return (self.handles, grads, numbers, tensors, slots, flag_bits, self.per_tensor, clip_numbers, inv_scale,
+                self.ruled, options)
+
+    def run(self, grads, values, flag_bits, options, clip=None):
+        """Run every table's kernel (the arguments: see :meth:`arguments`), then bump the params' version
+        counters (as torch's in-place ops do, so autograd notices a param it saved being changed).
+        Returns STEPPED, or, having changed nothing, STALE (a held tensor moved or changed its layout)
+        or GRADS_UNFIT (a grad is not walked as its param)."""
+        status = torch.ops.fastoptim.bound_step(*self.arguments(grads, values, flag_bits, options, clip))
+        if status == STEPPED:
+            bump_versions(self.params)
+        return status
 
 
 def check(tables, grads):
@@ -281,20 +298,23 @@ def bind(spec, tensors, table, watched=(), originals=None, rule="", counts=()):
 
 
 def launch(spec, bound, grads, per_tensor, state_format, values, flag_bits, options=None):
-    """One table's part of a native step call, which ``run_launches`` runs with others. The scalar
-    ``values`` (in ``spec.all_scalars`` order: a number, a 0-d tensor or a 1-d tensor with one value
-    per tensor) go as numbers, and the tensors among them, in fp32 or float64, replace theirs (no
-    host sync). The kernel reads each tensor's state format from its layout row, not from
+    """One table's part of a native step call, which ``run_launches`` runs with others (``values``: see
+    :meth:`StepCall.run`). The kernel reads each tensor's state format from its layout row, not from
     ``state_format``."""
-    slots = [slot for slot, value in enumerate(values) if isinstance(value, torch.Tensor)]
-    numbers = [0.0 if isinstance(value, torch.Tensor) else float(value) for value in values]
-    tensors = [values[slot] if values[slot].dtype in (torch.float32, torch.float64) else values[slot].float()
-               for slot in slots]
-    return Launch(bound, grads, numbers, tensors, slots, flag_bits, per_tensor, options)
+    return Launch(bound, grads, values, flag_bits, per_tensor, options)
+
+
+def step_call(tables, n_scalars, per_tensor, ruled):
+    """The :class:`StepCall` of bound ``tables``, for a plan to hold."""
+    return StepCall(tables, n_scalars, per_tensor, ruled)
 
 
 def run_launches(launches, clip=None):
-    """Run ``launches`` in one native call, their grads clipped together by ``clip`` (see :func:`step`;
-    None: not clipped); False, having changed nothing, when one did not fit."""
-    return step(launches, clip) == STEPPED
+    """Run ``launches`` in one native call, their grads clipped together by ``clip`` (see
+    :meth:`StepCall.run`; None: not clipped); False, having changed nothing, when one did not fit."""
+    call = StepCall([launch.table for launch in launches], [len(launch.values) for launch in launches],
+                    [launch.per_tensor for launch in launches], [launch.options is not None for launch in launches])
+    return call.run([grad for launch in launches for grad in launch.grads], [launch.values for launch in launches],
+                    [launch.flags for launch in launches],
+                    [x for launch in launches for x in launch.options or ()], clip) == STEPPED
 
