@@ -20,6 +20,7 @@ from .step_cache import OptimizerState
 # where a table's first scalars go, in the order every kernel declares them (its rule computes the rest)
 FOUND_INF, SEED, GRAD_SCALE = map(COMMON_SCALARS.index, ("found_inf", "seed", "grad_scale"))
 
+
 class _Reading(dict):
     """A copy of a param group that notes which of its options are read."""
 
@@ -103,17 +104,14 @@ class BoundStep:
         # backend computes the step's scalars (clip, the rules') and advances the counts natively
         self.call = None
         if backend.STEP_SCALARS:
-            tables, n_scalars, per_tensor, ruled = [], [], [], []
-            for algorithm, buckets, group_parts, single in zip(algorithms, runs, parts, self.single):
-                for index, (bucket_tables, _, _) in enumerate(buckets):
-                    spec = algorithm.spec if group_parts is None else group_parts[index].spec
+            tables, per_tensor, ruled = [], [], []
+            for buckets, group_parts, single in zip(runs, parts, self.single):
+                for bucket_tables, _, _ in buckets:
                     for _, _, bound, _ in bucket_tables.tables:
                         tables.append(bound)
-                        n_scalars.append(len(spec.all_scalars))
                         per_tensor.append(single)
                         ruled.append(group_parts is None)
-            self.call = backend.step_call(tables, n_scalars, per_tensor, ruled)
-            self.one_table = len(tables) == 1
+            self.call = backend.StepCall(tables, per_tensor, ruled)
         self.group_counts = [group.get("step") for group in self.groups]
         self.counts = counts  # those the native call advances, whose version counters a step bumps as add_ would
         self.masters = any(entry.versions is not None for entry in self.entries)  # see FastOptimizer._restart_written
@@ -247,7 +245,7 @@ class BoundStep:
                     flags.append(flag_bits)
                     options += group_numbers
         if grads_in:
-            all_grads = grads_in[0] if self.one_table else [grad for grads in grads_in for grad in grads]
+            all_grads = grads_in[0] if len(grads_in) == 1 else [grad for grads in grads_in for grad in grads]
             if self.call.run(all_grads, values, flags, options, clip) != self.backend.STEPPED:
                 return False
         for group, parts, args, per_tensor in finishing:  # the rest of the step of those whose kernels ran part

@@ -240,7 +240,7 @@ def test_a_bound_step_of_a_group_of_two_dtypes_is_the_checked_step(cls, engine, 
     shapes, dtypes = [(5, 7), (300,), (3,), (4, 4), (6,), (2, 3)], [torch.float32, torch.bfloat16] * 3
     batches, real = [], BoundStep.step
     monkeypatch.setattr(BoundStep, "step", lambda self, *args: batches.append(
-        (len(self.call.tables), real(self, *args))) or batches[-1][1])
+        (len(self.call.per_tensor), real(self, *args))) or batches[-1][1])
     runs = []
     for checked in (False, True):
         batches.clear()
@@ -347,15 +347,17 @@ def test_the_step_op_updates_the_states_it_is_given_not_those_of_the_last_call()
 
 
 def test_a_bound_step_refuses_handles_and_counts_it_does_not_know():
+    with pytest.raises(RuntimeError, match="no bound call"):
+        torch.ops.fastoptim.bound_step(-5, [], [], [], [], [0], [], [], None)
     with pytest.raises(RuntimeError, match="no bound table"):
-        torch.ops.fastoptim.bound_step([-5], [], [], [], [], [0], [0], [], None, [0], [])
-    with pytest.raises(RuntimeError, match="one flags, per_tensor and ruled entry per table"):
-        torch.ops.fastoptim.bound_step([-5], [], [], [], [], [], [], [], None, [], [])
+        torch.ops.fastoptim.bind_call([-5], [0], [0])
+    with pytest.raises(RuntimeError, match="one per_tensor and ruled entry per table"):
+        torch.ops.fastoptim.bind_call([-5], [], [])
 
 
 def a_bound_call():
-    """A one-param Adan's param, and the native call its bound step ran last, with its arguments (the
-    param as it left it)."""
+    """A one-param Adan's param, its bound table, and the native call its bound step ran last, with its
+    arguments (the param as it left it)."""
     params = [torch.nn.Parameter(torch.randn(8))]
     params[0].grad = torch.ones(8)
     opt = OPTIMIZERS[0].cls(params, lr=1e-2, fused=True)
@@ -366,26 +368,24 @@ def a_bound_call():
         patch.setattr(cpu_backend.StepCall, "run", lambda call, *args: calls.append((call, args)) or real(call, *args))
         opt.step()
     (call, args), = calls
-    return params[0], call, args
+    run_tables, _, _ = opt._plans.bound.runs[0][0]
+    return params[0], run_tables.tables[0][2], call, args
 
 
 def test_a_bound_step_refuses_scalars_it_cannot_read_and_changes_nothing():
-    param, call, args = a_bound_call()
+    param, _, call, args = a_bound_call()
     before = param.detach().clone()
-    handles, grads, numbers, _, _, *rest = call.arguments(*args)
+    handle, grads, numbers, _, _, *rest = call.arguments(*args)
     for bad in (torch.ones(3), torch.ones((), dtype=torch.int64), torch.ones(8)[::2]):
         with pytest.raises(RuntimeError, match="must be a contiguous fp32 or float64 CPU tensor"):
-            torch.ops.fastoptim.bound_step(handles, grads, numbers, [bad], [len(numbers) - 1], *rest)
+            torch.ops.fastoptim.bound_step(handle, grads, numbers, [bad], [len(numbers) - 1], *rest)
     assert torch.equal(param, before)
 
 
-def test_a_bound_step_refuses_a_table_listed_twice():
-    param, call, (grads, values, flags, options, clip) = a_bound_call()
-    before = param.detach().clone()
-    twice = cpu_backend.StepCall(call.tables * 2, [len(call.zeros)] * 2, call.per_tensor * 2, call.ruled * 2)
+def test_a_call_refuses_a_table_listed_twice():
+    _, table, call, _ = a_bound_call()
     with pytest.raises(RuntimeError, match="listed twice"):
-        twice.run(grads * 2, values * 2, flags * 2, options * 2, clip)
-    assert torch.equal(param, before)
+        cpu_backend.StepCall([table] * 2, call.per_tensor * 2, call.ruled * 2)
 
 
 def clip_kernel_answers():

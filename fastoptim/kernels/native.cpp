@@ -2,8 +2,9 @@
    binary serves every torch from the target version on (TORCH_TARGET_VERSION, set by setup.py).
 
    A fused step's tensors are *bound* once (fastoptim::bind): this library holds a reference to each
-   param, state and block-maxima tensor, with the chunk table Python planned over them, and each step
-   (fastoptim::bound_step) passes only the grads and the scalars. Every call re-reads each held
+   param, state and block-maxima tensor, with the chunk table Python planned over them; a step's
+   tables are bound into one call (fastoptim::bind_call), and each step (fastoptim::bound_step)
+   passes only that call's handle, the grads and the scalars. Every call re-reads each held
    tensor's data pointer, sizes, strides, dtype and device and each grad's, before the kernel runs:
    a held tensor that moved or changed its layout makes the call change nothing and answer STALE,
    and the caller binds afresh. So no pointer this library dereferences can outlive its tensor, and
@@ -422,21 +423,23 @@ std::shared_ptr<Bound> bound(int64_t handle, const char *op) {
     return found->second;
 }
 
-// The tables of ``handles``, each locked (in the order of their handles: no two calls deadlock).
-struct Locked {
+// A bound step's call: its tables (in the order its grads and scalars come), per table whether it runs
+// once per tensor and whether its rule computes its scalars, and the order to lock them in (their
+// handles': no two calls deadlock). Made once per plan (bind_call), so each step names one handle.
+struct Call {
     std::vector<std::shared_ptr<Bound>> tables;
+    std::vector<int64_t> per_tensor, ruled;
+    std::vector<size_t> lock_order;
+};
+
+std::unordered_map<int64_t, std::shared_ptr<Call>> calls;  // under registry_lock, as the tables
+
+// A call's tables, each locked while it lives.
+struct Locked {
     std::vector<std::unique_lock<std::mutex>> locks;
 
-    Locked(const std::vector<int64_t> &handles, const char *op) {
-        for (int64_t handle : handles) tables.push_back(bound(handle, op));
-        std::vector<size_t> order(tables.size());
-        std::iota(order.begin(), order.end(), 0);
-        std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return handles[a] < handles[b]; });
-        for (size_t k = 0; k < order.size(); k++) {
-            STD_TORCH_CHECK(k == 0 || handles[order[k]] != handles[order[k - 1]], op, ": table ", handles[order[k]],
-                            " listed twice");
-            locks.emplace_back(tables[order[k]]->busy);
-        }
+    explicit Locked(const Call &call) {
+        for (size_t k : call.lock_order) locks.emplace_back(call.tables[k]->busy);
     }
 };
 
@@ -558,9 +561,44 @@ int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> 
     return next_handle++;
 }
 
+// A call of tables ``handles``, each listed once (``op`` names the caller in its errors).
+std::shared_ptr<Call> make_call(const std::vector<int64_t> &handles, std::vector<int64_t> per_tensor,
+                                std::vector<int64_t> ruled, const char *op) {
+    STD_TORCH_CHECK(per_tensor.size() == handles.size() && ruled.size() == handles.size(), op,
+                    ": one per_tensor and ruled entry per table");
+    auto call = std::make_shared<Call>();
+    for (int64_t handle : handles) call->tables.push_back(bound(handle, op));
+    call->per_tensor = std::move(per_tensor);
+    call->ruled = std::move(ruled);
+    call->lock_order.resize(handles.size());
+    std::iota(call->lock_order.begin(), call->lock_order.end(), 0);
+    std::sort(call->lock_order.begin(), call->lock_order.end(),
+              [&](size_t a, size_t b) { return handles[a] < handles[b]; });
+    for (size_t k = 1; k < handles.size(); k++)
+        STD_TORCH_CHECK(handles[call->lock_order[k]] != handles[call->lock_order[k - 1]], op, ": table ",
+                        handles[call->lock_order[k]], " listed twice");
+    return call;
+}
+
+/* The call of bound_step over tables ``handles``: table k runs once per tensor with ``per_tensor[k]``
+   (as the seeds' FusedAdan steps), else in one kernel call, and its rule computes its scalars with
+   ``ruled[k]`` (see bound_step). Returns its handle, which unbind releases; it holds its tables
+   while it lives. */
+int64_t bind_call(std::vector<int64_t> handles, std::vector<int64_t> per_tensor, std::vector<int64_t> ruled) {
+    const char *op = "fastoptim::bind_call";
+    std::shared_ptr<Call> call = make_call(handles, std::move(per_tensor), std::move(ruled), op);
+    for (const std::shared_ptr<Bound> &table : call->tables)
+        STD_TORCH_CHECK(table->run, op, ": a table bound to no kernel");
+    std::lock_guard<std::mutex> guard(registry_lock);
+    calls[next_handle] = std::move(call);
+    return next_handle++;
+}
+
+// Release a table or a call (a call's tables live while it does).
 void unbind(int64_t handle) {
     std::lock_guard<std::mutex> guard(registry_lock);
     registry.erase(handle);
+    calls.erase(handle);
 }
 
 enum { STEPPED = 0, STALE = 1, GRADS_UNFIT = 2 };
@@ -698,14 +736,14 @@ float clip_coefficient(double total, double max_norm, double eps, const float *i
     return coefficient > 1.0f ? 1.0f : coefficient;  // a NaN stays, as torch's clamp keeps it
 }
 
-/* One step of bound tables ``handles``: table k takes the next n_tensors of ``grads`` and the next
-   n_scalars of the scalars (``numbers``, some replaced by ``tensor_scalars``: see StepScalars), its
-   flag bits ``flags[k]``, and runs in one kernel call or with
-   ``per_tensor[k]`` one per tensor (as the seeds' FusedAdan steps). Every table is checked before
-   any runs, so an answer other than STEPPED changed nothing: STALE when a held tensor moved or
-   changed its layout, GRADS_UNFIT when a grad is not a tensor its param's walk takes.
+/* One step of bound call ``handle`` (see bind_call): its table k takes the next n_tensors of ``grads``
+   and the next n_scalars of the scalars (``numbers``, some replaced by ``tensor_scalars``: see
+   StepScalars) and its flag bits ``flags[k]``. Every table is checked, and each one's flags found
+   to have a kernel variant, before any runs, so an answer other than STEPPED changed nothing: STALE
+   when a held tensor moved or changed its layout, GRADS_UNFIT when a grad is not a tensor its param's
+   walk takes.
 
-   A table ``ruled[k]`` computes its scalars after the first three (found_inf, seed, grad scale) by its
+   A ruled table computes its scalars after the first three (found_inf, seed, grad scale) by its
    rule (see Rule), from its next ``options``, at the count each tensor reaches (its count + 1: a step
    GradScaler skips reads none; one that reaches less than 1, or NaN, makes the call STALE); after every
    kernel ran, each count its ruled tables hold is advanced once, by 1, or by 0 where found_inf is set.
@@ -715,21 +753,25 @@ float clip_coefficient(double total, double max_norm, double eps, const float *i
    table's grad scale is multiplied by the clip coefficient of the sum of squares of every grad, in
    the tables' order (total_of), the norm unscaled by ``clip_inv_scale`` (GradScaler's 1/scale, one
    fp32 CPU value) where given. */
-int64_t bound_step(std::vector<int64_t> handles, const std::vector<AtenTensorHandle> &grads,
-                   std::vector<double> numbers, std::vector<Tensor> tensor_scalars, std::vector<int64_t> slots,
-                   std::vector<int64_t> flags, std::vector<int64_t> per_tensor, std::vector<double> clip,
-                   std::optional<Tensor> clip_inv_scale, std::vector<int64_t> ruled, std::vector<double> options) {
+int64_t bound_step(int64_t handle, const std::vector<AtenTensorHandle> &grads, std::vector<double> numbers,
+                   std::vector<Tensor> tensor_scalars, std::vector<int64_t> slots, std::vector<int64_t> flags,
+                   std::vector<double> options, std::vector<double> clip, std::optional<Tensor> clip_inv_scale) {
     const char *op = "fastoptim::bound_step";
-    STD_TORCH_CHECK(flags.size() == handles.size() && per_tensor.size() == handles.size()
-                        && ruled.size() == handles.size(),
-                    op, ": one flags, per_tensor and ruled entry per table");
-    const Locked locked(handles, op);
-    const std::vector<std::shared_ptr<Bound>> &tables = locked.tables;
+    std::shared_ptr<Call> call;
+    {
+        std::lock_guard<std::mutex> guard(registry_lock);
+        auto found = calls.find(handle);
+        STD_TORCH_CHECK(found != calls.end(), op, ": no bound call ", handle);
+        call = found->second;
+    }
+    const std::vector<std::shared_ptr<Bound>> &tables = call->tables;
+    const std::vector<int64_t> &per_tensor = call->per_tensor, &ruled = call->ruled;
+    STD_TORCH_CHECK(flags.size() == tables.size(), op, ": one flags entry per table");
+    const Locked locked(*call);
     std::vector<int64_t> tensors_of_slot, first_scalars;
     size_t first_grad = 0;
     for (const std::shared_ptr<Bound> &held_table : tables) {
         Bound &table = *held_table;
-        STD_TORCH_CHECK(table.run, op, ": table bound to no kernel");
         const int64_t status = check(table, grads, first_grad, op);  // a refused call runs none
         if (status != STEPPED) return status;
         if (!keeps_bound_rows(table, flags[&held_table - tables.data()])) return STALE;
@@ -802,6 +844,12 @@ int64_t bound_step(std::vector<int64_t> handles, const std::vector<AtenTensorHan
             scale = {&clipped_scales[k], 0};
         }
     }
+    for (size_t k = 0; k < tables.size(); k++) {  // a kernel over no chunks answers whether its flags have a variant
+        const Bound &table = *tables[k];
+        STD_TORCH_CHECK(table.run(table.pointers.data(), table.n_tensors, table.chunks.data(), 0, 0, nullptr,
+                                  scalars.data() + first_scalars[k], table.dtype, static_cast<int32_t>(flags[k]), 1) == 0,
+                        op, ": the kernel has no variant for dtype code ", table.dtype, " with flags ", flags[k]);
+    }
     for (size_t k = 0; k < tables.size(); k++) {
         Bound &table = *tables[k];
         const int64_t n = table.n_tensors;
@@ -834,10 +882,12 @@ int64_t check_bound(std::vector<int64_t> handles, const std::vector<AtenTensorHa
     STD_TORCH_CHECK(grad_pointers.is_cpu() && grad_pointers.scalar_type() == ScalarType::Long
                         && grad_pointers.is_contiguous() && grad_pointers.numel() == static_cast<int64_t>(grads.size()),
                     op, ": grad_pointers must be a contiguous int64 CPU tensor with one entry per grad");
-    const Locked locked(handles, op);
+    const std::shared_ptr<Call> call =
+        make_call(handles, std::vector<int64_t>(handles.size()), std::vector<int64_t>(handles.size()), op);
+    const Locked locked(*call);
     int64_t *out = static_cast<int64_t *>(grad_pointers.data_ptr());
     size_t first_grad = 0;
-    for (const std::shared_ptr<Bound> &held_table : locked.tables) {
+    for (const std::shared_ptr<Bound> &held_table : call->tables) {
         Bound &table = *held_table;
         const int64_t status = check(table, grads, first_grad, op);
         if (status != STEPPED) return status;
@@ -883,19 +933,16 @@ struct GradHandles {
 // unboxed as TORCH_BOX does).
 void bound_step_boxed(StableIValue *stack, uint64_t num_args, uint64_t num_outputs) {
     using torch::stable::detail::to;
-    STD_TORCH_CHECK(num_args == 11 && num_outputs == 1, "fastoptim::bound_step: a schema of 11 arguments, 1 output");
-    auto handles = to<std::vector<int64_t>>(stack[0]);
+    STD_TORCH_CHECK(num_args == 9 && num_outputs == 1, "fastoptim::bound_step: a schema of 9 arguments, 1 output");
+    auto handle = to<int64_t>(stack[0]);
     const GradHandles grads(stack[1]);
     auto numbers = to<std::vector<double>>(stack[2]);
     auto tensor_scalars = to<std::vector<Tensor>>(stack[3]);
-    auto slots = to<std::vector<int64_t>>(stack[4]), flags = to<std::vector<int64_t>>(stack[5]),
-         per_tensor = to<std::vector<int64_t>>(stack[6]);
-    auto clip = to<std::vector<double>>(stack[7]);
+    auto slots = to<std::vector<int64_t>>(stack[4]), flags = to<std::vector<int64_t>>(stack[5]);
+    auto options = to<std::vector<double>>(stack[6]), clip = to<std::vector<double>>(stack[7]);
     auto clip_inv_scale = to<std::optional<Tensor>>(stack[8]);
-    auto ruled = to<std::vector<int64_t>>(stack[9]);
-    auto options = to<std::vector<double>>(stack[10]);
-    stack[0] = torch::stable::detail::from(bound_step(handles, grads.handles, numbers, tensor_scalars, slots, flags,
-                                                      per_tensor, clip, clip_inv_scale, ruled, options));
+    stack[0] = torch::stable::detail::from(
+        bound_step(handle, grads.handles, numbers, tensor_scalars, slots, flags, options, clip, clip_inv_scale));
 }
 
 void check_bound_boxed(StableIValue *stack, uint64_t num_args, uint64_t num_outputs) {
@@ -1031,8 +1078,9 @@ STABLE_TORCH_LIBRARY_FRAGMENT(fastoptim, m) {
           "Tensor? layouts, Tensor[] owners, Tensor[] watched, Tensor[] grads_like, str rule, Tensor[] counts) -> int");
     m.def("unbind(int handle) -> ()");
     m.def("kernel_rows(str kernel) -> int");
-    m.def("bound_step(int[] handles, Tensor[] grads, float[] numbers, Tensor[] tensor_scalars, int[] slots, int[] flags, "
-          "int[] per_tensor, float[] clip, Tensor? clip_inv_scale, int[] ruled, float[] options) -> int");
+    m.def("bind_call(int[] handles, int[] per_tensor, int[] ruled) -> int");
+    m.def("bound_step(int call, Tensor[] grads, float[] numbers, Tensor[] tensor_scalars, int[] slots, int[] flags, "
+          "float[] options, float[] clip, Tensor? clip_inv_scale) -> int");
     m.def("rule_scalars(str rule, float[] options, float t, int n_scalars) -> float[]");
     m.def("check_bound(int[] handles, Tensor[] grads, Tensor(a!) grad_pointers) -> int");
     m.def("dense_grad_norm_total(Tensor[] grads, bool inf, Tensor(a!) total) -> int");
@@ -1048,6 +1096,7 @@ STABLE_TORCH_LIBRARY_IMPL(fastoptim, CompositeExplicitAutograd, m) {
     m.impl("bind", TORCH_BOX(&bind));
     m.impl("unbind", TORCH_BOX(&unbind));
     m.impl("kernel_rows", TORCH_BOX(&kernel_rows));
+    m.impl("bind_call", TORCH_BOX(&bind_call));
     m.impl("bound_step", &bound_step_boxed);
     m.impl("rule_scalars", TORCH_BOX(&rule_scalars));
     m.impl("check_bound", &check_bound_boxed);

@@ -13,8 +13,9 @@ the grads and changed nothing), ``STEP_SCALARS`` (its bound step computes the st
 ``run_launches`` takes ``clip`` and clips the grads of all its launches together, as
 ``clip.clip_coefficient`` would, and a launch with ``options`` has its table's rule compute the
 kernel's scalars from them and its counts, which it advances: see native.cpp's Rule; and
-``step_call(tables, n_scalars, per_tensor, ruled)`` makes the one call of a bound step's tables
-once, whose ``run`` each step hands the grads, each table's first scalars, flags and options),
+``StepCall(tables, per_tensor, ruled)`` makes the one call of a bound step's tables once, whose
+``run(grads, values, flag_bits, options, clip)`` each step hands the grads, each table's first
+scalars, flags and options, and which answers ``STEPPED``, or, having changed nothing, another status),
 ``available()``, ``refusal(param)`` (why it cannot run a tensor at all, its device or dtype
 included, or None), ``bind(spec, tensors, table, watched, originals, rule, counts)`` (what its
 launches read of a cached pointer table and its tensors, by role; see ``tables.Tables``),

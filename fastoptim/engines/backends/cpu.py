@@ -6,7 +6,7 @@ A kernel walks a table: one row of tensors per role (in its spec's ``rows`` orde
 over them (``fastoptim.multi_tensor.chunk_plan``) and each tensor's layout (its subset-norm (b, c)
 and its states' ``kernel_code``, see fastoptim.states.formats). :class:`BoundTable` hands a table's
 params and states to native code once; each step passes the grads and the scalars (in the spec's
-``all_scalars`` order, numbers or tensors; :func:`step` runs any number of tables in one call), and
+``all_scalars`` order, numbers or tensors; a :class:`StepCall` runs any number of tables in one call), and
 native code checks every held tensor and grad before any kernel runs, so Python checks no layout
 per step. The kernels' 8-bit codes restate fastoptim.states.blockwise8's; ``quantize`` and
 ``dequantize`` expose them to the tests. The kernels run on the threads of the OpenMP runtime
@@ -58,9 +58,9 @@ def _load():
                       f"({error}); the fused CPU engine is unavailable and its steps take the foreach engine. "
                       "Reinstall fastoptim against this torch (pip install --no-build-isolation).")
         return None
-    if "owners" not in str(torch.ops.fastoptim.bind.default._schema):  # a newer library binds flat state buffers
+    if not hasattr(torch.ops.fastoptim, "bind_call"):  # the newest op: a library without it is older
         warnings.warn(f"fastoptim: the native library {path} was built from older sources than this fastoptim "
-                      "(it binds no flat state buffers, which this one's tables hand it); the fused CPU engine is "
+                      "(it binds no step calls, which this one's steps make); the fused CPU engine is "
                       "unavailable and its steps take the foreach engine. Rebuild it: pip install "
                       "--no-build-isolation -e . (or python setup.py build_ext --inplace).")
         return None
@@ -131,7 +131,7 @@ class BoundTable:
     """``spec``'s kernel bound to a table's tensors (``tensors``: role to one tensor per param, None
     where a tensor has none in a role; ``table``: their :class:`~fastoptim.multi_tensor.PointerTable`,
     whose chunk plan and layouts it takes). Native code holds the params, states and block maxima
-    until this object is collected; each :func:`step` passes the grads. ``watched``, ``originals`` (by
+    until this object is collected; each step (a :class:`StepCall`'s) passes the grads. ``watched``, ``originals`` (by
     role, the tensors it holds in place of those of ``tensors`` that are views of them; a grad may come
     laid out as either),
     ``rule`` and ``counts``: see :class:`fastoptim.engines.tables.Tables`. With ``runs`` False the
@@ -151,16 +151,25 @@ class BoundTable:
                 held.extend(_EMPTY if t is None else t for t in tensors[role])
         layouts = None if table.layouts is None else torch.from_numpy(table.layouts)
         self.params = tensors["param"]  # whose version counters a step bumps
+        self.n_scalars = len(spec.all_scalars)  # of its kernel, in each step's scalars
         self.handle = torch.ops.fastoptim.bind(spec.name if runs else "", held, rows, len(tensors["param"]),
                                                len(spec.rows), len(spec.all_scalars), torch.from_numpy(table.chunks),
                                                layouts, flat_buffers(held[len(self.params):]), list(watched),
                                                list(grads_like), rule, list(counts))
         weakref.finalize(self, torch.ops.fastoptim.unbind, self.handle).atexit = False
+        self._calls = {}
+
+    def call(self, per_tensor, ruled):
+        """The :class:`StepCall` of this table alone, made once."""
+        key = per_tensor, ruled
+        if key not in self._calls:
+            self._calls[key] = StepCall([self], [per_tensor], [ruled])
+        return self._calls[key]
 
 
 class Launch(NamedTuple):
     """One bound table's part of a :func:`run_launches` call: its grads, its scalar ``values`` in the
-    spec's ``all_scalars`` order (see :meth:`StepCall.run`), the spec's flag bits, whether it runs once
+    spec's ``all_scalars`` order (see :meth:`StepCall.arguments`), the spec's flag bits, whether it runs once
     per tensor (the single-tensor engine) or in one kernel call, and the ``options`` its table's rule
     computes the scalars past the first three from (None: ``values`` holds them all; see native.cpp's
     Rule)."""
@@ -176,24 +185,27 @@ _FLOATS = (torch.float32, torch.float64)  # the scalar tensors native code reads
 
 
 class StepCall:
-    """One native step over bound ``tables``, its constant arguments made once (a bound step's plan
-    holds one): per table its handle, whether it runs once per tensor (``per_tensor``), whether its
-    rule computes its scalars past the first three (``ruled``), and where its ``n_scalars`` begin
-    among all. It holds the tables, and so their bindings. Native code checks every table before any
-    runs."""
+    """One native step over bound ``tables``, bound to native code once (a bound step's plan holds one):
+    per table whether it runs once per tensor (``per_tensor``) and whether its rule computes its
+    scalars past the first three (``ruled``), and where its scalars begin among all. Native code
+    holds the tables while the call lives (not the :class:`BoundTable` objects, which may go first),
+    and checks every one before any runs."""
 
-    def __init__(self, tables, n_scalars, per_tensor, ruled):
-        self.tables, self.per_tensor, self.ruled = list(tables), list(per_tensor), list(ruled)
-        self.handles = [table.handle for table in self.tables]
+    def __init__(self, tables, per_tensor, ruled):
+        self.per_tensor, self.ruled = list(per_tensor), list(ruled)
+        n_scalars = [table.n_scalars for table in tables]
         self.firsts = list(accumulate(n_scalars, initial=0))[:-1]
         self.zeros = [0.0] * sum(n_scalars)
-        self.params = [param for table in self.tables for param in table.params]  # whose version counters a step bumps
+        self.params = [param for table in tables for param in table.params]  # whose version counters a step bumps
+        self.handle = torch.ops.fastoptim.bind_call([table.handle for table in tables], self.per_tensor, self.ruled)
+        weakref.finalize(self, torch.ops.fastoptim.unbind, self.handle).atexit = False
 
     def arguments(self, grads, values, flag_bits, options, clip=None):
         """The native op's arguments for a call: table k takes the next of ``grads`` (its tensors' count),
-        ``values[k]`` (its first scalars, in its spec's ``all_scalars`` order: numbers, or tensors in any
-        float dtype, 0-d or with one value per tensor, read where they are: no host sync; the rest are
-        zeros, which its rule computes), ``flag_bits[k]`` (the spec's flags and stochastic rounding, as
+        ``values[k]`` (its first scalars, in its spec's ``all_scalars`` order: numbers, or tensors, 0-d or
+        with one value per tensor, read where they are, fp32 and float64 as they are, others as fp32: no
+        host sync; a ruled table's rule computes the rest, which are zeros here, and any other table's
+        ``values[k]`` holds them all), ``flag_bits[k]`` (the spec's flags and stochastic rounding, as
         ``KernelSpec.flag_bits`` packs them), and its rule the next of ``options``. ``clip``: (max_norm,
         eps, GradScaler's 1/scale or None), to clip the grads of all tables together first."""
         numbers, tensors, slots = self.zeros.copy(), [], []
@@ -205,8 +217,7 @@ class StepCall:
                 else:
                     numbers[slot] = float(value)
         clip_numbers, inv_scale = ([], None) if clip is None else (list(clip[:2]), clip[2])
-        return (self.handles, grads, numbers, tensors, slots, flag_bits, self.per_tensor, clip_numbers, inv_scale,
-                self.ruled, options)
+        return self.handle, grads, numbers, tensors, slots, flag_bits, options, clip_numbers, inv_scale
 
     def run(self, grads, values, flag_bits, options, clip=None):
         """Run every table's kernel (the arguments: see :meth:`arguments`), then bump the params' version
@@ -220,7 +231,7 @@ class StepCall:
 
 
 def check(tables, grads):
-    """Check bound ``tables`` (each taking the next of ``grads``, as :func:`step` does) without running
+    """Check bound ``tables`` (each taking the next of ``grads``, as a :class:`StepCall` does) without running
     them: STEPPED and the grads' data pointers (an int64 array), or STALE or GRADS_UNFIT and None."""
     pointers = torch.empty(len(grads), dtype=torch.int64, device="cpu")  # host memory whatever the default device
     status = torch.ops.fastoptim.check_bound([table.handle for table in tables], grads, pointers)
@@ -299,22 +310,20 @@ def bind(spec, tensors, table, watched=(), originals=None, rule="", counts=()):
 
 def launch(spec, bound, grads, per_tensor, state_format, values, flag_bits, options=None):
     """One table's part of a native step call, which ``run_launches`` runs with others (``values``: see
-    :meth:`StepCall.run`). The kernel reads each tensor's state format from its layout row, not from
+    :meth:`StepCall.arguments`). The kernel reads each tensor's state format from its layout row, not from
     ``state_format``."""
     return Launch(bound, grads, values, flag_bits, per_tensor, options)
-
-
-def step_call(tables, n_scalars, per_tensor, ruled):
-    """The :class:`StepCall` of bound ``tables``, for a plan to hold."""
-    return StepCall(tables, n_scalars, per_tensor, ruled)
 
 
 def run_launches(launches, clip=None):
     """Run ``launches`` in one native call, their grads clipped together by ``clip`` (see
     :meth:`StepCall.run`; None: not clipped); False, having changed nothing, when one did not fit."""
-    call = StepCall([launch.table for launch in launches], [len(launch.values) for launch in launches],
-                    [launch.per_tensor for launch in launches], [launch.options is not None for launch in launches])
+    if len(launches) == 1:  # a table's own launch, whose call it keeps
+        (table, grads, values, flags, per_tensor, options), = launches
+        call = table.call(per_tensor, options is not None)
+        return call.run(grads, [values], [flags], options or [], clip) == STEPPED
+    call = StepCall([launch.table for launch in launches], [launch.per_tensor for launch in launches],
+                    [launch.options is not None for launch in launches])
     return call.run([grad for launch in launches for grad in launch.grads], [launch.values for launch in launches],
                     [launch.flags for launch in launches],
                     [x for launch in launches for x in launch.options or ()], clip) == STEPPED
-
