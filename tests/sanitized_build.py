@@ -78,10 +78,10 @@ class Background:
     """The sanitized library built at ``path`` and the kernel tests (``SELECTION``) run on it, in a thread
     that waits for each. Once ``wait()`` returns: ``build`` (the compilers' finished process) and
     ``build_errors``, and ``tests`` (the run's finished process, or None where the build failed) and
-    ``output``."""
+    ``output``, or ``timed_out``."""
 
     def __init__(self, path):
-        self.path, self.tests, self.output, self.stopped = path, None, "", False
+        self.path, self.tests, self.output, self.stopped, self.timed_out = path, None, "", False, False
         self.lock = threading.Lock()  # a run is started, or stopped, not both
         self.build = start(path)
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -95,8 +95,19 @@ class Background:
             self.tests = sanitized(self.path, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *SELECTION)
         self.output = self.tests.communicate()[0]
 
+    # seconds the build and the run may take in all: about 3 minutes on an idle core, 6 beside a busy
+    # one; a hang (a deadlock under the sanitizers) then fails the session instead of holding it
+    TIMEOUT = 1200
+
     def wait(self):
-        self.thread.join()
+        """Wait for the build and the run to finish; past ``TIMEOUT`` seconds, stop them and set
+        ``timed_out``."""
+        if not self.timed_out:
+            self.thread.join(self.TIMEOUT)
+            if self.thread.is_alive():
+                self.timed_out = True
+                self.stop()
+                self.thread.join(60)  # a killed shell's compiler may hold its pipe until it ends
         return self
 
     def stop(self):

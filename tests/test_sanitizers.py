@@ -24,6 +24,7 @@ def background(request, tmp_path_factory):
         run = request.config.stash[SANITIZED_BUILD] = Background(tmp_path_factory.mktemp("sanitizers")
                                                                  / "native_sanitized.so")
     run.wait()
+    assert not run.timed_out, f"the sanitized build and its kernel tests took over {run.TIMEOUT} s: stopped"
     assert run.build.returncode == 0, run.build_errors[-5000:]
     return run
 
