@@ -350,9 +350,9 @@ def test_a_bound_step_refuses_handles_and_counts_it_does_not_know():
     with pytest.raises(RuntimeError, match="no bound call"):
         torch.ops.fastoptim.bound_step(-5, [], [], [], [], [0], [], [], None)
     with pytest.raises(RuntimeError, match="no bound table"):
-        torch.ops.fastoptim.bind_call([-5], [0], [0])
+        torch.ops.fastoptim.bind_call([-5], [0], [0], False)
     with pytest.raises(RuntimeError, match="one per_tensor and ruled entry per table"):
-        torch.ops.fastoptim.bind_call([-5], [], [])
+        torch.ops.fastoptim.bind_call([-5], [], [], False)
 
 
 def a_bound_call():
@@ -627,6 +627,26 @@ def test_a_bound_subset_norm_step_follows_the_tensors_its_views_are_of(cls, chan
     runs = [_lean_run(cls, dict(sn=True), checked, monkeypatch, change=change) for checked in (False, True)]
     for ours, expected in zip(*runs):
         torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bound", [True, False], ids=["bound", "checked"])
+def test_a_grad_set_to_the_subset_norm_view_s_shape_is_refused_bound_as_checked(bound):
+    """A subset-norm param's engines walk it as an (a, b, c) view, and native code takes a checked step's
+    grads in that layout too. A user's grad given that shape in place (``set_``: assignment checks the
+    shape) was stepped by the bound step and refused by the checked one: both refuse it now, and
+    change nothing."""
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(8, 8))
+    opt = fastoptim.AdamWSN([param], lr=1e-2, sn=True, fused=True)
+    param.grad = torch.randn(8, 8)
+    for _ in range(2 if bound else 0):
+        opt.step()
+    assert (opt._plans.bound is not None) == bound
+    param.grad.set_(torch.randn(8, 8).view(8, 8, 1))
+    before = param.detach().clone()
+    with pytest.raises(RuntimeError, match="a gradient must match its parameter"):
+        opt.step()
+    assert torch.equal(param, before)
 
 
 def test_a_muon_matrix_whose_state_keeps_a_subset_norm_record_steps_as_without_it():

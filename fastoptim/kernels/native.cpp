@@ -4,7 +4,7 @@
    A fused step's tensors are *bound* once (fastoptim::bind): this library holds a reference to each
    param, state and block-maxima tensor, with the chunk table Python planned over them; a step's
    tables are bound into one call (fastoptim::bind_call), and each step (fastoptim::bound_step)
-   passes only that call's handle, the grads and the scalars. Every call re-reads each held
+   passes only that call's handle, the grads, the scalars, the flags and the group's options. Every call re-reads each held
    tensor's data pointer, sizes, strides, dtype and device and each grad's, before the kernel runs:
    a held tensor that moved or changed its layout makes the call change nothing and answer STALE,
    and the caller binds afresh. So no pointer this library dereferences can outlive its tensor, and
@@ -407,8 +407,9 @@ struct Bound {
     std::vector<Tensor> counts;  // the step counts it reads and advances: none, the group's, or one per tensor
     std::vector<Layout> counts_then;
     std::vector<int64_t> pointers, chunks, layouts;
-    // Held by a step while it checks and runs the table, whose grads' row it writes: two steps of
-    // one table (an optimizer stepped from two threads) take turns instead of racing.
+    // Held by a step while it checks and runs the table, whose grads' row it writes: two native steps
+    // of one table take turns instead of racing. (An optimizer, as torch's, is not to be stepped from
+    // two threads at once: what Python does around the call, its counts included, is not locked.)
     std::mutex busy;
 };
 
@@ -429,6 +430,7 @@ std::shared_ptr<Bound> bound(int64_t handle, const char *op) {
 struct Call {
     std::vector<std::shared_ptr<Bound>> tables;
     std::vector<int64_t> per_tensor, ruled;
+    bool views = true;  // whether its grads may come as their tables' grads_like views (see bind_call)
     std::vector<size_t> lock_order;
 };
 
@@ -582,11 +584,15 @@ std::shared_ptr<Call> make_call(const std::vector<int64_t> &handles, std::vector
 
 /* The call of bound_step over tables ``handles``: table k runs once per tensor with ``per_tensor[k]``
    (as the seeds' FusedAdan steps), else in one kernel call, and its rule computes its scalars with
-   ``ruled[k]`` (see bound_step). Returns its handle, which unbind releases; it holds its tables
-   while it lives. */
-int64_t bind_call(std::vector<int64_t> handles, std::vector<int64_t> per_tensor, std::vector<int64_t> ruled) {
+   ``ruled[k]`` (see bound_step). With ``views``, a grad may also come laid out as its table's
+   grads_like view (a checked step's); without, only as its param (a bound step's: the user's grads,
+   refused in another layout as a checked step refuses them). Returns its handle, which unbind
+   releases; it holds its tables while it lives. */
+int64_t bind_call(std::vector<int64_t> handles, std::vector<int64_t> per_tensor, std::vector<int64_t> ruled,
+                  bool views) {
     const char *op = "fastoptim::bind_call";
     std::shared_ptr<Call> call = make_call(handles, std::move(per_tensor), std::move(ruled), op);
+    call->views = views;
     for (const std::shared_ptr<Bound> &table : call->tables)
         STD_TORCH_CHECK(table->run, op, ": a table bound to no kernel");
     std::lock_guard<std::mutex> guard(registry_lock);
@@ -638,9 +644,9 @@ bool keeps_bound_rows(const Bound &table, int64_t flags) {
 }
 
 // Whether ``table`` may run with ``grads`` from ``first``: STALE when a held tensor moved or changed
-// its layout, GRADS_UNFIT when a grad is not walked as its param, else STEPPED, with the table's
-// grads' row refreshed.
-int64_t check(Bound &table, const std::vector<AtenTensorHandle> &grads, size_t first, const char *op) {
+// its layout, GRADS_UNFIT when a grad is not walked as its param (or, with ``views``, as its grads_like
+// view), else STEPPED, with the table's grads' row refreshed.
+int64_t check(Bound &table, const std::vector<AtenTensorHandle> &grads, size_t first, bool views, const char *op) {
     const int64_t n = table.n_tensors;
     STD_TORCH_CHECK(first + n <= grads.size(), op, ": fewer grads than the tables take");
     for (size_t i = 0; i < table.held.size(); i++) {
@@ -663,7 +669,7 @@ int64_t check(Bound &table, const std::vector<AtenTensorHandle> &grads, size_t f
         if (grads[first + t] == nullptr) return GRADS_UNFIT;
         const Read grad(grads[first + t]);  // read once: it may fit the param's view or the param
         if (!fits(grad, table.layouts_then[t], pointer)
-            && (table.grads_like.empty() || !fits(grad, table.grads_like[t], pointer)))
+            && (!views || table.grads_like.empty() || !fits(grad, table.grads_like[t], pointer)))
             return GRADS_UNFIT;
     }
     return STEPPED;
@@ -767,12 +773,14 @@ int64_t bound_step(int64_t handle, const std::vector<AtenTensorHandle> &grads, s
     const std::vector<std::shared_ptr<Bound>> &tables = call->tables;
     const std::vector<int64_t> &per_tensor = call->per_tensor, &ruled = call->ruled;
     STD_TORCH_CHECK(flags.size() == tables.size(), op, ": one flags entry per table");
+    for (int64_t bits : flags)
+        STD_TORCH_CHECK(bits >= 0 && bits <= INT32_MAX, op, ": flags ", bits, " are not a kernel's flag bits");
     const Locked locked(*call);
     std::vector<int64_t> tensors_of_slot, first_scalars;
     size_t first_grad = 0;
     for (const std::shared_ptr<Bound> &held_table : tables) {
         Bound &table = *held_table;
-        const int64_t status = check(table, grads, first_grad, op);  // a refused call runs none
+        const int64_t status = check(table, grads, first_grad, call->views, op);  // a refused call runs none
         if (status != STEPPED) return status;
         if (!keeps_bound_rows(table, flags[&held_table - tables.data()])) return STALE;
         first_grad += table.n_tensors;
@@ -889,7 +897,7 @@ int64_t check_bound(std::vector<int64_t> handles, const std::vector<AtenTensorHa
     size_t first_grad = 0;
     for (const std::shared_ptr<Bound> &held_table : call->tables) {
         Bound &table = *held_table;
-        const int64_t status = check(table, grads, first_grad, op);
+        const int64_t status = check(table, grads, first_grad, true, op);
         if (status != STEPPED) return status;
         std::copy_n(&table.pointers[GRAD * table.n_tensors], table.n_tensors, out + first_grad);
         first_grad += table.n_tensors;
@@ -1078,7 +1086,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(fastoptim, m) {
           "Tensor? layouts, Tensor[] owners, Tensor[] watched, Tensor[] grads_like, str rule, Tensor[] counts) -> int");
     m.def("unbind(int handle) -> ()");
     m.def("kernel_rows(str kernel) -> int");
-    m.def("bind_call(int[] handles, int[] per_tensor, int[] ruled) -> int");
+    m.def("bind_call(int[] handles, int[] per_tensor, int[] ruled, bool views) -> int");
     m.def("bound_step(int call, Tensor[] grads, float[] numbers, Tensor[] tensor_scalars, int[] slots, int[] flags, "
           "float[] options, float[] clip, Tensor? clip_inv_scale) -> int");
     m.def("rule_scalars(str rule, float[] options, float t, int n_scalars) -> float[]");

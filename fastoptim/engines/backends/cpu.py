@@ -131,9 +131,9 @@ class BoundTable:
     """``spec``'s kernel bound to a table's tensors (``tensors``: role to one tensor per param, None
     where a tensor has none in a role; ``table``: their :class:`~fastoptim.multi_tensor.PointerTable`,
     whose chunk plan and layouts it takes). Native code holds the params, states and block maxima
-    until this object is collected; each step (a :class:`StepCall`'s) passes the grads. ``watched``, ``originals`` (by
-    role, the tensors it holds in place of those of ``tensors`` that are views of them; a grad may come
-    laid out as either),
+    until this object and every :class:`StepCall` over it (its own, and a bound step's) are collected;
+    each step passes the grads. ``watched``, ``originals`` (by role, the tensors it holds in place of
+    those of ``tensors`` that are views of them; a checked step's grad may come laid out as either),
     ``rule`` and ``counts``: see :class:`fastoptim.engines.tables.Tables`. With ``runs`` False the
     table is bound to no kernel and may hold tensors of any device: a GPU kernel's, which
     :func:`check` checks before Python launches it."""
@@ -160,10 +160,10 @@ class BoundTable:
         self._calls = {}
 
     def call(self, per_tensor, ruled):
-        """The :class:`StepCall` of this table alone, made once."""
+        """The :class:`StepCall` of this table alone, made once: a checked step's, whose grads may be views."""
         key = per_tensor, ruled
         if key not in self._calls:
-            self._calls[key] = StepCall([self], [per_tensor], [ruled])
+            self._calls[key] = StepCall([self], [per_tensor], [ruled], views=True)
         return self._calls[key]
 
 
@@ -187,17 +187,20 @@ _FLOATS = (torch.float32, torch.float64)  # the scalar tensors native code reads
 class StepCall:
     """One native step over bound ``tables``, bound to native code once (a bound step's plan holds one):
     per table whether it runs once per tensor (``per_tensor``) and whether its rule computes its
-    scalars past the first three (``ruled``), and where its scalars begin among all. Native code
-    holds the tables while the call lives (not the :class:`BoundTable` objects, which may go first),
-    and checks every one before any runs."""
+    scalars past the first three (``ruled``), and where its scalars begin among all. With ``views``, a
+    grad may come laid out as the plan's view of its param (a checked step's, of a subset-norm param);
+    else only as its param (a bound step hands the user's grads). Native code holds the tables while
+    the call lives (not the :class:`BoundTable` objects, which may go first), and checks every one
+    before any runs."""
 
-    def __init__(self, tables, per_tensor, ruled):
+    def __init__(self, tables, per_tensor, ruled, views=False):
         self.per_tensor, self.ruled = list(per_tensor), list(ruled)
         n_scalars = [table.n_scalars for table in tables]
         self.firsts = list(accumulate(n_scalars, initial=0))[:-1]
         self.zeros = [0.0] * sum(n_scalars)
         self.params = [param for table in tables for param in table.params]  # whose version counters a step bumps
-        self.handle = torch.ops.fastoptim.bind_call([table.handle for table in tables], self.per_tensor, self.ruled)
+        self.handle = torch.ops.fastoptim.bind_call([table.handle for table in tables], self.per_tensor, self.ruled,
+                                                    views)
         weakref.finalize(self, torch.ops.fastoptim.unbind, self.handle).atexit = False
 
     def arguments(self, grads, values, flag_bits, options, clip=None):
@@ -323,7 +326,7 @@ def run_launches(launches, clip=None):
         call = table.call(per_tensor, options is not None)
         return call.run(grads, [values], [flags], options or [], clip) == STEPPED
     call = StepCall([launch.table for launch in launches], [launch.per_tensor for launch in launches],
-                    [launch.options is not None for launch in launches])
+                    [launch.options is not None for launch in launches], views=True)
     return call.run([grad for launch in launches for grad in launch.grads], [launch.values for launch in launches],
                     [launch.flags for launch in launches],
                     [x for launch in launches for x in launch.options or ()], clip) == STEPPED
