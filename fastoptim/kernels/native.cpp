@@ -4,10 +4,10 @@
    A fused step's tensors are *bound* once (fastoptim::bind): this library holds a reference to each
    param, state and block-maxima tensor, with the chunk table Python planned over them; a step's
    tables are bound into one call (fastoptim::bind_call), and each step (fastoptim::bound_step)
-   passes only that call's handle, the grads, the scalars, the flags and the group's options. Every call re-reads each held
-   tensor's data pointer, sizes, strides, dtype and device and each grad's, before the kernel runs:
-   a held tensor that moved or changed its layout makes the call change nothing and answer STALE,
-   and the caller binds afresh. So no pointer this library dereferences can outlive its tensor, and
+   passes only that call's handle, the grads, the scalars, the flags and the group's options. Every
+   call re-reads each held tensor's data pointer, sizes, strides, dtype and device and each grad's,
+   before the kernel runs: a held tensor that moved or changed its layout makes the call change
+   nothing and answer STALE, and the caller binds afresh. So no pointer this library dereferences can outlive its tensor, and
    Python checks no tensor per step.
 
    A bound step may also clip: it sums the squares of all its tables' grads (the one order in which
@@ -854,9 +854,10 @@ int64_t bound_step(int64_t handle, const std::vector<AtenTensorHandle> &grads, s
     }
     for (size_t k = 0; k < tables.size(); k++) {  // a kernel over no chunks answers whether its flags have a variant
         const Bound &table = *tables[k];
-        STD_TORCH_CHECK(table.run(table.pointers.data(), table.n_tensors, table.chunks.data(), 0, 0, nullptr,
-                                  scalars.data() + first_scalars[k], table.dtype, static_cast<int32_t>(flags[k]), 1) == 0,
-                        op, ": the kernel has no variant for dtype code ", table.dtype, " with flags ", flags[k]);
+        const int status = table.run(table.pointers.data(), table.n_tensors, table.chunks.data(), 0, 0, nullptr,
+                                     scalars.data() + first_scalars[k], table.dtype, static_cast<int32_t>(flags[k]), 1);
+        STD_TORCH_CHECK(status == 0, op, ": the kernel has no variant for dtype code ", table.dtype, " with flags ",
+                        flags[k]);
     }
     for (size_t k = 0; k < tables.size(); k++) {
         Bound &table = *tables[k];
