@@ -51,12 +51,12 @@ class Structure:
         reading = _Reading(group)
         self.value = structure(reading)
         self.keys = list(reading.read)
-        self.held = self._options(group)
+        self.held = list(self._options(group))
         # a list option (betas) may be edited in place: its items, as they were, are compared too
         self.items = [(key, tuple(value)) for key, value in zip(self.keys, self.held) if type(value) is list]
 
     def _options(self, group):
-        return [group.get(key, _MISSING) for key in self.keys]
+        return map(group.get, self.keys, repeat(_MISSING))
 
     def holds(self, structure, group):
         """Whether ``structure(group)`` is still this one."""
