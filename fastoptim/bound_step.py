@@ -211,14 +211,16 @@ class BoundStep:
                 # draws random bits after the call
                 return False
             numbers.append(list(map(float, values)))
+        # the native call unscales (GradScaler's scale), clips and advances the counts: no tensor op here
+        amp_scale = getattr(optimizer, "grad_scale", None)
         increment, scales, clip = optimizer._grad_scales(work, found_inf, eager=True, clip_in_step=True)
         finishing = []  # (its parts, its arguments) of each group whose parts finish after the native call
         for algorithm, (group, entry, _), scale, parts in zip(self.algorithms, work, scales, self.parts):
             if parts:
-                if isinstance(scale, Tensor):  # GradScaler's: the reference scales the grads first (see muon)
+                if amp_scale is not None:  # GradScaler's: the reference scales the grads first (see muon)
                     return False
                 # before anything runs: what raises here (an option made invalid) must change nothing
-                finishing.append((group, parts, *optimizer._arguments(algorithm, group, entry, scale, increment,
+                finishing.append((group, parts, *optimizer._arguments(algorithm, group, entry, scale, 1,
                                                                       traced=False)))
         grads_in, values, flags, options = [], [], [], []  # per table, in the call's order; the rules' options
         for (group, entry, grads), scale, buckets, group_numbers, parts, flag_bits in zip(
@@ -246,7 +248,7 @@ class BoundStep:
                     options += group_numbers
         if grads_in:
             all_grads = grads_in[0] if len(grads_in) == 1 else [grad for grads in grads_in for grad in grads]
-            if self.call.run(all_grads, values, flags, options, clip) != self.backend.STEPPED:
+            if self.call.run(all_grads, values, flags, options, clip, amp_scale) != self.backend.STEPPED:
                 return False
         for group, parts, args, per_tensor in finishing:  # the rest of the step of those whose kernels ran part
             for part in parts:

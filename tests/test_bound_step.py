@@ -334,10 +334,10 @@ def test_a_bound_step_refuses_flags_that_keep_a_state_its_tables_lack():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cpu_backend.StepCall, "run", lambda call, *args: calls.append((call, args)) or real(call, *args))
         opt.step()
-    (call, (grads, values, _, options, clip)), = calls
+    (call, (grads, values, _, options, clip, amp_scale)), = calls
     before = params[0].detach().clone()
-    assert call.run(grads, values, [SPEC.flag_bits(dict(amsgrad=True, first_moment=True))], options,
-                    clip) == cpu_backend.STALE
+    assert call.run(grads, values, [SPEC.flag_bits(dict(amsgrad=True, first_moment=True))], options, clip,
+                    amp_scale) == cpu_backend.STALE
     assert torch.equal(params[0], before)
     assert call.run(*calls[0][1]) == cpu_backend.STEPPED
 

@@ -649,6 +649,37 @@ def test_a_grad_set_to_the_subset_norm_view_s_shape_is_refused_bound_as_checked(
     assert torch.equal(param, before)
 
 
+@pytest.mark.parametrize("options", [dict(), dict(maximize=True), dict(max_grad_norm=0.5)],
+                         ids=["plain", "maximize", "clipped"])
+def test_a_bound_step_under_gradscaler_runs_no_torch_op_but_its_native_call(options):
+    """GradScaler's scale and found_inf reach the bound step as tensors: its 1/scale (a float64
+    reciprocal rounded to fp32, as torch's unscale has it), maximize's sign of it and the counts'
+    increment were 0-d tensor ops in Python, five or six a step; native code computes them now, so
+    the step's only op is its native call."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    params = [torch.nn.Parameter(torch.randn(16)) for _ in range(4)]
+    opt = fastoptim.AdamW(params, lr=1e-3, fused=True, **options)
+    opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(0.0)
+    for _ in range(2):
+        for param in params:
+            param.grad = torch.randn(16)
+        opt.step()
+    assert opt._plans.bound is not None
+    with Ops() as ops:
+        opt.step()
+    assert ops.names == ["fastoptim.bound_step.default"]
+
+
 def test_a_muon_matrix_whose_state_keeps_a_subset_norm_record_steps_as_without_it():
     """A state dict can give Muon's matrices a subset-norm record (``reduce_dim``), so that its group
     plans their (a, b, c) views; its momentum kernel takes direction buffers as its params. Native code

@@ -755,13 +755,14 @@ float clip_coefficient(double total, double max_norm, double eps, const float *i
    kernel ran, each count its ruled tables hold is advanced once, by 1, or by 0 where found_inf is set.
    Scalars with one value per tensor where counts differ.
 
-   With ``clip`` (max_norm, eps), the grads of all tables are clipped by their norm as one: each
-   table's grad scale is multiplied by the clip coefficient of the sum of squares of every grad, in
-   the tables' order (total_of), the norm unscaled by ``clip_inv_scale`` (GradScaler's 1/scale, one
-   fp32 CPU value) where given. */
+   With ``amp_scale`` (GradScaler's scale, one fp32 or float64 CPU value), each table's grad scale is
+   multiplied by its inverse, as fp32 from a float64 reciprocal (as torch's unscale rounds it). With
+   ``clip`` (max_norm, eps), the grads of all tables are clipped by their norm as one: each table's
+   grad scale is then multiplied by the clip coefficient of the sum of squares of every grad, in the
+   tables' order (total_of), the norm unscaled by that inverse. */
 int64_t bound_step(int64_t handle, const std::vector<AtenTensorHandle> &grads, std::vector<double> numbers,
                    std::vector<Tensor> tensor_scalars, std::vector<int64_t> slots, std::vector<int64_t> flags,
-                   std::vector<double> options, std::vector<double> clip, std::optional<Tensor> clip_inv_scale) {
+                   std::vector<double> options, std::vector<double> clip, std::optional<Tensor> amp_scale) {
     const char *op = "fastoptim::bound_step";
     std::shared_ptr<Call> call;
     {
@@ -826,16 +827,27 @@ int64_t bound_step(int64_t handle, const std::vector<AtenTensorHandle> &grads, s
         for (int64_t j = COMMON_SCALARS; j < n_scalars; j++) s[j] = {&computed[j * n], shared ? 0 : 1};
     }
     STD_TORCH_CHECK(at == options.size(), op, ": more options than the ruled tables take");
-    std::vector<float> clipped_scales(tables.size());
+    std::vector<float> grad_scales(tables.size());  // each table's, where GradScaler or the clip scale it
+    float inverse;
+    const float *inv_scale = nullptr;
+    if (amp_scale.has_value()) {
+        const Read r = read_for(*amp_scale, op);
+        STD_TORCH_CHECK(amp_scale->is_cpu() && amp_scale->numel() == 1
+                            && (r.dtype == aoti_torch_dtype_float32() || r.dtype == aoti_torch_dtype_float64()),
+                        op, ": amp_scale must be one fp32 or float64 CPU value");
+        const double scale = r.dtype == aoti_torch_dtype_float64() ? *static_cast<const double *>(r.data)
+                                                                   : *static_cast<const float *>(r.data);
+        inverse = static_cast<float>(1.0 / scale);
+        inv_scale = &inverse;
+        for (size_t k = 0; k < tables.size(); k++) {
+            Scalar &grad_scale = scalars[first_scalars[k] + GRAD_SCALE];
+            STD_TORCH_CHECK(grad_scale.stride == 0, op, ": a table's grad scale must be one value under GradScaler");
+            grad_scales[k] = grad_scale.values[0] * inverse;
+            grad_scale = {&grad_scales[k], 0};
+        }
+    }
     if (!clip.empty()) {
         STD_TORCH_CHECK(clip.size() == 2, op, ": clip must be (max_norm, eps) or empty");
-        const float *inv_scale = nullptr;
-        if (clip_inv_scale.has_value()) {
-            STD_TORCH_CHECK(clip_inv_scale->is_cpu() && clip_inv_scale->scalar_type() == ScalarType::Float
-                                && clip_inv_scale->numel() == 1,
-                            op, ": clip_inv_scale must be one fp32 CPU value");
-            inv_scale = static_cast<const float *>(clip_inv_scale->data_ptr());
-        }
         std::vector<Span> spans;
         for (const std::shared_ptr<Bound> &table : tables)
             for (int64_t t = 0; t < table->n_tensors; t++) {
@@ -848,8 +860,8 @@ int64_t bound_step(int64_t handle, const std::vector<AtenTensorHandle> &grads, s
         for (size_t k = 0; k < tables.size(); k++) {
             Scalar &scale = scalars[first_scalars[k] + GRAD_SCALE];
             STD_TORCH_CHECK(scale.stride == 0, op, ": a clipped table's grad scale must be one value");
-            clipped_scales[k] = coefficient * scale.values[0];
-            scale = {&clipped_scales[k], 0};
+            grad_scales[k] = coefficient * scale.values[0];
+            scale = {&grad_scales[k], 0};
         }
     }
     for (size_t k = 0; k < tables.size(); k++) {  // a kernel over no chunks answers whether its flags have a variant
@@ -949,9 +961,9 @@ void bound_step_boxed(StableIValue *stack, uint64_t num_args, uint64_t num_outpu
     auto tensor_scalars = to<std::vector<Tensor>>(stack[3]);
     auto slots = to<std::vector<int64_t>>(stack[4]), flags = to<std::vector<int64_t>>(stack[5]);
     auto options = to<std::vector<double>>(stack[6]), clip = to<std::vector<double>>(stack[7]);
-    auto clip_inv_scale = to<std::optional<Tensor>>(stack[8]);
+    auto amp_scale = to<std::optional<Tensor>>(stack[8]);
     stack[0] = torch::stable::detail::from(
-        bound_step(handle, grads.handles, numbers, tensor_scalars, slots, flags, options, clip, clip_inv_scale));
+        bound_step(handle, grads.handles, numbers, tensor_scalars, slots, flags, options, clip, amp_scale));
 }
 
 void check_bound_boxed(StableIValue *stack, uint64_t num_args, uint64_t num_outputs) {
@@ -1089,7 +1101,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(fastoptim, m) {
     m.def("kernel_rows(str kernel) -> int");
     m.def("bind_call(int[] handles, int[] per_tensor, int[] ruled, bool views) -> int");
     m.def("bound_step(int call, Tensor[] grads, float[] numbers, Tensor[] tensor_scalars, int[] slots, int[] flags, "
-          "float[] options, float[] clip, Tensor? clip_inv_scale) -> int");
+          "float[] options, float[] clip, Tensor? amp_scale) -> int");
     m.def("rule_scalars(str rule, float[] options, float t, int n_scalars) -> float[]");
     m.def("check_bound(int[] handles, Tensor[] grads, Tensor(a!) grad_pointers) -> int");
     m.def("dense_grad_norm_total(Tensor[] grads, bool inf, Tensor(a!) total) -> int");

@@ -137,8 +137,10 @@ class StepPath:
     def _grad_scales(self, work, found_inf, eager, clip_in_step=False):
         """What a step of ``work`` adds to the counts (1, or a tensor: 0 on a step GradScaler skipped),
         each group's grad scale (the clip coefficient, GradScaler's 1/scale, −1 to maximize: see
-        ``scalars.grad_scale``) and, with ``clip_in_step`` (a bound step, whose native call clips), what
-        that call clips by: (max_norm, eps, 1/scale), the groups' scales then leaving the coefficient out."""
+        ``scalars.grad_scale``) and None; with ``clip_in_step`` (a bound step, whose native call clips,
+        unscales and advances the counts itself), the increment only where a group without grads counts
+        (else None), each group's −1 to maximize (or None), and what that call clips by: (max_norm, eps),
+        or None."""
         amp_scale = getattr(self, "grad_scale", None)
         max_norm = self.defaults["max_grad_norm"]
         # each rank joins the reduction, grads or not
@@ -151,12 +153,14 @@ class StepPath:
         # torch's clip_grad_norm_'s, whatever keys its groups carry (or with no group left)
         eps = self.param_groups[-1]["eps"] if "eps" in self.defaults and self.param_groups else CLIP_EPS
         maximize = [group["maximize"] for group, _, _ in work]
+        if clip_in_step:
+            counted = not all(entry.params for _, entry, _ in work)  # official Adan's count, in Python
+            return (scalars.increment_of(found_inf) if counted else None,
+                    [scalars.grad_scale(None, None, m) for m in maximize], (max_norm, eps) if clipped else None)
         if not eager and self._factors_by_op(work, all_grads if clipped else None, amp_scale, found_inf):
             return (*scalars.traced_factors(all_grads if clipped else None, max_norm, eps, amp_scale, found_inf,
                                             maximize), None)
         increment, inv_scale = scalars.increment_of(found_inf), scalars.inverse_of(amp_scale)
-        if clipped and clip_in_step:
-            return increment, [scalars.grad_scale(None, inv_scale, m) for m in maximize], (max_norm, eps, inv_scale)
         clip = None
         if clipped:  # the norm's dtype from the params' (the grads have theirs: checked before any kernel runs)
             wide = torch.float64 if any(entry.scalar_dtype is torch.float64 for _, entry, _ in work) else torch.float32

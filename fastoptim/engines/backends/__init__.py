@@ -9,13 +9,14 @@ whole blocks; else all its columns in one chunk),
 ``CLIPS`` (it has the clip's kernels, ``grad_norm_total(grads, inf)`` (status and the float64 sum
 of squares or largest magnitude, in fastoptim's one order of a norm's sum) and
 ``scale_grads(grads, factor)``, which answer ``TAKEN``, or ``NOT_TAKEN`` when they cannot take
-the grads and changed nothing), ``STEP_SCALARS`` (its bound step computes the step's scalars: its
-``run_launches`` takes ``clip`` and clips the grads of all its launches together, as
-``clip.clip_coefficient`` would, and a launch with ``options`` has its table's rule compute the
-kernel's scalars from them and its counts, which it advances: see native.cpp's Rule; and
+the grads and changed nothing), ``STEP_SCALARS`` (its bound step computes the step's scalars:
 ``StepCall(tables, per_tensor, ruled)`` makes the one call of a bound step's tables once, whose
-``run(grads, values, flag_bits, options, clip)`` each step hands the grads, each table's first
-scalars, flags and options, and which answers ``STEPPED``, or, having changed nothing, another status),
+``run(grads, values, flag_bits, options, clip, amp_scale)`` each step hands the grads, each table's
+first scalars, flags and options (a table's rule computes the rest from them and its counts, which
+it advances: see native.cpp's Rule), what to clip the grads of all its tables together by, as
+``clip.clip_coefficient`` would, and GradScaler's scale, which it inverts and unscales by; it
+answers ``STEPPED``, or, having changed nothing, another status; a launch with ``options`` has
+its table's rule compute its scalars too),
 ``available()``, ``refusal(param)`` (why it cannot run a tensor at all, its device or dtype
 included, or None), ``bind(spec, tensors, table, watched, originals, rule, counts)`` (what its
 launches read of a cached pointer table and its tensors, by role; see ``tables.Tables``),
@@ -24,7 +25,7 @@ run of its kernel over what ``bind`` made, with the grads, the scalar
 ``values`` (in ``spec.all_scalars`` order: a number, a 0-d tensor or a 1-d tensor with one value per
 tensor) and the spec's flags and stochastic rounding as ``KernelSpec.flag_bits`` packs them, once or
 once per tensor) and
-``run_launches(launches, clip=None)`` (run them all, checked before any runs; False, having changed nothing,
+``run_launches(launches)`` (run them all, checked before any runs; False, having changed nothing,
 when a tensor moved or a grad does not fit: the caller builds the tables again). A step whose
 every table a backend that ``CHECKS_NATIVELY`` holds runs its launches together, unchecked in
 Python. A new backend is one more module in ``BACKENDS``.

@@ -203,14 +203,15 @@ class StepCall:
                                                     views)
         weakref.finalize(self, torch.ops.fastoptim.unbind, self.handle).atexit = False
 
-    def arguments(self, grads, values, flag_bits, options, clip=None):
+    def arguments(self, grads, values, flag_bits, options, clip=None, amp_scale=None):
         """The native op's arguments for a call: table k takes the next of ``grads`` (its tensors' count),
         ``values[k]`` (its first scalars, in its spec's ``all_scalars`` order: numbers, or tensors, 0-d or
         with one value per tensor, read where they are, fp32 and float64 as they are, others as fp32: no
         host sync; a ruled table's rule computes the rest, which are zeros here, and any other table's
         ``values[k]`` holds them all), ``flag_bits[k]`` (the spec's flags and stochastic rounding, as
         ``KernelSpec.flag_bits`` packs them), and its rule the next of ``options``. ``clip``: (max_norm,
-        eps, GradScaler's 1/scale or None), to clip the grads of all tables together first."""
+        eps), to clip the grads of all tables together first; ``amp_scale``: GradScaler's scale, whose
+        inverse native code computes and scales every table's grads by (and unscales the clip's norm by)."""
         numbers, tensors, slots = self.zeros.copy(), [], []
         for first, leading in zip(self.firsts, values):
             for slot, value in enumerate(leading, first):
@@ -219,15 +220,16 @@ class StepCall:
                     tensors.append(value if value.dtype in _FLOATS else value.float())
                 else:
                     numbers[slot] = float(value)
-        clip_numbers, inv_scale = ([], None) if clip is None else (list(clip[:2]), clip[2])
-        return self.handle, grads, numbers, tensors, slots, flag_bits, options, clip_numbers, inv_scale
+        if amp_scale is not None and amp_scale.dtype not in _FLOATS:
+            amp_scale = amp_scale.float()
+        return self.handle, grads, numbers, tensors, slots, flag_bits, options, list(clip or ()), amp_scale
 
-    def run(self, grads, values, flag_bits, options, clip=None):
+    def run(self, grads, values, flag_bits, options, clip=None, amp_scale=None):
         """Run every table's kernel (the arguments: see :meth:`arguments`), then bump the params' version
         counters (as torch's in-place ops do, so autograd notices a param it saved being changed).
         Returns STEPPED, or, having changed nothing, STALE (a held tensor moved or changed its layout)
         or GRADS_UNFIT (a grad is not walked as its param)."""
-        status = torch.ops.fastoptim.bound_step(*self.arguments(grads, values, flag_bits, options, clip))
+        status = torch.ops.fastoptim.bound_step(*self.arguments(grads, values, flag_bits, options, clip, amp_scale))
         if status == STEPPED:
             bump_versions(self.params)
         return status
@@ -318,15 +320,14 @@ def launch(spec, bound, grads, per_tensor, state_format, values, flag_bits, opti
     return Launch(bound, grads, values, flag_bits, per_tensor, options)
 
 
-def run_launches(launches, clip=None):
-    """Run ``launches`` in one native call, their grads clipped together by ``clip`` (see
-    :meth:`StepCall.run`; None: not clipped); False, having changed nothing, when one did not fit."""
+def run_launches(launches):
+    """Run ``launches`` in one native call; False, having changed nothing, when one did not fit."""
     if len(launches) == 1:  # a table's own launch, whose call it keeps
         (table, grads, values, flags, per_tensor, options), = launches
         call = table.call(per_tensor, options is not None)
-        return call.run(grads, [values], [flags], options or [], clip) == STEPPED
+        return call.run(grads, [values], [flags], options or []) == STEPPED
     call = StepCall([launch.table for launch in launches], [launch.per_tensor for launch in launches],
                     [launch.options is not None for launch in launches], views=True)
     return call.run([grad for launch in launches for grad in launch.grads], [launch.values for launch in launches],
                     [launch.flags for launch in launches],
-                    [x for launch in launches for x in launch.options or ()], clip) == STEPPED
+                    [x for launch in launches for x in launch.options or ()]) == STEPPED

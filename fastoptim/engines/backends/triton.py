@@ -103,7 +103,7 @@ def launch(spec, bound, grads, per_tensor, state_format, values, flag_bits, opti
     return Launch(spec, bound, grads, per_tensor, state_format, values, *spec.unpack_flags(flag_bits))
 
 
-def run_launches(launches, clip=None):
+def run_launches(launches):
     """Check every launch's tables and grads (natively where the library is loaded, all before any
     runs), then launch each and bump its params' version counters (as torch's in-place ops do);
     False, having changed nothing, when a tensor moved or a grad does not fit."""
