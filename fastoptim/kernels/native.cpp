@@ -7,8 +7,8 @@
    passes only that call's handle, the grads, the scalars, the flags and the group's options. Every
    call re-reads each held tensor's data pointer, sizes, strides, dtype and device and each grad's,
    before the kernel runs: a held tensor that moved or changed its layout makes the call change
-   nothing and answer STALE, and the caller binds afresh. So no pointer this library dereferences can outlive its tensor, and
-   Python checks no tensor per step.
+   nothing and answer STALE, and the caller binds afresh. So no pointer this library dereferences
+   can outlive its tensor, and Python checks no tensor per step.
 
    A bound step may also clip: it sums the squares of all its tables' grads (the one order in which
    fastoptim sums a norm: dense_grad_norm_total's) and scales them by the clip coefficient in the kernels.
@@ -417,12 +417,17 @@ std::mutex registry_lock;
 std::unordered_map<int64_t, std::shared_ptr<Bound>> registry;
 int64_t next_handle = 1;
 
-std::shared_ptr<Bound> bound(int64_t handle, const char *op) {
+// The ``what`` (a table or a call) of ``handle`` in ``bound_things``, one of the maps under registry_lock.
+template <typename T>
+std::shared_ptr<T> find_bound(const std::unordered_map<int64_t, std::shared_ptr<T>> &bound_things, int64_t handle,
+                              const char *what, const char *op) {
     std::lock_guard<std::mutex> guard(registry_lock);
-    auto found = registry.find(handle);
-    STD_TORCH_CHECK(found != registry.end(), op, ": no bound table ", handle);
+    auto found = bound_things.find(handle);
+    STD_TORCH_CHECK(found != bound_things.end(), op, ": no bound ", what, " ", handle);
     return found->second;
 }
+
+std::shared_ptr<Bound> bound(int64_t handle, const char *op) { return find_bound(registry, handle, "table", op); }
 
 // A bound step's call: its tables (in the order its grads and scalars come), per table whether it runs
 // once per tensor and whether its rule computes its scalars, and the order to lock them in (their
@@ -764,13 +769,7 @@ int64_t bound_step(int64_t handle, const std::vector<AtenTensorHandle> &grads, s
                    std::vector<Tensor> tensor_scalars, std::vector<int64_t> slots, std::vector<int64_t> flags,
                    std::vector<double> options, std::vector<double> clip, std::optional<Tensor> amp_scale) {
     const char *op = "fastoptim::bound_step";
-    std::shared_ptr<Call> call;
-    {
-        std::lock_guard<std::mutex> guard(registry_lock);
-        auto found = calls.find(handle);
-        STD_TORCH_CHECK(found != calls.end(), op, ": no bound call ", handle);
-        call = found->second;
-    }
+    const std::shared_ptr<Call> call = find_bound(calls, handle, "call", op);
     const std::vector<std::shared_ptr<Bound>> &tables = call->tables;
     const std::vector<int64_t> &per_tensor = call->per_tensor, &ruled = call->ruled;
     STD_TORCH_CHECK(flags.size() == tables.size(), op, ": one flags entry per table");
