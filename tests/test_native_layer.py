@@ -388,6 +388,21 @@ def test_a_call_refuses_a_table_listed_twice():
         cpu_backend.StepCall([table] * 2, call.per_tensor * 2, call.ruled * 2)
 
 
+def test_a_bound_step_refuses_flags_and_a_gradscaler_scale_it_cannot_read_and_changes_nothing():
+    """Flags past int32 (cut to the kernel's int, they stepped as other flags) and a GradScaler scale
+    that is not one fp32 or float64 CPU value are refused before anything runs."""
+    param, _, call, args = a_bound_call()
+    before = param.detach().clone()
+    handle, grads, numbers, tensors, slots, flags, options, clip, _ = call.arguments(*args)
+    with pytest.raises(RuntimeError, match="are not a kernel's flag bits"):
+        torch.ops.fastoptim.bound_step(handle, grads, numbers, tensors, slots, [flags[0] | 1 << 40], options, clip,
+                                       None)
+    for bad in (torch.ones(2), torch.ones((), dtype=torch.int64), torch.ones((), dtype=torch.bfloat16)):
+        with pytest.raises(RuntimeError, match="amp_scale must be one fp32 or float64 CPU value"):
+            torch.ops.fastoptim.bound_step(handle, grads, numbers, tensors, slots, flags, options, clip, bad)
+    assert torch.equal(param, before)
+
+
 def clip_kernel_answers():
     """What the clip kernels answer for grads they take (of three dtypes, one empty) and for grads
     they cannot take (float64, strided, overlapping, two views of one memory), and whether a refused
