@@ -5,6 +5,7 @@ and gives the eager step's params and states bit for bit. Most cases compile wit
 mutations are exercised) at a fraction of the compile time; a few compile with inductor."""
 import gc
 import math
+import re
 import warnings
 import weakref
 
@@ -460,11 +461,67 @@ def test_a_state_moved_to_new_storage_is_seen_by_the_compiled_step_or_refused(ba
                 state.set_(state.clone())
         eager[1].step()
         if step == 2 and backend == "aot_eager":
-            with pytest.raises(RuntimeError, match="given new storage in place"):
+            with pytest.raises(RuntimeError, match="given new storage or a new layout in place"):
                 compiled()
             return
         compiled()
     assert_same(eager, traced)
+
+
+def square_params(seed=0):
+    torch.manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(4, 4))]
+
+
+LAYOUT_WRITES = {  # a state's layout changed in place, its storage kept
+    "t_": lambda state: state.t_(),
+    "as_strided_": lambda state: state.as_strided_(state.shape[::-1], state.stride()[::-1]),
+    "unsqueeze_": lambda state: state.unsqueeze_(0),
+    "resize_": lambda state: state.resize_(2, state.shape[-1]),
+}
+
+
+def snapshot(params, opt):
+    """Copies of ``params`` and of their state tensors."""
+    return ([p.clone() for p in params],
+            [{key: value.clone() for key, value in opt.state[p].items() if torch.is_tensor(value)} for p in params])
+
+
+@pytest.mark.parametrize("backend, options, write", [
+    ("aot_eager", {}, "t_"), ("aot_eager", {}, "as_strided_"), ("aot_eager", {}, "unsqueeze_"),
+    ("aot_eager", dict(sn=True), "t_"), ("aot_eager", dict(sn=True), "resize_"),
+    ("inductor", {}, "t_"), ("inductor", dict(sn=True), "t_"), ("inductor", dict(sn=True), "resize_")])
+def test_a_state_given_a_new_layout_in_place_is_followed_or_refused_by_the_compiled_step(backend, options, write):
+    """A state whose sizes or strides change in place between compiled steps (its storage kept: t_,
+    as_strided_, unsqueeze_, resize_) is not walked as the layout the step was compiled with: the
+    compiled step steps as the eager one does (traced again), or refuses and changes nothing, whether
+    the graph hands the op the state or a copy, and where the op takes a view of it (a subset-norm
+    second moment). It once went on writing the old layout (t_, as_strided_) or took a state of
+    another shape."""
+    eager, traced = pair(fastoptim.AdamW, options, square_params)
+    key = "exp_avg_sq" if options else "exp_avg"
+    torch._dynamo.reset()
+    compiled = torch.compile(traced[1].step, backend=backend, fullgraph=True)
+    for step in range(3):
+        for params, opt in (eager, traced):
+            set_grads(params, step)
+            if step == 2:
+                LAYOUT_WRITES[write](opt.state[params[0]][key])
+        if step < 2:
+            eager[1].step()
+            compiled()
+    before = snapshot(*traced)
+    try:
+        compiled()
+    except (RuntimeError, ValueError) as error:
+        assert re.search("new layout|state '.*' is|cannot take", str(error)), error
+        for param, param_before, states_before in zip(traced[0], *before):
+            assert torch.equal(param, param_before)
+            for name, value in states_before.items():
+                assert torch.equal(traced[1].state[param][name], value), name
+    else:
+        eager[1].step()
+        assert_same(eager, traced)
 
 
 @pytest.mark.parametrize("cls", [info.cls for info in OPTIMIZERS if info.cls.algorithm.kernel_scalars is not None])

@@ -13,7 +13,7 @@ import torch
 from ..multi_tensor import disjoint, pick
 from ..specs import ABSMAX
 from ..states import blockwise8, formats, master
-from ..step_cache import DEVICE, DTYPE, LAYOUT, SHAPE, Signature
+from ..step_cache import DEVICE, DTYPE, LAYOUT, SHAPE, STRIDES, Signature
 from . import backends
 from .tables import Tables, split_taken
 
@@ -121,12 +121,13 @@ class TracedSplit(NamedTuple):
     call: "PreparedCall | None" = None
 
 
-def split(tensors, absmax, spec, originals=None, remake=None):
+def split(tensors, absmax, spec, originals=None, remake=None, viewed=None):
     """A traced step's :class:`TracedSplit` of one bucket (``tensors``: role to one tensor per param,
     grads included; ``absmax``: role to each param's block maxima or None). The op's call over the
     taken tensors is prepared here, eagerly, on the user's own state tensors (``originals``, of
-    which ``tensors`` may be views: a subset-norm param's), and ``remake(taken)`` makes the taken
-    tensors' (tensors, absmax) afresh from them (see :class:`PreparedCall`)."""
+    which ``tensors`` may be views: a subset-norm param's; ``viewed``: those, by role, where they
+    are), and ``remake(taken)`` makes the taken tensors' (tensors, absmax, viewed) afresh from them
+    (see :class:`PreparedCall`)."""
     if master.KEY in tensors:  # the step ops take no remainders
         return TracedSplit([], list(range(len(tensors["param"]))),
                            "a compiled step's kernels keep no master_bits remainders")
@@ -136,14 +137,17 @@ def split(tensors, absmax, spec, originals=None, remake=None):
     states, absmax = pick(tensors, taken, leave=("grad",)), pick(absmax, taken)
     holders, layout = op_states(states, absmax, spec)
     call = _CALLS.prepared(spec.name, PreparedCall(states["param"], holders, layout, states, absmax, originals,
-                                                   lambda: remake(taken)))
+                                                   lambda: remake(taken), viewed and pick(viewed, taken)))
     return TracedSplit(taken, left, reason, call)
 
 
 class OpCall:
     """A step op's call as its tables were built for: its params, state holders and layout, the
     states by role, and the tables (with, for a backend that does not check natively, the held
-    tensors' and the grads' signatures)."""
+    tensors' and the grads' signatures). ``viewed``: by role, the tensors that its states are views
+    of, which the tables hold and check in their place (or None)."""
+
+    viewed = None
 
     def __init__(self, params, holders, layout, tensors, absmax):
         self.params, self.holders, self.layout, self.tensors, self.absmax = params, holders, layout, tensors, absmax
@@ -156,32 +160,37 @@ class OpCall:
             t for ts in absmax.values() for t in ts if t is not None]
         self.flag_bits, self.signature, self.grads_signature = flag_bits, Signature((), self.held), Signature(
             (), tensors["param"])
-        self.tables = Tables(tensors, absmax, spec, backend, taken_formats)
+        self.tables = Tables(tensors, absmax, spec, backend, taken_formats, originals=self.viewed)
 
 
 class PreparedCall(OpCall):
     """A call that ``split`` prepared before tracing, on the user's own state tensors: kept by the
     optimizer's step cache (so it goes with the optimizer), found by the op through its layout.
     A state given new storage in place (``set_``, ``.data =``) is seen by the data pointers of
-    ``originals`` (the user's tensors, of which the states may be views) and the call is made
-    afresh from them (``remake``), so the kernel updates the state where it now lives."""
+    ``originals`` (the user's tensors, of which the states may be views: ``viewed`` by role, which
+    the tables hold, so a backend that checks natively sees them move) and the call is made afresh
+    from them (``remake``), so the kernel updates the state where it now lives."""
 
-    def __init__(self, params, holders, layout, tensors, absmax, originals, remake):
+    def __init__(self, params, holders, layout, tensors, absmax, originals, remake, viewed=None):
         super().__init__(params, holders, layout, tensors, absmax)
-        self.originals, self.remake = originals, remake
-        self.pointers = list(map(torch.Tensor.data_ptr, originals))
-        mine = set(map(id, originals))  # else the states are views of them, checked here at every call
-        states = [t for role, ts in (*tensors.items(), *absmax.items()) if role != "param" for t in ts]
-        self.viewed = not all(id(t) in mine for t in states if t is not None)
+        self.originals, self.remake, self.viewed = originals, remake, viewed
+        self.seen = Signature(originals)
 
     def moved(self):
-        """Whether one of the user's state tensors has moved since the call was made."""
-        return list(map(torch.Tensor.data_ptr, self.originals)) != self.pointers
+        """Whether one of the user's state tensors has moved, or changed its sizes, strides or dtype
+        in place (t_, resize_, as_strided_), since the call was made."""
+        return not self.seen.matches(self.originals, *LAYOUT)
 
-    def follow(self):
-        """The call made afresh from the user's tensors where they now are."""
-        self.tensors, self.absmax = self.remake()
-        self.pointers = list(map(torch.Tensor.data_ptr, self.originals))
+    def follow(self, op):
+        """The call made afresh from the user's tensors where they now are. One whose sizes, strides
+        or dtype changed in place is refused: the graph was traced for the old (a step traces again
+        on a state assigned in the state dict)."""
+        if not self.seen.matches(self.originals, SHAPE, STRIDES, DTYPE):
+            raise RuntimeError(f"{op}: a state was given a new layout in place (t_(), resize_(), as_strided_()) "
+                               "after the step was compiled: assign the new tensor in the state dict instead "
+                               "(optimizer.state[param][key] = tensor), which traces the step again")
+        self.tensors, self.absmax, self.viewed = self.remake()
+        self.seen = Signature(self.originals)
         self.tables = None
 
 
@@ -312,12 +321,12 @@ def _op_step(spec, param, grad, holders, layout, scalars, flag_bits, per_tensor_
     prepared = isinstance(call, PreparedCall)
     same = call is not None and _same_tensors(param, call.params) and _same_tensors(holders, call.holders)
     if prepared and not same and call.moved():
-        raise RuntimeError(f"{op}: a state was given new storage in place (set_, .data =, share_memory_()) after "
-                           "the step was compiled, and this backend hands the op copies of its tensors: assign "
-                           "the new tensor in the state dict instead (optimizer.state[param][key] = tensor), "
-                           "which traces the step again")
-    if prepared and same and call.viewed and call.moved():  # the tables hold views, which do not move
-        call.follow()
+        raise RuntimeError(f"{op}: a state was given new storage or a new layout in place (set_, .data =, "
+                           "share_memory_(), t_(), resize_()) after the step was compiled, and this backend hands "
+                           "the op copies of its tensors: assign the new tensor in the state dict instead "
+                           "(optimizer.state[param][key] = tensor), which traces the step again")
+    if prepared and same and call.viewed and not backend.CHECKS_NATIVELY and call.moved():
+        call.follow(op)  # the tables hold views, which do not move (native code checks what they view)
     if same and call.tables is not None and call.flag_bits == flag_bits and (backend.CHECKS_NATIVELY or (
             call.signature.matches(call.held, *LAYOUT)
             and all(map(operator.is_, map(operator.attrgetter("layout"), grad), repeat(torch.strided)))
@@ -325,7 +334,7 @@ def _op_step(spec, param, grad, holders, layout, scalars, flag_bits, per_tensor_
             and call.tables.launch(spec, grad, scalars, flags, stochastic, per_tensor_calls):
         return
     if prepared and same and call.moved():  # the tables' own check found it
-        call.follow()
+        call.follow(op)
     if not same:  # a call of the op's own, kept unless it is a prepared call's copies (new at every call)
         kept = not prepared
         call = OpCall(param, holders, layout, *_read_states(op, spec, len(param), holders, layout))

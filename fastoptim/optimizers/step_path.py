@@ -32,11 +32,12 @@ def grads_pattern(params):
 
 def _remade(entry, bucket, taken):
     """The states and block maxima of ``entry``'s ``bucket`` (indices of its params), the ``taken``
-    of them, as the engines take them, made again from the state tensors the user sees: where a
-    compiled step's op finds that one was given new storage in place."""
+    of them, as the engines take them, and the tensors they view (or None), made again from the state
+    tensors the user sees: where a compiled step's op finds that one was given new storage in place."""
     entry.read_tensors()
     indices = [bucket[i] for i in taken]
-    return pick(entry.tensors, indices, leave=(master.KEY,)), pick(entry.absmax, indices)
+    return (pick(entry.tensors, indices, leave=(master.KEY,)), pick(entry.absmax, indices),
+            entry.originals and pick(entry.originals, indices))
 
 
 def keeps_no_remainders(tensors):
@@ -204,7 +205,8 @@ class StepPath:
                     originals = [t for key, values in entry.kept.items() for i in bucket
                                  if isinstance(t := values[i], Tensor) and (key in part or key.endswith(ABSMAX))]
                     entry.bucket_plans[bucket_index].traced_split = engines.step_op.split(
-                        part, absmax, algorithm.spec, originals, functools.partial(_remade, entry, bucket))
+                        part, absmax, algorithm.spec, originals, functools.partial(_remade, entry, bucket),
+                        entry.originals and pick(entry.originals, bucket))
             # a CPU kernel that takes every tensor gets its scalars from an op (see scalars.py)
             whole = fused and algorithm.run is engines.run_bucket and all(
                 reduce is None and not entry.bucket_plans[i].traced_split.left
