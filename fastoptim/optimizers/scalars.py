@@ -9,6 +9,7 @@ arithmetic where the eager step's count is a host number, and each bucket's roun
 the eager step draws it), ``fastoptim::step_factors`` the clip coefficient and GradScaler's factors,
 ``fastoptim::mark_read`` marks the states' first reads (``step_counts`` advances the counts); the
 graph of a fused step keeps these ops and the kernels', and compiles nothing."""
+import functools
 import json
 from typing import NamedTuple
 
@@ -150,10 +151,16 @@ def prepare(algorithm: Algorithm, group: dict) -> Prepared:
     return Prepared(name, json.dumps({"options": options, "numeric": numeric}, sort_keys=True), tuple(numeric))
 
 
+@functools.lru_cache(maxsize=64)
+def _decoded(options):
+    """``prepare``'s JSON text of a group's options, decoded once (each compiled step's op reads it)."""
+    return json.loads(options)
+
+
 def _group(options, numbers):
     """The group options that ``prepare`` and ``Prepared.numbers`` took apart, together again."""
-    made = json.loads(options)
-    group, numbers = made["options"], iter(numbers)
+    made = _decoded(options)
+    group, numbers = dict(made["options"]), iter(numbers)
     for key, length, whole in made["numeric"]:
         values = [int(x) if whole else x for x in (next(numbers) for _ in range(1 if length is None else length))]
         group[key] = values[0] if length is None else tuple(values)
