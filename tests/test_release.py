@@ -190,6 +190,20 @@ def test_what_release_cannot_make_exact_is_refused_before_anything_changes(monke
     assert_unchanged(params, opt, after_backward)
 
 
+def test_gradscaler_after_unscale_is_refused_at_step_too():
+    """torch's pattern for clipping under GradScaler (scale, backward, ``unscale_``, ``step``): after
+    ``unscale_``, GradScaler hands the step found_inf alone (no scale). Release refused only the scale,
+    so the step ran, and the only error was torch's from ``update()`` (helper-28)."""
+    module = model()
+    opt = fastoptim.AdamW(module.parameters(), lr=1e-2)
+    opt.enable_gradient_release()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(module(batches(1)[0]).sum()).backward()
+    scaler.unscale_(opt)
+    with pytest.raises(RuntimeError, match="GradScaler"):
+        scaler.step(opt)
+
+
 def options_of(info):
     return dict(lr=1e-2, weight_decay=0.05) | info.own_options
 

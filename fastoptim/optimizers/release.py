@@ -286,7 +286,8 @@ class GradientRelease:
         optimizer = self.optimizer
         if flat_params.GRAD_BUFFERS:
             flat_params.drop_frozen_grads(optimizer.param_groups)
-        if getattr(optimizer, "grad_scale", None) is not None:
+        # GradScaler hands its scale, or found_inf alone where scaler.unscale_(optimizer) came first
+        if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
             raise RuntimeError("fastoptim: GradScaler scales the loss, and gradient release has already stepped "
                                "the params with the scaled grads in backward: remove the release handle to use "
                                "GradScaler")
