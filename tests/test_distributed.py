@@ -267,6 +267,38 @@ def checkpoint_run(settings, rank, directory):
     return max(float((a - b).abs().max()) for a, b in zip(full_params(model), full_params(resumed)))
 
 
+def zero_checkpoint_run(settings, rank, directory):
+    """ZeRO's consolidated state dict saved and loaded as docs/distributed.md says, after half the steps,
+    into a new model and optimizer: the rest of the steps must equal the run that went on. The
+    optimizer's groups hold its shard_group, a process group (helper-28: consolidating raised on rank
+    1, pickling it, and rank 0 waited)."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    cls_name, options = OPTIONS[settings["optimizer"]]
+
+    def build():
+        model = DistributedDataParallel(Net(settings))
+        return model, ZeroRedundancyOptimizer(
+            param_groups(model.module, settings["sn"], settings["optimizer"]), optimizer_class=getattr(fastoptim, cls_name),
+            shard_group=dist.group.WORLD, **options, **ENGINES[settings["engine"]], **settings["options"])
+
+    rank = fed(settings, rank)
+    model, opt = build()
+    train(model, opt, STEPS // 2, rank)
+    path = f"{directory}/zero-optimizer.pt"
+    exec(docs_snippet("consolidate_state_dict(to=0)"), {"opt": opt, "dist": dist, "torch": torch, "path": path})
+    resumed, resumed_opt = build()
+    resumed.module.load_state_dict(model.module.state_dict())
+    resumed_opt.load_state_dict(torch.load(path, weights_only=True))
+    train(resumed, resumed_opt, STEPS // 2, rank, first=STEPS // 2)
+    uninterrupted, uninterrupted_opt = build()
+    train(uninterrupted, uninterrupted_opt, STEPS, rank)
+    return max(float((a - b).abs().max())
+               for a, b in zip(full_params(uninterrupted.module), full_params(resumed.module)))
+
+
 COLLECTIVES = ("all_to_all_single", "all_to_all", "all_gather", "all_gather_into_tensor", "all_gather_object",
                "all_reduce", "broadcast", "gather", "scatter", "reduce", "reduce_scatter", "reduce_scatter_tensor",
                "send", "recv", "isend", "irecv", "barrier")
@@ -531,6 +563,7 @@ def worker(rank, directory, world=WORLD, checkpoints=None):
                                                                    one_process(local_norm)))
     for name, settings in CHECKPOINTS.items():
         record("checkpoint-" + name, lambda: checkpoint_run(settings, rank, f"{directory}/{name}"))
+    record("zero checkpoint", lambda: zero_checkpoint_run(CASES["zero-adan-foreach"], rank, directory))
 
     def straddling():
         model = Net()
@@ -744,6 +777,10 @@ def test_a_sharded_muon_step_takes_two_collectives_per_shape_group(ranks, reques
 def test_a_sharded_step_makes_no_host_sync(runs):
     """Every optimizer, each engine, dense and lean, clipping on (see host_syncs_in_step)."""
     assert result(runs, "host syncs") == [[]] * WORLD
+
+
+def test_a_zero_checkpoint_saved_as_the_docs_say_resumes_bit_for_bit(runs):
+    assert result(runs, "zero checkpoint") == [0.0] * WORLD
 
 
 def test_the_clipping_norm_is_global_under_zero(runs):

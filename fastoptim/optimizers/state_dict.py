@@ -15,6 +15,10 @@ from .checks import normalize_betas, step_count
 
 # Options that say how a step runs, not what it computes: a loaded state dict leaves them as they are.
 EXECUTION_OPTIONS = ("foreach", "fused", "state_bits", "master_bits", "capturable", "differentiable")
+# Not an option of the groups (see FastOptimizer.__init__), but ZeroRedundancyOptimizer copies every argument
+# of its optimizer into them: a state dict leaves it out (a process group cannot be pickled, and ZeRO's
+# consolidate_state_dict pickles each rank's), and a loaded one is not taken from the saved groups.
+NOT_SAVED = ("shard_group",)
 # Options of peers' saved groups that select a variant of the algorithm, which fastoptim does not
 # implement: name, the value that means the plain algorithm, and what the variant is. A group that
 # sets one otherwise is refused at load, where it would continue as the plain algorithm.
@@ -37,6 +41,9 @@ class StateDicts:
         param written since the last step is saved as zeros, which its written value goes with."""
         self._restart_written_masters()
         state_dict = super().state_dict()
+        for group in state_dict["param_groups"]:  # torch's copies
+            for key in NOT_SAVED:
+                group.pop(key, None)
         state_dict["state"] = {key: dict(state) if isinstance(state, dict) else state
                                for key, state in state_dict["state"].items()}
         specs = {key: self._algorithm(group).spec for group in state_dict["param_groups"] for key in group["params"]}
@@ -92,7 +99,8 @@ class StateDicts:
                         f"Resume it with the optimizer that saved it, or set {option} to {plain!r} in the saved "
                         "groups to continue with the plain algorithm")
             # the saved keys in their order (as torch keeps them), then defaults the saved group lacks
-            merged = saved | {key: value for key, value in self.defaults.items() if key not in saved}
+            merged = {key: value for key, value in saved.items() if key not in NOT_SAVED}
+            merged |= {key: value for key, value in self.defaults.items() if key not in merged}
             merged |= {"max_grad_norm": max_grad_norm, **{key: group[key] for key in own_options},
                        "params": group["params"]}
             if "param_names" in group and "param_names" not in saved:
