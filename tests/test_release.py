@@ -69,6 +69,30 @@ def test_a_released_run_is_a_normal_run_bit_for_bit(info, engine):
     assert [g.get("step") for g in plain.param_groups] == [g.get("step") for g in opt.param_groups]
 
 
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.Adan])
+def test_a_released_run_with_a_branch_used_once_is_a_normal_run_bit_for_bit(cls, set_to_none):
+    """A layer that only the first step's forward uses: a loop that zeroes grads in place
+    (``zero_grad(set_to_none=False)``) keeps its zero grad, and every later step() steps it (weight
+    decay, momentum). Release frees each grad it steps, so it had no grad after the first step and
+    was not stepped again (helper-28)."""
+    def run(release):
+        module, extra = model(), torch.nn.Linear(12, 3)
+        opt = cls([*module.parameters(), *extra.parameters()], lr=1e-2, weight_decay=0.05)
+        if release:
+            opt.enable_gradient_release(bucket_numel=SMALL_BUCKETS)
+        for step, x in enumerate(batches(4)):
+            loss = module(x).square().mean() + (extra(x).square().mean() if step == 0 else 0)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=set_to_none)
+        return [*module.parameters(), *extra.parameters()], opt
+    normal, released = run(False), run(True)
+    assert_same(normal, released)
+    counts = [float(released[1].state[p]["step"]) for p in released[0][-2:]] if cls is fastoptim.AdamW else []
+    assert counts == ([] if cls is fastoptim.Adan else [1.0, 1.0] if set_to_none else [4.0, 4.0])
+
+
 @pytest.mark.parametrize("compiled", ["training step", "optimizer step"])
 @pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.Adan])
 def test_a_compiled_step_under_release_is_the_normal_run_bit_for_bit(cls, compiled):

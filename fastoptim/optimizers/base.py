@@ -259,7 +259,7 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
         """
         release = self.__dict__.get("_release")
         if release is not None:
-            release.zero_grad()
+            release.zero_grad(set_to_none)
         if not set_to_none or not flat_params.GRAD_BUFFERS:
             return super().zero_grad(set_to_none)
         if not hasattr(self, "_zero_grad_profile_name"):

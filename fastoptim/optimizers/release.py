@@ -146,6 +146,10 @@ class GradientRelease:
         self.viewed = {}  # DDP: the params whose grads are views of DDP's reduced buckets, by id
         self.late = set()  # ids of params a reentrant backward accumulated into: their buckets step at step()
         self.warned = False  # of options set between backward and step(), once
+        # ids of the params a loop that zeroes grads in place (zero_grad(set_to_none=False)) keeps a zero grad
+        # for, and those the last step() stepped: release frees each grad it steps, and step() gives those
+        # params a zero grad again where backward gave none, to step them as that loop's step() would
+        self.zeroed, self.last_stepped = set(), set()
         self._make_buckets(optimizer)
         self._new_step()
         if self.mode == "ddp":
@@ -295,6 +299,9 @@ class GradientRelease:
         if not self._made_for(optimizer):
             self._make_buckets(optimizer)
         for index, group in enumerate(optimizer.param_groups):
+            for param in group["params"]:  # freed after a step, where the loop zeroes grads in place
+                if param.grad is None and id(param) in self.zeroed and id(param) not in self.stepped:
+                    param.grad = torch.zeros_like(param)
             rest = [param for param in group["params"] if param.grad is not None and id(param) not in self.stepped]
             if rest:
                 self._step(index, rest, ("released rest", index))
@@ -304,6 +311,7 @@ class GradientRelease:
                                    if id(param) in self.stepped)
         for group in optimizer.param_groups:  # the per-group counts, once
             optimizer._count_step(group, None, 1)
+        self.last_stepped = self.stepped
         self._new_step()
 
     def _warn_of_options_set_since_backward(self, optimizer):
@@ -318,11 +326,15 @@ class GradientRelease:
                     "ones. Under gradient release, set options (scheduler.step()) after optimizer.step() or "
                     "before backward. (Said once.)", stacklevel=4)
 
-    def zero_grad(self) -> None:
-        """``optimizer.zero_grad()`` under release, before the grads are cleared: a step that a backward
-        began and ``step()`` did not end (the backward raised, and a handler went on) ends here. The
-        buckets it stepped keep their update, which cannot be undone (a warning says so), and the
-        per-group step counts advance, as after a step in which the other params had no grads."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``optimizer.zero_grad(set_to_none)`` under release, before the grads are cleared: a step that a
+        backward began and ``step()`` did not end (the backward raised, and a handler went on) ends here.
+        The buckets it stepped keep their update, which cannot be undone (a warning says so), and the
+        per-group step counts advance, as after a step in which the other params had no grads. Without
+        ``set_to_none``, the params stepped since the last such call keep a zero grad as far as
+        ``step()`` is concerned: it steps them (weight decay, momentum) where backward gives them none,
+        as it would the zero grads this call leaves without release."""
+        self.zeroed = set() if set_to_none else self.zeroed | self.last_stepped | self.stepped
         optimizer = self.optimizer
         if self.stepped and optimizer is not None:
             warnings.warn(
