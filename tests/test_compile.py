@@ -442,6 +442,15 @@ def matrix_params(seed=0):
     return [torch.nn.Parameter(torch.randn(shape)) for shape in ((40, 70), (64, 32))]
 
 
+def compiled_twins(options, make_params, backend):
+    """AdamW twins over ``make_params()`` (see :func:`pair`), the state that a test writes (the second
+    moment under ``sn``, which the op takes a view of, else the first), and the second's step compiled."""
+    eager, traced = pair(fastoptim.AdamW, options, make_params)
+    torch._dynamo.reset()
+    return (eager, traced, "exp_avg_sq" if options.get("sn") else "exp_avg",
+            torch.compile(traced[1].step, backend=backend, fullgraph=True))
+
+
 @pytest.mark.parametrize("backend, options, index", [("inductor", {}, 1), ("inductor", dict(sn=True), 1),
                                                      ("aot_eager", {}, 0), ("aot_eager", dict(sn=True), 1)])
 def test_a_state_moved_to_new_storage_is_seen_by_the_compiled_step_or_refused(backend, options, index):
@@ -449,10 +458,7 @@ def test_a_state_moved_to_new_storage_is_seen_by_the_compiled_step_or_refused(ba
     inductor's graph, which hands the op the tensors themselves, also where the op takes a view of
     it (a subset-norm second moment); a backend that hands the op copies (aot_eager) refuses the
     step. The first state of a buffer (``index`` 0) moves to a new storage at the same offset."""
-    eager, traced = pair(fastoptim.AdamW, options, matrix_params)
-    key = "exp_avg_sq" if options else "exp_avg"
-    torch._dynamo.reset()
-    compiled = torch.compile(traced[1].step, backend=backend, fullgraph=True)
+    eager, traced, key, compiled = compiled_twins(options, matrix_params, backend)
     for step in range(4):
         for params, opt in (eager, traced):
             set_grads(params, step)
@@ -498,10 +504,7 @@ def test_a_state_given_a_new_layout_in_place_is_followed_or_refused_by_the_compi
     the graph hands the op the state or a copy, and where the op takes a view of it (a subset-norm
     second moment). It once went on writing the old layout (t_, as_strided_) or took a state of
     another shape."""
-    eager, traced = pair(fastoptim.AdamW, options, square_params)
-    key = "exp_avg_sq" if options else "exp_avg"
-    torch._dynamo.reset()
-    compiled = torch.compile(traced[1].step, backend=backend, fullgraph=True)
+    eager, traced, key, compiled = compiled_twins(options, square_params, backend)
     for step in range(3):
         for params, opt in (eager, traced):
             set_grads(params, step)
