@@ -146,10 +146,11 @@ class GradientRelease:
         self.viewed = {}  # DDP: the params whose grads are views of DDP's reduced buckets, by id
         self.late = set()  # ids of params a reentrant backward accumulated into: their buckets step at step()
         self.warned = False  # of options set between backward and step(), once
-        # ids of the params a loop that zeroes grads in place (zero_grad(set_to_none=False)) keeps a zero grad
-        # for, and those the last step() stepped: release frees each grad it steps, and step() gives those
-        # params a zero grad again where backward gave none, to step them as that loop's step() would
-        self.zeroed, self.last_stepped = set(), set()
+        # ids of the params whose grads release freed after stepping them (a flat grad is zeroed in place)
+        # since the optimizer's last zero_grad(set_to_none=True): a loop that zeroes grads in place
+        # (zero_grad(set_to_none=False)) holds a zero grad for each, which its step() steps where backward
+        # gives none; ``in_place``: whether such a zero_grad came since the last step()
+        self.freed, self.in_place = set(), False
         self._make_buckets(optimizer)
         self._new_step()
         if self.mode == "ddp":
@@ -280,7 +281,21 @@ class GradientRelease:
         optimizer._step_released(key, group_index, params)
         self.stepped.update(map(id, params))
         if self.mode != "ddp":
-            flat_params.zero_grads(params)  # a flat grad is zeroed in place: its buffer is held anyway
+            self._free(params)
+
+    def _free(self, params):
+        """Free the grads of ``params``: a flat grad is zeroed in place (its buffer is held anyway)."""
+        self.freed.update(id(param) for param in params if not flat_params.flat_grad(param))
+        flat_params.zero_grads(params)
+
+    def _zero_freed(self, optimizer):
+        """Give each param whose grad release freed a zero grad where it has none and backward did not step
+        it, where the optimizer's last zero_grad zeroed grads in place: the grads that loop holds."""
+        if self.in_place:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param.grad is None and id(param) in self.freed and id(param) not in self.stepped:
+                        param.grad = torch.zeros_like(param)
 
     @torch._disable_dynamo  # as the hooks: a compiled optimizer.step() runs it eagerly
     def step(self) -> None:
@@ -290,28 +305,29 @@ class GradientRelease:
         optimizer = self.optimizer
         if flat_params.GRAD_BUFFERS:
             flat_params.drop_frozen_grads(optimizer.param_groups)
-        # GradScaler hands its scale, or found_inf alone where scaler.unscale_(optimizer) came first
+        # GradScaler hands its scale, or found_inf alone where scaler.unscale_(optimizer) came first; it takes
+        # them back only after a step that returns, and the next backward's steps would read them
         if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
+            optimizer.__dict__.pop("grad_scale", None)
+            optimizer.__dict__.pop("found_inf", None)
             raise RuntimeError("fastoptim: GradScaler scales the loss, and gradient release has already stepped "
                                "the params with the scaled grads in backward: remove the release handle to use "
                                "GradScaler")
         self._warn_of_options_set_since_backward(optimizer)
         if not self._made_for(optimizer):
             self._make_buckets(optimizer)
+        self._zero_freed(optimizer)
         for index, group in enumerate(optimizer.param_groups):
-            for param in group["params"]:  # freed after a step, where the loop zeroes grads in place
-                if param.grad is None and id(param) in self.zeroed and id(param) not in self.stepped:
-                    param.grad = torch.zeros_like(param)
             rest = [param for param in group["params"] if param.grad is not None and id(param) not in self.stepped]
             if rest:
                 self._step(index, rest, ("released rest", index))
         if self.mode == "ddp":
             self._drop_ddp_views()
-            flat_params.zero_grads(param for group in optimizer.param_groups for param in group["params"]
-                                   if id(param) in self.stepped)
+            self._free([param for group in optimizer.param_groups for param in group["params"]
+                        if id(param) in self.stepped])
         for group in optimizer.param_groups:  # the per-group counts, once
             optimizer._count_step(group, None, 1)
-        self.last_stepped = self.stepped
+        self.in_place = False
         self._new_step()
 
     def _warn_of_options_set_since_backward(self, optimizer):
@@ -331,10 +347,12 @@ class GradientRelease:
         backward began and ``step()`` did not end (the backward raised, and a handler went on) ends here.
         The buckets it stepped keep their update, which cannot be undone (a warning says so), and the
         per-group step counts advance, as after a step in which the other params had no grads. Without
-        ``set_to_none``, the params stepped since the last such call keep a zero grad as far as
-        ``step()`` is concerned: it steps them (weight decay, momentum) where backward gives them none,
-        as it would the zero grads this call leaves without release."""
-        self.zeroed = set() if set_to_none else self.zeroed | self.last_stepped | self.stepped
+        ``set_to_none``, the params whose grads release freed since the last call with it keep a zero
+        grad as far as the next ``step()`` is concerned: it steps them (weight decay, momentum) where
+        backward gives them none, as it would the zero grads this call leaves without release."""
+        if set_to_none:
+            self.freed = set()
+        self.in_place = not set_to_none
         optimizer = self.optimizer
         if self.stepped and optimizer is not None:
             warnings.warn(
@@ -369,5 +387,6 @@ class GradientRelease:
             for param in group["params"]:
                 if id(param) in self.stepped:
                     param.grad = None
+        self._zero_freed(optimizer)  # what a loop that zeroes grads in place holds, which step() steps from now
         if optimizer.__dict__.get("_release") is self:
             optimizer._release = None
