@@ -175,6 +175,15 @@ class PreparedCall(OpCall):
         super().__init__(params, holders, layout, tensors, absmax)
         self.originals, self.remake, self.viewed = originals, remake, viewed
         self.seen = Signature(originals)
+        mine = set(map(id, originals))  # else the states are views of them (a subset-norm or complex state's)
+        states = [t for role, ts in (*tensors.items(), *absmax.items()) if role != "param" for t in ts]
+        self.views = not all(id(t) in mine for t in states if t is not None)
+
+    def checked_here(self, backend):
+        """Whether Python compares the user's tensors at every call: where the states are views of them
+        that the tables do not hold in their place (``viewed`` names none, as of a complex state's real
+        view), or the backend checks nothing natively. Views do not move with what they view."""
+        return self.views and (self.viewed is None or not backend.CHECKS_NATIVELY)
 
     def moved(self):
         """Whether one of the user's state tensors has moved, or changed its sizes, strides or dtype
@@ -325,8 +334,8 @@ def _op_step(spec, param, grad, holders, layout, scalars, flag_bits, per_tensor_
                            "share_memory_(), t_(), resize_()) after the step was compiled, and this backend hands "
                            "the op copies of its tensors: assign the new tensor in the state dict instead "
                            "(optimizer.state[param][key] = tensor), which traces the step again")
-    if prepared and same and call.viewed and not backend.CHECKS_NATIVELY and call.moved():
-        call.follow(op)  # the tables hold views, which do not move (native code checks what they view)
+    if prepared and same and call.checked_here(backend) and call.moved():
+        call.follow(op)
     if same and call.tables is not None and call.flag_bits == flag_bits and (backend.CHECKS_NATIVELY or (
             call.signature.matches(call.held, *LAYOUT)
             and all(map(operator.is_, map(operator.attrgetter("layout"), grad), repeat(torch.strided)))
