@@ -323,11 +323,10 @@ def launch(spec, bound, grads, per_tensor, state_format, values, flag_bits, opti
 def run_launches(launches):
     """Run ``launches`` in one native call; False, having changed nothing, when one did not fit."""
     if len(launches) == 1:  # a table's own launch, whose call it keeps
-        (table, grads, values, flags, per_tensor, options), = launches
-        call = table.call(per_tensor, options is not None)
-        return call.run(grads, [values], [flags], options or []) == STEPPED
-    call = StepCall([launch.table for launch in launches], [launch.per_tensor for launch in launches],
-                    [launch.options is not None for launch in launches], views=True)
-    return call.run([grad for launch in launches for grad in launch.grads], [launch.values for launch in launches],
-                    [launch.flags for launch in launches],
+        call, grads = launches[0].table.call(launches[0].per_tensor, launches[0].options is not None), launches[0].grads
+    else:
+        call = StepCall([launch.table for launch in launches], [launch.per_tensor for launch in launches],
+                        [launch.options is not None for launch in launches], views=True)
+        grads = [grad for launch in launches for grad in launch.grads]
+    return call.run(grads, [launch.values for launch in launches], [launch.flags for launch in launches],
                     [x for launch in launches for x in launch.options or ()]) == STEPPED
