@@ -766,6 +766,84 @@ def test_each_native_rule_computes_the_kernel_scalars_of_its_algorithms_python(c
             assert native[index] == float(expected[scalar]), (case, scalar, native[index], expected[scalar])
 
 
+# (counts as step_scalars takes them, owners): a group's count; the params' equal and differing counts
+# (one 1-d tensor, or 0-d ones), of the group and of a bucket of it; a float64 count; those native code
+# leaves to Python (an int count, one below 0 or NaN, which Python answers for); and none (Lion's)
+STEP_SCALARS_COUNTS = {
+    "group count": ([torch.tensor(6.0)], []),
+    "equal per-param": ([torch.full((5,), 3.0)], []),
+    "equal 0-d per-param, a bucket": ([torch.tensor(3.0)] * 5, [1, 3]),
+    "differing per-param": ([torch.tensor([0.0, 4.0, 4.0, 9.0, 1.0])], []),
+    "differing 0-d per-param, a bucket": ([torch.tensor(t) for t in (0.0, 4.0, 4.0, 9.0, 1.0)], [4, 0, 3]),
+    "float64 counts": ([torch.tensor([2.0, 5.0, 5.0, 5.0, 7.0], dtype=torch.float64)], []),
+    "int counts": ([torch.tensor([2, 5, 5, 5, 7])], []),
+    "a count below 0": ([torch.tensor([2.0, -0.5, 5.0, 5.0, 7.0])], []),
+    "a NaN count": ([torch.tensor([2.0, float("nan"), 5.0, 5.0, 7.0])], []),
+    "an int group count": ([torch.tensor(6)], []),
+    "a group count at -1": ([torch.tensor(-1.0)], []),
+}
+NATIVELY = {"group count", "equal per-param", "equal 0-d per-param, a bucket", "differing per-param",
+            "differing 0-d per-param, a bucket", "float64 counts"}
+
+
+@pytest.mark.parametrize("cls", RULED, ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize("case", STEP_SCALARS_COUNTS)
+def test_a_traced_steps_scalars_computed_by_its_native_rule_are_its_pythons(cls, case, monkeypatch):
+    """``fastoptim::step_scalars`` (a compiled CPU step's) has the algorithm's native rule compute the
+    scalars where all of it is on the host as numbers: each output equal to the Python math's, 0-d
+    or one per param alike, with GradScaler's found_inf, a clip's scale, maximize's sign and the
+    params' first reads of their optional states (Adan's); where native code leaves it to Python (a
+    count or first reads it does not read, a count that reaches below 1), Python's answer, error or
+    NaN, stands."""
+    from fastoptim.optimizers import scalars
+    algorithm = cls.algorithm
+    counts, owners = STEP_SCALARS_COUNTS[case]
+    if algorithm.counts is None:
+        counts = []
+    elif (algorithm.counts == "group") != (len(counts) == 1 and counts[0].dim() == 0):
+        pytest.skip("counts of another algorithm's kind")
+    taken = []
+    ruled = scalars._ruled
+
+    def spy(*args):
+        taken.append(ruled(*args))
+        return taken[-1]
+
+    group = dict(lr=3e-3, betas=(0.9, 0.99, 0.95)[:algorithm.n_betas], eps=1e-8, weight_decay=0.02, no_prox=True,
+                 correct_bias=False, amsgrad=False, maximize=False, foreach=None, fused=None)
+    prepared = scalars.prepare(algorithm, group)
+    cases = ((None, None, None), (torch.tensor(0.0), torch.tensor(0.25), None), (None, -1.0, None),
+             (None, None, torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0])), (None, None, torch.ones(5, dtype=torch.float64)))
+    for found_inf, grad_scale, first_reads in cases:
+        def call():
+            return torch.ops.fastoptim.step_scalars(
+                prepared.name, prepared.options, prepared.numbers(group), None,
+                grad_scale if isinstance(grad_scale, torch.Tensor) else None, counts, None, first_reads, None, found_inf,
+                group["lr"], grad_scale if isinstance(grad_scale, float) else None, torch.float32, False,
+                torch.device("cpu"), 5, owners)
+
+        monkeypatch.setattr(scalars, "_ruled", spy)
+        try:
+            ours = call()
+        except ZeroDivisionError:
+            ours = ZeroDivisionError
+        monkeypatch.setattr(scalars, "_ruled", lambda *args: None)
+        try:
+            expected = call()
+        except ZeroDivisionError:
+            expected = ZeroDivisionError
+        natively = (case in NATIVELY or algorithm.counts is None) and (
+            first_reads is None or first_reads.dtype == torch.float32 or cls is not fastoptim.Adan)
+        assert (taken[-1] is not None) == natively, (case, first_reads)
+        if expected is ZeroDivisionError:
+            assert ours is ZeroDivisionError
+            continue
+        assert len(ours) == len(expected) == len(algorithm.spec.all_scalars)
+        for name, mine, theirs in zip(algorithm.spec.all_scalars, ours, expected):
+            assert mine.dtype == theirs.dtype == torch.float64 and mine.shape == theirs.shape, name
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=0, equal_nan=True, msg=name)
+
+
 def test_a_native_rule_refuses_options_it_does_not_take():
     with pytest.raises(RuntimeError, match="no rule adamw of 4 options"):
         torch.ops.fastoptim.rule_scalars("adamw", [0.1, 0.9, 0.99, 1e-8], 1.0, 11)

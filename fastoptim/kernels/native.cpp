@@ -298,6 +298,7 @@ struct Rule {
     void (*scalars)(const double *options, double t, double *out);
     const char *kernel;  // the kernel whose scalars it computes
     int64_t n_scalars;  // that kernel's scalars, every one of which it writes past COMMON_SCALARS
+    int64_t first_read_scalar;  // the scalar that is 0 where a param first reads its optional states, or -1
 };
 
 // The AdamW kernel's moment scalars, from options that begin lr, beta1, beta2, eps (both its rules').
@@ -360,10 +361,10 @@ void lion_rule(const double *o, double, double *s) {
     s[LION_DECAY_MUL] = 1 - lr * o[3];
 }
 
-const Rule RULES[] = {{"adamw", 5, true, adamw_rule, "adamw", ADAMW_BIAS_CORRECTION2_SQRT + 1},
-                      {"adamwsn", 6, true, adamwsn_rule, "adamw", ADAMW_BIAS_CORRECTION2_SQRT + 1},
-                      {"adan", 7, true, adan_rule, "adan", ADAN_DECAY_DIV + 1},
-                      {"lion", 4, false, lion_rule, "lion", LION_DECAY_MUL + 1}};
+const Rule RULES[] = {{"adamw", 5, true, adamw_rule, "adamw", ADAMW_BIAS_CORRECTION2_SQRT + 1, -1},
+                      {"adamwsn", 6, true, adamwsn_rule, "adamw", ADAMW_BIAS_CORRECTION2_SQRT + 1, -1},
+                      {"adan", 7, true, adan_rule, "adan", ADAN_DECAY_DIV + 1, ADAN_PRE_GRAD_WEIGHT},
+                      {"lion", 4, false, lion_rule, "lion", LION_DECAY_MUL + 1, -1}};
 
 const Rule *find_rule(const std::string &name) {
     for (const Rule &rule : RULES)
@@ -382,6 +383,93 @@ std::vector<double> rule_scalars(std::string name, std::vector<double> options, 
                     " scalars of the ", rule->kernel, " kernel, not ", n_scalars);
     std::vector<double> out(n_scalars, 0.0);
     rule->scalars(options.data(), t, out.data());
+    return out;
+}
+
+// A float64 CPU tensor of ``values`` (0-d for one value), made here: a compiled step's op makes a
+// dozen at every call, and the dispatcher's factories cost more than the rule.
+Tensor float64_tensor(const std::vector<double> &values, bool one) {
+    const int64_t size = static_cast<int64_t>(values.size()), stride = 1;
+    AtenTensorHandle made;
+    STD_TORCH_CHECK(aoti_torch_empty_strided(one ? 0 : 1, &size, &stride, aoti_torch_dtype_float64(),
+                                             aoti_torch_device_type_cpu(), 0, &made) == AOTI_TORCH_SUCCESS,
+                    "fastoptim::ruled_scalars: no memory for its scalars");
+    Tensor out(made);
+    std::copy(values.begin(), values.end(), static_cast<double *>(out.data_ptr()));
+    return out;
+}
+
+// A traced CPU step's scalars past COMMON_SCALARS (fastoptim::step_scalars's: see
+// fastoptim/optimizers/scalars.py), computed by rule ``name`` from ``options`` at the count each param
+// reaches (``counts``: a group's 0-d count, the params' 1-d counts or their 0-d ones, each + 1), as
+// float64 CPU tensors: 0-d, or for the scalars at the indices ``per_param`` one value per param of
+// ``owners`` (all ``n``: none listed). Where the counts differ, those values are each param's own,
+// rounded to fp32 first with ``round_to_float`` (as Python makes them in the params' dtype), and the
+// others are the first param's. With ``first_reads`` (each param's 0 where this step first reads its
+// optional states, else 1: see StepInputs), the rule's first-read scalar, where it has one, is
+// multiplied by it. Empty, computing nothing, where a count or ``first_reads`` is not a float CPU
+// tensor of at most one dimension (fp32 for ``first_reads``, one value per param) or a count reaches
+// below 1 (or NaN): Python then computes them, as it would answer.
+std::vector<Tensor> ruled_scalars(std::string name, std::vector<double> options, std::vector<Tensor> counts,
+                                  std::optional<Tensor> first_reads, std::vector<int64_t> per_param,
+                                  std::vector<int64_t> owners, int64_t n, bool round_to_float) {
+    const char *op = "fastoptim::ruled_scalars";
+    const Rule *rule = find_rule(name);
+    STD_TORCH_CHECK(rule && static_cast<int64_t>(options.size()) == rule->n_options, op, ": no rule ", name, " of ",
+                    options.size(), " options");
+    std::vector<double> reached;
+    for (const Tensor &count : counts) {
+        const Read r = read_for(count, op);
+        const bool single = r.dtype == aoti_torch_dtype_float32();
+        if (r.device_type != aoti_torch_device_type_cpu() || r.dim > 1
+            || !(single || r.dtype == aoti_torch_dtype_float64()))
+            return {};
+        for (int64_t i = 0, size = r.dim ? r.sizes[0] : 1; i < size; i++) {
+            const int64_t at = r.dim ? i * r.strides[0] : 0;
+            const double value = single ? static_cast<const float *>(r.data)[at] : static_cast<const double *>(r.data)[at];
+            if (!(value + 1 >= 1)) return {};
+            reached.push_back(value + 1);
+        }
+    }
+    if (rule->counts && reached.empty()) return {};
+    const float *first_read = nullptr;
+    if (first_reads.has_value() && rule->first_read_scalar >= 0) {  // (a rule without one does not read them)
+        const Read r = read_for(*first_reads, op);
+        if (r.device_type != aoti_torch_device_type_cpu() || r.dtype != aoti_torch_dtype_float32() || r.dim != 1
+            || r.sizes[0] != n || (n > 1 && r.strides[0] != 1)
+            || std::find(per_param.begin(), per_param.end(), rule->first_read_scalar) == per_param.end())
+            return {};
+        first_read = static_cast<const float *>(r.data);
+    }
+    for (int64_t owner : owners) STD_TORCH_CHECK(owner >= 0 && owner < n, op, ": owner ", owner, " of ", n, " params");
+    for (int64_t j : per_param)
+        STD_TORCH_CHECK(j >= COMMON_SCALARS && j < rule->n_scalars, op, ": no per-param scalar ", j);
+    const bool shared = std::adjacent_find(reached.begin(), reached.end(), std::not_equal_to<>()) == reached.end();
+    if (!shared && !per_param.empty() && static_cast<int64_t>(reached.size()) != n) return {};
+    const int64_t n_scalars = rule->n_scalars;
+    std::vector<double> first(n_scalars);
+    rule->scalars(options.data(), reached.empty() ? 1.0 : reached[0], first.data());
+    std::vector<std::vector<double>> own;  // each param's scalars, where the counts differ
+    if (!shared && !per_param.empty()) {
+        own.assign(n, std::vector<double>(n_scalars));
+        for (int64_t i = 0; i < n; i++) rule->scalars(options.data(), reached[i], own[i].data());
+    }
+    const int64_t size = owners.empty() ? n : static_cast<int64_t>(owners.size());
+    std::vector<Tensor> out;
+    for (int64_t j = COMMON_SCALARS; j < n_scalars; j++) {
+        if (std::find(per_param.begin(), per_param.end(), j) == per_param.end()) {
+            out.push_back(float64_tensor({first[j]}, true));
+            continue;
+        }
+        std::vector<double> values(size, first[j]);
+        for (int64_t i = 0; i < size && !own.empty(); i++) {
+            const double value = own[owners.empty() ? i : owners[i]][j];
+            values[i] = round_to_float ? static_cast<double>(static_cast<float>(value)) : value;
+        }
+        if (j == rule->first_read_scalar && first_read)
+            for (int64_t i = 0; i < size; i++) values[i] *= first_read[owners.empty() ? i : owners[i]];
+        out.push_back(float64_tensor(values, false));
+    }
     return out;
 }
 
@@ -1102,6 +1190,8 @@ STABLE_TORCH_LIBRARY_FRAGMENT(fastoptim, m) {
     m.def("bound_step(int call, Tensor[] grads, float[] numbers, Tensor[] tensor_scalars, int[] slots, int[] flags, "
           "float[] options, float[] clip, Tensor? amp_scale) -> int");
     m.def("rule_scalars(str rule, float[] options, float t, int n_scalars) -> float[]");
+    m.def("ruled_scalars(str rule, float[] options, Tensor[] counts, Tensor? first_reads, int[] per_param, "
+          "int[] owners, int n, bool round_to_float) -> Tensor[]");
     m.def("check_bound(int[] handles, Tensor[] grads, Tensor(a!) grad_pointers) -> int");
     m.def("dense_grad_norm_total(Tensor[] grads, bool inf, Tensor(a!) total) -> int");
     m.def("scale_dense_grads(Tensor(a!)[] grads, Tensor factor) -> int");
@@ -1119,6 +1209,7 @@ STABLE_TORCH_LIBRARY_IMPL(fastoptim, CompositeExplicitAutograd, m) {
     m.impl("bind_call", TORCH_BOX(&bind_call));
     m.impl("bound_step", &bound_step_boxed);
     m.impl("rule_scalars", TORCH_BOX(&rule_scalars));
+    m.impl("ruled_scalars", TORCH_BOX(&ruled_scalars));
     m.impl("check_bound", &check_bound_boxed);
     m.impl("dense_grad_norm_total", TORCH_BOX(&dense_grad_norm_total));
     m.impl("scale_dense_grads", TORCH_BOX(&scale_dense_grads));

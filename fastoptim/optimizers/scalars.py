@@ -4,9 +4,10 @@ traces on the CPU, the ops that compute them and advance the counts outside the 
 Traced, the scalar math of a step (a dozen operations on 0-d tensors: bias corrections, weight decay
 factors) would be a kernel of its own that inductor writes in C++ and compiles with the system
 compiler, which costs more than the rest of a compiled step's first call. ``fastoptim::step_scalars``
-computes those scalars as an eager step does, with the same code (and so the same numbers: Python
-arithmetic where the eager step's count is a host number, and each bucket's rounding seed drawn where
-the eager step draws it), ``fastoptim::step_factors`` the clip coefficient and GradScaler's factors,
+computes those scalars as an eager step does, and so the same numbers (each bucket's rounding seed
+drawn where the eager step draws it): with a number lr, by the algorithm's native rule, which a bound
+eager step runs (native.cpp's ``ruled_scalars``); else with the eager step's Python (a tensor lr, Muon's
+per-param factors). ``fastoptim::step_factors`` computes the clip coefficient and GradScaler's factors,
 ``fastoptim::mark_read`` marks the states' first reads (``step_counts`` advances the counts); the
 graph of a fused step keeps these ops and the kernels', and compiles nothing."""
 import functools
@@ -17,6 +18,8 @@ import torch
 from torch import Tensor
 
 from .. import clip, engines
+from ..engines import backends
+from ..specs import COMMON_SCALARS
 from .algorithm import Algorithm, StepInputs
 
 
@@ -167,15 +170,80 @@ def _group(options, numbers):
     return group
 
 
+def _output(value, device):
+    """A scalar of ``step_scalars`` as the op returns it: a float64 tensor on ``device`` of its own."""
+    if isinstance(value, Tensor):
+        return value.to(device, torch.float64, copy=True)
+    return torch.tensor(float(value), dtype=torch.float64, device=device)
+
+
+@functools.lru_cache(maxsize=64)
+def _rule_sources(options, keys):
+    """Where each number that a native rule takes (of the option ``keys``, in order: see
+    ``Algorithm.rule``) is among ``step_scalars``' arguments, for a group whose options ``prepare``
+    made ``options``: an index into ``numbers``, None for the lr, or a bool option's 0.0 or 1.0; None
+    where an option is none of these (the Python math then runs)."""
+    made, offsets, at = _decoded(options), {}, 0
+    for key, length, _ in made["numeric"]:
+        offsets[key] = range(at, at + (1 if length is None else length))
+        at = offsets[key].stop
+    sources = []
+    for key in keys:
+        if key == "lr" or key in offsets:
+            sources.extend([None] if key == "lr" else offsets[key])
+        elif isinstance(made["options"].get(key), bool):
+            sources.append(float(made["options"][key]))
+        else:
+            return None
+    return tuple(sources)
+
+
+@functools.lru_cache(maxsize=64)
+def _per_param_indices(algorithm_name, options, numbers, counts_per_param, reads_first):
+    """The positions in its spec's scalars of those ``algorithm_name``'s arguments hold one value per
+    param (``reads_first``: with first reads given)."""
+    algorithm = _ALGORITHMS[algorithm_name]
+    first_reads = torch.ones(1) if reads_first else None
+    _, per_param = algorithm.arguments(_group(options, numbers),
+                                       StepInputs(1.0, None, 1.0, torch.float64, first_reads, None, counts_per_param))
+    return [i for i, name in enumerate(algorithm.spec.all_scalars) if name in per_param]
+
+
+def _ruled(algorithm, algorithm_name, options, numbers, lr, counts, first_reads, wide, n, owners):
+    """The kernel's scalars past the common ones, computed natively by the algorithm's rule (see
+    native.cpp's ``ruled_scalars``) where all of it is on the host as numbers: a CPU step with a number
+    lr and no per-param factors; else None."""
+    if algorithm.rule is None or not backends.cpu.AVAILABLE or wide not in (torch.float32, torch.float64):
+        return None
+    sources = _rule_sources(options, algorithm.rule[1])
+    if sources is None:
+        return None
+    # as one_count makes them one tensor: 0-d counts stacked, or one 1-d tensor of them
+    counts_per_param = len(counts) > 1 and counts[0].dim() == 0 or len(counts) == 1 and counts[0].dim() == 1
+    per_param = _per_param_indices(algorithm_name, options, tuple(numbers), counts_per_param, first_reads is not None)
+    rule_options = [lr if at is None else numbers[at] if type(at) is int else at for at in sources]
+    return torch.ops.fastoptim.ruled_scalars(algorithm.rule[0], rule_options, counts, first_reads, per_param, owners,
+                                             n, wide == torch.float32) or None
+
+
 def _scalars(algorithm_name, options, numbers, lr, grad_scale, counts, increment, first_reads, factors, found_inf,
              lr_number, grad_scale_number, wide, stochastic, device, n, owners, fake=False):
     """The kernel's scalars in its spec's order for the params ``owners`` of the group's ``n`` (all:
     none listed), each a float64 tensor on ``device``: 0-d, or one value per param for those the
-    arguments name so. ``fake``: their shapes alone."""
-    algorithm, group = _ALGORITHMS[algorithm_name], _group(options, numbers)
+    arguments name so. ``fake``: their shapes alone. On the host, with a number lr, its native rule
+    computes them (``_ruled``); else the Python that the eager step runs."""
+    algorithm = _ALGORITHMS[algorithm_name]
     lr = lr_number if lr is None else lr
     grad_scale = grad_scale_number if grad_scale is None else grad_scale
-    count = one_count(counts)
+    ruled = None
+    if not fake and lr is not None and not isinstance(lr, Tensor) and factors is None and device.type == "cpu":
+        ruled = _ruled(algorithm, algorithm_name, options, numbers, lr, counts, first_reads, wide, n, owners)
+    if ruled is not None:
+        common = dict(found_inf=0.0 if found_inf is None else found_inf,
+                      seed=engines.fused.draw_seed(device) if stochastic else 0,
+                      grad_scale=1.0 if grad_scale is None else grad_scale)
+        return [_output(common[name], device) for name in COMMON_SCALARS] + ruled
+    group, count = _group(options, numbers), one_count(counts)
     inputs = StepInputs(lr, grad_scale, None, wide, first_reads, factors,
                         counts_per_param=count is not None and count.dim() == 1)
     size = len(owners) if owners else n
@@ -191,9 +259,7 @@ def _scalars(algorithm_name, options, numbers, lr, grad_scale, counts, increment
     values = engines.fused.kernel_values(algorithm.kernel_scalars, args, found_inf, stochastic, device)
     out = []
     for name in algorithm.spec.all_scalars:
-        value = values[name]
-        value = value.to(device, torch.float64, copy=True) if isinstance(value, Tensor) else torch.tensor(
-            float(value), dtype=torch.float64, device=device)
+        value = _output(values[name], device)
         if name in per_param:
             value = value.repeat(size) if value.dim() == 0 else value[owners] if owners else value
         out.append(value)
