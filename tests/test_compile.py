@@ -9,6 +9,7 @@ import re
 import warnings
 import weakref
 
+import numpy as np
 import pytest
 import torch
 from torch._dynamo.backends.common import aot_autograd
@@ -17,6 +18,7 @@ from torch._dynamo.utils import counters
 import fastoptim
 from fastoptim import engines
 from fastoptim.clip import clip_backend
+from fastoptim.optimizers import scalars
 from fastoptim.step_cache import GRADS_PATTERNS_KEPT
 
 from .registry import ADAMW, ADAN, OPTIMIZERS
@@ -51,10 +53,10 @@ def with_a_float64_param(seed=0):
 
 
 def pair(cls, options, make_params=model_params):
-    """Two optimizers over equal params, a tensor lr each."""
+    """Two optimizers over equal params, a tensor lr each (unless ``options`` give an lr)."""
     eager_params, traced_params = make_params(), make_params()
-    return ((eager_params, cls(eager_params, lr=torch.tensor(0.01), **options)),
-            (traced_params, cls(traced_params, lr=torch.tensor(0.01), **options)))
+    return ((eager_params, cls(eager_params, **{"lr": torch.tensor(0.01)} | options)),
+            (traced_params, cls(traced_params, **{"lr": torch.tensor(0.01)} | options)))
 
 
 def assert_same(eager, traced, exact=True):
@@ -527,6 +529,37 @@ def test_a_state_given_a_new_layout_in_place_is_followed_or_refused_by_the_compi
         assert_same(eager, traced)
 
 
+COUNT_WRITES = {".data =": lambda count, new: setattr(count, "data", new),
+                "set_": lambda count, new: count.set_(new)}
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("write", COUNT_WRITES)
+def test_a_count_given_new_storage_in_place_is_refused_by_the_compiled_step_then_assigned_steps(backend, write):
+    """A per-param count given storage of its own in place (``.data =``, ``set_``) between compiled
+    steps, which the graph would go on reading and advancing where it was (the count the user sees
+    then stood still), is refused, changing nothing; assigned in the state dict instead, it is the
+    count the step reads (traced again), as eagerly."""
+    eager, traced, _, compiled = compiled_twins(dict(lr=0.01), model_params, backend)
+    for step in range(4):
+        for params, opt in (eager, traced):
+            set_grads(params, step)
+        if step == 2:
+            COUNT_WRITES[write](traced[1].state[traced[0][1]]["step"], torch.tensor(40.0))
+            before = snapshot(*traced)
+            with pytest.raises(RuntimeError, match="a step count was given new storage in place"):
+                compiled()
+            for param, param_before, states_before in zip(traced[0], *before):
+                assert torch.equal(param, param_before)
+                for name, value in states_before.items():
+                    assert torch.equal(traced[1].state[param][name], value), name
+            for params, opt in (eager, traced):
+                opt.state[params[1]]["step"] = torch.tensor(40.0)
+        eager[1].step()
+        compiled()
+    assert_same(eager, traced)
+
+
 @pytest.mark.parametrize("cls", [info.cls for info in OPTIMIZERS if info.cls.algorithm.kernel_scalars is not None])
 def test_a_param_whose_grad_comes_and_goes_compiles_two_graphs(cls):
     """Each grads pattern is traced once: tracing one must not change the state dicts that the
@@ -619,6 +652,56 @@ def test_the_compiled_step_reads_states_and_grads_where_the_user_sees_them(cls):
         if step == 3:  # no grad changes here, which would retrace anyway
             opt.state[params[1]]["exp_avg"] = opt.state[params[1]]["exp_avg"].clone()
     run_both(cls, {}, "aot_eager", before_step=edit)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.AdamWSN, fastoptim.Adan, fastoptim.Lion],
+                         ids=lambda cls: cls.__name__)
+def test_a_number_lr_compiled_step_is_the_eager_step_with_counts_set_by_hand(cls, backend, monkeypatch):
+    """With a number lr, a compiled CPU step's scalars come from the algorithm's native rule (asserted
+    taken), bit for bit the eager step's, counts included, after the user's writes: one count tensor
+    set for every param (which each param then counts on its own, as eagerly: advanced once per param,
+    it counted their steps together), a count written in place, a param whose grad goes and comes
+    back (its count then behind the others'), weight decay and β changed."""
+    if backend == "inductor" and cls not in (fastoptim.AdamW, fastoptim.Adan):
+        pytest.skip("inductor for one count of each kind")
+    ruled, taken = scalars._ruled, []
+    monkeypatch.setattr(scalars, "_ruled", lambda *args: taken.append(ruled(*args)) or taken[-1])
+
+    def edit(opt, step):
+        group = opt.param_groups[0]
+        params, counts = group["params"], [opt.state[param].get("step") for param in group["params"]]
+        if step == 1 and "step" in group:
+            group["step"].fill_(7.0)
+        elif step == 1 and counts[0] is not None:
+            shared = torch.tensor(10.0)
+            for param in params:
+                opt.state[param]["step"] = shared
+        if step == 2:
+            params[2].grad = None
+        if step == 3:
+            (group["step"] if "step" in group else counts[0] if counts[0] is not None else torch.zeros(())).fill_(30.0)
+            group["weight_decay"] = 0.05
+            group["betas"] = (0.8, *group["betas"][1:])
+
+    options = dict(lr=0.01, weight_decay=0.02) | (dict(correct_bias=False) if cls is fastoptim.AdamWSN else {})
+    eager, traced, _ = run_pair(cls, options, backend, steps=6, make_params=mixed_params,
+                                before_step=lambda params, opt, step: edit(opt, step))
+    assert_same(eager, traced)
+    assert taken and all(values is not None for values in taken)
+
+
+def test_numpy_options_compile_as_eager():
+    """Options set to numpy scalars (a bool, numbers of numpy's own types, betas of them) between
+    compiled steps step as their Python values: dynamo would hand the scalars' op numpy numbers,
+    which it cannot take."""
+    def edit(opt, step):
+        group = opt.param_groups[0]
+        if step == 1:
+            group.update(no_prox=np.True_, weight_decay=np.float32(0.05), betas=(np.float32(0.9), *group["betas"][1:]))
+        if step == 3:
+            group.update(weight_decay=np.int64(0), eps=np.float64(1e-6))
+    run_both(fastoptim.Adan, dict(lr=0.01, weight_decay=0.02), "aot_eager", steps=5, before_step=edit)
 
 
 def test_a_fallback_in_a_compiled_step_warns_once_at_tracing():

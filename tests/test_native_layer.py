@@ -779,11 +779,13 @@ STEP_SCALARS_COUNTS = {
     "int counts": ([torch.tensor([2, 5, 5, 5, 7])], []),
     "a count below 0": ([torch.tensor([2.0, -0.5, 5.0, 5.0, 7.0])], []),
     "a NaN count": ([torch.tensor([2.0, float("nan"), 5.0, 5.0, 7.0])], []),
+    "an inf count": ([torch.tensor([2.0, float("inf"), 5.0, 5.0, 7.0])], []),
+    "an inf group count": ([torch.tensor(float("inf"))], []),
     "an int group count": ([torch.tensor(6)], []),
     "a group count at -1": ([torch.tensor(-1.0)], []),
 }
 NATIVELY = {"group count", "equal per-param", "equal 0-d per-param, a bucket", "differing per-param",
-            "differing 0-d per-param, a bucket", "float64 counts"}
+            "differing 0-d per-param, a bucket", "float64 counts", "an inf count", "an inf group count"}
 
 
 @pytest.mark.parametrize("cls", RULED, ids=lambda cls: cls.__name__)

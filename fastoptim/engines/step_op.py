@@ -121,13 +121,14 @@ class TracedSplit(NamedTuple):
     call: "PreparedCall | None" = None
 
 
-def split(tensors, absmax, spec, originals=None, remake=None, viewed=None):
+def split(tensors, absmax, spec, originals=None, remake=None, viewed=None, counts=None):
     """A traced step's :class:`TracedSplit` of one bucket (``tensors``: role to one tensor per param,
     grads included; ``absmax``: role to each param's block maxima or None). The op's call over the
     taken tensors is prepared here, eagerly, on the user's own state tensors (``originals``, of
     which ``tensors`` may be views: a subset-norm param's; ``viewed``: those, by role, where they
     are), and ``remake(taken)`` makes the taken tensors' (tensors, absmax, viewed) afresh from them
-    (see :class:`PreparedCall`)."""
+    (see :class:`PreparedCall`). ``counts``: per param, its count and the tensor the graph reads it
+    from (``StepCounts.watched``), or None."""
     if master.KEY in tensors:  # the step ops take no remainders
         return TracedSplit([], list(range(len(tensors["param"]))),
                            "a compiled step's kernels keep no master_bits remainders")
@@ -137,7 +138,8 @@ def split(tensors, absmax, spec, originals=None, remake=None, viewed=None):
     states, absmax = pick(tensors, taken, leave=("grad",)), pick(absmax, taken)
     holders, layout = op_states(states, absmax, spec)
     call = _CALLS.prepared(spec.name, PreparedCall(states["param"], holders, layout, states, absmax, originals,
-                                                   lambda: remake(taken), viewed and pick(viewed, taken)))
+                                                   lambda: remake(taken), viewed and pick(viewed, taken),
+                                                   counts and [counts[i] for i in taken]))
     return TracedSplit(taken, left, reason, call)
 
 
@@ -147,7 +149,7 @@ class OpCall:
     tensors' and the grads' signatures). ``viewed``: by role, the tensors that its states are views
     of, which the tables hold and check in their place (or None)."""
 
-    viewed = None
+    viewed = counts = None
 
     def __init__(self, params, holders, layout, tensors, absmax):
         self.params, self.holders, self.layout, self.tensors, self.absmax = params, holders, layout, tensors, absmax
@@ -160,7 +162,7 @@ class OpCall:
             t for ts in absmax.values() for t in ts if t is not None]
         self.flag_bits, self.signature, self.grads_signature = flag_bits, Signature((), self.held), Signature(
             (), tensors["param"])
-        self.tables = Tables(tensors, absmax, spec, backend, taken_formats, originals=self.viewed)
+        self.tables = Tables(tensors, absmax, spec, backend, taken_formats, watched=self.counts, originals=self.viewed)
 
 
 class PreparedCall(OpCall):
@@ -169,12 +171,15 @@ class PreparedCall(OpCall):
     A state given new storage in place (``set_``, ``.data =``) is seen by the data pointers of
     ``originals`` (the user's tensors, of which the states may be views: ``viewed`` by role, which
     the tables hold, so a backend that checks natively sees them move) and the call is made afresh
-    from them (``remake``), so the kernel updates the state where it now lives."""
+    from them (``remake``), so the kernel updates the state where it now lives. The params' ``counts``
+    (per param, its count and the tensor the graph reads it from: its slot in one tensor), which the
+    tables check too, cannot be followed: one given new storage in place is refused."""
 
-    def __init__(self, params, holders, layout, tensors, absmax, originals, remake, viewed=None):
+    def __init__(self, params, holders, layout, tensors, absmax, originals, remake, viewed=None, counts=None):
         super().__init__(params, holders, layout, tensors, absmax)
-        self.originals, self.remake, self.viewed = originals, remake, viewed
+        self.originals, self.remake, self.viewed, self.counts = originals, remake, viewed, counts
         self.seen = Signature(originals)
+        self.counts_seen = counts and Signature([t for pair in counts for t in pair])
         mine = set(map(id, originals))  # else the states are views of them (a subset-norm or complex state's)
         states = [t for role, ts in (*tensors.items(), *absmax.items()) if role != "param" for t in ts]
         self.views = not all(id(t) in mine for t in states if t is not None)
@@ -185,15 +190,26 @@ class PreparedCall(OpCall):
         view), or the backend checks nothing natively. Views do not move with what they view."""
         return self.views and (self.viewed is None or not backend.CHECKS_NATIVELY)
 
+    def counts_moved(self):
+        """Whether a count has moved, or changed its layout in place, since the call was made."""
+        return self.counts is not None and not self.counts_seen.matches([t for pair in self.counts for t in pair],
+                                                                        *LAYOUT)
+
     def moved(self):
-        """Whether one of the user's state tensors has moved, or changed its sizes, strides or dtype
-        in place (t_, resize_, as_strided_), since the call was made."""
-        return not self.seen.matches(self.originals, *LAYOUT)
+        """Whether one of the user's state tensors or counts has moved, or changed its sizes, strides or
+        dtype in place (t_, resize_, as_strided_), since the call was made."""
+        return not self.seen.matches(self.originals, *LAYOUT) or self.counts_moved()
 
     def follow(self, op):
         """The call made afresh from the user's tensors where they now are. One whose sizes, strides
         or dtype changed in place is refused: the graph was traced for the old (a step traces again
-        on a state assigned in the state dict)."""
+        on a state assigned in the state dict); so is a count given new storage, which the graph reads
+        where it was."""
+        if self.counts_moved():
+            raise RuntimeError(f"{op}: a step count was given new storage in place (.data =, set_()) after the "
+                               "step was compiled, and the graph reads it where it was: assign the new count in "
+                               "the state dict instead (optimizer.state[param]['step'] = tensor), which traces "
+                               "the step again, or write it in place (fill_)")
         if not self.seen.matches(self.originals, SHAPE, STRIDES, DTYPE):
             raise RuntimeError(f"{op}: a state was given a new layout in place (t_(), resize_(), as_strided_()) "
                                "after the step was compiled: assign the new tensor in the state dict instead "
@@ -329,6 +345,8 @@ def _op_step(spec, param, grad, holders, layout, scalars, flag_bits, per_tensor_
     call = _CALLS.find(spec.name, layout)
     prepared = isinstance(call, PreparedCall)
     same = call is not None and _same_tensors(param, call.params) and _same_tensors(holders, call.holders)
+    if prepared and not same and call.counts_moved():
+        call.follow(op)  # refused
     if prepared and not same and call.moved():
         raise RuntimeError(f"{op}: a state was given new storage or a new layout in place (set_, .data =, "
                            "share_memory_(), t_(), resize_()) after the step was compiled, and this backend hands "

@@ -326,7 +326,7 @@ void adamwsn_rule(const double *o, double t, double *s) {
     adamw_moments(o, s);
     s[ADAMW_DECAY_MUL] = 1.0;
     s[ADAMW_DECAY_AFTER] = 1 - lr * o[4];
-    s[ADAMW_STEP_SIZE] = o[5] != 0 ? lr * std::sqrt(1 - std::pow(beta2, t)) / (1 - std::pow(beta1, t)) : lr;
+    s[ADAMW_STEP_SIZE] = o[5] != 0 ? lr * std::sqrt(1 - std::pow(beta2, t)) / (1 - std::pow(beta1, t)) : lr + 0 * t;
     s[ADAMW_BIAS_CORRECTION2_SQRT] = 1.0;
 }
 

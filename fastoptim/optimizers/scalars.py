@@ -122,6 +122,29 @@ def _is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _plain(value):
+    """``value`` with numpy scalars (alone, or in a tuple or list) as their Python values."""
+    if type(value).__module__ == "numpy" and hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, (tuple, list)) and any(type(v).__module__ == "numpy" for v in value):
+        return type(value)(map(_plain, value))
+    return value
+
+
+def plain_options(group: dict) -> None:
+    """Give ``group``'s options that hold numpy scalars (``np.float32(0.1)``, ``np.True_``, betas of
+    them) their Python values, before a step is traced: dynamo hands the traced step's ops numpy
+    numbers as values they cannot take, and ``prepare`` encodes the others as JSON.
+
+    Args:
+        group: the param group, changed in place where an option holds a numpy scalar.
+    """
+    for key, value in group.items():
+        plain = _plain(value)
+        if plain is not value:
+            group[key] = plain
+
+
 def _name(algorithm):
     """What identifies ``algorithm``'s scalar math across processes (an inductor cache outlives one):
     its spec and where its two functions are defined."""

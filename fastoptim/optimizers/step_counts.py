@@ -73,7 +73,8 @@ class StepCounts:
         it) and the counts made slots of one tensor where they are not, in the state dicts; a
         ``traced`` step leaves counts it finds apart as they are (they are then stacked in the graph:
         the step traced for another pattern of grads, a GAN's halves, guards the state dicts, which
-        packing changes)."""
+        packing changes), but for a count several params share, which each gets a copy of, as packing
+        gives them (advanced once per param, it would count their steps together)."""
         if kind != PER_PARAM:
             return cls(kind)
         for param, state in zip(params, states):
@@ -85,6 +86,11 @@ class StepCounts:
             packed = None if traced else torch.stack(slots)
             for i, state in enumerate(states if packed is not None else ()):
                 state["step"] = packed[i]
+            held = set()  # a count that params share (one tensor set for all by hand) becomes each one's own
+            for state in states if packed is None else ():
+                if state["step"].data_ptr() in held:
+                    state["step"] = state["step"].clone()
+                held.add(state["step"].data_ptr())
             slots = [state["step"] for state in states]
         return cls(kind, slots, packed)
 

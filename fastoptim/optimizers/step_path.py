@@ -189,6 +189,8 @@ class StepPath:
         GradScaler then skips: zeros, and the step count stays, so the trajectory is eager's."""
         plans = self._plans
         flat_params.drop_frozen_grads(self.param_groups)  # a step traced again once a param is frozen (guarded)
+        for group in self.param_groups:
+            scalars.plain_options(group)
         for index, group in enumerate(self.param_groups):
             entry, grads = self._group_work(plans, index, group)
             if entry.states is None and entry.params:
@@ -206,7 +208,8 @@ class StepPath:
                                  if isinstance(t := values[i], Tensor) and (key in part or key.endswith(ABSMAX))]
                     entry.bucket_plans[bucket_index].traced_split = engines.step_op.split(
                         part, absmax, algorithm.spec, originals, functools.partial(_remade, entry, bucket),
-                        entry.originals and pick(entry.originals, bucket))
+                        entry.originals and pick(entry.originals, bucket),
+                        entry.watched and [entry.watched[i] for i in bucket])
             # a CPU kernel that takes every tensor gets its scalars from an op (see scalars.py)
             whole = fused and algorithm.run is engines.run_bucket and all(
                 reduce is None and not entry.bucket_plans[i].traced_split.left
