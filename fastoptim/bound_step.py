@@ -11,7 +11,7 @@ from itertools import repeat
 
 from torch import Tensor
 
-from . import engines
+from . import engines, flat_params
 from .engines.backends import FORCING_VARIABLE
 from .multi_tensor import bump_versions
 from .specs import COMMON_SCALARS, STOCHASTIC_ROUNDING
@@ -169,7 +169,10 @@ class BoundStep:
         work = []
         for group, entry, expected, count in zip(groups, self.entries, self.structures, self.group_counts):
             params = group["params"]
-            grads = [param.grad for param in params]  # each read once: a Parameter's .grad costs 50-100 ns
+            if flat_params.GRAD_BUFFERS:  # a frozen flat param's grad dropped in the same pass (cold params)
+                grads = [param.grad if param.requires_grad else flat_params.frozen_grad(param) for param in params]
+            else:  # each read once: a Parameter's .grad costs 50-100 ns
+                grads = [param.grad for param in params]
             if not all(map(operator.is_not, grads, repeat(None))):
                 params = [param for param, grad in zip(params, grads) if grad is not None]
                 grads = [grad for grad in grads if grad is not None]

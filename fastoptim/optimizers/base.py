@@ -230,13 +230,13 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
             if plans.writes is not None:
                 plans.writes = None
             return loss
-        if flat_params.GRAD_BUFFERS:
-            flat_params.drop_frozen_grads(self.param_groups)
         plans = self._plans
         bound, plans.bound = plans.bound, None
-        if bound is not None and bound.step(self, plans):
+        if bound is not None and bound.step(self, plans):  # which drops frozen flat grads as it reads the grads
             plans.bound = bound
             return loss
+        if flat_params.GRAD_BUFFERS:
+            flat_params.drop_frozen_grads(self.param_groups)
         work = [(group, *self._group_work(plans, index, group)) for index, group in enumerate(self.param_groups)]
         self._apply(work, plans)
         # not where the step reduces over ranks: a step run again would reduce twice on this rank alone
