@@ -529,18 +529,47 @@ def test_a_state_given_a_new_layout_in_place_is_followed_or_refused_by_the_compi
         assert_same(eager, traced)
 
 
+def assert_unchanged(params, opt, before):
+    """``params`` and their states as :func:`snapshot` took them."""
+    for param, param_before, states_before in zip(params, *before):
+        assert torch.equal(param, param_before)
+        for name, value in states_before.items():
+            assert torch.equal(opt.state[param][name], value), name
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_later_buckets_state_given_a_new_layout_is_refused_before_any_op_runs(backend):
+    """A state of a later bucket's param (bf16 beside fp32) given a new layout in place is refused by
+    the step's first op, which checks the other ops' tables before it runs (or, where the change
+    makes dynamo trace again, by the checks of the states): nothing changed, counts included. The
+    first bucket's op once ran before the second refused."""
+    _, traced, key, compiled = compiled_twins({}, mixed_params, backend)
+    for step in range(2):
+        set_grads(traced[0], step)
+        compiled()
+    traced[1].state[traced[0][1]][key].t_()
+    set_grads(traced[0], 2)
+    before = snapshot(*traced)
+    with pytest.raises(RuntimeError, match="new layout in place|state 'exp_avg' is"):
+        compiled()
+    assert_unchanged(*traced, before)
+
+
 COUNT_WRITES = {".data =": lambda count, new: setattr(count, "data", new),
                 "set_": lambda count, new: count.set_(new)}
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("write", COUNT_WRITES)
-def test_a_count_given_new_storage_in_place_is_refused_by_the_compiled_step_then_assigned_steps(backend, write):
+@pytest.mark.parametrize("make_params", [model_params, mixed_params], ids=["one bucket", "its second bucket"])
+def test_a_count_given_new_storage_in_place_is_refused_by_the_compiled_step_then_assigned_steps(
+        backend, write, make_params):
     """A per-param count given storage of its own in place (``.data =``, ``set_``) between compiled
     steps, which the graph would go on reading and advancing where it was (the count the user sees
-    then stood still), is refused, changing nothing; assigned in the state dict instead, it is the
-    count the step reads (traced again), as eagerly."""
-    eager, traced, _, compiled = compiled_twins(dict(lr=0.01), model_params, backend)
+    then stood still), is refused, changing nothing, also where it is a later bucket's (the first
+    bucket's op checks the others' tables before it runs); assigned in the state dict instead, it is
+    the count the step reads (traced again), as eagerly."""
+    eager, traced, _, compiled = compiled_twins(dict(lr=0.01), make_params, backend)
     for step in range(4):
         for params, opt in (eager, traced):
             set_grads(params, step)
@@ -549,10 +578,7 @@ def test_a_count_given_new_storage_in_place_is_refused_by_the_compiled_step_then
             before = snapshot(*traced)
             with pytest.raises(RuntimeError, match="a step count was given new storage in place"):
                 compiled()
-            for param, param_before, states_before in zip(traced[0], *before):
-                assert torch.equal(param, param_before)
-                for name, value in states_before.items():
-                    assert torch.equal(traced[1].state[param][name], value), name
+            assert_unchanged(*traced, before)
             for params, opt in (eager, traced):
                 opt.state[params[1]]["step"] = torch.tensor(40.0)
         eager[1].step()
@@ -700,8 +726,36 @@ def test_numpy_options_compile_as_eager():
         if step == 1:
             group.update(no_prox=np.True_, weight_decay=np.float32(0.05), betas=(np.float32(0.9), *group["betas"][1:]))
         if step == 3:
-            group.update(weight_decay=np.int64(0), eps=np.float64(1e-6))
+            group.update(weight_decay=np.int64(0), eps=np.float64(1e-6), betas=np.array([0.9, 0.92, 0.99]))
     run_both(fastoptim.Adan, dict(lr=0.01, weight_decay=0.02), "aot_eager", steps=5, before_step=edit)
+    params = model_params()
+    opt = fastoptim.AdamW(params, lr=0.01)
+    betas = opt.param_groups[0]["betas"] = [np.float32(0.9), np.float32(0.999)]  # a list the user edits: kept
+    set_grads(params, 0)
+    torch.compile(opt.step, backend="aot_eager", fullgraph=True)()
+    assert opt.param_groups[0]["betas"] is betas and betas == [float(np.float32(0.9)), float(np.float32(0.999))]
+
+
+def test_a_count_shared_across_groups_compiles_as_eager():
+    """One count tensor set for params of two groups is each param's own in a compiled step, as in an
+    eager one (advanced once per group, it counted their steps together)."""
+    def make():
+        params = model_params()
+        return params, fastoptim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=0.01)
+
+    eager, traced = make(), make()
+    torch._dynamo.reset()
+    compiled = torch.compile(traced[1].step, backend="aot_eager", fullgraph=True)
+    for step in range(4):
+        for params, opt in (eager, traced):
+            set_grads(params, step)
+            if step == 1:
+                shared = torch.tensor(5.0)
+                for param in params:
+                    opt.state[param]["step"] = shared
+        eager[1].step()
+        compiled()
+    assert_same(eager, traced)
 
 
 def test_a_fallback_in_a_compiled_step_warns_once_at_tracing():

@@ -175,6 +175,8 @@ class PreparedCall(OpCall):
     (per param, its count and the tensor the graph reads it from: its slot in one tensor), which the
     tables check too, cannot be followed: one given new storage in place is refused."""
 
+    siblings = ()  # weak references to the other calls of its step (see fastoptim.optimizers.step_path)
+
     def __init__(self, params, holders, layout, tensors, absmax, originals, remake, viewed=None, counts=None):
         super().__init__(params, holders, layout, tensors, absmax)
         self.originals, self.remake, self.viewed, self.counts = originals, remake, viewed, counts
@@ -200,20 +202,31 @@ class PreparedCall(OpCall):
         dtype in place (t_, resize_, as_strided_), since the call was made."""
         return not self.seen.matches(self.originals, *LAYOUT) or self.counts_moved()
 
-    def follow(self, op):
-        """The call made afresh from the user's tensors where they now are. One whose sizes, strides
-        or dtype changed in place is refused: the graph was traced for the old (a step traces again
-        on a state assigned in the state dict); so is a count given new storage, which the graph reads
-        where it was."""
+    def refuse(self, op, copies):
+        """Raise where the step must not run on this call: a state whose sizes, strides or dtype changed
+        in place (the graph was traced for the old; a step traces again on a state assigned in the
+        state dict), a count given new storage (which the graph reads where it was), or, where the
+        backend hands the ops copies of the tensors (``copies``), a state given new storage (the
+        copies' updates would not reach it)."""
         if self.counts_moved():
             raise RuntimeError(f"{op}: a step count was given new storage in place (.data =, set_()) after the "
                                "step was compiled, and the graph reads it where it was: assign the new count in "
                                "the state dict instead (optimizer.state[param]['step'] = tensor), which traces "
                                "the step again, or write it in place (fill_)")
+        if copies and not self.seen.matches(self.originals, *LAYOUT):
+            raise RuntimeError(f"{op}: a state was given new storage or a new layout in place (set_, .data =, "
+                               "share_memory_(), t_(), resize_()) after the step was compiled, and this backend "
+                               "hands the op copies of its tensors: assign the new tensor in the state dict instead "
+                               "(optimizer.state[param][key] = tensor), which traces the step again")
         if not self.seen.matches(self.originals, SHAPE, STRIDES, DTYPE):
             raise RuntimeError(f"{op}: a state was given a new layout in place (t_(), resize_(), as_strided_()) "
                                "after the step was compiled: assign the new tensor in the state dict instead "
                                "(optimizer.state[param][key] = tensor), which traces the step again")
+
+    def follow(self, op):
+        """The call made afresh from the user's tensors where they now are, unless it must refuse the
+        step (see :meth:`refuse`)."""
+        self.refuse(op, copies=False)
         self.tensors, self.absmax, self.viewed = self.remake()
         self.seen = Signature(self.originals)
         self.tables = None
@@ -345,13 +358,15 @@ def _op_step(spec, param, grad, holders, layout, scalars, flag_bits, per_tensor_
     call = _CALLS.find(spec.name, layout)
     prepared = isinstance(call, PreparedCall)
     same = call is not None and _same_tensors(param, call.params) and _same_tensors(holders, call.holders)
-    if prepared and not same and call.counts_moved():
-        call.follow(op)  # refused
-    if prepared and not same and call.moved():
-        raise RuntimeError(f"{op}: a state was given new storage or a new layout in place (set_, .data =, "
-                           "share_memory_(), t_(), resize_()) after the step was compiled, and this backend hands "
-                           "the op copies of its tensors: assign the new tensor in the state dict instead "
-                           "(optimizer.state[param][key] = tensor), which traces the step again")
+    if prepared:  # and the step's other calls, before this one runs (another op of the graph may run first)
+        siblings = [other for other in (ref() for ref in call.siblings) if other is not None]
+        if not same:
+            for checked in (call, *siblings):
+                checked.refuse(op, copies=True)
+        elif siblings and not (backend.CHECKS_NATIVELY and all(other.tables is not None for other in siblings)
+                               and all(other.tables.hold() for other in siblings)):
+            for other in siblings:
+                other.refuse(op, copies=False)
     if prepared and same and call.checked_here(backend) and call.moved():
         call.follow(op)
     if same and call.tables is not None and call.flag_bits == flag_bits and (backend.CHECKS_NATIVELY or (

@@ -736,12 +736,8 @@ bool keeps_bound_rows(const Bound &table, int64_t flags) {
     return true;
 }
 
-// Whether ``table`` may run with ``grads`` from ``first``: STALE when a held tensor moved or changed
-// its layout, GRADS_UNFIT when a grad is not walked as its param (or, with ``views``, as its grads_like
-// view), else STEPPED, with the table's grads' row refreshed.
-int64_t check(Bound &table, const std::vector<AtenTensorHandle> &grads, size_t first, bool views, const char *op) {
-    const int64_t n = table.n_tensors;
-    STD_TORCH_CHECK(first + n <= grads.size(), op, ": fewer grads than the tables take");
+// STALE where a tensor that ``table`` holds, watches or counts with moved or changed its layout.
+int64_t check_held(const Bound &table) {
     for (size_t i = 0; i < table.held.size(); i++) {
         prefetch_ahead(table.held.data(), i, table.held.size(), handle_of_tensor);
         if (!table.layouts_then[i].describes(table.held[i])) return STALE;
@@ -756,6 +752,16 @@ int64_t check(Bound &table, const std::vector<AtenTensorHandle> &grads, size_t f
     }
     for (size_t i = 0; i < table.counts.size(); i++)
         if (!table.counts_then[i].describes(table.counts[i])) return STALE;
+    return STEPPED;
+}
+
+// Whether ``table`` may run with ``grads`` from ``first``: STALE when a held tensor moved or changed
+// its layout, GRADS_UNFIT when a grad is not walked as its param (or, with ``views``, as its grads_like
+// view), else STEPPED, with the table's grads' row refreshed.
+int64_t check(Bound &table, const std::vector<AtenTensorHandle> &grads, size_t first, bool views, const char *op) {
+    const int64_t n = table.n_tensors;
+    STD_TORCH_CHECK(first + n <= grads.size(), op, ": fewer grads than the tables take");
+    if (check_held(table) != STEPPED) return STALE;
     for (int64_t t = 0; t < n; t++) {
         prefetch_ahead(grads.data() + first, t, n, handle_of_handle);
         int64_t *pointer = &table.pointers[GRAD * n + t];
@@ -1006,6 +1012,19 @@ int64_t check_bound(std::vector<int64_t> handles, const std::vector<AtenTensorHa
     return STEPPED;
 }
 
+// Whether the tensors that bound tables ``handles`` hold, watch and count with are where and as they
+// were bound (STEPPED, else STALE), their grads aside: a compiled step's op checks the other ops' tables
+// of its step before its own runs, so that a step one of them refuses changes nothing.
+int64_t holds_bound(std::vector<int64_t> handles) {
+    const char *op = "fastoptim::holds_bound";
+    const std::shared_ptr<Call> call =
+        make_call(handles, std::vector<int64_t>(handles.size()), std::vector<int64_t>(handles.size()), op);
+    const Locked locked(*call);
+    for (const std::shared_ptr<Bound> &table : call->tables)
+        if (check_held(*table) != STEPPED) return STALE;
+    return STEPPED;
+}
+
 // A step's grads as the boxed call hands them: one tensor handle each, owned here and deleted with
 // this, without the Tensor (and its shared count) that generic unboxing wraps each element in. A
 // step's grads are most of its arguments (a call with 148 grads: 26 µs, against 33 unboxed generically).
@@ -1193,6 +1212,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(fastoptim, m) {
     m.def("ruled_scalars(str rule, float[] options, Tensor[] counts, Tensor? first_reads, int[] per_param, "
           "int[] owners, int n, bool round_to_float) -> Tensor[]");
     m.def("check_bound(int[] handles, Tensor[] grads, Tensor(a!) grad_pointers) -> int");
+    m.def("holds_bound(int[] handles) -> int");
     m.def("dense_grad_norm_total(Tensor[] grads, bool inf, Tensor(a!) total) -> int");
     m.def("scale_dense_grads(Tensor(a!)[] grads, Tensor factor) -> int");
     m.def("probe(Tensor(a!)[] tensors, Tensor chunks) -> ()");
@@ -1211,6 +1231,7 @@ STABLE_TORCH_LIBRARY_IMPL(fastoptim, CompositeExplicitAutograd, m) {
     m.impl("rule_scalars", TORCH_BOX(&rule_scalars));
     m.impl("ruled_scalars", TORCH_BOX(&ruled_scalars));
     m.impl("check_bound", &check_bound_boxed);
+    m.impl("holds_bound", TORCH_BOX(&holds_bound));
     m.impl("dense_grad_norm_total", TORCH_BOX(&dense_grad_norm_total));
     m.impl("scale_dense_grads", TORCH_BOX(&scale_dense_grads));
     m.impl("probe", TORCH_BOX(&probe));

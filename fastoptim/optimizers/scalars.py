@@ -122,27 +122,28 @@ def _is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _plain(value):
-    """``value`` with numpy scalars (alone, or in a tuple or list) as their Python values."""
-    if type(value).__module__ == "numpy" and hasattr(value, "item"):
-        return value.item()
-    if isinstance(value, (tuple, list)) and any(type(v).__module__ == "numpy" for v in value):
-        return type(value)(map(_plain, value))
-    return value
+def _is_numpy(value):
+    return type(value).__module__ == "numpy" and hasattr(value, "tolist")
 
 
 def plain_options(group: dict) -> None:
-    """Give ``group``'s options that hold numpy scalars (``np.float32(0.1)``, ``np.True_``, betas of
-    them) their Python values, before a step is traced: dynamo hands the traced step's ops numpy
-    numbers as values they cannot take, and ``prepare`` encodes the others as JSON.
+    """Give ``group``'s options that hold numpy values (``np.float32(0.1)``, ``np.True_``, an array of
+    betas, betas of numpy numbers) their Python values (a list holding them keeps its identity),
+    before a step is traced: dynamo hands the traced step's ops numpy numbers as values they cannot
+    take, and ``prepare`` encodes the others as JSON.
 
     Args:
-        group: the param group, changed in place where an option holds a numpy scalar.
+        group: the param group, changed in place where an option holds numpy values.
     """
     for key, value in group.items():
-        plain = _plain(value)
-        if plain is not value:
-            group[key] = plain
+        if _is_numpy(value):
+            group[key] = value.tolist()
+        elif isinstance(value, (tuple, list)) and any(map(_is_numpy, value)):
+            plain = [v.tolist() if _is_numpy(v) else v for v in value]
+            if isinstance(value, list):
+                value[:] = plain
+            else:
+                group[key] = type(value)(plain)
 
 
 def _name(algorithm):

@@ -51,6 +51,23 @@ def are_slots(counts: Tensor, tensors: list[Tensor]) -> bool:
             and list(map(Tensor.data_ptr, tensors)) == slot_pointers(counts))
 
 
+def own_counts(states) -> None:
+    """Give each param its own count where several share one tensor (set for all by hand, in one
+    group or across groups), as a step that packs them does: a traced step, which leaves counts apart
+    (see :meth:`StepCounts.of_states`), would advance a shared one once per param.
+
+    Args:
+        states: every param's state dict (an optimizer's ``state.values()``), changed in place.
+    """
+    held = set()
+    for state in states:
+        count = state.get("step")
+        if isinstance(count, Tensor):
+            if count.data_ptr() in held:
+                state["step"] = count = count.clone()
+            held.add(count.data_ptr())
+
+
 class StepCounts:
     """The step counts of a group's params with grads, under its algorithm's ``kind`` of count
     (``PER_PARAM``, ``PER_GROUP`` or None: it counts none).
@@ -73,8 +90,7 @@ class StepCounts:
         it) and the counts made slots of one tensor where they are not, in the state dicts; a
         ``traced`` step leaves counts it finds apart as they are (they are then stacked in the graph:
         the step traced for another pattern of grads, a GAN's halves, guards the state dicts, which
-        packing changes), but for a count several params share, which each gets a copy of, as packing
-        gives them (advanced once per param, it would count their steps together)."""
+        packing changes; see :func:`own_counts`)."""
         if kind != PER_PARAM:
             return cls(kind)
         for param, state in zip(params, states):
@@ -86,11 +102,6 @@ class StepCounts:
             packed = None if traced else torch.stack(slots)
             for i, state in enumerate(states if packed is not None else ()):
                 state["step"] = packed[i]
-            held = set()  # a count that params share (one tensor set for all by hand) becomes each one's own
-            for state in states if packed is None else ():
-                if state["step"].data_ptr() in held:
-                    state["step"] = state["step"].clone()
-                held.add(state["step"].data_ptr())
             slots = [state["step"] for state in states]
         return cls(kind, slots, packed)
 

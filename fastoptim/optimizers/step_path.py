@@ -5,6 +5,7 @@ plan handed to its engine, and the traced step's preparation. Its other half (ba
 torch.optim contract and the states' creation."""
 import functools
 import operator
+import weakref
 from itertools import repeat
 from operator import attrgetter
 
@@ -20,7 +21,7 @@ from ..step_cache import DEVICE, DTYPE, SHAPE, PlanStore, engine_view
 from . import scalars
 from .algorithm import PER_GROUP, StepInputs
 from .checks import check_params, check_tensor_lr
-from .step_counts import StepCounts, group_count
+from .step_counts import StepCounts, group_count, own_counts
 
 TRACED_STATES_KEPT = 64  # patterns of grads whose traced state is kept (dynamo recompiles after 8 anyway)
 
@@ -191,6 +192,8 @@ class StepPath:
         flat_params.drop_frozen_grads(self.param_groups)  # a step traced again once a param is frozen (guarded)
         for group in self.param_groups:
             scalars.plain_options(group)
+        own_counts(self.state.values())
+        calls = []  # the step ops' prepared calls, each of which checks the others before it runs (see refuse)
         for index, group in enumerate(self.param_groups):
             entry, grads = self._group_work(plans, index, group)
             if entry.states is None and entry.params:
@@ -206,16 +209,19 @@ class StepPath:
                     absmax = pick(entry.absmax, bucket)
                     originals = [t for key, values in entry.kept.items() for i in bucket
                                  if isinstance(t := values[i], Tensor) and (key in part or key.endswith(ABSMAX))]
-                    entry.bucket_plans[bucket_index].traced_split = engines.step_op.split(
+                    traced = entry.bucket_plans[bucket_index].traced_split = engines.step_op.split(
                         part, absmax, algorithm.spec, originals, functools.partial(_remade, entry, bucket),
                         entry.originals and pick(entry.originals, bucket),
                         entry.watched and [entry.watched[i] for i in bucket])
+                    calls += [traced.call] if traced.call is not None else []
             # a CPU kernel that takes every tensor gets its scalars from an op (see scalars.py)
             whole = fused and algorithm.run is engines.run_bucket and all(
                 reduce is None and not entry.bucket_plans[i].traced_split.left
                 for i, (_, reduce) in enumerate(entry.buckets))
             entry.traced_scalars = scalars.prepare(algorithm, group) if (
                 whole and entry.params[0].device.type == "cpu") else None
+        for call in calls:  # so that a step refused by one changes nothing, whichever op of the graph runs first
+            call.siblings = [weakref.ref(other) for other in calls if other is not call]
         if len(plans.traced_states) >= TRACED_STATES_KEPT:
             plans.traced_states.clear()  # a graph whose entry went is traced again: its guard reads it
         plans.traced_states[self._grads_patterns()] = self.state, self.state.changes

@@ -243,6 +243,12 @@ def check(tables, grads):
     return status, pointers.numpy() if status == STEPPED else None
 
 
+def holds(tables):
+    """Whether the tensors that bound ``tables`` hold and watch are where and as they were bound (their
+    grads aside): native code checks them, running nothing."""
+    return torch.ops.fastoptim.holds_bound([table.handle for table in tables]) == STEPPED
+
+
 def probe(tensors, chunks):
     """The bandwidth probe: Adan's traffic (6 fp32 reads, 5 writes per element) with trivial math,
     over ``tensors`` (Adan's rows param, grad and its four states, each a list) and their chunk plan."""

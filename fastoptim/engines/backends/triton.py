@@ -99,6 +99,9 @@ def bind(spec, tensors, table, watched=(), originals=None, rule="", counts=()):
                  tensors["param"], 0 if remainders is None else remainders[0].element_size() * 8)
 
 
+holds = cpu.holds  # its tables are bound to native code for checking, as the CPU's are
+
+
 def launch(spec, bound, grads, per_tensor, state_format, values, flag_bits, options=None):
     return Launch(spec, bound, grads, per_tensor, state_format, values, *spec.unpack_flags(flag_bits))
 
