@@ -774,6 +774,34 @@ def test_a_fallback_in_a_compiled_step_warns_once_at_tracing():
             "fastoptim: fused=True, but no fused kernel for torch.float64; those tensors take the foreach engine"])
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_complex_param_compiles_on_foreach_beside_the_kernels(backend):
+    """A complex param (stepped as its real view) takes the foreach engine in a compiled step, with
+    fused=True's one warning: a graph cannot hand an op that mutates it a view of a tensor of another
+    dtype (aot_eager failed in setStorage, inductor in auto_functionalized). A real param of its
+    bucket stays on the kernel, bit for bit the eager step."""
+    def make():
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(4, 7, dtype=torch.complex64)), torch.nn.Parameter(torch.randn(30))]
+
+    eager_params, traced_params = make(), make()
+    eager, traced = fastoptim.AdamW(eager_params, lr=0.01, fused=True), fastoptim.AdamW(traced_params, lr=0.01, fused=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(traced.step, backend=backend, fullgraph=True)
+    for step in range(3):
+        set_grads(eager_params, step)
+        set_grads(traced_params, step)
+        eager.step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            compiled()
+        assert [str(w.message) for w in caught if "fastoptim" in str(w.message)] == ([] if step else [
+            "fastoptim: fused=True, but a compiled step's kernels take no complex params (their real views); "
+            "those tensors take the foreach engine"])
+    torch.testing.assert_close(traced_params[0], eager_params[0], rtol=1e-6, atol=1e-6)
+    assert torch.equal(traced_params[1], eager_params[1])
+
+
 def call_lion_op(params, grads, exp_avgs, layout=None):
     spec = fastoptim.Lion.algorithm.spec
     holders, made = engines.step_op.op_states({"param": params, "exp_avg": exp_avgs}, {}, spec)

@@ -133,6 +133,12 @@ def split(tensors, absmax, spec, originals=None, remake=None, viewed=None, count
         return TracedSplit([], list(range(len(tensors["param"]))),
                            "a compiled step's kernels keep no master_bits remainders")
     taken, _, left, reason = split_taken(tensors, spec, backends.for_device(tensors["param"][0].device))
+    # a graph cannot hand an op that mutates it a view of a tensor of another dtype: a complex param's real view
+    complex_views = {i for i in taken for role, values in tensors.items() if role != "grad"
+                     if values[i] is not None and values[i]._base is not None and values[i]._base.dtype != values[i].dtype}
+    if complex_views:
+        taken, left = [i for i in taken if i not in complex_views], sorted([*left, *complex_views])
+        reason = reason or "a compiled step's kernels take no complex params (their real views)"
     if not taken:
         return TracedSplit(taken, left, reason)
     states, absmax = pick(tensors, taken, leave=("grad",)), pick(absmax, taken)
@@ -363,8 +369,8 @@ def _op_step(spec, param, grad, holders, layout, scalars, flag_bits, per_tensor_
         if not same:
             for checked in (call, *siblings):
                 checked.refuse(op, copies=True)
-        elif siblings and not (backend.CHECKS_NATIVELY and all(other.tables is not None for other in siblings)
-                               and all(other.tables.hold() for other in siblings)):
+        elif siblings and not (all(other.tables is not None and not other.checked_here(backend) for other in siblings)
+                               and backend.CHECKS_NATIVELY and all(other.tables.hold() for other in siblings)):
             for other in siblings:
                 other.refuse(op, copies=False)
     if prepared and same and call.checked_here(backend) and call.moved():
