@@ -94,6 +94,7 @@ class GroupWork:
         self.watched = self.originals = None  # see read_tensors
         self.bucket_plans = [BucketPlan() for _ in self.buckets]
         self.traced_scalars = None  # for a traced CPU step whose scalars an op computes: scalars.Prepared
+        self.traced_reads = None  # for a traced step: its params' first-read marks (see PlanStore.first_reads)
 
     def fits(self, roles, engine, params, local_params):
         return (roles, engine) == (self.roles, self.engine) and self.signature.describes(params, local_params)
@@ -154,6 +155,7 @@ class GroupWork:
             return work
         work.states, work.context, work.bucket_plans = self.states, self.context, self.bucket_plans
         work.states_chosen, work.kept, work.traced_scalars = self.states_chosen, self.kept, self.traced_scalars
+        work.traced_reads = self.traced_reads
         work.partitions, work.reduced_roles, work.buckets = self.partitions, self.reduced_roles, self.buckets
         work.tensors = self.tensors | {"param": work.viewed(local_params, Partition.view_param)}  # in its view
         work.absmax = self.absmax
@@ -182,12 +184,33 @@ class PlanStore:
     graph a compiled step traced for it), the state dict and its change count that its eager part
     found (one per pattern: a value that another graph's tracing rewrote would pass this one's
     guard); ``writes``: the notes of the params' version counters after the optimizer's own writes
-    (``states.master.Writes``), or None."""
+    (``states.master.Writes``), or None; ``reads``: per group key, the first-read marks of its params
+    that every graph of a compiled step reads and writes (see :meth:`first_reads`)."""
 
     def __init__(self):
         self.current, self.patterns = {}, {}
-        self.traced_states = {}
+        self.traced_states, self.reads = {}, {}
         self.bound = self.writes = None
+
+    def first_reads(self, key, group_params, params, created):
+        """A traced step's first-read marks of ``params`` (those of group ``key`` with grads): one fp32
+        tensor over the group's params (``group_params``), 0 where a param's optional states were made
+        and no counted step has read them yet, which every graph of the group reads and marks (each
+        graph would keep its own marks stale: a step that another pattern of grads counted), and the
+        positions of ``params`` in it; None where all of them are read. ``created``: per param, whether
+        this trace made its optional states."""
+        ids = tuple(map(id, group_params))
+        held = self.reads.get(key)
+        if held is None or held[0] != ids:  # the group's params changed: their marks carried over
+            before = {} if held is None else dict(zip(held[0], held[1].tolist()))
+            held = self.reads[key] = ids, torch.tensor([before.get(i, 1.0) for i in ids], device=params[0].device)
+        marks, position = held[1], {i: at for at, i in enumerate(ids)}
+        positions = [position[id(param)] for param in params]
+        for at, made in zip(positions, created):
+            if made:
+                marks[at] = 0.0
+        values = marks.tolist()
+        return (marks, positions) if any(values[at] == 0 for at in positions) else None
 
     def work(self, key, pattern, roles, engine, params, local_params):
         """The :class:`GroupWork` of key ``key`` over ``params`` (``local_params``: what the engines update of

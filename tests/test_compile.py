@@ -758,6 +758,33 @@ def test_a_count_shared_across_groups_compiles_as_eager():
     assert_same(eager, traced)
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("schedule", [[((0, 1), True), ((0,), False), ((0, 1), False)],
+                                      [((0,), True), ((0, 1), False), ((0,), False), ((0, 1), False)]],
+                         ids=["both skipped, then one", "one skipped, then both"])
+def test_adans_first_reads_are_one_per_param_across_the_graphs_of_its_grads_patterns(backend, schedule):
+    """Adan's g - g_prev weighs 0 at a param's first counted step: a compiled step whose first call
+    GradScaler skipped made the states, and a graph of another pattern of grads (a param without a
+    grad) counted some params' first step; every graph reads and marks one tensor of the group's
+    first-read marks. The first graph once kept its own marks at 0, weighing g - g_prev 0 again."""
+    def run(compiled):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))]
+        opt = fastoptim.Adan(params, lr=1e-2)
+        torch._dynamo.reset()
+        step = torch.compile(opt.step, backend=backend, fullgraph=True) if compiled else opt.step
+        for index, (with_grad, skipped) in enumerate(schedule):
+            torch.manual_seed(100 + index)
+            for i, param in enumerate(params):
+                param.grad = torch.randn(4) * 256 if i in with_grad else None
+            opt.grad_scale, opt.found_inf = torch.tensor(256.0), torch.tensor(float(skipped))
+            step()
+        return params + [opt.state[param][key] for param in params for key in ("exp_avg_sq", "neg_pre_grad")]
+
+    for ours, expected in zip(run(True), run(False)):
+        assert torch.equal(ours, expected)
+
+
 def test_a_fallback_in_a_compiled_step_warns_once_at_tracing():
     params = [torch.nn.Parameter(torch.randn(10, dtype=torch.float64)), torch.nn.Parameter(torch.randn(10))]
     opt = fastoptim.Adan(params, lr=torch.tensor(0.01), fused=True)

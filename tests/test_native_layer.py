@@ -820,7 +820,8 @@ def test_a_traced_steps_scalars_computed_by_its_native_rule_are_its_pythons(cls,
         def call():
             return torch.ops.fastoptim.step_scalars(
                 prepared.name, prepared.options, prepared.numbers(group), None,
-                grad_scale if isinstance(grad_scale, torch.Tensor) else None, counts, None, first_reads, None, found_inf,
+                grad_scale if isinstance(grad_scale, torch.Tensor) else None, counts, None, first_reads, [], None,
+                found_inf,
                 group["lr"], grad_scale if isinstance(grad_scale, float) else None, torch.float32, False,
                 torch.device("cpu"), 5, owners)
 

@@ -90,12 +90,14 @@ def step_arguments(algorithm: Algorithm, group: dict, count: Tensor | None, incr
 _ALGORITHMS = {}  # what step_scalars is named, to its algorithm: registered at tracing, in this process
 _LIBRARY = torch.library.Library("fastoptim", "FRAGMENT")
 _LIBRARY.define("step_scalars(str algorithm, str group, float[] numbers, Tensor? lr, Tensor? grad_scale, "
-                "Tensor[] counts, Tensor? increment, Tensor? first_reads, Tensor? factors, Tensor? found_inf, "
+                "Tensor[] counts, Tensor? increment, Tensor? first_reads, int[] read_positions, Tensor? factors, "
+                "Tensor? found_inf, "
                 "float? lr_number, float? grad_scale_number, ScalarType wide, bool stochastic, Device device, "
                 "int n, int[] owners) -> Tensor[]")
 _LIBRARY.define("step_factors(Tensor? total, Tensor? amp_scale, Tensor? found_inf, float max_norm, float eps, "
                 "ScalarType wide, bool[] maximize) -> Tensor[]")
-_LIBRARY.define("mark_read(Tensor(a!) first_reads, Tensor? increment) -> ()")  # no op may both mutate and return
+_LIBRARY.define("mark_read(Tensor(a!) first_reads, Tensor? increment, int[] positions) -> ()")  # no op may both
+# mutate and return
 
 
 class Prepared(NamedTuple):
@@ -250,13 +252,16 @@ def _ruled(algorithm, algorithm_name, options, numbers, lr, counts, first_reads,
                                              n, wide == torch.float32) or None
 
 
-def _scalars(algorithm_name, options, numbers, lr, grad_scale, counts, increment, first_reads, factors, found_inf,
-             lr_number, grad_scale_number, wide, stochastic, device, n, owners, fake=False):
+def _scalars(algorithm_name, options, numbers, lr, grad_scale, counts, increment, first_reads, read_positions,
+             factors, found_inf, lr_number, grad_scale_number, wide, stochastic, device, n, owners, fake=False):
     """The kernel's scalars in its spec's order for the params ``owners`` of the group's ``n`` (all:
     none listed), each a float64 tensor on ``device``: 0-d, or one value per param for those the
-    arguments name so. ``fake``: their shapes alone. On the host, with a number lr, its native rule
-    computes them (``_ruled``); else the Python that the eager step runs."""
+    arguments name so; ``first_reads`` the params' marks (at ``read_positions``, where listed: see
+    ``PlanStore.first_reads``). ``fake``: their shapes alone. On the host, with a number lr, its native
+    rule computes them (``_ruled``); else the Python that the eager step runs."""
     algorithm = _ALGORITHMS[algorithm_name]
+    if read_positions and first_reads is not None:
+        first_reads = first_reads[read_positions]
     lr = lr_number if lr is None else lr
     grad_scale = grad_scale_number if grad_scale is None else grad_scale
     ruled = None
@@ -300,8 +305,12 @@ def _factors(total, amp_scale, found_inf, max_norm, eps, wide, maximize):
     return ([] if found_inf is None else [increment_of(found_inf)]) + scales
 
 
-def _mark_read(first_reads, increment):
-    first_reads.clamp_(min=1 if increment is None else increment)
+def _mark_read(first_reads, increment, positions):
+    least = 1 if increment is None else increment
+    if positions:
+        first_reads[positions] = first_reads[positions].clamp(min=least)
+    else:
+        first_reads.clamp_(min=least)
 
 
 _LIBRARY.impl("step_scalars", _scalars, "CompositeExplicitAutograd")
@@ -309,7 +318,7 @@ torch.library.register_fake("fastoptim::step_scalars", lambda *args: _scalars(*a
 _LIBRARY.impl("step_factors", _factors, "CompositeExplicitAutograd")
 torch.library.register_fake("fastoptim::step_factors", _factors, lib=_LIBRARY)  # tensor math: fake tensors run it
 _LIBRARY.impl("mark_read", _mark_read, "CompositeExplicitAutograd")
-torch.library.register_fake("fastoptim::mark_read", lambda first_reads, increment: None, lib=_LIBRARY)
+torch.library.register_fake("fastoptim::mark_read", lambda first_reads, increment, positions: None, lib=_LIBRARY)
 
 
 def _tensor(value):
@@ -322,14 +331,15 @@ def _number(value):
 
 def traced_kernel_scalars(algorithm: Algorithm, prepared: Prepared, group: dict, counts: list[Tensor],
                           increment: int | Tensor, inputs: StepInputs, found_inf: Tensor | None, stochastic: bool,
-                          device: torch.device, n: int, owners: list[int]) -> dict:
+                          device: torch.device, n: int, owners: list[int], read_positions: list[int]) -> dict:
     """A traced step's kernel scalars (name to a float64 tensor, found_inf and the rounding seed
     included) for the params ``owners`` of a group of ``n`` (a bucket; all of them: none listed),
     computed by ``fastoptim::step_scalars`` as :func:`step_arguments` and the fused engine compute
-    them eagerly, and the seed drawn there, as the eager step draws one per bucket."""
+    them eagerly, and the seed drawn there, as the eager step draws one per bucket. ``inputs.first_reads``
+    holds the first-read marks of the group's params at ``read_positions``, where listed."""
     out = torch.ops.fastoptim.step_scalars(
         prepared.name, prepared.options, prepared.numbers(group), _tensor(inputs.lr), _tensor(inputs.grad_scale),
-        counts, _tensor(increment), inputs.first_reads, inputs.factors, found_inf, _number(inputs.lr),
+        counts, _tensor(increment), inputs.first_reads, read_positions, inputs.factors, found_inf, _number(inputs.lr),
         _number(inputs.grad_scale), inputs.wide, stochastic, device, n, owners)
     return dict(zip(algorithm.spec.all_scalars, out))
 
@@ -346,8 +356,8 @@ def traced_factors(grads: list[Tensor] | None, max_norm: float, eps: float, amp_
     return increment, scales if len(scales) else [grad_scale(None, None, m) for m in maximize]  # dynamo < 2.13: no bool(list)
 
 
-def traced_mark_read(first_reads: Tensor, increment: int | Tensor) -> None:
-    """Mark the params' optional states read (``first_reads`` at least ``increment``), through
-    ``fastoptim::mark_read``: a compiled step reads them on every call, and a step that counts gave
-    every param its optional states."""
-    torch.ops.fastoptim.mark_read(first_reads, _tensor(increment))
+def traced_mark_read(first_reads: Tensor, increment: int | Tensor, positions: list[int]) -> None:
+    """Mark the params' optional states read (``first_reads``, at ``positions`` where listed, at least
+    ``increment``), through ``fastoptim::mark_read``: a compiled step reads them on every call, and a
+    step that counts gave every param its optional states."""
+    torch.ops.fastoptim.mark_read(first_reads, _tensor(increment), positions)

@@ -199,6 +199,11 @@ class StepPath:
             if entry.states is None and entry.params:
                 self._use_new_states(group, entry, traced=True)
             algorithm = self._algorithm(group)
+            if algorithm.spec.optional and entry.params:  # the marks go to the group's, which every graph reads
+                made = entry.context.first_reads
+                entry.traced_reads = plans.first_reads(index, group["params"], entry.params, [
+                    False] * len(entry.params) if made is None else [value == 0 for value in made.tolist()])
+                entry.context = entry.context._replace(first_reads=None)
             fused = entry.engine in engines.FUSED and entry.params and algorithm.kernel_scalars is not None
             tensors = entry.tensors | {"grad": entry.viewed(grads)} if fused else None
             for bucket_index, (bucket, _) in enumerate(entry.buckets):
@@ -293,11 +298,14 @@ class StepPath:
         if entry.states is None:  # every group is checked by now: states may be created
             self._use_new_states(group, entry, traced=traced)
         prepared = entry.traced_scalars if traced else None
+        reads = entry.traced_reads if traced else None  # (the group's marks, these params' positions)
         args, per_tensor = {}, ()  # where an op makes each bucket's scalars
         if prepared is None:
             args, per_tensor = self._arguments(algorithm, group, entry, grad_scale, increment, traced)
         else:
             counts, inputs = self._step_counts(group, entry).read(group), self._step_inputs(group, entry, grad_scale)
+            if reads is not None:
+                inputs = inputs._replace(first_reads=reads[0])
         plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, algorithm.update, algorithm.spec,
                             algorithm.kernel_scalars, algorithm.flags(group), args,
                             frozenset(per_tensor), found_inf, group["stochastic_rounding"],
@@ -312,34 +320,34 @@ class StepPath:
             if prepared is not None:
                 part.kernel_values = scalars.traced_kernel_scalars(
                     algorithm, prepared, group, counts, increment, inputs, found_inf, group["stochastic_rounding"],
-                    entry.tensors["param"][0].device, len(entry.params), [] if whole else bucket)
+                    entry.tensors["param"][0].device, len(entry.params), [] if whole else bucket,
+                    [] if reads is None else reads[1])
             if keeps_no_remainders(part.tensors):
                 part = part.without(master.KEY)
             part.bucket = entry.bucket_plans[index]
             algorithm.run(entry.engine, part, reduce_group)
-        first_reads = entry.context.first_reads
-        if first_reads is not None:  # for one step: then every param has its optional states
+        if reads is not None:  # a compiled step reads them again on every call, and a step that counts gave
+            scalars.traced_mark_read(reads[0], increment, reads[1])  # every param its optional states
+        if entry.context.first_reads is not None:  # for one eager step: then every param has its optional states
             entry.context = entry.context._replace(first_reads=None)
-            if prepared is not None:
-                scalars.traced_mark_read(first_reads, increment)
-            elif traced:  # a compiled step reads them again on every call, and a step that counts gave every
-                first_reads.clamp_(min=increment)  # param its optional states
 
     def _arguments(self, algorithm, group, entry, grad_scale, increment, traced):
         """``algorithm``'s arguments for this step of ``group`` (``entry``: its work) and the names of those
         that hold one value per param (see ``scalars.step_arguments``)."""
         return scalars.step_arguments(algorithm, group, scalars.one_count(self._step_counts(group, entry).read(group)),
-                                      increment, self._step_inputs(group, entry, grad_scale), traced)
+                                      increment, self._step_inputs(group, entry, grad_scale, traced), traced)
 
     def _step_counts(self, group, entry):
         """The :class:`StepCounts` of ``group``'s params with grads (``entry``: their work, or None)."""
         context = None if entry is None else entry.context
         return context.counts if context is not None else StepCounts(self._algorithm(group).counts)
 
-    def _step_inputs(self, group, entry, grad_scale):
-        """The :class:`StepInputs` of this step of ``group`` besides its count (see ``StepCounts``)."""
-        context = entry.context
-        return StepInputs(group_lr(group), grad_scale, None, entry.scalar_dtype, context.first_reads, context.factors)
+    def _step_inputs(self, group, entry, grad_scale, traced=False):
+        """The :class:`StepInputs` of this step of ``group`` besides its count (see ``StepCounts``); a
+        ``traced`` step's first reads are its params' marks among the group's."""
+        context, reads = entry.context, entry.traced_reads if traced else None
+        first_reads = context.first_reads if reads is None else reads[0][reads[1]]
+        return StepInputs(group_lr(group), grad_scale, None, entry.scalar_dtype, first_reads, context.factors)
 
     def _count_step(self, group, entry, increment, whole_step=True, traced=False):
         """Advance the group's step counts by ``increment`` (see ``StepCounts.advance``) after a step of
