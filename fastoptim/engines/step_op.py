@@ -370,7 +370,8 @@ def _op_step(spec, param, grad, holders, layout, scalars, flag_bits, per_tensor_
             for checked in (call, *siblings):
                 checked.refuse(op, copies=True)
         elif siblings and not (all(other.tables is not None and not other.checked_here(backend) for other in siblings)
-                               and backend.CHECKS_NATIVELY and all(other.tables.hold() for other in siblings)):
+                               and backend.CHECKS_NATIVELY
+                               and backend.holds([bound for other in siblings for bound in other.tables.bound()])):
             for other in siblings:
                 other.refuse(op, copies=False)
     if prepared and same and call.checked_here(backend) and call.moved():

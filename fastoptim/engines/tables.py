@@ -113,10 +113,9 @@ class Tables:
             self.tables.append((indices, index, bound, table_format))
         self.grad_strides = list(map(torch.Tensor.stride, tensors["grad"]))
 
-    def hold(self):
-        """Whether the tensors of every table are where and as they were bound, their grads aside (a
-        backend that ``CHECKS_NATIVELY``)."""
-        return self.backend.holds([bound for _, _, bound, _ in self.tables])
+    def bound(self):
+        """What the backend bound of each table (for a backend that ``CHECKS_NATIVELY``, its ``holds``)."""
+        return [bound for _, _, bound, _ in self.tables]
 
     def fit(self, grads):
         """Whether the grads have the layouts the tables were built with."""
