@@ -379,3 +379,32 @@ def test_two_adan_groups_given_one_count_at_construction_count_as_the_checked_st
     (params, opt), (twin_params, twin), _ = _bound_and_checked(factory, lambda step, opt, params: None, monkeypatch)
     assert opt.param_groups[0]["step"].item() == twin.param_groups[0]["step"].item()
     assert all(map(torch.equal, params, twin_params))
+
+
+@pytest.mark.parametrize("engine, compiled", [(dict(), False), (dict(), True), (dict(fused=False), False),
+                                              (dict(foreach=False, fused=False), False)],
+                         ids=["fused", "fused-compiled", "foreach", "loop"])
+@pytest.mark.parametrize("cls, betas", [(fastoptim.Adan, (0.98, 0.92)), (fastoptim.AdamW, (0.9, 0.99, 0.999))],
+                         ids=["Adan", "AdamW"])
+def test_betas_of_another_length_set_between_steps_are_refused_by_name_changing_nothing(cls, betas, engine, compiled):
+    """Betas of the wrong length written into a group after the first step: every path (a bound step
+    included, whose native call read the wrong count of rule numbers and failed as "table 0 has no rule",
+    and a compiled one, whose traced op failed on fake tensors) refuses them as the constructor does,
+    before anything changes."""
+    params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)))
+              for i, s in enumerate(SHAPES)]
+    opt = cls(params, lr=0.1, **engine)
+    step = torch.compile(opt.step) if compiled else opt.step
+    for param in params:
+        param.grad = grad_for(param, 0)
+    step()
+    step()
+    before = [param.clone() for param in params]
+    before_states = [{key: value.clone() for key, value in opt.state[param].items()} for param in params]
+    opt.param_groups[0]["betas"] = betas
+    with pytest.raises(Exception, match=r"Invalid betas: \(.*\) \(expected \d numbers\)"):
+        step()
+    assert all(map(torch.equal, params, before))
+    for param, state in zip(params, before_states):
+        assert sorted(opt.state[param]) == sorted(state)
+        assert all(torch.equal(opt.state[param][key], value) for key, value in state.items())

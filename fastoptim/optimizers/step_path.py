@@ -73,8 +73,12 @@ class StepPath:
 
     def _check_between_steps(self, group, params):
         """Raise if what a scheduler or the user may have set in ``group`` since the last step does not
-        fit ``params`` (those with grads): a tensor lr. (A ``PER_GROUP`` count set anew is checked by the
-        step that plans with it, see ``_group_work``: a bound step holds the one it was planned with.)"""
+        fit ``params`` (those with grads) or its algorithm: a tensor lr, and betas of another length (the
+        kernels' and native rules' arguments are laid out by it). (A ``PER_GROUP`` count set anew is checked
+        by the step that plans with it, see ``_group_work``: a bound step holds the one it was planned with.)"""
+        betas, n_betas = group["betas"], self._algorithm(group).n_betas
+        if not hasattr(betas, "__len__") or len(betas) != n_betas:
+            raise ValueError(f"Invalid betas: {betas!r} (expected {n_betas} numbers)")
         if isinstance(group["lr"], Tensor) and params:
             check_tensor_lr(group["lr"], params[0].device)
 
