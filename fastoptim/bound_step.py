@@ -213,7 +213,10 @@ class BoundStep:
                 # a bound part (Muon's) skips a step GradScaler found an inf in on the host, and its update
                 # draws random bits after the call
                 return False
-            numbers.append(list(map(float, values)))
+            try:
+                numbers.append(list(map(float, values)))
+            except (TypeError, ValueError):  # an option set to what no rule reads (correct_bias=None): as checked
+                return False
         # the native call unscales (GradScaler's scale), clips and advances the counts: no tensor op here
         amp_scale = getattr(optimizer, "grad_scale", None)
         increment, scales, clip = optimizer._grad_scales(work, found_inf, eager=True, clip_in_step=True)

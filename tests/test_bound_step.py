@@ -408,3 +408,27 @@ def test_betas_of_another_length_set_between_steps_are_refused_by_name_changing_
     for param, state in zip(params, before_states):
         assert sorted(opt.state[param]) == sorted(state)
         assert all(torch.equal(opt.state[param][key], value) for key, value in state.items())
+
+
+def test_an_option_set_to_what_no_rule_reads_steps_bound_as_checked_and_compiled(monkeypatch):
+    """``correct_bias = None`` written into an AdamWSN group between steps (the constructor takes only a
+    bool; the checked step reads it as false): the bound step raised a TypeError reading it as a number,
+    while the checked and compiled steps stepped without bias correction. Now the bound step leaves it
+    to the checked step, and all three agree bit for bit."""
+    def change(step, opt, params):
+        if step == 2:
+            opt.param_groups[0]["correct_bias"] = None
+
+    factory = lambda params: fastoptim.AdamWSN(params, lr=0.1)  # noqa: E731
+    (bound, _), (checked, _), _ = _bound_and_checked(factory, change, monkeypatch)
+    assert all(map(torch.equal, bound, checked))
+    params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)))
+              for i, s in enumerate(SHAPES)]
+    opt = factory(params)
+    step = torch.compile(opt.step)
+    for i in range(6):
+        for param in params:
+            param.grad = grad_for(param, i)
+        change(i, opt, params)
+        step()
+    assert all(map(torch.equal, params, checked))
