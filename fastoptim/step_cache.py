@@ -1,6 +1,7 @@
 """The step cache: what a step of one param group needs of its params and states, built once and
 reused while they pass the cache rule (:class:`Signature`, the one place it is stated). Beside it,
 ``multi_tensor`` builds the fused kernels' pointer tables, which the cache keeps per bucket."""
+import math
 import operator
 import weakref
 from collections import defaultdict
@@ -262,17 +263,47 @@ def _counting_changes(cls):
     return cls
 
 
+def _as_count(key, value):
+    """``value`` written under ``key``; a ``"step"`` written as a whole number >= 0 (official Adan and
+    timm keep ints) as the 0-d fp32 tensor a step reads (on the CPU; a step moves it to its param's
+    device): torch.compile's guards of an optimizer's state take no number for a count. Any other value
+    stays as written, for the step to take or refuse by name."""
+    if key == "step" and type(value) in (int, float) and math.isfinite(value) and value >= 0 and value == int(value):
+        return torch.tensor(float(value))
+    return value
+
+
 @_counting_changes
 class ParamState(dict):
     """A param's state dict, as torch.optim's, which counts its changes in the OptimizerStates that hold it,
-    so a step can tell that none of its states was replaced or removed without looking at each."""
+    so a step can tell that none of its states was replaced or removed without looking at each. A count
+    written as a number is kept as a tensor (see ``_as_count``), as torch.optim loads one."""
 
     owners = ()  # weak references to the OptimizerStates that hold it
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if "step" in self:
+            dict.__setitem__(self, "step", _as_count("step", dict.__getitem__(self, "step")))
+
     def __setitem__(self, key, value):
+        value = _as_count(key, value)
         if key not in self or dict.__getitem__(self, key) is not value:  # dynamo sets counts to themselves
             _changed(self)
         super().__setitem__(key, value)
+
+    def update(self, *args, **kwargs):
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+    def __ior__(self, values):
+        self.update(values)
+        return self
+
+    def setdefault(self, key, value=None):
+        if key not in self:
+            self[key] = value
+        return self[key]
 
     def __reduce__(self):
         return ParamState, (dict(self),)

@@ -326,17 +326,36 @@ def test_a_count_given_storage_of_its_own_between_compiled_steps_is_read_and_adv
     assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
 
 
-@pytest.mark.xfail(strict=True, raises=torch._dynamo.exc.InternalTorchDynamoError,
-                   reason="torch's own optimizer tracing (move_step_if_cpu) reads every state's step as a tensor "
-                   "before fastoptim's _init_group can convert an int one, as an eager step does")
-def test_an_int_count_set_between_compiled_steps_is_taken_as_an_eager_step_takes_it():
-    params = _three_params()
-    opt = fastoptim.AdamW(params, lr=1e-2)
-    torch._dynamo.reset()
-    step = torch.compile(opt.step, backend="eager", fullgraph=True)
-    for index in range(3):
-        _seeded_grads(params, index)
-        if index == 2:
-            opt.state[params[1]]["step"] = 5
-        step()
-    assert opt.state[params[1]]["step"].item() == 6.0
+WRITES_OF_AN_INT_COUNT = {
+    "item": lambda state: state.__setitem__("step", 5),
+    "update": lambda state: state.update(step=5),
+    "or": lambda state: state.__ior__({"step": 5.0}),
+    "new dict": None,  # opt.state[param] = {**state, "step": 5}
+}
+
+
+@pytest.mark.parametrize("write", list(WRITES_OF_AN_INT_COUNT))
+def test_an_int_count_set_between_compiled_steps_is_taken_as_an_eager_step_takes_it(write):
+    """``state["step"] = 5`` between compiled steps: torch's own optimizer tracing (dynamo's
+    move_step_if_cpu) reads every state's count as a tensor before fastoptim's ``_init_group`` runs, and
+    failed inside dynamo on the int; a count written as a number is kept as a tensor (as torch.optim
+    loads one), and the compiled run is the eager one's."""
+    runs = []
+    for compiled in (False, True):
+        params = _three_params()
+        opt = fastoptim.AdamW(params, lr=1e-2)
+        torch._dynamo.reset()
+        step = torch.compile(opt.step, backend="eager", fullgraph=True) if compiled else opt.step
+        for index in range(3):
+            _seeded_grads(params, index)
+            if index == 2:
+                state = opt.state[params[1]]
+                if WRITES_OF_AN_INT_COUNT[write] is None:
+                    opt.state[params[1]] = {**state, "step": 5}
+                else:
+                    WRITES_OF_AN_INT_COUNT[write](state)
+                assert isinstance(opt.state[params[1]]["step"], torch.Tensor)
+            step()
+        assert opt.state[params[1]]["step"].item() == 6.0
+        runs.append(params)
+    assert all(map(torch.equal, *runs))
