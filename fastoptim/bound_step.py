@@ -9,6 +9,7 @@ import operator
 import os
 from itertools import repeat
 
+import torch
 from torch import Tensor
 
 from . import engines, flat_params
@@ -229,6 +230,7 @@ class BoundStep:
                 finishing.append((group, parts, *optimizer._arguments(algorithm, group, entry, scale, 1,
                                                                       traced=False)))
         grads_in, values, flags, options = [], [], [], []  # per table, in the call's order; the rules' options
+        drawn = {}  # per device a seed is drawn on, its generator's state before (see rng_state)
         for (group, entry, grads), scale, buckets, group_numbers, parts, flag_bits in zip(
                 work, scales, self.positions, numbers, self.parts, self.flag_bits):
             stochastic, device = group["stochastic_rounding"], grads[0].device if grads else None
@@ -242,6 +244,8 @@ class BoundStep:
                 continue
             if stochastic:
                 flag_bits |= STOCHASTIC_ROUNDING
+                if device not in drawn:
+                    drawn[device] = rng_state(device)
             for tables in buckets:  # a seed per bucket, in bucket order, as a checked step draws them
                 common = [0.0] * len(COMMON_SCALARS)
                 common[FOUND_INF] = 0.0 if found_inf is None else found_inf
@@ -255,6 +259,7 @@ class BoundStep:
         if grads_in:
             all_grads = grads_in[0] if len(grads_in) == 1 else [grad for grads in grads_in for grad in grads]
             if self.call.run(all_grads, values, flags, options, clip, amp_scale) != self.backend.STEPPED:
+                set_rng_states(drawn)
                 return False
         for group, parts, args, per_tensor in finishing:  # the rest of the step of those whose kernels ran part
             for part in parts:
@@ -277,13 +282,15 @@ class BoundStep:
                for algorithm, now, planned in zip(self.algorithms, flags, self.flag_bits)):
             return False
         increment, scales, _ = optimizer._grad_scales(work, found_inf, eager=True)
-        launches = []
+        launches, drawn = [], {}
         for (group, entry, grads), scale, algorithm, buckets, single, group_flags in zip(
                 work, scales, self.algorithms, self.runs, self.single, flags):
             if not entry.params:
                 continue
             args, per_tensor = optimizer._arguments(algorithm, group, entry, scale, increment, traced=False)
             stochastic, device = group["stochastic_rounding"], grads[0].device
+            if stochastic and device not in drawn:
+                drawn[device] = rng_state(device)
             for tables, bucket, plan in buckets:  # a seed per bucket, in bucket order, as a checked step draws them
                 ordered = engines.fused.ordered_scalars(
                     algorithm.spec, algorithm.kernel_scalars,
@@ -292,9 +299,26 @@ class BoundStep:
                 tables.launch(algorithm.spec, grads if bucket is None else [grads[i] for i in bucket], ordered,
                               group_flags, stochastic, single, launches)
         if launches and not self.backend.run_launches(launches):
+            set_rng_states(drawn)
             return False
         optimizer._advance(work, increment, writes)
         return True
+
+
+def rng_state(device):
+    """The state of the generator that a seed drawn on ``device`` advances. A refused native call
+    gives it back (:func:`set_rng_states`): the checked step that follows draws the seeds again, as a
+    step checked from the start draws them once."""
+    return torch.get_rng_state() if device.type == "cpu" else torch.cuda.get_rng_state(device)
+
+
+def set_rng_states(states):
+    """Set each device's generator to its state in ``states`` (device to :func:`rng_state`)."""
+    for device, state in states.items():
+        if device.type == "cpu":
+            torch.set_rng_state(state)
+        else:
+            torch.cuda.set_rng_state(state, device)
 
 
 def rule_numbers(group, keys):

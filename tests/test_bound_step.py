@@ -156,13 +156,12 @@ def test_a_count_written_by_hand_is_the_count_the_bound_steps_read_and_advance(l
         assert torch.equal(param, expected)
 
 
-@pytest.mark.xfail(strict=True, reason="a bound step draws each bucket's stochastic rounding seed before its native "
-                   "call checks the tables; when that call answers STALE (a param given new storage), the checked "
-                   "step that follows draws again, so the global RNG (and the rounding) runs apart from a twin "
-                   "whose steps are all checked. Pre-existing (the bound path drew seeds before launching before "
-                   "6d667b0 too); fixing it needs the seeds drawn after the check or the RNG state restored")
 @pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.Adan])
 def test_a_bound_step_refused_as_stale_leaves_the_rng_as_it_found_it(cls, monkeypatch):
+    """A bound step draws each bucket's stochastic rounding seed before its native call checks the
+    tables; when that call answers STALE (a param given new storage), the checked step that follows
+    draws them again: the generator's state is given back, so the rounding runs as a twin's whose
+    steps are all checked."""
     def change(step, opt, params):
         if step == 3:
             params[3].data = params[3].data.clone()
