@@ -115,25 +115,29 @@ def test_the_step_op_still_steps_what_it_is_given_right():
     assert torch.equal(p, torch.full((8,), -0.01)) and torch.allclose(exp_avg, torch.full((8,), 0.01))
 
 
-def test_the_step_ops_store_finds_a_call_by_its_very_layout_and_its_spec_and_stays_bounded():
-    """``step_op._CALLS``: a call the op made is found again for the same layout tensor of the same
-    spec's op (its tables reused), never for another spec's op handed that layout, and the calls the op
-    makes for ever new layouts stay at most ``SIZE``."""
+def test_a_step_op_s_call_is_found_by_its_very_layout_and_its_spec_and_goes_with_the_layout():
+    """A call the op made is held by its layout tensor: found again for that tensor by the same spec's op
+    (its tables reused), never by another spec's op handed that layout nor for another tensor of the same
+    values, and freed with the layout (the op called on ever new layouts keeps none of them)."""
+    import gc
+    import weakref
+
     from fastoptim.engines import step_op as ops
     lion = fastoptim.Lion.algorithm.spec
     p, exp_avg = torch.zeros(8), torch.zeros(8)
     holders, layout = ops.op_states({"param": [p], "exp_avg": [exp_avg]}, {}, lion)
     scalars = [torch.tensor(v) for v in (0.0, 0.0, 1.0, 0.9, 0.1, 0.99, 0.01, 0.01, 1.0)]
     torch.ops.fastoptim.lion_step([p], [torch.ones(8)], holders, layout, scalars, 0, False)
-    call = ops._CALLS.find(lion.name, layout)
-    assert call is not None and call.layout is layout and call.tables is not None
+    call = ops._held_call(lion.name, layout)
+    assert call is not None and call.tables is not None
     torch.ops.fastoptim.lion_step([p], [torch.ones(8)], holders, layout, scalars, 0, False)
-    assert ops._CALLS.find(lion.name, layout) is call  # kept, its tables reused
-    assert ops._CALLS.find(fastoptim.AdamW.algorithm.spec.name, layout) is None
-    assert ops._CALLS.find(lion.name, layout.clone()) is None  # another tensor, whatever its values
-    for _ in range(ops.OpCalls.SIZE + 5):
-        step_op(fastoptim.Lion, [torch.zeros(8)], [torch.ones(8)], [[torch.zeros(8)]], [[]], scalars, 0)
-    assert len(ops._CALLS._own) <= ops.OpCalls.SIZE
+    assert ops._held_call(lion.name, layout) is call  # kept, its tables reused
+    assert ops._held_call(fastoptim.AdamW.algorithm.spec.name, layout) is None
+    assert ops._held_call(lion.name, layout.clone()) is None  # another tensor, whatever its values
+    gone = weakref.ref(call)
+    del call, layout
+    gc.collect()
+    assert gone() is None
 
 
 # --- 2. the clip ops stay inside their tensors ----------------------------------------------------

@@ -143,22 +143,23 @@ def split(tensors, absmax, spec, originals=None, remake=None, viewed=None, count
         return TracedSplit(taken, left, reason)
     states, absmax = pick(tensors, taken, leave=("grad",)), pick(absmax, taken)
     holders, layout = op_states(states, absmax, spec)
-    call = _CALLS.prepared(spec.name, PreparedCall(states["param"], holders, layout, states, absmax, originals,
-                                                   lambda: remake(taken), viewed and pick(viewed, taken),
-                                                   counts and [counts[i] for i in taken]))
+    call = PreparedCall(states["param"], holders, layout, states, absmax, originals, lambda: remake(taken),
+                        viewed and pick(viewed, taken), counts and [counts[i] for i in taken])
+    _hold_call(spec.name, layout, call)
     return TracedSplit(taken, left, reason, call)
 
 
 class OpCall:
-    """A step op's call as its tables were built for: its params, state holders and layout, the
-    states by role, and the tables (with, for a backend that does not check natively, the held
-    tensors' and the grads' signatures). ``viewed``: by role, the tensors that its states are views
-    of, which the tables hold and check in their place (or None)."""
+    """A step op's call as its tables were built for: its params and state holders, the states by
+    role, and the tables (with, for a backend that does not check natively, the held tensors' and the
+    grads' signatures); the layout tensor it was made for holds it (see :func:`_hold_call`). ``viewed``:
+    by role, the tensors that its states are views of, which the tables hold and check in their place
+    (or None)."""
 
     viewed = counts = None
 
-    def __init__(self, params, holders, layout, tensors, absmax):
-        self.params, self.holders, self.layout, self.tensors, self.absmax = params, holders, layout, tensors, absmax
+    def __init__(self, params, holders, tensors, absmax):
+        self.params, self.holders, self.tensors, self.absmax = params, holders, tensors, absmax
         self.flag_bits = self.tables = self.held = self.signature = self.grads_signature = None
 
     def build(self, spec, backend, flag_bits, tensors, absmax, taken_formats):
@@ -172,8 +173,9 @@ class OpCall:
 
 
 class PreparedCall(OpCall):
-    """A call that ``split`` prepared before tracing, on the user's own state tensors: kept by the
-    optimizer's step cache (so it goes with the optimizer), found by the op through its layout.
+    """A call that ``split`` prepared before tracing, on the user's own state tensors, with the
+    ``layout`` the traced step hands the op: kept by the optimizer's plan (so it goes with the
+    optimizer), found by the op through that layout, which holds it weakly.
     A state given new storage in place (``set_``, ``.data =``) is seen by the data pointers of
     ``originals`` (the user's tensors, of which the states may be views: ``viewed`` by role, which
     the tables hold, so a backend that checks natively sees them move) and the call is made afresh
@@ -184,8 +186,8 @@ class PreparedCall(OpCall):
     siblings = ()  # weak references to the other calls of its step (see fastoptim.optimizers.step_path)
 
     def __init__(self, params, holders, layout, tensors, absmax, originals, remake, viewed=None, counts=None):
-        super().__init__(params, holders, layout, tensors, absmax)
-        self.originals, self.remake, self.viewed, self.counts = originals, remake, viewed, counts
+        super().__init__(params, holders, tensors, absmax)
+        self.layout, self.originals, self.remake, self.viewed, self.counts = layout, originals, remake, viewed, counts
         self.seen = Signature(originals)
         self.counts_seen = counts and Signature([t for pair in counts for t in pair])
         mine = set(map(id, originals))  # else the states are views of them (a subset-norm or complex state's)
@@ -238,37 +240,23 @@ class PreparedCall(OpCall):
         self.tables = None
 
 
-class OpCalls:
-    """The step ops' calls, in one store with one rule: a call is found by its op's spec and its
-    layout tensor (made for one call: see :func:`op_states`), and only if it was made for that very
-    tensor (an id may be reused once a tensor is freed). The calls that ``split`` prepared for an
-    optimizer before tracing are held weakly: the optimizer's plan holds them, and they go with it.
-    Those the op made itself, for a caller that prepared none, are held up to ``SIZE``: emptied when
-    a new one would pass it, as an op called on ever new tensors must not grow it without bound."""
-
-    SIZE = 64
-
-    def __init__(self):
-        self._prepared = weakref.WeakValueDictionary()
-        self._own = {}
-
-    def prepared(self, spec_name: str, call: "PreparedCall") -> "PreparedCall":
-        self._prepared[spec_name, id(call.layout)] = call
-        return call
-
-    def own(self, spec_name: str, call: OpCall) -> None:
-        key = spec_name, id(call.layout)
-        if key not in self._own and len(self._own) >= self.SIZE:
-            self._own.clear()
-        self._own[key] = call
-
-    def find(self, spec_name: str, layout: torch.Tensor) -> OpCall | None:
-        key = spec_name, id(layout)
-        call = self._prepared.get(key) or self._own.get(key)
-        return call if call is not None and call.layout is layout else None
+# the attribute by which a step op's layout tensor (made for one call: see op_states) holds its call
+CALL_ATTRIBUTE = "_fastoptim_step_call"
 
 
-_CALLS = OpCalls()
+def _hold_call(spec_name: str, layout: torch.Tensor, call: OpCall) -> None:
+    """Let ``layout`` hold ``call``, for ``spec_name``'s op to find at its next call: weakly where
+    ``split`` prepared it (the optimizer's plan holds it, and the call its layout), else strongly (a
+    call the op made for a caller that prepared none, which holds no layout: it goes with its tensor)."""
+    held = weakref.ref(call) if isinstance(call, PreparedCall) else (lambda: call)
+    layout.__dict__[CALL_ATTRIBUTE] = spec_name, held
+
+
+def _held_call(spec_name: str, layout: torch.Tensor) -> OpCall | None:
+    """The call that ``layout`` holds for ``spec_name``'s op (see :func:`_hold_call`), or None."""
+    held = layout.__dict__.get(CALL_ATTRIBUTE)
+    call = held[1]() if held is not None and held[0] == spec_name else None
+    return None if isinstance(call, PreparedCall) and call.layout is not layout else call  # not a copy's
 
 
 def _is_real_number(tensor):
@@ -361,7 +349,7 @@ def _op_step(spec, param, grad, holders, layout, scalars, flag_bits, per_tensor_
         return
     flags, stochastic = spec.unpack_flags(flag_bits)
     backend = backends.for_device(param[0].device)
-    call = _CALLS.find(spec.name, layout)
+    call = _held_call(spec.name, layout)
     prepared = isinstance(call, PreparedCall)
     same = call is not None and _same_tensors(param, call.params) and _same_tensors(holders, call.holders)
     if prepared:  # and the step's other calls, before this one runs (another op of the graph may run first)
@@ -386,9 +374,9 @@ def _op_step(spec, param, grad, holders, layout, scalars, flag_bits, per_tensor_
         call.follow(op)
     if not same:  # a call of the op's own, kept unless it is a prepared call's copies (new at every call)
         kept = not prepared
-        call = OpCall(param, holders, layout, *_read_states(op, spec, len(param), holders, layout))
+        call = OpCall(param, holders, *_read_states(op, spec, len(param), holders, layout))
         if kept:
-            _CALLS.own(spec.name, call)
+            _hold_call(spec.name, layout, call)
     tensors = {"param": param, "grad": grad} | {role: ts for role, ts in call.tensors.items() if role != "param"}
     absmax = {role: ts for role, ts in call.absmax.items() if any(t is not None for t in ts)}
     _check_op_grads(op, param, grad)
