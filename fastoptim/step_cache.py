@@ -250,17 +250,32 @@ MUTATORS = ("__setitem__", "__delitem__", "__ior__", "clear", "pop", "popitem", 
 
 
 def _counting_changes(cls):
-    """``cls`` (a dict type) with each of its ``MUTATORS`` it does not define itself counting a change."""
+    """``cls`` (a dict type) with each of its ``MUTATORS`` that it takes from its dict type as it is
+    counting a change."""
     def counting(method):
         def counted(self, *args, **kwargs):
             _changed(self)
             return method(self, *args, **kwargs)
         counted.__name__ = method.__name__
         return counted
+    base = next(base for base in cls.__mro__ if base in (dict, defaultdict))
     for name in MUTATORS:
-        if name not in cls.__dict__:
-            setattr(cls, name, counting(getattr(cls.__mro__[1], name)))
+        if getattr(cls, name) is getattr(base, name):
+            setattr(cls, name, counting(getattr(base, name)))
     return cls
+
+
+class _WritingThrough:
+    """A dict type's ``update`` and ``|=`` writing each value through its ``__setitem__`` (dict's own
+    bypass it)."""
+
+    def update(self, *values, **kwargs):
+        for key, value in dict(*values, **kwargs).items():
+            self[key] = value
+
+    def __ior__(self, values):
+        self.update(values)
+        return self
 
 
 def _as_count(key, value):
@@ -274,7 +289,7 @@ def _as_count(key, value):
 
 
 @_counting_changes
-class ParamState(dict):
+class ParamState(_WritingThrough, dict):
     """A param's state dict, as torch.optim's, which counts its changes in the OptimizerStates that hold it,
     so a step can tell that none of its states was replaced or removed without looking at each. A count
     written as a number is kept as a tensor (see ``_as_count``), as torch.optim loads one."""
@@ -292,14 +307,6 @@ class ParamState(dict):
             _changed(self)
         super().__setitem__(key, value)
 
-    def update(self, *args, **kwargs):
-        for key, value in dict(*args, **kwargs).items():
-            self[key] = value
-
-    def __ior__(self, values):
-        self.update(values)
-        return self
-
     def setdefault(self, key, value=None):
         if key not in self:
             self[key] = value
@@ -310,7 +317,7 @@ class ParamState(dict):
 
 
 @_counting_changes
-class OptimizerState(defaultdict):
+class OptimizerState(_WritingThrough, defaultdict):
     """An optimizer's ``state``: param to its :class:`ParamState` (a dict stored in it becomes one,
     a copy), counting its changes and theirs in ``changes`` (a compiled step's guard and a bound
     step's rule). Like torch's ``defaultdict(dict)``, it takes any other key and value
@@ -334,14 +341,6 @@ class OptimizerState(defaultdict):
         if param not in self:
             self[param] = {} if state is None else state
         return self[param]
-
-    def update(self, *states, **kwargs):
-        for param, state in dict(*states, **kwargs).items():
-            self[param] = state
-
-    def __ior__(self, states):
-        self.update(states)
-        return self
 
     def __reduce__(self):
         return OptimizerState, (dict(self),)
