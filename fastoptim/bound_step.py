@@ -8,6 +8,7 @@ every table in one native call, which computes the step's scalars, clips and cou
 import operator
 import os
 from itertools import repeat
+from numbers import Real
 
 import torch
 from torch import Tensor
@@ -214,10 +215,9 @@ class BoundStep:
                 # a bound part (Muon's) skips a step GradScaler found an inf in on the host, and its update
                 # draws random bits after the call
                 return False
-            try:
-                numbers.append(list(map(float, values)))
-            except (TypeError, ValueError):  # an option set to what no rule reads (correct_bias=None): as checked
-                return False
+            if not _PLAIN.issuperset(map(type, values)) and not all(map(isinstance, values, repeat(Real))):
+                return False  # an option set to what no rule reads as a number (correct_bias=None, "0"): as checked
+            numbers.append(list(map(float, values)))
         # the native call unscales (GradScaler's scale), clips and advances the counts: no tensor op here
         amp_scale = getattr(optimizer, "grad_scale", None)
         increment, scales, clip = optimizer._grad_scales(work, found_inf, eager=True, clip_in_step=True)
@@ -323,18 +323,18 @@ def set_rng_states(states):
 
 def rule_numbers(group, keys):
     """The numbers of ``group`` that a native rule computes its scalars from (see ``Algorithm.rule``): its
-    options ``keys``, in order, a sequence's (the betas) each."""
+    options ``keys``, in order, the betas' each (a tuple, a list or a numpy array, of the length that
+    ``checks.check_betas_written`` checked): another option that holds a sequence is no number of a rule."""
     numbers = []
     for key in keys:
-        value = group[key]
-        if type(value) in _NUMBERS or isinstance(value, Tensor) or not hasattr(value, "__iter__"):
-            numbers.append(value)
-        else:  # a tuple, a list or any other sequence (a numpy array), as the checked step reads it
-            numbers.extend(value)
+        if key == "betas":
+            numbers.extend(group[key])
+        else:
+            numbers.append(group[key])
     return numbers
 
 
-_NUMBERS = (float, int)  # what most options hold, told apart from a sequence at once
+_PLAIN = frozenset((float, int, bool))  # the numbers a rule takes as they are, told apart from others at once
 
 
 def runs_backend(runs):

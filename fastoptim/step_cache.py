@@ -2,6 +2,7 @@
 reused while they pass the cache rule (:class:`Signature`, the one place it is stated). Beside it,
 ``multi_tensor`` builds the fused kernels' pointer tables, which the cache keeps per bucket."""
 import math
+import numbers
 import operator
 import weakref
 from collections import defaultdict
@@ -283,9 +284,17 @@ def _as_count(key, value):
     timm keep ints) as the 0-d fp32 tensor a step reads (on the CPU; a step moves it to its param's
     device): torch.compile's guards of an optimizer's state take no number for a count. Any other value
     stays as written, for the step to take or refuse by name."""
-    if key == "step" and type(value) in (int, float) and math.isfinite(value) and value >= 0 and value == int(value):
-        return torch.tensor(float(value))
-    return value
+    if key != "step" or isinstance(value, Tensor) or not isinstance(value, numbers.Real):
+        return value
+    # as eager's step_count reads it (an int subclass, numpy's float64), refused by name as it is
+    # written: a compiled step's dynamo reads it as a tensor before any fastoptim code can refuse it
+    try:
+        number = float(value)
+    except OverflowError:  # an int past float's range
+        return value
+    if isinstance(value, bool) or not (math.isfinite(number) and number >= 0 and number == int(number)):
+        return value  # left for the step to refuse by name (a compiled step's dynamo still fails on it)
+    return torch.tensor(number, dtype=torch.float32, device="cpu")  # whatever default device/dtype
 
 
 @_counting_changes

@@ -383,13 +383,16 @@ def test_two_adan_groups_given_one_count_at_construction_count_as_the_checked_st
 @pytest.mark.parametrize("engine, compiled", [(dict(), False), (dict(), True), (dict(fused=False), False),
                                               (dict(foreach=False, fused=False), False)],
                          ids=["fused", "fused-compiled", "foreach", "loop"])
-@pytest.mark.parametrize("cls, betas", [(fastoptim.Adan, (0.98, 0.92)), (fastoptim.AdamW, (0.9, 0.99, 0.999))],
-                         ids=["Adan", "AdamW"])
-def test_betas_of_another_length_set_between_steps_are_refused_by_name_changing_nothing(cls, betas, engine, compiled):
-    """Betas of the wrong length written into a group after the first step: every path (a bound step
-    included, whose native call read the wrong count of rule numbers and failed as "table 0 has no rule",
-    and a compiled one, whose traced op failed on fake tensors) refuses them as the constructor does,
-    before anything changes."""
+@pytest.mark.parametrize("cls, betas", [(fastoptim.Adan, (0.98, 0.92)), (fastoptim.AdamW, (0.9, 0.99, 0.999)),
+                                        (fastoptim.AdamW, (1.0, 0.999)), (fastoptim.Adan, (0.98, 1.5, 0.99))],
+                         ids=["Adan length", "AdamW length", "AdamW beta 1", "Adan beta 1.5"])
+def test_betas_of_another_length_or_range_set_between_steps_are_refused_by_name_changing_nothing(
+        cls, betas, engine, compiled):
+    """Betas of the wrong length, or out of [0, 1), written into a group after the first step: every path
+    refuses them as the constructor does, before anything changes. A bound step's native call read the
+    wrong count of rule numbers and failed as "table 0 has no rule", or wrote non-finite params for a
+    beta of 1; a compiled one failed on fake tensors; the checked steps raised a bare unpack error or
+    ZeroDivisionError."""
     params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)))
               for i, s in enumerate(SHAPES)]
     opt = cls(params, lr=0.1, **engine)
@@ -401,7 +404,7 @@ def test_betas_of_another_length_set_between_steps_are_refused_by_name_changing_
     before = [param.clone() for param in params]
     before_states = [{key: value.clone() for key, value in opt.state[param].items()} for param in params]
     opt.param_groups[0]["betas"] = betas
-    with pytest.raises(Exception, match=r"Invalid betas: \(.*\) \(expected \d numbers\)"):
+    with pytest.raises(Exception, match=r"Invalid betas: \(.*\) \(expected \d numbers in \[0, 1\)\)"):
         step()
     assert all(map(torch.equal, params, before))
     for param, state in zip(params, before_states):
@@ -409,18 +412,22 @@ def test_betas_of_another_length_set_between_steps_are_refused_by_name_changing_
         assert all(torch.equal(opt.state[param][key], value) for key, value in state.items())
 
 
-def test_an_option_set_to_what_no_rule_reads_steps_bound_as_checked_and_compiled(monkeypatch):
-    """``correct_bias = None`` written into an AdamWSN group between steps (the constructor takes only a
-    bool; the checked step reads it as false): the bound step raised a TypeError reading it as a number,
-    while the checked and compiled steps stepped without bias correction. Now the bound step leaves it
-    to the checked step, and all three agree bit for bit."""
+@pytest.mark.parametrize("value", [None, "0", (0,), ()])
+def test_an_option_set_to_what_no_rule_reads_steps_bound_as_checked_and_compiled(value, monkeypatch):
+    """``correct_bias`` written into an AdamWSN group between steps as what is no number (the constructor
+    takes only a bool; the checked step reads its truth): the bound step raised a TypeError reading None
+    as a number, read "0" as 0 (no bias correction, where the checked step corrects), and a tuple as
+    its items (none: its native call failed as "table 0 has no rule"). Now the bound step leaves such an
+    option to the checked step, and bound, checked and compiled steps agree bit for bit."""
     def change(step, opt, params):
         if step == 2:
-            opt.param_groups[0]["correct_bias"] = None
+            opt.param_groups[0]["correct_bias"] = value
 
     factory = lambda params: fastoptim.AdamWSN(params, lr=0.1)  # noqa: E731
     (bound, _), (checked, _), _ = _bound_and_checked(factory, change, monkeypatch)
     assert all(map(torch.equal, bound, checked))
+    if value is not None:
+        return
     params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)))
               for i, s in enumerate(SHAPES)]
     opt = factory(params)

@@ -118,8 +118,11 @@ def test_the_step_op_still_steps_what_it_is_given_right():
 def test_a_step_op_s_call_is_found_by_its_very_layout_and_its_spec_and_goes_with_the_layout():
     """A call the op made is held by its layout tensor: found again for that tensor by the same spec's op
     (its tables reused), never by another spec's op handed that layout nor for another tensor of the same
-    values, and freed with the layout (the op called on ever new layouts keeps none of them)."""
+    values, nor by a pickled or deep-copied layout, and freed with the layout (the op called on ever new
+    layouts keeps none of them)."""
+    import copy
     import gc
+    import pickle
     import weakref
 
     from fastoptim.engines import step_op as ops
@@ -134,6 +137,9 @@ def test_a_step_op_s_call_is_found_by_its_very_layout_and_its_spec_and_goes_with
     assert ops._held_call(lion.name, layout) is call  # kept, its tables reused
     assert ops._held_call(fastoptim.AdamW.algorithm.spec.name, layout) is None
     assert ops._held_call(lion.name, layout.clone()) is None  # another tensor, whatever its values
+    copied = pickle.loads(pickle.dumps(layout))  # a layout travels without its call (its tables are native)
+    assert torch.equal(copied, layout) and ops._held_call(lion.name, copied) is None
+    assert ops._held_call(lion.name, copy.deepcopy(layout)) is None
     gone = weakref.ref(call)
     del call, layout
     gc.collect()

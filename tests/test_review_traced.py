@@ -10,6 +10,7 @@ step and back after it, a closure's backward with grad on; the fused fallback's 
 import warnings
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -331,7 +332,18 @@ WRITES_OF_AN_INT_COUNT = {
     "update": lambda state: state.update(step=5),
     "or": lambda state: state.__ior__({"step": 5.0}),
     "new dict": None,  # opt.state[param] = {**state, "step": 5}
+    "numpy number": lambda state: state.__setitem__("step", np.float64(5.0)),
+    "under another default device and dtype": lambda state: _written_elsewhere(state),
 }
+
+
+def _written_elsewhere(state):
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.device("meta"):
+            state["step"] = 5
+    finally:
+        torch.set_default_dtype(torch.float32)
 
 
 @pytest.mark.parametrize("write", list(WRITES_OF_AN_INT_COUNT))
@@ -354,7 +366,8 @@ def test_an_int_count_set_between_compiled_steps_is_taken_as_an_eager_step_takes
                     opt.state[params[1]] = {**state, "step": 5}
                 else:
                     WRITES_OF_AN_INT_COUNT[write](state)
-                assert isinstance(opt.state[params[1]]["step"], torch.Tensor)
+                count = opt.state[params[1]]["step"]
+                assert isinstance(count, torch.Tensor) and (count.dtype, count.device.type) == (torch.float32, "cpu")
             step()
         assert opt.state[params[1]]["step"].item() == 6.0
         runs.append(params)

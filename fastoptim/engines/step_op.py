@@ -244,18 +244,38 @@ class PreparedCall(OpCall):
 CALL_ATTRIBUTE = "_fastoptim_step_call"
 
 
+class _HeldCall:
+    """A layout's call for ``spec_name``'s op: weakly one that ``split`` prepared (the optimizer's plan
+    holds it, and it holds its layout), strongly one the op made for a caller that prepared none (it
+    holds no layout, and goes with it). A pickled or deep-copied layout holds none: native tables do not
+    travel, and its op makes a call of its own."""
+
+    __slots__ = ("spec_name", "_call", "_weak")
+
+    def __init__(self, spec_name: str, call: OpCall | None = None):
+        prepared = isinstance(call, PreparedCall)
+        self.spec_name, self._call = spec_name, None if prepared else call
+        self._weak = weakref.ref(call) if prepared else None
+
+    def call(self) -> OpCall | None:
+        return self._call if self._weak is None else self._weak()
+
+    def __reduce__(self):
+        return _HeldCall, (self.spec_name,)
+
+    def __deepcopy__(self, memo):
+        return _HeldCall(self.spec_name)
+
+
 def _hold_call(spec_name: str, layout: torch.Tensor, call: OpCall) -> None:
-    """Let ``layout`` hold ``call``, for ``spec_name``'s op to find at its next call: weakly where
-    ``split`` prepared it (the optimizer's plan holds it, and the call its layout), else strongly (a
-    call the op made for a caller that prepared none, which holds no layout: it goes with its tensor)."""
-    held = weakref.ref(call) if isinstance(call, PreparedCall) else (lambda: call)
-    layout.__dict__[CALL_ATTRIBUTE] = spec_name, held
+    """Let ``layout`` hold ``call``, for ``spec_name``'s op to find at its next call (see :class:`_HeldCall`)."""
+    layout.__dict__[CALL_ATTRIBUTE] = _HeldCall(spec_name, call)
 
 
 def _held_call(spec_name: str, layout: torch.Tensor) -> OpCall | None:
     """The call that ``layout`` holds for ``spec_name``'s op (see :func:`_hold_call`), or None."""
     held = layout.__dict__.get(CALL_ATTRIBUTE)
-    call = held[1]() if held is not None and held[0] == spec_name else None
+    call = held.call() if held is not None and held.spec_name == spec_name else None
     return None if isinstance(call, PreparedCall) and call.layout is not layout else call  # not a copy's
 
 
