@@ -324,7 +324,7 @@ def set_rng_states(states):
 def rule_numbers(group, keys):
     """The numbers of ``group`` that a native rule computes its scalars from (see ``Algorithm.rule``): its
     options ``keys``, in order, the betas' each (a tuple, a list or a numpy array, of the length that
-    ``checks.check_betas_written`` checked): another option that holds a sequence is no number of a rule."""
+    ``StepPath._check_between_steps`` checked): another option that holds a sequence is no number of a rule."""
     numbers = []
     for key in keys:
         if key == "betas":

@@ -53,23 +53,6 @@ def check_hyperparameters(group, n_betas):
                          "8-bit blockwise states)")
 
 
-def _beta_in_range(beta):
-    return isinstance(beta, Tensor) or 0.0 <= beta < 1.0
-
-
-def check_betas_written(betas, n_betas):
-    """Raise a ValueError unless ``betas``, which a scheduler or the user may have written into a group
-    since the last step, are ``n_betas`` numbers in [0, 1) or tensors (a step reads those on their
-    device: looking here would wait for it). The kernels' and native rules' arguments are laid out by
-    their number, and a beta of 1 divides by zero in a bias correction."""
-    try:
-        if len(betas) == n_betas and all(map(_beta_in_range, betas)):
-            return
-    except TypeError:  # no length (a number, None, a 0-d tensor or array), or a beta that is no number
-        pass
-    raise ValueError(f"Invalid betas: {betas!r} (expected {n_betas} numbers in [0, 1))")
-
-
 def check_number(name, value, below=math.inf):
     """Raise a ValueError naming ``name`` unless ``value`` is a number (not a bool) in [0, ``below``)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < below:

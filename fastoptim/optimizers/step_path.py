@@ -20,7 +20,7 @@ from ..states import master
 from ..step_cache import DEVICE, DTYPE, SHAPE, PlanStore, engine_view
 from . import scalars
 from .algorithm import PER_GROUP, StepInputs
-from .checks import check_betas_written, check_params, check_tensor_lr
+from .checks import check_params, check_tensor_lr
 from .step_counts import StepCounts, group_count, own_counts
 
 TRACED_STATES_KEPT = 64  # patterns of grads whose traced state is kept (dynamo recompiles after 8 anyway)
@@ -73,10 +73,18 @@ class StepPath:
 
     def _check_between_steps(self, group, params):
         """Raise if what a scheduler or the user may have set in ``group`` since the last step does not
-        fit ``params`` (those with grads) or its algorithm: a tensor lr, and betas (see
-        ``checks.check_betas_written``). (A ``PER_GROUP`` count set anew is checked by the step that plans
-        with it, see ``_group_work``: a bound step holds the one it was planned with.)"""
-        check_betas_written(group["betas"], self._algorithm(group).n_betas)
+        fit ``params`` (those with grads) or its algorithm: a tensor lr, and betas other than ``n_betas``
+        numbers in [0, 1) or tensors (a step reads those on their device: looking here would wait for it).
+        The kernels' and native rules' arguments are laid out by their number, and a beta of 1 divides by
+        zero in a bias correction. (A ``PER_GROUP`` count set anew is checked by the step that plans with
+        it, see ``_group_work``: a bound step holds the one it was planned with.)"""
+        betas, n_betas = group["betas"], self._algorithm(group).n_betas
+        try:
+            fits = len(betas) == n_betas and all(isinstance(beta, Tensor) or 0.0 <= beta < 1.0 for beta in betas)
+        except TypeError:  # no length (a number, None, a 0-d tensor or array), or a beta that is no number
+            fits = False
+        if not fits:
+            raise ValueError(f"Invalid betas: {betas!r} (expected {n_betas} numbers in [0, 1))")
         if isinstance(group["lr"], Tensor) and params:
             check_tensor_lr(group["lr"], params[0].device)
 
