@@ -270,7 +270,7 @@ class _WritingThrough:
     """A dict type's ``update`` and ``|=`` writing each value through its ``__setitem__`` (dict's own
     bypass it)."""
 
-    def update(self, *values, **kwargs):
+    def update(self, /, *values, **kwargs):
         for key, value in dict(*values, **kwargs).items():
             self[key] = value
 

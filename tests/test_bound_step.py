@@ -384,12 +384,16 @@ def test_two_adan_groups_given_one_count_at_construction_count_as_the_checked_st
                                               (dict(foreach=False, fused=False), False)],
                          ids=["fused", "fused-compiled", "foreach", "loop"])
 @pytest.mark.parametrize("cls, betas", [(fastoptim.Adan, (0.98, 0.92)), (fastoptim.AdamW, (0.9, 0.99, 0.999)),
-                                        (fastoptim.AdamW, (1.0, 0.999)), (fastoptim.Adan, (0.98, 1.5, 0.99))],
-                         ids=["Adan length", "AdamW length", "AdamW beta 1", "Adan beta 1.5"])
+                                        (fastoptim.AdamW, (1.0, 0.999)), (fastoptim.Adan, (0.98, 1.5, 0.99)),
+                                        (fastoptim.AdamW, (torch.tensor(1.0), 0.999)),
+                                        (fastoptim.AdamW, (torch.tensor([0.9]), torch.tensor([0.999])))],
+                         ids=["Adan length", "AdamW length", "AdamW beta 1", "Adan beta 1.5", "AdamW tensor beta 1",
+                              "AdamW 1-d tensor betas"])
 def test_betas_of_another_length_or_range_set_between_steps_are_refused_by_name_changing_nothing(
         cls, betas, engine, compiled):
-    """Betas of the wrong length, or out of [0, 1), written into a group after the first step: every path
-    refuses them as the constructor does, before anything changes. A bound step's native call read the
+    """Betas of the wrong length, or out of [0, 1) (a CPU tensor's too), or tensors of one dimension (a step's
+    scalar tensors of one dimension hold one value per param), written into a group after the first step:
+    every path refuses them as the constructor does, before anything changes. A bound step's native call read the
     wrong count of rule numbers and failed as "table 0 has no rule", or wrote non-finite params for a
     beta of 1; a compiled one failed on fake tensors; the checked steps raised a bare unpack error or
     ZeroDivisionError."""

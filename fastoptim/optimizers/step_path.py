@@ -68,20 +68,30 @@ def without_grad(function):
             torch._C._set_grad_enabled(enabled)
     return wrapper
 
+def _beta_fits(beta):
+    """Whether ``beta`` is a number in [0, 1), or a 0-d floating-point tensor (a step's scalar tensors of
+    one dimension hold one value per param): in [0, 1) where it is on the CPU (a step reads another
+    device's there: looking here would wait for it)."""
+    if isinstance(beta, Tensor):
+        return beta.dim() == 0 and beta.is_floating_point() and (beta.device.type != "cpu" or 0 <= beta.item() < 1)
+    return 0.0 <= beta < 1.0
+
+
 class StepPath:
     """The step path of :class:`~fastoptim.optimizers.base.FastOptimizer` (see the module docstring)."""
 
     def _check_between_steps(self, group, params):
         """Raise if what a scheduler or the user may have set in ``group`` since the last step does not
         fit ``params`` (those with grads) or its algorithm: a tensor lr, and betas other than ``n_betas``
-        numbers in [0, 1) or tensors (a step reads those on their device: looking here would wait for it).
-        The kernels' and native rules' arguments are laid out by their number, and a beta of 1 divides by
-        zero in a bias correction. (A ``PER_GROUP`` count set anew is checked by the step that plans with
-        it, see ``_group_work``: a bound step holds the one it was planned with.)"""
+        of what ``_beta_fits`` takes. The kernels' and native rules' arguments are laid out by their
+        number, and a beta of 1 divides by zero in a bias correction. (A ``PER_GROUP`` count set anew is
+        checked by the step that plans with it, see ``_group_work``: a bound step holds the one it was
+        planned with.)"""
         betas, n_betas = group["betas"], self._algorithm(group).n_betas
         try:
-            fits = len(betas) == n_betas and all(isinstance(beta, Tensor) or 0.0 <= beta < 1.0 for beta in betas)
-        except TypeError:  # no length (a number, None, a 0-d tensor or array), or a beta that is no number
+            fits = len(betas) == n_betas and all(type(beta) is float and 0.0 <= beta < 1.0 or _beta_fits(beta)
+                                                 for beta in betas)
+        except (TypeError, ValueError):  # no length (a number, None, a 0-d tensor or array), or no number
             fits = False
         if not fits:
             raise ValueError(f"Invalid betas: {betas!r} (expected {n_betas} numbers in [0, 1))")
