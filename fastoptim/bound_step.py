@@ -8,7 +8,6 @@ every table in one native call, which computes the step's scalars, clips and cou
 import operator
 import os
 from itertools import repeat
-from numbers import Real
 
 import torch
 from torch import Tensor
@@ -127,7 +126,8 @@ class BoundStep:
         its bound tables' kernels alone (the algorithm runs its own way, has no kernel or no rule; a
         bucket reduces over ranks or left some tensors to foreach) or its ``bound_part`` (Muon's: not
         ``clipped``, the constructor's max_grad_norm, which the native call would fuse into its kernel),
-        its states are new, its tensors views, the tables are of two backends, or two groups hold one
+        its states are new or not all read yet (the first-read marks of a compiled step's group: native
+        rules read no marks), its tensors views, the tables are of two backends, or two groups hold one
         count tensor."""
         runs, parts = [], []
         for algorithm, (group, entry, _) in zip(algorithms, work):
@@ -136,7 +136,8 @@ class BoundStep:
                 parts.append(None)
                 continue
             if (entry.states is None or entry.local_params is not entry.params or entry.viewed_states
-                    or entry.context.first_reads is not None or any(reduce for _, reduce in entry.buckets)):
+                    or entry.context.first_reads is not None or any(reduce for _, reduce in entry.buckets)
+                    or entry.traced_reads is not None and 0 in entry.traced_reads[0][entry.traced_reads[1]].tolist()):
                 return None
             if algorithm.bound_part is not None and not clipped:
                 found = [algorithm.bound_part(entry.tensors, bucket, plan)
@@ -215,7 +216,7 @@ class BoundStep:
                 # a bound part (Muon's) skips a step GradScaler found an inf in on the host, and its update
                 # draws random bits after the call
                 return False
-            if not _PLAIN.issuperset(map(type, values)) and not all(map(isinstance, values, repeat(Real))):
+            if not _PLAIN.issuperset(map(type, values)) and not all(map(_a_number, values)):
                 return False  # an option set to what no rule reads as a number (correct_bias=None, "0"): as checked
             numbers.append(list(map(float, values)))
         # the native call unscales (GradScaler's scale), clips and advances the counts: no tensor op here
@@ -335,6 +336,12 @@ def rule_numbers(group, keys):
 
 
 _PLAIN = frozenset((float, int, bool))  # the numbers a rule takes as they are, told apart from others at once
+
+
+def _a_number(value):
+    """Whether the checked step reads ``value`` as the number ``float(value)`` is (a numpy number or bool,
+    a Fraction): not what ``float`` does not take, nor text or a sequence (whose truth is its length)."""
+    return hasattr(value, "__float__") and not hasattr(value, "__len__")
 
 
 def runs_backend(runs):

@@ -785,6 +785,33 @@ def test_adans_first_reads_are_one_per_param_across_the_graphs_of_its_grads_patt
         assert torch.equal(ours, expected)
 
 
+@pytest.mark.parametrize("engine", [dict(), dict(fused=False)], ids=["fused", "foreach"])
+@pytest.mark.parametrize("compiled_steps, skipped_steps", [((0, 2, 3), (0,)), ((0, 4), (0, 1))],
+                         ids=["compiled, eager, compiled", "compiled, eager skipped, eager bound, compiled"])
+def test_an_eager_step_between_compiled_ones_reads_adans_first_read_marks(engine, compiled_steps, skipped_steps):
+    """A compiled Adan step that GradScaler skipped made the states (marks 0: not read yet), then eager
+    steps count the params' first steps: they read the group's marks as every graph does, and mark them,
+    so the next compiled step weighs g - g_prev as the eager run does (the marks stayed 0, weighing it
+    0 again); and no eager step is bound (its native rule reads no marks) while a mark is 0."""
+    def run(compiled_steps):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))]
+        opt = fastoptim.Adan(params, lr=1e-2, **engine)
+        torch._dynamo.reset()
+        compiled = torch.compile(opt.step, backend="aot_eager", fullgraph=True)
+        for index in range(5):
+            skipped = index in skipped_steps
+            torch.manual_seed(100 + index)
+            for param in params:
+                param.grad = torch.randn(4) * 256
+            opt.grad_scale, opt.found_inf = torch.tensor(256.0), torch.tensor(float(skipped))
+            (compiled if index in compiled_steps else opt.step)()
+        return params + [opt.state[param][key] for param in params for key in ("exp_avg_sq", "neg_pre_grad")]
+
+    for ours, expected in zip(run(compiled_steps), run(compiled_steps=())):
+        assert torch.equal(ours, expected)
+
+
 def test_a_fallback_in_a_compiled_step_warns_once_at_tracing():
     params = [torch.nn.Parameter(torch.randn(10, dtype=torch.float64)), torch.nn.Parameter(torch.randn(10))]
     opt = fastoptim.Adan(params, lr=torch.tensor(0.01), fused=True)

@@ -318,7 +318,7 @@ class StepPath:
         if entry.states is None:  # every group is checked by now: states may be created
             self._use_new_states(group, entry, traced=traced)
         prepared = entry.traced_scalars if traced else None
-        reads = entry.traced_reads if traced else None  # (the group's marks, these params' positions)
+        reads = self._first_read_marks(entry, traced)
         args, per_tensor = {}, ()  # where an op makes each bucket's scalars
         if prepared is None:
             args, per_tensor = self._arguments(algorithm, group, entry, grad_scale, increment, traced)
@@ -362,10 +362,20 @@ class StepPath:
         context = None if entry is None else entry.context
         return context.counts if context is not None else StepCounts(self._algorithm(group).counts)
 
+    @staticmethod
+    def _first_read_marks(entry, traced):
+        """Where a step of ``entry``'s params reads and marks their first reads, where a compiled step
+        traced them (``entry.traced_reads``): the group's marks, which every graph reads and marks, and
+        the params' positions among them; None where the step reads its context's (an eager one that
+        made the states itself, or one of params never traced). An eager step between compiled ones
+        reads and marks the group's too: a graph that runs next reads them."""
+        return entry.traced_reads if traced or entry.context.first_reads is None else None
+
     def _step_inputs(self, group, entry, grad_scale, traced=False):
         """The :class:`StepInputs` of this step of ``group`` besides its count (see ``StepCounts``); a
-        ``traced`` step's first reads are its params' marks among the group's."""
-        context, reads = entry.context, entry.traced_reads if traced else None
+        step's first reads are its params' marks among the group's where a compiled step traced them
+        (see ``_first_read_marks``)."""
+        context, reads = entry.context, self._first_read_marks(entry, traced)
         first_reads = context.first_reads if reads is None else reads[0][reads[1]]
         return StepInputs(group_lr(group), grad_scale, None, entry.scalar_dtype, first_reads, context.factors)
 
