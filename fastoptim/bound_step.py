@@ -8,6 +8,7 @@ every table in one native call, which computes the step's scalars, clips and cou
 import operator
 import os
 from itertools import repeat
+from numbers import Real
 
 import torch
 from torch import Tensor
@@ -339,9 +340,10 @@ _PLAIN = frozenset((float, int, bool))  # the numbers a rule takes as they are, 
 
 
 def _a_number(value):
-    """Whether the checked step reads ``value`` as the number ``float(value)`` is (a numpy number or bool,
-    a Fraction): not what ``float`` does not take, nor text or a sequence (whose truth is its length)."""
-    return hasattr(value, "__float__") and not hasattr(value, "__len__")
+    """Whether the checked step reads ``value`` as the number ``float(value)`` is: a real number (a numpy
+    one, a Fraction) or a numpy bool; not a Decimal (which the checked step's float arithmetic refuses),
+    a complex number, text or a sequence (whose truth is its length)."""
+    return isinstance(value, Real) or type(value).__module__ == "numpy" and type(value.tolist()) is bool
 
 
 def runs_backend(runs):

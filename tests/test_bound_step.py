@@ -5,7 +5,9 @@ refusals of rules that do not fit their kernel. Found by an adversarial review o
 import subprocess
 import sys
 import warnings
+from decimal import Decimal
 
+import numpy as np
 import pytest
 import torch
 
@@ -442,3 +444,33 @@ def test_an_option_set_to_what_no_rule_reads_steps_bound_as_checked_and_compiled
         change(i, opt, params)
         step()
     assert all(map(torch.equal, params, checked))
+
+
+@pytest.mark.parametrize("value", [Decimal("0.01"), np.complex64(0.01)], ids=["Decimal", "numpy complex"])
+def test_an_lr_the_checked_step_does_not_read_as_a_float_is_left_to_it(value):
+    """An lr written between steps as a Decimal (which the checked step's float arithmetic refuses) or a numpy
+    complex number: the bound step leaves it to the checked step (it stepped a Decimal lr as float(lr), so
+    whether the option worked hung on the path), which answers for it as it would on its own."""
+    outcomes = []
+    for checked in (False, True):
+        params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)))
+                  for i, s in enumerate(SHAPES)]
+        opt = fastoptim.AdamW(params, lr=0.1)
+        for step in range(3):
+            for param in params:
+                param.grad = grad_for(param, step)
+            if step == 2:
+                opt.param_groups[0]["lr"] = value
+            if checked:
+                opt._plans.bound = None
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    opt.step()
+            except TypeError as error:
+                outcomes.append((str(error), [param.clone() for param in params]))
+                break
+        else:
+            outcomes.append((None, [param.clone() for param in params]))
+    (bound_error, bound), (checked_error, checked) = outcomes
+    assert bound_error == checked_error and all(map(torch.equal, bound, checked))

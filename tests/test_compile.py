@@ -785,30 +785,48 @@ def test_adans_first_reads_are_one_per_param_across_the_graphs_of_its_grads_patt
         assert torch.equal(ours, expected)
 
 
+# Schedules of Adan steps: (compiled, skipped by GradScaler, the params with grads, a change made before it)
+FIRST_READ_SCHEDULES = {
+    "compiled, eager, compiled": [(True, True, (0, 1), None), (False, False, (0, 1), None),
+                                  (True, False, (0, 1), None), (True, False, (0, 1), None)],
+    "compiled, eager skipped, eager bound, compiled": [
+        (True, True, (0, 1), None), (False, True, (0, 1), None), (False, False, (0, 1), None),
+        (False, False, (0, 1), None), (True, False, (0, 1), None)],
+    "eager of another pattern of grads": [
+        (False, False, (0,), None), (True, True, (0, 1), None), (False, False, (1,), None),
+        (True, False, (0, 1), None), (False, False, (0, 1), None)],
+    "eager after a state is cleared": [
+        (False, False, (0,), None), (True, True, (0, 1), None), (False, False, (0, 1), "clear"),
+        (True, False, (0, 1), None), (False, False, (0, 1), None)],
+}
+
+
 @pytest.mark.parametrize("engine", [dict(), dict(fused=False)], ids=["fused", "foreach"])
-@pytest.mark.parametrize("compiled_steps, skipped_steps", [((0, 2, 3), (0,)), ((0, 4), (0, 1))],
-                         ids=["compiled, eager, compiled", "compiled, eager skipped, eager bound, compiled"])
-def test_an_eager_step_between_compiled_ones_reads_adans_first_read_marks(engine, compiled_steps, skipped_steps):
+@pytest.mark.parametrize("schedule", FIRST_READ_SCHEDULES)
+def test_an_eager_step_between_compiled_ones_reads_adans_first_read_marks(engine, schedule):
     """A compiled Adan step that GradScaler skipped made the states (marks 0: not read yet), then eager
-    steps count the params' first steps: they read the group's marks as every graph does, and mark them,
-    so the next compiled step weighs g - g_prev as the eager run does (the marks stayed 0, weighing it
-    0 again); and no eager step is bound (its native rule reads no marks) while a mark is 0."""
-    def run(compiled_steps):
+    steps count the params' first steps: whatever their pattern of grads, and where they made states
+    anew themselves, they read the group's marks as every graph does, and mark them, so each step weighs
+    g - g_prev as the eager run does (an eager step took the params as read, and left their marks at 0
+    for the next graph, which weighed it 0 again); no eager step is bound (its native rule reads no
+    marks) while a mark is 0."""
+    def run(compiling):
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))]
         opt = fastoptim.Adan(params, lr=1e-2, **engine)
         torch._dynamo.reset()
         compiled = torch.compile(opt.step, backend="aot_eager", fullgraph=True)
-        for index in range(5):
-            skipped = index in skipped_steps
+        for index, (traced, skipped, with_grad, change) in enumerate(FIRST_READ_SCHEDULES[schedule]):
             torch.manual_seed(100 + index)
-            for param in params:
-                param.grad = torch.randn(4) * 256
+            for i, param in enumerate(params):
+                param.grad = torch.randn(4) * 256 if i in with_grad else None
+            if change == "clear":
+                opt.state[params[0]].clear()
             opt.grad_scale, opt.found_inf = torch.tensor(256.0), torch.tensor(float(skipped))
-            (compiled if index in compiled_steps else opt.step)()
+            (compiled if traced and compiling else opt.step)()
         return params + [opt.state[param][key] for param in params for key in ("exp_avg_sq", "neg_pre_grad")]
 
-    for ours, expected in zip(run(compiled_steps), run(compiled_steps=())):
+    for ours, expected in zip(run(compiling=True), run(compiling=False)):
         assert torch.equal(ours, expected)
 
 

@@ -139,9 +139,10 @@ class StepPath:
                 return
             found_inf = None
         increment, scales, _ = self._grad_scales(work, found_inf, eager)
-        for (group, entry, grads), scale in zip(work, scales):
+        for key, ((group, entry, grads), scale) in enumerate(zip(work, scales)):
             if entry.params:
-                self._step_group(group, entry, grads, scale, found_inf, increment, traced)
+                self._step_group(group, entry, grads, scale, found_inf, increment, traced,
+                                 key if whole_step else None)
         self._advance(work, increment, writes, whole_step, traced)
 
     def _restart_written(self, work, plans):
@@ -220,10 +221,7 @@ class StepPath:
                 self._use_new_states(group, entry, traced=True)
             algorithm = self._algorithm(group)
             if algorithm.spec.optional and entry.params:  # the marks go to the group's, which every graph reads
-                made = entry.context.first_reads
-                entry.traced_reads = plans.first_reads(index, group["params"], entry.params, [
-                    False] * len(entry.params) if made is None else [value == 0 for value in made.tolist()])
-                entry.context = entry.context._replace(first_reads=None)
+                self._hand_first_reads(plans, index, group, entry)
             fused = entry.engine in engines.FUSED and entry.params and algorithm.kernel_scalars is not None
             tensors = entry.tensors | {"grad": entry.viewed(grads)} if fused else None
             for bucket_index, (bucket, _) in enumerate(entry.buckets):
@@ -313,12 +311,16 @@ class StepPath:
         if len(devices) > 1:
             raise RuntimeError(f"{name}: all params of a group must be on one device, got {sorted(map(str, devices))}")
 
-    def _step_group(self, group, entry, grads, grad_scale, found_inf, increment, traced):
+    def _step_group(self, group, entry, grads, grad_scale, found_inf, increment, traced, key=None):
+        """Step ``group``'s params with grads (``entry``: their work; ``key``: the group's in the plan store,
+        None for a released bucket's step)."""
         algorithm = self._algorithm(group)
         if entry.states is None:  # every group is checked by now: states may be created
             self._use_new_states(group, entry, traced=traced)
+        if not traced and key in self._plans.reads and algorithm.spec.optional:
+            self._hand_first_reads(self._plans, key, group, entry)  # an eager step between compiled ones
         prepared = entry.traced_scalars if traced else None
-        reads = self._first_read_marks(entry, traced)
+        reads = entry.traced_reads  # (the group's marks, these params' positions), or None: see _hand_first_reads
         args, per_tensor = {}, ()  # where an op makes each bucket's scalars
         if prepared is None:
             args, per_tensor = self._arguments(algorithm, group, entry, grad_scale, increment, traced)
@@ -355,7 +357,7 @@ class StepPath:
         """``algorithm``'s arguments for this step of ``group`` (``entry``: its work) and the names of those
         that hold one value per param (see ``scalars.step_arguments``)."""
         return scalars.step_arguments(algorithm, group, scalars.one_count(self._step_counts(group, entry).read(group)),
-                                      increment, self._step_inputs(group, entry, grad_scale, traced), traced)
+                                      increment, self._step_inputs(group, entry, grad_scale), traced)
 
     def _step_counts(self, group, entry):
         """The :class:`StepCounts` of ``group``'s params with grads (``entry``: their work, or None)."""
@@ -363,19 +365,21 @@ class StepPath:
         return context.counts if context is not None else StepCounts(self._algorithm(group).counts)
 
     @staticmethod
-    def _first_read_marks(entry, traced):
-        """Where a step of ``entry``'s params reads and marks their first reads, where a compiled step
-        traced them (``entry.traced_reads``): the group's marks, which every graph reads and marks, and
-        the params' positions among them; None where the step reads its context's (an eager one that
-        made the states itself, or one of params never traced). An eager step between compiled ones
-        reads and marks the group's too: a graph that runs next reads them."""
-        return entry.traced_reads if traced or entry.context.first_reads is None else None
+    def _hand_first_reads(plans, key, group, entry):
+        """Hand the first reads of ``entry``'s params (its context's: 0 where its states were made and not
+        read yet) to the marks of group ``key`` in ``plans`` (see ``PlanStore.first_reads``), which every
+        step of the group reads and marks from then on, through ``entry.traced_reads``: each graph of a
+        compiled step, and an eager step between them, of whichever pattern of grads."""
+        made = entry.context.first_reads
+        entry.traced_reads = plans.first_reads(key, group["params"], entry.params, [
+            False] * len(entry.params) if made is None else [value == 0 for value in made.tolist()])
+        entry.context = entry.context._replace(first_reads=None)
 
-    def _step_inputs(self, group, entry, grad_scale, traced=False):
+    def _step_inputs(self, group, entry, grad_scale):
         """The :class:`StepInputs` of this step of ``group`` besides its count (see ``StepCounts``); a
         step's first reads are its params' marks among the group's where a compiled step traced them
-        (see ``_first_read_marks``)."""
-        context, reads = entry.context, self._first_read_marks(entry, traced)
+        (see ``_hand_first_reads``)."""
+        context, reads = entry.context, entry.traced_reads
         first_reads = context.first_reads if reads is None else reads[0][reads[1]]
         return StepInputs(group_lr(group), grad_scale, None, entry.scalar_dtype, first_reads, context.factors)
 
