@@ -1,7 +1,6 @@
 """The step cache: what a step of one param group needs of its params and states, built once and
 reused while they pass the cache rule (:class:`Signature`, the one place it is stated). Beside it,
 ``multi_tensor`` builds the fused kernels' pointer tables, which the cache keeps per bucket."""
-import math
 import numbers
 import operator
 import weakref
@@ -280,21 +279,18 @@ class _WritingThrough:
 
 
 def _as_count(key, value):
-    """``value`` written under ``key``; a ``"step"`` written as a whole number >= 0 (official Adan and
-    timm keep ints) as the 0-d fp32 tensor a step reads (on the CPU; a step moves it to its param's
-    device): torch.compile's guards of an optimizer's state take no number for a count. Any other value
-    stays as written, for the step to take or refuse by name."""
-    if key != "step" or isinstance(value, Tensor) or not isinstance(value, numbers.Real):
+    """``value`` written under ``key``; a ``"step"`` written as a real number (official Adan and timm keep
+    ints; an int subclass, a numpy number) as a 0-d fp32 CPU tensor, whatever the default device and
+    dtype (a step moves it to its param's device): torch.compile's guards of an optimizer's state take
+    no number for a count, and fail inside dynamo on one. The step refuses by name, eager or compiled,
+    a count that is no whole number >= 0 (see ``StateCreation._check_state``). Any other value (a bool,
+    an int past float's range) stays as written, for the step to refuse."""
+    if key != "step" or isinstance(value, (Tensor, bool)) or not isinstance(value, numbers.Real):
         return value
-    # as eager's step_count reads it (an int subclass, numpy's float64), refused by name as it is
-    # written: a compiled step's dynamo reads it as a tensor before any fastoptim code can refuse it
     try:
-        number = float(value)
-    except OverflowError:  # an int past float's range
+        return torch.tensor(float(value), dtype=torch.float32, device="cpu")
+    except OverflowError:
         return value
-    if isinstance(value, bool) or not (math.isfinite(number) and number >= 0 and number == int(number)):
-        return value  # left for the step to refuse by name (a compiled step's dynamo still fails on it)
-    return torch.tensor(number, dtype=torch.float32, device="cpu")  # whatever default device/dtype
 
 
 @_counting_changes

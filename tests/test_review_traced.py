@@ -327,6 +327,28 @@ def test_a_count_given_storage_of_its_own_between_compiled_steps_is_read_and_adv
     assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("count", [-1, 5.5, float("nan"), torch.tensor(-1.0), torch.tensor(5.5), torch.tensor(float("inf"))],
+                         ids=["-1", "5.5", "nan", "tensor -1", "tensor 5.5", "tensor inf"])
+def test_a_count_that_is_no_whole_number_written_between_steps_is_refused_by_name_changing_nothing(count, compiled):
+    """A count written as no whole number >= 0: a number one failed inside dynamo (compiled), and a CPU
+    tensor one stepped (5.5, inf) or divided by zero (-1) on both paths. Each is refused by name, before
+    anything changes."""
+    params = _three_params()
+    opt = fastoptim.AdamW(params, lr=1e-2)
+    torch._dynamo.reset()
+    step = torch.compile(opt.step, backend="eager", fullgraph=True) if compiled else opt.step
+    for index in range(2):
+        _seeded_grads(params, index)
+        step()
+    before = [param.clone() for param in params]
+    opt.state[params[1]]["step"] = count
+    with pytest.raises(Exception, match=r"Invalid step of a param of shape \(5,\): .* \(must be a whole number >= 0\)"):
+        step()
+    assert all(map(torch.equal, params, before))
+    assert [opt.state[param]["step"].item() for param in (params[0], params[2])] == [2.0, 2.0]
+
+
 WRITES_OF_AN_INT_COUNT = {
     "item": lambda state: state.__setitem__("step", 5),
     "update": lambda state: state.update(step=5),

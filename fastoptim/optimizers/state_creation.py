@@ -49,8 +49,11 @@ class StateCreation:
         expected = self._expected_state(group, param, state)
         for key, (shape, dtype) in expected.items():
             value = state.get(key)
-            if key == "step" and value is not None and not is_step_count(value, param.device):
-                # a count set by hand (``state["step"] = 1``): _prepare_states takes it as torch takes one
+            if key == "step" and value is not None and (not is_step_count(value, param.device)
+                                                         or value.device.type == "cpu"):
+                # a count set by hand (``state["step"] = 1``): _prepare_states takes it as torch takes one;
+                # one that is no whole number >= 0 is refused by name, a tensor's where it is on the CPU
+                # (another device's value is not read: that would wait for it)
                 step_count(value, param.device, f"step of a param of shape {tuple(param.shape)}")
                 continue
             role = key.removesuffix(ABSMAX)
