@@ -327,6 +327,14 @@ def test_a_count_given_storage_of_its_own_between_compiled_steps_is_read_and_adv
     assert all(torch.equal(a, b) for a, b in zip(params, eager_params))
 
 
+def _adamw_and_its_step(compiled):
+    """An AdamW over ``_three_params`` and its step, compiled (by dynamo's eager backend) or not."""
+    params = _three_params()
+    opt = fastoptim.AdamW(params, lr=1e-2)
+    torch._dynamo.reset()
+    return params, opt, torch.compile(opt.step, backend="eager", fullgraph=True) if compiled else opt.step
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("count", [-1, 5.5, float("nan"), torch.tensor(-1.0), torch.tensor(5.5), torch.tensor(float("inf"))],
                          ids=["-1", "5.5", "nan", "tensor -1", "tensor 5.5", "tensor inf"])
@@ -334,10 +342,7 @@ def test_a_count_that_is_no_whole_number_written_between_steps_is_refused_by_nam
     """A count written as no whole number >= 0: a number one failed inside dynamo (compiled), and a CPU
     tensor one stepped (5.5, inf) or divided by zero (-1) on both paths. Each is refused by name, before
     anything changes."""
-    params = _three_params()
-    opt = fastoptim.AdamW(params, lr=1e-2)
-    torch._dynamo.reset()
-    step = torch.compile(opt.step, backend="eager", fullgraph=True) if compiled else opt.step
+    params, opt, step = _adamw_and_its_step(compiled)
     for index in range(2):
         _seeded_grads(params, index)
         step()
@@ -376,10 +381,7 @@ def test_an_int_count_set_between_compiled_steps_is_taken_as_an_eager_step_takes
     loads one), and the compiled run is the eager one's."""
     runs = []
     for compiled in (False, True):
-        params = _three_params()
-        opt = fastoptim.AdamW(params, lr=1e-2)
-        torch._dynamo.reset()
-        step = torch.compile(opt.step, backend="eager", fullgraph=True) if compiled else opt.step
+        params, opt, step = _adamw_and_its_step(compiled)
         for index in range(3):
             _seeded_grads(params, index)
             if index == 2:
