@@ -17,7 +17,7 @@ from . import engines, flat_params
 from .engines.backends import FORCING_VARIABLE
 from .multi_tensor import bump_versions
 from .specs import COMMON_SCALARS, STOCHASTIC_ROUNDING
-from .step_cache import OptimizerState
+from .step_cache import OptimizerState, unread
 
 # where a table's first scalars go, in the order every kernel declares them (its rule computes the rest)
 FOUND_INF, SEED, GRAD_SCALE = map(COMMON_SCALARS.index, ("found_inf", "seed", "grad_scale"))
@@ -138,7 +138,7 @@ class BoundStep:
                 continue
             if (entry.states is None or entry.local_params is not entry.params or entry.viewed_states
                     or entry.context.first_reads is not None or any(reduce for _, reduce in entry.buckets)
-                    or entry.traced_reads is not None and 0 in entry.traced_reads[0][entry.traced_reads[1]].tolist()):
+                    or entry.traced_reads is not None and unread(entry.traced_reads)):
                 return None
             if algorithm.bound_part is not None and not clipped:
                 found = [algorithm.bound_part(entry.tensors, bucket, plan)

@@ -210,8 +210,7 @@ class PlanStore:
         for at, made in zip(positions, created):
             if made:
                 marks[at] = 0.0
-        values = marks.tolist()
-        return (marks, positions) if any(values[at] == 0 for at in positions) else None
+        return (marks, positions) if unread((marks, positions)) else None
 
     def work(self, key, pattern, roles, engine, params, local_params):
         """The :class:`GroupWork` of key ``key`` over ``params`` (``local_params``: what the engines update of
@@ -233,6 +232,14 @@ class PlanStore:
                                                     Signature(params, local_params), versions)
         self.current[key] = entry
         return entry, True
+
+
+def unread(reads: tuple) -> bool:
+    """Whether a param of ``reads`` (a group's first-read marks and these params' positions in them: see
+    :meth:`PlanStore.first_reads`) has optional states that no counted step has read yet."""
+    marks, positions = reads
+    values = marks.tolist()
+    return any(values[at] == 0 for at in positions)
 
 
 # --- state dicts that count their changes -------------------------------------------------------

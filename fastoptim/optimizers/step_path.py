@@ -68,6 +68,7 @@ def without_grad(function):
             torch._C._set_grad_enabled(enabled)
     return wrapper
 
+
 def _beta_fits(beta):
     """Whether ``beta`` is a number in [0, 1), or a 0-d floating-point tensor (a step's scalar tensors of
     one dimension hold one value per param): in [0, 1) where it is on the CPU (a step reads another
@@ -373,7 +374,8 @@ class StepPath:
         made = entry.context.first_reads
         entry.traced_reads = plans.first_reads(key, group["params"], entry.params, [
             False] * len(entry.params) if made is None else [value == 0 for value in made.tolist()])
-        entry.context = entry.context._replace(first_reads=None)
+        if made is not None:  # else the context stays the one a graph may have read
+            entry.context = entry.context._replace(first_reads=None)
 
     def _step_inputs(self, group, entry, grad_scale):
         """The :class:`StepInputs` of this step of ``group`` besides its count (see ``StepCounts``); a
