@@ -289,15 +289,18 @@ def _as_count(key, value):
     """``value`` written under ``key``; a ``"step"`` written as a real number (official Adan and timm keep
     ints; an int subclass, a numpy number) as a 0-d fp32 CPU tensor, whatever the default device and
     dtype (a step moves it to its param's device): torch.compile's guards of an optimizer's state take
-    no number for a count, and fail inside dynamo on one. The step refuses by name, eager or compiled,
-    a count that is no whole number >= 0 (see ``StateCreation._check_state``). Any other value (a bool,
-    an int past float's range) stays as written, for the step to refuse."""
-    if key != "step" or isinstance(value, (Tensor, bool)) or not isinstance(value, numbers.Real):
+    no number for a count, and fail inside dynamo on one, as they do on any other value of no count (a
+    bool, None, text, a complex number, an int past float's range), which is refused here, as it is
+    written. The step refuses by name, eager or compiled, a count that is no whole number >= 0 (see
+    ``StateCreation._check_state``)."""
+    if key != "step" or isinstance(value, Tensor):
         return value
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"Invalid step: {value!r} (a param's step count must be a number or a 0-d tensor)")
     try:
         return torch.tensor(float(value), dtype=torch.float32, device="cpu")
     except OverflowError:
-        return value
+        raise ValueError(f"Invalid step: {value!r} (a step count must be within float's range)") from None
 
 
 @_counting_changes
@@ -342,11 +345,11 @@ class OptimizerState(_WritingThrough, defaultdict):
             self[param] = state
 
     def __setitem__(self, param, state):
-        _changed(self)
-        if isinstance(state, dict):
+        if isinstance(state, dict):  # before the change is counted: a count ParamState refuses changes nothing
             state = state if type(state) is ParamState else ParamState(state)
             if not any(ref() is self for ref in state.owners):  # a state dict two optimizers hold counts for both
                 state.owners = [ref for ref in state.owners if ref() is not None] + [weakref.ref(self)]
+        _changed(self)
         super().__setitem__(param, state)
 
     def setdefault(self, param, state=None):

@@ -485,12 +485,16 @@ def assert_unchanged_but_the_count(params, optimizer, before):
 @pytest.mark.parametrize("value", BAD_COUNTS)
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("cls", COUNTING)
-def test_a_count_set_to_no_count_is_refused_by_the_step_which_changes_nothing(cls, engine, value):
+def test_a_count_set_to_no_count_is_refused_as_written_or_by_the_step_which_changes_nothing(cls, engine, value):
+    """A param's state refuses a count of no number (text, a bool) as it is written (see
+    test_review_traced); a group's count (official Adan's), and a number that is no count, the step
+    refuses."""
     params, optimizer = make(cls, engine)
     run(optimizer, params)
-    count_holders(optimizer)[0]["step"] = BAD_COUNTS[value]
     before = snapshot(params, optimizer)
     with pytest.raises(ValueError, match="Invalid step"):
+        count_holders(optimizer)[0]["step"] = BAD_COUNTS[value]
+        before = snapshot(params, optimizer)  # with the count as written
         run(optimizer, params, steps=1)
     assert_unchanged_but_the_count(params, optimizer, before)
 

@@ -80,7 +80,8 @@ def step_count(value, device, name="step"):
     Adan and timm keep an int; torch.optim takes one, where it loads one) or a 0-d tensor. A ValueError
     naming ``name`` unless it is a whole number >= 0 (a negative count divides by zero in a bias
     correction). Reads a tensor's value: not for a step's every call."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, Tensor)) or torch.as_tensor(value).dim():
+    if (isinstance(value, bool) or not isinstance(value, (int, float, Tensor)) or torch.as_tensor(value).dim()
+            or isinstance(value, Tensor) and (value.dtype == torch.bool or value.is_complex())):
         raise ValueError(f"Invalid {name}: {value!r} (must be a number or a 0-d tensor)")
     count = torch.as_tensor(value, dtype=torch.float32)
     if not (count >= 0 and count == count.floor() and count.isfinite()):
