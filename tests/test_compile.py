@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import fastoptim
@@ -828,6 +829,29 @@ def test_an_eager_step_between_compiled_ones_reads_adans_first_read_marks(engine
 
     for ours, expected in zip(run(compiling=True), run(compiling=False)):
         assert torch.equal(ours, expected)
+
+
+@pytest.mark.parametrize("engine", [dict(), dict(fused=False)], ids=["fused", "foreach"])
+@pytest.mark.parametrize("optimizer", [fastoptim.AdamW, fastoptim.Adan, fastoptim.Lion])
+def test_eager_steps_between_compiled_ones_trace_nothing_again(optimizer, engine):
+    """An eager step between compiled ones left what every graph reads changed: the notes of the params'
+    version counters (made for no remainder) and, for Adan, its first-read marks (dropped once read),
+    each a guard that failed, so the next compiled step traced again. The steps are the eager run's."""
+    def run(schedule):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(3, 2))]
+        opt = optimizer(params, lr=1e-2, **engine)
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        compiled = torch.compile(opt.step, backend=counter, fullgraph=True)
+        for index, kind in enumerate(schedule):
+            set_grads(params, index)
+            (compiled if kind == "C" else opt.step)()
+        return params, counter.frame_count
+
+    (ours, traces), (expected, _) = run("CCECECEECC"), run("E" * 10)
+    assert traces == 1
+    assert all(map(torch.equal, ours, expected))
 
 
 def test_a_fallback_in_a_compiled_step_warns_once_at_tracing():

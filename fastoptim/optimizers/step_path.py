@@ -149,9 +149,12 @@ class StepPath:
     def _restart_written(self, work, plans):
         """A param written by anyone but this optimizer starts again from the value written: zero the
         master remainders of ``work``'s params written since its steps wrote them (see master.Writes),
-        whose notes (``plans.writes``) it returns."""
+        whose notes (``plans.writes``) it returns; None where none keeps remainders (and there are no
+        notes): a compiled step reads the notes to drop them, so that each new one would trace it again."""
         writes = plans.writes
         if writes is None:
+            if all(entry.versions is None for _, entry, _ in work):
+                return None
             writes = plans.writes = master.Writes()
         for _, entry, _ in work:
             if entry.versions is not None:
@@ -372,6 +375,8 @@ class StepPath:
         step of the group reads and marks from then on, through ``entry.traced_reads``: each graph of a
         compiled step, and an eager step between them, of whichever pattern of grads."""
         made = entry.context.first_reads
+        if made is None and entry.traced_reads is not None and plans.reads[key][1] is entry.traced_reads[0]:
+            return  # it holds the group's marks, all made before: kept, read or not (a graph guards their type)
         entry.traced_reads = plans.first_reads(key, group["params"], entry.params, [
             False] * len(entry.params) if made is None else [value == 0 for value in made.tolist()])
         if made is not None:  # else the context stays the one a graph may have read
