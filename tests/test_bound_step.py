@@ -474,3 +474,31 @@ def test_an_lr_the_checked_step_does_not_read_as_a_float_is_left_to_it(value):
             outcomes.append((None, [param.clone() for param in params]))
     (bound_error, bound), (checked_error, checked) = outcomes
     assert bound_error == checked_error and all(map(torch.equal, bound, checked))
+
+
+NUMPY_WRITES = {"fp32 numbers": lambda value: np.float32(value), "float64 numbers": lambda value: np.float64(value)}
+
+
+@pytest.mark.parametrize("kind", list(NUMPY_WRITES))
+@pytest.mark.parametrize("engine", [dict(), dict(foreach=False, fused=True), dict(fused=False),
+                                    dict(foreach=False, fused=False)], ids=["fused-multi", "fused-single", "foreach",
+                                                                            "loop"])
+@pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.Adan, fastoptim.AdamWSN])
+def test_options_written_as_numpy_numbers_step_as_their_python_values_on_every_path(cls, engine, kind):
+    """A scheduler that writes numpy numbers (lr, weight decay, eps, betas) between steps: the checked
+    step's arithmetic rounded a numpy fp32 number's products to fp32 (an ulp apart from the bound and
+    compiled steps, which take its value as a float64), on the engines that step checked. Every
+    path now steps as with the numbers' Python values, bit for bit."""
+    betas = {fastoptim.Adan: (0.98, 0.92, 0.99)}.get(cls, (0.9, 0.999))
+
+    def change(write):
+        def edit(step, opt, params):
+            if step in (1, 3):
+                opt.param_groups[0].update(lr=write(1e-3 * (step + 1)), weight_decay=write(0.1), eps=write(1e-7),
+                                           betas=tuple(map(write, betas)))
+        return edit
+
+    as_numpy = NUMPY_WRITES[kind]
+    ours, _ = _run(lambda params: cls(params, lr=1e-2, **engine), change(as_numpy), checked=False)
+    plain, _ = _run(lambda params: cls(params, lr=1e-2, **engine), change(lambda v: as_numpy(v).item()), checked=False)
+    assert all(map(torch.equal, ours, plain))

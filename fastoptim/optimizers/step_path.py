@@ -359,7 +359,10 @@ class StepPath:
 
     def _arguments(self, algorithm, group, entry, grad_scale, increment, traced):
         """``algorithm``'s arguments for this step of ``group`` (``entry``: its work) and the names of those
-        that hold one value per param (see ``scalars.step_arguments``)."""
+        that hold one value per param (see ``scalars.step_arguments``). Options written as numpy values are
+        given their Python values first (``scalars.plain_options``): the arithmetic of a numpy fp32 number
+        rounds to fp32, and the native rules, and a compiled step, compute with its value in float64."""
+        scalars.plain_options(group)
         return scalars.step_arguments(algorithm, group, scalars.one_count(self._step_counts(group, entry).read(group)),
                                       increment, self._step_inputs(group, entry, grad_scale), traced)
 
