@@ -274,10 +274,12 @@ def _counting_changes(cls):
 
 class _WritingThrough:
     """A dict type's ``update`` and ``|=`` writing each value through its ``__setitem__`` (dict's own
-    bypass it)."""
+    bypass it), every value taken (``_taken``: what ``__setitem__`` keeps of it, or a ValueError) before
+    any is written: a refused one leaves the dict as it was."""
 
     def update(self, /, *values, **kwargs):
-        for key, value in dict(*values, **kwargs).items():
+        taken = [(key, self._taken(key, value)) for key, value in dict(*values, **kwargs).items()]
+        for key, value in taken:
             self[key] = value
 
     def __ior__(self, values):
@@ -296,7 +298,7 @@ def _as_count(key, value):
     if key != "step" or isinstance(value, Tensor):
         return value
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"Invalid step: {value!r} (a param's step count must be a number or a 0-d tensor)")
+        raise ValueError(f"Invalid step: {value!r} (a step count must be a number or a 0-d tensor)")
     try:
         return torch.tensor(float(value), dtype=torch.float32, device="cpu")
     except OverflowError:
@@ -310,6 +312,7 @@ class ParamState(_WritingThrough, dict):
     written as a number is kept as a tensor (see ``_as_count``), as torch.optim loads one."""
 
     owners = ()  # weak references to the OptimizerStates that hold it
+    _taken = staticmethod(_as_count)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -344,9 +347,14 @@ class OptimizerState(_WritingThrough, defaultdict):
         for param, state in dict(states).items():
             self[param] = state
 
+    @staticmethod
+    def _taken(param, state):
+        """``state`` as it is kept: a dict as a :class:`ParamState` (which refuses a count of no number)."""
+        return ParamState(state) if isinstance(state, dict) and type(state) is not ParamState else state
+
     def __setitem__(self, param, state):
-        if isinstance(state, dict):  # before the change is counted: a count ParamState refuses changes nothing
-            state = state if type(state) is ParamState else ParamState(state)
+        state = self._taken(param, state)  # before the change is counted: a refused count changes nothing
+        if isinstance(state, dict):
             if not any(ref() is self for ref in state.owners):  # a state dict two optimizers hold counts for both
                 state.owners = [ref for ref in state.owners if ref() is not None] + [weakref.ref(self)]
         _changed(self)

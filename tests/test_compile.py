@@ -831,12 +831,14 @@ def test_an_eager_step_between_compiled_ones_reads_adans_first_read_marks(engine
         assert torch.equal(ours, expected)
 
 
-@pytest.mark.parametrize("engine", [dict(), dict(fused=False)], ids=["fused", "foreach"])
+@pytest.mark.parametrize("engine", [dict(), dict(fused=False), dict(master_bits=24)],
+                         ids=["fused", "foreach", "master_bits=24 over fp32 params"])
 @pytest.mark.parametrize("optimizer", [fastoptim.AdamW, fastoptim.Adan, fastoptim.Lion])
 def test_eager_steps_between_compiled_ones_trace_nothing_again(optimizer, engine):
     """An eager step between compiled ones left what every graph reads changed: the notes of the params'
-    version counters (made for no remainder) and, for Adan, its first-read marks (dropped once read),
-    each a guard that failed, so the next compiled step traced again. The steps are the eager run's."""
+    version counters (made where no param keeps a remainder: fp32 ones under master_bits neither) and,
+    for Adan, its first-read marks (dropped once read), each a guard that failed, so the next compiled
+    step traced again. The steps are the eager run's."""
     def run(schedule):
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(3, 2))]

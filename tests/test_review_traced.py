@@ -439,3 +439,55 @@ def test_an_int_count_set_between_compiled_steps_is_taken_as_an_eager_step_takes
         assert opt.state[params[1]]["step"].item() == 6.0
         runs.append(params)
     assert all(map(torch.equal, *runs))
+
+
+def _stepped_adamw():
+    params = _three_params()
+    opt = fastoptim.AdamW(params, lr=1e-2)
+    _seeded_grads(params, 0)
+    opt.step()
+    return params, opt
+
+
+def test_an_update_with_a_refused_count_writes_none_of_its_values():
+    """``update`` and ``|=`` write their values one by one: a count refused among them left those before
+    it written, and counted as a change."""
+    params, opt = _stepped_adamw()
+    state, changes = opt.state[params[0]], opt.state.changes
+    exp_avg = state["exp_avg"]
+    for write in (lambda: state.update({"exp_avg": torch.zeros(4, 3), "step": True}),
+                  lambda: state.__ior__({"exp_avg": torch.zeros(4, 3), "step": None}),
+                  lambda: opt.state.update({params[0]: {}, params[1]: {"step": "1"}})):
+        with pytest.raises(ValueError, match="Invalid step"):
+            write()
+        assert opt.state[params[0]] is state and state["exp_avg"] is exp_avg and opt.state.changes == changes
+
+
+def test_a_load_whose_entry_of_no_param_holds_a_refused_count_changes_nothing():
+    """An entry of a saved state that is no param's (a hook's) is kept as it is, but a count of no number
+    in it is refused: the load raised after it had set the groups and states, and left ``opt.state`` a
+    plain defaultdict."""
+    params, opt = _stepped_adamw()
+    saved = opt.state_dict()
+    saved["state"]["a hook's"] = {"step": None}
+    saved["param_groups"][0]["lr"] = 0.5
+    state = opt.state
+    with pytest.raises(ValueError, match="Invalid step"):
+        opt.load_state_dict(saved)
+    assert opt.param_groups[0]["lr"] == 1e-2 and opt.state is state
+
+
+@pytest.mark.parametrize("count, loaded", [(np.int64(8), 8.0), (np.float32(3.0), 3.0), (2 ** 1024, None),
+                                           (2 ** 200, None)], ids=["numpy int", "numpy fp32", "past float", "past fp32"])
+def test_a_saved_count_of_numpy_or_past_floats_range_loads_as_it_is_written_or_is_refused_by_name(count, loaded):
+    """A count is written as any real number (a numpy one too); a load refused numpy counts, and one past
+    float's range failed unpacking it into a C long, naming nothing."""
+    params, opt = _stepped_adamw()
+    saved = opt.state_dict()
+    saved["state"][0]["step"] = count
+    if loaded is None:
+        with pytest.raises(ValueError, match=r"Invalid step of parameter 0: inf \(must be a whole number >= 0\)"):
+            opt.load_state_dict(saved)
+    else:
+        opt.load_state_dict(saved)
+        assert opt.state[params[0]]["step"].item() == loaded

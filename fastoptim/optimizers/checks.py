@@ -1,6 +1,7 @@
 """The checks of a fastoptim optimizer's inputs: hyperparameters, a tensor lr or betas, and params.
 Each raises a ValueError that names the first invalid input, before anything changes."""
 import math
+import numbers
 
 import torch
 from torch import Tensor
@@ -76,14 +77,19 @@ def is_step_count(value, device):
 
 
 def step_count(value, device, name="step"):
-    """``value`` as a step count (see :func:`is_step_count`), a copy on ``device``: a number (official
-    Adan and timm keep an int; torch.optim takes one, where it loads one) or a 0-d tensor. A ValueError
-    naming ``name`` unless it is a whole number >= 0 (a negative count divides by zero in a bias
-    correction). Reads a tensor's value: not for a step's every call."""
-    if (isinstance(value, bool) or not isinstance(value, (int, float, Tensor)) or torch.as_tensor(value).dim()
-            or isinstance(value, Tensor) and (value.dtype == torch.bool or value.is_complex())):
+    """``value`` as a step count (see :func:`is_step_count`), a copy on ``device``: a real number (official
+    Adan and timm keep an int; torch.optim takes one, where it loads one; a numpy one) or a 0-d tensor of
+    one. A ValueError naming ``name`` unless it is a whole number >= 0 (a negative count divides by zero
+    in a bias correction). Reads a tensor's value: not for a step's every call."""
+    if isinstance(value, Tensor) and not (value.dim() or value.dtype == torch.bool or value.is_complex()):
+        count = value.to(torch.float32)
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        try:
+            count = torch.tensor(float(value), dtype=torch.float32)
+        except OverflowError:
+            count = torch.tensor(math.inf)
+    else:
         raise ValueError(f"Invalid {name}: {value!r} (must be a number or a 0-d tensor)")
-    count = torch.as_tensor(value, dtype=torch.float32)
     if not (count >= 0 and count == count.floor() and count.isfinite()):
         raise ValueError(f"Invalid {name}: {count.item()!r} (must be a whole number >= 0)")
     return count.to(device=device, copy=True)

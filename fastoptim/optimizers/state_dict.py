@@ -1,7 +1,6 @@
 """State dicts of fastoptim optimizers: what :class:`FastOptimizer` saves and how it loads its own
 and its peers' (official Adan, timm, torch.optim.AdamW, the seed's AdamwSN), converting each state
 into this optimizer's format."""
-from collections import defaultdict
 from copy import deepcopy
 
 import torch
@@ -10,6 +9,7 @@ from .. import distributed
 from ..multi_tensor import gather_states
 from ..specs import ABSMAX
 from ..states import formats, master, subset_norm
+from ..step_cache import OptimizerState
 from .algorithm import PER_GROUP
 from .checks import normalize_betas, step_count
 
@@ -121,7 +121,8 @@ class StateDicts:
                 gather_states([new_state[param] for param in group["params"] if param in new_state])
         saved_params = {saved_id for saved in saved_groups for saved_id in saved["params"]}
         new_state |= {key: value for key, value in state_dict["state"].items() if key not in saved_params}
-        self.__setstate__({"state": defaultdict(dict, new_state), "param_groups": new_groups})
+        # made before anything is set: an entry that is no param's may hold a count that it refuses
+        self.__setstate__({"state": OptimizerState(new_state), "param_groups": new_groups})
         self.defaults["max_grad_norm"] = max_grad_norm
         self._forget_plans()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():

@@ -153,7 +153,7 @@ class StepPath:
         notes): a compiled step reads the notes to drop them, so that each new one would trace it again."""
         writes = plans.writes
         if writes is None:
-            if all(entry.versions is None for _, entry, _ in work):
+            if all(entry.versions is None or not entry.versions.params for _, entry, _ in work):
                 return None
             writes = plans.writes = master.Writes()
         for _, entry, _ in work:
