@@ -831,6 +831,36 @@ def test_an_eager_step_between_compiled_ones_reads_adans_first_read_marks(engine
         assert torch.equal(ours, expected)
 
 
+@pytest.mark.parametrize("reload", ["into itself", "into a new optimizer"])
+def test_a_state_dict_keeps_adans_first_reads_that_a_skipped_compiled_step_left(reload):
+    """A compiled step that GradScaler skipped made a param's states (zeros) before its first counted
+    step (the group's count past 1: its other param stepped before): a load of the state dict took them
+    as read, and the next step weighed g - 0 where the eager run weighs g - g_prev 0."""
+    def run(compiling):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))]
+        opt = fastoptim.Adan(params, lr=1e-2)
+        torch._dynamo.reset()
+        compiled = torch.compile(opt.step, backend="aot_eager", fullgraph=True)
+        for index, (skipped, with_grad, traced) in enumerate([(False, (0,), False), (True, (0, 1), True),
+                                                             (False, (0, 1), False), (False, (0, 1), True)]):
+            torch.manual_seed(100 + index)
+            for i, param in enumerate(params):
+                param.grad = torch.randn(4) * 256 if i in with_grad else None
+            opt.grad_scale, opt.found_inf = torch.tensor(256.0), torch.tensor(float(skipped))
+            (compiled if traced and compiling else opt.step)()
+            if index == 1:
+                saved = opt.state_dict()
+                if reload == "into a new optimizer":
+                    opt = fastoptim.Adan(params, lr=1e-2)
+                    compiled = torch.compile(opt.step, backend="aot_eager", fullgraph=True)
+                opt.load_state_dict(saved)
+        return params + [opt.state[param][key] for param in params for key in ("exp_avg_diff", "neg_pre_grad")]
+
+    for ours, expected in zip(run(compiling=True), run(compiling=False)):
+        assert torch.equal(ours, expected)
+
+
 @pytest.mark.parametrize("engine", [dict(), dict(fused=False), dict(master_bits=24)],
                          ids=["fused", "foreach", "master_bits=24 over fp32 params"])
 @pytest.mark.parametrize("optimizer", [fastoptim.AdamW, fastoptim.Adan, fastoptim.Lion])

@@ -38,7 +38,9 @@ class StateDicts:
         fastoptim.states.formats.named_codes). Each param's state is a
         plain dict (``torch.load(weights_only=True)`` knows no other kind); other entries of
         ``state`` (a hook's) are saved as they are, as torch saves them. The master remainder of a
-        param written since the last step is saved as zeros, which its written value goes with."""
+        param written since the last step is saved as zeros, which its written value goes with.
+        Optional states that no counted step has read yet (made by a compiled step that GradScaler
+        skipped: zeros) are left out, so that the step after a load reads them first, as this one would."""
         self._restart_written_masters()
         state_dict = super().state_dict()
         for group in state_dict["param_groups"]:  # torch's copies
@@ -47,6 +49,9 @@ class StateDicts:
         state_dict["state"] = {key: dict(state) if isinstance(state, dict) else state
                                for key, state in state_dict["state"].items()}
         specs = {key: self._algorithm(group).spec for group in state_dict["param_groups"] for key in group["params"]}
+        for key in self._unread_keys(state_dict):
+            state_dict["state"][key] = {role: value for role, value in state_dict["state"][key].items()
+                                        if role.removesuffix(ABSMAX) not in specs[key].optional}
         for key, state in state_dict["state"].items():
             if key not in specs:
                 continue
@@ -56,6 +61,15 @@ class StateDicts:
                     state = formats.convert(state, role, formats.FP32)
             state_dict["state"][key] = state
         return state_dict
+
+    def _unread_keys(self, state_dict):
+        """The keys in ``state_dict`` (this optimizer's, just made) of the params whose optional states
+        no counted step has read yet: 0 in their group's first-read marks (``PlanStore.first_reads``)."""
+        for index, (group, saved) in enumerate(zip(self.param_groups, state_dict["param_groups"])):
+            held = self._plans.reads.get(index)
+            if held is not None and held[0] == tuple(map(id, group["params"])):
+                yield from (key for key, mark in zip(saved["params"], held[1].tolist())
+                            if mark == 0 and key in state_dict["state"])
 
     def load_state_dict(self, state_dict):
         """Load a state dict of this optimizer or of its peers' layout (see the class docstring).
