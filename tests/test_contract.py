@@ -50,6 +50,25 @@ def test_param_groups_keep_their_own_options(cls):
 
 
 @pytest.mark.parametrize("cls", OPTIMIZERS)
+def test_a_state_cleared_by_hand_saves_and_loads_as_torch_s_does(cls):
+    """``optimizer.state[p].clear()`` (a reset of one param's moments) leaves an empty state that a state
+    dict saves: its load refused it as a state of another optimizer's keys ([]). It loads as empty, and
+    the next step makes it anew, as the run that was never saved does."""
+    runs = []
+    for reload in (False, True):
+        model = tiny_model()
+        opt = cls(model.parameters(), lr=0.01)
+        train(model, opt, 2)
+        opt.state[next(model.parameters())].clear()
+        if reload:
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+            assert opt.state[next(model.parameters())] == {}
+        train(model, opt, 2)
+        runs.append(list(model.parameters()))
+    assert all(map(torch.equal, *runs))
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
 def test_closure_hooks_and_zero_grad(cls):
     model = tiny_model()
     opt = cls(model.parameters(), lr=0.01)

@@ -128,8 +128,10 @@ class StateDicts:
                 raise ValueError(f"loaded param group {index}: {error}. Is it a state dict of another "
                                  f"optimizer? {type(self).__name__} expects {n_betas} betas.") from None
             for saved_id, param in zip(saved["params"], group["params"]):
-                if saved_id in state_dict["state"]:
+                if state_dict["state"].get(saved_id):
                     new_state[param] = self._load_state(dict(state_dict["state"][saved_id]), merged, param, saved_id)
+                elif saved_id in state_dict["state"]:  # a state cleared by hand: the next step makes it anew
+                    new_state[param] = {}
             new_groups.append(merged)
             if not self._viewed:  # the loaded copies go into flat buffers, as new states do
                 gather_states([new_state[param] for param in group["params"] if param in new_state])
