@@ -2,6 +2,7 @@
 changes something between steps: a bound optimizer's run against a twin whose every step takes the
 checked way (``_plans.bound`` dropped before each step), bit for bit; and the native ops'
 refusals of rules that do not fit their kernel. Found by an adversarial review of 6d667b0."""
+import collections
 import subprocess
 import sys
 import warnings
@@ -499,6 +500,29 @@ def test_options_written_as_numpy_numbers_step_as_their_python_values_on_every_p
         return edit
 
     as_numpy = NUMPY_WRITES[kind]
-    ours, _ = _run(lambda params: cls(params, lr=1e-2, **engine), change(as_numpy), checked=False)
+    ours, opt = _run(lambda params: cls(params, lr=1e-2, **engine), change(as_numpy), checked=False)
     plain, _ = _run(lambda params: cls(params, lr=1e-2, **engine), change(lambda v: as_numpy(v).item()), checked=False)
     assert all(map(torch.equal, ours, plain))
+    assert type(opt.param_groups[0]["lr"]) is type(as_numpy(0.0))  # the group keeps what was written (a scheduler's)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("engine", [dict(), dict(fused=False)], ids=["fused", "foreach"])
+def test_betas_of_numpy_numbers_in_a_namedtuple_step_as_their_python_values(engine, compiled):
+    """A namedtuple of numpy betas: giving the betas their Python values built one from a list, which a
+    namedtuple refuses (a TypeError at the step, after another group's params had stepped)."""
+    betas_type = collections.namedtuple("Betas", "beta1 beta2")
+    runs = []
+    for make in (np.float64, float):
+        params = [torch.nn.Parameter(torch.ones(3)) for _ in range(2)]
+        opt = fastoptim.AdamW([{"params": params[:1]}, {"params": params[1:], "betas": betas_type(make(0.9), make(0.99))}],
+                              lr=1e-2, **engine)
+        torch._dynamo.reset()
+        step = torch.compile(opt.step, backend="aot_eager", fullgraph=True) if compiled else opt.step
+        for index in range(2):
+            for param in params:
+                param.grad = torch.full_like(param, index + 1.0)
+            step()
+        assert type(opt.param_groups[1]["betas"]) is betas_type
+        runs.append(params)
+    assert all(map(torch.equal, *runs))

@@ -12,6 +12,7 @@ per-param factors). ``fastoptim::step_factors`` computes the clip coefficient an
 graph of a fused step keeps these ops and the kernels', and compiles nothing."""
 import functools
 import json
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -128,24 +129,50 @@ def _is_numpy(value):
     return type(value).__module__ == "numpy" and hasattr(value, "tolist")
 
 
-def plain_options(group: dict) -> None:
-    """Give ``group``'s options that hold numpy values (``np.float32(0.1)``, ``np.True_``, an array of
-    betas, betas of numpy numbers) their Python values (a list holding them keeps its identity),
-    before a step is traced: dynamo hands the traced step's ops numpy numbers as values they cannot
-    take, and ``prepare`` encodes the others as JSON.
+def _plain(value):
+    """A numpy value's Python value; a float for a long double (whose ``tolist`` keeps it one)."""
+    plain = value.tolist()
+    return float(plain) if type(plain).__module__ == "numpy" and isinstance(plain, numbers.Real) else plain
+
+
+def plain_values(group: dict, keys) -> dict:
+    """The Python values of ``group``'s options ``keys`` that hold numpy values (``np.float32(0.1)``,
+    ``np.True_``, an array of betas, a sequence of numpy numbers, as a list), by key: a numpy fp32
+    number's arithmetic rounds to fp32, where the native rules and a compiled step take its value.
+
+    Args:
+        group: the param group, read.
+        keys: the options to look at (an algorithm's: the optimizer's ``defaults``), not a
+            scheduler's keys (``initial_lr``), which it computes with as it likes.
+    """
+    found = {}
+    for key in keys:
+        value = group.get(key)
+        if _is_numpy(value):
+            found[key] = _plain(value)
+        elif isinstance(value, (tuple, list)) and any(map(_is_numpy, value)):
+            found[key] = [_plain(v) if _is_numpy(v) else v for v in value]
+    return found
+
+
+def plain_options(group: dict, keys) -> None:
+    """Give ``group``'s options ``keys`` that hold numpy values their Python values (``plain_values``)
+    in place, before a step is traced: dynamo hands the traced step's ops numpy numbers as values
+    they cannot take, and ``prepare`` encodes the others as JSON. A list keeps its identity, a
+    tuple its type (a namedtuple's too).
 
     Args:
         group: the param group, changed in place where an option holds numpy values.
+        keys: the options to look at (see ``plain_values``).
     """
-    for key, value in group.items():
-        if _is_numpy(value):
-            group[key] = value.tolist()
-        elif isinstance(value, (tuple, list)) and any(map(_is_numpy, value)):
-            plain = [v.tolist() if _is_numpy(v) else v for v in value]
-            if isinstance(value, list):
-                value[:] = plain
-            else:
-                group[key] = type(value)(plain)
+    for key, value in plain_values(group, keys).items():
+        held = group[key]
+        if isinstance(held, list):
+            held[:] = value
+        elif isinstance(held, tuple):
+            group[key] = held._make(value) if hasattr(held, "_make") else tuple(value)
+        else:
+            group[key] = value
 
 
 def _name(algorithm):

@@ -216,7 +216,7 @@ class StepPath:
         plans = self._plans
         flat_params.drop_frozen_grads(self.param_groups)  # a step traced again once a param is frozen (guarded)
         for group in self.param_groups:
-            scalars.plain_options(group)
+            scalars.plain_options(group, self.defaults)
         own_counts(self.state.values())
         calls = []  # the step ops' prepared calls, each of which checks the others before it runs (see refuse)
         for index, group in enumerate(self.param_groups):
@@ -360,11 +360,12 @@ class StepPath:
     def _arguments(self, algorithm, group, entry, grad_scale, increment, traced):
         """``algorithm``'s arguments for this step of ``group`` (``entry``: its work) and the names of those
         that hold one value per param (see ``scalars.step_arguments``). Options written as numpy values are
-        given their Python values first (``scalars.plain_options``): the arithmetic of a numpy fp32 number
-        rounds to fp32, and the native rules, and a compiled step, compute with its value in float64."""
-        scalars.plain_options(group)
-        return scalars.step_arguments(algorithm, group, scalars.one_count(self._step_counts(group, entry).read(group)),
-                                      increment, self._step_inputs(group, entry, grad_scale), traced)
+        read as their Python values (``scalars.plain_values``), as the native rules and a compiled step read
+        them; the group keeps what was written."""
+        plain = scalars.plain_values(group, self.defaults)
+        options = {**group, **plain} if plain else group
+        return scalars.step_arguments(algorithm, options, scalars.one_count(self._step_counts(group, entry).read(group)),
+                                      increment, self._step_inputs(options, entry, grad_scale), traced)
 
     def _step_counts(self, group, entry):
         """The :class:`StepCounts` of ``group``'s params with grads (``entry``: their work, or None)."""
