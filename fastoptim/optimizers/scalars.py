@@ -125,8 +125,7 @@ def _is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _is_numpy(value):
-    return type(value).__module__ == "numpy" and hasattr(value, "tolist")
+NUMPY = "numpy"  # the module of numpy's scalar and array types
 
 
 def _plain(value):
@@ -146,12 +145,13 @@ def plain_values(group: dict, keys) -> dict:
             scheduler's keys (``initial_lr``), which it computes with as it likes.
     """
     found = {}
-    for key in keys:
+    for key in keys:  # no call per option: a bound Muon step reads its groups' options every step
         value = group.get(key)
-        if _is_numpy(value):
+        if type(value).__module__ == NUMPY and hasattr(value, "tolist"):
             found[key] = _plain(value)
-        elif isinstance(value, (tuple, list)) and any(map(_is_numpy, value)):
-            found[key] = [_plain(v) if _is_numpy(v) else v for v in value]
+        elif isinstance(value, (tuple, list)) and any(type(v).__module__ == NUMPY and hasattr(v, "tolist")
+                                                      for v in value):
+            found[key] = [_plain(v) if type(v).__module__ == NUMPY and hasattr(v, "tolist") else v for v in value]
     return found
 
 
