@@ -10,6 +10,7 @@ import os
 from itertools import repeat
 from numbers import Real
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -343,7 +344,7 @@ def _a_number(value):
     """Whether the checked step reads ``value`` as the number ``float(value)`` is: a real number (a numpy
     one, a Fraction) or a numpy bool; not a Decimal (which the checked step's float arithmetic refuses),
     a complex number, text or a sequence (whose truth is its length)."""
-    return isinstance(value, Real) or type(value).__module__ == "numpy" and type(value.tolist()) is bool
+    return isinstance(value, Real) or isinstance(value, (np.generic, np.ndarray)) and type(value.tolist()) is bool
 
 
 def runs_backend(runs):

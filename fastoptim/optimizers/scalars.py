@@ -12,9 +12,9 @@ per-param factors). ``fastoptim::step_factors`` computes the clip coefficient an
 graph of a fused step keeps these ops and the kernels', and compiles nothing."""
 import functools
 import json
-import numbers
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -125,13 +125,13 @@ def _is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-NUMPY = "numpy"  # the module of numpy's scalar and array types
+NUMPY_VALUES = (np.generic, np.ndarray)  # numpy's numbers, bools and arrays
 
 
 def _plain(value):
     """A numpy value's Python value; a float for a long double (whose ``tolist`` keeps it one)."""
     plain = value.tolist()
-    return float(plain) if type(plain).__module__ == "numpy" and isinstance(plain, numbers.Real) else plain
+    return float(plain) if isinstance(plain, np.floating) else plain
 
 
 def plain_values(group: dict, keys) -> dict:
@@ -147,11 +147,10 @@ def plain_values(group: dict, keys) -> dict:
     found = {}
     for key in keys:  # no call per option: a bound Muon step reads its groups' options every step
         value = group.get(key)
-        if type(value).__module__ == NUMPY and hasattr(value, "tolist"):
+        if isinstance(value, NUMPY_VALUES):
             found[key] = _plain(value)
-        elif isinstance(value, (tuple, list)) and any(type(v).__module__ == NUMPY and hasattr(v, "tolist")
-                                                      for v in value):
-            found[key] = [_plain(v) if type(v).__module__ == NUMPY and hasattr(v, "tolist") else v for v in value]
+        elif isinstance(value, (tuple, list)) and any(isinstance(v, NUMPY_VALUES) for v in value):
+            found[key] = [_plain(v) if isinstance(v, NUMPY_VALUES) else v for v in value]
     return found
 
 
