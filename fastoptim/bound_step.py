@@ -24,71 +24,18 @@ from .step_cache import OptimizerState, unread
 FOUND_INF, SEED, GRAD_SCALE = map(COMMON_SCALARS.index, ("found_inf", "seed", "grad_scale"))
 
 
-class _Reading(dict):
-    """A copy of a param group that notes which of its options are read."""
-
-    def __init__(self, group):
-        super().__init__(group)
-        self.read = {}
-
-    def __getitem__(self, key):
-        self.read[key] = None
-        return super().__getitem__(key)
-
-    def get(self, key, default=None):
-        self.read[key] = None
-        return super().get(key, default)
-
-    def __contains__(self, key):
-        self.read[key] = None
-        return super().__contains__(key)
-
-
-class Structure:
-    """``structure(group)``, with the options of ``group`` that it read and the objects they held:
-    while each still holds the same object, a step knows the structure without computing it.
-    ``structure`` reads options as ``group[key]``, ``group.get(key)`` or ``key in group`` (what
-    ``_Reading`` sees), and nothing else that changes between steps."""
-
-    def __init__(self, structure, group):
-        reading = _Reading(group)
-        self.value = structure(reading)
-        self.keys = list(reading.read)
-        self.held = list(self._options(group))
-        # a list option (betas) may be edited in place: its items, as they were, are compared too
-        self.items = [(key, tuple(value)) for key, value in zip(self.keys, self.held) if type(value) is list]
-
-    def _options(self, group):
-        return map(group.get, self.keys, repeat(_MISSING))
-
-    def holds(self, structure, group):
-        """Whether ``structure(group)`` is still this one."""
-        if all(map(operator.is_, self._options(group), self.held)) and (
-                not self.items or all(len(group[key]) == len(items) and all(map(operator.is_, group[key], items))
-                                      for key, items in self.items)):
-            return True
-        now = Structure(structure, group)
-        if now.value != self.value:
-            return False
-        # options that changed and left it as it was (a scheduled beta)
-        self.keys, self.held, self.items = now.keys, now.held, now.items
-        return True
-
-
-_MISSING = object()
-
-
 class BoundStep:
     """A step whose every group runs on tables bound to native code (a backend that
     ``CHECKS_NATIVELY``), whose calls check every param, state and grad, so the step checks none in
-    Python. Python checks what native code cannot see: that the same params have grads, in the same
-    groups, with the same options (``structure(group)``), and that no state dict changed since (a
-    state replaced or removed: ``OptimizerState.changes``). Native code also checks what the tensors it
-    takes derive from: the params' counts, slots of one tensor (``GroupWork.watched``); of a subset-norm
-    param it holds the user's param and states in place of the views the engines take."""
+    Python. Python checks what native code cannot see: that the same groups hold the same params with
+    grads, under the same options and with the same states (each group's work's rule, ``GroupWork.fits``
+    and ``GroupWork.holds``, less the layouts: a state dict that counted no change holds its states).
+    Native code also checks what the tensors it takes derive from: the params' counts, slots of one
+    tensor (``GroupWork.watched``); of a subset-norm param it holds the user's param and states in place
+    of the views the engines take."""
 
-    def __init__(self, state, work, algorithms, counts, structures, runs, parts, backend):
-        self.state, self.structures, self.algorithms = state, structures, algorithms
+    def __init__(self, work, algorithms, counts, runs, parts, backend):
+        self.algorithms = algorithms
         self.forced = os.environ.get(FORCING_VARIABLE)  # that the checked step ran under: a change plans again
         self.groups = [group for group, _, _ in work]
         self.entries = [entry for _, entry, _ in work]
@@ -100,7 +47,7 @@ class BoundStep:
         self.positions = [[[taken(bucket, indices, index is None) for indices, index, _, _ in tables.tables]
                            for tables, bucket, _ in buckets] for buckets in runs]
         self.single = [entry.engine == engines.fused.SINGLE for entry in self.entries]
-        # per group, its kernels' flag bits but stochastic rounding's (``structure`` holds them: see work)
+        # per group, its kernels' flag bits but stochastic rounding's (its work's structure holds them)
         self.flag_bits = [algorithm.spec.flag_bits(algorithm.flags(group)) for algorithm, group in
                           zip(algorithms, self.groups)]
         # the native call of every table (in the order of the groups, their buckets and tables), where the
@@ -118,13 +65,12 @@ class BoundStep:
         self.group_counts = [group.get("step") for group in self.groups]
         self.counts = counts  # those the native call advances, whose version counters a step bumps as add_ would
         self.masters = any(entry.versions is not None for entry in self.entries)  # see FastOptimizer._restart_written
-        self.changes = state.changes
 
     @classmethod
-    def of(cls, state, work, algorithms, structure, clipped):
+    def of(cls, state, work, algorithms, clipped):
         """The BoundStep of a checked step's ``work`` ((group, GroupWork, grads) per group) whose groups
-        run ``algorithms`` and read and advance their step counts (``StepCounts.read``), under
-        ``structure(group)`` (which holds the group's kernel flag bits); None where a group's step is not
+        run ``algorithms`` and read and advance their step counts (``StepCounts.read``), under their
+        work's structure (which holds the group's kernel flag bits); None where a group's step is not
         its bound tables' kernels alone (the algorithm runs its own way, has no kernel or no rule; a
         bucket reduces over ranks or left some tensors to foreach) or its ``bound_part`` (Muon's: not
         ``clipped``, the constructor's max_grad_norm, which the native call would fuse into its kernel),
@@ -162,17 +108,16 @@ class BoundStep:
         if len(set(map(id, group_counts))) != len(group_counts):
             return None  # groups given one count tensor: a checked step advances it once per group, native code once
         counts = [count for group, entry, _ in work if entry.params for count in entry.context.counts.read(group)]
-        return cls(state, work, algorithms, counts, [Structure(structure, group) for group, _, _ in work], runs,
-                   parts, backend)
+        return cls(work, algorithms, counts, runs, parts, backend)
 
     def work(self, state, groups, structure, check):
         """This step's (group, GroupWork, grads) per group, or None where the rule no longer holds;
         ``check(group, params)`` raises for what the group's options may have broken since."""
-        if (state is not self.state or state.changes != self.changes or len(groups) != len(self.groups)
+        if (type(state) is not OptimizerState or len(groups) != len(self.groups)
                 or not all(map(operator.is_, groups, self.groups))):
             return None
         work = []
-        for group, entry, expected, count in zip(groups, self.entries, self.structures, self.group_counts):
+        for group, entry, count in zip(groups, self.entries, self.group_counts):
             params = group["params"]
             if flat_params.GRAD_BUFFERS:  # a frozen flat param's grad dropped in the same pass (cold params)
                 grads = [param.grad if param.requires_grad else flat_params.frozen_grad(param) for param in params]
@@ -181,8 +126,8 @@ class BoundStep:
             if not all(map(operator.is_not, grads, repeat(None))):
                 params = [param for param, grad in zip(params, grads) if grad is not None]
                 grads = [grad for grad in grads if grad is not None]
-            if (len(params) != len(entry.params) or not all(map(operator.is_, params, entry.params))
-                    or not expected.holds(structure, group)):
+            # the work's rule (native code checks the layouts)
+            if not entry.fits(structure, group, params) or entry.params and not entry.holds(state, True):
                 return None
             if group.get("step") is not count:  # a group's count (official Adan's) set anew: its tables hold the last
                 return None
@@ -278,12 +223,9 @@ class BoundStep:
     def _step_with_python_scalars(self, optimizer, work, writes, found_inf):
         """:meth:`step` where Python computes the scalars, and advances the counts, as a checked step does:
         on a backend that computes no step scalars (Triton's), or for options its rules do not take."""
+        # the flags as planned: options read as tensors (a β1 that a tensor holds, edited in place) that would
+        # set others make their work's structure another (see step_cache.Structure)
         flags = [algorithm.flags(group) for algorithm, group in zip(self.algorithms, self.groups)]
-        # options read as tensors (a β1 that a tensor holds, edited in place) may set flags its plan did not
-        # see: the checked step plans again
-        if any(algorithm.spec.flag_bits(now) != planned
-               for algorithm, now, planned in zip(self.algorithms, flags, self.flag_bits)):
-            return False
         increment, scales, _ = optimizer._grad_scales(work, found_inf, eager=True)
         launches, drawn = [], {}
         for (group, entry, grads), scale, algorithm, buckets, single, group_flags in zip(

@@ -6,6 +6,7 @@ import operator
 import weakref
 from collections import defaultdict
 from itertools import repeat
+from typing import NamedTuple
 from operator import attrgetter
 
 import torch
@@ -57,6 +58,74 @@ class Signature:
                 and all(map(operator.is_, owners, self.owners)) and self.matches(tensors, *LAYOUT))
 
 
+class _Reading(dict):
+    """A copy of a param group that notes which of its options are read."""
+
+    def __init__(self, group):
+        super().__init__(group)
+        self.read = {}
+
+    def __getitem__(self, key):
+        self.read[key] = None
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.read[key] = None
+        return super().get(key, default)
+
+    def __contains__(self, key):
+        self.read[key] = None
+        return super().__contains__(key)
+
+
+class GroupStructure(NamedTuple):
+    """What of a group's options decides its step work (``StepPath._structure``): a change of one makes
+    the work anew."""
+    roles: tuple  # the state roles the engines update
+    engine: str  # engines.engine_name
+    formats: tuple  # state_bits, master_bits and the options the algorithm's param_factors read
+    sn: object
+    subset_size: object
+    flag_bits: int  # the kernels' flag bits of the algorithm's flags
+
+
+class Structure:
+    """``structure(group)`` (a :class:`GroupStructure`), with the options of ``group`` that it read and
+    the objects they held: while each still holds the same object, a step knows the structure without
+    computing it. ``structure`` reads options as ``group[key]``, ``group.get(key)`` or ``key in group``
+    (what ``_Reading`` sees), and nothing else that changes between steps."""
+
+    def __init__(self, structure, group):
+        reading = _Reading(group)
+        self.value = structure(reading)
+        self.keys = list(reading.read)
+        self.held = list(self._options(group))
+        # a list option (betas) may be edited in place: its items, as they were, are compared too
+        self.items = [(key, tuple(value)) for key, value in zip(self.keys, self.held) if type(value) is list]
+        # a tensor option (a β1 a 0-d tensor holds) may be written in place: the structure is computed again
+        self.tensors = any(isinstance(value, Tensor) or isinstance(value, (tuple, list))
+                           and any(isinstance(item, Tensor) for item in value) for value in self.held)
+
+    def _options(self, group):
+        return map(group.get, self.keys, repeat(_MISSING))
+
+    def holds(self, structure, group):
+        """Whether ``structure(group)`` is still this one."""
+        if not self.tensors and all(map(operator.is_, self._options(group), self.held)) and (
+                not self.items or all(len(group[key]) == len(items) and all(map(operator.is_, group[key], items))
+                                      for key, items in self.items)):
+            return True
+        now = Structure(structure, group)
+        if now.value != self.value:
+            return False
+        # options that changed and left it as it was (a scheduled beta)
+        self.keys, self.held, self.items, self.tensors = now.keys, now.held, now.items, now.tensors
+        return True
+
+
+_MISSING = object()
+
+
 class BucketPlan:
     """What the engines made of one bucket of a group's work, kept with it (and made anew with its
     buckets when the states change): the fused kernel's tables and what it leaves to foreach
@@ -83,30 +152,50 @@ class GroupWork:
     never kept: they are checked and listed afresh every step.
     """
 
-    def __init__(self, roles, engine, params, local_params, signature=None, versions=None):
-        self.roles, self.engine, self.params, self.signature = roles, engine, params, signature
+    def __init__(self, structure, params, local_params, signature=None, versions=None):
+        self.structure, self.params, self.signature = structure, params, signature
+        self.roles, self.engine = structure.value.roles, structure.value.engine
         self.versions = versions  # of the params that keep master remainders (states.master.Versions), or None
         self.local_params = local_params  # what the engines update: the params, or their engine_view
         self.viewed_states = local_params is not params  # the states' engine_view differs from them
         # the per-tensor scalars (step sizes, bias corrections): float64 where a param's math is float64
         self.scalar_dtype = torch.float64 if any(p.dtype == torch.float64 for p in local_params) else torch.float32
         self.buckets = [(bucket, None) for bucket in buckets(params)]
-        self.states = self.kept = self.tensors = self.context = self.states_chosen = self.state_signature = None
+        self.states = self.kept = self.tensors = self.context = self.state_signature = None
         self.watched = self.originals = None  # see read_tensors
+        self.seen = None  # the OptimizerState that held the states, and its change count then: see holds
         self.bucket_plans = [BucketPlan() for _ in self.buckets]
         self.traced_scalars = None  # for a traced CPU step whose scalars an op computes: scalars.Prepared
         self.traced_reads = None  # for a traced step: its params' first-read marks (see PlanStore.first_reads)
 
-    def fits(self, roles, engine, params, local_params):
-        return (roles, engine) == (self.roles, self.engine) and self.signature.describes(params, local_params)
+    def fits(self, structure, group, params, local_params=None):
+        """The work's rule, over ``group``'s ``params`` that have grads now: the same param objects, and
+        ``structure(group)`` still its :class:`Structure`'s; with ``local_params`` (what the engines
+        update of them), each in the same layout too (see :class:`Signature`): a bound step leaves that
+        to native code, which checks every tensor it binds at each call. (The states: :meth:`holds`.)"""
+        if local_params is None:
+            same = len(params) == len(self.params) and all(map(operator.is_, params, self.params))
+        else:
+            same = self.signature.describes(params, local_params)
+        return same and self.structure.holds(structure, group)
 
-    def holds(self, states):
-        """Whether ``states`` (the params' state dicts now) are those this work was built on,
-        holding the same tensors under every key, each where and as it was."""
-        return (self.states is not None and all(map(operator.is_, states, self.states))
+    def holds(self, state, natively_checked=False):
+        """Whether ``state`` (the optimizer's: param to state dict) holds the states this work was built
+        on: the same state dicts, holding the same tensors under every key, each where and as it was. Where
+        native code checks every tensor it binds, and the params' counts (``natively_checked``: a bound
+        step), it is left their layouts, and an :class:`OptimizerState` that counted no change since this
+        work last found its states there holds them."""
+        if natively_checked and self.seen is not None and self.seen[0] is state and self.seen[1] == state.changes:
+            return True
+        states = list(map(state.get, self.params))
+        if not (self.states is not None and all(map(operator.is_, states, self.states))
                 and all(all(map(operator.is_, map(dict.get, states, repeat(key)), tensors))
-                        for key, tensors in self.kept.items())
-                and self.state_signature.matches(self._local_states(), *LAYOUT) and self.context.counts.in_place())
+                        for key, tensors in self.kept.items())):
+            return False
+        if natively_checked:
+            self.seen = state, state.changes
+            return True
+        return self.state_signature.matches(self._local_states(), *LAYOUT) and self.context.counts.in_place()
 
     def _local_states(self):
         """The state tensors this work was built on, as the engines see them (their ``engine_view``)."""
@@ -117,7 +206,7 @@ class GroupWork:
         dense): the tensors of a partitioned param are handed to the engines in its (a, b, c) view.
         Params whose subsets span FSDP2 shards, and every DTensor param of math that needs each
         tensor ``whole`` (Muon's), get buckets of their own, which communicate over ``group``."""
-        self.states, self.context = states, context
+        self.states, self.context, self.seen = states, context, None
         keys = {key for state in states for key in state}
         self.kept = {key: list(map(dict.get, states, repeat(key))) for key in keys}
         self.state_owners = [t for tensors in self.kept.values() for t in tensors if isinstance(t, Tensor)]
@@ -151,11 +240,11 @@ class GroupWork:
         its decisions (engine, buckets, partitions, caches) and states over ``params``, which a
         compiled step reads afresh on every call. The state tensors are this work's lists, untouched:
         a traced step that looked at each would make it an input of the graph."""
-        work = GroupWork(self.roles, self.engine, params, local_params)
+        work = GroupWork(self.structure, params, local_params)
         if not params:  # no grads in the group this step: nothing to update
             return work
         work.states, work.context, work.bucket_plans = self.states, self.context, self.bucket_plans
-        work.states_chosen, work.kept, work.traced_scalars = self.states_chosen, self.kept, self.traced_scalars
+        work.kept, work.traced_scalars = self.kept, self.traced_scalars
         work.traced_reads = self.traced_reads
         work.partitions, work.reduced_roles, work.buckets = self.partitions, self.reduced_roles, self.buckets
         work.tensors = self.tensors | {"param": work.viewed(local_params, Partition.view_param)}  # in its view
@@ -174,8 +263,9 @@ GRADS_PATTERNS_KEPT = 8  # torch.compile's recompile limit: a step traced for mo
 
 class PlanStore:
     """An optimizer's step plans, in one place, with their one validity rule (:meth:`GroupWork.fits`,
-    over :class:`Signature`, then :meth:`GroupWork.holds` for the states): a work whose params no
-    longer fit what the user wrote is replaced by a new one; one whose states do not takes them again.
+    over :class:`Signature` and :class:`Structure`, then :meth:`GroupWork.holds` for the states): a work
+    whose params or options no longer fit what the user wrote is replaced by a new one; one whose states
+    do not takes them again. The bound step holds each group's work and checks it by the same rule.
 
     ``current``: each group's work in use, by key (the group's index, or a released bucket's key);
     ``patterns``: the work of each pattern of grads seen per key, kept up to ``GRADS_PATTERNS_KEPT``
@@ -212,24 +302,26 @@ class PlanStore:
                 marks[at] = 0.0
         return (marks, positions) if unread((marks, positions)) else None
 
-    def work(self, key, pattern, roles, engine, params, local_params):
-        """The :class:`GroupWork` of key ``key`` over ``params`` (``local_params``: what the engines update of
-        them), whose grads are at positions ``pattern`` of their group's, under ``roles`` and ``engine``:
-        the one in use, or the one kept for that pattern, where it fits, else a new one; and whether it
-        was not the one in use (its params are then to be checked again: one may have new storage)."""
+    def work(self, key, pattern, structure, group, params, local_params):
+        """The :class:`GroupWork` of key ``key`` over ``group``'s ``params`` that have grads (``local_params``:
+        what the engines update of them), at positions ``pattern`` of the group's, under ``structure(group)``
+        (``StepPath._structure``): the one in use, or the one kept for that pattern, where it fits, else a
+        new one; and whether it was not the one in use (its params are then to be checked again: one may
+        have new storage)."""
         entry = self.current.get(key)
-        if entry is not None and entry.fits(roles, engine, params, local_params):
+        if entry is not None and entry.fits(structure, group, params, local_params):
             return entry, False
         seen = (key, pattern)
         entry = self.patterns.get(seen)
-        if entry is None or not entry.fits(roles, engine, params, local_params):
+        if entry is None or not entry.fits(structure, group, params, local_params):
+            shape = Structure(structure, group)  # before any is dropped: an option may be invalid
             mine = [other for other in self.patterns if other[0] == key]  # a key's own: all are in one step
             if seen not in self.patterns and len(mine) >= GRADS_PATTERNS_KEPT:
                 for other in mine:
                     del self.patterns[other]
-            versions = master.Versions(params) if master.KEY in roles else None
-            entry = self.patterns[seen] = GroupWork(roles, engine, params, local_params,
-                                                    Signature(params, local_params), versions)
+            versions = master.Versions(params) if master.KEY in shape.value.roles else None
+            entry = self.patterns[seen] = GroupWork(shape, params, local_params, Signature(params, local_params),
+                                                    versions)
         self.current[key] = entry
         return entry, True
 

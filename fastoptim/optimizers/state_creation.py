@@ -82,7 +82,6 @@ class StateCreation:
         partitions = [subset_norm.from_record(p.shape, s) for p, s in zip(entry.params, states)]
         spec = self._algorithm(group).spec
         entry.use_states(states, context, partitions, spec.reduced, self._reduce_group, not spec.elementwise)
-        entry.states_chosen = self._states_chosen(group)  # checked again if one of these options changes
 
     def _partition(self, param, state, group):
         """The subset-norm partition of a param: the one its state records; for a state without a

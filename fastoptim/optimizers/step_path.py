@@ -17,7 +17,7 @@ from ..clip import CLIP_EPS, clip_backend, clip_coefficient
 from ..multi_tensor import pick
 from ..specs import ABSMAX
 from ..states import master
-from ..step_cache import DEVICE, DTYPE, SHAPE, PlanStore, engine_view
+from ..step_cache import DEVICE, DTYPE, SHAPE, GroupStructure, PlanStore, engine_view
 from . import scalars
 from .algorithm import PER_GROUP, StepInputs
 from .checks import check_params, check_tensor_lr
@@ -100,16 +100,18 @@ class StepPath:
             check_tensor_lr(group["lr"], params[0].device)
 
     def _structure(self, group):
-        """What of ``group``'s options decides its step work: its state roles, engine, formats and kernel flags."""
+        """What of ``group``'s options decides its step work (a ``GroupStructure``): its state roles, engine,
+        formats and kernel flags. When one changes, the work is made anew: its states checked again and
+        what ``_prepare_states`` made of them made again."""
         algorithm = self._algorithm(group)
-        return (self._roles(group), engines.engine_name(group["foreach"], group["fused"]),
-                self._states_chosen(group), group.get("sn"), group.get("subset_size"),
-                algorithm.spec.flag_bits(algorithm.flags(group)))
+        return GroupStructure(self._roles(group), engines.engine_name(group["foreach"], group["fused"]),
+                              self._states_chosen(group), group.get("sn"), group.get("subset_size"),
+                              algorithm.spec.flag_bits(algorithm.flags(group)))
 
     def _states_chosen(self, group):
         """The options that a group's states and what ``_prepare_states`` made of them were made under:
         state_bits and master_bits (the states' formats), and those its algorithm's ``param_factors``
-        read. When one changes, the states are checked again and their context made again."""
+        read."""
         return (group["state_bits"], group["master_bits"],
                 *(group[key] for key in self._algorithm(group).factor_options))
 
@@ -284,16 +286,15 @@ class StepPath:
         self._check_between_steps(group, params)
         if self._algorithm(group).counts == PER_GROUP:
             group_count(group)  # a count set as a number becomes a tensor; an invalid one raises, before any change
-        entry, fresh = plans.work(index, grads_pattern(group["params"] if some is None else some), self._roles(group),
-                                  engines.engine_name(group["foreach"], group["fused"]), params, local_params)
+        entry, fresh = plans.work(index, grads_pattern(group["params"] if some is None else some), self._structure,
+                                  group, params, local_params)
         if fresh:
             check_params(params, type(self).__name__)  # a param's storage may have changed since it was added
         self._check_grads(local_params, grads, entry.signature)
-        states = list(map(self.state.get, params))
-        if not entry.holds(states) or entry.states_chosen != self._states_chosen(group):
+        if not entry.holds(self.state):
             entry.states = None
-            for param, state in zip(params, states):
-                self._check_state(param, state or {}, group)
+            for param in params:
+                self._check_state(param, self.state.get(param) or {}, group)
         return entry, grads
 
     def _check_grads(self, params, grads, signature=None):
