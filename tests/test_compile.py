@@ -954,10 +954,38 @@ def test_the_op_refuses_what_its_kernel_cannot_take_and_lists_of_other_lengths()
 def test_the_op_refuses_a_layout_it_did_not_make_and_changes_nothing(layout):
     """Records cut short, one too many, a holder that is not there, a view past its holder's end."""
     params, exp_avgs = [torch.zeros(4), torch.zeros(4)], [torch.zeros(4), torch.zeros(4)]
-    layout = torch.tensor(layout + [-1, -1], dtype=torch.int64)  # and no block maxima
+    layout = torch.tensor(layout + [-1, -1] * 2, dtype=torch.int64)  # and no remainders, no block maxima
     with pytest.raises(ValueError, match="states and layout must be what fastoptim.engines.step_op.op_states makes"):
         call_lion_op(params, [torch.ones(4)] * 2, exp_avgs, layout)
     assert not any(t.any() for t in params + exp_avgs)
+
+
+def test_the_op_takes_whole_records_and_refuses_one_more():
+    """The layout op_states makes (per role: exp_avg, the remainders, the block maxima), which the op takes,
+    and the same with one record too many, refused."""
+    params, grads, exp_avgs = [torch.zeros(4), torch.zeros(4)], [torch.ones(4)] * 2, [torch.zeros(4), torch.zeros(4)]
+    holders, layout = engines.step_op.op_states({"param": params, "exp_avg": exp_avgs}, {}, fastoptim.Lion.algorithm.spec)
+    assert layout.tolist() == [0, 0, 1, 4, 1, 1, 0, 1, 4, 1] + [-1, -1] * 2
+    with pytest.raises(ValueError, match="states and layout must be what fastoptim.engines.step_op.op_states makes"):
+        call_lion_op(params, grads, exp_avgs, torch.cat([layout, torch.tensor([-1])]))
+    assert not any(t.any() for t in params + exp_avgs)
+    call_lion_op(params, grads, exp_avgs, layout)  # taken (its scalars, all 0, change nothing)
+
+
+def test_the_op_refuses_a_remainder_that_is_not_its_bf16_params_and_changes_nothing():
+    spec = fastoptim.AdamW.algorithm.spec
+    for params, remainder, why in [([torch.zeros(4)], torch.zeros(4, dtype=torch.int16), "float32"),
+                                   ([torch.zeros(4, dtype=torch.bfloat16)], torch.zeros(4, dtype=torch.int32), "int32"),
+                                   ([torch.zeros(4, dtype=torch.bfloat16)], torch.zeros(5, dtype=torch.int8), "(5,)")]:
+        states = [torch.zeros(4), torch.zeros(4)]
+        tensors = {"param": params, "exp_avg": states[:1], "exp_avg_sq": states[1:], "master_remainder": [remainder]}
+        holders, layout = engines.step_op.op_states(tensors, {}, spec)
+        scalars = [torch.tensor(0.5)] * len(spec.all_scalars)
+        with pytest.raises(ValueError, match=f"master_remainder\\[0\\] must be the int16 or int8 remainder of a bf16 "
+                                             f"param.*{re.escape(why)}"):
+            torch.ops.fastoptim.adamw_step(params, [torch.ones_like(params[0])], holders, layout, scalars,
+                                           spec.flag_bits(dict(amsgrad=False, first_moment=True)), False)
+        assert not any(t.any() for t in (*params, *states, remainder))
 
 
 def test_the_op_refuses_a_state_past_its_holders_end_in_a_larger_storage():

@@ -44,7 +44,9 @@ def define_op(spec):
 
 
 def _state_names(spec):
-    return (*spec.states, *(role + ABSMAX for role in spec.states))
+    """The roles a step op's ``states`` and ``layout`` carry, in their order: the spec's states, bf16
+    params' master remainders, then the states' block maxima."""
+    return (*spec.states, master.KEY, *(role + ABSMAX for role in spec.states))
 
 
 def op_states(tensors, absmax, spec):
@@ -56,7 +58,7 @@ def op_states(tensors, absmax, spec):
     and the strides."""
     n, holders, index, records = len(tensors["param"]), [], {}, []
     for name in _state_names(spec):
-        values = tensors.get(name) if name in spec.states else absmax.get(name.removesuffix(ABSMAX))
+        values = absmax.get(name.removesuffix(ABSMAX)) if name.endswith(ABSMAX) else tensors.get(name)
         for state in values or repeat(None, n):
             if state is None:
                 records.append(-1)
@@ -103,7 +105,7 @@ def _read_states(op, spec, n, holders, layout):
     except (IndexError, TypeError, ValueError, RuntimeError) as error:
         raise ValueError(f"{op}: states and layout must be what fastoptim.engines.step_op.op_states makes of "
                          f"{n} params' states ({error or 'the layout ends early or late'})") from None
-    tensors = {role: found[role] for role in spec.states if any(t is not None for t in found[role])}
+    tensors = {role: found[role] for role in (*spec.states, master.KEY) if any(t is not None for t in found[role])}
     absmax = {role: found[role + ABSMAX] for role in spec.states if any(t is not None for t in found[role + ABSMAX])}
     if any(t is None for ts in tensors.values() for t in ts):
         raise ValueError(f"{op}: a state role must hold one tensor per param (or none, for a role the step "
@@ -129,9 +131,6 @@ def split(tensors, absmax, spec, originals=None, remake=None, viewed=None, count
     are), and ``remake(taken)`` makes the taken tensors' (tensors, absmax, viewed) afresh from them
     (see :class:`PreparedCall`). ``counts``: per param, its count and the tensor the graph reads it
     from (``StepCounts.watched``), or None."""
-    if master.KEY in tensors:  # the step ops take no remainders
-        return TracedSplit([], list(range(len(tensors["param"]))),
-                           "a compiled step's kernels keep no master_bits remainders")
     taken, _, left, reason = split_taken(tensors, spec, backends.for_device(tensors["param"][0].device))
     # a graph cannot hand an op that mutates it a view of a tensor of another dtype: a complex param's real view
     complex_views = {i for i in taken for role, values in tensors.items() if role != "grad"
@@ -337,6 +336,12 @@ def _check_op_states(op, spec, flags, tensors, absmax):
                                     f"{maxima.device}"))
             if state.dtype != formats.Q8.dtype and maxima is not None:
                 raise ValueError(f"{op}: {role}{ABSMAX}[{i}] must be empty: {role}[{i}] holds no 8-bit codes")
+    for i, (p, remainder) in enumerate(zip(param, tensors.get(master.KEY, ()))):
+        if (p.dtype != torch.bfloat16 or remainder.dtype not in master.DTYPES.values() or remainder.shape != p.shape
+                or remainder.device != p.device):
+            raise ValueError(f"{op}: {master.KEY}[{i}] must be the int16 or int8 remainder of a bf16 param, of its "
+                             f"shape on its device ({p.dtype} {tuple(p.shape)} on {p.device}); got "
+                             f"{remainder.dtype} {tuple(remainder.shape)} on {remainder.device}")
     updated = [t for role, ts in tensors.items() if role != "grad" for t in ts]
     if not disjoint(updated + [t for ts in absmax.values() for t in ts if t is not None]):
         raise ValueError(f"{op}: two of the tensors it updates share memory (a param listed twice?); each param, "

@@ -37,8 +37,10 @@ def _remade(entry, bucket, taken):
     tensors the user sees: where a compiled step's op finds that one was given new storage in place."""
     entry.read_tensors()
     indices = [bucket[i] for i in taken]
-    return (pick(entry.tensors, indices, leave=(master.KEY,)), pick(entry.absmax, indices),
-            entry.originals and pick(entry.originals, indices))
+    tensors = pick(entry.tensors, indices)
+    if keeps_no_remainders(tensors):
+        del tensors[master.KEY]
+    return tensors, pick(entry.absmax, indices), entry.originals and pick(entry.originals, indices)
 
 
 def keeps_no_remainders(tensors):
