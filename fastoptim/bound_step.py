@@ -39,6 +39,9 @@ class BoundStep:
         self.forced = os.environ.get(FORCING_VARIABLE)  # that the checked step ran under: a change plans again
         self.groups = [group for group, _, _ in work]
         self.entries = [entry for _, entry, _ in work]
+        # each work's bucket plans, which hold the tables bound here: a work that takes its states again (a
+        # compiled step's preparation may) makes new ones
+        self.bucket_plans = [entry.bucket_plans for entry in self.entries]
         # per group, per bucket: (its tables.Tables, its params' indices or None for all, its BucketPlan)
         self.runs = runs
         self.parts = parts  # per group, its buckets' bound parts (see Algorithm.bound_part), or None
@@ -117,7 +120,7 @@ class BoundStep:
                 or not all(map(operator.is_, groups, self.groups))):
             return None
         work = []
-        for group, entry, count in zip(groups, self.entries, self.group_counts):
+        for group, entry, bucket_plans, count in zip(groups, self.entries, self.bucket_plans, self.group_counts):
             params = group["params"]
             if flat_params.GRAD_BUFFERS:  # a frozen flat param's grad dropped in the same pass (cold params)
                 grads = [param.grad if param.requires_grad else flat_params.frozen_grad(param) for param in params]
@@ -126,12 +129,13 @@ class BoundStep:
             if not all(map(operator.is_not, grads, repeat(None))):
                 params = [param for param, grad in zip(params, grads) if grad is not None]
                 grads = [grad for grad in grads if grad is not None]
-            # the work's rule (native code checks the layouts)
-            if not entry.fits(structure, group, params) or entry.params and not entry.holds(state, True):
+            check(group, params)  # before the structure is computed from what it checks
+            # the work's rule (native code checks the layouts), and the tables its bucket plans held
+            if (not entry.fits(structure, group, params) or entry.params and not entry.holds(state, True)
+                    or entry.bucket_plans is not bucket_plans):
                 return None
             if group.get("step") is not count:  # a group's count (official Adan's) set anew: its tables hold the last
                 return None
-            check(group, params)
             work.append((group, entry, grads))
         return work
 

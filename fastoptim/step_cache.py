@@ -6,9 +6,10 @@ import operator
 import weakref
 from collections import defaultdict
 from itertools import repeat
-from typing import NamedTuple
 from operator import attrgetter
+from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -102,16 +103,17 @@ class Structure:
         self.held = list(self._options(group))
         # a list option (betas) may be edited in place: its items, as they were, are compared too
         self.items = [(key, tuple(value)) for key, value in zip(self.keys, self.held) if type(value) is list]
-        # a tensor option (a β1 a 0-d tensor holds) may be written in place: the structure is computed again
-        self.tensors = any(isinstance(value, Tensor) or isinstance(value, (tuple, list))
-                           and any(isinstance(item, Tensor) for item in value) for value in self.held)
+        # an option a tensor or an array holds (a β1 in a 0-d tensor, amsgrad in a 0-d array), or a sequence of
+        # them, may be written in place: the structure is then computed again at every check
+        self.mutable = any(isinstance(value, WRITABLE) or isinstance(value, (tuple, list))
+                           and any(isinstance(item, WRITABLE) for item in value) for value in self.held)
 
     def _options(self, group):
         return map(group.get, self.keys, repeat(_MISSING))
 
     def holds(self, structure, group):
         """Whether ``structure(group)`` is still this one."""
-        if not self.tensors and all(map(operator.is_, self._options(group), self.held)) and (
+        if not self.mutable and all(map(operator.is_, self._options(group), self.held)) and (
                 not self.items or all(len(group[key]) == len(items) and all(map(operator.is_, group[key], items))
                                       for key, items in self.items)):
             return True
@@ -119,11 +121,12 @@ class Structure:
         if now.value != self.value:
             return False
         # options that changed and left it as it was (a scheduled beta)
-        self.keys, self.held, self.items, self.tensors = now.keys, now.held, now.items, now.tensors
+        self.keys, self.held, self.items, self.mutable = now.keys, now.held, now.items, now.mutable
         return True
 
 
 _MISSING = object()
+WRITABLE = (Tensor, np.ndarray)  # option values that may change in place
 
 
 class BucketPlan:

@@ -9,6 +9,7 @@ import pickle
 import warnings
 from collections import defaultdict
 
+import numpy as np
 import pytest
 import torch
 
@@ -506,3 +507,102 @@ def test_a_bound_muon_step_refused_for_a_grad_scale_draws_no_seed_first(monkeypa
                                         {"params": p[:2]}], lr=0.02, foreach=True, fused=True)
     assert _muon_bound_and_checked(monkeypatch, _grad_scale_alone_at_step_2, factory, dtype=torch.bfloat16,
                                    steps=3) == [True, False]
+
+
+# --- the review of 79bb6e6 (each group's work holds its structure; the bound step checks it by that rule) ----
+
+@native
+def test_a_compiled_step_that_takes_a_groups_states_again_refuses_the_bound_step_planned_before_it(monkeypatch):
+    """A compiled step's preparation takes a replaced state into the group's work, whose bucket plans (and
+    tables) are then new: the bound step planned before must not run on its old tables, which still
+    hold the replaced tensor (it did, and the state in the state dict stopped moving: helper-40)."""
+    def change(step, box):
+        if step == 2:
+            box["opt"].state[box["params"][0]]["exp_avg"] = _exp_avg_doubled(box["opt"], box["params"])
+
+    def run(checked):
+        params = make(SHAPES)
+        opt = fastoptim.AdamW(params, lr=1e-2, fused=True)
+        compiled = torch.compile(opt.step, backend="aot_eager")
+        states = []
+        for step in range(6):
+            for param in params:
+                param.grad = grad_for(param, step)
+            change(step, {"opt": opt, "params": params})
+            if checked:
+                opt._plans.bound = None
+            compiled() if step == 2 else opt.step()
+            states.append(opt.state[params[0]]["exp_avg"].clone())
+        return params, states
+
+    calls, real = [], BoundStep.step
+    monkeypatch.setattr(BoundStep, "step", lambda self, *args: calls.append(real(self, *args)) or calls[-1])
+    torch._dynamo.reset()
+    (bound, bound_states), (checked, checked_states) = run(False), run(True)
+    assert all(map(torch.equal, bound, checked)) and all(map(torch.equal, bound_states, checked_states))
+    assert calls == [True, False, True, True], calls  # steps 1, 3, 4, 5: after the compiled one refused once
+
+
+@native
+@pytest.mark.parametrize("engine", [dict(fused=True), dict(foreach=True, fused=False), dict(foreach=False)],
+                         ids=["fused", "foreach", "loop"])
+def test_an_option_a_numpy_array_holds_written_in_place_reaches_the_plan(engine, monkeypatch):
+    """amsgrad held by a 0-d array, set in place between steps: the step keeps max_exp_avg_sq from then on,
+    as one given amsgrad=True does (the work's structure was kept while the array was the same object:
+    the fused step raised at every step, the others never made the state: helper-40)."""
+    def change(as_array):
+        def write(step, box):
+            group = box["opt"].param_groups[0]
+            if step == 1:
+                group["amsgrad"] = np.array(False) if as_array else False
+            if step == 3:
+                if as_array:
+                    group["amsgrad"][()] = True
+                else:
+                    group["amsgrad"] = True
+        return write
+
+    factory = lambda ps: fastoptim.AdamW(ps, lr=1e-2, **engine)  # noqa: E731
+    written = _run(factory, change(as_array=True), checked=False)
+    assigned = _run(factory, change(as_array=False), checked=True)
+    for ours, theirs in zip(written["params"], assigned["params"]):
+        assert torch.equal(ours, theirs)
+        assert "max_exp_avg_sq" in written["opt"].state[ours]
+        assert torch.equal(written["opt"].state[ours]["max_exp_avg_sq"], assigned["opt"].state[theirs]["max_exp_avg_sq"])
+
+
+@native
+def test_betas_a_numpy_array_holds_edited_in_place_reach_the_bound_step(monkeypatch):
+    """AdamWSN's β1 set to 0 in an array of betas: its first moment goes, on the bound step as on the checked
+    one (the bound step kept its planned flags and wrote exp_avg on: helper-40)."""
+    def change(step, box):
+        group = box["opt"].param_groups[0]
+        if step == 1:
+            group["betas"] = np.array([0.9, 0.999])
+        if step == 3:
+            group["betas"][0] = 0.0
+
+    ran = _bound_and_checked(lambda ps: fastoptim.AdamWSN(ps, lr=1e-2, sn=True, fused=True), change, monkeypatch)
+    assert ran[-1] is True  # bound again on the new flags
+
+
+@native
+@pytest.mark.parametrize("betas", [[], None, (torch.tensor([0.9, 0.8]), 0.99)], ids=["empty", "None", "a 1-d tensor"])
+def test_invalid_betas_written_between_bound_steps_are_refused_by_name(betas):
+    """The bound step checks the group's options before it computes their structure (which read ``betas[0]``,
+    and raised IndexError, TypeError or a tensor's ambiguous truth: helper-40), and changes nothing."""
+    params = make(SHAPES)
+    opt = fastoptim.AdamWSN(params, lr=1e-2, sn=True, fused=True)
+    for step in range(3):
+        for param in params:
+            param.grad = grad_for(param, step)
+        opt.step()
+    assert opt._plans.bound is not None
+    before = _snapshot(opt, params)
+    opt.param_groups[0]["betas"] = betas
+    with pytest.raises(ValueError, match="Invalid betas"):
+        opt.step()
+    after = _snapshot(opt, params)
+    assert all(map(torch.equal, after[0], before[0]))
+    for ours, theirs in zip(after[1], before[1]):
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)

@@ -502,3 +502,16 @@ def test_a_saved_count_of_numpy_or_past_floats_range_loads_as_it_is_written_or_i
     else:
         opt.load_state_dict(saved)
         assert opt.state[params[0]]["step"].item() == loaded
+
+
+@pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.Adan, fastoptim.Lion], ids=lambda cls: cls.__name__)
+def test_betas_of_0d_tensors_written_between_compiled_steps_step_as_eager(cls):
+    """Betas given as 0-d tensors after the first step: a compiled step computes the scalars as tensor ops
+    (``step_scalars`` takes numbers: faking it failed inside dynamo, helper-40), as the eager step does."""
+    def tensor_betas(params, opt, step):
+        if step == 1:
+            group = opt.param_groups[0]
+            group["betas"] = tuple(torch.tensor(beta) for beta in group["betas"])
+
+    eager, traced, _ = run_pair(cls, dict(fused=True), fullgraph=False, before_step=tensor_betas)
+    assert_same(eager, traced)

@@ -183,8 +183,13 @@ def _name(algorithm):
         for f in (algorithm.arguments, algorithm.kernel_scalars)])
 
 
-def prepare(algorithm: Algorithm, group: dict) -> Prepared:
-    """The :class:`Prepared` of ``algorithm`` and ``group`` (not the params, nor a tensor lr)."""
+def prepare(algorithm: Algorithm, group: dict) -> Prepared | None:
+    """The :class:`Prepared` of ``algorithm`` and ``group`` (not the params, nor a tensor lr); None where
+    another option holds a tensor (betas of 0-d tensors), which the op's numbers cannot take: the traced
+    step then computes the scalars as tensor ops, as an eager one does."""
+    if any(isinstance(value, Tensor) or isinstance(value, (tuple, list)) and any(isinstance(v, Tensor) for v in value)
+           for key, value in group.items() if key not in ("lr", "params")):
+        return None
     name = _name(algorithm)
     registered = _ALGORITHMS.setdefault(name, algorithm)
     # what the op computes of it: algorithms that differ elsewhere (Muon's AdamW companions: their flags) share it
