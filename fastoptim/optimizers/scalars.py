@@ -184,11 +184,12 @@ def _name(algorithm):
 
 
 def prepare(algorithm: Algorithm, group: dict) -> Prepared | None:
-    """The :class:`Prepared` of ``algorithm`` and ``group`` (not the params, nor a tensor lr); None where
-    another option holds a tensor (betas of 0-d tensors), which the op's numbers cannot take: the traced
-    step then computes the scalars as tensor ops, as an eager one does."""
+    """The :class:`Prepared` of ``algorithm`` and ``group`` (not the params, nor a tensor lr, nor a group's
+    count: official Adan's, read as a count); None where another option holds a tensor (betas of 0-d
+    tensors), which the op's numbers cannot take: the traced step then computes the scalars as tensor
+    ops, as an eager one does."""
     if any(isinstance(value, Tensor) or isinstance(value, (tuple, list)) and any(isinstance(v, Tensor) for v in value)
-           for key, value in group.items() if key not in ("lr", "params")):
+           for key, value in group.items() if key not in ("params", "lr", "step")):
         return None
     name = _name(algorithm)
     registered = _ALGORITHMS.setdefault(name, algorithm)
