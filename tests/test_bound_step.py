@@ -526,3 +526,24 @@ def test_betas_of_numpy_numbers_in_a_namedtuple_step_as_their_python_values(engi
         assert type(opt.param_groups[1]["betas"]) is betas_type
         runs.append(params)
     assert all(map(torch.equal, *runs))
+
+
+@pytest.mark.parametrize("key", ["lr", "eps", "weight_decay"])
+@pytest.mark.parametrize("engine", [dict(fused=True), dict(foreach=True, fused=False), dict(foreach=False)],
+                         ids=["fused", "foreach", "loop"])
+def test_an_option_written_as_a_one_element_array_is_refused_by_name_before_any_group_steps(key, engine):
+    """``group["lr"] = np.array([1e-3])``, in the second of two groups: no step reads a number of it (a TypeError
+    named nothing, after the first group had stepped); refused by name, every param and state as it was."""
+    params = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(4)]
+    opt = fastoptim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2, **engine)
+    for step in range(2):
+        for param in params:
+            param.grad = torch.full_like(param, 0.1 * (step + 1))
+        opt.step()
+    opt.param_groups[1][key] = np.array([opt.param_groups[1][key]])
+    before = [p.detach().clone() for p in params], [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    with pytest.raises(ValueError, match=rf"Invalid {key}: array\(\[.*\]\) \(an array of shape \(1,\)"):
+        opt.step()
+    assert all(map(torch.equal, params, before[0]))
+    for param, state in zip(params, before[1]):
+        assert all(torch.equal(opt.state[param][k], v) for k, v in state.items())

@@ -139,16 +139,22 @@ def plain_values(group: dict, keys) -> dict:
     ``np.True_``, an array of betas, a sequence of numpy numbers, as a list), by key: a numpy fp32
     number's arithmetic rounds to fp32, where the native rules and a compiled step take its value.
 
+    A ValueError names an option whose default is a number that holds an array of one dimension or
+    more (``lr=np.array([1e-3])``), which no step reads as a number.
+
     Args:
         group: the param group, read.
-        keys: the options to look at (an algorithm's: the optimizer's ``defaults``), not a
-            scheduler's keys (``initial_lr``), which it computes with as it likes.
+        keys: the options to look at and their defaults (an algorithm's: the optimizer's ``defaults``),
+            not a scheduler's keys (``initial_lr``), which it computes with as it likes.
     """
     found = {}
     for key in keys:  # no call per option: a bound Muon step reads its groups' options every step
         value = group.get(key)
         if isinstance(value, NUMPY_VALUES):
             found[key] = _plain(value)
+            if isinstance(found[key], list) and not isinstance(keys[key], (tuple, list)):
+                raise ValueError(f"Invalid {key}: {value!r} (an array of shape {value.shape}: give a number, "
+                                 "or a 0-d array)")
         elif isinstance(value, (tuple, list)) and any(isinstance(v, NUMPY_VALUES) for v in value):
             found[key] = [_plain(v) if isinstance(v, NUMPY_VALUES) else v for v in value]
     return found

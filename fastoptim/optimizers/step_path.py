@@ -286,6 +286,7 @@ class StepPath:
         of its params (a released bucket), with ``index`` a key of their own."""
         params, local_params, grads = self._with_grads(group, some)
         self._check_between_steps(group, params)
+        scalars.plain_values(group, self.defaults)  # refuses an option no step reads a number of, before any steps
         if self._algorithm(group).counts == PER_GROUP:
             group_count(group)  # a count set as a number becomes a tensor; an invalid one raises, before any change
         entry, fresh = plans.work(index, grads_pattern(group["params"] if some is None else some), self._structure,
