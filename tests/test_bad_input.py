@@ -184,3 +184,36 @@ def test_state_dicts_of_other_optimizers_are_refused(source, target):
     with pytest.raises(ValueError, match="another optimizer"):
         opt.load_state_dict(other.state_dict())
     assert_unchanged(params2, opt, before)
+
+
+PLAN_OPTIONS_WRITTEN = [("fused", "bad"), ("foreach", "bad"), ("maximize", None), ("stochastic_rounding", "x"),
+                        ("master_bits", 5), ("state_bits", 7), ("sn", "x"), ("subset_size", 0), ("subset_size", "x")]
+
+
+@pytest.mark.parametrize("bound", [True, False], ids=["bound", "checked"])
+@pytest.mark.parametrize("key, value", PLAN_OPTIONS_WRITTEN, ids=[f"{k}={v!r}" for k, v in PLAN_OPTIONS_WRITTEN])
+def test_an_option_that_decides_the_plan_written_between_steps_is_checked_as_the_constructor_checks_it(
+        key, value, bound):
+    """The engine, formats, subset norms and rounding, written between steps: refused by name, as the
+    constructor refuses them, when the group's plan is made again (they were taken by their truth, or
+    ignored), and nothing changes; on the bound step as on the checked one."""
+    params = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(2)]
+    opt = fastoptim.AdamWSN(params, lr=1e-2, sn=True, fused=True)
+    for step in range(2):
+        for param in params:
+            param.grad = torch.full_like(param, 0.1 * (step + 1))
+        opt.step()
+    assert opt._plans.bound is not None
+    with pytest.raises(ValueError, match=f"Invalid {key}: {value!r}") as constructed:
+        fastoptim.AdamWSN(params, lr=1e-2, **{"sn": True, key: value})
+    opt.param_groups[0][key] = value
+    if not bound:
+        opt._plans.bound = None
+    before = [p.detach().clone() for p in params], [{k: v.clone() for k, v in opt.state[p].items()
+                                                     if isinstance(v, torch.Tensor)} for p in params]
+    with pytest.raises(ValueError) as written:
+        opt.step()
+    assert str(written.value) == str(constructed.value)
+    assert all(map(torch.equal, params, before[0]))
+    for param, state in zip(params, before[1]):
+        assert all(torch.equal(opt.state[param][k], v) for k, v in state.items())

@@ -3,6 +3,7 @@ Each raises a ValueError that names the first invalid input, before anything cha
 import math
 import numbers
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -23,6 +24,18 @@ def normalize_betas(group):
         group["betas"] = tuple(beta.item() if isinstance(beta, Tensor) else beta for beta in betas)
 
 
+NUMPY_VALUES = (np.generic, np.ndarray)  # numpy's numbers, bools and arrays
+
+
+def plain(value):
+    """A numpy value's Python value (a float for a long double, whose ``tolist`` keeps it one); any other
+    value as it is."""
+    if not isinstance(value, NUMPY_VALUES):
+        return value
+    value = value.tolist()
+    return float(value) if isinstance(value, np.floating) else value
+
+
 def check_hyperparameters(group, n_betas):
     """Raise a ValueError that names the first invalid hyperparameter of ``group``."""
     lr = group["lr"]
@@ -37,19 +50,28 @@ def check_hyperparameters(group, n_betas):
         raise ValueError(f"Invalid betas: {betas!r} (expected {n_betas} numbers)")
     for i, beta in enumerate(betas):
         check_number(f"betas[{i}]", beta, below=1.0)
+    check_plan_options(group)
+
+
+def check_plan_options(group):
+    """Raise a ValueError naming the first of ``group``'s options that decide its step's plan (the engine,
+    the states' formats, subset norms, rounding) that holds what the optimizer does not take: when the
+    group is added, and whenever its plan is made again for an option written between steps, which may
+    hold a numpy value (read as its Python value)."""
     for flag in ("foreach", "fused"):
-        if group[flag] not in (None, True, False):
+        if plain(group[flag]) not in (None, True, False):
             raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be None, True or False)")
     for flag in ("maximize", "stochastic_rounding", "sn"):
-        if not isinstance(group.get(flag, False), bool):
+        if not isinstance(plain(group.get(flag, False)), bool):
             raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be True or False)")
-    subset_norm.check_subset_size(group.get("subset_size"))
-    if type(group["master_bits"]) is not int or group["master_bits"] not in master.BITS:
+    subset_norm.check_subset_size(plain(group.get("subset_size")))
+    master_bits, state_bits = plain(group["master_bits"]), plain(group["state_bits"])
+    if type(master_bits) is not int or master_bits not in master.BITS:
         raise ValueError(f"Invalid master_bits: {group['master_bits']!r} (must be 16, 24 or 32)")
-    if group["master_bits"] > 16 and group["stochastic_rounding"]:
-        raise ValueError(f"Invalid master_bits: {group['master_bits']} with stochastic_rounding, which rounds the "
+    if master_bits > 16 and plain(group["stochastic_rounding"]):
+        raise ValueError(f"Invalid master_bits: {master_bits} with stochastic_rounding, which rounds the "
                          "params of master_bits=16; a remainder keeps what rounding drops")
-    if type(group["state_bits"]) is not int or group["state_bits"] not in (8, 16, 32):
+    if type(state_bits) is not int or state_bits not in (8, 16, 32):
         raise ValueError(f"Invalid state_bits: {group['state_bits']!r} (must be 32, 16 for bf16 states or 8 for "
                          "8-bit blockwise states)")
 

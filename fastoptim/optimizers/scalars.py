@@ -14,7 +14,6 @@ import functools
 import json
 from typing import NamedTuple
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -22,6 +21,7 @@ from .. import clip, engines
 from ..engines import backends
 from ..specs import COMMON_SCALARS
 from .algorithm import Algorithm, StepInputs
+from .checks import NUMPY_VALUES, plain as _plain
 
 
 def count_after(count, increment, lr, traced):
@@ -123,15 +123,6 @@ class Prepared(NamedTuple):
 
 def _is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-NUMPY_VALUES = (np.generic, np.ndarray)  # numpy's numbers, bools and arrays
-
-
-def _plain(value):
-    """A numpy value's Python value; a float for a long double (whose ``tolist`` keeps it one)."""
-    plain = value.tolist()
-    return float(plain) if isinstance(plain, np.floating) else plain
 
 
 def plain_values(group: dict, keys) -> dict:

@@ -20,7 +20,7 @@ from ..states import master
 from ..step_cache import DEVICE, DTYPE, SHAPE, GroupStructure, PlanStore, engine_view
 from . import scalars
 from .algorithm import PER_GROUP, StepInputs
-from .checks import check_params, check_tensor_lr
+from .checks import check_params, check_plan_options, check_tensor_lr
 from .step_counts import StepCounts, group_count, own_counts
 
 TRACED_STATES_KEPT = 64  # patterns of grads whose traced state is kept (dynamo recompiles after 8 anyway)
@@ -105,6 +105,7 @@ class StepPath:
         """What of ``group``'s options decides its step work (a ``GroupStructure``): its state roles, engine,
         formats and kernel flags. When one changes, the work is made anew: its states checked again and
         what ``_prepare_states`` made of them made again."""
+        check_plan_options(group)  # an option written between steps: checked as the constructor checks it
         algorithm = self._algorithm(group)
         return GroupStructure(self._roles(group), engines.engine_name(group["foreach"], group["fused"]),
                               self._states_chosen(group), group.get("sn"), group.get("subset_size"),
