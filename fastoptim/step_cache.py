@@ -100,7 +100,7 @@ class Structure:
         reading = _Reading(group)
         self.value = structure(reading)
         self.keys = list(reading.read)
-        self.held = list(self._options(group))
+        self.held = list(map(group.get, self.keys, repeat(_MISSING)))
         # a list option (betas) may be edited in place: its items, as they were, are compared too
         self.items = [(key, tuple(value)) for key, value in zip(self.keys, self.held) if type(value) is list]
         # an option a tensor or an array holds (a β1 in a 0-d tensor, amsgrad in a 0-d array), or a sequence of
@@ -108,12 +108,9 @@ class Structure:
         self.mutable = any(isinstance(value, WRITABLE) or isinstance(value, (tuple, list))
                            and any(isinstance(item, WRITABLE) for item in value) for value in self.held)
 
-    def _options(self, group):
-        return map(group.get, self.keys, repeat(_MISSING))
-
     def holds(self, structure, group):
         """Whether ``structure(group)`` is still this one."""
-        if not self.mutable and all(map(operator.is_, self._options(group), self.held)) and (
+        if not self.mutable and all(map(operator.is_, map(group.get, self.keys, repeat(_MISSING)), self.held)) and (
                 not self.items or all(len(group[key]) == len(items) and all(map(operator.is_, group[key], items))
                                       for key, items in self.items)):
             return True
