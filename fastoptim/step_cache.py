@@ -103,14 +103,14 @@ class Structure:
         self.held = list(map(group.get, self.keys, repeat(_MISSING)))
         # a list option (betas) may be edited in place: its items, as they were, are compared too
         self.items = [(key, tuple(value)) for key, value in zip(self.keys, self.held) if type(value) is list]
-        # an option a tensor or an array holds (a β1 in a 0-d tensor, amsgrad in a 0-d array), or a sequence of
-        # them, may be written in place: the structure is then computed again at every check
-        self.mutable = any(isinstance(value, WRITABLE) or isinstance(value, (tuple, list))
-                           and any(isinstance(item, WRITABLE) for item in value) for value in self.held)
+        # the options a tensor or an array holds (a β1 in a 0-d tensor, amsgrad in a 0-d array), or a sequence of
+        # them: they may be written in place, and the structure is then computed again at every check
+        self.writable = [key for key, value in zip(self.keys, self.held) if isinstance(value, WRITABLE) or isinstance(
+            value, (tuple, list)) and any(isinstance(item, WRITABLE) for item in value)]
 
     def holds(self, structure, group):
         """Whether ``structure(group)`` is still this one."""
-        if not self.mutable and all(map(operator.is_, map(group.get, self.keys, repeat(_MISSING)), self.held)) and (
+        if not self.writable and all(map(operator.is_, map(group.get, self.keys, repeat(_MISSING)), self.held)) and (
                 not self.items or all(len(group[key]) == len(items) and all(map(operator.is_, group[key], items))
                                       for key, items in self.items)):
             return True
@@ -118,7 +118,7 @@ class Structure:
         if now.value != self.value:
             return False
         # options that changed and left it as it was (a scheduled beta)
-        self.keys, self.held, self.items, self.mutable = now.keys, now.held, now.items, now.mutable
+        self.keys, self.held, self.items, self.writable = now.keys, now.held, now.items, now.writable
         return True
 
 

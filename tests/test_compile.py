@@ -249,6 +249,18 @@ def test_a_fused_cpu_step_compiles_to_ops_and_no_arithmetic(cls, options):
     assert_no_arithmetic(targets, f"fastoptim.{cls.algorithm.spec.name}_step.default")
 
 
+@pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.Adan], ids=lambda cls: cls.__name__)
+def test_a_fused_cpu_step_under_an_lr_scheduler_compiles_to_ops_and_no_arithmetic(cls):
+    """A scheduler's ``initial_lr``, a tensor beside a tensor lr, is none of the algorithm's options: the
+    scalars still come from the op (a tensor in any option sent them to tensor arithmetic: helper-41)."""
+    params = model_params()
+    opt = cls(params, lr=torch.tensor(0.01))
+    step = opt.step  # compiled as it was before the scheduler wrapped it (docs/compile.md)
+    torch.optim.lr_scheduler.StepLR(opt, 1, 0.9)
+    assert isinstance(opt.param_groups[0]["initial_lr"], torch.Tensor)
+    assert_no_arithmetic(functional_targets(opt, params, step=step), f"fastoptim.{cls.algorithm.spec.name}_step.default")
+
+
 # both, with every optimizer; each alone (the factors' other branches), with AdamW
 @pytest.mark.parametrize("cls, clip, amp", [(info.cls, True, True) for info in OPTIMIZERS
                                             if info.cls.algorithm.kernel_scalars is not None]

@@ -515,3 +515,19 @@ def test_betas_of_0d_tensors_written_between_compiled_steps_step_as_eager(cls):
 
     eager, traced, _ = run_pair(cls, dict(fused=True), fullgraph=False, before_step=tensor_betas)
     assert_same(eager, traced)
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_a_tensor_that_decides_the_plan_is_refused_by_name_when_the_step_is_traced(fullgraph):
+    """AdamWSN's β1 decides whether it keeps a first moment: a graph cannot follow it written in place (it
+    raised a data-dependent branch, or an internal error of dynamo's: helper-41). Refused by name, at
+    tracing, with nothing changed."""
+    params = model_params()
+    opt = fastoptim.AdamWSN(params, lr=1e-2, sn=True)
+    opt.param_groups[0]["betas"] = (torch.tensor(0.9), torch.tensor(0.999))
+    set_grads(params, 0)
+    before = [p.detach().clone() for p in params]
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"Invalid betas: a tensor holds what decides the step's kernels"):
+        torch.compile(opt.step, backend="aot_eager", fullgraph=fullgraph)()
+    assert all(map(torch.equal, params, before)) and not any(opt.state[p] for p in params)

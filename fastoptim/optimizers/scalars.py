@@ -180,13 +180,13 @@ def _name(algorithm):
         for f in (algorithm.arguments, algorithm.kernel_scalars)])
 
 
-def prepare(algorithm: Algorithm, group: dict) -> Prepared | None:
-    """The :class:`Prepared` of ``algorithm`` and ``group`` (not the params, nor a tensor lr, nor a group's
-    count: official Adan's, read as a count); None where another option holds a tensor (betas of 0-d
-    tensors), which the op's numbers cannot take: the traced step then computes the scalars as tensor
-    ops, as an eager one does."""
+def prepare(algorithm: Algorithm, group: dict, keys) -> Prepared | None:
+    """The :class:`Prepared` of ``algorithm`` and ``group`` (not the params, nor a tensor lr); None where
+    another of the algorithm's options ``keys`` (the optimizer's ``defaults``, not a scheduler's keys: its
+    ``initial_lr`` is a tensor beside a tensor lr) holds a tensor (betas of 0-d tensors), which the op's
+    numbers cannot take: the traced step then computes the scalars as tensor ops, as an eager one does."""
     if any(isinstance(value, Tensor) or isinstance(value, (tuple, list)) and any(isinstance(v, Tensor) for v in value)
-           for key, value in group.items() if key not in ("params", "lr", "step")):
+           for value in (group.get(key) for key in keys if key != "lr")):
         return None
     name = _name(algorithm)
     registered = _ALGORITHMS.setdefault(name, algorithm)

@@ -226,6 +226,10 @@ class StepPath:
         calls = []  # the step ops' prepared calls, each of which checks the others before it runs (see refuse)
         for index, group in enumerate(self.param_groups):
             entry, grads = self._group_work(plans, index, group)
+            if entry.structure.writable:  # a graph reads no value that decides what it does
+                raise ValueError(f"Invalid {', '.join(entry.structure.writable)}: a tensor holds what decides the "
+                                 "step's kernels and states (AdamWSN's β1 whether it keeps a first moment), which "
+                                 "a compiled step cannot follow when it is written in place: give it as a number")
             if entry.states is None and entry.params:
                 self._use_new_states(group, entry, traced=True)
             algorithm = self._algorithm(group)
@@ -250,7 +254,7 @@ class StepPath:
             whole = fused and algorithm.run is engines.run_bucket and all(
                 reduce is None and not entry.bucket_plans[i].traced_split.left
                 for i, (_, reduce) in enumerate(entry.buckets))
-            entry.traced_scalars = scalars.prepare(algorithm, group) if (
+            entry.traced_scalars = scalars.prepare(algorithm, group, self.defaults) if (
                 whole and entry.params[0].device.type == "cpu") else None
         for call in calls:  # so that a step refused by one changes nothing, whichever op of the graph runs first
             call.siblings = [weakref.ref(other) for other in calls if other is not call]
