@@ -17,8 +17,9 @@ from torch import Tensor
 from . import engines, flat_params
 from .engines.backends import FORCING_VARIABLE
 from .multi_tensor import bump_versions
+from .optimizer_state import OptimizerState
 from .specs import COMMON_SCALARS, STOCHASTIC_ROUNDING
-from .step_cache import OptimizerState, unread
+from .step_cache import unread
 
 # where a table's first scalars go, in the order every kernel declares them (its rule computes the rest)
 FOUND_INF, SEED, GRAD_SCALE = map(COMMON_SCALARS.index, ("found_inf", "seed", "grad_scale"))

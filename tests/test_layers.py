@@ -15,7 +15,7 @@ ROOT = Path(fastoptim.__file__).parent
 LAYERS = (
     ("fastoptim.specs", "fastoptim.extras"),
     ("fastoptim.distributed", "fastoptim.measure"),
-    ("fastoptim.states", "fastoptim.multi_tensor"),
+    ("fastoptim.states", "fastoptim.multi_tensor", "fastoptim.optimizer_state"),
     ("fastoptim.step_cache", "fastoptim.flat_params"),
     ("fastoptim.kernels",),
     ("fastoptim.engines",),

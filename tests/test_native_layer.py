@@ -22,7 +22,7 @@ from fastoptim.engines.backends import cpu as cpu_backend
 from fastoptim.specs import declared_specs
 from fastoptim.states import master
 from fastoptim.optimizers.algorithm import StepInputs
-from fastoptim.step_cache import ParamState
+from fastoptim.optimizer_state import ParamState
 
 from .registry import OPTIMIZERS
 

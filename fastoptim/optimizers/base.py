@@ -12,8 +12,9 @@ from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimize
 
 from .. import distributed, engines, flat_params
 from ..bound_step import BoundStep
+from ..optimizer_state import OptimizerState
 from ..states import master
-from ..step_cache import OptimizerState, PlanStore
+from ..step_cache import PlanStore
 from .algorithm import PER_GROUP, Algorithm
 from . import release
 from .release_reductions import refusal

@@ -7,9 +7,9 @@ import torch
 
 from .. import distributed
 from ..multi_tensor import gather_states
+from ..optimizer_state import OptimizerState
 from ..specs import ABSMAX
 from ..states import formats, master, subset_norm
-from ..step_cache import OptimizerState
 from .algorithm import PER_GROUP
 from .checks import normalize_betas, step_count
 
