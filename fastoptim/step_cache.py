@@ -58,22 +58,27 @@ class Signature:
 
 
 class _Reading(dict):
-    """A copy of a param group that notes which of its options are read."""
+    """A copy of a param group that notes which of its options are read: not its params, which a change
+    of makes a new work (and structure) by the work's own rule."""
 
     def __init__(self, group):
         super().__init__(group)
         self.read = {}
 
+    def _note(self, key):
+        if key != "params":
+            self.read[key] = None
+
     def __getitem__(self, key):
-        self.read[key] = None
+        self._note(key)
         return super().__getitem__(key)
 
     def get(self, key, default=None):
-        self.read[key] = None
+        self._note(key)
         return super().get(key, default)
 
     def __contains__(self, key):
-        self.read[key] = None
+        self._note(key)
         return super().__contains__(key)
 
 

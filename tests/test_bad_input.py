@@ -217,3 +217,41 @@ def test_an_option_that_decides_the_plan_written_between_steps_is_checked_as_the
     assert all(map(torch.equal, params, before[0]))
     for param, state in zip(params, before[1]):
         assert all(torch.equal(opt.state[param][k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("cls, dtype, key, value, why", [
+    (fastoptim.Lion, torch.float32, "sn", True, "Invalid sn: Lion keeps no second moment"),
+    (fastoptim.AdamW, torch.float16, "master_bits", 24, "Invalid master_bits: 24 keeps remainders of bf16 params")],
+    ids=["Lion sn", "fp16 master_bits"])
+def test_a_plan_option_its_algorithm_or_params_rule_out_written_between_steps_is_refused(cls, dtype, key, value, why):
+    """What the constructor refuses of the algorithm (Lion has no second moment to take subset norms of) and
+    the params (an fp16 param's bits keep no remainder), written between steps: refused by name (Lion's state
+    took a subset-norm record its state dict then refused to load; fp16 remainders were ignored: helper-42)."""
+    params = [torch.nn.Parameter(torch.randn(4, 4, dtype=dtype)) for _ in range(2)]
+    opt = cls(params, lr=1e-2)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    opt.step()
+    opt.param_groups[0][key] = value
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=why):
+        opt.step()
+    assert all(map(torch.equal, params, before))
+
+
+@pytest.mark.parametrize("key, flag", [("maximize", 1), ("stochastic_rounding", 0), ("sn", 1)])
+def test_a_flag_written_as_0_or_1_between_steps_steps_as_its_truth(key, flag):
+    """torch.optim takes a flag's 0 or 1: so do the constructor and the plan's check (which refused them)."""
+    def run(value):
+        params = [torch.nn.Parameter(torch.linspace(-1, 1, 16).reshape(4, 4).bfloat16()) for _ in range(2)]
+        opt = fastoptim.AdamWSN(params, lr=1e-2)
+        for step in range(3):
+            for param in params:
+                param.grad = torch.full_like(param, 0.1 * (step + 1))
+            if step == 1:
+                opt.param_groups[0][key] = value
+            opt.step()
+        return params
+
+    assert all(map(torch.equal, run(flag), run(bool(flag))))
+    fastoptim.AdamWSN([torch.nn.Parameter(torch.zeros(4, 4))], **{key: flag})

@@ -531,18 +531,27 @@ def test_betas_of_numpy_numbers_in_a_namedtuple_step_as_their_python_values(engi
 @pytest.mark.parametrize("key", ["lr", "eps", "weight_decay"])
 @pytest.mark.parametrize("engine", [dict(fused=True), dict(foreach=True, fused=False), dict(foreach=False)],
                          ids=["fused", "foreach", "loop"])
-def test_an_option_written_as_a_one_element_array_is_refused_by_name_before_any_group_steps(key, engine):
-    """``group["lr"] = np.array([1e-3])``, in the second of two groups: no step reads a number of it (a TypeError
-    named nothing, after the first group had stepped); refused by name, every param and state as it was."""
-    params = [torch.nn.Parameter(torch.randn(4, 4)) for _ in range(4)]
-    opt = fastoptim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2, **engine)
-    for step in range(2):
-        for param in params:
-            param.grad = torch.full_like(param, 0.1 * (step + 1))
-        opt.step()
-    opt.param_groups[1][key] = np.array([opt.param_groups[1][key]])
+def test_an_option_written_as_an_array_steps_as_its_one_value_or_is_refused_by_name(key, engine):
+    """``group["lr"] = np.array([1e-3])``, in the second of two groups, steps as 1e-3 does (as a one-element
+    tensor lr does: it raised a TypeError naming nothing, after the first group had stepped); an array of
+    two values is refused by name before any group steps, every param and state as it was."""
+    def run(value_of):
+        params = [torch.nn.Parameter(torch.linspace(-1, 1, 16).reshape(4, 4) + i) for i in range(4)]
+        opt = fastoptim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2, **engine)
+        for step in range(4):
+            for param in params:
+                param.grad = torch.full_like(param, 0.1 * (step + 1))
+            if step == 2:
+                opt.param_groups[1][key] = value_of(opt.param_groups[1][key])
+            opt.step()
+        return params, opt
+
+    (ours, _), (theirs, _) = run(lambda value: np.array([value])), run(lambda value: value)
+    assert all(map(torch.equal, ours, theirs))
+    params, opt = run(lambda value: value)
+    opt.param_groups[1][key] = np.array([1e-3, 2e-3])
     before = [p.detach().clone() for p in params], [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
-    with pytest.raises(ValueError, match=rf"Invalid {key}: array\(\[.*\]\) \(an array of shape \(1,\)"):
+    with pytest.raises(ValueError, match=rf"Invalid {key}: array\(\[.*\]\) \(an array of shape \(2,\)"):
         opt.step()
     assert all(map(torch.equal, params, before[0]))
     for param, state in zip(params, before[1]):

@@ -521,10 +521,10 @@ def test_betas_of_0d_tensors_written_between_compiled_steps_step_as_eager(cls):
 def test_a_tensor_that_decides_the_plan_is_refused_by_name_when_the_step_is_traced(fullgraph):
     """AdamWSN's β1 decides whether it keeps a first moment: a graph cannot follow it written in place (it
     raised a data-dependent branch, or an internal error of dynamo's: helper-41). Refused by name, at
-    tracing, with nothing changed."""
+    tracing, before any group's states are made (the first group's were: helper-42)."""
     params = model_params()
-    opt = fastoptim.AdamWSN(params, lr=1e-2, sn=True)
-    opt.param_groups[0]["betas"] = (torch.tensor(0.9), torch.tensor(0.999))
+    opt = fastoptim.AdamWSN([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2, sn=True)
+    opt.param_groups[1]["betas"] = (torch.tensor(0.9), 0.999)  # the second group's: the first makes no states
     set_grads(params, 0)
     before = [p.detach().clone() for p in params]
     torch._dynamo.reset()

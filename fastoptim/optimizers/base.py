@@ -18,7 +18,7 @@ from ..step_cache import PlanStore
 from .algorithm import PER_GROUP, Algorithm
 from . import release
 from .release_reductions import refusal
-from .checks import check_hyperparameters, check_params, check_tensor_lr, normalize_betas
+from .checks import check_hyperparameters, check_params, check_plan_options, check_tensor_lr, normalize_betas, plain
 from .state_creation import StateCreation
 from .step_counts import group_count
 from .step_path import StepPath, without_grad
@@ -131,10 +131,6 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
                 raise ValueError(f"all params of a group must be on one device, got {sorted(map(str, devices))}")
             if isinstance(group["lr"], Tensor) and devices:
                 check_tensor_lr(group["lr"], devices.pop())
-            if group["master_bits"] > 16 and any(param.dtype == torch.float16 for param in group["params"]):
-                raise ValueError(f"Invalid master_bits: {group['master_bits']} keeps remainders of bf16 params; an "
-                                 "fp16 param's bits do not split that way. Use bf16 (or fp32) params, or "
-                                 "master_bits=16")
             self._find_reduce_group()
             if self._algorithm(group).counts == PER_GROUP:
                 group_count(group)  # now, not at the first step: a compiled step must find it
@@ -143,14 +139,24 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
             raise
 
     def _check_group(self, group, max_grad_norm=None):
-        algorithm = self._algorithm(group)
-        check_hyperparameters(group, algorithm.n_betas)
-        if group.get("sn") and not algorithm.spec.reduced:
-            raise ValueError(f"Invalid sn: {type(self).__name__} keeps no second moment, so sn does not apply")
+        check_hyperparameters(group, self._algorithm(group).n_betas)
+        self._check_plan(group)
         if group["max_grad_norm"] != (self.defaults["max_grad_norm"] if max_grad_norm is None else max_grad_norm):
             raise ValueError("Invalid max_grad_norm: it clips by the norm over all groups, "
                              "so set it in the constructor, not per group")
         engines.engine_name(group["foreach"], group["fused"])
+
+    def _check_plan(self, group):
+        """Raise a ValueError naming the first of ``group``'s options that decide its step's plan that the
+        optimizer does not take (``checks.check_plan_options``, and those its algorithm and params rule
+        out): when the group is added, and whenever its plan's structure is computed again, for an option
+        written between steps."""
+        check_plan_options(group)
+        if plain(group.get("sn")) and not self._algorithm(group).spec.reduced:
+            raise ValueError(f"Invalid sn: {type(self).__name__} keeps no second moment, so sn does not apply")
+        if plain(group["master_bits"]) > 16 and any(param.dtype == torch.float16 for param in group.get("params", ())):
+            raise ValueError(f"Invalid master_bits: {group['master_bits']} keeps remainders of bf16 params; an "
+                             "fp16 param's bits do not split that way. Use bf16 (or fp32) params, or master_bits=16")
 
     def _find_reduce_group(self):
         """The group of this optimizer's global reductions (see fastoptim.distributed), whether its

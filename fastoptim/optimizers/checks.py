@@ -50,7 +50,6 @@ def check_hyperparameters(group, n_betas):
         raise ValueError(f"Invalid betas: {betas!r} (expected {n_betas} numbers)")
     for i, beta in enumerate(betas):
         check_number(f"betas[{i}]", beta, below=1.0)
-    check_plan_options(group)
 
 
 def check_plan_options(group):
@@ -62,7 +61,7 @@ def check_plan_options(group):
         if plain(group[flag]) not in (None, True, False):
             raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be None, True or False)")
     for flag in ("maximize", "stochastic_rounding", "sn"):
-        if not isinstance(plain(group.get(flag, False)), bool):
+        if plain(group.get(flag, False)) not in (True, False):  # 0 and 1 too, as torch.optim takes them
             raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be True or False)")
     subset_norm.check_subset_size(plain(group.get("subset_size")))
     master_bits, state_bits = plain(group["master_bits"]), plain(group["state_bits"])

@@ -130,8 +130,8 @@ def plain_values(group: dict, keys) -> dict:
     ``np.True_``, an array of betas, a sequence of numpy numbers, as a list), by key: a numpy fp32
     number's arithmetic rounds to fp32, where the native rules and a compiled step take its value.
 
-    A ValueError names an option whose default is a number that holds an array of one dimension or
-    more (``lr=np.array([1e-3])``), which no step reads as a number.
+    An option whose default is no sequence, written as an array of one element (``lr=np.array([1e-3])``),
+    is its one value, as a one-element tensor lr is; of more elements, a ValueError names it.
 
     Args:
         group: the param group, read.
@@ -142,10 +142,12 @@ def plain_values(group: dict, keys) -> dict:
     for key in keys:  # no call per option: a bound Muon step reads its groups' options every step
         value = group.get(key)
         if isinstance(value, NUMPY_VALUES):
+            if value.ndim and not isinstance(keys[key], (tuple, list)):  # an array for one value
+                if value.size != 1:
+                    raise ValueError(f"Invalid {key}: {value!r} (an array of shape {value.shape}: give a number, or "
+                                     "an array of one element)")
+                value = value.reshape(())
             found[key] = _plain(value)
-            if isinstance(found[key], list) and not isinstance(keys[key], (tuple, list)):
-                raise ValueError(f"Invalid {key}: {value!r} (an array of shape {value.shape}: give a number, "
-                                 "or a 0-d array)")
         elif isinstance(value, (tuple, list)) and any(isinstance(v, NUMPY_VALUES) for v in value):
             found[key] = [_plain(v) if isinstance(v, NUMPY_VALUES) else v for v in value]
     return found

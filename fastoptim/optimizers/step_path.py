@@ -20,7 +20,7 @@ from ..states import master
 from ..step_cache import DEVICE, DTYPE, SHAPE, GroupStructure, PlanStore, engine_view
 from . import scalars
 from .algorithm import PER_GROUP, StepInputs
-from .checks import check_params, check_plan_options, check_tensor_lr
+from .checks import check_params, check_tensor_lr
 from .step_counts import StepCounts, group_count, own_counts
 
 TRACED_STATES_KEPT = 64  # patterns of grads whose traced state is kept (dynamo recompiles after 8 anyway)
@@ -105,7 +105,7 @@ class StepPath:
         """What of ``group``'s options decides its step work (a ``GroupStructure``): its state roles, engine,
         formats and kernel flags. When one changes, the work is made anew: its states checked again and
         what ``_prepare_states`` made of them made again."""
-        check_plan_options(group)  # an option written between steps: checked as the constructor checks it
+        self._check_plan(group)  # an option written between steps: checked as the constructor checks it
         algorithm = self._algorithm(group)
         return GroupStructure(self._roles(group), engines.engine_name(group["foreach"], group["fused"]),
                               self._states_chosen(group), group.get("sn"), group.get("subset_size"),
@@ -224,12 +224,14 @@ class StepPath:
             scalars.plain_options(group, self.defaults)
         own_counts(self.state.values())
         calls = []  # the step ops' prepared calls, each of which checks the others before it runs (see refuse)
-        for index, group in enumerate(self.param_groups):
-            entry, grads = self._group_work(plans, index, group)
+        works = [self._group_work(plans, index, group) for index, group in enumerate(self.param_groups)]
+        for entry, _ in works:  # every group, before any states are made
             if entry.structure.writable:  # a graph reads no value that decides what it does
                 raise ValueError(f"Invalid {', '.join(entry.structure.writable)}: a tensor holds what decides the "
-                                 "step's kernels and states (AdamWSN's β1 whether it keeps a first moment), which "
-                                 "a compiled step cannot follow when it is written in place: give it as a number")
+                                 "step's kernels and states (AdamWSN's β1 whether it keeps a first moment, AdamW's "
+                                 "amsgrad a maximum), which a compiled step cannot follow when it is written in "
+                                 "place: give it as a number")
+        for index, (group, (entry, grads)) in enumerate(zip(self.param_groups, works)):
             if entry.states is None and entry.params:
                 self._use_new_states(group, entry, traced=True)
             algorithm = self._algorithm(group)
@@ -291,7 +293,7 @@ class StepPath:
         of its params (a released bucket), with ``index`` a key of their own."""
         params, local_params, grads = self._with_grads(group, some)
         self._check_between_steps(group, params)
-        scalars.plain_values(group, self.defaults)  # refuses an option no step reads a number of, before any steps
+        scalars.plain_values(group, self.defaults)  # refuses an array no step reads one value of, before any steps
         if self._algorithm(group).counts == PER_GROUP:
             group_count(group)  # a count set as a number becomes a tensor; an invalid one raises, before any change
         entry, fresh = plans.work(index, grads_pattern(group["params"] if some is None else some), self._structure,
