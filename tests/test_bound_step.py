@@ -556,3 +556,27 @@ def test_an_option_written_as_an_array_steps_as_its_one_value_or_is_refused_by_n
     assert all(map(torch.equal, params, before[0]))
     for param, state in zip(params, before[1]):
         assert all(torch.equal(opt.state[param][k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("cls, key, value", [(fastoptim.AdamW, "maximize", True), (fastoptim.AdamW, "foreach", True),
+                                             (fastoptim.AdamW, "stochastic_rounding", False),
+                                             (fastoptim.Muon, "momentum", 0.9)],
+                         ids=["maximize", "foreach", "stochastic_rounding", "Muon momentum"])
+@pytest.mark.parametrize("bound", [True, False], ids=["bound", "checked"])
+def test_a_plan_option_or_a_muon_number_written_as_a_one_element_array_steps_as_its_value(cls, key, value, bound):
+    """The plan's check read a one-element array as a list and refused it; Muon's bound part handed it to
+    native code, which refused it (helper-43)."""
+    def run(written):
+        params = [torch.nn.Parameter(torch.linspace(-1, 1, 20).reshape(4, 5) + i) for i in range(3)]
+        opt = cls(params, lr=1e-2)
+        for step in range(5):
+            for param in params:
+                param.grad = torch.full_like(param, 0.1 * (step + 1))
+            if step == 3:
+                opt.param_groups[0][key] = written
+            if not bound:
+                opt._plans.bound = None
+            opt.step()
+        return params
+
+    assert all(map(torch.equal, run(np.array([value])), run(value)))

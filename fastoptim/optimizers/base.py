@@ -18,7 +18,7 @@ from ..step_cache import PlanStore
 from .algorithm import PER_GROUP, Algorithm
 from . import release
 from .release_reductions import refusal
-from .checks import check_hyperparameters, check_params, check_plan_options, check_tensor_lr, normalize_betas, plain
+from .checks import check_hyperparameters, check_params, check_plan_options, check_tensor_lr, normalize_betas, one_value
 from .state_creation import StateCreation
 from .step_counts import group_count
 from .step_path import StepPath, without_grad
@@ -152,9 +152,9 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
         out): when the group is added, and whenever its plan's structure is computed again, for an option
         written between steps."""
         check_plan_options(group)
-        if plain(group.get("sn")) and not self._algorithm(group).spec.reduced:
+        if one_value("sn", group.get("sn")) and not self._algorithm(group).spec.reduced:
             raise ValueError(f"Invalid sn: {type(self).__name__} keeps no second moment, so sn does not apply")
-        if plain(group["master_bits"]) > 16 and any(param.dtype == torch.float16 for param in group.get("params", ())):
+        if one_value("master_bits", group["master_bits"]) > 16 and any(param.dtype == torch.float16 for param in group.get("params", ())):
             raise ValueError(f"Invalid master_bits: {group['master_bits']} keeps remainders of bf16 params; an "
                              "fp16 param's bits do not split that way. Use bf16 (or fp32) params, or master_bits=16")
 

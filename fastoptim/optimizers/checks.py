@@ -36,6 +36,17 @@ def plain(value):
     return float(value) if isinstance(value, np.floating) else value
 
 
+def one_value(name, value):
+    """The value of option ``name``, which holds one: :func:`plain`'s, and of an array of one element (any
+    shape) its element, as of a one-element tensor lr; a ValueError naming ``name`` for an array of more."""
+    if isinstance(value, np.ndarray) and value.ndim:
+        if value.size != 1:
+            raise ValueError(f"Invalid {name}: {value!r} (an array of shape {value.shape}: give a number, or an "
+                             "array of one element)")
+        value = value.reshape(())
+    return plain(value)
+
+
 def check_hyperparameters(group, n_betas):
     """Raise a ValueError that names the first invalid hyperparameter of ``group``."""
     lr = group["lr"]
@@ -58,16 +69,16 @@ def check_plan_options(group):
     group is added, and whenever its plan is made again for an option written between steps, which may
     hold a numpy value (read as its Python value)."""
     for flag in ("foreach", "fused"):
-        if plain(group[flag]) not in (None, True, False):
+        if one_value(flag, group[flag]) not in (None, True, False):
             raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be None, True or False)")
     for flag in ("maximize", "stochastic_rounding", "sn"):
-        if plain(group.get(flag, False)) not in (True, False):  # 0 and 1 too, as torch.optim takes them
+        if one_value(flag, group.get(flag, False)) not in (True, False):  # 0 and 1 too, as torch.optim takes them
             raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be True or False)")
-    subset_norm.check_subset_size(plain(group.get("subset_size")))
-    master_bits, state_bits = plain(group["master_bits"]), plain(group["state_bits"])
+    subset_norm.check_subset_size(one_value("subset_size", group.get("subset_size")))
+    master_bits, state_bits = one_value("master_bits", group["master_bits"]), one_value("state_bits", group["state_bits"])
     if type(master_bits) is not int or master_bits not in master.BITS:
         raise ValueError(f"Invalid master_bits: {group['master_bits']!r} (must be 16, 24 or 32)")
-    if master_bits > 16 and plain(group["stochastic_rounding"]):
+    if master_bits > 16 and one_value("stochastic_rounding", group["stochastic_rounding"]):
         raise ValueError(f"Invalid master_bits: {master_bits} with stochastic_rounding, which rounds the "
                          "params of master_bits=16; a remainder keeps what rounding drops")
     if type(state_bits) is not int or state_bits not in (8, 16, 32):

@@ -21,7 +21,7 @@ from .. import clip, engines
 from ..engines import backends
 from ..specs import COMMON_SCALARS
 from .algorithm import Algorithm, StepInputs
-from .checks import NUMPY_VALUES, plain as _plain
+from .checks import NUMPY_VALUES, one_value, plain as _plain
 
 
 def count_after(count, increment, lr, traced):
@@ -142,12 +142,7 @@ def plain_values(group: dict, keys) -> dict:
     for key in keys:  # no call per option: a bound Muon step reads its groups' options every step
         value = group.get(key)
         if isinstance(value, NUMPY_VALUES):
-            if value.ndim and not isinstance(keys[key], (tuple, list)):  # an array for one value
-                if value.size != 1:
-                    raise ValueError(f"Invalid {key}: {value!r} (an array of shape {value.shape}: give a number, or "
-                                     "an array of one element)")
-                value = value.reshape(())
-            found[key] = _plain(value)
+            found[key] = _plain(value) if isinstance(keys[key], (tuple, list)) else one_value(key, value)
         elif isinstance(value, (tuple, list)) and any(isinstance(v, NUMPY_VALUES) for v in value):
             found[key] = [_plain(v) if isinstance(v, NUMPY_VALUES) else v for v in value]
     return found

@@ -373,10 +373,15 @@ class StepPath:
         that hold one value per param (see ``scalars.step_arguments``). Options written as numpy values are
         read as their Python values (``scalars.plain_values``), as the native rules and a compiled step read
         them; the group keeps what was written."""
-        plain = scalars.plain_values(group, self.defaults)
-        options = {**group, **plain} if plain else group
+        options = self._plain_group(group)
         return scalars.step_arguments(algorithm, options, scalars.one_count(self._step_counts(group, entry).read(group)),
                                       increment, self._step_inputs(options, entry, grad_scale), traced)
+
+    def _plain_group(self, group):
+        """``group`` with its options that hold numpy values as their Python values (``scalars.plain_values``:
+        a copy; ``group`` itself where none does)."""
+        plain = scalars.plain_values(group, self.defaults)
+        return {**group, **plain} if plain else group
 
     def _step_counts(self, group, entry):
         """The :class:`StepCounts` of ``group``'s params with grads (``entry``: their work, or None)."""
