@@ -188,8 +188,9 @@ class BoundStep:
                 work, scales, self.positions, numbers, self.parts, self.flag_bits):
             stochastic, device = group["stochastic_rounding"], grads[0].device if grads else None
             if parts is not None:
+                plain_group = optimizer._plain_group(group)
                 for part, tables in zip(parts, buckets):
-                    part_values, part_flags = part.launch_values(optimizer._plain_group(group), scale, found_inf, device)
+                    part_values, part_flags = part.launch_values(plain_group, scale, found_inf, device)
                     for positions in tables:
                         grads_in.append([grads[i] for i in positions])
                         values.append(part_values)

@@ -37,10 +37,8 @@ def _remade(entry, bucket, taken):
     tensors the user sees: where a compiled step's op finds that one was given new storage in place."""
     entry.read_tensors()
     indices = [bucket[i] for i in taken]
-    tensors = pick(entry.tensors, indices)
-    if keeps_no_remainders(tensors):
-        del tensors[master.KEY]
-    return tensors, pick(entry.absmax, indices), entry.originals and pick(entry.originals, indices)
+    return (bucket_tensors(entry.tensors, indices), pick(entry.absmax, indices),
+            entry.originals and pick(entry.originals, indices))
 
 
 def keeps_no_remainders(tensors):
@@ -49,9 +47,14 @@ def keeps_no_remainders(tensors):
     return master.KEY in tensors and tensors[master.KEY][0] is None
 
 
+def bucket_tensors(tensors, bucket):
+    """``tensors`` of the params ``bucket`` (indices), without the remainders' role where it holds none."""
+    part = pick(tensors, bucket)
+    return pick(part, range(len(bucket)), leave=(master.KEY,)) if keeps_no_remainders(part) else part
+
+
 def group_lr(group):
-    """The group's lr as the step reads it: a number, or a 0-d view of a one-element tensor (which
-    a scheduler may change in place)."""
+    """The group's lr as the step reads it: a number, or a 0-d view of a one-element tensor."""
     lr = group["lr"]
     return lr.view(()) if isinstance(lr, Tensor) else lr
 
@@ -152,10 +155,9 @@ class StepPath:
         self._advance(work, increment, writes, whole_step, traced)
 
     def _restart_written(self, work, plans):
-        """A param written by anyone but this optimizer starts again from the value written: zero the
-        master remainders of ``work``'s params written since its steps wrote them (see master.Writes),
-        whose notes (``plans.writes``) it returns; None where none keeps remainders (and there are no
-        notes): a compiled step reads the notes to drop them, so that each new one would trace it again."""
+        """Zero the master remainders of ``work``'s params written by anyone else since its steps wrote them
+        (each starts again from the value written: master.Writes); returns the notes (``plans.writes``), or
+        None where none keeps remainders: a compiled step reads notes to drop them, each new one a trace."""
         writes = plans.writes
         if writes is None:
             if all(entry.versions is None or not entry.versions.params for _, entry, _ in work):
@@ -210,14 +212,12 @@ class StepPath:
                 writes.note(entry.versions)
 
     def _init_group(self):
-        """The eager part of a step that torch.compile traces. torch.compile runs an optimizer's
-        ``_init_group`` eagerly while it traces ``step`` (as it does torch.optim's), so the
-        per-tensor Python that decides a step (the checks, the states' creation, which tensors the
-        fused kernel takes) runs once, untraced, and is not traced again on the next call. The
-        trace reads the decisions from each group's work (``_traced_group_work``), and dynamo's
-        guards on every tensor it reads keep them valid. Every group is prepared in one call: dynamo
-        reads the state dict once, after it. The states are created here, even for a step that
-        GradScaler then skips: zeros, and the step count stays, so the trajectory is eager's."""
+        """The eager part of a step that torch.compile traces (dynamo runs an optimizer's ``_init_group``
+        eagerly, as torch.optim's): the per-tensor Python that decides a step (checks, the states'
+        creation, the fused kernel's split) runs once, untraced; the trace reads its decisions from each
+        group's work (``_traced_group_work``), which dynamo's guards keep valid. Every group in one call:
+        dynamo reads the state dict once, after it. The states are made even for a step GradScaler then
+        skips (zeros, the count unchanged), as eagerly."""
         plans = self._plans
         flat_params.drop_frozen_grads(self.param_groups)  # a step traced again once a param is frozen (guarded)
         for group in self.param_groups:
@@ -241,9 +241,7 @@ class StepPath:
             tensors = entry.tensors | {"grad": entry.viewed(grads)} if fused else None
             for bucket_index, (bucket, _) in enumerate(entry.buckets):
                 if fused:
-                    part = pick(tensors, bucket)
-                    if keeps_no_remainders(part):
-                        del part[master.KEY]
+                    part = bucket_tensors(tensors, bucket)
                     absmax = pick(entry.absmax, bucket)
                     originals = [t for key, values in entry.kept.items() for i in bucket
                                  if isinstance(t := values[i], Tensor) and (key in part or key.endswith(ABSMAX))]
@@ -269,18 +267,16 @@ class StepPath:
         return tuple(grads_pattern(group["params"]) for group in self.param_groups)
 
     def _traced_group_work(self, entry, group):
-        """A traced step's work for ``group``: the decisions ``_init_group`` took (``entry``) and the
-        states it found, over the params and grads read where the user sees them, which the
-        compiled step reads (and dynamo guards) on every call. The states are not read one by one
-        (guards on each would cost as much as the step): the guard on the state dicts' change
-        count stands for them, and native code checks their storage at every call."""
+        """A traced step's work for ``group``: ``_init_group``'s decisions (``entry``) and states, over the
+        params and grads the compiled step reads (and dynamo guards) at every call. The states are not
+        read one by one (guards on each would cost as much as the step): the guard on the state dicts'
+        change count stands for them, and native code checks their storage at every call."""
         params, local_params, grads = self._with_grads(group)
         return entry.traced(params, local_params), grads
 
     def _with_grads(self, group, params=None):
-        """The group's params that have grads (of ``params``, some of them, if given), what the engines
-        update of them (``engine_view``: the local shards of DTensors, the real views of complex
-        params) and their grads, viewed alike."""
+        """The group's params (of ``params``, if given) that have grads, what the engines update of them
+        (``engine_view``: DTensors' local shards, complex params' real views) and their grads, viewed alike."""
         params = [param for param in (group["params"] if params is None else params) if param.grad is not None]
         grads = [param.grad for param in params]
         if not self._viewed:
@@ -378,15 +374,14 @@ class StepPath:
                                       increment, self._step_inputs(options, entry, grad_scale), traced)
 
     def _plain_group(self, group):
-        """``group`` with its options that hold numpy values as their Python values (``scalars.plain_values``:
-        a copy; ``group`` itself where none does)."""
+        """``group``, or a copy with its numpy options as their Python values (``scalars.plain_values``)."""
         plain = scalars.plain_values(group, self.defaults)
         return {**group, **plain} if plain else group
 
     def _step_counts(self, group, entry):
         """The :class:`StepCounts` of ``group``'s params with grads (``entry``: their work, or None)."""
-        context = None if entry is None else entry.context
-        return context.counts if context is not None else StepCounts(self._algorithm(group).counts)
+        return entry.context.counts if entry is not None and entry.context is not None else StepCounts(
+            self._algorithm(group).counts)
 
     @staticmethod
     def _hand_first_reads(plans, key, group, entry):
@@ -403,9 +398,8 @@ class StepPath:
             entry.context = entry.context._replace(first_reads=None)
 
     def _step_inputs(self, group, entry, grad_scale):
-        """The :class:`StepInputs` of this step of ``group`` besides its count (see ``StepCounts``); a
-        step's first reads are its params' marks among the group's where a compiled step traced them
-        (see ``_hand_first_reads``)."""
+        """The :class:`StepInputs` of this step of ``group`` but its count; its first reads are its params'
+        marks among the group's where a compiled step traced them (``_hand_first_reads``)."""
         context, reads = entry.context, entry.traced_reads
         first_reads = context.first_reads if reads is None else reads[0][reads[1]]
         return StepInputs(group_lr(group), grad_scale, None, entry.scalar_dtype, first_reads, context.factors)
@@ -438,8 +432,8 @@ class StepPath:
         self._apply([(group, *self._group_work(plans, key, group, params))], plans, whole_step=False)
 
     def _restart_masters(self, params):
-        """Zero the master remainders of ``params``, written by someone else since this optimizer's
-        step last wrote them: each starts again from the value written (see master.Writes)."""
+        """Zero the master remainders of ``params``, written by someone else since this optimizer's step
+        last wrote them, each to start again from the value written (see master.Writes)."""
         for param in params:
             remainder = self.state.get(param, {}).get(master.KEY)
             if remainder is not None:
