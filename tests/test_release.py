@@ -14,6 +14,7 @@ import sys
 import warnings
 import weakref
 
+import numpy as np
 import pytest
 import torch
 
@@ -886,3 +887,23 @@ def test_the_docs_fsdp2_loop_with_release_is_the_loop_without_it_bit_for_bit(dis
 
 if __name__ == "__main__":
     dist_worker(int(sys.argv[1]), sys.argv[2], int(sys.argv[3]))
+
+
+def test_betas_written_as_a_numpy_array_under_release_step_and_warn_only_when_changed_after_backward():
+    """A numpy array of betas (which the step reads as its numbers): release compared it with ``==`` and
+    raised numpy's ambiguous truth in step(), after backward had stepped the buckets (helper-42). Edited
+    in place after backward, it is a change that came too late, which release says."""
+    module = model()
+    opt = fastoptim.AdamW(module.parameters(), lr=1e-2)
+    opt.enable_gradient_release(bucket_numel=SMALL_BUCKETS)
+    x = batches(1)[0]
+    opt.param_groups[0]["betas"] = np.array([0.9, 0.999])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    module(x).sum().backward()
+    opt.param_groups[0]["betas"][1] = 0.99
+    with pytest.warns(UserWarning, match="betas.*after backward"):
+        opt.step()

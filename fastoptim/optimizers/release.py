@@ -26,6 +26,7 @@ import warnings
 import weakref
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.autograd.function import BackwardCFunction
@@ -56,8 +57,10 @@ def in_reentrant_backward() -> bool:
 
 def _options(group: dict) -> dict:
     """A param group's options as a step reads them: each value, with a tensor's version (a scheduler
-    may write a tensor lr in place). Not its params, nor a per-group count, which step() advances."""
-    return {key: (value, value._version if isinstance(value, Tensor) else None)
+    may write a tensor lr in place), a numpy array's copy (or an edit in place would go unseen). Not its
+    params, nor a per-group count, which step() advances."""
+    return {key: (value.copy() if isinstance(value, np.ndarray) else value,
+                  value._version if isinstance(value, Tensor) else None)
             for key, value in group.items() if key not in ("params", "step")}
 
 
@@ -69,6 +72,8 @@ def _same(before, now) -> bool:
     (value, version), (value_now, version_now) = before, now
     if isinstance(value, Tensor) or isinstance(value_now, Tensor):
         return value is value_now and version == version_now
+    if isinstance(value, np.ndarray) or isinstance(value_now, np.ndarray):  # its == compares element-wise
+        return np.array_equal(value, value_now)
     return value == value_now
 
 
