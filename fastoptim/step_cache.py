@@ -108,8 +108,7 @@ class Structure:
         self.items = [(key, tuple(value)) for key, value in zip(self.keys, self.held) if type(value) is list]
         # the options a tensor or an array holds (a β1 in a 0-d tensor, amsgrad in a 0-d array), or a sequence of
         # them: they may be written in place, and the structure is then computed again at every check
-        self.writable = [key for key, value in zip(self.keys, self.held) if isinstance(value, WRITABLE) or isinstance(
-            value, (tuple, list)) and any(isinstance(item, WRITABLE) for item in value)]
+        self.writable = [key for key, value in zip(self.keys, self.held) if holds_any(value, WRITABLE)]
 
     def holds(self, structure, group):
         """Whether ``structure(group)`` is still this one."""
@@ -127,6 +126,11 @@ class Structure:
 
 _MISSING = object()
 WRITABLE = (Tensor, np.ndarray)  # option values that may change in place
+
+
+def holds_any(value, types) -> bool:
+    """Whether ``value`` is one of ``types``, or a tuple or list holding one (betas of 0-d tensors)."""
+    return isinstance(value, types) or isinstance(value, (tuple, list)) and any(isinstance(v, types) for v in value)
 
 
 class BucketPlan:

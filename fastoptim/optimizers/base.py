@@ -154,7 +154,8 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
         check_plan_options(group)
         if one_value("sn", group.get("sn")) and not self._algorithm(group).spec.reduced:
             raise ValueError(f"Invalid sn: {type(self).__name__} keeps no second moment, so sn does not apply")
-        if one_value("master_bits", group["master_bits"]) > 16 and any(param.dtype == torch.float16 for param in group.get("params", ())):
+        if one_value("master_bits", group["master_bits"]) > 16 and any(
+                param.dtype == torch.float16 for param in group.get("params", ())):
             raise ValueError(f"Invalid master_bits: {group['master_bits']} keeps remainders of bf16 params; an "
                              "fp16 param's bits do not split that way. Use bf16 (or fp32) params, or master_bits=16")
 

@@ -20,6 +20,7 @@ from torch import Tensor
 from .. import clip, engines
 from ..engines import backends
 from ..specs import COMMON_SCALARS
+from ..step_cache import holds_any
 from .algorithm import Algorithm, StepInputs
 from .checks import NUMPY_VALUES, one_value, plain as _plain
 
@@ -182,8 +183,7 @@ def prepare(algorithm: Algorithm, group: dict, keys) -> Prepared | None:
     another of the algorithm's options ``keys`` (the optimizer's ``defaults``, not a scheduler's keys: its
     ``initial_lr`` is a tensor beside a tensor lr) holds a tensor (betas of 0-d tensors), which the op's
     numbers cannot take: the traced step then computes the scalars as tensor ops, as an eager one does."""
-    if any(isinstance(value, Tensor) or isinstance(value, (tuple, list)) and any(isinstance(v, Tensor) for v in value)
-           for value in (group.get(key) for key in keys if key != "lr")):
+    if any(holds_any(group.get(key), Tensor) for key in keys if key != "lr"):
         return None
     name = _name(algorithm)
     registered = _ALGORITHMS.setdefault(name, algorithm)
