@@ -580,3 +580,66 @@ def test_a_plan_option_or_a_muon_number_written_as_a_one_element_array_steps_as_
         return params
 
     assert all(map(torch.equal, run(np.array([value])), run(value)))
+
+
+@pytest.mark.parametrize("key, value, dtype", [("master_bits", 24, torch.bfloat16), ("master_bits", 32, torch.bfloat16),
+                                               ("state_bits", 16, torch.float32), ("sn", True, torch.float32),
+                                               ("subset_size", 4, torch.float32), ("foreach", False, torch.float32)])
+@pytest.mark.parametrize("given", ["constructor", "between steps"])
+@pytest.mark.parametrize("as_numpy", [np.array, lambda value: np.array([value]),
+                                      lambda value: np.bool_(value) if isinstance(value, bool) else np.int64(value)],
+                         ids=["0-d array", "one-element array", "numpy scalar"])
+def test_a_plan_option_given_as_a_numpy_value_plans_as_its_python_value(key, value, dtype, given, as_numpy):
+    """``master_bits=np.array(24)`` raised numpy's "unhashable type" making the remainders (helper-43), and
+    ``foreach=np.False_`` ran foreach, not the loop that ``foreach=False`` selects: every option that decides
+    a group's plan (its engine, state formats, subset norms) is read as its Python value wherever it is."""
+    if given == "between steps" and key in ("state_bits", "sn", "subset_size"):
+        pytest.skip("a change of the states' format is refused between steps, whatever its type")
+
+    def run(written):
+        params = [torch.nn.Parameter((torch.linspace(-1, 1, 64).reshape(8, 8) + i).to(dtype)) for i in range(3)]
+        extra = {"sn": True} if key == "subset_size" else {}
+        opt = fastoptim.AdamW(params, lr=1e-2, **extra, **({key: written} if given == "constructor" else {}))
+        for step in range(4):
+            for param in params:
+                param.grad = torch.full_like(param, 0.1 * (step + 1))
+            if step == 2 and given == "between steps":
+                opt.param_groups[0][key] = written
+            opt.step()
+        return params, opt
+
+    (ours, opt), (theirs, reference) = run(as_numpy(value)), run(value)
+    assert all(map(torch.equal, ours, theirs))
+    assert opt._plans.current[0].engine == reference._plans.current[0].engine
+    for mine, other in zip(ours, theirs):
+        assert {k: (v.dtype, v.shape) for k, v in opt.state[mine].items() if isinstance(v, torch.Tensor)} == {
+            k: (v.dtype, v.shape) for k, v in reference.state[other].items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.mark.parametrize("case", ["AdamW amsgrad", "Muon adamw_eps"])
+@pytest.mark.parametrize("bound", [True, False], ids=["bound", "checked"])
+def test_a_flag_or_an_alias_written_as_an_array_of_two_values_is_refused_by_name(case, bound):
+    """An array of two values in AdamW's ``amsgrad`` (a kernel flag) or in Muon's ``adamw_eps`` (compared with
+    ``eps``) raised numpy's "truth value of an array ... is ambiguous" (helper-43): it is refused naming the
+    option, every param and state as it was."""
+    matrices = [torch.nn.Parameter(torch.linspace(-1, 1, 16).reshape(4, 4) + i) for i in range(2)]
+    vector = torch.nn.Parameter(torch.linspace(-1, 1, 4))
+    if case == "AdamW amsgrad":
+        opt, key, value = fastoptim.AdamW(matrices + [vector], lr=1e-2), "amsgrad", np.array([True, False])
+    else:
+        opt = fastoptim.Muon([{"params": matrices}, {"params": [vector], "use_muon": False}], lr=1e-2)
+        key, value = "adamw_eps", np.array([1e-8, 1e-8])
+    params = matrices + [vector]
+    for step in range(3):
+        for param in params:
+            param.grad = torch.full_like(param, 0.1 * (step + 1))
+        opt.step()
+    opt.param_groups[-1][key] = value
+    if not bound:
+        opt._plans.bound = None
+    before = [p.detach().clone() for p in params], [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    with pytest.raises(ValueError, match=rf"Invalid {key}: array\(\[.*\]\) \(an array of shape \(2,\)"):
+        opt.step()
+    assert all(map(torch.equal, params, before[0]))
+    for param, state in zip(params, before[1]):
+        assert all(torch.equal(opt.state[param][k], v) for k, v in state.items())

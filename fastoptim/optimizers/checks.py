@@ -71,7 +71,7 @@ def check_plan_options(group):
     for flag in ("foreach", "fused"):
         if one_value(flag, group[flag]) not in (None, True, False):
             raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be None, True or False)")
-    for flag in ("maximize", "stochastic_rounding", "sn"):
+    for flag in ("maximize", "stochastic_rounding", "sn", "amsgrad"):
         if one_value(flag, group.get(flag, False)) not in (True, False):  # 0 and 1 too, as torch.optim takes them
             raise ValueError(f"Invalid {flag}: {group[flag]!r} (must be True or False)")
     subset_norm.check_subset_size(one_value("subset_size", group.get("subset_size")))

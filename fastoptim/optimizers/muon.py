@@ -14,7 +14,7 @@ from torch.optim.optimizer import ParamsT
 from .adamw import ADAMW
 from .algorithm import Algorithm, StepInputs
 from .base import FastOptimizer
-from .checks import check_number
+from .checks import check_number, one_value
 from .muon_parts import (SPEC, bound_momentum, iterations, matrix_shape, muon_apply, muon_momentum,
                          row_blocks, run_muon_bucket)
 
@@ -194,7 +194,8 @@ class Muon(FastOptimizer):
     def _check_between_steps(self, group, params):
         super()._check_between_steps(group, params)
         check_row_blocks(group)  # set since it was added (a change makes the factors and checks the params again)
-        if not group["use_muon"] and group["eps"] != group["adamw_eps"]:  # one of them set since it was added
+        # one of them set since it was added (an array of more than one value: named, not numpy's error)
+        if not group["use_muon"] and one_value("eps", group["eps"]) != one_value("adamw_eps", group["adamw_eps"]):
             raise ValueError(f"Invalid eps: {group['eps']!r} and adamw_eps {group['adamw_eps']!r} in a use_muon=False "
                              "group, where adamw_eps is an alias of eps (AdamW's): set both")
 

@@ -13,7 +13,7 @@ from ..multi_tensor import FlatStates
 from ..specs import ABSMAX
 from ..states import formats, master, subset_norm
 from .algorithm import PER_PARAM
-from .checks import is_step_count, step_count
+from .checks import is_step_count, one_value, step_count
 from .step_counts import StepCounts
 
 
@@ -91,13 +91,15 @@ class StateCreation:
             return None
         if any(key in state for key in (*subset_norm.RECORDS, *self._algorithm(group).spec.reduced)):
             return subset_norm.from_record(param.shape, state)
-        return subset_norm.from_options(param.shape, group.get("subset_size")) if group.get("sn") else None
+        return (subset_norm.from_options(param.shape, one_value("subset_size", group.get("subset_size")))
+                if one_value("sn", group.get("sn")) else None)
 
     def _formats(self, group, param, state):
         """The format of each state role of ``param`` that ``group``'s options keep (see
         fastoptim.states.formats), and its subset-norm partition (None: dense)."""
         partition, algorithm = self._partition(param, state, group), self._algorithm(group)
-        return {role: formats.for_state(param, algorithm.spec.role(role), group["state_bits"], partition)
+        return {role: formats.for_state(param, algorithm.spec.role(role), one_value("state_bits", group["state_bits"]),
+                                   partition)
                 for role in algorithm.spec.kept(algorithm.flags(group))}, partition
 
     def _ensure_state(self, param, group, place=None):
@@ -126,8 +128,9 @@ class StateCreation:
             if role not in state:
                 spec_role = self._algorithm(group).spec.role(role)
                 add(state_format.zeros(like, spec_role, partition), functools.partial(state_format.fill, spec_role))
-        if master.dtype(param, group["master_bits"]) is not None and master.KEY not in state:
-            add({master.KEY: master.zeros(like, group["master_bits"])})
+        master_bits = one_value("master_bits", group["master_bits"])
+        if master.dtype(param, master_bits) is not None and master.KEY not in state:
+            add({master.KEY: master.zeros(like, master_bits)})
         return state
 
     def _expected_state(self, group, param, state):
@@ -137,7 +140,7 @@ class StateCreation:
         expected = {"step": (torch.Size([]), torch.float32)} if self._algorithm(group).counts == PER_PARAM else {}
         for role, state_format in states_formats.items():
             expected |= state_format.expected(param, self._algorithm(group).spec.role(role), partition)
-        remainder = master.dtype(param, group["master_bits"])
+        remainder = master.dtype(param, one_value("master_bits", group["master_bits"]))
         if remainder is not None:
             expected[master.KEY] = (param.shape, remainder)
         return expected

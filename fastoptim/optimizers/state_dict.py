@@ -11,7 +11,7 @@ from ..optimizer_state import OptimizerState
 from ..specs import ABSMAX
 from ..states import formats, master, subset_norm
 from .algorithm import PER_GROUP
-from .checks import normalize_betas, step_count
+from .checks import normalize_betas, one_value, step_count
 
 # Options that say how a step runs, not what it computes: a loaded state dict leaves them as they are.
 EXECUTION_OPTIONS = ("foreach", "fused", "state_bits", "master_bits", "capturable", "differentiable")
@@ -159,8 +159,9 @@ class StateDicts:
                 except (ValueError, RuntimeError) as error:
                     raise ValueError(f"state of parameter {saved_id}: {error}") from None
         remainder = state.pop(master.KEY, None)
-        if remainder is not None and master.dtype(param, group["master_bits"]) is not None:
-            state[master.KEY] = master.convert(torch.as_tensor(remainder), group["master_bits"])
+        master_bits = one_value("master_bits", group["master_bits"])
+        if remainder is not None and master.dtype(param, master_bits) is not None:
+            state[master.KEY] = master.convert(torch.as_tensor(remainder), master_bits)
         expected = self._expected_state(group, param, state)
         records = {key for key in subset_norm.RECORDS if key in state}  # the partition: Python ints
         unused = {key for role in spec.states for key in (role, role + ABSMAX)} - set(expected)

@@ -20,7 +20,7 @@ from ..states import master
 from ..step_cache import DEVICE, DTYPE, SHAPE, GroupStructure, PlanStore, engine_view
 from . import scalars
 from .algorithm import PER_GROUP, StepInputs
-from .checks import check_params, check_tensor_lr
+from .checks import check_params, check_tensor_lr, one_value
 from .step_counts import StepCounts, group_count, own_counts
 
 TRACED_STATES_KEPT = 64  # patterns of grads whose traced state is kept (dynamo recompiles after 8 anyway)
@@ -110,15 +110,15 @@ class StepPath:
         what ``_prepare_states`` made of them made again."""
         self._check_plan(group)  # an option written between steps: checked as the constructor checks it
         algorithm = self._algorithm(group)
-        return GroupStructure(self._roles(group), engines.engine_name(group["foreach"], group["fused"]),
-                              self._states_chosen(group), group.get("sn"), group.get("subset_size"),
-                              algorithm.spec.flag_bits(algorithm.flags(group)))
+        foreach, fused, sn, subset_size = (one_value(key, group.get(key))
+                                           for key in ("foreach", "fused", "sn", "subset_size"))
+        return GroupStructure(self._roles(group), engines.engine_name(foreach, fused), self._states_chosen(group), sn,
+                              subset_size, algorithm.spec.flag_bits(algorithm.flags(group)))
 
     def _states_chosen(self, group):
-        """The options that a group's states and what ``_prepare_states`` made of them were made under:
-        state_bits and master_bits (the states' formats), and those its algorithm's ``param_factors``
-        read."""
-        return (group["state_bits"], group["master_bits"],
+        """The options that a group's states and what ``_prepare_states`` made of them were made under: the
+        states' formats (state_bits, master_bits), and those its algorithm's ``param_factors`` read."""
+        return (one_value("state_bits", group["state_bits"]), one_value("master_bits", group["master_bits"]),
                 *(group[key] for key in self._algorithm(group).factor_options))
 
     def _roles(self, group):
@@ -126,7 +126,7 @@ class StepPath:
         master remainders of bf16 params (a role of their own: no algorithm reads them)."""
         algorithm = self._algorithm(group)
         roles = algorithm.spec.kept(algorithm.flags(group))
-        return roles + (master.KEY,) if group["master_bits"] > 16 else roles
+        return roles + (master.KEY,) if one_value("master_bits", group["master_bits"]) > 16 else roles
 
     def _apply(self, work, plans, whole_step=True, traced=False):
         """Step every group of ``work`` ((group, GroupWork, grads) per group, all checked), each bucket
@@ -342,7 +342,7 @@ class StepPath:
         plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, algorithm.update, algorithm.spec,
                             algorithm.kernel_scalars, algorithm.flags(group), args,
                             frozenset(per_tensor), found_inf, group["stochastic_rounding"],
-                            warn_fallback=group["fused"] is True, absmax=entry.absmax,
+                            warn_fallback=one_value("fused", group["fused"]) is True, absmax=entry.absmax,
                             watched=entry.watched, originals=entry.originals,
                             rule="" if algorithm.rule is None else algorithm.rule[0],
                             counts=self._step_counts(group, entry).per_param(group, len(entry.params)),
