@@ -643,3 +643,71 @@ def test_a_flag_or_an_alias_written_as_an_array_of_two_values_is_refused_by_name
     assert all(map(torch.equal, params, before[0]))
     for param, state in zip(params, before[1]):
         assert all(torch.equal(opt.state[param][k], v) for k, v in state.items())
+
+
+@pytest.mark.parametrize("false", [0, np.int64(0), np.array(0), np.array([0]), np.float64(0.0), torch.tensor(False)],
+                         ids=["0", "np.int64(0)", "0-d array", "one-element array", "np.float64(0.0)", "tensor(False)"])
+@pytest.mark.parametrize("fused, engine", [(False, "loop"), (True, "fused-single")])
+def test_a_false_foreach_of_any_type_selects_the_engine_that_false_does(false, fused, engine):
+    """``foreach=0`` (or a numpy zero) passed the check, which takes 0 and 1 as torch.optim does, and then ran
+    foreach (or fused-multi), where ``foreach=False`` runs the loop (or fused-single) (helper-44)."""
+    param = torch.nn.Parameter(torch.ones(4))
+    param.grad = torch.ones(4)
+    opt = fastoptim.AdamW([param], foreach=false, fused=fused)
+    opt.step()
+    assert opt._plans.current[0].engine == engine
+    opt.param_groups[0]["foreach"] = None
+    opt.step()
+    opt.param_groups[0]["foreach"] = false  # written between steps: the same
+    opt.step()
+    assert opt._plans.current[0].engine == engine
+
+
+def test_fused_1_on_params_the_kernels_do_not_take_warns_as_fused_true_does():
+    param = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+    param.grad = torch.ones(4, dtype=torch.float64)
+    for fused in (True, 1, np.int64(1)):
+        with pytest.warns(UserWarning, match="foreach"):
+            fastoptim.AdamW([param], fused=fused).step()
+
+
+@pytest.mark.parametrize("amsgrad", [np.True_, np.array(True), np.array([True]), 1])
+def test_amsgrad_takes_one_rule_in_the_constructor_between_steps_and_on_load(amsgrad):
+    """The constructor (and a load) refused ``amsgrad=np.True_`` and ``1``, which a write between steps took
+    (helper-44): each is taken everywhere, and steps as True does."""
+    def run(first, later):
+        params = [torch.nn.Parameter(torch.linspace(-1, 1, 12) + i) for i in range(2)]
+        opt = fastoptim.AdamW(params, lr=1e-2, amsgrad=first)
+        for step in range(4):
+            for param in params:
+                param.grad = torch.full_like(param, 0.1 * (step + 1)) * (-1) ** step
+            if step == 2:
+                opt.param_groups[0]["amsgrad"] = later
+            opt.step()
+        opt.load_state_dict(opt.state_dict())
+        return params
+
+    assert all(map(torch.equal, run(amsgrad, amsgrad), run(True, True)))
+    assert all(map(torch.equal, run(False, amsgrad), run(False, True)))
+
+
+@pytest.mark.parametrize("eps, adamw_eps", [(1e-8, np.array([1e-8, 1e-8])), (np.array([1e-8, 1e-8]), 1e-8),
+                                            (1e-8, np.float32(1e-8))], ids=["adamw_eps", "eps", "float32"])
+def test_muon_companion_eps_and_its_alias_are_compared_by_one_rule(eps, adamw_eps):
+    """A Muon group of ``use_muon=False`` given ``eps`` and ``adamw_eps`` apart is refused naming them, in
+    the constructor as between steps: the constructor raised numpy's ambiguous truth for an array of two,
+    and took ``np.float32(1e-8)`` beside ``1e-8``, which a write between steps refused (helper-44)."""
+    def groups(**companion):
+        return [{"params": [torch.nn.Parameter(torch.ones(4, 4))]},
+                {"params": [torch.nn.Parameter(torch.ones(4))], "use_muon": False, **companion}]
+
+    name = "adamw_eps" if isinstance(eps, float) and isinstance(adamw_eps, np.ndarray) else "eps"
+    with pytest.raises(ValueError, match=rf"Invalid {name}"):
+        fastoptim.Muon(groups(eps=eps, adamw_eps=adamw_eps))
+    opt = fastoptim.Muon(groups())
+    for param in (p for group in opt.param_groups for p in group["params"]):
+        param.grad = torch.ones_like(param)
+    opt.step()
+    opt.param_groups[1].update(eps=eps, adamw_eps=adamw_eps)
+    with pytest.raises(ValueError, match=rf"Invalid {name}"):
+        opt.step()

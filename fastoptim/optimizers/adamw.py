@@ -134,8 +134,6 @@ class AdamW(FastOptimizer):
 
     def _check_group(self, group, max_grad_norm=None):
         super()._check_group(group, max_grad_norm)
-        if not isinstance(group["amsgrad"], bool):
-            raise ValueError(f"Invalid amsgrad: {group['amsgrad']!r} (must be True or False)")
         # True changes nothing: fastoptim keeps step counts and a tensor lr on the params' device, and
         # its warmed-up fused step never waits for the device. torch.compile sets it on CUDA groups.
         if not isinstance(group["capturable"], bool):

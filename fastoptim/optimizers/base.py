@@ -18,7 +18,8 @@ from ..step_cache import PlanStore
 from .algorithm import PER_GROUP, Algorithm
 from . import release
 from .release_reductions import refusal
-from .checks import check_hyperparameters, check_params, check_plan_options, check_tensor_lr, normalize_betas, one_value
+from .checks import (check_hyperparameters, check_params, check_plan_options, check_tensor_lr, flag_value,
+                     normalize_betas, one_value)
 from .state_creation import StateCreation
 from .step_counts import group_count
 from .step_path import StepPath, without_grad
@@ -144,7 +145,7 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
         if group["max_grad_norm"] != (self.defaults["max_grad_norm"] if max_grad_norm is None else max_grad_norm):
             raise ValueError("Invalid max_grad_norm: it clips by the norm over all groups, "
                              "so set it in the constructor, not per group")
-        engines.engine_name(group["foreach"], group["fused"])
+        engines.engine_name(flag_value("foreach", group["foreach"]), flag_value("fused", group["fused"]))
 
     def _check_plan(self, group):
         """Raise a ValueError naming the first of ``group``'s options that decide its step's plan that the

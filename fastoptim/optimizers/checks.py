@@ -47,6 +47,13 @@ def one_value(name, value):
     return plain(value)
 
 
+def flag_value(name, value):
+    """The value of flag ``name`` as the plan reads it, which ``check_plan_options`` has checked: None, or
+    :func:`one_value`'s as a bool (0 and 1 are False and True, as torch.optim takes them)."""
+    value = one_value(name, value)
+    return None if value is None else bool(value)
+
+
 def check_hyperparameters(group, n_betas):
     """Raise a ValueError that names the first invalid hyperparameter of ``group``."""
     lr = group["lr"]

@@ -93,6 +93,12 @@ MUON = Algorithm(SPEC, muon_update, muon_arguments, param_factors=lr_factor,
 COMPANIONS = ADAMW._replace(flags=lambda group: dict(amsgrad=False, first_moment=True))  # use_muon=False groups
 
 
+def eps_apart(group: dict) -> bool:
+    """Whether a ``use_muon=False`` group's ``eps`` and ``adamw_eps``, its alias, hold two values (compared
+    as Python numbers, a numpy one's value widened; an array of more than one value is refused by name)."""
+    return one_value("eps", group["eps"]) != one_value("adamw_eps", group["adamw_eps"])
+
+
 def with_companion_eps(group: dict, eps: float) -> dict:
     """``group`` with AdamW's ``eps``, and ``adamw_eps``, its alias in a ``use_muon=False`` group, kept equal."""
     return group | {"eps": eps, "adamw_eps": eps}
@@ -175,7 +181,7 @@ class Muon(FastOptimizer):
         AdamW's, the constructor's ``adamw_eps`` where it gives neither."""
         if param_group.get("use_muon", self.defaults["use_muon"]) is False:
             given = {name: param_group[name] for name in ("eps", "adamw_eps") if name in param_group}
-            if len(given) == 2 and given["eps"] != given["adamw_eps"]:
+            if len(given) == 2 and eps_apart(given):
                 raise ValueError(f"Invalid eps: {given['eps']!r} and adamw_eps {given['adamw_eps']!r} in a "
                                  "use_muon=False group, where adamw_eps is an alias of eps (AdamW's): give one")
             param_group = with_companion_eps(param_group, next(iter(given.values()), self.defaults["adamw_eps"]))
@@ -194,8 +200,7 @@ class Muon(FastOptimizer):
     def _check_between_steps(self, group, params):
         super()._check_between_steps(group, params)
         check_row_blocks(group)  # set since it was added (a change makes the factors and checks the params again)
-        # one of them set since it was added (an array of more than one value: named, not numpy's error)
-        if not group["use_muon"] and one_value("eps", group["eps"]) != one_value("adamw_eps", group["adamw_eps"]):
+        if not group["use_muon"] and eps_apart(group):  # one of them set since it was added
             raise ValueError(f"Invalid eps: {group['eps']!r} and adamw_eps {group['adamw_eps']!r} in a use_muon=False "
                              "group, where adamw_eps is an alias of eps (AdamW's): set both")
 

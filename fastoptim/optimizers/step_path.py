@@ -20,7 +20,7 @@ from ..states import master
 from ..step_cache import DEVICE, DTYPE, SHAPE, GroupStructure, PlanStore, engine_view
 from . import scalars
 from .algorithm import PER_GROUP, StepInputs
-from .checks import check_params, check_tensor_lr, one_value
+from .checks import check_params, check_tensor_lr, flag_value, one_value
 from .step_counts import StepCounts, group_count, own_counts
 
 TRACED_STATES_KEPT = 64  # patterns of grads whose traced state is kept (dynamo recompiles after 8 anyway)
@@ -110,10 +110,10 @@ class StepPath:
         what ``_prepare_states`` made of them made again."""
         self._check_plan(group)  # an option written between steps: checked as the constructor checks it
         algorithm = self._algorithm(group)
-        foreach, fused, sn, subset_size = (one_value(key, group.get(key))
-                                           for key in ("foreach", "fused", "sn", "subset_size"))
-        return GroupStructure(self._roles(group), engines.engine_name(foreach, fused), self._states_chosen(group), sn,
-                              subset_size, algorithm.spec.flag_bits(algorithm.flags(group)))
+        engine = engines.engine_name(flag_value("foreach", group["foreach"]), flag_value("fused", group["fused"]))
+        return GroupStructure(self._roles(group), engine, self._states_chosen(group), one_value("sn", group.get("sn")),
+                              one_value("subset_size", group.get("subset_size")),
+                              algorithm.spec.flag_bits(algorithm.flags(group)))
 
     def _states_chosen(self, group):
         """The options that a group's states and what ``_prepare_states`` made of them were made under: the
@@ -342,7 +342,7 @@ class StepPath:
         plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, algorithm.update, algorithm.spec,
                             algorithm.kernel_scalars, algorithm.flags(group), args,
                             frozenset(per_tensor), found_inf, group["stochastic_rounding"],
-                            warn_fallback=one_value("fused", group["fused"]) is True, absmax=entry.absmax,
+                            warn_fallback=flag_value("fused", group["fused"]) is True, absmax=entry.absmax,
                             watched=entry.watched, originals=entry.originals,
                             rule="" if algorithm.rule is None else algorithm.rule[0],
                             counts=self._step_counts(group, entry).per_param(group, len(entry.params)),
