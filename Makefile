@@ -3,7 +3,7 @@ VENV := .venv
 SETUP_INPUTS := pyproject.toml setup.py scripts/setup.sh scripts/install_torch.py \
 	fastoptim/kernels/fused_cpu.c fastoptim/kernels/native.cpp fastoptim/kernels/fused_cpu_specs.h
 
-.PHONY: bench test docs
+.PHONY: bench test docs explore
 
 bench: $(VENV)/.ready-bench
 	$(VENV)/bin/fastoptim bench
@@ -14,6 +14,11 @@ bench: $(VENV)/.ready-bench
 # suite's wall time 447 s -> 356 s, with every test's thread count as it was).
 test: $(VENV)/.ready-test
 	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20
+
+# The property tests with examples drawn afresh (the gate's are the same on every run: tests/conftest.py).
+explore: $(VENV)/.ready-test
+	FASTOPTIM_HYPOTHESIS=explore OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/python -m pytest -q -n 2 --dist loadfile \
+		$$(grep -l "from hypothesis import" tests/test_*.py)
 
 # The site's home page is the README, its links made relative to docs/; warnings are errors.
 docs: $(VENV)/.ready-docs

@@ -65,20 +65,19 @@ class BoundStep:
                         tables.append(bound)
                         per_tensor.append(single)
                         ruled.append(group_parts is None)
-            self.call = backend.StepCall(tables, per_tensor, ruled)
+            self.call = backend.StepCall(tables, per_tensor, ruled, norm_order=norm_order(self.entries, self.positions))
         self.group_counts = [group.get("step") for group in self.groups]
         self.counts = counts  # those the native call advances, whose version counters a step bumps as add_ would
         self.masters = any(entry.versions is not None for entry in self.entries)  # see FastOptimizer._restart_written
 
     @classmethod
-    def of(cls, state, work, algorithms, clipped):
+    def of(cls, state, work, algorithms):
         """The BoundStep of a checked step's ``work`` ((group, GroupWork, grads) per group) whose groups
         run ``algorithms`` and read and advance their step counts (``StepCounts.read``), under their
         work's structure (which holds the group's kernel flag bits); None where a group's step is not
         its bound tables' kernels alone (the algorithm runs its own way, has no kernel or no rule; a
-        bucket reduces over ranks or left some tensors to foreach) or its ``bound_part`` (Muon's: not
-        ``clipped``, the constructor's max_grad_norm, which the native call would fuse into its kernel),
-        its states are new or not all read yet (the first-read marks of a compiled step's group: native
+        bucket reduces over ranks or left some tensors to foreach) or its ``bound_part`` (Muon's), its
+        states are new or not all read yet (the first-read marks of a compiled step's group: native
         rules read no marks), its tensors views, the tables are of two backends, or two groups hold one
         count tensor."""
         runs, parts = [], []
@@ -91,7 +90,7 @@ class BoundStep:
                     or entry.context.first_reads is not None or any(reduce for _, reduce in entry.buckets)
                     or entry.traced_reads is not None and unread(entry.traced_reads)):
                 return None
-            if algorithm.bound_part is not None and not clipped:
+            if algorithm.bound_part is not None:
                 found = [algorithm.bound_part(entry.tensors, bucket, plan)
                          for (bucket, _), plan in zip(entry.buckets, entry.bucket_plans)]
                 if None in found:
@@ -293,6 +292,21 @@ def _a_number(value):
     one, a Fraction) or a numpy bool; not a Decimal (which the checked step's float arithmetic refuses),
     a complex number, text or a sequence (whose truth is its length)."""
     return isinstance(value, Real) or isinstance(value, (np.generic, np.ndarray)) and type(value.tolist()) is bool
+
+
+def norm_order(entries, positions):
+    """The order in which a bound step's native call adds its grads' squares for the clip: the tables'
+    tensors (numbered in the call's order: ``positions``, per group, per bucket, per table, each
+    table's positions in its group, None for all) in the order a checked step sums them, by group, then
+    by bucket (see ``StepPath._grad_scales``); empty where that is the tables' own order. (A Muon
+    bucket's tables list its matrices by shape.)"""
+    rank = {(g, i): n for n, (g, i) in enumerate((g, i) for g, entry in enumerate(entries)
+                                                 for bucket, _ in entry.buckets for i in bucket)}
+    keys = [rank[g, i] for g, (entry, buckets) in enumerate(zip(entries, positions)) for tables in buckets
+            for taken_positions in tables for i in (range(len(entry.params)) if taken_positions is None
+                                                    else taken_positions)]
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    return [] if order == list(range(len(order))) else order
 
 
 def runs_backend(runs):

@@ -266,9 +266,10 @@ def test_the_fused_engines_run_the_momentum_on_the_kernel_as_foreach_computes_it
 @pytest.mark.parametrize("engine", FUSED)
 def test_the_momentum_kernels_tables_are_bound_once_and_step_as_tables_made_anew(engine, dtype, monkeypatch):
     """The directions are views of one buffer the bucket keeps, so the momentum kernel's tables are made
-    at the first step alone; steps with and without a GradScaler coefficient (which makes the kernel
-    write fp32 directions, a buffer of another dtype whose making drops the tables) equal, bit for bit,
-    a twin whose tables are made anew every step."""
+    at the first step alone; steps with and without a GradScaler coefficient (which the CPU kernel takes
+    with the grads as they are; a backend that scales them first writes fp32 directions, a buffer of
+    another dtype whose making drops the tables) equal, bit for bit, a twin whose tables are made anew
+    every step."""
     made = []
     real = engines.fused.Prepared
     monkeypatch.setattr(engines.fused, "Prepared", lambda *args: made.append(1) or real(*args))
@@ -278,7 +279,7 @@ def test_the_momentum_kernels_tables_are_bound_once_and_step_as_tables_made_anew
     for fresh in (False, True):
         if fresh:  # fresh direction buffers every step, so tables made anew every step (as before they were kept)
             monkeypatch.setattr(muon_parts, "directions_of", lambda part: muon_parts.Directions.of(
-                part, torch.float32 if isinstance(part.args["grad_scale"], torch.Tensor) else dtype))
+                part, muon_parts.direction_dtype(part)))
         params = clone(matrices)
         optimizer = fastoptim.Muon(params, lr=0.02, **ENGINES[engine])
         made.clear()

@@ -388,6 +388,21 @@ def test_a_call_refuses_a_table_listed_twice():
         cpu_backend.StepCall([table] * 2, call.per_tensor * 2, call.ruled * 2)
 
 
+@pytest.mark.parametrize("order", [[1], [0, 0], [0, 2], [-1, 1], [1, 0, 2]],
+                         ids=["short", "twice", "past the end", "negative", "long"])
+def test_a_call_refuses_a_norm_order_that_is_not_its_tensors_once_each(order):
+    params = [torch.nn.Parameter(torch.randn(8)) for _ in range(2)]
+    opt = fastoptim.AdamW(params, lr=1e-2, fused=True)
+    for param in params:
+        param.grad = torch.ones(8)
+    opt.step()
+    (tables, _, _), = opt._plans.bound.runs[0]
+    (_, _, table, _), = tables.tables
+    assert cpu_backend.StepCall([table], [False], [True], norm_order=[1, 0]).handle >= 0
+    with pytest.raises(RuntimeError, match="norm_order must list each of the 2 tensors of its tables once"):
+        cpu_backend.StepCall([table], [False], [True], norm_order=order)
+
+
 def test_a_bound_step_refuses_flags_and_a_gradscaler_scale_it_cannot_read_and_changes_nothing():
     """Flags past int32 (cut to the kernel's int, they stepped as other flags) and a GradScaler scale
     that is not one fp32 or float64 CPU value are refused before anything runs."""

@@ -281,7 +281,8 @@ def _nesterov_off(step, box):
 SMALL = [(8, 4), (8, 4), (4, 8), (6, 6), (2, 8, 4), (10, 10), (8, 4), (12, 5)]
 MUON_CASES = {  # (shapes, dtype, options, change, Directions made: each bucket's)
     "slices, steady": (SMALL, torch.float32, {}, lambda s, b: None, 1),
-    "slices, bf16, GradScaler on then off": (SMALL, torch.bfloat16, {}, _scaler_on_then_off(1), 3),
+    # the CPU kernel takes GradScaler's scale with the bf16 grads as they are: their directions stay bf16
+    "slices, bf16, GradScaler on then off": (SMALL, torch.bfloat16, {}, _scaler_on_then_off(1), 1),
     "slices, clipped": (SMALL, torch.float32, dict(max_grad_norm=0.3), lambda s, b: None, 1),
     "slices, grads come and go": (SMALL, torch.float32, {}, _grads_come_and_go, 3),
     "slices, reordered in place": (SMALL, torch.float32, {}, _reordered, 2),
@@ -439,6 +440,19 @@ BOUND_MUON_SETUPS = {
         [(16,), (8, 4), (4, 8), (5,)], torch.float32, [True] * 3),
     "float64 (no fused kernel: never bound)": (lambda p: _muon_groups(p, foreach=True, fused=True),
                                               lambda step, box: None, BOUND_SHAPES, torch.float64, []),
+    # clipped: the native call's coefficient multiplies the momentum kernel's grad scale, whose product the
+    # kernel rounds as the checked step's scaled grads are (it took the checked way every step before)
+    "max_grad_norm": (lambda p: _muon_groups(p, foreach=True, fused=True, max_grad_norm=0.5),
+                      lambda step, box: None, [(4, 8), (8, 4), (4, 8), (16,)], torch.float32, [True] * 3),
+    "max_grad_norm, bf16, nesterov off, maximize": (
+        lambda p: _muon_groups(p, foreach=True, fused=True, max_grad_norm=0.5, nesterov=False, maximize=True),
+        lambda step, box: None, BOUND_SHAPES, torch.bfloat16, [True] * 3),
+    "max_grad_norm, 8-bit momentum, single": (
+        lambda p: _muon_groups(p, foreach=False, fused=True, max_grad_norm=0.5, state_bits=8),
+        lambda step, box: None, [(64, 80), (32, 128), (4096,)], torch.float32, [True] * 3),
+    "max_grad_norm changed": (lambda p: _muon_groups(p, foreach=True, fused=True, max_grad_norm=0.5),
+                              lambda step, box: box["opt"].defaults.update(max_grad_norm=step / 4),
+                              BOUND_SHAPES, torch.float32, [True] * 3),
 }
 
 
@@ -447,6 +461,32 @@ BOUND_MUON_SETUPS = {
 def test_a_bound_fused_muon_under_other_options_follows_the_checked_twin(setup, monkeypatch):
     factory, change, shapes, dtype, expected = BOUND_MUON_SETUPS[setup]
     assert _muon_bound_and_checked(monkeypatch, change, factory, shapes, dtype) == expected
+
+
+@native
+def test_a_bound_clipped_muon_sums_the_norm_in_the_checked_step_s_order():
+    """A bound step's native call sums its grads' squares for the clip in the order its tables list them,
+    which for a Muon bucket is by matrix shape; the checked step sums them in the params' order. Grads of
+    one element each, of magnitudes whose float64 sum in those two orders rounds to two fp32 norms (found
+    by search; 1 + 2^-24 is the tie between 1 and the next fp32 number): the bound step sums in the
+    checked order (``bind_call``'s ``norm_order``), so the two coefficients, and the momenta, are one."""
+    def run(checked):
+        params = [torch.nn.Parameter(torch.ones(shape)) for shape in [(4, 8), (8, 4), (4, 8)]]
+        opt = fastoptim.Muon(params, lr=0.02, foreach=True, fused=True, max_grad_norm=0.5)
+        for step in range(3):
+            for param, value in zip(params, [0.00027276098, 1.0, 0.00021168547]):  # by shape: 1st, 3rd, 2nd
+                param.grad = torch.zeros_like(param)
+                param.grad[0, 0] = value * (step + 1)
+            if checked:
+                opt._plans.bound = None
+            elif step == 2:
+                assert opt._plans.bound is not None
+            opt.step()
+        return params, [opt.state[param]["momentum_buffer"] for param in params]
+
+    (params, momenta), (checked_params, checked_momenta) = run(checked=False), run(checked=True)
+    for ours, theirs in zip(params + momenta, checked_params + checked_momenta):
+        assert torch.equal(ours, theirs)
 
 
 def _snapshot(opt, params):

@@ -622,8 +622,11 @@ INLINE float lerp(float start, float end, float w) {
     return fabsf(w) < 0.5f ? w * difference + start : (w - 1.f) * difference + end;
 }
 
+/* The grad times its scale, rounded to fp32 as the reference's scaled grad is: a plain product here
+   would be contracted into the lerps' FMAs that are its only uses, unrounded (fma with -0 keeps the
+   product's sign of zero). */
 INLINE void muon_momentum_update(const muon_momentum_scalars *s, float *x, float scale, int flags) {
-    const float g = x[GRAD] * s->grad_scale;
+    const float g = fmaf(x[GRAD], s->grad_scale, -0.0f);
     const float m = lerp(x[MUON_MOMENTUM_MOMENTUM_BUFFER], g, s->one_minus_momentum);  /* μ·B + (1−μ)·g */
     x[MUON_MOMENTUM_MOMENTUM_BUFFER] = m;
     x[PARAM] = flags & MUON_MOMENTUM_NESTEROV ? lerp(g, m, s->momentum) : m;          /* g + μ·(B − g) */

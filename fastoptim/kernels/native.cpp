@@ -525,6 +525,7 @@ struct Call {
     std::vector<int64_t> per_tensor, ruled;
     bool views = true;  // whether its grads may come as their tables' grads_like views (see bind_call)
     std::vector<size_t> lock_order;
+    std::vector<int64_t> norm_order;  // the order its clip adds its grads' squares in (see bind_call)
 };
 
 std::unordered_map<int64_t, std::shared_ptr<Call>> calls;  // under registry_lock, as the tables
@@ -679,15 +680,32 @@ std::shared_ptr<Call> make_call(const std::vector<int64_t> &handles, std::vector
    (as the seeds' FusedAdan steps), else in one kernel call, and its rule computes its scalars with
    ``ruled[k]`` (see bound_step). With ``views``, a grad may also come laid out as its table's
    grads_like view (a checked step's); without, only as its param (a bound step's: the user's grads,
-   refused in another layout as a checked step refuses them). Returns its handle, which unbind
-   releases; it holds its tables while it lives. */
+   refused in another layout as a checked step refuses them). ``norm_order``, where not empty, is the
+   order in which a clip adds its tensors' squares: a permutation of the tables' tensors (numbered in
+   the tables' order), so that the norm is summed in the order a checked step sums it, whatever order
+   the tables list their tensors in (Muon's, by shape). Returns its handle, which unbind releases; it
+   holds its tables while it lives. */
 int64_t bind_call(std::vector<int64_t> handles, std::vector<int64_t> per_tensor, std::vector<int64_t> ruled,
-                  bool views) {
+                  bool views, std::vector<int64_t> norm_order) {
     const char *op = "fastoptim::bind_call";
     std::shared_ptr<Call> call = make_call(handles, std::move(per_tensor), std::move(ruled), op);
     call->views = views;
-    for (const std::shared_ptr<Bound> &table : call->tables)
+    int64_t n_tensors = 0;
+    for (const std::shared_ptr<Bound> &table : call->tables) {
         STD_TORCH_CHECK(table->run, op, ": a table bound to no kernel");
+        n_tensors += table->n_tensors;
+    }
+    if (!norm_order.empty()) {
+        std::vector<bool> seen(static_cast<size_t>(n_tensors));
+        STD_TORCH_CHECK(static_cast<int64_t>(norm_order.size()) == n_tensors, op, ": norm_order must list each of the ",
+                        n_tensors, " tensors of its tables once");
+        for (int64_t k : norm_order) {
+            STD_TORCH_CHECK(k >= 0 && k < n_tensors && !seen[static_cast<size_t>(k)], op,
+                            ": norm_order must list each of the ", n_tensors, " tensors of its tables once");
+            seen[static_cast<size_t>(k)] = true;
+        }
+        call->norm_order = std::move(norm_order);
+    }
     std::lock_guard<std::mutex> guard(registry_lock);
     calls[next_handle] = std::move(call);
     return next_handle++;
@@ -858,7 +876,7 @@ float clip_coefficient(double total, double max_norm, double eps, const float *i
    multiplied by its inverse, as fp32 from a float64 reciprocal (as torch's unscale rounds it). With
    ``clip`` (max_norm, eps), the grads of all tables are clipped by their norm as one: each table's
    grad scale is then multiplied by the clip coefficient of the sum of squares of every grad, in the
-   tables' order (total_of), the norm unscaled by that inverse. */
+   call's norm_order (else the tables' order; see total_of), the norm unscaled by that inverse. */
 int64_t bound_step(int64_t handle, const std::vector<AtenTensorHandle> &grads, std::vector<double> numbers,
                    std::vector<Tensor> tensor_scalars, std::vector<int64_t> slots, std::vector<int64_t> flags,
                    std::vector<double> options, std::vector<double> clip, std::optional<Tensor> amp_scale) {
@@ -949,6 +967,12 @@ int64_t bound_step(int64_t handle, const std::vector<AtenTensorHandle> &grads, s
                 for (int64_t size : param.sizes) numel *= size;
                 spans.push_back({table->pointers[GRAD * table->n_tensors + t], numel, kernel_dtype(param.dtype)});
             }
+        if (!call->norm_order.empty()) {
+            std::vector<Span> ordered;
+            ordered.reserve(spans.size());
+            for (int64_t k : call->norm_order) ordered.push_back(spans[static_cast<size_t>(k)]);
+            spans.swap(ordered);
+        }
         const float coefficient = clip_coefficient(total_of(spans, false), clip[0], clip[1], inv_scale);
         for (size_t k = 0; k < tables.size(); k++) {
             Scalar &scale = scalars[first_scalars[k] + GRAD_SCALE];
@@ -1205,7 +1229,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(fastoptim, m) {
           "Tensor? layouts, Tensor[] owners, Tensor[] watched, Tensor[] grads_like, str rule, Tensor[] counts) -> int");
     m.def("unbind(int handle) -> ()");
     m.def("kernel_rows(str kernel) -> int");
-    m.def("bind_call(int[] handles, int[] per_tensor, int[] ruled, bool views) -> int");
+    m.def("bind_call(int[] handles, int[] per_tensor, int[] ruled, bool views, int[] norm_order=[]) -> int");
     m.def("bound_step(int call, Tensor[] grads, float[] numbers, Tensor[] tensor_scalars, int[] slots, int[] flags, "
           "float[] options, float[] clip, Tensor? amp_scale) -> int");
     m.def("rule_scalars(str rule, float[] options, float t, int n_scalars) -> float[]");

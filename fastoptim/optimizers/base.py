@@ -250,7 +250,7 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
         self._apply(work, plans)
         # not where the step reduces over ranks: a step run again would reduce twice on this rank alone
         plans.bound = None if self._reduce_group is not None else BoundStep.of(
-            self.state, work, [self._algorithm(group) for group, _, _ in work], self.defaults["max_grad_norm"] > 0)
+            self.state, work, [self._algorithm(group) for group, _, _ in work])
         return loss
 
     @torch._disable_dynamo

@@ -183,8 +183,8 @@ class DirectionSlice:
 @dataclass(frozen=True)
 class Directions:
     """Where a fused Muon bucket writes its directions, made once per bucket and direction ``dtype`` (the
-    grads', or :func:`scaled_dtype` where a clip or GradScaler coefficient scales them first) and kept
-    in the bucket's plan (``BucketPlan.directions``), made anew when a param or state changes. Its
+    grads', or fp32 where a clip or GradScaler coefficient scales them first: :func:`scaled_first`) and
+    kept in the bucket's plan (``BucketPlan.directions``), made anew when a param or state changes. Its
     params, in matrix-shape order, are cut into slices of at most ``MATRIX_SLICE_NUMEL`` elements (the
     directions' memory is one slice's: the slices share the one buffer, each using it in turn); in a
     slice the directions of
@@ -222,16 +222,23 @@ class Directions:
         return cls(dtype, slices)
 
 
-def scaled_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype of grads of ``dtype`` scaled by a clip or GradScaler coefficient before a fused momentum
-    step, as the reference scales them: fp32, or float64 for float64 grads."""
-    return torch.promote_types(dtype, torch.float32)
+def scaled_first(part: engines.Plan) -> bool:
+    """Whether fused bucket ``part``'s grads are scaled before its momentum kernel runs: by a clip or
+    GradScaler coefficient (a tensor), where the backend's kernel would not round their product as the
+    reference does, into fp32 (float64 for float64 grads)."""
+    return (isinstance(part.args["grad_scale"], Tensor)
+            and not engines.backends.for_device(part.tensors["grad"][0].device).ROUNDS_SCALED_GRADS)
+
+
+def direction_dtype(part: engines.Plan) -> torch.dtype:
+    """The dtype of fused bucket ``part``'s directions: its grads' as its momentum kernel takes them."""
+    dtype = part.tensors["grad"][0].dtype
+    return torch.promote_types(dtype, torch.float32) if scaled_first(part) else dtype
 
 
 def directions_of(part: engines.Plan) -> Directions:
     """The :class:`Directions` of fused bucket ``part``, kept in its bucket plan for their dtype."""
-    dtype = part.tensors["grad"][0].dtype
-    dtype = scaled_dtype(dtype) if isinstance(part.args["grad_scale"], Tensor) else dtype
+    dtype = direction_dtype(part)
     kept = part.bucket.directions
     if kept is None or kept.dtype != dtype:
         kept = part.bucket.directions = Directions.of(part, dtype)
@@ -262,12 +269,12 @@ def run_in_three_parts(momentum_engine: str, part: engines.Plan, reduce_group=No
     (the kernel's work on a fused one, its tables kept in ``piece``), the iterations (the matrices of
     one shape as a batch; over shards, each matrix on one owner rank, see distributed.by_owners), then
     ``muon_apply`` on the foreach engine (with the params' rounding or master remainders)."""
-    kernel = momentum_engine in engines.FUSED
     grads, args = part.tensors["grad"], part.args
     grad_scale = args["grad_scale"]
-    if kernel and isinstance(grad_scale, Tensor):  # a clip or GradScaler coefficient: the kernel would fuse
-        grads = torch._foreach_mul([grad.to(scaled_dtype(grad.dtype)) for grad in grads], grad_scale)  # the product
-        grad_scale = None  # into the lerp; the reference rounds it first, in fp32 (float64 for float64 grads)
+    if momentum_engine in engines.FUSED and scaled_first(part):
+        grads = torch._foreach_mul([grad.to(torch.promote_types(grad.dtype, torch.float32)) for grad in grads],
+                                   grad_scale)
+        grad_scale = None
     directions = [torch.empty_like(grad) for grad in grads] if piece is None else piece.directions
     # the params too are watched by native code, though the kernel does not walk them: a bound step updates
     # them after its native call (see BoundMomentum), which must refuse a param given other storage

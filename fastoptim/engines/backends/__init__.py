@@ -3,6 +3,9 @@ declares ``NAME``, ``DEVICE_TYPES`` (the device types it is picked for), ``SPLIT
 kernels are compiled for one state format, so each format gets a table of its own),
 ``CHECKS_NATIVELY`` (its calls check every tensor's pointer and layout, so Python need not),
 ``REMAINDERS`` (its kernels read and write bf16 params' master remainders; else those take foreach),
+``ROUNDS_SCALED_GRADS`` (its Muon momentum kernel rounds a grad times its scale to fp32 before the
+lerps, as the reference does; else a Muon bucket scales its grads by a clip or GradScaler
+coefficient first),
 ``COLUMN_NUMEL`` (the elements of a chunk of a column-subset tensor), ``BLOCK_COLUMNS`` (its kernels
 take a column-subset tensor with 8-bit states in runs of whole blocks of columns, where its rows are
 whole blocks; else all its columns in one chunk),

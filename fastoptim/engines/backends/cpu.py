@@ -189,18 +189,20 @@ class StepCall:
     per table whether it runs once per tensor (``per_tensor``) and whether its rule computes its
     scalars past the first three (``ruled``), and where its scalars begin among all. With ``views``, a
     grad may come laid out as the plan's view of its param (a checked step's, of a subset-norm param);
-    else only as its param (a bound step hands the user's grads). Native code holds the tables while
+    else only as its param (a bound step hands the user's grads). ``norm_order``: the order in which a clip
+    adds the squares of the tables' tensors (numbered in the tables' order; empty: that order). Native
+    code holds the tables while
     the call lives (not the :class:`BoundTable` objects, which may go first), and checks every one
     before any runs."""
 
-    def __init__(self, tables, per_tensor, ruled, views=False):
+    def __init__(self, tables, per_tensor, ruled, views=False, norm_order=()):
         self.per_tensor, self.ruled = list(per_tensor), list(ruled)
         n_scalars = [table.n_scalars for table in tables]
         self.firsts = list(accumulate(n_scalars, initial=0))[:-1]
         self.zeros = [0.0] * sum(n_scalars)
         self.params = [param for table in tables for param in table.params]  # whose version counters a step bumps
         self.handle = torch.ops.fastoptim.bind_call([table.handle for table in tables], self.per_tensor, self.ruled,
-                                                    views)
+                                                    views, list(norm_order))
         weakref.finalize(self, torch.ops.fastoptim.unbind, self.handle).atexit = False
 
     def arguments(self, grads, values, flag_bits, options, clip=None, amp_scale=None):
@@ -296,6 +298,7 @@ CLIPS = True  # it has the clip's kernels, which check the grads themselves: gra
 STEP_SCALARS = True  # its bound step computes the clip coefficient and its rules' scalars, and advances the counts
 CHECKS_NATIVELY = True  # a call refuses a moved tensor or an unfit grad: Python checks no layout per step
 REMAINDERS = True  # it reads and writes bf16 params' master remainders (master_bits 24 and 32)
+ROUNDS_SCALED_GRADS = True  # Muon's momentum kernel rounds grad · grad scale to fp32, as the reference's scaled grad
 COLUMN_NUMEL = CPU_COLUMN_CHUNK_NUMEL  # a column-subset chunk: whole rows, which stream best from DRAM
 BLOCK_COLUMNS = False  # its walk reads an 8-bit column-subset tensor whole, all its columns in one chunk
 

@@ -27,6 +27,7 @@ CLIPS = False  # the clip runs torch's foreach ops on CUDA tensors
 STEP_SCALARS = False
 CHECKS_NATIVELY = cpu.AVAILABLE  # else the step work and the engine check the tensors in Python
 REMAINDERS = True  # it reads and writes bf16 params' master remainders (master_bits 24 and 32)
+ROUNDS_SCALED_GRADS = False  # the compiler may fuse grad · grad scale into the momentum's FMAs, unrounded
 COLUMN_NUMEL = CHUNK_NUMEL  # a column-subset chunk: one program's share, for the GPU's parallelism
 BLOCK_COLUMNS = True  # a program takes a run of whole blocks of columns (a GPU needs the parallelism)
 
