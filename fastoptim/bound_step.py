@@ -149,10 +149,9 @@ class BoundStep:
         work = self.work(optimizer.state, optimizer.param_groups, optimizer._structure, optimizer._check_between_steps)
         if work is None:
             return False
-        writes = optimizer._restart_written(work, plans) if self.masters else None
         found_inf = getattr(optimizer, "found_inf", None)
         if self.call is None:
-            return self._step_with_python_scalars(optimizer, work, writes, found_inf)
+            return self._step_with_python_scalars(optimizer, work, plans, found_inf)
         numbers = []  # every group's, before any seed is drawn: a step that goes the checked way draws its own
         for algorithm, (group, entry, _), parts in zip(self.algorithms, work, self.parts):
             values = rule_numbers(group, algorithm.rule[1]) if entry.params and parts is None else ()
@@ -162,7 +161,7 @@ class BoundStep:
                 # check (see StepCounts.in_place); Muon's parts take the checked way
                 return (not any(self.parts) and all(entry.context.counts.in_place() for _, entry, _ in work
                                                     if entry.params)
-                        and self._step_with_python_scalars(optimizer, work, writes, found_inf))
+                        and self._step_with_python_scalars(optimizer, work, plans, found_inf))
             if parts and (found_inf is not None or group["stochastic_rounding"]):
                 # a bound part (Muon's) skips a step GradScaler found an inf in on the host, and its update
                 # draws random bits after the call
@@ -181,6 +180,8 @@ class BoundStep:
                 # before anything runs: what raises here (an option made invalid) must change nothing
                 finishing.append((group, parts, *optimizer._arguments(algorithm, group, entry, scale, 1,
                                                                       traced=False)))
+        # what the user wrote of a param since restarts its remainders, once nothing left can refuse the step
+        writes = optimizer._restart_written(work, plans) if self.masters else None
         grads_in, values, flags, options = [], [], [], []  # per table, in the call's order; the rules' options
         drawn = {}  # per device a seed is drawn on, its generator's state before (see rng_state)
         for (group, entry, grads), scale, buckets, group_numbers, parts, flag_bits in zip(
@@ -225,7 +226,7 @@ class BoundStep:
                 writes.note(entry.versions)
         return True
 
-    def _step_with_python_scalars(self, optimizer, work, writes, found_inf):
+    def _step_with_python_scalars(self, optimizer, work, plans, found_inf):
         """:meth:`step` where Python computes the scalars, and advances the counts, as a checked step does:
         on a backend that computes no step scalars (Triton's), or for options its rules do not take."""
         # the flags as planned: options read as tensors (a β1 that a tensor holds, edited in place) that would
@@ -248,6 +249,7 @@ class BoundStep:
                     found_inf, stochastic, device)
                 tables.launch(algorithm.spec, grads if bucket is None else [grads[i] for i in bucket], ordered,
                               group_flags, stochastic, single, launches)
+        writes = optimizer._restart_written(work, plans) if self.masters else None
         if launches and not self.backend.run_launches(launches):
             set_rng_states(drawn)
             return False

@@ -449,9 +449,9 @@ def test_an_option_set_to_what_no_rule_reads_steps_bound_as_checked_and_compiled
 
 @pytest.mark.parametrize("value", [Decimal("0.01"), np.complex64(0.01)], ids=["Decimal", "numpy complex"])
 def test_an_lr_the_checked_step_does_not_read_as_a_float_is_left_to_it(value):
-    """An lr written between steps as a Decimal (which the checked step's float arithmetic refuses) or a numpy
+    """An lr written between steps as a Decimal (which the checked step's float arithmetic refused) or a numpy
     complex number: the bound step leaves it to the checked step (it stepped a Decimal lr as float(lr), so
-    whether the option worked hung on the path), which answers for it as it would on its own."""
+    whether the option worked hung on the path), which refuses it by name, as no real number, on both."""
     outcomes = []
     for checked in (False, True):
         params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)))
@@ -468,13 +468,14 @@ def test_an_lr_the_checked_step_does_not_read_as_a_float_is_left_to_it(value):
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
                     opt.step()
-            except TypeError as error:
+            except ValueError as error:
                 outcomes.append((str(error), [param.clone() for param in params]))
                 break
         else:
             outcomes.append((None, [param.clone() for param in params]))
     (bound_error, bound), (checked_error, checked) = outcomes
-    assert bound_error == checked_error and all(map(torch.equal, bound, checked))
+    assert bound_error == checked_error == f"Invalid lr: {value!r} (must be a real number)"
+    assert all(map(torch.equal, bound, checked))
 
 
 NUMPY_WRITES = {"fp32 numbers": lambda value: np.float32(value), "float64 numbers": lambda value: np.float64(value)}
@@ -711,3 +712,64 @@ def test_muon_companion_eps_and_its_alias_are_compared_by_one_rule(eps, adamw_ep
     opt.param_groups[1].update(eps=eps, adamw_eps=adamw_eps)
     with pytest.raises(ValueError, match=rf"Invalid {name}"):
         opt.step()
+
+
+def _snapshot_of(opt, params):
+    return [p.detach().clone() for p in params] + [v.clone() for p in params for v in opt.state[p].values()
+                                                    if isinstance(v, torch.Tensor)]
+
+
+@pytest.mark.parametrize("bad", [None, "1e-3", 1j, [0.1]], ids=["None", "text", "complex", "list"])
+@pytest.mark.parametrize("cls, key, options", [(fastoptim.AdamW, "lr", {}), (fastoptim.AdamW, "eps", {}),
+                                               (fastoptim.Adan, "weight_decay", {}), (fastoptim.Lion, "lr", {}),
+                                               (fastoptim.AdamWSN, "eps", dict(sn=True)),
+                                               (fastoptim.AdamW, "lr", dict(master_bits=24))],
+                         ids=["AdamW lr", "AdamW eps", "Adan weight_decay", "Lion lr", "AdamWSN eps", "master_bits=24"])
+@pytest.mark.parametrize("bound", [True, False], ids=["bound", "checked"])
+def test_a_number_option_written_as_no_number_is_refused_by_name_before_any_group_steps(cls, key, options, bad,
+                                                                                      bound):
+    """``group["lr"] = None`` (or text, a complex number, a list) in the second of two groups raised a
+    TypeError from the step's arithmetic after the first group had stepped, its count not advanced (and
+    with master_bits, its remainders zeroed first) (helper-45): it is refused by name, nothing changed."""
+    dtype = torch.bfloat16 if options.get("master_bits") else torch.float32
+    params = [torch.nn.Parameter(torch.linspace(-1, 1, 12).reshape(4, 3).to(dtype) + i) for i in range(2)]
+    opt = cls([{"params": params[:1]}, {"params": params[1:]}], lr=1e-2, **options)
+    for step in range(3):
+        for param in params:
+            param.grad = torch.full_like(param, 0.1 * (step + 1))
+        opt.step()
+    opt.param_groups[1][key] = bad
+    if not bound:
+        opt._plans.bound = None
+    with torch.no_grad():
+        params[0].mul_(1.5)  # a write the next step notes (master_bits: the remainders restart)
+    before = _snapshot_of(opt, params)
+    with pytest.raises(ValueError, match=rf"Invalid {key}: .* \(must be a real number\)"):
+        opt.step()
+    assert all(map(torch.equal, _snapshot_of(opt, params), before))
+
+
+@pytest.mark.parametrize("write", [
+    dict(eps=None), dict(momentum=None), dict(ns_coefficients=(1.0, 2.0)),
+    dict(ns_steps=4, ns_coefficients=[(3.4445, -4.7750, 2.0315)] * 5), dict(ns_steps=2.0),
+    dict(use_muon="no"), dict(nesterov="no"), dict(flatten="no")],
+    ids=["eps None", "momentum None", "a pair", "a schedule of another length", "ns_steps a float", "use_muon text",
+         "nesterov text", "flatten text"])
+@pytest.mark.parametrize("bound", [True, False], ids=["bound", "checked"])
+def test_a_muon_option_made_invalid_between_steps_is_refused_before_any_group_steps(write, bound):
+    """Muon's schedule, flags and numbers written into its second group: refused by name, as the constructor
+    refuses them, before the first group steps (the checked step had stepped it; eps=None raised from the
+    iterations after the momentum kernel had run; text flags were taken by their truth) (helper-45)."""
+    matrices = [torch.nn.Parameter(torch.linspace(-1, 1, 48).reshape(8, 6) + i) for i in range(2)]
+    opt = fastoptim.Muon([{"params": matrices[:1]}, {"params": matrices[1:]}], lr=1e-2)
+    for step in range(3):
+        for param in matrices:
+            param.grad = torch.full_like(param, 0.1 * (step + 1)) * torch.linspace(-1, 1, 48).reshape(8, 6)
+        opt.step()
+    opt.param_groups[1].update(write)
+    if not bound:
+        opt._plans.bound = None
+    before = _snapshot_of(opt, matrices)
+    with pytest.raises(ValueError, match=rf"Invalid ({'|'.join(write)})"):
+        opt.step()
+    assert all(map(torch.equal, _snapshot_of(opt, matrices), before))

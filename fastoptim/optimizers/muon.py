@@ -60,6 +60,23 @@ def coefficients(group: dict) -> tuple[tuple[float, float, float], ...]:
                      f"ns_steps={steps} such triples, one per step)")
 
 
+def check_schedule(group: dict) -> None:
+    """Raise a ValueError unless ``group``'s ``ns_steps`` is an int from 1 to 99 and its ``ns_coefficients``
+    give one (a, b, c) per step (see :func:`coefficients`)."""
+    steps = group["ns_steps"]
+    if type(steps) is not int or not 1 <= steps < 100:
+        raise ValueError(f"Invalid ns_steps: {steps!r} (must be an int from 1 to 99)")
+    coefficients(group)
+
+
+def check_flags(group: dict) -> None:
+    """Raise a ValueError naming the first of Muon's own flags in ``group`` that is not a bool (``use_muon``
+    picks the group's algorithm; a flag read by its truth would take ``"no"`` as True)."""
+    for name in ("use_muon", "nesterov", "flatten"):
+        if not isinstance(group[name], bool):
+            raise ValueError(f"Invalid {name}: {group[name]!r} (must be True or False)")
+
+
 def block_factors(group: dict, param: Tensor) -> list[float]:
     """``adjust_lr_fn``'s factor of lr for each row block of the matrices of ``param`` (one: whole
     matrices): a block steps as a matrix of its own, as dion's and torchtitan's per-head Muon take it."""
@@ -199,7 +216,11 @@ class Muon(FastOptimizer):
 
     def _check_between_steps(self, group, params):
         super()._check_between_steps(group, params)
-        check_row_blocks(group)  # set since it was added (a change makes the factors and checks the params again)
+        # set since it was added, each checked as the constructor checks it, before any group steps
+        check_flags(group)
+        if group["use_muon"]:
+            check_schedule(group)
+        check_row_blocks(group)  # a change makes the factors and checks the params again
         if not group["use_muon"] and eps_apart(group):  # one of them set since it was added
             raise ValueError(f"Invalid eps: {group['eps']!r} and adamw_eps {group['adamw_eps']!r} in a use_muon=False "
                              "group, where adamw_eps is an alias of eps (AdamW's): set both")
@@ -217,17 +238,10 @@ class Muon(FastOptimizer):
 
     def _check_group(self, group, max_grad_norm=None):
         super()._check_group(group, max_grad_norm)
-        if not isinstance(group["use_muon"], bool):
-            raise ValueError(f"Invalid use_muon: {group['use_muon']!r} (must be True or False)")
-        for name in ("nesterov", "flatten"):
-            if not isinstance(group[name], bool):
-                raise ValueError(f"Invalid {name}: {group[name]!r} (must be True or False)")
+        check_flags(group)
         check_number("adamw_eps", group["adamw_eps"])
         check_number("momentum", group["momentum"], below=1.0)
-        steps = group["ns_steps"]
-        if type(steps) is not int or not 1 <= steps < 100:
-            raise ValueError(f"Invalid ns_steps: {steps!r} (must be an int from 1 to 99)")
-        coefficients(group)
+        check_schedule(group)
         if group["adjust_lr_fn"] is not None and group["adjust_lr_fn"] not in ADJUST_LR:
             *others, last = map(repr, ADJUST_LR)
             raise ValueError(f"Invalid adjust_lr_fn: {group['adjust_lr_fn']!r} (must be None, {', '.join(others)} "

@@ -11,9 +11,12 @@ per-param factors). ``fastoptim::step_factors`` computes the clip coefficient an
 ``fastoptim::mark_read`` marks the states' first reads (``step_counts`` advances the counts); the
 graph of a fused step keeps these ops and the kernels', and compiles nothing."""
 import functools
+import inspect
 import json
+import numbers
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -124,6 +127,34 @@ class Prepared(NamedTuple):
 
 def _is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+_NUMBERS = (float, int)
+
+
+@functools.cache
+def number_options(cls) -> tuple:
+    """The options that optimizer class ``cls``'s signature gives a number by default (a float, or an int
+    that is no bool): those its steps read as numbers, whatever a user gave the constructor."""
+    return tuple(name for name, parameter in inspect.signature(cls.__init__).parameters.items()
+                 if type(parameter.default) in _NUMBERS)
+
+
+def check_numbers(group: dict, names) -> None:
+    """Raise a ValueError naming the first of options ``names`` that ``group`` holds as what no step reads
+    as a number (None, text, a complex number, a list: written since it was added), before any group
+    steps; a real number (a numpy one, a bool as Python reads it), a tensor (a tensor lr) or a numpy array
+    (:func:`plain_values` reads one of one element) passes, and an option the group does not hold (a
+    subclass's own argument, kept under another key) is left alone.
+
+    Args:
+        group: the param group, read.
+        names: the options to check (see :func:`number_options`).
+    """
+    for name in names:
+        value = group.get(name, 0.0)
+        if type(value) not in _NUMBERS and not isinstance(value, (numbers.Real, Tensor, np.ndarray)):
+            raise ValueError(f"Invalid {name}: {value!r} (must be a real number)")
 
 
 def plain_values(group: dict, keys) -> dict:

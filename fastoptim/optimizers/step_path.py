@@ -88,11 +88,10 @@ class StepPath:
 
     def _check_between_steps(self, group, params):
         """Raise if what a scheduler or the user may have set in ``group`` since the last step does not
-        fit ``params`` (those with grads) or its algorithm: a tensor lr, and betas other than ``n_betas``
-        of what ``_beta_fits`` takes. The kernels' and native rules' arguments are laid out by their
-        number, and a beta of 1 divides by zero in a bias correction. (A ``PER_GROUP`` count set anew is
-        checked by the step that plans with it, see ``_group_work``: a bound step holds the one it was
-        planned with.)"""
+        fit ``params`` (those with grads) or its algorithm: a tensor lr, betas other than ``n_betas`` of
+        what ``_beta_fits`` takes (the kernels' arguments are laid out by their number, and a beta of 1
+        divides by zero), and a number option that holds no number. (A ``PER_GROUP`` count set anew is
+        checked by the step that plans with it, see ``_group_work``: a bound step holds its own.)"""
         betas, n_betas = group["betas"], self._algorithm(group).n_betas
         try:
             fits = len(betas) == n_betas and all(type(beta) is float and 0.0 <= beta < 1.0 or _beta_fits(beta)
@@ -103,6 +102,7 @@ class StepPath:
             raise ValueError(f"Invalid betas: {betas!r} (expected {n_betas} numbers in [0, 1))")
         if isinstance(group["lr"], Tensor) and params:
             check_tensor_lr(group["lr"], params[0].device)
+        scalars.check_numbers(group, scalars.number_options(type(self)))  # written since: before any group steps
 
     def _structure(self, group):
         """What of ``group``'s options decides its step work (a ``GroupStructure``): its state roles, engine,
