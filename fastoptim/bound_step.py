@@ -175,7 +175,7 @@ class BoundStep:
         finishing = []  # (its parts, its arguments) of each group whose parts finish after the native call
         for algorithm, (group, entry, _), scale, parts in zip(self.algorithms, work, scales, self.parts):
             if parts:
-                if amp_scale is not None:  # GradScaler's: the reference scales the grads first (see muon)
+                if amp_scale is not None:  # GradScaler's, even without its found_inf: the checked way, as with it
                     return False
                 # before anything runs: what raises here (an option made invalid) must change nothing
                 finishing.append((group, parts, *optimizer._arguments(algorithm, group, entry, scale, 1,
