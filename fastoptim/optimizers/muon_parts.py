@@ -310,6 +310,9 @@ class BoundMomentum(NamedTuple):
     positions: list[int]  # of the group's params, the slice's, in its order
     piece: DirectionSlice
     params: dict  # role to the slice's tensors that muon_apply updates: its params (and master remainders)
+    # where engines.args_of keeps the index of ``positions`` among the group's: not the slice's own cut,
+    # whose index counts from its bucket's first param (a group of two dtypes has two buckets)
+    group_cut: BucketPlan
     spec: KernelSpec = MOMENTUM_SPEC
 
     def launch_values(self, group: dict, grad_scale: float | None, found_inf: Tensor | None,
@@ -325,7 +328,7 @@ class BoundMomentum(NamedTuple):
         device = self.params["param"][0].device
         apply_update(engines.Plan(self.params, muon_apply, SPEC, per_tensor=frozenset(per_tensor),
                                   stochastic_rounding=group["stochastic_rounding"],
-                                  args=engines.args_of(args, per_tensor, self.positions, device, self.piece.cut)),
+                                  args=engines.args_of(args, per_tensor, self.positions, device, self.group_cut)),
                      self.piece.orthogonalized(iterations(args)))
 
 
@@ -343,7 +346,7 @@ def bound_momentum(tensors: dict, bucket: list[int], plan: BucketPlan) -> BoundM
     params = {role: [tensors[role][i] for i in positions] for role in ("param", master.KEY) if role in tensors}
     if keeps_no_remainders(params):
         del params[master.KEY]
-    return BoundMomentum(piece.momentum.prepared.tables, positions, piece, params)
+    return BoundMomentum(piece.momentum.prepared.tables, positions, piece, params, BucketPlan())
 
 
 def orthogonalize_shards(function, directions: list[Tensor], params: list[Tensor], flatten: bool,

@@ -13,7 +13,7 @@ graph of a fused step keeps these ops and the kernels', and compiles nothing."""
 import functools
 import inspect
 import json
-import numbers
+import types
 from typing import NamedTuple
 
 import numpy as np
@@ -129,22 +129,36 @@ def _is_number(value):
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-_NUMBERS = (float, int)
+_NUMBERS = (float, int, bool)  # as the constructor's checks and a step read them
+NUMBER_TERMS = "an int or a float, or a real numpy number or tensor of one value"
 
 
 @functools.cache
 def number_options(cls) -> tuple:
-    """The options that optimizer class ``cls``'s signature gives a number by default (a float, or an int
-    that is no bool): those its steps read as numbers, whatever a user gave the constructor."""
-    return tuple(name for name, parameter in inspect.signature(cls.__init__).parameters.items()
-                 if type(parameter.default) in _NUMBERS)
+    """The options that the signatures of optimizer class ``cls`` and of the classes it derives from give a
+    number by default (a float, or an int that is no bool): those its steps read as numbers, whatever a
+    user gave the constructor (a subclass that passes ``**kwargs`` on keeps its base's)."""
+    return tuple(dict.fromkeys(
+        name for klass in cls.__mro__ if isinstance(vars(klass).get("__init__"), types.FunctionType)
+        for name, parameter in inspect.signature(klass.__init__).parameters.items()
+        if type(parameter.default) in (float, int)))
+
+
+def a_real_number(value) -> bool:
+    """Whether a step reads ``value`` as one real number: an int, a float or a bool (as Python reads it), a
+    real numpy number, a real numpy array (:func:`plain_values` reads one of one element and refuses
+    more), or a tensor of one real value (a tensor lr)."""
+    if isinstance(value, Tensor):
+        return value.numel() == 1 and not value.is_complex()
+    if isinstance(value, (np.ndarray, np.generic)):
+        return value.dtype.kind in "biuf"
+    return isinstance(value, _NUMBERS)
 
 
 def check_numbers(group: dict, names) -> None:
     """Raise a ValueError naming the first of options ``names`` that ``group`` holds as what no step reads
-    as a number (None, text, a complex number, a list: written since it was added), before any group
-    steps; a real number (a numpy one, a bool as Python reads it), a tensor (a tensor lr) or a numpy array
-    (:func:`plain_values` reads one of one element) passes, and an option the group does not hold (a
+    as a number (None, text, a complex number, a list, a tensor of several values: written since it was
+    added; see :func:`a_real_number`), before any group steps. An option the group does not hold (a
     subclass's own argument, kept under another key) is left alone.
 
     Args:
@@ -153,8 +167,8 @@ def check_numbers(group: dict, names) -> None:
     """
     for name in names:
         value = group.get(name, 0.0)
-        if type(value) not in _NUMBERS and not isinstance(value, (numbers.Real, Tensor, np.ndarray)):
-            raise ValueError(f"Invalid {name}: {value!r} (must be a real number)")
+        if type(value) not in _NUMBERS and not a_real_number(value):
+            raise ValueError(f"Invalid {name}: {value!r} (must be {NUMBER_TERMS})")
 
 
 def plain_values(group: dict, keys) -> dict:
