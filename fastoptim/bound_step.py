@@ -162,10 +162,8 @@ class BoundStep:
                 return (not any(self.parts) and all(entry.context.counts.in_place() for _, entry, _ in work
                                                     if entry.params)
                         and self._step_with_python_scalars(optimizer, work, plans, found_inf))
-            if parts and (found_inf is not None or group["stochastic_rounding"]):
-                # a bound part (Muon's) skips a step GradScaler found an inf in on the host, and its update
-                # draws random bits after the call
-                return False
+            if parts and group["stochastic_rounding"]:
+                return False  # a bound part's (Muon's) update draws random bits after the call
             if not _PLAIN.issuperset(map(type, values)) and not all(map(_a_number, values)):
                 return False  # an option set to what no rule reads as a number (correct_bias=None, "0"): as checked
             numbers.append(list(map(float, values)))
@@ -175,8 +173,6 @@ class BoundStep:
         finishing = []  # (its parts, its arguments) of each group whose parts finish after the native call
         for algorithm, (group, entry, _), scale, parts in zip(self.algorithms, work, scales, self.parts):
             if parts:
-                if amp_scale is not None:  # GradScaler's, even without its found_inf: the checked way, as with it
-                    return False
                 # before anything runs: what raises here (an option made invalid) must change nothing
                 finishing.append((group, parts, *optimizer._arguments(algorithm, group, entry, scale, 1,
                                                                       traced=False)))
@@ -215,6 +211,8 @@ class BoundStep:
             if self.call.run(all_grads, values, flags, options, clip, amp_scale) != self.backend.STEPPED:
                 set_rng_states(drawn)
                 return False
+        if finishing and found_inf is not None and found_inf.item():  # a CPU tensor: no sync
+            finishing = []  # GradScaler found an inf: the kernels skipped the step, and so do their parts' rest
         for group, parts, args, per_tensor in finishing:  # the rest of the step of those whose kernels ran part
             for part in parts:
                 part.finish(group, args, per_tensor)

@@ -398,7 +398,7 @@ BOUND_MUON_CHANGES = {
     "adjust_lr_fn": (_set(2, adjust_lr_fn="match_rms_adamw"), [True, False, True]),
     "num_heads": (_set(2, num_heads=2), [True, False, True]),
     "use_muon off": (_set(2, use_muon=False, eps=1e-8, adamw_eps=1e-8), [True, False, True]),
-    "GradScaler on then off": (_scaler_on_then_off(2), [True, False, True]),
+    "GradScaler on then off": (_scaler_on_then_off(2), [True, True, True]),  # its scale is the native call's
     "a grad None for a step": (_a_grad_gone_for_a_step, [True, False, False]),
     "params reordered": (lambda step, box: box["opt"].param_groups[0]["params"].reverse() if step == 2 else None,
                          [True, False, True]),
@@ -539,14 +539,15 @@ def _grad_scale_alone_at_step_2(step, box):
 
 
 @native
-def test_a_bound_muon_step_refused_for_a_grad_scale_draws_no_seed_first(monkeypatch):
-    """A Muon bound part refused under a tensor grad scale (``grad_scale`` set without found_inf) is
-    refused before any group draws a stochastic-rounding seed, so the checked step it falls back to
-    rounds as its twin's does (found by the review of 835b524)."""
+def test_a_bound_muon_step_under_a_grad_scale_rounds_as_its_checked_twin(monkeypatch):
+    """A tensor grad scale (``grad_scale`` set without found_inf) beside a companion group that rounds
+    stochastically: the bound step refused it after the companions had drawn their seeds, so the checked
+    step it fell back to rounded otherwise (found by the review of 835b524); the bound step now runs
+    under it, the native call unscaling the momentum's grads, and draws its seeds as its twin does."""
     factory = lambda p: fastoptim.Muon([{"params": p[2:], "use_muon": False, "stochastic_rounding": True},  # noqa: E731
                                         {"params": p[:2]}], lr=0.02, foreach=True, fused=True)
     assert _muon_bound_and_checked(monkeypatch, _grad_scale_alone_at_step_2, factory, dtype=torch.bfloat16,
-                                   steps=3) == [True, False]
+                                   steps=3) == [True, True]
 
 
 # --- the review of 79bb6e6 (each group's work holds its structure; the bound step checks it by that rule) ----
@@ -646,3 +647,20 @@ def test_invalid_betas_written_between_bound_steps_are_refused_by_name(betas):
     assert all(map(torch.equal, after[0], before[0]))
     for ours, theirs in zip(after[1], before[1]):
         assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+@native
+@pytest.mark.parametrize("inf_at", [(), (2,), (1, 3)], ids=["no inf", "an inf at step 2", "infs at steps 1 and 3"])
+def test_a_bound_clipped_muon_under_gradscaler_skips_what_the_checked_step_skips(inf_at, monkeypatch):
+    """GradScaler's scale and found_inf, handed to the step as it hands them: the Muon part runs bound (it
+    took the checked way under any GradScaler), its momentum kernel unscaling the grads in the native call
+    and rounding their product as the checked step's scaled grads are; a step GradScaler found an inf in
+    skips its kernels there and its iterations and update after, the companions' counts not advanced."""
+    def change(step, box):
+        for param in box["params"]:
+            param.grad = param.grad * 64
+        box["opt"].grad_scale = torch.tensor(64.0)
+        box["opt"].found_inf = torch.tensor(1.0 if step in inf_at else 0.0)
+
+    factory = lambda p: _muon_groups(p, foreach=True, fused=True, max_grad_norm=0.5)  # noqa: E731
+    assert _muon_bound_and_checked(monkeypatch, change, factory, shapes=[(4, 8), (8, 4), (16,)], steps=5) == [True] * 4
