@@ -211,7 +211,7 @@ class BoundStep:
             if self.call.run(all_grads, values, flags, options, clip, amp_scale) != self.backend.STEPPED:
                 set_rng_states(drawn)
                 return False
-        if finishing and found_inf is not None and found_inf.item():  # a CPU tensor: no sync
+        if finishing and found_inf is not None and bool(found_inf):  # a CPU tensor (or a number): no sync
             finishing = []  # GradScaler found an inf: the kernels skipped the step, and so do their parts' rest
         for group, parts, args, per_tensor in finishing:  # the rest of the step of those whose kernels ran part
             for part in parts:
