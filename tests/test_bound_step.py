@@ -726,8 +726,9 @@ class _PassingKeywordsOn(fastoptim.AdamW):
 
 
 @pytest.mark.parametrize("bad", [None, "1e-3", 1j, [0.1], np.array(0.01 + 1j), np.array("0.01"),
-                                 torch.tensor([0.01, 0.02])],
-                         ids=["None", "text", "complex", "list", "complex array", "text array", "two-value tensor"])
+                                 torch.tensor([0.01, 0.02]), torch.tensor([[0.01]]), torch.tensor(True)],
+                         ids=["None", "text", "complex", "list", "complex array", "text array", "two-value tensor",
+                              "2-D one-value tensor", "bool tensor"])
 @pytest.mark.parametrize("cls, key, options", [(fastoptim.AdamW, "lr", {}), (fastoptim.AdamW, "eps", {}),
                                                (fastoptim.Adan, "weight_decay", {}), (fastoptim.Lion, "lr", {}),
                                                (fastoptim.AdamWSN, "eps", dict(sn=True)),
@@ -742,6 +743,8 @@ def test_a_number_option_written_as_no_number_is_refused_by_name_before_any_grou
     TypeError from the step's arithmetic after the first group had stepped, its count not advanced (and
     with master_bits, its remainders zeroed first) (helper-45): it is refused by name, nothing changed; so
     are their numpy and tensor forms, and in a subclass whose signature names no option (helper-46)."""
+    if key == "lr" and isinstance(bad, torch.Tensor) and bad.numel() == 1 and bad.is_floating_point():
+        pytest.skip("a tensor lr of one value, of any shape, is an lr (as torch.optim takes it)")
     dtype = torch.bfloat16 if options.get("master_bits") else torch.float32
     params = [torch.nn.Parameter(torch.linspace(-1, 1, 12).reshape(4, 3).to(dtype) + i) for i in range(2)]
     opt = cls([{"params": params[:1]}, {"params": params[1:]}], lr=1e-2, **options)
@@ -763,9 +766,10 @@ def test_a_number_option_written_as_no_number_is_refused_by_name_before_any_grou
 @pytest.mark.parametrize("write", [
     dict(eps=None), dict(momentum=None), dict(ns_coefficients=(1.0, 2.0)),
     dict(ns_steps=4, ns_coefficients=[(3.4445, -4.7750, 2.0315)] * 5), dict(ns_steps=2.0),
-    dict(use_muon="no"), dict(nesterov="no"), dict(flatten="no")],
+    dict(use_muon="no"), dict(nesterov="no"), dict(flatten="no"), dict(weight_decay=torch.tensor([0.1])),
+    dict(momentum=torch.tensor(True)), dict(adjust_lr_fn="bogus")],
     ids=["eps None", "momentum None", "a pair", "a schedule of another length", "ns_steps a float", "use_muon text",
-         "nesterov text", "flatten text"])
+         "nesterov text", "flatten text", "weight_decay a 1-D tensor", "momentum a bool tensor", "adjust_lr_fn unknown"])
 @pytest.mark.parametrize("bound", [True, False], ids=["bound", "checked"])
 def test_a_muon_option_made_invalid_between_steps_is_refused_before_any_group_steps(write, bound):
     """Muon's schedule, flags and numbers written into its second group: refused by name, as the constructor
@@ -812,3 +816,31 @@ def test_a_bound_muon_of_two_dtypes_gives_each_matrix_its_own_lr_factor(max_grad
     for ours, checked, foreach in zip(bound, run(dict(foreach=True, fused=True), checked=True),
                                       run(dict(foreach=True, fused=False), checked=False)):
         assert torch.equal(ours, checked) and torch.equal(ours, foreach)
+
+
+class _ScalingRows(fastoptim.AdamW):
+    """A subclass with an option of its own, a number by default, that its own step reads as a tensor."""
+
+    def __init__(self, params, lr=1e-3, row_scale=1.0, **options):
+        super().__init__(params, lr=lr, **options)
+        for group in self.param_groups:
+            group.setdefault("row_scale", row_scale)
+
+    def step(self, closure=None):
+        with torch.no_grad():
+            for group in self.param_groups:
+                for param in group["params"]:
+                    param.grad.mul_(torch.as_tensor(group["row_scale"]).reshape(-1, 1))
+        return super().step(closure)
+
+
+def test_a_subclass_s_own_number_option_is_its_own_to_read():
+    """The number check covers the options fastoptim's classes read, not a subclass's own (it refused a
+    row_scale of four values, which the subclass reads itself: helper-47)."""
+    param = torch.nn.Parameter(torch.ones(4, 6))
+    opt = _ScalingRows([param])
+    opt.param_groups[0]["row_scale"] = torch.tensor([1.0, 0.5, 0.5, 1.0])
+    param.grad = torch.ones(4, 6)
+    before = param.detach().clone()
+    opt.step()
+    assert not torch.equal(param.grad[0], param.grad[1]) and not torch.equal(param, before)

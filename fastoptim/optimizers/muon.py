@@ -61,12 +61,16 @@ def coefficients(group: dict) -> tuple[tuple[float, float, float], ...]:
 
 
 def check_schedule(group: dict) -> None:
-    """Raise a ValueError unless ``group``'s ``ns_steps`` is an int from 1 to 99 and its ``ns_coefficients``
-    give one (a, b, c) per step (see :func:`coefficients`)."""
+    """Raise a ValueError unless ``group``'s ``ns_steps`` is an int from 1 to 99, its ``ns_coefficients``
+    give one (a, b, c) per step (see :func:`coefficients`) and its ``adjust_lr_fn`` is one Muon has."""
     steps = group["ns_steps"]
     if type(steps) is not int or not 1 <= steps < 100:
         raise ValueError(f"Invalid ns_steps: {steps!r} (must be an int from 1 to 99)")
     coefficients(group)
+    if group["adjust_lr_fn"] is not None and group["adjust_lr_fn"] not in ADJUST_LR:
+        *others, last = map(repr, ADJUST_LR)
+        raise ValueError(f"Invalid adjust_lr_fn: {group['adjust_lr_fn']!r} (must be None, {', '.join(others)} "
+                         f"or {last})")
 
 
 def check_flags(group: dict) -> None:
@@ -242,10 +246,6 @@ class Muon(FastOptimizer):
         check_number("adamw_eps", group["adamw_eps"])
         check_number("momentum", group["momentum"], below=1.0)
         check_schedule(group)
-        if group["adjust_lr_fn"] is not None and group["adjust_lr_fn"] not in ADJUST_LR:
-            *others, last = map(repr, ADJUST_LR)
-            raise ValueError(f"Invalid adjust_lr_fn: {group['adjust_lr_fn']!r} (must be None, {', '.join(others)} "
-                             f"or {last})")
         check_row_blocks(group)
         if group["use_muon"]:
             for param in group.get("params", ()):

@@ -130,26 +130,29 @@ def _is_number(value):
 
 
 _NUMBERS = (float, int, bool)  # as the constructor's checks and a step read them
-NUMBER_TERMS = "an int or a float, or a real numpy number or tensor of one value"
+NUMBER_TERMS = "an int or a float, a real numpy number, or a floating-point tensor of one value"
 
 
 @functools.cache
 def number_options(cls) -> tuple:
-    """The options that the signatures of optimizer class ``cls`` and of the classes it derives from give a
-    number by default (a float, or an int that is no bool): those its steps read as numbers, whatever a
-    user gave the constructor (a subclass that passes ``**kwargs`` on keeps its base's)."""
+    """The options that fastoptim's optimizer classes among ``cls`` and those it derives from give a number
+    by default in their signatures (a float, or an int that is no bool): those its steps read as numbers,
+    whatever a user gave the constructor. A subclass that passes ``**kwargs`` on keeps its base's; a
+    subclass's own options are its own to read."""
     return tuple(dict.fromkeys(
-        name for klass in cls.__mro__ if isinstance(vars(klass).get("__init__"), types.FunctionType)
+        name for klass in cls.__mro__ if klass.__module__.startswith("fastoptim.")
+        and isinstance(vars(klass).get("__init__"), types.FunctionType)
         for name, parameter in inspect.signature(klass.__init__).parameters.items()
         if type(parameter.default) in (float, int)))
 
 
-def a_real_number(value) -> bool:
-    """Whether a step reads ``value`` as one real number: an int, a float or a bool (as Python reads it), a
-    real numpy number, a real numpy array (:func:`plain_values` reads one of one element and refuses
-    more), or a tensor of one real value (a tensor lr)."""
+def a_real_number(name: str, value) -> bool:
+    """Whether a step reads option ``name``'s ``value`` as one real number: an int, a float or a bool (as
+    Python reads it), a real numpy number or array (:func:`plain_values` reads one of one element and
+    refuses more), or a tensor: an lr of one floating-point value (``checks.check_tensor_lr``), any other
+    option a 0-d floating-point one, as a beta."""
     if isinstance(value, Tensor):
-        return value.numel() == 1 and not value.is_complex()
+        return value.is_floating_point() and (value.numel() == 1 if name == "lr" else value.dim() == 0)
     if isinstance(value, (np.ndarray, np.generic)):
         return value.dtype.kind in "biuf"
     return isinstance(value, _NUMBERS)
@@ -167,7 +170,7 @@ def check_numbers(group: dict, names) -> None:
     """
     for name in names:
         value = group.get(name, 0.0)
-        if type(value) not in _NUMBERS and not a_real_number(value):
+        if type(value) not in _NUMBERS and not a_real_number(name, value):
             raise ValueError(f"Invalid {name}: {value!r} (must be {NUMBER_TERMS})")
 
 
