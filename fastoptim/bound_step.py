@@ -150,6 +150,8 @@ class BoundStep:
         if work is None:
             return False
         found_inf = getattr(optimizer, "found_inf", None)
+        if isinstance(found_inf, Tensor) and found_inf.dim():  # one value in any shape, read as GradScaler's
+            found_inf = found_inf.reshape(())
         if self.call is None:
             return self._step_with_python_scalars(optimizer, work, plans, found_inf)
         numbers = []  # every group's, before any seed is drawn: a step that goes the checked way draws its own
@@ -162,8 +164,10 @@ class BoundStep:
                 return (not any(self.parts) and all(entry.context.counts.in_place() for _, entry, _ in work
                                                     if entry.params)
                         and self._step_with_python_scalars(optimizer, work, plans, found_inf))
-            if parts and group["stochastic_rounding"]:
-                return False  # a bound part's (Muon's) update draws random bits after the call
+            if parts and (group["stochastic_rounding"] or found_inf is not None and bool(found_inf)):
+                # a bound part's (Muon's) update draws random bits after the call; a step GradScaler found an
+                # inf in (a CPU tensor, read without a sync) skips its parts' rest as the checked step does
+                return False
             if not _PLAIN.issuperset(map(type, values)) and not all(map(_a_number, values)):
                 return False  # an option set to what no rule reads as a number (correct_bias=None, "0"): as checked
             numbers.append(list(map(float, values)))
@@ -211,8 +215,6 @@ class BoundStep:
             if self.call.run(all_grads, values, flags, options, clip, amp_scale) != self.backend.STEPPED:
                 set_rng_states(drawn)
                 return False
-        if finishing and found_inf is not None and bool(found_inf):  # a CPU tensor (or a number): no sync
-            finishing = []  # GradScaler found an inf: the kernels skipped the step, and so do their parts' rest
         for group, parts, args, per_tensor in finishing:  # the rest of the step of those whose kernels ran part
             for part in parts:
                 part.finish(group, args, per_tensor)

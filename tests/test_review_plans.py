@@ -650,17 +650,24 @@ def test_invalid_betas_written_between_bound_steps_are_refused_by_name(betas):
 
 
 @native
+@pytest.mark.parametrize("found_inf", [torch.tensor, lambda value: torch.tensor([value])], ids=["0-d", "1-d"])
+@pytest.mark.parametrize("dtype, options", [(torch.float32, {}), (torch.bfloat16, dict(master_bits=24))],
+                         ids=["fp32", "bf16, master_bits=24"])
 @pytest.mark.parametrize("inf_at", [(), (2,), (1, 3)], ids=["no inf", "an inf at step 2", "infs at steps 1 and 3"])
-def test_a_bound_clipped_muon_under_gradscaler_skips_what_the_checked_step_skips(inf_at, monkeypatch):
+def test_a_bound_clipped_muon_under_gradscaler_skips_what_the_checked_step_skips(inf_at, dtype, options, found_inf,
+                                                                                   monkeypatch):
     """GradScaler's scale and found_inf, handed to the step as it hands them: the Muon part runs bound (it
     took the checked way under any GradScaler), its momentum kernel unscaling the grads in the native call
-    and rounding their product as the checked step's scaled grads are; a step GradScaler found an inf in
-    skips its kernels there and its iterations and update after, the companions' counts not advanced."""
+    and rounding their product as the checked step's scaled grads are. A step GradScaler found an inf in
+    takes the checked way, which skips it: skipped bound, the next step restarted the bf16 params' master
+    remainders, their version counters not where the step noted them (helper-48). A found_inf of one value
+    in one dimension is read as GradScaler's (the native call refused it: helper-48)."""
     def change(step, box):
         for param in box["params"]:
             param.grad = param.grad * 64
         box["opt"].grad_scale = torch.tensor(64.0)
-        box["opt"].found_inf = torch.tensor(1.0 if step in inf_at else 0.0)
+        box["opt"].found_inf = found_inf(1.0 if step in inf_at else 0.0)
 
-    factory = lambda p: _muon_groups(p, foreach=True, fused=True, max_grad_norm=0.5)  # noqa: E731
-    assert _muon_bound_and_checked(monkeypatch, change, factory, shapes=[(4, 8), (8, 4), (16,)], steps=5) == [True] * 4
+    factory = lambda p: _muon_groups(p, foreach=True, fused=True, max_grad_norm=0.5, **options)  # noqa: E731
+    assert _muon_bound_and_checked(monkeypatch, change, factory, shapes=[(4, 8), (8, 4), (8, 8), (16,)], dtype=dtype,
+                                   steps=5) == [step not in inf_at for step in range(1, 5)]
