@@ -530,6 +530,17 @@ def test_betas_of_numpy_numbers_in_a_namedtuple_step_as_their_python_values(engi
     assert all(map(torch.equal, *runs))
 
 
+def _snapshot_of(opt, params):
+    return [p.detach().clone() for p in params] + [v.clone() for p in params for v in opt.state[p].values()
+                                                    if isinstance(v, torch.Tensor)]
+
+
+def _assert_unchanged(opt, params, before):
+    """That ``params`` and every state tensor of theirs are as ``_snapshot_of`` found them in ``before``."""
+    after = _snapshot_of(opt, params)
+    assert len(after) == len(before) and all(map(torch.equal, after, before))
+
+
 @pytest.mark.parametrize("key", ["lr", "eps", "weight_decay"])
 @pytest.mark.parametrize("engine", [dict(fused=True), dict(foreach=True, fused=False), dict(foreach=False)],
                          ids=["fused", "foreach", "loop"])
@@ -552,12 +563,10 @@ def test_an_option_written_as_an_array_steps_as_its_one_value_or_is_refused_by_n
     assert all(map(torch.equal, ours, theirs))
     params, opt = run(lambda value: value)
     opt.param_groups[1][key] = np.array([1e-3, 2e-3])
-    before = [p.detach().clone() for p in params], [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    before = _snapshot_of(opt, params)
     with pytest.raises(ValueError, match=rf"Invalid {key}: array\(\[.*\]\) \(an array of shape \(2,\)"):
         opt.step()
-    assert all(map(torch.equal, params, before[0]))
-    for param, state in zip(params, before[1]):
-        assert all(torch.equal(opt.state[param][k], v) for k, v in state.items())
+    _assert_unchanged(opt, params, before)
 
 
 @pytest.mark.parametrize("cls, key, value", [(fastoptim.AdamW, "maximize", True), (fastoptim.AdamW, "foreach", True),
@@ -639,12 +648,10 @@ def test_a_flag_or_an_alias_written_as_an_array_of_two_values_is_refused_by_name
     opt.param_groups[-1][key] = value
     if not bound:
         opt._plans.bound = None
-    before = [p.detach().clone() for p in params], [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    before = _snapshot_of(opt, params)
     with pytest.raises(ValueError, match=rf"Invalid {key}: array\(\[.*\]\) \(an array of shape \(2,\)"):
         opt.step()
-    assert all(map(torch.equal, params, before[0]))
-    for param, state in zip(params, before[1]):
-        assert all(torch.equal(opt.state[param][k], v) for k, v in state.items())
+    _assert_unchanged(opt, params, before)
 
 
 @pytest.mark.parametrize("false", [0, np.int64(0), np.array(0), np.array([0]), np.float64(0.0), torch.tensor(False)],
@@ -715,11 +722,6 @@ def test_muon_companion_eps_and_its_alias_are_compared_by_one_rule(eps, adamw_ep
         opt.step()
 
 
-def _snapshot_of(opt, params):
-    return [p.detach().clone() for p in params] + [v.clone() for p in params for v in opt.state[p].values()
-                                                    if isinstance(v, torch.Tensor)]
-
-
 class _PassingKeywordsOn(fastoptim.AdamW):
     def __init__(self, params, **options):  # its base's options, which its own signature does not name
         super().__init__(params, **options)
@@ -760,7 +762,7 @@ def test_a_number_option_written_as_no_number_is_refused_by_name_before_any_grou
     before = _snapshot_of(opt, params)
     with pytest.raises(ValueError, match=rf"Invalid {key}: "):
         opt.step()
-    assert all(map(torch.equal, _snapshot_of(opt, params), before))
+    _assert_unchanged(opt, params, before)
 
 
 @pytest.mark.parametrize("write", [
@@ -787,7 +789,7 @@ def test_a_muon_option_made_invalid_between_steps_is_refused_before_any_group_st
     before = _snapshot_of(opt, matrices)
     with pytest.raises(ValueError, match=rf"Invalid ({'|'.join(write)})"):
         opt.step()
-    assert all(map(torch.equal, _snapshot_of(opt, matrices), before))
+    _assert_unchanged(opt, matrices, before)
 
 
 @pytest.mark.parametrize("max_grad_norm", [0.0, 0.5], ids=["unclipped", "clipped"])

@@ -143,7 +143,7 @@ def number_options(cls) -> tuple:
         name for klass in cls.__mro__ if klass.__module__.startswith("fastoptim.")
         and isinstance(vars(klass).get("__init__"), types.FunctionType)
         for name, parameter in inspect.signature(klass.__init__).parameters.items()
-        if type(parameter.default) in (float, int)))
+        if _is_number(parameter.default)))
 
 
 def a_real_number(name: str, value) -> bool:
