@@ -255,3 +255,35 @@ def test_a_flag_written_as_0_or_1_between_steps_steps_as_its_truth(key, flag):
 
     assert all(map(torch.equal, run(flag), run(bool(flag))))
     fastoptim.AdamWSN([torch.nn.Parameter(torch.zeros(4, 4))], **{key: flag})
+
+
+GRAD_SCALER_VALUES = [("found_inf", 0.0), ("found_inf", True), ("found_inf", "0"), ("found_inf", torch.zeros(2)),
+                      ("grad_scale", 1.0), ("grad_scale", torch.ones(2))]
+
+
+@pytest.mark.parametrize("cls", ALL)
+@pytest.mark.parametrize("fused", [True, None], ids=["fused", "foreach"])
+@pytest.mark.parametrize("way", ["bound", "checked", "first"])
+@pytest.mark.parametrize("name, value", GRAD_SCALER_VALUES, ids=[f"{k}={v!r}" for k, v in GRAD_SCALER_VALUES])
+def test_grad_scaler_attributes_other_than_a_tensor_of_one_value_are_refused(cls, fused, way, name, value):
+    """GradScaler's ``found_inf`` and ``grad_scale``, set by hand as a number or a tensor of several values:
+    refused by name on every way of the step, changing nothing (the checked step raised AttributeError on
+    a number where the bound one took it, and a tensor of two values failed in a kernel's argument)."""
+    if way == "first":
+        params = oracle.make_params()
+        opt = cls(params, lr=0.1, fused=fused)
+        for p in params:
+            p.grad = torch.randn_like(p)
+    else:
+        params, opt = stepped(cls, fused=fused)
+        if way == "checked":
+            opt._plans.bound = None
+    setattr(opt, name, value)
+    before = snapshot(params, opt)
+    with pytest.raises(ValueError, match=f"Invalid {name}: "):
+        opt.step()
+    assert_unchanged(params, opt, before)
+    if way == "bound" and fused:  # what a GradScaler gives, in another shape: one value, read as 0-d
+        setattr(opt, name, torch.ones(1, 1) if name == "grad_scale" else torch.zeros(1))
+        opt.step()
+        assert opt._plans.bound is not None

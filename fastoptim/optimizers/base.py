@@ -203,6 +203,18 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
     # grads itself: the fused kernels consume them in the same pass, with no host sync.
     _step_supports_amp_scaling = True
 
+    def _amp_inputs(self):
+        """GradScaler's ``found_inf`` and ``grad_scale`` (None where unset), each a tensor of one value, read
+        as a 0-d one; anything else (a number by hand: one way of the step took it, another raised) is
+        refused by name before anything changes."""
+        found = []
+        for name in ("found_inf", "grad_scale"):
+            value = getattr(self, name, None)
+            if value is not None and not (isinstance(value, Tensor) and value.numel() == 1):
+                raise ValueError(f"Invalid {name}: {value!r} (GradScaler's: a tensor of one value, or None)")
+            found.append(value.reshape(()) if value is not None and value.dim() else value)
+        return found
+
     @without_grad
     def step(self, closure=None):
         """Perform one optimization step; ``closure`` re-evaluates the model and returns the loss.
