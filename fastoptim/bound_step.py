@@ -149,9 +149,9 @@ class BoundStep:
         work = self.work(optimizer.state, optimizer.param_groups, optimizer._structure, optimizer._check_between_steps)
         if work is None:
             return False
-        found_inf, amp_scale = optimizer._amp_inputs()
+        found_inf, amp_scale, max_norm = optimizer._optimizer_inputs()
         if self.call is None:
-            return self._step_with_python_scalars(optimizer, work, plans, found_inf, amp_scale)
+            return self._step_with_python_scalars(optimizer, work, plans, found_inf, amp_scale, max_norm)
         numbers = []  # every group's, before any seed is drawn: a step that goes the checked way draws its own
         for algorithm, (group, entry, _), parts in zip(self.algorithms, work, self.parts):
             values = rule_numbers(group, algorithm.rule[1]) if entry.params and parts is None else ()
@@ -161,7 +161,7 @@ class BoundStep:
                 # check (see StepCounts.in_place); Muon's parts take the checked way
                 return (not any(self.parts) and all(entry.context.counts.in_place() for _, entry, _ in work
                                                     if entry.params)
-                        and self._step_with_python_scalars(optimizer, work, plans, found_inf, amp_scale))
+                        and self._step_with_python_scalars(optimizer, work, plans, found_inf, amp_scale, max_norm))
             if parts and (group["stochastic_rounding"] or found_inf is not None and bool(found_inf)):
                 # a bound part's (Muon's) update draws random bits after the call; a step GradScaler found an
                 # inf in (a CPU tensor, read without a sync) skips its parts' rest as the checked step does
@@ -170,7 +170,8 @@ class BoundStep:
                 return False  # an option set to what no rule reads as a number (correct_bias=None, "0"): as checked
             numbers.append(list(map(float, values)))
         # the native call unscales (GradScaler's scale), clips and advances the counts: no tensor op here
-        increment, scales, clip = optimizer._grad_scales(work, found_inf, amp_scale, eager=True, clip_in_step=True)
+        increment, scales, clip = optimizer._grad_scales(work, found_inf, amp_scale, max_norm, eager=True,
+                                                            clip_in_step=True)
         finishing = []  # (its parts, its arguments) of each group whose parts finish after the native call
         for algorithm, (group, entry, _), scale, parts in zip(self.algorithms, work, scales, self.parts):
             if parts:
@@ -223,13 +224,13 @@ class BoundStep:
                 writes.note(entry.versions)
         return True
 
-    def _step_with_python_scalars(self, optimizer, work, plans, found_inf, amp_scale):
+    def _step_with_python_scalars(self, optimizer, work, plans, found_inf, amp_scale, max_norm):
         """:meth:`step` where Python computes the scalars, and advances the counts, as a checked step does:
         on a backend that computes no step scalars (Triton's), or for options its rules do not take."""
         # the flags as planned: options read as tensors (a β1 that a tensor holds, edited in place) that would
         # set others make their work's structure another (see step_cache.Structure)
         flags = [algorithm.flags(group) for algorithm, group in zip(self.algorithms, self.groups)]
-        increment, scales, _ = optimizer._grad_scales(work, found_inf, amp_scale, eager=True)
+        increment, scales, _ = optimizer._grad_scales(work, found_inf, amp_scale, max_norm, eager=True)
         launches, drawn = [], {}
         for (group, entry, grads), scale, algorithm, buckets, single, group_flags in zip(
                 work, scales, self.algorithms, self.runs, self.single, flags):

@@ -1,6 +1,7 @@
 """Bad input gets a clear error and changes nothing."""
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -287,3 +288,69 @@ def test_grad_scaler_attributes_other_than_a_tensor_of_one_value_are_refused(cls
         setattr(opt, name, torch.ones(1, 1) if name == "grad_scale" else torch.zeros(1))
         opt.step()
         assert opt._plans.bound is not None
+
+
+def _clipped(cls, write, way):
+    """Params and ``cls`` clipped at 1.0, stepped twice, then ``write(optimizer)`` and one more step
+    (``way``: "bound", or "checked" with the bound step dropped first)."""
+    params = oracle.make_params()
+    opt = cls(params, lr=0.1, max_grad_norm=1.0, fused=True)
+    grads = oracle.grad_sequence(oracle.SHAPES, 3)
+    oracle.run(opt, params, grads[:2])
+    write(opt)
+    if way == "checked":
+        opt._plans.bound = None
+    oracle.run(opt, params, grads[2:])
+    return params, opt
+
+
+def _groups_write(value):
+    def write(opt):
+        for group in opt.param_groups:
+            group["max_grad_norm"] = value
+    return write
+
+
+@pytest.mark.parametrize("cls", ALL)
+@pytest.mark.parametrize("way", ["bound", "checked"])
+def test_max_grad_norm_written_into_the_groups_or_the_defaults_between_steps_clips_the_next_step(cls, way):
+    """max_grad_norm, written between steps into every group (torch.optim's way) or into ``defaults``
+    (official Adan's): the next step clips by it either way, and both then hold it (a write into the
+    groups was ignored: the step read the defaults alone)."""
+    by_groups, opt = _clipped(cls, _groups_write(1e-4), way)
+    by_defaults, other = _clipped(cls, lambda o: o.defaults.update(max_grad_norm=1e-4), way)
+    unwritten, _ = _clipped(cls, lambda o: None, way)
+    assert all(map(torch.equal, by_groups, by_defaults))
+    assert not all(map(torch.equal, by_groups, unwritten))
+    for optimizer in (opt, other):
+        assert optimizer.defaults["max_grad_norm"] == 1e-4
+        assert all(group["max_grad_norm"] == 1e-4 for group in optimizer.param_groups)
+
+
+@pytest.mark.parametrize("cls", ALL)
+@pytest.mark.parametrize("write, message", [
+    (lambda o: o.param_groups[0].update(max_grad_norm=0.5) or o.defaults.update(max_grad_norm=0.25), "one value"),
+    (_groups_write(-1.0), "Invalid max_grad_norm: -1.0"), (_groups_write("1"), "Invalid max_grad_norm: '1'"),
+    (lambda o: o.defaults.update(max_grad_norm=None), "Invalid max_grad_norm: None")],
+    ids=["two values", "negative", "text", "None"])
+def test_max_grad_norm_written_as_two_values_or_no_number_is_refused_with_nothing_changed(cls, write, message):
+    params, opt = stepped(cls, max_grad_norm=1.0)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    write(opt)
+    before = snapshot(params, opt)
+    with pytest.raises(ValueError, match=message):
+        opt.step()
+    assert_unchanged(params, opt, before)
+
+
+@pytest.mark.parametrize("value", [torch.tensor([1.0, 2.0]), np.array([1.0, 2.0]), [1.0]],
+                         ids=["tensor", "array", "list"])
+def test_max_grad_norm_written_as_several_values_is_refused_by_name(value):
+    params, opt = stepped(fastoptim.AdamW, max_grad_norm=1.0)
+    before = snapshot(params, opt)
+    opt.param_groups[0]["max_grad_norm"] = value
+    with pytest.raises(ValueError, match="Invalid max_grad_norm"):
+        opt.step()
+    opt.param_groups[0]["max_grad_norm"] = 1.0
+    assert_unchanged(params, opt, before)

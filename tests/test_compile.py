@@ -152,6 +152,22 @@ def test_an_option_that_changes_every_step_compiles_as_eager(cls, key, value):
     run_both(cls, {}, "aot_eager", steps=6, before_step=schedule)
 
 
+@pytest.mark.parametrize("where", ["groups", "defaults"])
+def test_max_grad_norm_written_between_compiled_steps_clips_as_eagerly(where):
+    """max_grad_norm written between steps into every group or into ``defaults``: the compiled step clips
+    by it as the eager one does (it read the defaults alone, so a write into the groups was ignored)."""
+    def write(opt, step):
+        if step == 2:
+            for options in opt.param_groups if where == "groups" else [opt.defaults]:
+                options["max_grad_norm"] = 1e-3
+
+    run_both(fastoptim.AdamW, {"max_grad_norm": 1.0}, "aot_eager", steps=4, before_step=write)
+    unwritten, _, _ = run_pair(fastoptim.AdamW, {"max_grad_norm": 1.0}, steps=4)
+    written, _, _ = run_pair(fastoptim.AdamW, {"max_grad_norm": 1.0}, steps=4,
+                             before_step=lambda params, opt, step: write(opt, step))
+    assert not all(map(torch.equal, unwritten[0], written[0]))
+
+
 GRAD_SCALER_ENGINES = {"fused": ({}, model_params),
                        "fused with a fallback": (dict(fused=True), with_a_float64_param),
                        "foreach": (dict(foreach=True, fused=False), model_params),

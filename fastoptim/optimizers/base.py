@@ -4,7 +4,9 @@ algorithms. A subclass declares its algorithm (an :class:`Algorithm` record) and
 class holds them, its states are made and checked by state_creation.py, and its step path
 (step_path.py) counts the steps and runs them."""
 import functools
+import operator
 import warnings
+from itertools import repeat
 
 import torch
 from torch import Tensor
@@ -18,7 +20,7 @@ from ..step_cache import PlanStore
 from .algorithm import PER_GROUP, Algorithm
 from . import release
 from .release_reductions import refusal
-from .checks import (check_hyperparameters, check_params, check_plan_options, check_tensor_lr, flag_value,
+from .checks import (check_hyperparameters, check_number, check_params, check_plan_options, check_tensor_lr, flag_value,
                      normalize_betas, one_value)
 from .state_creation import StateCreation
 from .step_counts import group_count
@@ -101,6 +103,7 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
         distributed.check_shard_group(shard_group)
         self.shard_group = shard_group
         self._plans = PlanStore()
+        self._max_grad_norm = defaults["max_grad_norm"]  # see _optimizer_inputs
         super().__init__(params, defaults)
 
     @property
@@ -203,17 +206,39 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
     # grads itself: the fused kernels consume them in the same pass, with no host sync.
     _step_supports_amp_scaling = True
 
-    def _amp_inputs(self):
-        """GradScaler's ``found_inf`` and ``grad_scale`` (None where unset), each a tensor of one value, read
-        as a 0-d one; anything else (a number by hand: one way of the step took it, another raised) is
-        refused by name before anything changes."""
+    def _optimizer_inputs(self, traced=False):
+        """What a step reads of the optimizer beside its groups, checked before anything changes:
+        GradScaler's ``found_inf`` and ``grad_scale`` (None where unset), each a tensor of one value, read
+        as a 0-d one (anything else, a number set by hand, is refused by name: one way of the step took it,
+        another raised), and ``max_grad_norm``, as written since the last step into ``defaults`` (official
+        Adan's way) or into the groups (torch.optim's way). That clips by the norm over all groups, so it
+        holds one value, which this writes back to both; written as two values, or as no number >= 0, it
+        is refused by name. A ``traced`` step reads ``defaults``' (``_init_group`` took what was written)."""
         found = []
         for name in ("found_inf", "grad_scale"):
             value = getattr(self, name, None)
             if value is not None and not (isinstance(value, Tensor) and value.numel() == 1):
                 raise ValueError(f"Invalid {name}: {value!r} (GradScaler's: a tensor of one value, or None)")
             found.append(value.reshape(()) if value is not None and value.dim() else value)
-        return found
+        if traced:
+            return (*found, self.defaults["max_grad_norm"])
+        held = self.__dict__.get("_max_grad_norm", self.defaults["max_grad_norm"])  # (unpickled from before)
+        values = [self.defaults["max_grad_norm"], *[group.get("max_grad_norm", held) for group in self.param_groups]]
+        if all(map(operator.is_, values, repeat(held))):  # the common case: no compare (a tensor's is one)
+            return (*found, held)
+        written = [value for value in values
+                   if value is not held and not (type(value) in (float, int) and value == held)]
+        for value in written:
+            check_number("max_grad_norm", value)
+        if len(set(written)) > 1:
+            raise ValueError(f"Invalid max_grad_norm: written as {sorted(set(written))} since the last step; it "
+                             "clips by the norm over all groups, so it holds one value (set it in every group, "
+                             "or in defaults)")
+        if written:
+            held = self._max_grad_norm = self.defaults["max_grad_norm"] = written[0]
+            for group in self.param_groups:
+                group["max_grad_norm"] = held
+        return (*found, held)
 
     @without_grad
     def step(self, closure=None):

@@ -139,7 +139,7 @@ class StateDicts:
         new_state |= {key: value for key, value in state_dict["state"].items() if key not in saved_params}
         # made before anything is set: an entry that is no param's may hold a count that it refuses
         self.__setstate__({"state": OptimizerState(new_state), "param_groups": new_groups})
-        self.defaults["max_grad_norm"] = max_grad_norm
+        self.defaults["max_grad_norm"] = self._max_grad_norm = max_grad_norm
         self._forget_plans()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

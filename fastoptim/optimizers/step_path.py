@@ -132,7 +132,7 @@ class StepPath:
         """Step every group of ``work`` ((group, GroupWork, grads) per group, all checked), each bucket
         on its engine, in a step that torch.compile ``traced`` or eagerly. A released bucket is not a
         ``whole_step``: the per-group counts advance once, at ``step()``."""
-        found_inf, amp_scale = self._amp_inputs()
+        found_inf, amp_scale, max_norm = self._optimizer_inputs(traced)
         eager = not traced
         writes = self._restart_written(work, plans) if eager else None  # a traced step does not look
         # Eagerly, only the fused kernels skip an inf step on the device. The other engines look at
@@ -147,7 +147,7 @@ class StepPath:
             if found_inf.item():
                 return
             found_inf = None
-        increment, scales, _ = self._grad_scales(work, found_inf, amp_scale, eager)
+        increment, scales, _ = self._grad_scales(work, found_inf, amp_scale, max_norm, eager)
         for key, ((group, entry, grads), scale) in enumerate(zip(work, scales)):
             if entry.params:
                 self._step_group(group, entry, grads, scale, found_inf, increment, traced,
@@ -168,14 +168,14 @@ class StepPath:
                 self._restart_masters(writes.written(entry.versions))
         return writes
 
-    def _grad_scales(self, work, found_inf, amp_scale, eager, clip_in_step=False):
-        """What a step of ``work`` adds to the counts (1, or a tensor: 0 on a step GradScaler skipped),
-        each group's grad scale (the clip coefficient, GradScaler's 1/scale, −1 to maximize: see
+    def _grad_scales(self, work, found_inf, amp_scale, max_norm, eager, clip_in_step=False):
+        """What a step of ``work`` adds to the counts (1, or a tensor: 0 on a step GradScaler skipped), each
+        group's grad scale (the coefficient of a clip by ``max_norm`` where it is > 0, GradScaler's 1/scale,
+        −1 to maximize: see
         ``scalars.grad_scale``) and None; with ``clip_in_step`` (a bound step, whose native call clips,
         unscales and advances the counts itself), the increment only where a group without grads counts
         (else None), each group's −1 to maximize (or None), and what that call clips by: (max_norm, eps),
         or None."""
-        max_norm = self.defaults["max_grad_norm"]
         # each rank joins the reduction, grads or not
         clipped = max_norm > 0 and (self._reduce_group is not None or any(
             bucket for _, entry, _ in work for bucket, _ in entry.buckets))
@@ -217,6 +217,7 @@ class StepPath:
         group's work (``_traced_group_work``), which dynamo's guards keep valid. Every group in one call:
         dynamo reads the state dict once, after it. The states are made even for a step GradScaler then
         skips (zeros, the count unchanged), as eagerly."""
+        self._optimizer_inputs()  # a max_grad_norm written since goes into the options the graph reads
         plans = self._plans
         flat_params.drop_frozen_grads(self.param_groups)  # a step traced again once a param is frozen (guarded)
         for group in self.param_groups:
