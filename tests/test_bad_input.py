@@ -222,12 +222,15 @@ def test_an_option_that_decides_the_plan_written_between_steps_is_checked_as_the
 
 @pytest.mark.parametrize("cls, dtype, key, value, why", [
     (fastoptim.Lion, torch.float32, "sn", True, "Invalid sn: Lion keeps no second moment"),
-    (fastoptim.AdamW, torch.float16, "master_bits", 24, "Invalid master_bits: 24 keeps remainders of bf16 params")],
-    ids=["Lion sn", "fp16 master_bits"])
+    (fastoptim.AdamW, torch.float16, "master_bits", 24, "Invalid master_bits: 24 keeps remainders of bf16 params"),
+    (fastoptim.AdamW, torch.float32, "differentiable", True, "Invalid differentiable: True: fastoptim's step runs"),
+    (fastoptim.AdamW, torch.float32, "capturable", "yes", "Invalid capturable: 'yes'")],
+    ids=["Lion sn", "fp16 master_bits", "AdamW differentiable", "AdamW capturable"])
 def test_a_plan_option_its_algorithm_or_params_rule_out_written_between_steps_is_refused(cls, dtype, key, value, why):
     """What the constructor refuses of the algorithm (Lion has no second moment to take subset norms of) and
     the params (an fp16 param's bits keep no remainder), written between steps: refused by name (Lion's state
-    took a subset-norm record its state dict then refused to load; fp16 remainders were ignored: helper-42)."""
+    took a subset-norm record its state dict then refused to load; fp16 remainders were ignored: helper-42), and
+    AdamW's torch options it takes only as torch's defaults (differentiable=True was taken, and ignored)."""
     params = [torch.nn.Parameter(torch.randn(4, 4, dtype=dtype)) for _ in range(2)]
     opt = cls(params, lr=1e-2)
     for param in params:

@@ -132,8 +132,8 @@ class AdamW(FastOptimizer):
                         sn=sn, subset_size=subset_size, state_bits=state_bits)
         super().__init__(params, defaults, shard_group)
 
-    def _check_group(self, group, max_grad_norm=None):
-        super()._check_group(group, max_grad_norm)
+    def _check_plan(self, group):
+        super()._check_plan(group)  # so torch's options, written between steps, are checked there too
         # True changes nothing: fastoptim keeps step counts and a tensor lr on the params' device, and
         # its warmed-up fused step never waits for the device. torch.compile sets it on CUDA groups.
         if not isinstance(group["capturable"], bool):

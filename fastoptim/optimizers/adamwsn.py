@@ -75,8 +75,10 @@ class AdamWSN(AdamW):
                         state_bits=state_bits)
         FastOptimizer.__init__(self, params, defaults, shard_group)
 
+    _check_plan = FastOptimizer._check_plan  # AdamW's adds its torch options, not taken here
+
     def _check_group(self, group, max_grad_norm=None):
-        FastOptimizer._check_group(self, group, max_grad_norm)  # AdamW's adds its torch options, not taken here
+        super()._check_group(group, max_grad_norm)
         if not isinstance(group["correct_bias"], bool):
             raise ValueError(f"Invalid correct_bias: {group['correct_bias']!r} (must be True or False)")
 
