@@ -1,5 +1,6 @@
 """Bad input gets a clear error and changes nothing."""
 import copy
+import inspect
 
 import numpy as np
 import pytest
@@ -357,3 +358,29 @@ def test_max_grad_norm_written_as_several_values_is_refused_by_name(value):
         opt.step()
     opt.param_groups[0]["max_grad_norm"] = 1.0
     assert_unchanged(params, opt, before)
+
+
+NUMPY_OPTIONS = [("lr", np.float32(0.01)), ("lr", np.array(0.01)), ("lr", np.array([0.01])),
+                 ("weight_decay", np.float32(0.25)), ("max_grad_norm", np.float32(0.5)), ("max_grad_norm", np.int64(1))]
+
+
+@pytest.mark.parametrize("cls", ALL)
+@pytest.mark.parametrize("way", ["bound", "checked"])
+@pytest.mark.parametrize("key, value", NUMPY_OPTIONS, ids=[f"{k}={v!r}" for k, v in NUMPY_OPTIONS])
+def test_numpy_numbers_given_to_the_constructor_step_as_their_python_values(cls, way, key, value):
+    """A numpy number or an array of one element, given to the constructor as torch.optim takes it, steps as
+    its Python value, as it does written between steps (the constructor refused np.float32 and arrays)."""
+    def run(option):
+        params = oracle.make_params()
+        opt = cls(params, **{"lr": 0.1, "max_grad_norm": 0.0, key: option})
+        for step, grads in enumerate(oracle.grad_sequence(oracle.SHAPES, 3)):
+            if way == "checked":
+                opt._plans.bound = None
+            for param, grad in zip(params, grads):
+                param.grad = grad
+            opt.step()
+        return params
+
+    if key not in inspect.signature(cls).parameters:
+        pytest.skip(f"{cls.__name__} takes no {key}")
+    assert all(map(torch.equal, run(value), run(value.item())))

@@ -99,6 +99,8 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
 
         The hyperparameters are checked before the params, as torch.optim checks them."""
         normalize_betas(defaults)
+        # the clip's threshold as a Python number: each step compares it, and its natively computed coefficient
+        defaults["max_grad_norm"] = one_value("max_grad_norm", defaults["max_grad_norm"])
         self._check_group(defaults, defaults["max_grad_norm"])
         distributed.check_shard_group(shard_group)
         self.shard_group = shard_group
@@ -226,7 +228,7 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
         values = [self.defaults["max_grad_norm"], *[group.get("max_grad_norm", held) for group in self.param_groups]]
         if all(map(operator.is_, values, repeat(held))):  # the common case: no compare (a tensor's is one)
             return (*found, held)
-        written = [value for value in values
+        written = [one_value("max_grad_norm", value) for value in values  # a numpy number as its value
                    if value is not held and not (type(value) in (float, int) and value == held)]
         for value in written:
             check_number("max_grad_norm", value)

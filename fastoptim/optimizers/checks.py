@@ -94,7 +94,9 @@ def check_plan_options(group):
 
 
 def check_number(name, value, below=math.inf):
-    """Raise a ValueError naming ``name`` unless ``value`` is a number (not a bool) in [0, ``below``)."""
+    """Raise a ValueError naming ``name`` unless ``value`` is a number (not a bool) in [0, ``below``): a
+    numpy number, or an array of one element, as its value (:func:`one_value`), as torch.optim takes them."""
+    value = one_value(name, value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < below:
         requirement = "a finite number >= 0" if below == math.inf else f"in [0, {below:g})"
         raise ValueError(f"Invalid {name}: {value!r} (must be {requirement})")
