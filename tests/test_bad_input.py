@@ -384,3 +384,22 @@ def test_numpy_numbers_given_to_the_constructor_step_as_their_python_values(cls,
     if key not in inspect.signature(cls).parameters:
         pytest.skip(f"{cls.__name__} takes no {key}")
     assert all(map(torch.equal, run(value), run(value.item())))
+
+
+@pytest.mark.parametrize("where", ["groups", "defaults"])
+def test_max_grad_norm_written_under_gradient_release_is_refused_with_nothing_changed(where):
+    """Release steps each bucket in backward, so it never holds the norm of all grads: a threshold written
+    after it was enabled is refused, as enabling it with one is (a bucket's step clipped by its own norm)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    opt = fastoptim.AdamW(model.parameters(), lr=0.1)
+    opt.enable_gradient_release()
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    for options in opt.param_groups if where == "groups" else [opt.defaults]:
+        options["max_grad_norm"] = 0.5
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="Invalid max_grad_norm: 0.5: it clips by the norm of all grads"):
+        model(torch.randn(2, 4)).sum().backward()
+    assert all(map(torch.equal, before, model.parameters()))

@@ -236,6 +236,9 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
             raise ValueError(f"Invalid max_grad_norm: written as {sorted(set(written))} since the last step; it "
                              "clips by the norm over all groups, so it holds one value (set it in every group, "
                              "or in defaults)")
+        if written and written[0] > 0 and self.__dict__.get("_release") is not None:
+            raise ValueError(f"Invalid max_grad_norm: {written[0]!r}: it clips by the norm of all grads, which "
+                             "gradient release never holds at once (remove its handle first)")
         if written:
             held = self._max_grad_norm = self.defaults["max_grad_norm"] = written[0]
             for group in self.param_groups:
