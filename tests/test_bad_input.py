@@ -1,6 +1,7 @@
 """Bad input gets a clear error and changes nothing."""
 import copy
 import inspect
+import pickle
 
 import numpy as np
 import pytest
@@ -403,3 +404,30 @@ def test_max_grad_norm_written_under_gradient_release_is_refused_with_nothing_ch
     with pytest.raises(ValueError, match="Invalid max_grad_norm: 0.5: it clips by the norm of all grads"):
         model(torch.randn(2, 4)).sum().backward()
     assert all(map(torch.equal, before, model.parameters()))
+
+
+@pytest.mark.parametrize("copy_of", [copy.deepcopy, lambda opt: pickle.loads(pickle.dumps(opt))],
+                         ids=["deepcopy", "pickle"])
+def test_a_copy_made_between_a_max_grad_norm_write_and_the_next_step_clips_by_the_write(copy_of):
+    """The threshold last taken travels with a copy, beside which the copy tells the write (helper-49: a copy
+    took the defaults' new value for the one last taken, and the groups' old one for a write)."""
+    params, opt = stepped(fastoptim.AdamW, max_grad_norm=1.0)
+    opt.defaults["max_grad_norm"] = 1e-4
+    other = copy_of(opt)
+    grads = oracle.grad_sequence(oracle.SHAPES, 1)
+    oracle.run(opt, params, grads)
+    oracle.run(other, other.param_groups[0]["params"], grads)
+    assert all(map(torch.equal, params, other.param_groups[0]["params"]))
+    assert other.defaults["max_grad_norm"] == 1e-4 == other.param_groups[0]["max_grad_norm"]
+
+
+def test_a_group_added_after_a_max_grad_norm_write_holds_the_written_value():
+    """add_param_group takes a threshold written into the groups since the last step before it checks the new
+    group against it (it refused the written value and took the old one)."""
+    params = oracle.make_params()
+    opt = fastoptim.AdamW(params[:2], lr=0.1, max_grad_norm=1.0)
+    opt.param_groups[0]["max_grad_norm"] = 1e-3
+    with pytest.raises(ValueError, match="Invalid max_grad_norm: 1.0: .* the optimizer's, 0.001"):
+        opt.add_param_group({"params": params[2:], "max_grad_norm": 1.0})
+    opt.add_param_group({"params": params[2:], "max_grad_norm": 1e-3})
+    assert opt.defaults["max_grad_norm"] == 1e-3

@@ -152,14 +152,16 @@ def test_an_option_that_changes_every_step_compiles_as_eager(cls, key, value):
     run_both(cls, {}, "aot_eager", steps=6, before_step=schedule)
 
 
-@pytest.mark.parametrize("where", ["groups", "defaults"])
-def test_max_grad_norm_written_between_compiled_steps_clips_as_eagerly(where):
+@pytest.mark.parametrize("where, value", [("groups", 1e-3), ("defaults", 1e-3), ("groups", np.float64(1e-3))],
+                         ids=["groups", "defaults", "groups, numpy"])
+def test_max_grad_norm_written_between_compiled_steps_clips_as_eagerly(where, value):
     """max_grad_norm written between steps into every group or into ``defaults``: the compiled step clips
-    by it as the eager one does (it read the defaults alone, so a write into the groups was ignored)."""
+    by it as the eager one does (it read the defaults alone, so a write into the groups was ignored; a
+    numpy one the graph read from the defaults as a tensor, and branched on it: helper-49)."""
     def write(opt, step):
         if step == 2:
             for options in opt.param_groups if where == "groups" else [opt.defaults]:
-                options["max_grad_norm"] = 1e-3
+                options["max_grad_norm"] = value
 
     run_both(fastoptim.AdamW, {"max_grad_norm": 1.0}, "aot_eager", steps=4, before_step=write)
     unwritten, _, _ = run_pair(fastoptim.AdamW, {"max_grad_norm": 1.0}, steps=4)

@@ -124,6 +124,7 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
         params = param_group["params"]
         if not isinstance(params, (Tensor, set)):  # torch refuses a set; a generator is read once, here
             param_group["params"] = list(params)
+        self._optimizer_inputs()  # a threshold written since: taken before the new group is checked against it
         with warnings.catch_warnings():  # torch warns of a duplicate param, which check_params refuses
             warnings.filterwarnings("ignore", "optimizer contains a parameter group with duplicate parameters")
             super().add_param_group(param_group)
@@ -147,9 +148,10 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
     def _check_group(self, group, max_grad_norm=None):
         check_hyperparameters(group, self._algorithm(group).n_betas)
         self._check_plan(group)
-        if group["max_grad_norm"] != (self.defaults["max_grad_norm"] if max_grad_norm is None else max_grad_norm):
-            raise ValueError("Invalid max_grad_norm: it clips by the norm over all groups, "
-                             "so set it in the constructor, not per group")
+        held = self.defaults["max_grad_norm"] if max_grad_norm is None else max_grad_norm
+        if group["max_grad_norm"] != held:
+            raise ValueError(f"Invalid max_grad_norm: {group['max_grad_norm']!r}: it clips by the norm over all "
+                             f"groups, so a group holds the optimizer's, {held!r} (write every group's to change it)")
         engines.engine_name(flag_value("foreach", group["foreach"]), flag_value("fused", group["fused"]))
 
     def _check_plan(self, group):
@@ -175,7 +177,8 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
         self._viewed = self._sharded or any(param.is_complex() for param in params)
 
     def __getstate__(self):  # a copy keeps shard_group, or fails loudly where a group cannot be copied
-        return super().__getstate__() | {"shard_group": self.shard_group}
+        # and the clip threshold last taken, beside which a write since is told (see _optimizer_inputs)
+        return super().__getstate__() | {"shard_group": self.shard_group, "_max_grad_norm": self._max_grad_norm}
 
     def __setstate__(self, state):
         declared = "differentiable" in self.__dict__.get("defaults", state.get("defaults", {}))
@@ -187,6 +190,7 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
         for options in (self.defaults, *self.param_groups):  # pickled before master_bits existed
             options.setdefault("master_bits", 16)
         self.__dict__.setdefault("shard_group", None)
+        self.__dict__.setdefault("_max_grad_norm", self.defaults["max_grad_norm"])  # pickled before it was kept
         self._find_reduce_group()
 
     # --- step -----------------------------------------------------------------------------------
@@ -224,7 +228,7 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
             found.append(value.reshape(()) if value is not None and value.dim() else value)
         if traced:
             return (*found, self.defaults["max_grad_norm"])
-        held = self.__dict__.get("_max_grad_norm", self.defaults["max_grad_norm"])  # (unpickled from before)
+        held = self._max_grad_norm
         values = [self.defaults["max_grad_norm"], *[group.get("max_grad_norm", held) for group in self.param_groups]]
         if all(map(operator.is_, values, repeat(held))):  # the common case: no compare (a tensor's is one)
             return (*found, held)
