@@ -431,3 +431,19 @@ def test_a_group_added_after_a_max_grad_norm_write_holds_the_written_value():
         opt.add_param_group({"params": params[2:], "max_grad_norm": 1.0})
     opt.add_param_group({"params": params[2:], "max_grad_norm": 1e-3})
     assert opt.defaults["max_grad_norm"] == 1e-3
+
+
+def test_max_grad_norm_written_into_some_groups_only_is_refused_with_nothing_changed():
+    """A threshold written into one group of two reads as a per-group one, which clipping by the norm over
+    all groups is not: refused by name (it was taken for every group, silently: helper-49)."""
+    params = oracle.make_params()
+    opt = fastoptim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=0.1, max_grad_norm=1.0)
+    oracle.run(opt, params, oracle.grad_sequence(oracle.SHAPES, 2))
+    opt.param_groups[1]["max_grad_norm"] = 0.5
+    before = snapshot(params, opt)
+    with pytest.raises(ValueError, match="Invalid max_grad_norm: 0.5 written into 1 of the 2 groups"):
+        opt.step()
+    assert_unchanged(params, opt, before)
+    opt.param_groups[0]["max_grad_norm"] = 0.5
+    opt.step()
+    assert opt.defaults["max_grad_norm"] == 0.5
