@@ -803,3 +803,45 @@ def test_the_matrices_of_one_shape_are_orthogonalized_as_one_batch(engine, monke
         param.grad = torch.randn_like(param)
     fastoptim.Muon(params, lr=0.01, **ENGINES[engine]).step()
     assert sorted(batches) == [(1, 8, 4), (2, 4, 8), (2, 8, 4)]
+
+
+@pytest.mark.parametrize("switch", ["use_muon", "moved"])
+def test_a_state_dict_saved_after_a_param_changed_algorithm_loads_and_steps_on_as_the_original(switch):
+    """A Muon group's matrix stepped by the AdamW companions (its group's use_muon written False, or the param
+    moved into a companions' group), whose state keeps the other algorithm's states as AdamW's keeps an
+    unused maximum: its state dict loads into the same optimizer and into a fresh one, which then step as the
+    original, back to Muon too (the load refused the other algorithm's keys: helper-50)."""
+    torch.manual_seed(0)
+    weight, bias = torch.nn.Parameter(torch.randn(24, 16)), torch.nn.Parameter(torch.randn(16))
+    grads = [(torch.randn_like(weight), torch.randn_like(bias)) for _ in range(6)]
+
+    def build(w, b):
+        return fastoptim.Muon([dict(params=[w]), dict(params=[b], use_muon=False, eps=1e-8, adamw_eps=1e-8)],
+                              lr=0.02, eps=1e-8)
+
+    def step(opt, w, b, i):
+        w.grad, b.grad = grads[i][0].clone(), grads[i][1].clone()
+        opt.step()
+
+    opt = build(weight, bias)
+    for i in range(3):
+        if i == 1 and switch == "use_muon":
+            opt.param_groups[0].update(use_muon=False, adamw_eps=1e-8)
+        elif i == 1:
+            opt.param_groups[1]["params"].append(opt.param_groups[0]["params"].pop())
+        step(opt, weight, bias, i)
+    assert {"momentum_buffer", "exp_avg", "exp_avg_sq"} <= set(opt.state[weight])
+    twin_weight, twin_bias = (torch.nn.Parameter(p.detach().clone()) for p in (weight, bias))
+    twin = build(twin_weight, twin_bias)
+    if switch == "use_muon":
+        twin.param_groups[0].update(use_muon=False, adamw_eps=1e-8)
+    else:
+        twin.param_groups[1]["params"].append(twin.param_groups[0]["params"].pop())
+    twin.load_state_dict(copy.deepcopy(opt.state_dict()))
+    opt.load_state_dict(opt.state_dict())
+    for i in range(3, 6):
+        for optimizer, w, b in ((opt, weight, bias), (twin, twin_weight, twin_bias)):
+            if i == 4 and switch == "use_muon":
+                optimizer.param_groups[0]["use_muon"] = True
+            step(optimizer, w, b, i)
+    assert torch.equal(weight, twin_weight) and torch.equal(bias, twin_bias)

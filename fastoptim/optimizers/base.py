@@ -329,6 +329,10 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
         """The :class:`Algorithm` that steps ``group``: the optimizer's own."""
         return self.algorithm
 
+    def _algorithms(self):
+        """Every :class:`Algorithm` that steps a group of this optimizer (see :meth:`_algorithm`)."""
+        return (self.algorithm,)
+
     def enable_gradient_release(self, bucket_numel: int = release.BUCKET_NUMEL, *,
                                 model: torch.nn.Module | None = None) -> release.GradientRelease:
         """Step each bucket of params in backward, as soon as all its grads are final, and free those

@@ -232,6 +232,9 @@ class Muon(FastOptimizer):
     def _algorithm(self, group):
         return MUON if group["use_muon"] else COMPANIONS
 
+    def _algorithms(self):
+        return MUON, COMPANIONS
+
     def _use_new_states(self, group, entry, traced):
         # a sharded bucket's exchange is planned from its params' global shapes, which its plan's local
         # shards do not tell: its bucket plan (kept between steps, made anew with the buckets) holds them

@@ -10,7 +10,7 @@ from ..multi_tensor import gather_states
 from ..optimizer_state import OptimizerState
 from ..specs import ABSMAX
 from ..states import formats, master, subset_norm
-from .algorithm import PER_GROUP
+from .algorithm import PER_GROUP, PER_PARAM
 from .checks import normalize_betas, one_value, step_count
 
 # Options that say how a step runs, not what it computes: a loaded state dict leaves them as they are.
@@ -164,7 +164,11 @@ class StateDicts:
             state[master.KEY] = master.convert(torch.as_tensor(remainder), master_bits)
         expected = self._expected_state(group, param, state)
         records = {key for key in subset_norm.RECORDS if key in state}  # the partition: Python ints
-        unused = {key for role in spec.states for key in (role, role + ABSMAX)} - set(expected)
+        # the states its options leave unused (AdamW's maximum without amsgrad), or the other algorithm's (a Muon
+        # group's param stepped by the AdamW companions before), kept as the step keeps them
+        unused = {key for algorithm in self._algorithms() for key in (
+            *(key for role in algorithm.spec.states for key in (role, role + ABSMAX)),
+            *(("step",) if algorithm.counts == PER_PARAM else ()))} - set(expected)
         missing = set(expected) - set(state) - spec.optional - {master.KEY}  # a step creates a remainder
         if set(state) - set(expected) - records - unused or missing:
             raise ValueError(
