@@ -447,3 +447,36 @@ def test_max_grad_norm_written_into_some_groups_only_is_refused_with_nothing_cha
     opt.param_groups[0]["max_grad_norm"] = 0.5
     opt.step()
     assert opt.defaults["max_grad_norm"] == 0.5
+
+
+TENSOR_OPTIONS = [(fastoptim.AdamW, "weight_decay"), (fastoptim.AdamW, "eps"), (fastoptim.Adan, "weight_decay"),
+                  (fastoptim.Lion, "weight_decay"), (fastoptim.AdamWSN, "weight_decay"), (fastoptim.Muon, "weight_decay"),
+                  (fastoptim.Muon, "momentum")]
+
+
+@pytest.mark.parametrize("cls, key", TENSOR_OPTIONS, ids=[f"{cls.__name__} {key}" for cls, key in TENSOR_OPTIONS])
+def test_a_0d_tensor_option_is_taken_by_the_constructor_and_a_load_as_between_steps(cls, key):
+    """A 0-d tensor weight_decay, eps or Muon momentum (torch.optim.Muon takes one), which a step written
+    between steps took: the constructor and load_state_dict take it too, and the steps are the written
+    ones', bound and checked (both refused it, so a state dict saved after such a write did not load,
+    under a message that named the betas: helper-50)."""
+    def run(construct):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(6, 4)) for _ in range(2)]
+        value = torch.tensor(1e-6 if key == "eps" else 0.5)
+        opt = cls(params, lr=0.01, **({key: value} if construct else {}))
+        if not construct:
+            opt.param_groups[0][key] = value
+        for step in range(4):
+            for param in params:
+                param.grad = torch.randn_like(param)
+            if step == 2:
+                opt._plans.bound = None
+            opt.step()
+            if step == 1:
+                opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        return params
+
+    assert all(map(torch.equal, run(True), run(False)))
+    with pytest.raises(ValueError, match=f"Invalid {key}: -0.5"):
+        cls([torch.nn.Parameter(torch.randn(6, 4))], **{key: torch.tensor(-0.5)})

@@ -845,3 +845,19 @@ def test_a_state_dict_saved_after_a_param_changed_algorithm_loads_and_steps_on_a
                 optimizer.param_groups[0]["use_muon"] = True
             step(optimizer, w, b, i)
     assert torch.equal(weight, twin_weight) and torch.equal(bias, twin_bias)
+
+
+def test_a_0d_tensor_momentum_given_to_the_constructor_steps_as_torch_s_muon():
+    """torch.optim.Muon takes a tensor momentum; so does the constructor now (it refused one: helper-50)."""
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(6, 4)) for _ in range(2)]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = fastoptim.Muon(ours, lr=0.01, momentum=torch.tensor(0.9), weight_decay=0.1, foreach=False, fused=False)
+    reference = torch.optim.Muon(theirs, lr=0.01, momentum=torch.tensor(0.9), weight_decay=0.1)
+    for _ in range(3):
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        opt.step()
+        reference.step()
+    assert all(map(torch.equal, ours, theirs))

@@ -62,7 +62,7 @@ def check_hyperparameters(group, n_betas):
         lr = lr.item()  # construction time only, never in step()
     for name, value in (("lr", lr), *((name, group[name]) for name in ("eps", "weight_decay", "max_grad_norm")
                                       if name in group)):  # an algorithm may take no eps (Lion)
-        check_number(name, value)
+        check_number(name, value, tensor=name in ("eps", "weight_decay"))  # the clip's threshold is a number
     betas = group["betas"]
     if not isinstance(betas, (tuple, list)) or len(betas) != n_betas:
         raise ValueError(f"Invalid betas: {betas!r} (expected {n_betas} numbers)")
@@ -93,9 +93,15 @@ def check_plan_options(group):
                          "8-bit blockwise states)")
 
 
-def check_number(name, value, below=math.inf):
+def check_number(name, value, below=math.inf, tensor=False):
     """Raise a ValueError naming ``name`` unless ``value`` is a number (not a bool) in [0, ``below``): a
-    numpy number, or an array of one element, as its value (:func:`one_value`), as torch.optim takes them."""
+    numpy number, or an array of one element, as its value (:func:`one_value`), as torch.optim takes them;
+    with ``tensor``, a 0-d floating-point tensor too, which a step reads as it reads a beta's (its value
+    checked where it is on the CPU: another device's is read by the step there, not looked at)."""
+    if tensor and isinstance(value, Tensor) and value.dim() == 0 and value.is_floating_point():
+        if value.device.type != "cpu":
+            return
+        value = value.item()  # when a group is added or loaded, never in step()
     value = one_value(name, value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < below:
         requirement = "a finite number >= 0" if below == math.inf else f"in [0, {below:g})"

@@ -246,8 +246,8 @@ class Muon(FastOptimizer):
     def _check_group(self, group, max_grad_norm=None):
         super()._check_group(group, max_grad_norm)
         check_flags(group)
-        check_number("adamw_eps", group["adamw_eps"])
-        check_number("momentum", group["momentum"], below=1.0)
+        check_number("adamw_eps", group["adamw_eps"], tensor=True)
+        check_number("momentum", group["momentum"], below=1.0, tensor=True)
         check_schedule(group)
         check_row_blocks(group)
         if group["use_muon"]:
