@@ -41,7 +41,7 @@ def _refusal(backend, param, grad, states, states_format, remainder):
     if remainder is not None and not same_layout(remainder, param):
         return "a master remainder is not laid out as its param"
     if states_format.block > 1 and not all(t.is_contiguous() for t in (param, grad, *states.values())):
-        return f"{states_format} states need a contiguous param and grad"
+        return f"{states_format} states need a contiguous param, grad and states"
     states = list(states.values())
     if any(state.shape != param.shape for state in states):  # a subset-norm view: walked in row-major order
         if not all(t.is_contiguous() for t in (param, grad, *states)):
