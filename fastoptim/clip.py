@@ -45,7 +45,10 @@ def _total(grads, inf, kernel):
     wide = widest(grads)
     device, parts = grads[0].device, []
     for bucket in buckets(grads):
-        norms = torch.stack(torch._foreach_norm([grads[i] for i in bucket], math.inf if inf else 2.0, dtype=wide))
+        part = [grads[i] for i in bucket]
+        # a complex grad's norm is of its magnitudes (as torch's), in its own precision: no real dtype is asked
+        norms = torch.stack(torch._foreach_norm(part, math.inf if inf else 2.0,
+                                                **({} if part[0].is_complex() else {"dtype": wide}))).to(wide)
         parts.append((norms.max() if inf else norms.square().sum()).to(device, wide, non_blocking=True))
     parts = torch.stack(parts)
     return parts.max() if inf else parts.sum()
@@ -54,7 +57,8 @@ def _total(grads, inf, kernel):
 def _scale(grads, factor, kernel):
     """Multiply ``grads`` by ``factor`` (a one-element tensor) in place: by the kernel where it takes
     them (no two sharing memory: its threads would race), else by ``torch._foreach_mul_`` per bucket."""
-    if kernel and kernel.scale_grads(grads, factor.to("cpu", torch.float32).reshape(())) == kernel.TAKEN:
+    if (kernel and factor.device.type == "cpu"  # the kernel reads it on the host: the grads are on no other device
+            and kernel.scale_grads(grads, factor.to(torch.float32).reshape(())) == kernel.TAKEN):
         return
     for bucket in buckets(grads):
         part = [grads[i] for i in bucket]
@@ -132,8 +136,8 @@ def grad_norm(grads, norm_type=2.0, group=None, kernel=None, wide=None, traced=F
 
 
 def widest(grads):
-    """The dtype of a norm of ``grads``: float64 where a grad is float64 (as torch's), else fp32."""
-    return torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    """The dtype of a norm of ``grads``: float64 where a grad is float64 or complex128 (as torch's), else fp32."""
+    return torch.float64 if any(g.dtype in (torch.float64, torch.complex128) for g in grads) else torch.float32
 
 
 def norm_of(total, inf, wide):

@@ -172,3 +172,30 @@ def test_calls_over_params_of_mixed_dtypes_in_another_order_or_other_grads_match
         torch.testing.assert_close(norm, expected, rtol=2**-8, atol=0)
         for a, b in zip(mine, torchs):
             torch.testing.assert_close(a.grad, b.grad, rtol=2**-7, atol=1e-7)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+@pytest.mark.parametrize("dtypes", [(torch.complex64,), (torch.complex64, torch.float32), (torch.complex128,)],
+                         ids=["complex64", "complex64 and float32", "complex128"])
+def test_complex_grads_are_clipped_as_torch_clips_them(norm_type, dtypes):
+    """A complex grad's norm is of its magnitudes, as torch's (it raised: foreach_norm was asked for a real
+    dtype: helper-51)."""
+    generator = torch.Generator().manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(5, dtype=dtype, generator=generator)) for dtype in dtypes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    for a, b in zip(ours, theirs):
+        a.grad = torch.randn(a.shape, dtype=a.dtype, generator=generator) * 3
+        b.grad = a.grad.clone()
+    norm = fastoptim.clip_grad_norm_(ours, 1.0, norm_type)
+    assert torch.equal(norm, torch.nn.utils.clip_grad_norm_(theirs, 1.0, norm_type))
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(ours, theirs))
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_meta_grads_give_a_meta_norm_as_torch_s(norm_type):
+    """On the meta device (a model being traced for its shapes), as torch: a 0-d meta norm (it raised: the
+    factor was copied to the host for the kernel, which takes no meta tensors: helper-51)."""
+    param = torch.nn.Parameter(torch.zeros(4, device="meta"))
+    param.grad = torch.empty(4, device="meta")
+    norm = fastoptim.clip_grad_norm_([param], 1.0, norm_type)
+    assert norm.device.type == "meta" and norm.shape == () and norm.dtype == torch.float32
