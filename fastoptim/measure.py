@@ -6,6 +6,7 @@ import argparse
 import os
 import platform
 import time
+from pathlib import Path
 
 import torch
 
@@ -148,3 +149,23 @@ def at_least(lowest):
 
 positive = at_least(1)
 non_negative = at_least(0)
+
+
+def named(text):
+    """An argparse type: a non-empty name or path (an empty shell variable would otherwise read as the
+    option left out, and ``--resume ""`` start a new run over the last one's checkpoints)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def output_folder(text):
+    """An argparse type: a folder a command can write its results into, checked before it measures
+    anything: a folder, or a path whose nearest existing parent is a writable folder."""
+    path = Path(named(text))
+    existing = next(folder for folder in (path, *path.absolute().parents) if folder.exists())
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"{existing} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{existing} is not writable")
+    return text

@@ -325,7 +325,8 @@ def numeric_options(command):
     """The options of ``fastoptim COMMAND`` that take a number, with the lowest value each allows."""
     parser = argparse.ArgumentParser()
     importlib.import_module(f"fastoptim.{command}.command").add_arguments(parser)
-    options = [action for action in parser._actions if action.type is not None and action.choices is None]
+    options = [action for action in parser._actions if action.type is not None and action.choices is None
+               and action.type not in (measure.named, measure.output_folder)]  # the names and folders
     assert all(action.type is not str and action.type is not int for action in options), \
         "a numeric option without a lower bound"
     lowest = {"--seed": 0}
@@ -345,3 +346,40 @@ def test_every_numeric_option_refuses_a_value_below_its_bound(command, capsys):
             assert stop.value.code == 2, (name, bad)
             error = capsys.readouterr().err
             assert name in error and (f"must be at least {lowest}" in error or "invalid int value" in error), error
+
+
+@pytest.mark.parametrize("command, option, value, message", [
+    ("train", "--resume", "", "must not be empty"), ("train", "--out", "", "must not be empty"),
+    ("bench", "--baseline", "", "must not be empty"), ("bench", "--out", "", "must not be empty"),
+    ("bench", "--out", "a file", "is a file, not a folder"), ("train", "--out", "a file", "is a file, not a folder")])
+def test_an_empty_name_or_an_output_folder_that_is_a_file_is_refused_before_anything_runs(
+        command, option, value, message, tmp_path, capsys):
+    """An empty shell variable in ``--resume "$DIR"`` started a new default run over the last one's checkpoints;
+    an ``--out`` that is a file lost a whole benchmark's measurements at its end (helper-52)."""
+    if value == "a file":
+        value = str(tmp_path / "results")
+        (tmp_path / "results").write_text("")
+    with pytest.raises(SystemExit) as stop:
+        cli.main([command, option, value, *(["--list"] if command == "bench" else [])])
+    error = capsys.readouterr().err
+    assert stop.value.code == 2 and f"argument {option}: " in error and message in error, error
+
+
+def test_an_output_folder_that_cannot_be_made_stops_the_bench_before_it_measures(capsys):
+    """One the argument's check lets through as root (its nearest folder is writable to root, but it cannot be
+    made there); refused by the argument's check where /proc is not writable."""
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["bench", *TINY, "--models", "gpt2-tiny", "--optimizers", "adan-loop", "--out",
+                  "/proc/fastoptim-test/results"])
+    assert str(stop.value).startswith("--out /proc/fastoptim-test/results: ") or stop.value.code == 2
+    assert "ms/step" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content, message", [(None, "No such file"), ("not json", "Expecting value"),
+                                              ('{"schema": 3, "runs": []}', "not the results.json of a fastoptim bench")])
+def test_compare_refuses_what_is_no_bench_result_in_one_line(content, message, tmp_path):
+    path = tmp_path / "results.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit, match=f"--compare {path}: {message}"):
+        cli.main(["bench", "--compare", str(path), str(path)])

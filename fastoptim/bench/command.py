@@ -5,7 +5,7 @@ import argparse
 import torch
 
 from fastoptim import extras
-from fastoptim.measure import positive
+from fastoptim.measure import named, output_folder, positive
 
 QUICK_MODELS = ["gpt2-h12-l6-d768", "resnet50"]
 # The 8-bit peers are GPU optimizers: on the CPU a step costs them 5-10x torch's foreach Adam, which
@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizers", nargs="+", help="optimizer names (see --list); default: the peers, then "
                                                         "every fastoptim engine (with --device cuda: the FusedAdan "
                                                         "benchmark's peers and the fused engines)")
-    parser.add_argument("--baseline", help="the optimizer the ratios are to (default: the first, torch-adam-foreach)")
+    parser.add_argument("--baseline", type=named, help="the optimizer the ratios are to (default: the first, torch-adam-foreach)")
     parser.add_argument("--steps", type=positive,
                         help=f"timed steps per repeat (default 1, {GPU_STEPS} with --device cuda)")
     parser.add_argument("--repeats", type=positive, default=3,
@@ -47,7 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="default cpu")
     parser.add_argument("--threads", type=positive, default=torch.get_num_threads(),
                         help=f"torch threads (default {torch.get_num_threads()}, torch's choice here)")
-    parser.add_argument("--out", default="bench-out", help="folder for results.json, results.md and bench.png")
+    parser.add_argument("--out", type=output_folder, default="bench-out",
+                        help="folder for results.json, results.md and bench.png (default bench-out), checked before "
+                             "anything is measured")
     parser.add_argument("--random-grads", action="store_true", help="random normal grads instead of one backward pass")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     parser.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="show two runs side by side")

@@ -252,7 +252,7 @@ def write(results, out):
 
 def compare(path_a, path_b):
     """Two runs side by side: each (model, optimizer) both have, with the ratio B/A."""
-    a, b = (json.loads(Path(p).read_text()) for p in (path_a, path_b))
+    a, b = map(read_results, (path_a, path_b))
     rows = {(e["model"], r["optimizer"]): r for e in b["models"] for r in e.get("optimizers", [])}
     lines = [f"A: {path_a} (torch {a['torch']}, {a['threads']} threads, {a['dtype']})",
              f"B: {path_b} (torch {b['torch']}, {b['threads']} threads, {b['dtype']})", "",
@@ -269,4 +269,19 @@ def compare(path_a, path_b):
                          f"{number(rb['ms_per_step'])} | {number(time_ratio, 2)} | "
                          f"{number(ra['peak_bytes'], 0, MIB)} | {number(rb['peak_bytes'], 0, MIB)} | "
                          f"{number(peak_ratio, 3)} |")
+    if len(lines) == 5:  # the header alone
+        lines.append("\nThe two runs have no (model, optimizer) pair in common.")
     return "\n".join(lines)
+
+
+def read_results(path):
+    """The results a ``fastoptim bench`` run wrote to ``path`` (its results.json); a one-line SystemExit
+    where it cannot be read or is no bench run's."""
+    try:
+        results = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise SystemExit(f"--compare {path}: {getattr(error, 'strerror', None) or error}") from None
+    if not (isinstance(results, dict) and {"torch", "threads", "dtype", "models"} <= results.keys()
+            and all("model" in entry for entry in results["models"])):
+        raise SystemExit(f"--compare {path}: not the results.json of a fastoptim bench run")
+    return results

@@ -16,6 +16,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -397,6 +398,10 @@ def memory_needed(model, settings):
 def main(models, names, settings, out):
     """Measure every model in turn, print its table, and write the reports to ``out``. Ctrl-C stops
     the run and still writes what was measured."""
+    try:  # before anything is measured: a folder that cannot be made would lose the whole run at its end
+        Path(out).mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise SystemExit(f"--out {out}: {error.strerror or error}") from None
     torch.set_num_threads(settings["threads"])
     results = report.header(settings)
     results["load_at_start"] = machine_busy_now()

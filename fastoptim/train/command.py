@@ -2,7 +2,7 @@
 import argparse
 
 from fastoptim import extras
-from fastoptim.measure import non_negative, positive
+from fastoptim.measure import named, non_negative, output_folder, positive
 
 from . import loop as training
 
@@ -38,9 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=non_negative,
                         help=f"of the initial weights and the batches (default {defaults['seed']})")
     parser.add_argument("--threads", type=positive, help=f"torch threads (default {defaults['threads']})")
-    parser.add_argument("--out", help="folder for results.json, results.md, curves.png and checkpoints/ "
+    parser.add_argument("--out", type=output_folder, help="folder for results.json, results.md, curves.png and checkpoints/ "
                                       "(default train-out)")
-    parser.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its checkpoints, bit-identically")
+    parser.add_argument("--resume", type=named, metavar="DIR", help="continue the run in DIR from its checkpoints, bit-identically")
     parser.add_argument("--stop-after", type=positive, metavar="STEP",
                         help="stop each run after this step, checkpointed; continue with --resume")
     parser.set_defaults(func=run)

@@ -1,0 +1,4 @@
+"""``python -m fastoptim``: the ``fastoptim`` command."""
+from fastoptim.cli import main
+
+main()
