@@ -24,6 +24,7 @@ LAYERS = (
     ("fastoptim",),  # the package's own __init__: the public API
     ("fastoptim.frameworks", "fastoptim.bench", "fastoptim.train"),
     ("fastoptim.cli",),
+    ("fastoptim.__main__",),  # python -m fastoptim: the command
 )
 
 
