@@ -73,9 +73,12 @@ def flatten_parameters(module: torch.nn.Module, grads: bool = True) -> list[Tens
         The param buffers (1-d), one per device and dtype, in the order of their first params.
 
     Raises:
+        TypeError: ``module`` is no ``torch.nn.Module`` (a list of params, say).
         ValueError: a param is a DTensor, sparse, quantized, on the meta device, or not dense; a
             grad is not a plain strided tensor; or two params share memory.
     """
+    if not isinstance(module, torch.nn.Module):  # its params alone cannot be moved: the module holds them
+        raise TypeError(f"flatten_parameters takes the model (a torch.nn.Module), not {type(module).__name__}")
     names = {id(param): name for name, param in module.named_parameters()}
     params = list(module.parameters())
     for param in params:

@@ -383,3 +383,13 @@ def test_compare_refuses_what_is_no_bench_result_in_one_line(content, message, t
         path.write_text(content)
     with pytest.raises(SystemExit, match=f"--compare {path}: {message}"):
         cli.main(["bench", "--compare", str(path), str(path)])
+
+
+@pytest.mark.parametrize("command, args", [
+    ("bench", ["--models", "gpt2-tiny", "--optimizers", "adan-loop", "adan-loop"]),
+    ("bench", ["--models", "gpt2-tiny", "gpt2-tiny", "--optimizers", "adan-loop"]),
+    ("train", ["--optimizers", "adan", "adan"])])
+def test_a_name_given_twice_is_refused_before_anything_runs(command, args):
+    """A name given twice was run twice under one name: one row, one checkpoint file (helper-52)."""
+    with pytest.raises(SystemExit, match="named more than once: "):
+        cli.main([command, *args])

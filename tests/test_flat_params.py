@@ -324,3 +324,12 @@ def test_a_layer_frozen_in_a_compiled_training_step_and_its_grads_zeroed_is_not_
                                        "identity alone, missing a freeze (helper-27)")
 def test_a_layer_frozen_in_a_compiled_training_step_is_not_stepped():
     assert frozen_in_a_compiled_training_step(zero_grad_after_freezing=False)
+
+
+@pytest.mark.parametrize("given", [None, 3, "model", "params"])
+def test_anything_but_a_module_is_refused_by_name(given):
+    """A list of params (a likely slip) or anything else gave a raw AttributeError (helper-52)."""
+    if given == "params":
+        given = list(torch.nn.Linear(2, 2).parameters())
+    with pytest.raises(TypeError, match="flatten_parameters takes the model"):
+        fastoptim.flatten_parameters(given)

@@ -114,3 +114,13 @@ def test_a_released_run_is_the_same_run_without_release_and_a_recipe_cannot_both
     assert released["rows"][0]["optimizer_share"] is None and "| in backward |" in (tmp_path / "released" / "results.md").read_text()
     with pytest.raises(ValueError, match="cannot clip"):
         dataclasses.replace(recipe, clip=True)
+
+
+def test_ctrl_c_stops_with_the_command_that_resumes_the_runs(tmp_path, monkeypatch):
+    """An interrupted run says how to go on from its checkpoints (it printed a raw KeyboardInterrupt: helper-52)."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "train_run", interrupted)
+    with pytest.raises(SystemExit, match=f"interrupted; .* fastoptim train --resume {tmp_path}"):
+        cli.main(["train", *TINY, "--out", str(tmp_path)])

@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizers", nargs="+", help="optimizer names (see --list); default: the peers, then "
                                                         "every fastoptim engine (with --device cuda: the FusedAdan "
                                                         "benchmark's peers and the fused engines)")
-    parser.add_argument("--baseline", type=named, help="the optimizer the ratios are to (default: the first, torch-adam-foreach)")
+    parser.add_argument("--baseline", type=named,
+                        help="the optimizer the ratios are to (default: the first, torch-adam-foreach)")
     parser.add_argument("--steps", type=positive,
                         help=f"timed steps per repeat (default 1, {GPU_STEPS} with --device cuda)")
     parser.add_argument("--repeats", type=positive, default=3,
@@ -85,6 +86,10 @@ def run(args: argparse.Namespace) -> None:
         unknown = list(dict.fromkeys(name for name in chosen if name not in valid))
         if unknown:
             raise SystemExit(f"unknown {kind} {', '.join(unknown)}; valid: {', '.join(valid)}")
+    for kind, chosen in (("model", args.models), ("optimizer", names)):
+        twice = [name for name in dict.fromkeys(chosen) if chosen.count(name) > 1]
+        if twice:  # one row each: a second run would be measured under the same name
+            raise SystemExit(f"{kind} named more than once: {', '.join(twice)}")
     if baseline not in names:
         names.insert(0, baseline)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -38,9 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=non_negative,
                         help=f"of the initial weights and the batches (default {defaults['seed']})")
     parser.add_argument("--threads", type=positive, help=f"torch threads (default {defaults['threads']})")
-    parser.add_argument("--out", type=output_folder, help="folder for results.json, results.md, curves.png and checkpoints/ "
-                                      "(default train-out)")
-    parser.add_argument("--resume", type=named, metavar="DIR", help="continue the run in DIR from its checkpoints, bit-identically")
+    parser.add_argument("--out", type=output_folder,
+                        help="folder for results.json, results.md, curves.png and checkpoints/ (default train-out)")
+    parser.add_argument("--resume", type=named, metavar="DIR",
+                        help="continue the run in DIR from its checkpoints, bit-identically")
     parser.add_argument("--stop-after", type=positive, metavar="STEP",
                         help="stop each run after this step, checkpointed; continue with --resume")
     parser.set_defaults(func=run)
@@ -62,7 +63,11 @@ def run(args: argparse.Namespace) -> None:
                              f"drop {options}")
         training.resume(args.resume, args.stop_after)
         return
-    unknown = [name for name in given.get("optimizers", []) if name not in training.RECIPES]
+    chosen = given.get("optimizers", [])
+    unknown = [name for name in chosen if name not in training.RECIPES]
     if unknown:
         raise SystemExit(f"unknown optimizer {', '.join(unknown)}; valid: {', '.join(training.RECIPES)}")
+    twice = [name for name in dict.fromkeys(chosen) if chosen.count(name) > 1]
+    if twice:  # one checkpoint and one row each: a second run would overwrite the first's
+        raise SystemExit(f"optimizer named more than once: {', '.join(twice)}")
     training.main(training.DEFAULTS | given, args.out or "train-out", args.stop_after)

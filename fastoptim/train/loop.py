@@ -202,9 +202,13 @@ def main(settings, out, stop_after=None, resume=False):
     corpus = data.load(model.SIZES[settings["model_size"]]["context"])
     plan = [(name, lr) for name in settings["optimizers"] for lr in learning_rates(name, settings["lr_sweep"])]
     start = load_snapshot()
-    with tqdm(total=len(plan) * settings["steps"], unit="step", dynamic_ncols=True) as bar:
-        runs = [train_run(name, lr, settings, corpus, checkpoints / f"{name}-lr{lr:g}.pt", resume, stop_after, bar)
-                for name, lr in plan]
+    try:
+        with tqdm(total=len(plan) * settings["steps"], unit="step", dynamic_ncols=True) as bar:
+            runs = [train_run(name, lr, settings, corpus, checkpoints / f"{name}-lr{lr:g}.pt", resume, stop_after,
+                              bar) for name, lr in plan]
+    except KeyboardInterrupt:  # each run's last checkpoint is whole (see save): the runs go on from there
+        raise SystemExit(f"interrupted; continue from the last checkpoints with: fastoptim train --resume {out}"
+                         ) from None
     load = load_between(start, load_snapshot())
     if any(run["step"] < settings["steps"] for run in runs):
         print(f"stopped after step {stop_after}; continue with: fastoptim train --resume {out}")
