@@ -159,6 +159,18 @@ def named(text):
     return text
 
 
+def check_names(kind, names, valid):
+    """Stop the command with one line where ``names`` (of ``kind``: "model", "optimizer") holds one not in
+    ``valid`` (which it lists), or one twice (a second run would go under the same name: one row, one
+    checkpoint)."""
+    unknown = [name for name in dict.fromkeys(names) if name not in valid]
+    if unknown:
+        raise SystemExit(f"unknown {kind} {', '.join(unknown)}; valid: {', '.join(valid)}")
+    twice = [name for name in dict.fromkeys(names) if names.count(name) > 1]
+    if twice:
+        raise SystemExit(f"{kind} named more than once: {', '.join(twice)}")
+
+
 def output_folder(text):
     """An argparse type: a folder a command can write its results into, checked before it measures
     anything: a folder, or a path whose nearest existing parent is a writable folder."""

@@ -5,7 +5,7 @@ import argparse
 import torch
 
 from fastoptim import extras
-from fastoptim.measure import named, output_folder, positive
+from fastoptim.measure import check_names, named, output_folder, positive
 
 QUICK_MODELS = ["gpt2-h12-l6-d768", "resnet50"]
 # The 8-bit peers are GPU optimizers: on the CPU a step costs them 5-10x torch's foreach Adam, which
@@ -82,14 +82,9 @@ def run(args: argparse.Namespace) -> None:
     args.models = args.models or (models.SEED_MODELS if gpu else QUICK_MODELS)
     args.steps = args.steps if args.steps is not None else (GPU_STEPS if gpu else 1)
     baseline = args.baseline or names[0]
-    for kind, chosen, valid in (("model", args.models, models.MODELS), ("optimizer", [*names, baseline], known)):
-        unknown = list(dict.fromkeys(name for name in chosen if name not in valid))
-        if unknown:
-            raise SystemExit(f"unknown {kind} {', '.join(unknown)}; valid: {', '.join(valid)}")
-    for kind, chosen in (("model", args.models), ("optimizer", names)):
-        twice = [name for name in dict.fromkeys(chosen) if chosen.count(name) > 1]
-        if twice:  # one row each: a second run would be measured under the same name
-            raise SystemExit(f"{kind} named more than once: {', '.join(twice)}")
+    check_names("model", args.models, models.MODELS)
+    check_names("optimizer", names, known)
+    check_names("optimizer", [baseline], known)
     if baseline not in names:
         names.insert(0, baseline)
     if args.device == "cuda" and not torch.cuda.is_available():

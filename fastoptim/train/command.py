@@ -2,7 +2,7 @@
 import argparse
 
 from fastoptim import extras
-from fastoptim.measure import named, non_negative, output_folder, positive
+from fastoptim.measure import check_names, named, non_negative, output_folder, positive
 
 from . import loop as training
 
@@ -63,11 +63,5 @@ def run(args: argparse.Namespace) -> None:
                              f"drop {options}")
         training.resume(args.resume, args.stop_after)
         return
-    chosen = given.get("optimizers", [])
-    unknown = [name for name in chosen if name not in training.RECIPES]
-    if unknown:
-        raise SystemExit(f"unknown optimizer {', '.join(unknown)}; valid: {', '.join(training.RECIPES)}")
-    twice = [name for name in dict.fromkeys(chosen) if chosen.count(name) > 1]
-    if twice:  # one checkpoint and one row each: a second run would overwrite the first's
-        raise SystemExit(f"optimizer named more than once: {', '.join(twice)}")
+    check_names("optimizer", given.get("optimizers", []), training.RECIPES)
     training.main(training.DEFAULTS | given, args.out or "train-out", args.stop_after)
