@@ -258,6 +258,7 @@ def compare(path_a, path_b):
              f"B: {path_b} (torch {b['torch']}, {b['threads']} threads, {b['dtype']})", "",
              "| model | optimizer | A ms/step | B ms/step | B/A time | A peak MiB | B peak MiB | B/A peak |",
              "|---|---|---|---|---|---|---|---|"]
+    header = len(lines)
     for entry in a["models"]:
         for ra in entry.get("optimizers", []):
             rb = rows.get((entry["model"], ra["optimizer"]))
@@ -269,7 +270,7 @@ def compare(path_a, path_b):
                          f"{number(rb['ms_per_step'])} | {number(time_ratio, 2)} | "
                          f"{number(ra['peak_bytes'], 0, MIB)} | {number(rb['peak_bytes'], 0, MIB)} | "
                          f"{number(peak_ratio, 3)} |")
-    if len(lines) == 5:  # the header alone
+    if len(lines) == header:
         lines.append("\nThe two runs have no (model, optimizer) pair in common.")
     return "\n".join(lines)
 

@@ -234,23 +234,24 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
             return (*found, held)
         is_written = [value is not held and not (type(value) in (float, int) and value == held) for value in values]
         written = [one_value("max_grad_norm", value) for value, new in zip(values, is_written) if new]  # numpy's value
+        if not written:  # equal values of other objects (a loaded state dict's)
+            return (*found, held)
         for value in written:
             check_number("max_grad_norm", value)
         if len(set(written)) > 1:
             raise ValueError(f"Invalid max_grad_norm: written as {sorted(set(written))} since the last step; it "
                              "clips by the norm over all groups, so it holds one value (set it in every group, "
                              "or in defaults)")
-        if written and not is_written[0] and not all(is_written[1:]):  # a per-group threshold, which is none
+        if not is_written[0] and not all(is_written[1:]):  # a per-group threshold, which is none
             raise ValueError(f"Invalid max_grad_norm: {written[0]!r} written into {len(written)} of the "
                              f"{len(is_written) - 1} groups; it clips by the norm over all groups, so write it into "
                              "every group, or into defaults")
-        if written and written[0] > 0 and self.__dict__.get("_release") is not None:
+        if written[0] > 0 and self.__dict__.get("_release") is not None:
             raise ValueError(f"Invalid max_grad_norm: {written[0]!r}: it clips by the norm of all grads, which "
                              "gradient release never holds at once (remove its handle first)")
-        if written:
-            held = self._max_grad_norm = self.defaults["max_grad_norm"] = written[0]
-            for group in self.param_groups:
-                group["max_grad_norm"] = held
+        held = self._max_grad_norm = self.defaults["max_grad_norm"] = written[0]
+        for group in self.param_groups:
+            group["max_grad_norm"] = held
         return (*found, held)
 
     @without_grad
