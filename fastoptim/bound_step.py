@@ -153,6 +153,7 @@ class BoundStep:
         if self.call is None:
             return self._step_with_python_scalars(optimizer, work, plans, found_inf, amp_scale, max_norm)
         numbers = []  # every group's, before any seed is drawn: a step that goes the checked way draws its own
+        rounds_after_call = False  # a group of bound parts (Muon's) rounds stochastically: it draws after the call
         for algorithm, (group, entry, _), parts in zip(self.algorithms, work, self.parts):
             values = rule_numbers(group, algorithm.rule[1]) if entry.params and parts is None else ()
             if any(map(isinstance, values, repeat(Tensor))):
@@ -162,10 +163,15 @@ class BoundStep:
                 return (not any(self.parts) and all(entry.context.counts.in_place() for _, entry, _ in work
                                                     if entry.params)
                         and self._step_with_python_scalars(optimizer, work, plans, found_inf, amp_scale, max_norm))
-            if parts and (group["stochastic_rounding"] or found_inf is not None and bool(found_inf)):
-                # a bound part's (Muon's) update draws random bits after the call; a step GradScaler found an
-                # inf in (a CPU tensor, read without a sync) skips its parts' rest as the checked step does
-                return False
+            if parts and found_inf is not None and bool(found_inf):
+                return False  # an inf GradScaler found (a CPU tensor, read without a sync): the checked step skips
+            if group["stochastic_rounding"] and entry.params:
+                # a bound part's update draws its random bits after the call, other groups their seeds before
+                # it: the checked step's order (group by group) while no such group follows a part's
+                if parts:
+                    rounds_after_call = True
+                elif rounds_after_call:
+                    return False
             if not _PLAIN.issuperset(map(type, values)) and not all(map(_a_number, values)):
                 return False  # an option set to what no rule reads as a number (correct_bias=None, "0"): as checked
             numbers.append(list(map(float, values)))

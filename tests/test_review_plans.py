@@ -550,6 +550,27 @@ def test_a_bound_muon_step_under_a_grad_scale_rounds_as_its_checked_twin(monkeyp
                                    steps=3) == [True, True]
 
 
+@native
+@pytest.mark.parametrize("order, bound", [("muon only", [True] * 4), ("companions first", [True] * 4),
+                                          ("muon first", [False] * 4)])
+def test_a_muon_group_that_rounds_stochastically_steps_bound_where_the_draws_keep_their_order(order, bound,
+                                                                                              monkeypatch):
+    """A Muon group of bf16 matrices with stochastic rounding: its update draws its random bits after the
+    bound step's native call, and a group before it draws its kernel's seed before the call, as the checked
+    step draws group by group. So it steps bound (it took the checked way at every step before), bit for bit
+    as its checked twin, but where a group that draws a seed follows it (that seed would be drawn first)."""
+    def factory(params):
+        muon = {"params": params[:2], "stochastic_rounding": True}
+        companions = {"params": params[2:], "use_muon": False, "stochastic_rounding": True}
+        groups = {"muon only": [muon | {"params": params[:2]}], "companions first": [companions, muon],
+                  "muon first": [muon, companions]}[order]
+        return fastoptim.Muon(groups, lr=0.02, foreach=True, fused=True)
+
+    shapes = BOUND_SHAPES[:2] if order == "muon only" else BOUND_SHAPES
+    assert _muon_bound_and_checked(monkeypatch, lambda *args: None, factory, shapes, dtype=torch.bfloat16,
+                                   steps=5) == bound
+
+
 # --- the review of 79bb6e6 (each group's work holds its structure; the bound step checks it by that rule) ----
 
 @native
