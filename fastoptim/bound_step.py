@@ -190,7 +190,8 @@ class BoundStep:
         drawn = {}  # per device a seed is drawn on, its generator's state before (see rng_state)
         for (group, entry, grads), scale, buckets, group_numbers, parts, flag_bits in zip(
                 work, scales, self.positions, numbers, self.parts, self.flag_bits):
-            stochastic, device = group["stochastic_rounding"], grads[0].device if grads else None
+            device = grads[0].device if grads else None
+            stochastic = device is not None and group["stochastic_rounding"]  # a group without grads draws nothing
             if parts is not None:
                 plain_group = optimizer._plain_group(group)
                 for part, tables in zip(parts, buckets):

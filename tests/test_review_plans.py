@@ -571,6 +571,35 @@ def test_a_muon_group_that_rounds_stochastically_steps_bound_where_the_draws_kee
                                    steps=5) == bound
 
 
+@native
+@pytest.mark.parametrize("cls", ["AdamW", "Muon"])
+def test_a_group_that_rounds_stochastically_without_grads_steps_bound_as_checked(cls):
+    """A group that rounds stochastically and has no grads (frozen companions): the bound step read its
+    device from its first grad to save its generator's state, and raised an AttributeError at every step
+    (helper-53; reached by more Muon groups once they rounded bound). It draws no seed, as the checked
+    step draws none, and both step alike."""
+    def run(checked):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in BOUND_SHAPES]
+        groups = [{"params": params[:2], "stochastic_rounding": True},
+                  {"params": params[2:], "stochastic_rounding": True}]
+        if cls == "Muon":
+            groups[1]["use_muon"] = False
+            opt = fastoptim.Muon(groups, lr=0.02, foreach=True, fused=True)
+        else:
+            opt = fastoptim.AdamW(groups, lr=0.02, fused=True)
+        for step in range(4):
+            for param in params[:2]:
+                param.grad = grad_for(param, step)
+            if checked:
+                opt._plans.bound = None
+            opt.step()
+        return params, opt._plans.bound
+
+    (bound, plan), (checked, _) = run(False), run(True)
+    assert plan is not None and all(map(torch.equal, bound, checked))
+
+
 # --- the review of 79bb6e6 (each group's work holds its structure; the bound step checks it by that rule) ----
 
 @native
