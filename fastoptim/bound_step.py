@@ -101,7 +101,7 @@ class BoundStep:
             if (algorithm.run is not engines.run_bucket or algorithm.kernel_scalars is None or algorithm.rule is None
                     or not all(map(engines.fused.natively_checked, entry.bucket_plans))):
                 return None
-            runs.append([(plan.prepared.tables, None if len(bucket) == len(entry.params) else bucket, plan)
+            runs.append([(plan.kernel_split.tables, None if len(bucket) == len(entry.params) else bucket, plan)
                          for (bucket, _), plan in zip(entry.buckets, entry.bucket_plans)])
             parts.append(None)
         backend = runs_backend(runs)

@@ -136,14 +136,14 @@ def holds_any(value, types) -> bool:
 class BucketPlan:
     """What the engines made of one bucket of a group's work, kept with it (and made anew with its
     buckets when the states change): the fused kernel's tables and what it leaves to foreach
-    (``prepared``: ``engines.fused.Prepared``), a traced step's split (``traced_split``:
+    (``kernel_split``: ``engines.fused.KernelSplit``), a traced step's split (``traced_split``:
     ``engines.step_op.TracedSplit``), the index of its params among the group's on the device
     (``owners``: the cut of per-param arguments), and what Muon's run keeps of it (``directions``: its
     direction buffers, ``sharded_params``: the DTensor params of a bucket whose matrices go whole to
     one owner rank, ``owner_exchange``: the plan of that exchange, ``distributed.OwnerExchange``)."""
 
     def __init__(self):
-        self.prepared = self.traced_split = self.owners = None
+        self.kernel_split = self.traced_split = self.owners = None
         self.directions = self.sharded_params = self.owner_exchange = None
 
 
@@ -172,7 +172,7 @@ class GroupWork:
         self.watched = self.originals = None  # see read_tensors
         self.seen = None  # the OptimizerState that held the states, and its change count then: see holds
         self.bucket_plans = [BucketPlan() for _ in self.buckets]
-        self.traced_scalars = None  # for a traced CPU step whose scalars an op computes: scalars.Prepared
+        self.traced_scalars = None  # for a traced CPU step whose scalars an op computes: scalars.TracedScalars
         self.traced_reads = None  # for a traced step: its params' first-read marks (see PlanStore.first_reads)
 
     def fits(self, structure, group, params, local_params=None):

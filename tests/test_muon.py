@@ -271,8 +271,8 @@ def test_the_momentum_kernels_tables_are_bound_once_and_step_as_tables_made_anew
     another dtype whose making drops the tables) equal, bit for bit, a twin whose tables are made anew
     every step."""
     made = []
-    real = engines.fused.Prepared
-    monkeypatch.setattr(engines.fused, "Prepared", lambda *args: made.append(1) or real(*args))
+    real = engines.fused.KernelSplit
+    monkeypatch.setattr(engines.fused, "KernelSplit", lambda *args: made.append(1) or real(*args))
     matrices = make_params([(64, 32), (32, 64), (48, 48)], dtype)
     grads = grads_of(matrices) * 3
     runs = []

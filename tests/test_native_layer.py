@@ -828,7 +828,7 @@ def test_a_traced_steps_scalars_computed_by_its_native_rule_are_its_pythons(cls,
 
     group = dict(lr=3e-3, betas=(0.9, 0.99, 0.95)[:algorithm.n_betas], eps=1e-8, weight_decay=0.02, no_prox=True,
                  correct_bias=False, amsgrad=False, maximize=False, foreach=None, fused=None)
-    prepared = scalars.prepare(algorithm, group, group)
+    prepared = scalars.traced_scalars(algorithm, group, group)
     cases = ((None, None, None), (torch.tensor(0.0), torch.tensor(0.25), None), (None, -1.0, None),
              (None, None, torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0])), (None, None, torch.ones(5, dtype=torch.float64)))
     for found_inf, grad_scale, first_reads in cases:

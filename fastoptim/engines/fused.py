@@ -80,13 +80,13 @@ def _scalar_values(plan, device):
                            device, plan.kernel_values)
 
 
-class Prepared:
+class KernelSplit:
     """What ``backend``'s kernel takes of a plan (``taken``), what it leaves to foreach and why, and
     the :class:`Tables` of what it takes."""
 
     def __init__(self, plan, backend):
         self.backend = backend
-        self.counts = plan.counts  # the count tensors its tables read and advance natively (see _prepare)
+        self.counts = plan.counts  # the count tensors its tables read and advance natively (see _kernel_split)
         self.taken, taken_formats, self.left, self.reason = split_taken(plan.tensors, plan.spec, backend)
         taken = plan if not self.left else plan.subset(self.taken)
         self.tables = Tables(taken.tensors, taken.absmax, plan.spec, backend, taken_formats, taken.watched,
@@ -101,33 +101,31 @@ def _same_counts(held, given):
                              and all(map(operator.is_, held, given)))
 
 
-def _prepare(plan, backend, again=False):
+def _kernel_split(plan, backend, again=False):
     """What ``backend``'s kernel takes of ``plan``, kept in ``plan.bucket`` (made anew whenever a param or
     state tensor changes), built ``again`` when a launch found a tensor
     moved, and, for a backend that does not check natively, when the grads changed their layouts."""
-    prepared = plan.bucket.prepared
-    if again or prepared is None or prepared.backend is not backend or not _same_counts(prepared.counts,
-                                                                                         plan.counts) or (
-            not backend.CHECKS_NATIVELY and prepared.tables is not None and not prepared.tables.fit(
-                plan.tensors["grad"] if not prepared.left else [plan.tensors["grad"][i] for i in prepared.taken])):
-        prepared = plan.bucket.prepared = Prepared(plan, backend)
-    return prepared
+    split = plan.bucket.kernel_split
+    if again or split is None or split.backend is not backend or not _same_counts(split.counts, plan.counts) or (
+            not backend.CHECKS_NATIVELY and split.tables is not None and not split.tables.fit(
+                plan.tensors["grad"] if not split.left else [plan.tensors["grad"][i] for i in split.taken])):
+        split = plan.bucket.kernel_split = KernelSplit(plan, backend)
+    return split
 
 
-def _launch(plan, prepared, per_tensor_calls):
+def _launch(plan, split, per_tensor_calls):
     """Launch the kernel over what it takes of ``plan``; False when the backend changed nothing."""
-    taken = plan if not prepared.left else plan.subset(prepared.taken)
+    taken = plan if not split.left else plan.subset(split.taken)
     scalars = _scalar_values(taken, taken.tensors["param"][0].device)
-    return prepared.tables.launch(plan.spec, taken.tensors["grad"], scalars, plan.flags, plan.stochastic_rounding,
-                                  per_tensor_calls)
+    return split.tables.launch(plan.spec, taken.tensors["grad"], scalars, plan.flags, plan.stochastic_rounding,
+                               per_tensor_calls)
 
 
 def natively_checked(bucket):
     """Whether the bucket whose plan is ``bucket`` (a ``BucketPlan``) runs wholly on tables that a backend which
     ``CHECKS_NATIVELY`` built, and so can join a bound step (see ``bound_step.BoundStep``)."""
-    prepared = bucket.prepared
-    return prepared is not None and prepared.backend.CHECKS_NATIVELY and prepared.tables is not None \
-        and not prepared.left
+    split = bucket.kernel_split
+    return split is not None and split.backend.CHECKS_NATIVELY and split.tables is not None and not split.left
 
 
 def _run(plan, per_tensor_calls):
@@ -138,13 +136,13 @@ def _run(plan, per_tensor_calls):
         _run_traced(plan, per_tensor_calls)
         return
     backend = backends.for_device(plan.tensors["param"][0].device)
-    prepared = _prepare(plan, backend)
-    if prepared.tables is not None and not _launch(plan, prepared, per_tensor_calls):
-        prepared = _prepare(plan, backend, again=True)  # what moved or no longer fits is split again
-        if prepared.tables is not None and not _launch(plan, prepared, per_tensor_calls):
+    split = _kernel_split(plan, backend)
+    if split.tables is not None and not _launch(plan, split, per_tensor_calls):
+        split = _kernel_split(plan, backend, again=True)  # what moved or no longer fits is split again
+        if split.tables is not None and not _launch(plan, split, per_tensor_calls):
             raise RuntimeError("fastoptim: the fused kernel refused tables built from the tensors just now")
-    if prepared.left:
-        _fallback(plan.subset(prepared.left), prepared.reason)
+    if split.left:
+        _fallback(plan.subset(split.left), split.reason)
 
 
 def run_multi(plan):

@@ -346,7 +346,7 @@ def bound_momentum(tensors: dict, bucket: list[int], plan: BucketPlan) -> BoundM
     params = {role: [tensors[role][i] for i in positions] for role in ("param", master.KEY) if role in tensors}
     if keeps_no_remainders(params):
         del params[master.KEY]
-    return BoundMomentum(piece.momentum.prepared.tables, positions, piece, params, BucketPlan())
+    return BoundMomentum(piece.momentum.kernel_split.tables, positions, piece, params, BucketPlan())
 
 
 def orthogonalize_shards(function, directions: list[Tensor], params: list[Tensor], flatten: bool,

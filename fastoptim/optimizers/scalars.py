@@ -105,7 +105,7 @@ _LIBRARY.define("mark_read(Tensor(a!) first_reads, Tensor? increment, int[] posi
 # mutate and return
 
 
-class Prepared(NamedTuple):
+class TracedScalars(NamedTuple):
     """What ``step_scalars`` takes of an algorithm and a group, made before tracing (dynamo traces
     neither ``json`` nor a registry's change): the algorithm's registered ``name``; the group's
     options that its arguments may read, as JSON text (``options``: bools, strings, None; the numbers'
@@ -226,8 +226,8 @@ def _name(algorithm):
         for f in (algorithm.arguments, algorithm.kernel_scalars)])
 
 
-def prepare(algorithm: Algorithm, group: dict, keys) -> Prepared | None:
-    """The :class:`Prepared` of ``algorithm`` and ``group`` (not the params, nor a tensor lr); None where
+def traced_scalars(algorithm: Algorithm, group: dict, keys) -> TracedScalars | None:
+    """The :class:`TracedScalars` of ``algorithm`` and ``group`` (not the params, nor a tensor lr); None where
     another of the algorithm's options ``keys`` (the optimizer's ``defaults``, not a scheduler's keys: its
     ``initial_lr`` is a tensor beside a tensor lr) holds a tensor (betas of 0-d tensors), which the op's
     numbers cannot take: the traced step then computes the scalars as tensor ops, as an eager one does."""
@@ -251,7 +251,7 @@ def prepare(algorithm: Algorithm, group: dict, keys) -> Prepared | None:
             options[key] = json.loads(json.dumps(value))
         except (TypeError, ValueError):
             continue
-    return Prepared(name, json.dumps({"options": options, "numeric": numeric}, sort_keys=True), tuple(numeric))
+    return TracedScalars(name, json.dumps({"options": options, "numeric": numeric}, sort_keys=True), tuple(numeric))
 
 
 @functools.lru_cache(maxsize=64)
@@ -261,7 +261,7 @@ def _decoded(options):
 
 
 def _group(options, numbers):
-    """The group options that ``prepare`` and ``Prepared.numbers`` took apart, together again."""
+    """The group options that ``traced_scalars`` and ``TracedScalars.numbers`` took apart, together again."""
     made = _decoded(options)
     group, numbers = dict(made["options"]), iter(numbers)
     for key, length, whole in made["numeric"]:
@@ -403,7 +403,7 @@ def _number(value):
     return None if value is None or isinstance(value, Tensor) else float(value)
 
 
-def traced_kernel_scalars(algorithm: Algorithm, prepared: Prepared, group: dict, counts: list[Tensor],
+def traced_kernel_scalars(algorithm: Algorithm, traced: TracedScalars, group: dict, counts: list[Tensor],
                           increment: int | Tensor, inputs: StepInputs, found_inf: Tensor | None, stochastic: bool,
                           device: torch.device, n: int, owners: list[int], read_positions: list[int]) -> dict:
     """A traced step's kernel scalars (name to a float64 tensor, found_inf and the rounding seed
@@ -412,7 +412,7 @@ def traced_kernel_scalars(algorithm: Algorithm, prepared: Prepared, group: dict,
     them eagerly, and the seed drawn there, as the eager step draws one per bucket. ``inputs.first_reads``
     holds the first-read marks of the group's params at ``read_positions``, where listed."""
     out = torch.ops.fastoptim.step_scalars(
-        prepared.name, prepared.options, prepared.numbers(group), _tensor(inputs.lr), _tensor(inputs.grad_scale),
+        traced.name, traced.options, traced.numbers(group), _tensor(inputs.lr), _tensor(inputs.grad_scale),
         counts, _tensor(increment), inputs.first_reads, read_positions, inputs.factors, found_inf, _number(inputs.lr),
         _number(inputs.grad_scale), inputs.wide, stochastic, device, n, owners)
     return dict(zip(algorithm.spec.all_scalars, out))

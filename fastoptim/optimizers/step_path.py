@@ -254,7 +254,7 @@ class StepPath:
             whole = fused and algorithm.run is engines.run_bucket and all(
                 reduce is None and not entry.bucket_plans[i].traced_split.left
                 for i, (_, reduce) in enumerate(entry.buckets))
-            entry.traced_scalars = scalars.prepare(algorithm, group, self.defaults) if (
+            entry.traced_scalars = scalars.traced_scalars(algorithm, group, self.defaults) if (
                 whole and entry.params[0].device.type == "cpu") else None
         for call in calls:  # so that a step refused by one changes nothing, whichever op of the graph runs first
             call.siblings = [weakref.ref(other) for other in calls if other is not call]
@@ -330,10 +330,10 @@ class StepPath:
             self._use_new_states(group, entry, traced=traced)
         if not traced and key in self._plans.reads and algorithm.spec.optional:
             self._hand_first_reads(self._plans, key, group, entry)  # an eager step between compiled ones
-        prepared = entry.traced_scalars if traced else None
+        op_scalars = entry.traced_scalars if traced else None
         reads = entry.traced_reads  # (the group's marks, these params' positions), or None: see _hand_first_reads
         args, per_tensor = {}, ()  # where an op makes each bucket's scalars
-        if prepared is None:
+        if op_scalars is None:
             args, per_tensor = self._arguments(algorithm, group, entry, grad_scale, increment, traced)
         else:
             counts, inputs = self._step_counts(group, entry).read(group), self._step_inputs(group, entry, grad_scale)
@@ -350,9 +350,9 @@ class StepPath:
         for index, (bucket, reduce_group) in enumerate(entry.buckets):
             whole = len(bucket) == len(entry.params)
             part = plan if whole else plan.subset(bucket)
-            if prepared is not None:
+            if op_scalars is not None:
                 part.kernel_values = scalars.traced_kernel_scalars(
-                    algorithm, prepared, group, counts, increment, inputs, found_inf, group["stochastic_rounding"],
+                    algorithm, op_scalars, group, counts, increment, inputs, found_inf, group["stochastic_rounding"],
                     entry.tensors["param"][0].device, len(entry.params), [] if whole else bucket,
                     [] if reads is None else reads[1])
             if keeps_no_remainders(part.tensors):
