@@ -322,10 +322,10 @@ def runs_backend(runs):
     return backends.pop() if len(backends) == 1 else None
 
 
-def taken(bucket, indices, whole):
+def taken(bucket, indices, whole_table):
     """The positions in its group of the params a table takes: its ``indices`` in its ``bucket`` (None:
-    the group's every param), or None where it takes them all (a ``whole`` table of such a bucket)."""
-    if whole:
+    the group's every param), or None where it takes them all (``whole_table``: of such a bucket)."""
+    if whole_table:
         return bucket
     return indices if bucket is None else [bucket[i] for i in indices]
 

@@ -168,7 +168,7 @@ class GroupWork:
         # the per-tensor scalars (step sizes, bias corrections): float64 where a param's math is float64
         self.scalar_dtype = torch.float64 if any(p.dtype == torch.float64 for p in local_params) else torch.float32
         self.buckets = [(bucket, None) for bucket in buckets(params)]
-        self.states = self.kept = self.tensors = self.context = self.state_signature = None
+        self.states = self.state_values = self.tensors = self.context = self.state_signature = None
         self.watched = self.originals = None  # see read_tensors
         self.seen = None  # the OptimizerState that held the states, and its change count then: see holds
         self.bucket_plans = [BucketPlan() for _ in self.buckets]
@@ -197,7 +197,7 @@ class GroupWork:
         states = list(map(state.get, self.params))
         if not (self.states is not None and all(map(operator.is_, states, self.states))
                 and all(all(map(operator.is_, map(dict.get, states, repeat(key)), tensors))
-                        for key, tensors in self.kept.items())):
+                        for key, tensors in self.state_values.items())):
             return False
         if natively_checked:
             self.seen = state, state.changes
@@ -208,21 +208,21 @@ class GroupWork:
         """The state tensors this work was built on, as the engines see them (their ``engine_view``)."""
         return list(map(engine_view, self.state_owners)) if self.viewed_states else self.state_owners
 
-    def use_states(self, states, context, partitions, reduced_roles, group, whole=False):
+    def use_states(self, states, context, partitions, reduced_roles, group, whole_tensors=False):
         """Take the states (every role present), with the subset-norm partition of each param (None:
         dense): the tensors of a partitioned param are handed to the engines in its (a, b, c) view.
         Params whose subsets span FSDP2 shards, and every DTensor param of math that needs each
-        tensor ``whole`` (Muon's), get buckets of their own, which communicate over ``group``."""
+        tensor whole (``whole_tensors``: Muon's), get buckets of their own, which communicate over ``group``."""
         self.states, self.context, self.seen = states, context, None
         keys = {key for state in states for key in state}
-        self.kept = {key: list(map(dict.get, states, repeat(key))) for key in keys}
-        self.state_owners = [t for tensors in self.kept.values() for t in tensors if isinstance(t, Tensor)]
+        self.state_values = {key: list(map(dict.get, states, repeat(key))) for key in keys}
+        self.state_owners = [t for tensors in self.state_values.values() for t in tensors if isinstance(t, Tensor)]
         self.state_signature = Signature(self.state_owners, self._local_states())
         self.partitions, self.reduced_roles = partitions if any(partitions) else None, reduced_roles
         self.read_tensors()
         spanning = {i for i, (param, part) in enumerate(zip(self.params, partitions))
                     if part is not None and distributed.spans_shards(param, part)
-                    or whole and distributed.is_dtensor(param)}
+                    or whole_tensors and distributed.is_dtensor(param)}
         self.buckets = [(part, reduce) for bucket in buckets(self.params)
                         for part, reduce in (([i for i in bucket if i not in spanning], None),
                                              ([i for i in bucket if i in spanning], group)) if part]
@@ -230,9 +230,9 @@ class GroupWork:
 
     def read_tensors(self):
         """The tensors by role from the kept states, and the block maxima of the 8-bit ones."""
-        self.tensors = {"param": self.local_params} | {role: list(map(engine_view, self.kept[role]))
-                                                       for role in self.roles if role in self.kept}
-        self.absmax = {role: self.kept[role + ABSMAX] for role in self.roles if role + ABSMAX in self.kept}
+        self.tensors = {"param": self.local_params} | {role: list(map(engine_view, self.state_values[role]))
+                                                       for role in self.roles if role in self.state_values}
+        self.absmax = {role: self.state_values[role + ABSMAX] for role in self.roles if role + ABSMAX in self.state_values}
         # what native code checks beside the tensors it binds, so that a step that checks none in Python
         # (BoundStep) still sees them change: each param's count, with the one tensor it is a slot of
         self.watched, self.originals = self.context.counts.watched(), None
@@ -251,7 +251,7 @@ class GroupWork:
         if not params:  # no grads in the group this step: nothing to update
             return work
         work.states, work.context, work.bucket_plans = self.states, self.context, self.bucket_plans
-        work.kept, work.traced_scalars = self.kept, self.traced_scalars
+        work.state_values, work.traced_scalars = self.state_values, self.traced_scalars
         work.traced_reads = self.traced_reads
         work.partitions, work.reduced_roles, work.buckets = self.partitions, self.reduced_roles, self.buckets
         work.tensors = self.tensors | {"param": work.viewed(local_params, Partition.view_param)}  # in its view

@@ -264,8 +264,8 @@ def _group(options, numbers):
     """The group options that ``traced_scalars`` and ``TracedScalars.numbers`` took apart, together again."""
     made = _decoded(options)
     group, numbers = dict(made["options"]), iter(numbers)
-    for key, length, whole in made["numeric"]:
-        values = [int(x) if whole else x for x in (next(numbers) for _ in range(1 if length is None else length))]
+    for key, length, integral in made["numeric"]:
+        values = [int(x) if integral else x for x in (next(numbers) for _ in range(1 if length is None else length))]
         group[key] = values[0] if length is None else tuple(values)
     return group
 

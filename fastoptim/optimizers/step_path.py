@@ -243,7 +243,7 @@ class StepPath:
                 if fused:
                     part = bucket_tensors(tensors, bucket)
                     absmax = pick(entry.absmax, bucket)
-                    originals = [t for key, values in entry.kept.items() for i in bucket
+                    originals = [t for key, values in entry.state_values.items() for i in bucket
                                  if isinstance(t := values[i], Tensor) and (key in part or key.endswith(ABSMAX))]
                     traced = entry.bucket_plans[bucket_index].traced_split = engines.step_op.split(
                         part, absmax, algorithm.spec, originals, functools.partial(_remade, entry, bucket),
@@ -251,11 +251,11 @@ class StepPath:
                         entry.watched and [entry.watched[i] for i in bucket])
                     calls += [traced.call] if traced.call is not None else []
             # a CPU kernel that takes every tensor gets its scalars from an op (see scalars.py)
-            whole = fused and algorithm.run is engines.run_bucket and all(
+            kernel_takes_all = fused and algorithm.run is engines.run_bucket and all(
                 reduce is None and not entry.bucket_plans[i].traced_split.left
                 for i, (_, reduce) in enumerate(entry.buckets))
             entry.traced_scalars = scalars.traced_scalars(algorithm, group, self.defaults) if (
-                whole and entry.params[0].device.type == "cpu") else None
+                kernel_takes_all and entry.params[0].device.type == "cpu") else None
         for call in calls:  # so that a step refused by one changes nothing, whichever op of the graph runs first
             call.siblings = [weakref.ref(other) for other in calls if other is not call]
         if len(plans.traced_states) >= TRACED_STATES_KEPT:
@@ -348,12 +348,12 @@ class StepPath:
                             counts=self._step_counts(group, entry).per_param(group, len(entry.params)),
                             traced=traced)
         for index, (bucket, reduce_group) in enumerate(entry.buckets):
-            whole = len(bucket) == len(entry.params)
-            part = plan if whole else plan.subset(bucket)
+            whole_group = len(bucket) == len(entry.params)
+            part = plan if whole_group else plan.subset(bucket)
             if op_scalars is not None:
                 part.kernel_values = scalars.traced_kernel_scalars(
                     algorithm, op_scalars, group, counts, increment, inputs, found_inf, group["stochastic_rounding"],
-                    entry.tensors["param"][0].device, len(entry.params), [] if whole else bucket,
+                    entry.tensors["param"][0].device, len(entry.params), [] if whole_group else bucket,
                     [] if reads is None else reads[1])
             if keeps_no_remainders(part.tensors):
                 part = part.without(master.KEY)
