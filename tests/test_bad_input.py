@@ -480,3 +480,36 @@ def test_a_0d_tensor_option_is_taken_by_the_constructor_and_a_load_as_between_st
     assert all(map(torch.equal, run(True), run(False)))
     with pytest.raises(ValueError, match=f"Invalid {key}: -0.5"):
         cls([torch.nn.Parameter(torch.randn(6, 4))], **{key: torch.tensor(-0.5)})
+
+
+@pytest.mark.parametrize("cls", [*ALL, fastoptim.Muon])
+@pytest.mark.parametrize("engine", [dict(fused=True), dict(foreach=True, fused=False), dict(foreach=False, fused=False)],
+                         ids=["fused", "foreach", "loop"])
+@pytest.mark.parametrize("way", ["bound", "checked"])
+def test_a_param_written_into_a_second_group_between_steps_is_refused_with_nothing_changed(cls, engine, way):
+    """A param appended to another group's params after it was added (``add_param_group`` refuses it):
+    torch.optim steps it once per group, and advances its count as often; the steps moved it once per group
+    and advanced its count once (helper-54). It is refused by name before anything changes, on every path,
+    and once taken out again the optimizer steps on."""
+    params = [torch.nn.Parameter(torch.randn(4, 4, generator=torch.Generator().manual_seed(i))) for i in range(3)]
+    groups = [{"params": params[:1]}, {"params": params[1:], "lr": 0.003}]
+    if cls is fastoptim.Muon:
+        groups[1]["use_muon"] = False
+    opt = cls(groups, lr=0.01, **engine)
+    for step in range(2):
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(10 + step))
+        opt.step()
+    opt.param_groups[1]["params"].append(params[0])
+    if way == "checked":
+        opt._plans.bound = None
+    before = snapshot(params, opt)
+    with pytest.raises(ValueError, match="a parameter appears in more than one param group"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before[0], params))
+    after = opt.state_dict()["state"]
+    assert all(torch.equal(after[k][name], value) for k, state in before[1]["state"].items()
+               for name, value in state.items())
+    opt.param_groups[1]["params"].pop()
+    opt.step()
+    assert not torch.equal(params[0], before[0][0])

@@ -20,7 +20,7 @@ from ..states import master
 from ..step_cache import DEVICE, DTYPE, SHAPE, GroupStructure, PlanStore, engine_view
 from . import scalars
 from .algorithm import PER_GROUP, StepInputs
-from .checks import check_params, check_tensor_lr, flag_value, one_value
+from .checks import check_in_one_group, check_params, check_tensor_lr, flag_value, one_value
 from .step_counts import StepCounts, group_count, own_counts
 
 TRACED_STATES_KEPT = 64  # patterns of grads whose traced state is kept (dynamo recompiles after 8 anyway)
@@ -55,8 +55,7 @@ def bucket_tensors(tensors, bucket):
 
 def group_lr(group):
     """The group's lr as the step reads it: a number, or a 0-d view of a one-element tensor."""
-    lr = group["lr"]
-    return lr.view(()) if isinstance(lr, Tensor) else lr
+    return lr.view(()) if isinstance(lr := group["lr"], Tensor) else lr
 
 
 def without_grad(function):
@@ -294,8 +293,9 @@ class StepPath:
             group_count(group)  # a count set as a number becomes a tensor; an invalid one raises, before any change
         entry, fresh = plans.work(index, grads_pattern(group["params"] if some is None else some), self._structure,
                                   group, params, local_params)
-        if fresh:
-            check_params(params, type(self).__name__)  # a param's storage may have changed since it was added
+        if fresh:  # a param's storage may have changed since it was added, or the param gone into another group
+            check_params(params, type(self).__name__)
+            check_in_one_group(params, group, self.param_groups, type(self).__name__)
         self._check_grads(local_params, grads, entry.signature)
         if not entry.holds(self.state):
             entry.states = None
