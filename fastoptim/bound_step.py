@@ -78,8 +78,8 @@ class BoundStep:
         its bound tables' kernels alone (the algorithm runs its own way, has no kernel or no rule; a
         bucket reduces over ranks or left some tensors to foreach) or its ``bound_part`` (Muon's), its
         states are new or not all read yet (the first-read marks of a compiled step's group: native
-        rules read no marks), its tensors views, the tables are of two backends, or two groups hold one
-        count tensor."""
+        rules read no marks), its tensors views, or the tables are of two backends. (Two groups that
+        held one count tensor hold one each since the checked step: ``check_group_count``.)"""
         runs, parts = [], []
         for algorithm, (group, entry, _) in zip(algorithms, work):
             if not entry.params:
@@ -107,9 +107,6 @@ class BoundStep:
         backend = runs_backend(runs)
         if type(state) is not OptimizerState or backend is None or any(parts) and not backend.STEP_SCALARS:
             return None
-        group_counts = [group["step"] for group, _, _ in work if isinstance(group.get("step"), Tensor)]
-        if len(set(map(id, group_counts))) != len(group_counts):
-            return None  # groups given one count tensor: a checked step advances it once per group, native code once
         counts = [count for group, entry, _ in work if entry.params for count in entry.context.counts.read(group)]
         return cls(work, algorithms, counts, runs, parts, backend)
 

@@ -244,21 +244,63 @@ def test_a_bound_step_with_bad_flags_on_its_second_table_changes_nothing():
     assert all(torch.equal(p, b) for p, b in zip(params, before))
 
 
-def test_two_adan_groups_sharing_one_count_count_alike_bound_and_checked(monkeypatch):
-    """Two Adan groups given one count tensor between steps (``group["step"] = other["step"]``): a
-    checked step adds to it once per group; a bound step's native call advanced it once (it advances
-    each count it holds once, meant for a group's count held by each of its tables), so the runs
-    parted. Such groups are not bound (a known limit until then, a strict xfail)."""
-    def change(step, opt, params):
+@pytest.mark.parametrize("engine", [dict(fused=True), dict(foreach=True, fused=False), dict(foreach=False, fused=False)],
+                         ids=["fused", "foreach", "loop"])
+def test_two_adan_groups_given_one_count_step_as_official_adan_s_two_ints(engine, monkeypatch):
+    """Two Adan groups given one count tensor between steps (``group["step"] = other["step"]``): official
+    Adan keeps an int, so that write gives the second group the first's value, each then advanced once a
+    step. The steps advanced the shared tensor once per group, both stepping with one count, so the next
+    step skipped one (helper-55); bound, they were not bound at all. Each group now gets a tensor of its
+    own at the next step, which steps bound, bit for bit as the groups given the value as an int."""
+    def shared(step, opt, params):
         if step == 2:
             opt.param_groups[1]["step"] = opt.param_groups[0]["step"]
 
-    (params, opt), (twin_params, twin), _ = _bound_and_checked(
-        lambda ps: fastoptim.Adan([{"params": ps[:2]}, {"params": ps[2:]}], lr=1e-2, fused=True), change,
-        monkeypatch)
-    assert opt.param_groups[0]["step"].item() == twin.param_groups[0]["step"].item()
-    for param, expected in zip(params, twin_params):
-        assert torch.equal(param, expected)
+    def as_int(step, opt, params):
+        if step == 2:
+            opt.param_groups[1]["step"] = int(opt.param_groups[0]["step"].item())
+
+    def factory(params):
+        return fastoptim.Adan([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2, **engine)
+
+    (params, opt), (twin_params, twin), ran = _bound_and_checked(factory, shared, monkeypatch)
+    int_params, int_opt = _run(factory, as_int, False)
+    if engine["fused"]:
+        assert ran[-2:] == [True, True]
+    for run in (opt, twin, int_opt):
+        assert [group["step"].item() for group in run.param_groups] == [6.0, 6.0]
+    for param, expected, official in zip(params, twin_params, int_params):
+        assert torch.equal(param, expected) and torch.equal(param, official)
+
+
+@pytest.mark.parametrize("way", ["bound", "checked"])
+@pytest.mark.parametrize("write", ["assigned", "in place"])
+@pytest.mark.parametrize("value", [-1.0, 1.5, float("nan"), float("inf")])
+def test_an_adan_group_count_tensor_that_is_no_whole_number_is_refused_with_nothing_changed(value, write, way):
+    """An fp32 0-d CPU tensor written into an Adan group's count, assigned or in place: as a number, or a
+    tensor of another dtype, it was refused by name, but as the count's own kind it was taken as it was
+    (helper-55): 1.5 stepped, NaN made the params NaN, -1 raised ZeroDivisionError after the first group
+    had stepped. It is refused by name before anything changes; an in-place write reaches the checked step
+    (a bound step leaves the count's value to its native call, as a param's count)."""
+    params = [torch.nn.Parameter(torch.randn(4, generator=torch.Generator().manual_seed(i))) for i in range(2)]
+    opt = fastoptim.Adan([{"params": params[:1]}, {"params": params[1:]}], lr=1e-2, fused=True)
+    for step in range(2):
+        for param in params:
+            param.grad = grad_for(param, step)
+        opt.step()
+    if write == "assigned":
+        opt.param_groups[1]["step"] = torch.tensor(value)
+    else:
+        opt.param_groups[1]["step"].fill_(value)
+    if way == "checked" or write == "in place":
+        opt._plans.bound = None
+    before = [param.detach().clone() for param in params], [dict(opt.state[p]) for p in params]
+    states = [{key: value.clone() for key, value in state.items()} for state in before[1]]
+    with pytest.raises(ValueError, match=r"Invalid step: .* \(must be a whole number >= 0\)"):
+        opt.step()
+    assert all(map(torch.equal, params, before[0]))
+    for param, state in zip(params, states):
+        assert all(torch.equal(opt.state[param][key], value) for key, value in state.items())
 
 
 @pytest.mark.parametrize("schedule", [(0.0, 0.0, 0.9, 0.9, 0.9, 0.9), (0.9, 0.9, 0.0, 0.0, 0.9, 0.9)],

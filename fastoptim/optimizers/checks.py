@@ -137,9 +137,14 @@ def step_count(value, device, name="step"):
             count = torch.tensor(math.inf)
     else:
         raise ValueError(f"Invalid {name}: {value!r} (must be a number or a 0-d tensor)")
-    if not (count >= 0 and count == count.floor() and count.isfinite()):
-        raise ValueError(f"Invalid {name}: {count.item()!r} (must be a whole number >= 0)")
+    check_whole_count(count.item(), name)
     return count.to(device=device, copy=True)
+
+
+def check_whole_count(value: float, name: str = "step") -> None:
+    """Refuse a step count's ``value`` that is no whole number >= 0, naming ``name``."""
+    if not (math.isfinite(value) and value >= 0 and value == math.floor(value)):
+        raise ValueError(f"Invalid {name}: {value!r} (must be a whole number >= 0)")
 
 
 def overlaps_itself(tensor):

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from .algorithm import PER_GROUP, PER_PARAM
-from .checks import is_step_count, step_count
+from .checks import check_whole_count, is_step_count, step_count
 
 _LIBRARY = torch.library.Library("fastoptim", "FRAGMENT")
 _LIBRARY.define("count_up(Tensor(a!)[] counts, Tensor? increment) -> ()")
@@ -35,6 +35,26 @@ def group_count(group: dict) -> Tensor:
     if not is_step_count(count, device):
         group["step"] = count = step_count(count, device)
     return count
+
+
+def check_group_count(group: dict, groups: list[dict]) -> None:
+    """:func:`group_count`, given a tensor of its own where another of ``groups`` holds the same one
+    (``group["step"] = other["step"]``: official Adan keeps an int, so there that write gives the group
+    the other's value, each then advanced once a step, where a shared tensor would be advanced once per
+    group), and its value refused by name unless it is a whole number >= 0 where it is on the CPU
+    (another device's is not read: that would wait for it): a count assigned as a tensor, or written in
+    place. Eagerly only: a traced step reads no value.
+
+    Args:
+        group: the param group (see :func:`group_count`).
+        groups: every param group of the optimizer.
+    """
+    count = group_count(group)
+    if any(other is not group and isinstance(held := other.get("step"), Tensor) and held.data_ptr() == count.data_ptr()
+           for other in groups):
+        group["step"] = count = count.clone()
+    if count.device.type == "cpu":
+        check_whole_count(count.item())
 
 
 def slot_pointers(counts: Tensor) -> list[int]:

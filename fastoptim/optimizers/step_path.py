@@ -21,7 +21,7 @@ from ..step_cache import DEVICE, DTYPE, SHAPE, GroupStructure, PlanStore, engine
 from . import scalars
 from .algorithm import PER_GROUP, StepInputs
 from .checks import check_in_one_group, check_params, check_tensor_lr, flag_value, one_value
-from .step_counts import StepCounts, group_count, own_counts
+from .step_counts import StepCounts, check_group_count, own_counts
 
 TRACED_STATES_KEPT = 64  # patterns of grads whose traced state is kept (dynamo recompiles after 8 anyway)
 
@@ -290,7 +290,7 @@ class StepPath:
         self._check_between_steps(group, params)
         scalars.plain_values(group, self.defaults)  # refuses an array no step reads one value of, before any steps
         if self._algorithm(group).counts == PER_GROUP:
-            group_count(group)  # a count set as a number becomes a tensor; an invalid one raises, before any change
+            check_group_count(group, self.param_groups)  # a number becomes a tensor; an invalid one raises
         entry, fresh = plans.work(index, grads_pattern(group["params"] if some is None else some), self._structure,
                                   group, params, local_params)
         if fresh:  # a param's storage may have changed since it was added, or the param gone into another group
