@@ -422,7 +422,7 @@ BOUND_MUON_SETUPS = {
     "stochastic rounding on and off": (lambda p: _muon_groups(p, foreach=True, fused=True),
                                        lambda step, box: box["opt"].param_groups[0].__setitem__(
                                            "stochastic_rounding", step % 2 == 1),
-                                       BOUND_SHAPES, torch.bfloat16, [False, True, False]),
+                                       BOUND_SHAPES, torch.bfloat16, [True, True, True]),  # see fb6ac68
     "single, bf16, master_bits=32, param mul_": (lambda p: _muon_groups(p, foreach=False, fused=True, master_bits=32),
                                                  _write(2, lambda opt, params: params[0].mul_(0.5)), BOUND_SHAPES,
                                                  torch.bfloat16, [True] * 3),
