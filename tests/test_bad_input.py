@@ -513,3 +513,37 @@ def test_a_param_written_into_a_second_group_between_steps_is_refused_with_nothi
     opt.param_groups[1]["params"].pop()
     opt.step()
     assert not torch.equal(params[0], before[0][0])
+
+
+RANGE_WRITES = [("lr", float("nan")), ("lr", -1e-3), ("lr", float("inf")), ("eps", -1e-8), ("weight_decay", float("nan")),
+                ("weight_decay", -1)]
+
+
+@pytest.mark.parametrize("way", ["bound", "checked"])
+@pytest.mark.parametrize("cls, key, value", [(cls, key, value) for cls in [*ALL, fastoptim.Muon]
+                                             for key, value in RANGE_WRITES
+                                             if key != "eps" or "eps" in inspect.signature(cls).parameters]
+                         + [(fastoptim.Muon, "momentum", 1.5), (fastoptim.Muon, "adamw_eps", -1.0)])
+def test_a_number_option_written_out_of_its_range_between_steps_is_refused_with_nothing_changed(cls, key, value, way):
+    """An option written between steps as a number out of the constructor's range (a NaN lr from a schedule,
+    a negative weight decay): it was taken as it was, and a NaN or an infinity made the params NaN, where
+    betas written out of range are refused (helper-55). It is refused by name as the constructor refuses it,
+    before any group steps."""
+    params = [torch.nn.Parameter(torch.randn(4, 4, generator=torch.Generator().manual_seed(i))) for i in range(2)]
+    groups = [{"params": params[:1]}, {"params": params[1:]}]
+    if cls is fastoptim.Muon and key != "momentum":
+        groups[1]["use_muon"] = False  # the companions read lr, eps, weight_decay and adamw_eps too
+    opt = cls(groups, lr=0.01)
+    for step in range(2):
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(10 + step))
+        opt.step()
+    if way == "checked":
+        opt._plans.bound = None
+    before = [param.detach().clone() for param in params], copy.deepcopy(opt.state_dict()["state"])
+    opt.param_groups[-1][key] = value
+    with pytest.raises(ValueError, match=rf"Invalid {key}: .* \(must be (a finite number >= 0|in \[0, 1\))\)"):
+        opt.step()
+    assert all(map(torch.equal, params, before[0]))
+    after = opt.state_dict()["state"]
+    assert all(torch.equal(after[k][name], value) for k, state in before[1].items() for name, value in state.items())

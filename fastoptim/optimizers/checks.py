@@ -93,16 +93,28 @@ def check_plan_options(group):
                          "8-bit blockwise states)")
 
 
-def check_number(name, value, below=math.inf, tensor=False):
-    """Raise a ValueError naming ``name`` unless ``value`` is a number (not a bool) in [0, ``below``): a
-    numpy number, or an array of one element, as its value (:func:`one_value`), as torch.optim takes them;
-    with ``tensor``, a 0-d floating-point tensor too, which a step reads as it reads a beta's (its value
-    checked where it is on the CPU: another device's is read by the step there, not looked at)."""
+# The options whose numbers must stay below a bound, by name (every other number option: any finite number >= 0)
+BELOW = {"momentum": 1.0}
+
+
+def check_number(name, value, below=None, tensor=False):
+    """Raise a ValueError naming ``name`` unless ``value`` is a number (not a bool) in [0, ``below``) (None:
+    ``name``'s in ``BELOW``, else infinity): a numpy number, or an array of one element, as its value
+    (:func:`one_value`), as torch.optim takes them; with ``tensor``, a 0-d floating-point tensor too, which a
+    step reads as it reads a beta's (its value checked where it is on the CPU: another device's is read by
+    the step there, not looked at)."""
     if tensor and isinstance(value, Tensor) and value.dim() == 0 and value.is_floating_point():
         if value.device.type != "cpu":
             return
         value = value.item()  # when a group is added or loaded, never in step()
     value = one_value(name, value)
+    check_range(name, value, below)
+
+
+def check_range(name: str, value, below: float | None = None) -> None:
+    """Raise a ValueError naming ``name`` unless ``value`` is a number (not a bool) in [0, ``below``) (see
+    :func:`check_number`)."""
+    below = BELOW.get(name, math.inf) if below is None else below
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < below:
         requirement = "a finite number >= 0" if below == math.inf else f"in [0, {below:g})"
         raise ValueError(f"Invalid {name}: {value!r} (must be {requirement})")

@@ -247,7 +247,7 @@ class Muon(FastOptimizer):
         super()._check_group(group, max_grad_norm)
         check_flags(group)
         check_number("adamw_eps", group["adamw_eps"], tensor=True)
-        check_number("momentum", group["momentum"], below=1.0, tensor=True)
+        check_number("momentum", group["momentum"], tensor=True)
         check_schedule(group)
         check_row_blocks(group)
         if group["use_muon"]:

@@ -13,6 +13,7 @@ graph of a fused step keeps these ops and the kernels', and compiles nothing."""
 import functools
 import inspect
 import json
+import math
 import types
 from typing import NamedTuple
 
@@ -25,7 +26,7 @@ from ..engines import backends
 from ..specs import COMMON_SCALARS
 from ..step_cache import holds_any
 from .algorithm import Algorithm, StepInputs
-from .checks import NUMPY_VALUES, one_value, plain as _plain
+from .checks import BELOW, NUMPY_VALUES, check_range, one_value, plain as _plain
 
 
 def count_after(count, increment, lr, traced):
@@ -161,8 +162,10 @@ def a_real_number(name: str, value) -> bool:
 def check_numbers(group: dict, names) -> None:
     """Raise a ValueError naming the first of options ``names`` that ``group`` holds as what no step reads
     as a number (None, text, a complex number, a list, a tensor of several values: written since it was
-    added; see :func:`a_real_number`), before any group steps. An option the group does not hold (a
-    subclass's own argument, kept under another key) is left alone.
+    added; see :func:`a_real_number`), or as an int or a float out of the constructor's range (a NaN, an
+    infinity, a negative number; Muon's momentum from 1), before any group steps. (A numpy number's or a
+    tensor's value is not looked at.) An option the group does not hold (a subclass's own argument, kept
+    under another key) is left alone.
 
     Args:
         group: the param group, read.
@@ -170,7 +173,11 @@ def check_numbers(group: dict, names) -> None:
     """
     for name in names:
         value = group.get(name, 0.0)
-        if type(value) not in _NUMBERS and not a_real_number(name, value):
+        kind = type(value)
+        if kind is float or kind is int:  # as the constructor checks it: a NaN lr from a schedule made params NaN
+            if not 0.0 <= value < BELOW.get(name, math.inf):
+                check_range(name, value)
+        elif kind is not bool and not a_real_number(name, value):
             raise ValueError(f"Invalid {name}: {value!r} (must be {NUMBER_TERMS})")
 
 
