@@ -14,6 +14,7 @@ import functools
 import inspect
 import json
 import math
+import sys
 import types
 from typing import NamedTuple
 
@@ -26,7 +27,7 @@ from ..engines import backends
 from ..specs import COMMON_SCALARS
 from ..step_cache import holds_any
 from .algorithm import Algorithm, StepInputs
-from .checks import BELOW, NUMPY_VALUES, check_range, one_value, plain as _plain
+from .checks import BELOW, NUMPY_VALUES, one_value, plain as _plain
 
 
 def count_after(count, increment, lr, traced):
@@ -162,10 +163,12 @@ def a_real_number(name: str, value) -> bool:
 def check_numbers(group: dict, names) -> None:
     """Raise a ValueError naming the first of options ``names`` that ``group`` holds as what no step reads
     as a number (None, text, a complex number, a list, a tensor of several values: written since it was
-    added; see :func:`a_real_number`), or as an int or a float out of the constructor's range (a NaN, an
-    infinity, a negative number; Muon's momentum from 1), before any group steps. (A numpy number's or a
-    tensor's value is not looked at.) An option the group does not hold (a subclass's own argument, kept
-    under another key) is left alone.
+    added; see :func:`a_real_number`), or as a number that is not finite (a NaN lr from a schedule made the
+    params NaN) or not below its bound (``checks.BELOW``: Muon's momentum from 1), before any group steps.
+    Not the constructor's lower bound: a schedule's float arithmetic may take a decay to 0 a hair below it
+    (torch's ``LinearLR(end_factor=0)`` ends at -4e-22), which torch.optim steps with. A tensor's value is
+    not looked at. An option the group does not hold (a subclass's own argument, kept under another key)
+    is left alone.
 
     Args:
         group: the param group, read.
@@ -174,11 +177,19 @@ def check_numbers(group: dict, names) -> None:
     for name in names:
         value = group.get(name, 0.0)
         kind = type(value)
-        if kind is float or kind is int:  # as the constructor checks it: a NaN lr from a schedule made params NaN
-            if not 0.0 <= value < BELOW.get(name, math.inf):
-                check_range(name, value)
-        elif kind is not bool and not a_real_number(name, value):
-            raise ValueError(f"Invalid {name}: {value!r} (must be {NUMBER_TERMS})")
+        if kind is not float and kind is not int:
+            if kind is not bool and not a_real_number(name, value):
+                raise ValueError(f"Invalid {name}: {value!r} (must be {NUMBER_TERMS})")
+            if kind is bool or isinstance(value, Tensor):
+                continue
+            value = one_value(name, value)  # a numpy number, or an array of one
+        below = BELOW.get(name, math.inf)
+        if not -_FLOAT_MAX <= value < below or value > _FLOAT_MAX:  # NaN, an infinity, an int past float's range
+            raise ValueError(f"Invalid {name}: {value!r} (must be a finite number"
+                             + ("" if below == math.inf else f" below {below:g}") + ")")
+
+
+_FLOAT_MAX = sys.float_info.max
 
 
 def plain_values(group: dict, keys) -> dict:
