@@ -561,3 +561,39 @@ def test_a_schedule_that_decays_to_a_hair_below_0_steps_as_torch_steps(cls):
         opt.step()
         schedule.step()
     assert opt.param_groups[0]["lr"] < 0 and torch.isfinite(param).all()
+
+
+@pytest.mark.parametrize("way", ["bound", "checked"])
+def test_a_param_group_listed_twice_is_refused_with_nothing_changed(way):
+    """``opt.param_groups.append(opt.param_groups[0])``: torch.optim steps its params twice a step. The
+    bound step took the group once and the checked step twice, so the two ways parted (helper-56). It is
+    refused by name before anything changes, as a param in two groups is."""
+    params = [torch.nn.Parameter(torch.randn(4, 3, generator=torch.Generator().manual_seed(i))) for i in range(2)]
+    opt = fastoptim.AdamW(params, lr=1e-2, fused=True)
+    for step in range(2):
+        for param in params:
+            param.grad = torch.full_like(param, step + 1.0)
+        opt.step()
+    opt.param_groups.append(opt.param_groups[0])
+    if way == "checked":
+        opt._plans.bound = None
+    before = [param.detach().clone() for param in params], copy.deepcopy(opt.state_dict()["state"])
+    with pytest.raises(ValueError, match="a parameter appears in more than one param group"):
+        opt.step()
+    assert all(map(torch.equal, params, before[0]))
+    after = opt.state_dict()["state"]
+    assert all(torch.equal(after[k][name], value) for k, state in before[1].items() for name, value in state.items())
+
+
+def test_a_param_without_a_grad_written_into_a_second_group_is_refused():
+    """The check looked at the params with grads alone: a param of another group whose grad is None this
+    step (gradient release had freed it, helper-56) passed unseen. It is a duplicate all the same."""
+    params = [torch.nn.Parameter(torch.randn(4, generator=torch.Generator().manual_seed(i))) for i in range(3)]
+    opt = fastoptim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2)
+    for param in params:
+        param.grad = torch.ones(4)
+    opt.step()
+    params[2].grad = None
+    opt.param_groups[0]["params"].append(params[2])
+    with pytest.raises(ValueError, match="a parameter appears in more than one param group"):
+        opt.step()

@@ -170,15 +170,17 @@ def overlaps_itself(tensor):
     return False
 
 
-def check_in_one_group(params, group, groups, name):
-    """Refuse a param of ``params`` (of ``group``) that another of ``groups`` lists too, written into its
-    params since they were added (``add_param_group`` refuses it): torch.optim would step it once per group
-    and advance its count as often, where the plans hold one state and one count per param."""
-    ids = set(map(id, params))
+def check_in_one_group(group, groups, name):
+    """Refuse a param of ``group`` that another of ``groups`` lists too, or ``group`` listed twice in them,
+    written since it was added (``add_param_group`` refuses it): torch.optim would step such a param once
+    per group and advance its count as often, where the plans hold one state and one count per param."""
+    ids, listed = set(map(id, group["params"])), 0
     for other in groups:
-        if other is not group and not ids.isdisjoint(map(id, other["params"])):
+        listed += other is group
+        if listed > 1 or other is not group and not ids.isdisjoint(map(id, other["params"])):
             raise ValueError(f"{name}: a parameter appears in more than one param group (written into a group's "
-                             "params since it was added); list each parameter in one group")
+                             "params, or a group into the param groups, since it was added); list each parameter "
+                             "in one group")
 
 
 def check_params(params, name):

@@ -295,7 +295,7 @@ class StepPath:
                                   group, params, local_params)
         if fresh:  # a param's storage may have changed since it was added, or the param gone into another group
             check_params(params, type(self).__name__)
-            check_in_one_group(params, group, self.param_groups, type(self).__name__)
+            check_in_one_group(group, self.param_groups, type(self).__name__)
         self._check_grads(local_params, grads, entry.signature)
         if not entry.holds(self.state):
             entry.states = None
