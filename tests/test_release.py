@@ -907,3 +907,34 @@ def test_betas_written_as_a_numpy_array_under_release_step_and_warn_only_when_ch
     opt.param_groups[0]["betas"][1] = 0.99
     with pytest.warns(UserWarning, match="betas.*after backward"):
         opt.step()
+
+
+@pytest.mark.parametrize("write", [
+    lambda opt: opt.param_groups[1].update(lr=float("nan")),
+    lambda opt: opt.param_groups[1].update(betas=(1.5, 0.999)),
+    lambda opt: opt.param_groups[1].update(weight_decay="0.1"),
+], ids=["NaN lr", "betas", "text weight_decay"])
+def test_an_option_written_invalid_is_refused_under_release_before_any_bucket_steps(write):
+    """Release steps each bucket as its grads are final, and each bucket's step checked its own group: an
+    option written invalid into a group that backward reaches last was refused after the others' buckets
+    had stepped (helper-57). Every group's options are checked at backward's first grad, before any bucket
+    steps; the run mended goes on as one without release."""
+    def run(release):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        opt = fastoptim.AdamW([{"params": model[1].parameters()}, {"params": model[0].parameters()}], lr=1e-2)
+        if release:
+            opt.enable_gradient_release(bucket_numel=8)
+        write(opt)
+        before = [param.detach().clone() for param in model.parameters()]
+        with pytest.raises(ValueError, match="Invalid"):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+        assert all(map(torch.equal, before, model.parameters())) and not opt.state
+        opt.param_groups[1].update(lr=1e-2, betas=(0.9, 0.999), weight_decay=1e-2)
+        opt.zero_grad()
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        return [param.detach().clone() for param in model.parameters()]
+
+    assert all(map(torch.equal, run(True), run(False)))

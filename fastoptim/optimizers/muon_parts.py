@@ -24,7 +24,6 @@ from ..multi_tensor import aligned_offset
 from ..specs import KernelSpec, Role
 from ..states import master
 from ..step_cache import BucketPlan
-from .step_path import keeps_no_remainders
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -344,7 +343,7 @@ def bound_momentum(tensors: dict, bucket: list[int], plan: BucketPlan) -> BoundM
         return None
     positions = [bucket[i] for i in piece.indices]
     params = {role: [tensors[role][i] for i in positions] for role in ("param", master.KEY) if role in tensors}
-    if keeps_no_remainders(params):
+    if master.keeps_none(params):
         del params[master.KEY]
     return BoundMomentum(piece.momentum.kernel_split.tables, positions, piece, params, BucketPlan())
 

@@ -242,8 +242,12 @@ class GradientRelease:
             self._step(group_index, params, ("released", bucket))
 
     def _check_buckets(self, optimizer) -> None:
-        """At the first grad of a step: make the buckets again where the groups changed."""
+        """At the first grad of a step: check every group's options (a bucket steps as soon as its grads are
+        final, so a refusal found by a later bucket's step would come after the earlier ones had stepped),
+        then make the buckets again where the groups changed."""
         if not self.checked:
+            for group in optimizer.param_groups:
+                optimizer._check_options(group, group["params"])
             self.checked = True
             if not self._made_for(optimizer):
                 self._make_buckets(optimizer)

@@ -41,16 +41,10 @@ def _remade(entry, bucket, taken):
             entry.originals and pick(entry.originals, indices))
 
 
-def keeps_no_remainders(tensors):
-    """Whether a bucket's ``tensors`` (role to one tensor per param) hold the remainders' role with
-    none in it: a group with master_bits keeps them for its bf16 params, and a bucket has one dtype."""
-    return master.KEY in tensors and tensors[master.KEY][0] is None
-
-
 def bucket_tensors(tensors, bucket):
     """``tensors`` of the params ``bucket`` (indices), without the remainders' role where it holds none."""
     part = pick(tensors, bucket)
-    return pick(part, range(len(bucket)), leave=(master.KEY,)) if keeps_no_remainders(part) else part
+    return pick(part, range(len(bucket)), leave=(master.KEY,)) if master.keeps_none(part) else part
 
 
 def group_lr(group):
@@ -102,6 +96,15 @@ class StepPath:
         if isinstance(group["lr"], Tensor) and params:
             check_tensor_lr(group["lr"], params[0].device)
         scalars.check_numbers(group, scalars.number_options(type(self)))  # written since: before any group steps
+
+    def _check_options(self, group, params):
+        """Raise, before any group steps, for what was written into ``group`` since the last step that a
+        checked step cannot take: :meth:`_check_between_steps`, an array no step reads one value of, and a
+        ``PER_GROUP`` count (which a number written makes a tensor, see ``check_group_count``)."""
+        self._check_between_steps(group, params)
+        scalars.plain_values(group, self.defaults)
+        if self._algorithm(group).counts == PER_GROUP:
+            check_group_count(group, self.param_groups)
 
     def _structure(self, group):
         """What of ``group``'s options decides its step work (a ``GroupStructure``): its state roles, engine,
@@ -287,10 +290,7 @@ class StepPath:
         params' grads (local shards of DTensors), all checked; nothing is changed. ``some``: only these
         of its params (a released bucket), with ``index`` a key of their own."""
         params, local_params, grads = self._with_grads(group, some)
-        self._check_between_steps(group, params)
-        scalars.plain_values(group, self.defaults)  # refuses an array no step reads one value of, before any steps
-        if self._algorithm(group).counts == PER_GROUP:
-            check_group_count(group, self.param_groups)  # a number becomes a tensor; an invalid one raises
+        self._check_options(group, params)
         entry, fresh = plans.work(index, grads_pattern(group["params"] if some is None else some), self._structure,
                                   group, params, local_params)
         if fresh:  # a param's storage may have changed since it was added, or the param gone into another group
@@ -355,7 +355,7 @@ class StepPath:
                     algorithm, op_scalars, group, counts, increment, inputs, found_inf, group["stochastic_rounding"],
                     entry.tensors["param"][0].device, len(entry.params), [] if whole_group else bucket,
                     [] if reads is None else reads[1])
-            if keeps_no_remainders(part.tensors):
+            if master.keeps_none(part.tensors):
                 part = part.without(master.KEY)
             part.bucket = entry.bucket_plans[index]
             algorithm.run(entry.engine, part, reduce_group)

@@ -146,3 +146,9 @@ class Writes:
         """Every param written since the optimizer's step last wrote it."""
         return [versions.params[index] for versions, index in self.last.values()
                 if self.moved(versions.params[index], versions.params[index]._version)]
+
+
+def keeps_none(tensors: dict) -> bool:
+    """Whether a bucket's ``tensors`` (role to one tensor per param) hold the remainders' role with none in
+    it: a group with master_bits keeps them for its bf16 params, and a bucket has one dtype."""
+    return KEY in tensors and tensors[KEY][0] is None
