@@ -148,6 +148,13 @@ def number_options(cls) -> tuple:
         if _is_number(parameter.default)))
 
 
+@functools.cache
+def number_bounds(cls) -> tuple:
+    """(option, the bound its number stays below: ``checks.BELOW``'s, else infinity) for each of
+    :func:`number_options`, which :func:`check_numbers` takes."""
+    return tuple((name, BELOW.get(name, math.inf)) for name in number_options(cls))
+
+
 def a_real_number(name: str, value) -> bool:
     """Whether a step reads option ``name``'s ``value`` as one real number: an int, a float or a bool (as
     Python reads it), a real numpy number or array (:func:`plain_values` reads one of one element and
@@ -160,7 +167,7 @@ def a_real_number(name: str, value) -> bool:
     return isinstance(value, _NUMBERS)
 
 
-def check_numbers(group: dict, names) -> None:
+def check_numbers(group: dict, names: tuple) -> None:
     """Raise a ValueError naming the first of options ``names`` that ``group`` holds as what no step reads
     as a number (None, text, a complex number, a list, a tensor of several values: written since it was
     added; see :func:`a_real_number`), or as a number that is not finite (a NaN lr from a schedule made the
@@ -172,21 +179,29 @@ def check_numbers(group: dict, names) -> None:
 
     Args:
         group: the param group, read.
-        names: the options to check (see :func:`number_options`).
+        names: (option, bound) for each option to check (see :func:`number_bounds`).
     """
-    for name in names:
+    for name, below in names:
         value = group.get(name, 0.0)
         kind = type(value)
-        if kind is not float and kind is not int:
-            if kind is not bool and not a_real_number(name, value):
-                raise ValueError(f"Invalid {name}: {value!r} (must be {NUMBER_TERMS})")
-            if kind is bool or isinstance(value, Tensor):
+        if kind is float:
+            if value - value == 0.0 and value < below:  # not NaN, nor an infinity (inf - inf is NaN)
                 continue
+        elif kind is int:
+            if value < below and -_FLOAT_MAX <= value <= _FLOAT_MAX:  # not past float's range
+                continue
+        elif kind is bool or not a_real_number(name, value):
+            if kind is bool:
+                continue
+            raise ValueError(f"Invalid {name}: {value!r} (must be {NUMBER_TERMS})")
+        elif isinstance(value, Tensor):
+            continue
+        else:
             value = one_value(name, value)  # a numpy number, or an array of one
-        below = BELOW.get(name, math.inf)
-        if not -_FLOAT_MAX <= value < below or value > _FLOAT_MAX:  # NaN, an infinity, an int past float's range
-            raise ValueError(f"Invalid {name}: {value!r} (must be a finite number"
-                             + ("" if below == math.inf else f" below {below:g}") + ")")
+            if -_FLOAT_MAX <= value < below and value <= _FLOAT_MAX:
+                continue
+        raise ValueError(f"Invalid {name}: {value!r} (must be a finite number"
+                         + ("" if below == math.inf else f" below {below:g}") + ")")
 
 
 _FLOAT_MAX = sys.float_info.max

@@ -95,7 +95,7 @@ class StepPath:
             raise ValueError(f"Invalid betas: {betas!r} (expected {n_betas} numbers in [0, 1))")
         if isinstance(group["lr"], Tensor) and params:
             check_tensor_lr(group["lr"], params[0].device)
-        scalars.check_numbers(group, scalars.number_options(type(self)))  # written since: before any group steps
+        scalars.check_numbers(group, scalars.number_bounds(type(self)))  # written since: before any group steps
 
     def _check_options(self, group, params):
         """Raise, before any group steps, for what was written into ``group`` since the last step that a
