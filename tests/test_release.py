@@ -938,3 +938,42 @@ def test_an_option_written_invalid_is_refused_under_release_before_any_bucket_st
         return [param.detach().clone() for param in model.parameters()]
 
     assert all(map(torch.equal, run(True), run(False)))
+
+
+@pytest.mark.parametrize("write", [
+    lambda opt, params: opt.param_groups[0]["params"].append(params[2]),
+    lambda opt, params: opt.param_groups.append(opt.param_groups[0]),
+    lambda opt, params: opt.param_groups[0]["params"].append(params[0]),
+], ids=["a param in two groups", "a group listed twice", "a param twice in its group"])
+def test_a_param_listed_twice_is_refused_under_release_before_any_bucket_steps(write):
+    """Under release a duplicate was caught by the step of the bucket that held it, after the buckets
+    backward reached first had stepped (or, twice in its own group, not at all): helper-58. The buckets are
+    made again when the groups change, at backward's first grad, and that refuses it before any steps."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    params, data = list(model.parameters()), torch.randn(16, 8)
+    opt = fastoptim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2)
+    opt.enable_gradient_release(bucket_numel=64)
+    model(data).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    write(opt, params)
+    before = snapshot(params, opt)
+    with pytest.raises(ValueError, match="appears"):
+        model(data).pow(2).mean().backward()
+    assert all(map(torch.equal, params, before[0]))
+    assert all(torch.equal(opt.state_dict()["state"][k][name], value)
+               for k, state in before[1]["state"].items() for name, value in state.items())
+
+
+def test_an_adan_count_written_between_backward_and_step_under_release_is_checked_at_step():
+    """An Adan group count written as a tensor of 2.5 between backward and ``step()``: release's ``step()``
+    advanced it unchecked where a number was refused (helper-58). It is refused by name at ``step()``."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = fastoptim.Adan(model.parameters(), lr=1e-2)
+    opt.enable_gradient_release()
+    model(torch.ones(2, 4)).sum().backward()
+    opt.param_groups[0]["step"] = torch.tensor(2.5)
+    with pytest.raises(ValueError, match=r"Invalid step: 2.5"):
+        opt.step()

@@ -34,6 +34,7 @@ from torch.optim import Optimizer
 
 from .. import flat_params
 from ..clip import RELEASED
+from .checks import check_in_one_group, check_params
 from .release_reductions import DDPState, ddp_comm_hook, reduction_mode
 
 BUCKET_NUMEL = 1 << 22  # elements per released bucket (16 MiB of fp32 grads): DDP's default is 25 MiB
@@ -168,7 +169,12 @@ class GradientRelease:
         return self._optimizer()
 
     def _make_buckets(self, optimizer):
-        """Cut the groups' params into buckets (see the class) and hook exactly theirs."""
+        """Cut the groups' params into buckets (see the class) and hook exactly theirs; first refuse a param
+        listed twice, in one group or two (written since it was added), before any bucket steps."""
+        name = type(optimizer).__name__
+        for group in optimizer.param_groups:
+            check_params(group["params"], name)
+            check_in_one_group(group, optimizer.param_groups, name)
         self.layout = [(list(group["params"]), list(map(flat_params.REQUIRES_GRAD, group["params"])))
                        for group in optimizer.param_groups]
         self.buckets, self.bucket_of = [], {}
@@ -248,9 +254,9 @@ class GradientRelease:
         if not self.checked:
             for group in optimizer.param_groups:
                 optimizer._check_options(group, group["params"])
-            self.checked = True
             if not self._made_for(optimizer):
                 self._make_buckets(optimizer)
+            self.checked = True
 
     def _ddp_reduced(self, params: list[Tensor], grads: list[Tensor]) -> None:
         """DDP's comm hook: ``grads`` (views of a reduced DDP bucket) are ``params``' final grads. Of the
@@ -323,6 +329,8 @@ class GradientRelease:
                                "the params with the scaled grads in backward: remove the release handle to use "
                                "GradScaler")
         self._warn_of_options_set_since_backward(optimizer)
+        for group in optimizer.param_groups:  # written since backward (an Adan count): before the rest steps
+            optimizer._check_options(group, group["params"])
         if not self._made_for(optimizer):
             self._make_buckets(optimizer)
         self._zero_freed(optimizer)
