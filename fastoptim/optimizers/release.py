@@ -373,9 +373,11 @@ class GradientRelease:
         optimizer = self.optimizer
         if self.stepped and optimizer is not None:
             warnings.warn(
-                f"fastoptim: a backward that did not reach step() had already stepped {len(self.stepped)} params "
-                "under gradient release, which cannot be undone: zero_grad() ends that step there (the per-group "
-                "step counts advance) and drops the other grads", stacklevel=4)
+                f"fastoptim: a backward since the last step() stepped {len(self.stepped)} params under gradient "
+                "release, and no step() followed: one that raised, or one meant for other params that went through "
+                "these (a GAN's generator loss through its released discriminator: freeze it for that backward, "
+                "requires_grad_(False)). Those steps cannot be undone: zero_grad() ends that step there (the "
+                "per-group step counts advance) and drops the other grads", stacklevel=4)
             for group in optimizer.param_groups:
                 optimizer._count_step(group, None, 1)
         self._drop_ddp_views()
