@@ -861,3 +861,27 @@ def test_a_0d_tensor_momentum_given_to_the_constructor_steps_as_torch_s_muon():
         opt.step()
         reference.step()
     assert all(map(torch.equal, ours, theirs))
+
+
+@pytest.mark.parametrize("way", ["constructor", "written between steps"])
+def test_ns_steps_given_as_a_numpy_int_steps_as_its_value(way):
+    """``ns_steps=np.int64(4)`` was refused ("must be an int from 1 to 99"), in the constructor and between
+    steps, where fastoptim takes numpy numbers for its other options as torch.optim does (helper-58). It
+    steps as the Python int does, bound and checked."""
+    import numpy as np
+
+    def run(ns_steps, checked):
+        params = [torch.nn.Parameter(torch.randn(8, 4, generator=torch.Generator().manual_seed(i))) for i in range(3)]
+        opt = fastoptim.Muon(params, lr=0.02, ns_steps=ns_steps if way == "constructor" else 5)
+        for step in range(4):
+            for param in params:
+                param.grad = torch.randn(8, 4, generator=torch.Generator().manual_seed(10 + step))
+            if way != "constructor" and step == 2:
+                opt.param_groups[0]["ns_steps"] = ns_steps
+            if checked:
+                opt._plans.bound = None
+            opt.step()
+        return torch.cat([param.detach().flatten() for param in params])
+
+    for checked in (False, True):
+        assert torch.equal(run(np.int64(4), checked), run(4, checked))

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
+import numpy as np
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
@@ -64,6 +65,8 @@ def check_schedule(group: dict) -> None:
     """Raise a ValueError unless ``group``'s ``ns_steps`` is an int from 1 to 99, its ``ns_coefficients``
     give one (a, b, c) per step (see :func:`coefficients`) and its ``adjust_lr_fn`` is one Muon has."""
     steps = group["ns_steps"]
+    if isinstance(steps, np.integer):  # a numpy int, as torch.optim takes one (steps read it as its value)
+        steps = int(steps)
     if type(steps) is not int or not 1 <= steps < 100:
         raise ValueError(f"Invalid ns_steps: {steps!r} (must be an int from 1 to 99)")
     coefficients(group)
