@@ -390,7 +390,8 @@ def test_numpy_numbers_given_to_the_constructor_step_as_their_python_values(cls,
 @pytest.mark.parametrize("where", ["groups", "defaults"])
 def test_max_grad_norm_written_under_gradient_release_is_refused_with_nothing_changed(where):
     """Release steps each bucket in backward, so it never holds the norm of all grads: a threshold written
-    after it was enabled is refused, as enabling it with one is (a bucket's step clipped by its own norm)."""
+    after it was enabled is refused, as enabling it with one is (a bucket's step clipped by its own norm).
+    Backward finds it and steps nothing; ``step()`` raises (not a hook inside backward: helper-59)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
     opt = fastoptim.AdamW(model.parameters(), lr=0.1)
@@ -401,8 +402,9 @@ def test_max_grad_norm_written_under_gradient_release_is_refused_with_nothing_ch
     for options in opt.param_groups if where == "groups" else [opt.defaults]:
         options["max_grad_norm"] = 0.5
     before = [p.detach().clone() for p in model.parameters()]
+    model(torch.randn(2, 4)).sum().backward()
     with pytest.raises(ValueError, match="Invalid max_grad_norm: 0.5: it clips by the norm of all grads"):
-        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
     assert all(map(torch.equal, before, model.parameters()))
 
 

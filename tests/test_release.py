@@ -914,11 +914,14 @@ def test_betas_written_as_a_numpy_array_under_release_step_and_warn_only_when_ch
     lambda opt: opt.param_groups[1].update(betas=(1.5, 0.999)),
     lambda opt: opt.param_groups[1].update(weight_decay="0.1"),
 ], ids=["NaN lr", "betas", "text weight_decay"])
-def test_an_option_written_invalid_is_refused_under_release_before_any_bucket_steps(write):
+@pytest.mark.parametrize("mend", ["zero_grad", "step again"])
+def test_an_option_written_invalid_is_refused_under_release_before_any_bucket_steps(write, mend):
     """Release steps each bucket as its grads are final, and each bucket's step checked its own group: an
     option written invalid into a group that backward reaches last was refused after the others' buckets
-    had stepped (helper-57). Every group's options are checked at backward's first grad, before any bucket
-    steps; the run mended goes on as one without release."""
+    had stepped (helper-57), and raised inside FSDP2's hook, which left its backward half done (helper-59).
+    Every group's options are checked at backward's first grad: what fails there makes backward step
+    nothing, and ``step()`` refuses it. Mended, ``step()`` steps this backward's grads (or, after
+    ``zero_grad()``, the next one's) as a run without release does."""
     def run(release):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
@@ -927,14 +930,16 @@ def test_an_option_written_invalid_is_refused_under_release_before_any_bucket_st
             opt.enable_gradient_release(bucket_numel=8)
         write(opt)
         before = [param.detach().clone() for param in model.parameters()]
+        model(torch.ones(2, 4)).sum().backward()  # whole: the refusal is step()'s, out of autograd's hooks
+        assert all(param.grad is not None for param in model.parameters())
         with pytest.raises(ValueError, match="Invalid"):
-            model(torch.ones(2, 4)).sum().backward()
             opt.step()
         assert all(map(torch.equal, before, model.parameters())) and not opt.state
         opt.param_groups[1].update(lr=1e-2, betas=(0.9, 0.999), weight_decay=1e-2)
-        opt.zero_grad()
-        model(torch.ones(2, 4)).sum().backward()
-        opt.step()
+        if mend == "zero_grad":
+            opt.zero_grad()
+            model(torch.ones(2, 4)).sum().backward()
+        opt.step()  # mended: on this backward's grads, or on a new one's
         return [param.detach().clone() for param in model.parameters()]
 
     assert all(map(torch.equal, run(True), run(False)))
@@ -948,7 +953,8 @@ def test_an_option_written_invalid_is_refused_under_release_before_any_bucket_st
 def test_a_param_listed_twice_is_refused_under_release_before_any_bucket_steps(write):
     """Under release a duplicate was caught by the step of the bucket that held it, after the buckets
     backward reached first had stepped (or, twice in its own group, not at all): helper-58. The buckets are
-    made again when the groups change, at backward's first grad, and that refuses it before any steps."""
+    made again when the groups change, at backward's first grad, which finds it: backward then steps
+    nothing, and ``step()`` refuses it."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
     params, data = list(model.parameters()), torch.randn(16, 8)
@@ -959,8 +965,9 @@ def test_a_param_listed_twice_is_refused_under_release_before_any_bucket_steps(w
     opt.zero_grad()
     write(opt, params)
     before = snapshot(params, opt)
+    model(data).pow(2).mean().backward()  # steps nothing: the refusal is step()'s, out of autograd's hooks
     with pytest.raises(ValueError, match="appears"):
-        model(data).pow(2).mean().backward()
+        opt.step()
     assert all(map(torch.equal, params, before[0]))
     assert all(torch.equal(opt.state_dict()["state"][k][name], value)
                for k, state in before[1]["state"].items() for name, value in state.items())

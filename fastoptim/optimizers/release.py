@@ -212,6 +212,7 @@ class GradientRelease:
         self.stepped = set()  # ids of the params stepped since the last step()
         self.options = {}  # group index: its options when backward first stepped one of its buckets
         self.checked = False  # whether this step's first grad has checked the buckets against the groups
+        self.refused = False  # whether it found what step() refuses: backward then steps nothing, step() raises
         self.task, self.reentrant = None, False  # the autograd graph task last seen, and whether it is reentrant
 
     def _grad_ready(self, param: Tensor, reduced: bool = False) -> None:
@@ -222,7 +223,7 @@ class GradientRelease:
             return
         self._check_buckets(optimizer)
         bucket = self.bucket_of.get(param)
-        if bucket is None:  # left its group, or frozen: step() steps it if it has a grad
+        if bucket is None or self.refused:  # left its group, or frozen: step() steps it if it has a grad
             return
         if not reduced:
             task = torch._C._current_graph_task_id()
@@ -250,13 +251,19 @@ class GradientRelease:
     def _check_buckets(self, optimizer) -> None:
         """At the first grad of a step: check every group's options (a bucket steps as soon as its grads are
         final, so a refusal found by a later bucket's step would come after the earlier ones had stepped),
-        then make the buckets again where the groups changed."""
+        then make the buckets again where the groups changed. What it refuses is not raised here, inside
+        autograd's (or FSDP2's, or DDP's) hook, which would leave backward, and their state, half done:
+        backward steps nothing, and ``step()``, which checks the same, raises it (having changed nothing)."""
         if not self.checked:
-            for group in optimizer.param_groups:
-                optimizer._check_options(group, group["params"])
-            if not self._made_for(optimizer):
-                self._make_buckets(optimizer)
             self.checked = True
+            try:
+                optimizer._optimizer_inputs()  # a max_grad_norm written since: refused under release
+                for group in optimizer.param_groups:
+                    optimizer._check_options(group, group["params"])
+                if not self._made_for(optimizer):
+                    self._make_buckets(optimizer)
+            except (ValueError, TypeError, RuntimeError):
+                self.refused = True
 
     def _ddp_reduced(self, params: list[Tensor], grads: list[Tensor]) -> None:
         """DDP's comm hook: ``grads`` (views of a reduced DDP bucket) are ``params``' final grads. Of the
@@ -329,7 +336,8 @@ class GradientRelease:
                                "the params with the scaled grads in backward: remove the release handle to use "
                                "GradScaler")
         self._warn_of_options_set_since_backward(optimizer)
-        for group in optimizer.param_groups:  # written since backward (an Adan count): before the rest steps
+        optimizer._optimizer_inputs()
+        for group in optimizer.param_groups:  # written since backward (an Adan count), or refused in it: first
             optimizer._check_options(group, group["params"])
         if not self._made_for(optimizer):
             self._make_buckets(optimizer)
