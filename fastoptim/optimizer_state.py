@@ -109,6 +109,9 @@ class OptimizerState(_WritingThrough, defaultdict):
     def __init__(self, states=()):
         super().__init__(ParamState)
         self.changes = 0
+        # the params whose state dict was assigned whole since the optimizer last took them (a checkpoint's,
+        # as ZeroRedundancyOptimizer loads one: its master remainder goes with the param's value as loaded)
+        self.assigned = weakref.WeakValueDictionary()
         for param, state in dict(states).items():
             self[param] = state
 
@@ -123,6 +126,8 @@ class OptimizerState(_WritingThrough, defaultdict):
             if not any(ref() is self for ref in state.owners):  # a state dict two optimizers hold counts for both
                 state.owners = [ref for ref in state.owners if ref() is not None] + [weakref.ref(self)]
         _changed(self)
+        if isinstance(param, Tensor):
+            self.assigned[id(param)] = param
         super().__setitem__(param, state)
 
     def setdefault(self, param, state=None):

@@ -1,6 +1,8 @@
 """Compressed master weights (``master_bits``, fastoptim/states/master.py): bf16 params with a
 remainder in their state. With 32 bits the run is the fp32 run, bit for bit; with 24 it stays
 within its bound; the option is checked, converted by state dicts, and refused mid-run changes."""
+import copy
+
 import pytest
 import torch
 
@@ -512,3 +514,40 @@ def test_the_kernels_take_the_param_alone_where_its_remainder_would_make_a_nan(e
     expected = split(twin_param.detach().cpu(), bits)
     assert torch.equal(param.detach().cpu(), expected[0])
     assert torch.equal(opt.state[param][master.KEY].cpu(), expected[1])
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "states assigned whole"])
+def test_a_rollback_that_assigns_the_states_whole_keeps_the_loaded_remainders(how):
+    """A run rolled back to a checkpoint (the model's params written back, then the optimizer's states) goes
+    on as the uninterrupted run. ZeroRedundancyOptimizer loads its shard's states by assigning each param's
+    state dict into the optimizer's ``state``, not through ``load_state_dict``: the step took the params
+    as written since its last step and zeroed the remainders just loaded with them (helper-59: 9.8e-4 apart
+    after one step). A state assigned whole is taken with its remainder, as a loaded one is."""
+    def net():
+        torch.manual_seed(0)
+        return torch.nn.Linear(96, 64).to(torch.bfloat16)
+
+    def train(model, opt, steps):
+        for step in steps:
+            generator = torch.Generator().manual_seed(1000 + step)
+            x, target = torch.randn(8, 96, generator=generator).bfloat16(), torch.randn(8, 64, generator=generator)
+            torch.nn.functional.mse_loss(model(x).float(), target).backward()
+            opt.step()
+            opt.zero_grad()
+
+    reference = net()
+    reference_opt = fastoptim.AdamW(reference.parameters(), lr=0.01, master_bits=24)
+    train(reference, reference_opt, range(3))
+    model_state, opt_state = copy.deepcopy(reference.state_dict()), copy.deepcopy(reference_opt.state_dict())
+    train(reference, reference_opt, range(3, 6))
+    model = net()
+    opt = fastoptim.AdamW(model.parameters(), lr=0.01, master_bits=24)
+    train(model, opt, range(5))
+    model.load_state_dict(model_state)
+    if how == "load_state_dict":
+        opt.load_state_dict(opt_state)
+    else:
+        for index, param in enumerate(model.parameters()):
+            opt.state[param] = copy.deepcopy(opt_state["state"][index])
+    train(model, opt, range(3, 6))
+    assert all(map(torch.equal, model.parameters(), reference.parameters()))

@@ -158,13 +158,14 @@ class StepPath:
 
     def _restart_written(self, work, plans):
         """Zero the master remainders of ``work``'s params written by anyone else since its steps wrote them
-        (each starts again from the value written: master.Writes); returns the notes (``plans.writes``), or
-        None where none keeps remainders: a compiled step reads notes to drop them, each new one a trace."""
+        (each starts again from the value written: master.Writes), but states assigned whole since; returns
+        the notes (``plans.writes``), or None where none keeps remainders (a compiled step's would trace)."""
         writes = plans.writes
         if writes is None:
             if all(entry.versions is None or not entry.versions.params for _, entry, _ in work):
                 return None
             writes = plans.writes = master.Writes()
+        writes.forget_assigned(self.state)
         for _, entry, _ in work:
             if entry.versions is not None:
                 self._restart_masters(writes.written(entry.versions))
@@ -426,9 +427,8 @@ class StepPath:
         """Step ``params`` of group ``group_index`` on their grads (a released bucket, or what backward
         left; ``key``: their step work's in the plan store), checked as a step checks them; the group's
         per-group count advances at ``step()``."""
-        plans = self._plans
+        plans, group = self._plans, self.param_groups[group_index]
         plans.bound = None  # the next normal step is checked again
-        group = self.param_groups[group_index]
         self._apply([(group, *self._group_work(plans, key, group, params))], plans, whole_step=False)
 
     def _restart_masters(self, params):
