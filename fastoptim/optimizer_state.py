@@ -113,7 +113,7 @@ class OptimizerState(_WritingThrough, defaultdict):
         # as ZeroRedundancyOptimizer loads one: its master remainder goes with the param's value as loaded)
         self.assigned = weakref.WeakValueDictionary()
         for param, state in dict(states).items():
-            self[param] = state
+            self._store(param, state)
 
     @staticmethod
     def _taken(param, state):
@@ -121,18 +121,26 @@ class OptimizerState(_WritingThrough, defaultdict):
         return ParamState(state) if isinstance(state, dict) and type(state) is not ParamState else state
 
     def __setitem__(self, param, state):
+        """``state`` assigned whole: noted in ``assigned`` where it is another dict than the param's."""
+        if isinstance(param, Tensor) and state is not dict.get(self, param):
+            self.assigned[id(param)] = param
+        self._store(param, state)
+
+    def _store(self, param, state):
         state = self._taken(param, state)  # before the change is counted: a refused count changes nothing
         if isinstance(state, dict):
             if not any(ref() is self for ref in state.owners):  # a state dict two optimizers hold counts for both
                 state.owners = [ref for ref in state.owners if ref() is not None] + [weakref.ref(self)]
         _changed(self)
-        if isinstance(param, Tensor):
-            self.assigned[id(param)] = param
         super().__setitem__(param, state)
+
+    def __missing__(self, param):  # a read of a param without a state, which makes one: no assignment
+        self._store(param, {})
+        return dict.__getitem__(self, param)
 
     def setdefault(self, param, state=None):
         if param not in self:
-            self[param] = {} if state is None else state
+            self._store(param, {} if state is None else state)
         return self[param]
 
     def __reduce__(self):

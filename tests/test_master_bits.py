@@ -551,3 +551,33 @@ def test_a_rollback_that_assigns_the_states_whole_keeps_the_loaded_remainders(ho
             opt.state[param] = copy.deepcopy(opt_state["state"][index])
     train(model, opt, range(3, 6))
     assert all(map(torch.equal, model.parameters(), reference.parameters()))
+
+
+@pytest.mark.parametrize("before_write", ["nothing", "the state read", "the state assigned to itself"])
+@pytest.mark.parametrize("bound", [True, False])
+def test_a_param_written_after_its_state_was_made_or_read_restarts_its_remainder(before_write, bound):
+    """Making a param's state (a read of ``optimizer.state[p]`` for a param without one) went through the
+    state mapping's assignment, which noted it as a state assigned whole: the next step took its remainder
+    as it was, and a ``p.copy_(x)`` after the first step kept the stale remainder (helper-60). Only a state
+    dict assigned in place of another is taken so; the write restarts the remainder."""
+    def run(zero_by_hand):
+        torch.manual_seed(0)
+        param = torch.nn.Parameter(torch.randn(1000).bfloat16())
+        opt = fastoptim.AdamW([param], lr=0.01, master_bits=24)
+        for step in range(3):
+            param.grad = torch.randn(1000, generator=torch.Generator().manual_seed(step)).bfloat16()
+            if step == 1:
+                if before_write == "the state read":
+                    assert "exp_avg" in opt.state[param]
+                elif before_write == "the state assigned to itself":
+                    opt.state[param] = opt.state[param]
+                with torch.no_grad():
+                    param.copy_(torch.ones(1000).bfloat16())  # a write by someone else
+                if zero_by_hand:
+                    opt.state[param][master.KEY].zero_()  # what the step does itself
+            if not bound:
+                opt._plans.bound = None
+            opt.step()
+        return param.detach().clone()
+
+    assert torch.equal(run(False), run(True))
