@@ -108,12 +108,6 @@ def check_number(name, value, below=None, tensor=False):
             return
         value = value.item()  # when a group is added or loaded, never in step()
     value = one_value(name, value)
-    check_range(name, value, below)
-
-
-def check_range(name: str, value, below: float | None = None) -> None:
-    """Raise a ValueError naming ``name`` unless ``value`` is a number (not a bool) in [0, ``below``) (see
-    :func:`check_number`)."""
     below = BELOW.get(name, math.inf) if below is None else below
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < below:
         requirement = "a finite number >= 0" if below == math.inf else f"in [0, {below:g})"

@@ -257,13 +257,19 @@ class GradientRelease:
         if not self.checked:
             self.checked = True
             try:
-                optimizer._optimizer_inputs()  # a max_grad_norm written since: refused under release
-                for group in optimizer.param_groups:
-                    optimizer._check_options(group, group["params"])
-                if not self._made_for(optimizer):
-                    self._make_buckets(optimizer)
+                self._check_groups(optimizer)
             except (ValueError, TypeError, RuntimeError):
                 self.refused = True
+
+    def _check_groups(self, optimizer) -> None:
+        """Raise for what a step refuses of ``optimizer``'s groups as written since (options, a max_grad_norm,
+        which release refuses, a count), then make the buckets again where the groups changed (which refuses
+        a param listed twice): at backward's first grad, and again at ``step()``, before anything steps."""
+        optimizer._optimizer_inputs()
+        for group in optimizer.param_groups:
+            optimizer._check_options(group, group["params"])
+        if not self._made_for(optimizer):
+            self._make_buckets(optimizer)
 
     def _ddp_reduced(self, params: list[Tensor], grads: list[Tensor]) -> None:
         """DDP's comm hook: ``grads`` (views of a reduced DDP bucket) are ``params``' final grads. Of the
@@ -336,11 +342,7 @@ class GradientRelease:
                                "the params with the scaled grads in backward: remove the release handle to use "
                                "GradScaler")
         self._warn_of_options_set_since_backward(optimizer)
-        optimizer._optimizer_inputs()
-        for group in optimizer.param_groups:  # written since backward (an Adan count), or refused in it: first
-            optimizer._check_options(group, group["params"])
-        if not self._made_for(optimizer):
-            self._make_buckets(optimizer)
+        self._check_groups(optimizer)  # written since backward (an Adan count), or refused in it: first
         self._zero_freed(optimizer)
         for index, group in enumerate(optimizer.param_groups):
             rest = [param for param in group["params"] if param.grad is not None and id(param) not in self.stepped]

@@ -190,12 +190,10 @@ def check_numbers(group: dict, names: tuple) -> None:
         elif kind is int:
             if value < below and -_FLOAT_MAX <= value <= _FLOAT_MAX:  # not past float's range
                 continue
-        elif kind is bool or not a_real_number(name, value):
-            if kind is bool:
-                continue
+        elif kind is bool or isinstance(value, Tensor) and a_real_number(name, value):
+            continue  # a tensor's value is not looked at
+        elif not a_real_number(name, value):
             raise ValueError(f"Invalid {name}: {value!r} (must be {NUMBER_TERMS})")
-        elif isinstance(value, Tensor):
-            continue
         else:
             value = one_value(name, value)  # a numpy number, or an array of one
             if -_FLOAT_MAX <= value < below and value <= _FLOAT_MAX:

@@ -165,7 +165,7 @@ class StepPath:
             if all(entry.versions is None or not entry.versions.params for _, entry, _ in work):
                 return None
             writes = plans.writes = master.Writes()
-        writes.forget_assigned(self.state)
+        writes.forget_assigned(self.state.assigned)
         for _, entry, _ in work:
             if entry.versions is not None:
                 self._restart_masters(writes.written(entry.versions))

@@ -142,17 +142,17 @@ class Writes:
                 self.last[id(param)] = (versions, index)
             versions.owner = self
 
-    def forget_assigned(self, state) -> None:
-        """Take as they are, whatever was written to them since, the remainders of the params whose state
-        dicts the optimizer's ``state`` had assigned whole since (``OptimizerState.assigned``): a checkpoint's,
+    def forget_assigned(self, assigned) -> None:
+        """Take as they are, whatever was written to them since, the remainders of the params in ``assigned``
+        (``OptimizerState.assigned``, emptied here): their state dicts were assigned whole since, a checkpoint's,
         as ZeroRedundancyOptimizer loads one, which goes with the param's value as loaded."""
-        assigned = getattr(state, "assigned", None)
-        for param in list(assigned.values()) if assigned else ():
+        if not assigned:  # the common case: nothing to look at
+            return
+        for param in list(assigned.values()):
             last = self.last.pop(id(param), None)
             if last is not None:
                 last[0].owner = None  # its next note notes them all again
-        if assigned:
-            assigned.clear()
+        assigned.clear()
 
     def all_written(self) -> list:
         """Every param written since the optimizer's step last wrote it."""
