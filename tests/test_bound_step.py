@@ -16,7 +16,7 @@ import fastoptim
 
 from fastoptim.bound_step import BoundStep
 from fastoptim.engines.backends import cpu as cpu_backend
-from fastoptim.optimizers import scalars
+from fastoptim.optimizers import checks
 
 pytestmark = pytest.mark.skipif(not cpu_backend.AVAILABLE, reason="the native library is not built")
 
@@ -517,7 +517,7 @@ def test_an_lr_the_checked_step_does_not_read_as_a_float_is_left_to_it(value):
         else:
             outcomes.append((None, [param.clone() for param in params]))
     (bound_error, bound), (checked_error, checked) = outcomes
-    assert bound_error == checked_error == f"Invalid lr: {value!r} (must be {scalars.NUMBER_TERMS})"
+    assert bound_error == checked_error == f"Invalid lr: {value!r} (must be {checks.NUMBER_TERMS})"
     assert all(map(torch.equal, bound, checked))
 
 

@@ -11,14 +11,9 @@ per-param factors). ``fastoptim::step_factors`` computes the clip coefficient an
 ``fastoptim::mark_read`` marks the states' first reads (``step_counts`` advances the counts); the
 graph of a fused step keeps these ops and the kernels', and compiles nothing."""
 import functools
-import inspect
 import json
-import math
-import sys
-import types
 from typing import NamedTuple
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -27,7 +22,7 @@ from ..engines import backends
 from ..specs import COMMON_SCALARS
 from ..step_cache import holds_any
 from .algorithm import Algorithm, StepInputs
-from .checks import BELOW, NUMPY_VALUES, one_value, plain as _plain
+from .checks import is_number
 
 
 def count_after(count, increment, lr, traced):
@@ -127,127 +122,6 @@ class TracedScalars(NamedTuple):
         return numbers
 
 
-def _is_number(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-_NUMBERS = (float, int, bool)  # as the constructor's checks and a step read them
-NUMBER_TERMS = "an int or a float, a real numpy number, or a floating-point tensor of one value"
-
-
-@functools.cache
-def number_options(cls) -> tuple:
-    """The options that fastoptim's optimizer classes among ``cls`` and those it derives from give a number
-    by default in their signatures (a float, or an int that is no bool): those its steps read as numbers,
-    whatever a user gave the constructor. A subclass that passes ``**kwargs`` on keeps its base's; a
-    subclass's own options are its own to read."""
-    return tuple(dict.fromkeys(
-        name for klass in cls.__mro__ if klass.__module__.startswith("fastoptim.")
-        and isinstance(vars(klass).get("__init__"), types.FunctionType)
-        for name, parameter in inspect.signature(klass.__init__).parameters.items()
-        if _is_number(parameter.default)))
-
-
-@functools.cache
-def number_bounds(cls) -> tuple:
-    """(option, the bound its number stays below: ``checks.BELOW``'s, else infinity) for each of
-    :func:`number_options`, which :func:`check_numbers` takes."""
-    return tuple((name, BELOW.get(name, math.inf)) for name in number_options(cls))
-
-
-def a_real_number(name: str, value) -> bool:
-    """Whether a step reads option ``name``'s ``value`` as one real number: an int, a float or a bool (as
-    Python reads it), a real numpy number or array (:func:`plain_values` reads one of one element and
-    refuses more), or a tensor: an lr of one floating-point value (``checks.check_tensor_lr``), any other
-    option a 0-d floating-point one, as a beta."""
-    if isinstance(value, Tensor):
-        return value.is_floating_point() and (value.numel() == 1 if name == "lr" else value.dim() == 0)
-    if isinstance(value, (np.ndarray, np.generic)):
-        return value.dtype.kind in "biuf"
-    return isinstance(value, _NUMBERS)
-
-
-def check_numbers(group: dict, names: tuple) -> None:
-    """Raise a ValueError naming the first of options ``names`` that ``group`` holds as what no step reads
-    as a number (None, text, a complex number, a list, a tensor of several values: written since it was
-    added; see :func:`a_real_number`), or as a number that is not finite (a NaN lr from a schedule made the
-    params NaN) or not below its bound (``checks.BELOW``: Muon's momentum from 1), before any group steps.
-    Not the constructor's lower bound: a schedule's float arithmetic may take a decay to 0 a hair below it
-    (torch's ``LinearLR(end_factor=0)`` ends at -4e-22), which torch.optim steps with. A tensor's value is
-    not looked at. An option the group does not hold (a subclass's own argument, kept under another key)
-    is left alone.
-
-    Args:
-        group: the param group, read.
-        names: (option, bound) for each option to check (see :func:`number_bounds`).
-    """
-    for name, below in names:
-        value = group.get(name, 0.0)
-        kind = type(value)
-        if kind is float:
-            if value - value == 0.0 and value < below:  # not NaN, nor an infinity (inf - inf is NaN)
-                continue
-        elif kind is int:
-            if value < below and -_FLOAT_MAX <= value <= _FLOAT_MAX:  # not past float's range
-                continue
-        elif kind is bool or isinstance(value, Tensor) and a_real_number(name, value):
-            continue  # a tensor's value is not looked at
-        elif not a_real_number(name, value):
-            raise ValueError(f"Invalid {name}: {value!r} (must be {NUMBER_TERMS})")
-        else:
-            value = one_value(name, value)  # a numpy number, or an array of one
-            if -_FLOAT_MAX <= value < below and value <= _FLOAT_MAX:
-                continue
-        raise ValueError(f"Invalid {name}: {value!r} (must be a finite number"
-                         + ("" if below == math.inf else f" below {below:g}") + ")")
-
-
-_FLOAT_MAX = sys.float_info.max
-
-
-def plain_values(group: dict, keys) -> dict:
-    """The Python values of ``group``'s options ``keys`` that hold numpy values (``np.float32(0.1)``,
-    ``np.True_``, an array of betas, a sequence of numpy numbers, as a list), by key: a numpy fp32
-    number's arithmetic rounds to fp32, where the native rules and a compiled step take its value.
-
-    An option whose default is no sequence, written as an array of one element (``lr=np.array([1e-3])``),
-    is its one value, as a one-element tensor lr is; of more elements, a ValueError names it.
-
-    Args:
-        group: the param group, read.
-        keys: the options to look at and their defaults (an algorithm's: the optimizer's ``defaults``),
-            not a scheduler's keys (``initial_lr``), which it computes with as it likes.
-    """
-    found = {}
-    for key in keys:  # no call per option: a bound Muon step reads its groups' options every step
-        value = group.get(key)
-        if isinstance(value, NUMPY_VALUES):
-            found[key] = _plain(value) if isinstance(keys[key], (tuple, list)) else one_value(key, value)
-        elif isinstance(value, (tuple, list)) and any(isinstance(v, NUMPY_VALUES) for v in value):
-            found[key] = [_plain(v) if isinstance(v, NUMPY_VALUES) else v for v in value]
-    return found
-
-
-def plain_options(group: dict, keys) -> None:
-    """Give ``group``'s options ``keys`` that hold numpy values their Python values (``plain_values``)
-    in place, before a step is traced: dynamo hands the traced step's ops numpy numbers as values
-    they cannot take, and ``prepare`` encodes the others as JSON. A list keeps its identity, a
-    tuple its type (a namedtuple's too).
-
-    Args:
-        group: the param group, changed in place where an option holds numpy values.
-        keys: the options to look at (see ``plain_values``).
-    """
-    for key, value in plain_values(group, keys).items():
-        held = group[key]
-        if isinstance(held, list):
-            held[:] = value
-        elif isinstance(held, tuple):
-            group[key] = held._make(value) if hasattr(held, "_make") else tuple(value)
-        else:
-            group[key] = value
-
-
 def _name(algorithm):
     """What identifies ``algorithm``'s scalar math across processes (an inductor cache outlives one):
     its spec and where its two functions are defined."""
@@ -273,7 +147,7 @@ def traced_scalars(algorithm: Algorithm, group: dict, keys) -> TracedScalars | N
                            "its own arguments and kernel_scalars functions")
     options, numeric = {}, []
     for key, value in group.items():
-        if _is_number(value) or isinstance(value, (tuple, list)) and value and all(map(_is_number, value)):
+        if is_number(value) or isinstance(value, (tuple, list)) and value and all(map(is_number, value)):
             many = isinstance(value, (tuple, list))
             numeric.append((key, len(value) if many else None,
                             all(isinstance(v, int) for v in (value if many else (value,)))))

@@ -18,7 +18,7 @@ from ..multi_tensor import pick
 from ..specs import ABSMAX
 from ..states import master
 from ..step_cache import DEVICE, DTYPE, SHAPE, GroupStructure, PlanStore, engine_view
-from . import scalars
+from . import checks, scalars
 from .algorithm import PER_GROUP, StepInputs
 from .checks import check_in_one_group, check_params, check_tensor_lr, flag_value, one_value
 from .step_counts import StepCounts, check_group_count, own_counts
@@ -95,14 +95,14 @@ class StepPath:
             raise ValueError(f"Invalid betas: {betas!r} (expected {n_betas} numbers in [0, 1))")
         if isinstance(group["lr"], Tensor) and params:
             check_tensor_lr(group["lr"], params[0].device)
-        scalars.check_numbers(group, scalars.number_bounds(type(self)))  # written since: before any group steps
+        checks.check_numbers(group, checks.number_bounds(type(self)))  # written since: before any group steps
 
     def _check_options(self, group, params):
         """Raise, before any group steps, for what was written into ``group`` since the last step that a
         checked step cannot take: :meth:`_check_between_steps`, an array no step reads one value of, and a
         ``PER_GROUP`` count (which a number written makes a tensor, see ``check_group_count``)."""
         self._check_between_steps(group, params)
-        scalars.plain_values(group, self.defaults)
+        checks.plain_values(group, self.defaults)
         if self._algorithm(group).counts == PER_GROUP:
             check_group_count(group, self.param_groups)
 
@@ -192,7 +192,7 @@ class StepPath:
         if clip_in_step:
             counted = not all(entry.params for _, entry, _ in work)  # official Adan's count, in Python
             return (scalars.increment_of(found_inf) if counted else None,
-                    [scalars.grad_scale(None, None, m) for m in maximize], (max_norm, eps) if clipped else None)
+                    [-1.0 if m else None for m in maximize], (max_norm, eps) if clipped else None)  # grad_scale's
         if not eager and self._factors_by_op(work, all_grads if clipped else None, amp_scale, found_inf):
             return (*scalars.traced_factors(all_grads if clipped else None, max_norm, eps, amp_scale, found_inf,
                                             maximize), None)
@@ -224,7 +224,7 @@ class StepPath:
         plans = self._plans
         flat_params.drop_frozen_grads(self.param_groups)  # a step traced again once a param is frozen (guarded)
         for group in self.param_groups:
-            scalars.plain_options(group, self.defaults)
+            checks.plain_options(group, self.defaults)
         own_counts(self.state.values())
         calls = []  # the step ops' prepared calls, each of which checks the others before it runs (see refuse)
         works = [self._group_work(plans, index, group) for index, group in enumerate(self.param_groups)]
@@ -368,15 +368,15 @@ class StepPath:
     def _arguments(self, algorithm, group, entry, grad_scale, increment, traced):
         """``algorithm``'s arguments for this step of ``group`` (``entry``: its work) and the names of those
         that hold one value per param (see ``scalars.step_arguments``). Options written as numpy values are
-        read as their Python values (``scalars.plain_values``), as the native rules and a compiled step read
+        read as their Python values (``checks.plain_values``), as the native rules and a compiled step read
         them; the group keeps what was written."""
         options = self._plain_group(group)
         return scalars.step_arguments(algorithm, options, scalars.one_count(self._step_counts(group, entry).read(group)),
                                       increment, self._step_inputs(options, entry, grad_scale), traced)
 
     def _plain_group(self, group):
-        """``group``, or a copy with its numpy options as their Python values (``scalars.plain_values``)."""
-        plain = scalars.plain_values(group, self.defaults)
+        """``group``, or a copy with its numpy options as their Python values (``checks.plain_values``)."""
+        plain = checks.plain_values(group, self.defaults)
         return {**group, **plain} if plain else group
 
     def _step_counts(self, group, entry):
