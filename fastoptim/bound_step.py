@@ -91,7 +91,7 @@ class BoundStep:
                     or entry.traced_reads is not None and unread(entry.traced_reads)):
                 return None
             if algorithm.bound_part is not None:
-                found = [algorithm.bound_part(entry.tensors, bucket, plan)
+                found = [algorithm.bound_part(entry.tensors, bucket, plan, entry.engine)
                          for (bucket, _), plan in zip(entry.buckets, entry.bucket_plans)]
                 if None in found:
                     return None
@@ -163,7 +163,7 @@ class BoundStep:
             if parts and found_inf is not None and bool(found_inf):
                 return False  # an inf GradScaler found (a CPU tensor, read without a sync): the checked step skips
             if group["stochastic_rounding"] and entry.params:
-                # a bound part's update draws its random bits after the call, other groups their seeds before
+                # a bound part's update kernel draws its seed after the call, other groups their seeds before
                 # it: the checked step's order (group by group) while no such group follows a part's
                 if parts:
                     rounds_after_call = True

@@ -55,15 +55,20 @@ class KernelSpec:
     """A kernel family: its state roles, its own scalars (after ``COMMON_SCALARS``) and its feature
     flags. Several optimizers may share one (AdamW, AdamWSN and RMSPropSN). ``elementwise``: False
     for math that needs each tensor whole (Muon's matrices): no fused kernel restates it, so it
-    declares no scalars, and the foreach engine does not cut its tensors into pieces."""
+    declares no scalars, and the foreach engine does not cut its tensors into pieces. ``grad``: the
+    element format of the grad row where it is not the param's: ``"bf16"`` for Muon's update, whose
+    "grad" is the orthogonalized direction, bf16 whatever the param's dtype."""
 
     name: str
     roles: tuple[Role, ...]
     scalars: tuple[str, ...]
     flags: tuple[str, ...] = ()
     elementwise: bool = True
+    grad: str | None = None
 
     def __post_init__(self):
+        if self.grad not in (None, "bf16"):
+            raise ValueError(f"kernel spec {self.name!r}: no grad format {self.grad!r} (None: the param's, or 'bf16')")
         names = [role.name for role in self.roles]
         if len(set(names)) != len(names) or len(set(self.all_scalars)) != len(self.all_scalars):
             raise ValueError(f"kernel spec {self.name!r}: a role or scalar is declared twice")

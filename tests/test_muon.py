@@ -262,6 +262,46 @@ def test_the_fused_engines_run_the_momentum_on_the_kernel_as_foreach_computes_it
     torch.testing.assert_close(results[engine][-1], results["foreach"][-1], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("form", ["fp32", "bf16", "master_bits=24", "master_bits=32", "weight_decay", "clipped"])
+@pytest.mark.parametrize("engine", FUSED)
+def test_the_fused_engines_run_the_update_on_the_kernel_as_foreach_computes_it(engine, form, monkeypatch):
+    """The update half (``muon_apply``) runs on the kernel, which reads the bf16 directions beside fp32
+    or bf16 params (a tall matrix's made contiguous first), with master remainders: bit for bit the
+    foreach engine's, and so torch's Muon for fp32 params (test_every_engine_steps_as_torch_muon)."""
+    dtype = torch.float32 if form in ("fp32", "weight_decay", "clipped") else torch.bfloat16
+    options = dict(lr=0.02, weight_decay=0.1 if form == "weight_decay" else 0.0,
+                   max_grad_norm=0.5 if form == "clipped" else 0.0)
+    if form.startswith("master_bits"):
+        options["master_bits"] = int(form.split("=")[1])
+    params = make_params([(40, 24), (24, 40), (24, 40), (16, 16)], dtype)  # tall, wide (two: a batch), square
+    grads = grads_of(params)
+    foreach = stepped(fastoptim.Muon, params, grads, **options, **ENGINES["foreach"])
+    monkeypatch.setattr(muon_parts, "muon_apply", lambda ops, **kwargs: pytest.fail("muon_apply ran on ops"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback
+        fused = stepped(fastoptim.Muon, params, grads, **options, **ENGINES[engine])
+    assert_equal(fused, foreach)
+
+
+@pytest.mark.parametrize("engine", FUSED)
+def test_the_update_kernel_rounds_bf16_params_stochastically_within_an_ulp_of_the_fp32_update(engine, monkeypatch):
+    """With stochastic rounding, a step lands each param on one of the two bf16 values around the fp32
+    result (the master a ``master_bits=32`` twin keeps of the same step), and not always the nearer one."""
+    from fastoptim.states import master
+
+    params = make_params([(64, 48)], torch.bfloat16)
+    grads = grads_of(params, steps=1)
+    twin = clone(params)
+    optimizer = fastoptim.Muon(twin, lr=0.02, master_bits=32, **ENGINES[engine])
+    run(optimizer, twin, grads)
+    exact = master.widen(twin[0].detach(), optimizer.state[twin[0]][master.KEY])
+    monkeypatch.setattr(muon_parts, "muon_apply", lambda ops, **kwargs: pytest.fail("muon_apply ran on ops"))
+    rounded = stepped(fastoptim.Muon, params, grads, lr=0.02, stochastic_rounding=True, **ENGINES[engine])[0].float()
+    spacing = torch.ldexp(torch.ones_like(exact), torch.frexp(exact).exponent - 8)  # of bf16 values around exact
+    assert ((rounded - exact).abs() < spacing).all()  # one of the two bf16 values around it
+    assert (rounded != exact.bfloat16().float()).any()  # not always the nearer one
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("engine", FUSED)
 def test_the_momentum_kernels_tables_are_bound_once_and_step_as_tables_made_anew(engine, dtype, monkeypatch):
@@ -307,8 +347,9 @@ def test_the_triton_kernel_runs_the_momentum_as_foreach_computes_it(dtype, state
     grads = grads_of(params)
     foreach = stepped(fastoptim.Muon, params, grads, lr=0.02, state_bits=state_bits, **ENGINES["foreach"])
     monkeypatch.setenv("FASTOPTIM_FUSED_BACKEND", "triton")
-    for module in (muon, muon_parts):  # the whole update's, and the fused run's
+    for module in (muon, muon_parts):  # the whole update's, and the fused run's: both halves on the kernel
         monkeypatch.setattr(module, "muon_momentum", lambda ops, **kwargs: pytest.fail("muon_momentum ran on ops"))
+        monkeypatch.setattr(module, "muon_apply", lambda ops, **kwargs: pytest.fail("muon_apply ran on ops"))
     triton = stepped(fastoptim.Muon, params, grads, lr=0.02, state_bits=state_bits, fused=True)
     for a, b in zip(triton, foreach):
         torch.testing.assert_close(a.float(), b.float(), rtol=2**-7 if dtype == torch.bfloat16 else 1e-5, atol=2e-5)

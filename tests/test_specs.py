@@ -20,13 +20,14 @@ def test_the_header_gives_every_kernel_its_rows_scalars_and_flags_in_spec_order(
     text = header.c_header(declared_specs())
     for spec in declared_specs():
         prefix = spec.name.upper() + "_"
-        rows = [prefix + name.upper() for name in spec.states]
+        rows = [prefix + name.upper() for name in spec.states] + [prefix + "STATES_END"]
         scalars = [prefix + name.upper() for name in spec.scalars]
-        assert ", ".join([rows[0] + " = FIRST_STATE"] + rows[1:]) in text
+        assert ", ".join([rows[0] + " = FIRST_STATE"] + rows[1:]) in text  # a spec of no state: its end only
         assert ", ".join([scalars[0] + " = COMMON_SCALARS"] + scalars[1:]) in text
         for i, flag in enumerate(spec.flags):
             assert f"{prefix}{flag.upper()} = {1 << (i + 1)}" in text
-    assert "X(lion, LION)" in text
+        assert f"{prefix}GRAD = {spec.grad.upper() if spec.grad else -1} }}" in text
+    assert "X(lion, LION)" in text and "MUON_APPLY_GRAD = BF16 }" in text
 
 
 @pytest.mark.parametrize("cls", [info.cls for info in OPTIMIZERS], ids=lambda cls: cls.__name__)

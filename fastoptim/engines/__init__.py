@@ -83,9 +83,14 @@ class Plan:
         :func:`args_of`."""
         if tensors is None:
             tensors, absmax = pick(self.tensors, owners), pick(self.absmax, owners)
-        args = args_of(self.args, self.per_tensor, owners, self.tensors["param"][0].device, owners_bucket,
-                       self.traced)
+        device = self.tensors["param"][0].device
+        args = args_of(self.args, self.per_tensor, owners, device, owners_bucket, self.traced)
+        kernel_values = self.kernel_values and args_of(  # those with a value per tensor: theirs
+            self.kernel_values, [name for name, value in self.kernel_values.items()
+                                 if isinstance(value, Tensor) and value.dim() == 1], owners, device, owners_bucket,
+            self.traced)
         return replace(self, tensors=tensors, absmax=absmax, bucket=BucketPlan(), sum_group=None, args=args,
+                       kernel_values=kernel_values,
                        watched=None if self.watched is None else [self.watched[i] for i in owners],
                        originals=None if self.originals is None else pick(self.originals, owners),
                        counts=None if self.counts is None else [self.counts[i] for i in owners])

@@ -634,6 +634,30 @@ INLINE void muon_momentum_update(const muon_momentum_scalars *s, float *x, float
 
 #define MUON_MOMENTUM_VARIANTS(V, ...) V(__VA_ARGS__, nesterov, MUON_MOMENTUM_NESTEROV) V(__VA_ARGS__, plain, 0)
 
+/* --- Muon's update ---------------------------------------------------------------------------- */
+
+/* The elementwise second half of a Muon step: x[GRAD] is the orthogonalized direction O (a bf16 row
+   whatever the param's dtype: MUON_APPLY_GRAD), which the grad scale does not touch. */
+typedef struct { float decay_mul, step_size; } muon_apply_scalars;
+
+INLINE muon_apply_scalars muon_apply_scalars_of(const Work *w, int64_t t) {
+    return (muon_apply_scalars){scalar(w, MUON_APPLY_DECAY_MUL, t), scalar(w, MUON_APPLY_STEP_SIZE, t)};
+}
+
+/* Muon's update keeps no state. */
+INLINE float muon_apply_squared(const muon_apply_scalars *s, const float *x) { return 0; }
+INLINE void muon_apply_second_moments(const muon_apply_scalars *s, float *x, float q, int form, int flags) {}
+INLINE float muon_apply_step_scale(const muon_apply_scalars *s, const float *x, int flags) { return 0; }
+
+/* p·(1 − lr·wd) rounded (decay_mul is 1 without weight decay: p as it is), then p − step_size·O in
+   one FMA, as torch's addcmul_ (and torch.optim.Muon's add_ with an alpha) computes it. */
+INLINE void muon_apply_update(const muon_apply_scalars *s, float *x, float scale, int flags) {
+    const float decayed = x[PARAM] * s->decay_mul;
+    x[PARAM] = fmaf(-x[GRAD], s->step_size, decayed);
+}
+
+#define MUON_APPLY_VARIANTS(V, ...) V(__VA_ARGS__, plain, 0)
+
 /* --- The walk --------------------------------------------------------------------------------
 
    walk() updates one chunk of one tensor for any algorithm: dense, each element with its own
@@ -677,9 +701,12 @@ typedef struct { int table, reduced, needs; } Role;
         static const int tables[] = NAME##_TABLES, reduced[] = NAME##_REDUCED, needs[] = NAME##_NEEDS;      \
         return (Role){tables[row - FIRST_STATE], reduced[row - FIRST_STATE], needs[row - FIRST_STATE]}; }
 #define REMAINDER_OF(name, NAME) if (kernel == KERNEL_##NAME) return NAME##_REMAINDER;
+#define GRAD_OF(name, NAME) if (kernel == KERNEL_##NAME && NAME##_GRAD >= 0) return NAME##_GRAD;
 INLINE int states_end(int kernel) { FOR_EACH_KERNEL(STATES_END_OF) return FIRST_STATE; }
 INLINE int remainder_row(int kernel) { FOR_EACH_KERNEL(REMAINDER_OF) return 0; }
 INLINE Role role(int kernel, int row) { FOR_EACH_KERNEL(ROLE_OF) return (Role){0}; }
+/* The format of the grad row beside params of format ``dtype``: theirs, unless the kernel declares its own. */
+INLINE int grad_dtype(int kernel, int dtype) { FOR_EACH_KERNEL(GRAD_OF) return dtype; }
 
 /* For each state row r of a kernel: unrolled, so that each state is its own variables. */
 #define EACH_STATE(kernel, r) _Pragma("GCC unroll 8") for (int r = FIRST_STATE; r < states_end(kernel); r++)
@@ -754,7 +781,7 @@ INLINE void update_element(int kernel, Tensor *T, int64_t i, float scale, int de
                            int flags, int states) {
     float x[FIRST_STATE + MAX_STATES] = {0};
     x[PARAM] = load_param(T, i, dtype, rounding);
-    x[GRAD] = load(T->grad, i, dtype);
+    x[GRAD] = load(T->grad, i, grad_dtype(kernel, dtype));
     EACH_STATE(kernel, r) if (per_element(kernel, r, flags, !dense)) x[r] = get(&T->states[r], i, states);
     if (dense) {
         second_moments(kernel, &T->s, x, squared(kernel, &T->s, x), ELEMENT, flags);
@@ -769,7 +796,7 @@ INLINE void update_element(int kernel, Tensor *T, int64_t i, float scale, int de
    readable where they are (fp32 or bf16; under Q8 the half ones, bf16), not from blocks. */
 INLINE float squared_in_place(int kernel, const Tensor *T, int64_t i, int dtype, int flags, int states) {
     float x[FIRST_STATE + MAX_STATES] = {0};
-    x[GRAD] = load(T->grad, i, dtype);
+    x[GRAD] = load(T->grad, i, grad_dtype(kernel, dtype));
     EACH_STATE(kernel, r)
         if (per_element(kernel, r, flags, 1) && (states != Q8 || role(kernel, r).table == BF16_VALUES))
             x[r] = load(T->states[r].data, i, states == Q8 ? BF16 : states);

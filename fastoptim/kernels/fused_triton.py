@@ -423,10 +423,10 @@ def step_kernel(pointers, n_tensors, work, scalars, scalar_stride, TERMS: tl.con
                 SECOND_MOMENTS: tl.constexpr, STEP_SCALE: tl.constexpr, UPDATE: tl.constexpr, K: tl.constexpr,
                 F: tl.constexpr, PARAM: tl.constexpr, GRAD: tl.constexpr, STATES: tl.constexpr,
                 MOMENTS: tl.constexpr, REMAINDER_ROW: tl.constexpr, PARAM_TYPE: tl.constexpr,
-                STATE_TYPE: tl.constexpr, ROUNDING: tl.constexpr, SUBSETS: tl.constexpr):
+                GRAD_TYPE: tl.constexpr, STATE_TYPE: tl.constexpr, ROUNDING: tl.constexpr, SUBSETS: tl.constexpr):
     """One chunk of an algorithm's step per program (see the module docstring and ``_variant``).
     SUBSETS: the bucket holds subset-norm tensors (compiles their path). STATE_TYPE uint8: 8-bit
-    states, with the ``half`` ones in bf16."""
+    states, with the ``half`` ones in bf16. GRAD_TYPE: the params' type, or the spec's grad format."""
     row = work + tl.program_id(0) * WORK_COLUMNS
     t, start, count = tl.load(row + TENSOR), tl.load(row + START), tl.load(row + COUNT)
     b, c = tl.load(row + SUBSET_ROWS), tl.load(row + SUBSET_COLUMNS)
@@ -434,7 +434,7 @@ def step_kernel(pointers, n_tensors, work, scalars, scalar_stride, TERMS: tl.con
     if tl.load(S + K.found_inf) == 0:  # else GradScaler found an inf: skip the step
         seed = tl.load(S + K.seed).to(tl.uint32)
         param = _param_stream(pointers, n_tensors, PARAM, REMAINDER_ROW, t, PARAM_TYPE, ROUNDING)  # and remainder
-        grad = _stream(pointers, n_tensors, GRAD, t, PARAM_TYPE)
+        grad = _stream(pointers, n_tensors, GRAD, t, GRAD_TYPE)
         states = _state_pointers(pointers, n_tensors, STATES, t, STATE_TYPE)
         moments = _state_pointers(pointers, n_tensors, MOMENTS, t, STATE_TYPE)
         reduced = _state_pointers(pointers, n_tensors, MOMENTS, t, tl.float32)  # one fp32 per subset under sn
@@ -644,11 +644,28 @@ def _muon_momentum_update(p, terms, states, scale, S, K: tl.constexpr, F: tl.con
     return direction, (m,)
 
 
+# Muon's update (``fastoptim.optimizers.muon_parts.muon_apply``): the grad row holds the orthogonalized
+# direction (bf16), which no grad scale touches; no states.
+
+
+@triton.jit
+def _direction(grad, states, S, K: tl.constexpr, F: tl.constexpr):
+    return (grad,)
+
+
+@triton.jit
+def _muon_apply_update(p, terms, states, scale, S, K: tl.constexpr, F: tl.constexpr):
+    """p·(1 − lr·wd), rounded, then p − step_size·O in one FMA, as torch's addcmul_ computes it."""
+    decayed = p * tl.load(S + K.decay_mul)
+    return tl.fma(-terms[0], tl.load(S + K.step_size), decayed), states
+
+
 ALGORITHMS = {  # by KernelSpec.name
     "adan": Algorithm(_adan_terms, _adan_update, _adan_second_moments, _adan_step_scale),
     "adamw": Algorithm(_scaled_grad, _adamw_update, _adamw_second_moments, _adamw_step_scale),
     "lion": Algorithm(_scaled_grad, _lion_update),
     "muon_momentum": Algorithm(_scaled_grad, _muon_momentum_update),
+    "muon_apply": Algorithm(_direction, _muon_apply_update),
 }
 
 
@@ -656,6 +673,7 @@ ALGORITHMS = {  # by KernelSpec.name
 
 PARAM_TYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 TYPES = PARAM_TYPES | {torch.uint8: tl.uint8}  # and 8-bit states' codes
+GRAD_TYPES = {"bf16": tl.bfloat16}  # a spec's own grad format (KernelSpec.grad)
 # State roles as the walks see them, a tuple per field with an entry per role: each kept role's row in
 # the pointer table and its block maxima's row (KernelSpec.rows; None where not kept), its 8-bit code
 # table's number (table) and whether it stays bf16 beside 8-bit codes (half). A tuple per field, not a tuple
@@ -704,7 +722,8 @@ def _options(spec, param_dtype, state_dtype, stochastic, subsets, flags, remaind
     variant = _variant(spec, tuple((name, bool(flags.get(name, False))) for name in spec.flags))
     rounding = {8: REMAINDER8, 16: REMAINDER16}[remainder_bits] if remainder_bits else (
         STOCHASTIC if stochastic else NEAREST)
-    return variant | dict(PARAM_TYPE=TYPES[param_dtype], STATE_TYPE=TYPES[state_dtype], ROUNDING=rounding,
+    return variant | dict(PARAM_TYPE=TYPES[param_dtype], GRAD_TYPE=GRAD_TYPES.get(spec.grad, TYPES[param_dtype]),
+                          STATE_TYPE=TYPES[state_dtype], ROUNDING=rounding,
                           SUBSETS=bool(subsets) and bool(spec.reduced))
 
 

@@ -22,19 +22,22 @@ def _spec(spec):
     tables = ["BF16_VALUES" if role.half else role.codes.upper() for role in spec.roles]
     needs = [f"{prefix}{role.when.upper()}" if role.when else "0" for role in spec.roles]
     lines = [
-        f"/* {spec.name}: rows param, grad, {', '.join(spec.states)}, each state's block maxima, the remainders */",
+        f"/* {spec.name}: rows param, grad, {''.join(name + ', ' for name in spec.states)}each state's block maxima, "
+        "the remainders */",
         _enum(states + [prefix + "states_end"], "FIRST_STATE"),
         f"enum {{ {prefix}REMAINDER = {len(spec.rows) - 1} }};",
         _enum([prefix + name for name in spec.scalars], "COMMON_SCALARS"),
+        f"enum {{ {prefix}GRAD = {spec.grad.upper() if spec.grad else -1} }};"
+        "  /* the grad row's format (-1: the param's) */",
     ]
     if spec.flags:
         lines.append("enum { " + ", ".join(f"{prefix}{flag.upper()} = {1 << (i + 1)}"
                                            for i, flag in enumerate(spec.flags)) + " };")
     lines += [
         "/* per state, in row order: its 8-bit code table, whether it is per subset under sn, the flag it needs */",
-        f"#define {prefix}TABLES {{{', '.join(tables)}}}",
-        f"#define {prefix}REDUCED {{{', '.join(str(int(role.reduced)) for role in spec.roles)}}}",
-        f"#define {prefix}NEEDS {{{', '.join(needs)}}}",
+        f"#define {prefix}TABLES {{{', '.join(tables) or '0'}}}",  # {0}: no state, a row never read
+        f"#define {prefix}REDUCED {{{', '.join(str(int(role.reduced)) for role in spec.roles) or '0'}}}",
+        f"#define {prefix}NEEDS {{{', '.join(needs) or '0'}}}",
     ]
     return "\n".join(lines)
 

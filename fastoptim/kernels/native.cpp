@@ -65,8 +65,10 @@ typedef int (*KernelFn)(const int64_t *, int64_t, const int64_t *, int64_t, int6
 
 // Its table's rows (up to its remainders'), and per state row from FIRST_STATE to states_end the flag bit
 // that keeps it (0: always kept).
-struct Kernel { const char *name; KernelFn run; int64_t n_rows, states_end; int64_t needs[MAX_STATES]; };
-#define KERNEL_ENTRY(name, NAME) {#name, fastoptim_##name, NAME##_REMAINDER + 1, NAME##_STATES_END, NAME##_NEEDS},
+// The format of its grad row where it is not the params' (fused_cpu.c's BF16, say), else -1.
+struct Kernel { const char *name; KernelFn run; int64_t n_rows, states_end; int64_t needs[MAX_STATES]; int32_t grad; };
+#define KERNEL_ENTRY(name, NAME) \
+    {#name, fastoptim_##name, NAME##_REMAINDER + 1, NAME##_STATES_END, NAME##_NEEDS, NAME##_GRAD},
 const Kernel KERNELS[] = {FOR_EACH_KERNEL(KERNEL_ENTRY)};
 #undef KERNEL_ENTRY
 
@@ -79,10 +81,14 @@ const Kernel *find_kernel(const std::string &name) {
 
 // The kernels' element format (fused_cpu.c's FP32, BF16, FP16) of a tensor of shim dtype code
 // ``dtype``, or -1 where no kernel takes it.
-int32_t kernel_dtype(int32_t dtype) {
+const int32_t *kernel_dtypes() {
     static const int32_t codes[] = {aoti_torch_dtype_float32(), aoti_torch_dtype_bfloat16(),
                                     aoti_torch_dtype_float16()};
-    const int32_t *found = std::find(codes, codes + 3, dtype);
+    return codes;
+}
+
+int32_t kernel_dtype(int32_t dtype) {
+    const int32_t *codes = kernel_dtypes(), *found = std::find(codes, codes + 3, dtype);
     return found == codes + 3 ? -1 : static_cast<int32_t>(found - codes);
 }
 
@@ -193,10 +199,10 @@ bool walked_as(const Read &r, const Layout &param) {
     return true;
 }
 
-// A grad fits its param when it has the param's dtype and is walked as the param is, from ``pointer``
-// (0 for an empty one, which is never read).
-bool fits(const Read &r, const Layout &param, int64_t *pointer) {
-    if (!r.readable || r.dtype != param.dtype || !walked_as(r, param)) return false;
+// A grad fits its param when it has shim dtype ``dtype`` (the param's, unless its kernel reads grads of
+// its own format) and is walked as the param is, from ``pointer`` (0 for an empty one, which is never read).
+bool fits(const Read &r, const Layout &param, int32_t dtype, int64_t *pointer) {
+    if (!r.readable || r.dtype != dtype || !walked_as(r, param)) return false;
     *pointer = param.empty ? 0 : reinterpret_cast<int64_t>(r.data);
     return true;
 }
@@ -487,6 +493,7 @@ struct Bound {
     const Kernel *kernel = nullptr;
     std::vector<bool> rows_bound;  // per row of the pointer table, whether bind gave it tensors
     int32_t dtype;
+    int32_t grad_dtype;  // the shim dtype its grads must have: the params', or its kernel's grad format
     int64_t n_tensors, n_rows, n_scalars;
     std::vector<Tensor> held, views, watched;
     std::vector<Layout> layouts_then, views_then, watched_then;  // one per held tensor, view, watched tensor
@@ -542,8 +549,9 @@ struct Locked {
 /* Bind ``held`` (row ``rows[k]`` of the table holds tensors held[k * n_tensors ...], in tensor order;
    row 0 holds the params, row GRAD is left to the calls, and the last row, n_rows - 1, holds the master
    remainders of bf16 params where they keep them: fastoptim/specs.py), the chunk table and the layouts
-   ([tensor][3] int64, or None for all dense fp32) to CPU kernel ``kernel``, or with "" to none (the
-   tensors may then be on any device). Returns the handle.
+   ([tensor][3] int64, or None for all dense fp32) to CPU kernel ``kernel``, or with "" to none. With
+   ``runs`` false the table is checked as ``kernel``'s (its rows, its grads' format) and runs nothing: a
+   GPU kernel's, whose tensors may be on any device, as with "". Returns the handle.
 
    ``owners`` are flat state buffers (contiguous 1-d tensors): a state whose elements lie in one is
    checked through it, so a call reads a few buffers' layouts instead of every state's. Its pointer stays
@@ -558,7 +566,7 @@ struct Locked {
 int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> rows, int64_t n_tensors,
              int64_t n_rows, int64_t n_scalars, Tensor chunks, std::optional<Tensor> layouts,
              std::vector<Tensor> owners, std::vector<Tensor> watched, std::vector<Tensor> grads_like,
-             std::string rule, std::vector<Tensor> counts) {
+             std::string rule, std::vector<Tensor> counts, bool runs) {
     const char *op = "fastoptim::bind";
     STD_TORCH_CHECK(n_tensors > 0 && static_cast<int64_t>(held.size()) == n_tensors * static_cast<int64_t>(rows.size())
                         && !rows.empty() && rows[0] == PARAM,
@@ -568,12 +576,13 @@ int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> 
     STD_TORCH_CHECK(kernel.empty() || named, op, ": no fused CPU kernel named ", kernel);
     STD_TORCH_CHECK(!named || n_rows == named->n_rows, op, ": the ", kernel, " kernel reads ",
                     named ? named->n_rows : 0, " rows of pointers, not ", n_rows);
-    table->run = named ? named->run : nullptr;
+    table->run = named && runs ? named->run : nullptr;
     table->kernel = named;
     table->rows_bound.assign(n_rows, false);
     const Read first = read_for(held[0], op);
     table->dtype = kernel_dtype(first.dtype);
     STD_TORCH_CHECK(table->dtype >= 0, op, ": no kernel for the params' dtype");
+    table->grad_dtype = named && named->grad >= 0 ? kernel_dtypes()[named->grad] : first.dtype;
     table->n_tensors = n_tensors;
     table->n_rows = n_rows;
     table->n_scalars = n_scalars;
@@ -785,8 +794,9 @@ int64_t check(Bound &table, const std::vector<AtenTensorHandle> &grads, size_t f
         int64_t *pointer = &table.pointers[GRAD * n + t];
         if (grads[first + t] == nullptr) return GRADS_UNFIT;
         const Read grad(grads[first + t]);  // read once: it may fit the param's view or the param
-        if (!fits(grad, table.layouts_then[t], pointer)
-            && (!views || table.grads_like.empty() || !fits(grad, table.grads_like[t], pointer)))
+        if (!fits(grad, table.layouts_then[t], table.grad_dtype, pointer)
+            && (!views || table.grads_like.empty()
+                || !fits(grad, table.grads_like[t], table.grads_like[t].dtype, pointer)))
             return GRADS_UNFIT;
     }
     return STEPPED;
@@ -965,7 +975,7 @@ int64_t bound_step(int64_t handle, const std::vector<AtenTensorHandle> &grads, s
                 const Layout &param = table->layouts_then[t];
                 int64_t numel = 1;
                 for (int64_t size : param.sizes) numel *= size;
-                spans.push_back({table->pointers[GRAD * table->n_tensors + t], numel, kernel_dtype(param.dtype)});
+                spans.push_back({table->pointers[GRAD * table->n_tensors + t], numel, kernel_dtype(table->grad_dtype)});
             }
         if (!call->norm_order.empty()) {
             std::vector<Span> ordered;
@@ -1226,7 +1236,8 @@ int64_t use_f16c(bool enable) { return fastoptim_use_f16c(enable); }
 
 STABLE_TORCH_LIBRARY_FRAGMENT(fastoptim, m) {
     m.def("bind(str kernel, Tensor[] held, int[] rows, int n_tensors, int n_rows, int n_scalars, Tensor chunks, "
-          "Tensor? layouts, Tensor[] owners, Tensor[] watched, Tensor[] grads_like, str rule, Tensor[] counts) -> int");
+          "Tensor? layouts, Tensor[] owners, Tensor[] watched, Tensor[] grads_like, str rule, Tensor[] counts, "
+          "bool runs=True) -> int");
     m.def("unbind(int handle) -> ()");
     m.def("kernel_rows(str kernel) -> int");
     m.def("bind_call(int[] handles, int[] per_tensor, int[] ruled, bool views, int[] norm_order=[]) -> int");

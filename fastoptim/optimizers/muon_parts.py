@@ -36,6 +36,9 @@ SPEC = KernelSpec("muon", roles=(MOMENTUM,), scalars=(), elementwise=False)
 # direction it writes, in the param's dtype.
 MOMENTUM_SPEC = KernelSpec("muon_momentum", roles=(MOMENTUM,),
                            scalars=("momentum", "one_minus_momentum"), flags=("nesterov",))
+# Its elementwise second half (muon_apply), which the fused kernels restate: the grad row holds the
+# orthogonalized direction, bf16 whatever the param's dtype.
+APPLY_SPEC = KernelSpec("muon_apply", roles=(), scalars=("decay_mul", "step_size"), grad="bf16")
 
 
 def orthogonalize(matrices, coefficients, eps):
@@ -148,6 +151,11 @@ def momentum_kernel_scalars(args):
                 grad_scale=1.0 if args["grad_scale"] is None else args["grad_scale"])
 
 
+def apply_kernel_scalars(args):
+    """``muon_apply``'s arguments as the fused kernels take them (no weight decay: a factor of 1, exact)."""
+    return dict(decay_mul=1 - args["lr"] * args["weight_decay"], step_size=args["step_size"], grad_scale=1.0)
+
+
 def by_matrix_shape(part: engines.Plan) -> engines.Plan:
     """``part`` with the params of one matrix shape next to each other (else in their order), so that a
     slice's matrices make few batches. Not over shards: each rank's shards have shapes of their own."""
@@ -166,6 +174,7 @@ class DirectionSlice:
     # (not a param of another shape whose matrices these are: see matrix_shape)
     batches: list[tuple[Tensor, int, int, bool]]
     momentum: BucketPlan = field(default_factory=BucketPlan)  # the momentum kernel's plan: tables bound once
+    update: BucketPlan = field(default_factory=BucketPlan)  # the update kernel's plan: tables bound once
     cut: BucketPlan = field(default_factory=BucketPlan)  # the slice's own: its index on the device (engines.args_of)
 
     def orthogonalized(self, function: Callable[[Tensor], Tensor]) -> list[Tensor]:
@@ -267,7 +276,7 @@ def run_in_three_parts(momentum_engine: str, part: engines.Plan, reduce_group=No
     """``muon_momentum`` into the directions of ``piece`` (fresh buffers without it) on ``momentum_engine``
     (the kernel's work on a fused one, its tables kept in ``piece``), the iterations (the matrices of
     one shape as a batch; over shards, each matrix on one owner rank, see distributed.by_owners), then
-    ``muon_apply`` on the foreach engine (with the params' rounding or master remainders)."""
+    ``muon_apply`` on ``momentum_engine`` (the update kernel's tables kept in ``piece``)."""
     grads, args = part.tensors["grad"], part.args
     grad_scale = args["grad_scale"]
     if momentum_engine in engines.FUSED and scaled_first(part):
@@ -289,15 +298,26 @@ def run_in_three_parts(momentum_engine: str, part: engines.Plan, reduce_group=No
                                           reduce_group, part.bucket)
     else:
         orthogonal = piece.orthogonalized(iterations(args))
-    apply_update(replace(part, tensors={role: tensors for role, tensors in part.tensors.items()
-                                        if role not in ("grad", "momentum_buffer")}), orthogonal)
+    apply_update(momentum_engine, replace(part, tensors={role: tensors for role, tensors in part.tensors.items()
+                                                         if role not in ("grad", "momentum_buffer")}),
+                 orthogonal, BucketPlan() if piece is None else piece.update)
 
 
-def apply_update(part: engines.Plan, orthogonal: list[Tensor]) -> None:
+def apply_update(engine: str, part: engines.Plan, orthogonal: list[Tensor], bucket: BucketPlan) -> None:
     """``muon_apply`` of the ``orthogonal`` directions to the params of ``part`` (and their master
-    remainders), on the foreach engine, with the params' rounding."""
-    engines.run("foreach", replace(part, tensors=part.tensors | {"grad": orthogonal}, update=muon_apply, absmax={},
-                                   args={name: part.args[name] for name in ("lr", "weight_decay", "step_size")}))
+    remainders), with the params' rounding, on ``engine``: a fused one's kernel (its tables kept in
+    ``bucket``) reads them laid out as their params, in bf16 (a tall matrix's iterations end transposed).
+    What it leaves to foreach goes there unwarned: the momentum half warned of those params this step."""
+    args = {name: part.args[name] for name in ("lr", "weight_decay", "step_size")}
+    kernel = engine in engines.FUSED
+    if kernel:
+        orthogonal = [o if o.is_contiguous() else o.contiguous() for o in orthogonal]
+        values = engines.fused.with_common(apply_kernel_scalars(args), part.found_inf, part.stochastic_rounding,
+                                           orthogonal[0].device) if orthogonal else None
+    engines.run(engine, replace(part, tensors=part.tensors | {"grad": orthogonal}, update=muon_apply, spec=APPLY_SPEC,
+                                kernel_scalars=apply_kernel_scalars, kernel_values=values if kernel else None,
+                                flags={}, args=args, absmax={}, bucket=bucket, watched=None, originals=None,
+                                rule="", counts=None, warn_fallback=False))
 
 
 class BoundMomentum(NamedTuple):
@@ -309,6 +329,7 @@ class BoundMomentum(NamedTuple):
     positions: list[int]  # of the group's params, the slice's, in its order
     piece: DirectionSlice
     params: dict  # role to the slice's tensors that muon_apply updates: its params (and master remainders)
+    engine: str  # the fused engine its update kernel runs on
     # where engines.args_of keeps the index of ``positions`` among the group's: not the slice's own cut,
     # whose index counts from its bucket's first param (a group of two dtypes has two buckets)
     group_cut: BucketPlan
@@ -325,16 +346,18 @@ class BoundMomentum(NamedTuple):
         """The iterations and update of a step whose ``args`` (``muon_arguments``'s, of the whole group)
         the momentum kernel's launch has written its directions for."""
         device = self.params["param"][0].device
-        apply_update(engines.Plan(self.params, muon_apply, SPEC, per_tensor=frozenset(per_tensor),
-                                  stochastic_rounding=group["stochastic_rounding"],
-                                  args=engines.args_of(args, per_tensor, self.positions, device, self.group_cut)),
-                     self.piece.orthogonalized(iterations(args)))
+        apply_update(self.engine, engines.Plan(self.params, muon_apply, APPLY_SPEC, per_tensor=frozenset(per_tensor),
+                                               stochastic_rounding=group["stochastic_rounding"],
+                                               args=engines.args_of(args, per_tensor, self.positions, device,
+                                                                    self.group_cut)),
+                     self.piece.orthogonalized(iterations(args)), self.piece.update)
 
 
-def bound_momentum(tensors: dict, bucket: list[int], plan: BucketPlan) -> BoundMomentum | None:
+def bound_momentum(tensors: dict, bucket: list[int], plan: BucketPlan, engine: str) -> BoundMomentum | None:
     """The :class:`BoundMomentum` of a fused Muon bucket (``bucket``: its params' positions in the group,
-    ``tensors``: the group's by role, ``plan``: what the engines made of the bucket) whose last step made its
-    directions in one slice and ran their momentum wholly on natively checked tables; else None."""
+    ``tensors``: the group's by role, ``plan``: what the engines made of the bucket, ``engine``: its fused
+    engine) whose last step made its directions in one slice and ran their momentum wholly on natively
+    checked tables; else None."""
     directions = plan.directions
     if directions is None or len(directions.slices) != 1:
         return None
@@ -345,7 +368,7 @@ def bound_momentum(tensors: dict, bucket: list[int], plan: BucketPlan) -> BoundM
     params = {role: [tensors[role][i] for i in positions] for role in ("param", master.KEY) if role in tensors}
     if master.keeps_none(params):
         del params[master.KEY]
-    return BoundMomentum(piece.momentum.kernel_split.tables, positions, piece, params, BucketPlan())
+    return BoundMomentum(piece.momentum.kernel_split.tables, positions, piece, params, engine, BucketPlan())
 
 
 def orthogonalize_shards(function, directions: list[Tensor], params: list[Tensor], flatten: bool,

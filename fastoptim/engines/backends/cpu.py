@@ -152,10 +152,10 @@ class BoundTable:
         layouts = None if table.layouts is None else torch.from_numpy(table.layouts)
         self.params = tensors["param"]  # whose version counters a step bumps
         self.n_scalars = len(spec.all_scalars)  # of its kernel, in each step's scalars
-        self.handle = torch.ops.fastoptim.bind(spec.name if runs else "", held, rows, len(tensors["param"]),
+        self.handle = torch.ops.fastoptim.bind(spec.name, held, rows, len(tensors["param"]),
                                                len(spec.rows), len(spec.all_scalars), torch.from_numpy(table.chunks),
                                                layouts, flat_buffers(held[len(self.params):]), list(watched),
-                                               list(grads_like), rule, list(counts))
+                                               list(grads_like), rule, list(counts), runs)
         weakref.finalize(self, torch.ops.fastoptim.unbind, self.handle).atexit = False
         self._calls = {}
 
