@@ -22,9 +22,7 @@ class OptimizerInfo:
     that ``sn`` applies. ``sign_update``: its update is a sign, so another fp32 rounding of the
     same math may move an element by 2·lr instead of a few ulps (its own tests bound how often).
     ``own_options``: options of its own that change its math, which the generic tests combine with
-    the options every optimizer takes. ``kernel_takes_matrices``: False where its fused kernel reads
-    and writes buffers of its own in place of a matrix param (Muon's momentum half writes fresh
-    directions), so a matrix's layout never sends it to foreach. ``param_dtypes``: those of its params
+    the options every optimizer takes. ``param_dtypes``: those of its params
     on which every engine agrees with the loop engine to an ulp of the param. ``batches_matrices``: its
     foreach and fused engines multiply the matrices of one shape as one batch, which cuBLAS rounds
     apart from one matrix at a time for some shapes (docs/optimizers.md), on CUDA only."""
@@ -34,7 +32,6 @@ class OptimizerInfo:
     second_moment: bool = True
     sign_update: bool = False
     own_options: dict = field(default_factory=dict)
-    kernel_takes_matrices: bool = True
     param_dtypes: tuple = (torch.float32, torch.bfloat16, torch.float16)
     batches_matrices: bool = False
 
@@ -104,8 +101,7 @@ MuonWithCompanions.__signature__ = inspect.signature(fastoptim.Muon)  # what the
 
 
 MUON = OptimizerInfo(MuonWithCompanions, exact_betas=ADAMW.exact_betas, second_moment=False,
-                     own_options=dict(nesterov=False, adjust_lr_fn="match_rms_adamw"), kernel_takes_matrices=False,
-                     batches_matrices=True,
+                     own_options=dict(nesterov=False, adjust_lr_fn="match_rms_adamw"), batches_matrices=True,
                      # an fp16 direction rounds to fp16, then bf16, on the fused engines (as in torch.optim.Muon), and
                      # once on the loop engine, whose direction stays fp32: the iterations move an element by 2 ulps
                      param_dtypes=(torch.float32, torch.bfloat16))

@@ -284,6 +284,33 @@ def test_the_fused_engines_run_the_update_on_the_kernel_as_foreach_computes_it(e
 
 
 @pytest.mark.parametrize("engine", FUSED)
+def test_a_param_only_the_update_kernel_refuses_takes_foreach_with_one_warning_a_step(engine):
+    """A param given a transposed layout after its first step, whose grads stay contiguous: the momentum
+    kernel takes it (its rows are the directions and the grads), the update kernel does not (its
+    direction is laid out as the grad), and says so once a step, bound or not (helper-61 found it silent)."""
+    params = make_params([(40, 24), (24, 40)])
+    grads = grads_of(params)
+    runs = {}
+    for name, flags in (("foreach", ENGINES["foreach"]), (engine, ENGINES[engine])):
+        stepped_params = clone(params)
+        optimizer = fastoptim.Muon(stepped_params, lr=0.02, **flags)
+        caught = []
+        for index, step_grads in enumerate(grads):
+            if index == 1:
+                stepped_params[0].data = stepped_params[0].data.t().contiguous().t()
+            for param, grad in zip(stepped_params, step_grads):
+                param.grad = grad.clone()
+            with warnings.catch_warnings(record=True) as records:
+                warnings.simplefilter("always")
+                optimizer.step()
+            caught.append([str(w.message) for w in records if "foreach engine" in str(w.message)])
+        runs[name] = stepped_params, caught
+    assert_equal(runs[engine][0], runs["foreach"][0])
+    assert [len(messages) for messages in runs[engine][1]] == [0] + [1] * (len(grads) - 1), runs[engine][1]
+    assert "not dense with the same strides" in runs[engine][1][-1][0]
+
+
+@pytest.mark.parametrize("engine", FUSED)
 def test_the_update_kernel_rounds_bf16_params_stochastically_within_an_ulp_of_the_fp32_update(engine, monkeypatch):
     """With stochastic rounding, a step lands each param on one of the two bf16 values around the fp32
     result (the master a ``master_bits=32`` twin keeps of the same step), and not always the nearer one."""

@@ -32,11 +32,12 @@ def reports():
 
 
 def streams(spec, flags):
-    """(streams read, streams written) by a dense tile: param, grad and the param-shaped states the
+    """(fp32 streams read, streams written) by a dense tile: param, grad and the param-shaped states the
     algorithm keeps with these flags (Adan: 6 and 5; AdamW: 3 to 5 and 2 to 4; Lion: 3 and 2; Muon's
-    momentum: 2 and 2, as it writes its param row, the direction, without reading it)."""
+    momentum: 2 and 2, as it writes its param row, the direction, without reading it; Muon's update:
+    1 and 1, its bf16 direction read in 64-bit accesses, as many elements a thread as the param's)."""
     states = len(spec.kept({name: flags[name] for name in spec.flags}))
-    return 2 + states - (spec is muon_parts.MOMENTUM_SPEC), 1 + states  # grad is not written
+    return 2 + states - (spec is muon_parts.MOMENTUM_SPEC) - (spec.grad is not None), 1 + states  # grad unwritten
 
 
 @pytest.mark.parametrize("capability", [80, 90])

@@ -24,6 +24,7 @@ from ..multi_tensor import aligned_offset
 from ..specs import KernelSpec, Role
 from ..states import master
 from ..step_cache import BucketPlan
+from .checks import flag_value
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -284,6 +285,7 @@ def run_in_three_parts(momentum_engine: str, part: engines.Plan, reduce_group=No
                                    grad_scale)
         grad_scale = None
     directions = [torch.empty_like(grad) for grad in grads] if piece is None else piece.directions
+    momentum = BucketPlan() if piece is None else piece.momentum
     # the params too are watched by native code, though the kernel does not walk them: a bound step updates
     # them after its native call (see BoundMomentum), which must refuse a param given other storage
     watched = [[param, *others] for param, others in zip(part.tensors["param"], part.watched or repeat(()))]
@@ -292,22 +294,24 @@ def run_in_three_parts(momentum_engine: str, part: engines.Plan, reduce_group=No
         part, tensors={"param": directions, "grad": grads, "momentum_buffer": part.tensors["momentum_buffer"]},
         watched=watched, update=muon_momentum, spec=MOMENTUM_SPEC, kernel_scalars=momentum_kernel_scalars,
         flags=flags, per_tensor=frozenset(), stochastic_rounding=False, args=momentum_args,
-        bucket=BucketPlan() if piece is None else piece.momentum))
+        bucket=momentum))
     if piece is None:
         orthogonal = orthogonalize_shards(iterations(args), directions, part.bucket.sharded_params, args["flatten"],
                                           reduce_group, part.bucket)
     else:
         orthogonal = piece.orthogonalized(iterations(args))
+    warned = momentum.kernel_split is not None and bool(momentum.kernel_split.left)  # of this step's fallback
     apply_update(momentum_engine, replace(part, tensors={role: tensors for role, tensors in part.tensors.items()
-                                                         if role not in ("grad", "momentum_buffer")}),
+                                                         if role not in ("grad", "momentum_buffer")},
+                                          warn_fallback=part.warn_fallback and not warned),
                  orthogonal, BucketPlan() if piece is None else piece.update)
 
 
 def apply_update(engine: str, part: engines.Plan, orthogonal: list[Tensor], bucket: BucketPlan) -> None:
     """``muon_apply`` of the ``orthogonal`` directions to the params of ``part`` (and their master
     remainders), with the params' rounding, on ``engine``: a fused one's kernel (its tables kept in
-    ``bucket``) reads them laid out as their params, in bf16 (a tall matrix's iterations end transposed).
-    What it leaves to foreach goes there unwarned: the momentum half warned of those params this step."""
+    ``bucket``) reads them laid out as their params, in bf16 (a tall matrix's iterations end transposed),
+    and warns of what it leaves to foreach where ``part.warn_fallback``."""
     args = {name: part.args[name] for name in ("lr", "weight_decay", "step_size")}
     kernel = engine in engines.FUSED
     if kernel:
@@ -317,7 +321,7 @@ def apply_update(engine: str, part: engines.Plan, orthogonal: list[Tensor], buck
     engines.run(engine, replace(part, tensors=part.tensors | {"grad": orthogonal}, update=muon_apply, spec=APPLY_SPEC,
                                 kernel_scalars=apply_kernel_scalars, kernel_values=values if kernel else None,
                                 flags={}, args=args, absmax={}, bucket=bucket, watched=None, originals=None,
-                                rule="", counts=None, warn_fallback=False))
+                                rule="", counts=None))
 
 
 class BoundMomentum(NamedTuple):
@@ -348,6 +352,7 @@ class BoundMomentum(NamedTuple):
         device = self.params["param"][0].device
         apply_update(self.engine, engines.Plan(self.params, muon_apply, APPLY_SPEC, per_tensor=frozenset(per_tensor),
                                                stochastic_rounding=group["stochastic_rounding"],
+                                               warn_fallback=flag_value("fused", group["fused"]) is True,
                                                args=engines.args_of(args, per_tensor, self.positions, device,
                                                                     self.group_cut)),
                      self.piece.orthogonalized(iterations(args)), self.piece.update)
