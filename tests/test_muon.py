@@ -482,12 +482,18 @@ def test_num_heads_set_between_steps_is_followed_and_a_bad_one_refused(engine):
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-def test_flatten_takes_a_conv_weight_as_its_first_dim_by_the_rest(engine):
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_flatten_takes_a_conv_weight_as_its_first_dim_by_the_rest(engine, channels_last):
+    """Whatever its memory layout: a channels_last weight is the same matrix (the loop and foreach
+    engines viewed it as one and raised, helper-61)."""
     conv = make_params([(8, 3, 3, 3), (6, 4, 5)])
     grads = grads_of(conv)
     matrices = [torch.nn.Parameter(p.detach().reshape(p.shape[0], -1).clone()) for p in conv]
     run(torch.optim.Muon(matrices), matrices, [[g.reshape(g.shape[0], -1) for g in step] for step in grads])
     ours = clone(conv)
+    if channels_last:
+        ours[0].data = ours[0].data.contiguous(memory_format=torch.channels_last)
+        grads = [[step[0].contiguous(memory_format=torch.channels_last), *step[1:]] for step in grads]
     with warnings.catch_warnings(record=True):
         run(fastoptim.Muon(ours, flatten=True, **ENGINES[engine]), ours, grads)
     assert_equal([p.reshape(p.shape[0], -1) for p in ours], matrices)

@@ -49,9 +49,10 @@ def _foreach_add_squares_(moments, xs, value):
 
 
 def _tensor_per_matrix(function, x, shape_of):
-    """``function`` (of a batch of matrices, ``(n, ..., rows, cols)``) of ``x`` viewed as the
-    matrices ``shape_of(x.shape)``, as a batch of one; the result in ``x``'s shape."""
-    return function(x.view(1, *shape_of(x.shape)))[0].reshape(x.shape)
+    """``function`` (of a batch of matrices, ``(n, ..., rows, cols)``) of ``x`` taken as the
+    matrices ``shape_of(x.shape)``, as a batch of one; the result in ``x``'s shape. Reshaped, not
+    viewed: a channels_last conv weight is the same matrix, in a copy."""
+    return function(x.reshape(1, *shape_of(x.shape)))[0].reshape(x.shape)
 
 
 def _foreach_per_matrix(function, xs, shape_of):
@@ -60,7 +61,7 @@ def _foreach_per_matrix(function, xs, shape_of):
     for i, x in enumerate(xs):
         by_shape[tuple(shape_of(x.shape))].append(i)
     for shape, indices in by_shape.items():
-        batch = function(torch.stack([xs[i].view(shape) for i in indices]))
+        batch = function(torch.stack([xs[i].reshape(shape) for i in indices]))
         for i, result in zip(indices, batch.unbind()):
             results[i] = result.reshape(xs[i].shape)
     return results
