@@ -180,10 +180,11 @@ class DirectionSlice:
 
     def orthogonalized(self, function: Callable[[Tensor], Tensor]) -> list[Tensor]:
         """``function`` (the iterations, of a batch of matrices) of each batch of this slice's directions,
-        per param in its shape."""
+        per param in its shape, contiguous (a batch of tall matrices ends transposed: one copy of it, not
+        one per matrix, for the update kernel, which reads each direction laid out as its param)."""
         orthogonal = [None] * len(self.directions)
         for batch, start, stop, matrices in self.batches:
-            results = function(batch).unbind()
+            results = function(batch).contiguous().unbind()
             orthogonal[start:stop] = results if matrices else [
                 result.reshape(direction.shape) for result, direction in zip(results, self.directions[start:stop])]
         return orthogonal
