@@ -24,7 +24,6 @@ from ..multi_tensor import aligned_offset
 from ..specs import KernelSpec, Role
 from ..states import master
 from ..step_cache import BucketPlan
-from .checks import flag_value
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -353,7 +352,6 @@ class BoundMomentum(NamedTuple):
         device = self.params["param"][0].device
         apply_update(self.engine, engines.Plan(self.params, muon_apply, APPLY_SPEC, per_tensor=frozenset(per_tensor),
                                                stochastic_rounding=group["stochastic_rounding"],
-                                               warn_fallback=flag_value("fused", group["fused"]) is True,
                                                args=engines.args_of(args, per_tensor, self.positions, device,
                                                                     self.group_cut)),
                      self.piece.orthogonalized(iterations(args)), self.piece.update)
@@ -362,13 +360,14 @@ class BoundMomentum(NamedTuple):
 def bound_momentum(tensors: dict, bucket: list[int], plan: BucketPlan, engine: str) -> BoundMomentum | None:
     """The :class:`BoundMomentum` of a fused Muon bucket (``bucket``: its params' positions in the group,
     ``tensors``: the group's by role, ``plan``: what the engines made of the bucket, ``engine``: its fused
-    engine) whose last step made its directions in one slice and ran their momentum wholly on natively
-    checked tables; else None."""
+    engine) whose last step made its directions in one slice and ran their momentum and update wholly on
+    natively checked tables (a param the update kernel leaves to foreach takes the checked way, which
+    warns of it); else None."""
     directions = plan.directions
     if directions is None or len(directions.slices) != 1:
         return None
     piece = directions.slices[0]
-    if not engines.fused.natively_checked(piece.momentum):
+    if not (engines.fused.natively_checked(piece.momentum) and engines.fused.natively_checked(piece.update)):
         return None
     positions = [bucket[i] for i in piece.indices]
     params = {role: [tensors[role][i] for i in positions] for role in ("param", master.KEY) if role in tensors}
