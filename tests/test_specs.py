@@ -49,13 +49,15 @@ def test_an_optimizer_gives_its_kernel_every_scalar_of_its_spec_and_keeps_the_st
     assert {key for key in optimizer.state[params[0]] if key in algorithm.spec.states} == set(kept)
 
 
-def test_a_spec_refuses_a_role_declared_twice_or_a_flag_it_does_not_declare():
+def test_a_spec_refuses_a_role_declared_twice_a_flag_it_does_not_declare_or_a_grad_format_no_kernel_reads():
     with pytest.raises(ValueError, match="declared twice"):
         KernelSpec("x", (Role("m"), Role("m")), ())
     with pytest.raises(ValueError, match="declared twice"):
         KernelSpec("x", (Role("m"),), (COMMON_SCALARS[0],))
     with pytest.raises(ValueError, match="undeclared flag"):
         KernelSpec("x", (Role("m", when="nesterov"),), ())
+    with pytest.raises(ValueError, match="no grad format 'fp16'"):
+        KernelSpec("x", (Role("m"),), (), grad="fp16")
 
 
 def test_flag_bits_follow_the_spec_order_after_stochastic_rounding():
