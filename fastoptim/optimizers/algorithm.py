@@ -75,9 +75,9 @@ class Algorithm(NamedTuple):
     betas, each); None: Python computes them.
     ``bound_part(tensors, bucket, plan, engine)``: where it ``run``s its own way, its part of a bound step
     for a bucket (``bucket``: its params' positions in the group, ``tensors``: the group's by role,
-    ``plan``: what the engines made of the bucket, its ``BucketPlan``, ``engine``: its fused engine): an object with the ``tables``
-    of its elementwise kernel, the ``positions`` of the grads they take, their ``spec``,
-    ``launch_values(group, grad_scale, found_inf, device)`` (their scalars and flags) and
+    ``plan``: what the engines made of the bucket, its ``BucketPlan``, ``engine``: its fused engine): an
+    object with the ``tables`` of its elementwise kernel, the ``positions`` of the grads they take, their
+    ``spec``, ``launch_values(group, grad_scale, found_inf, device)`` (their scalars and flags) and
     ``finish(group, args, per_tensor)``, run after the step's native call with ``arguments``' values;
     None where the bucket cannot run bound (Muon's: muon_parts.BoundMomentum).
     """

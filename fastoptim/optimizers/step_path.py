@@ -370,9 +370,9 @@ class StepPath:
         that hold one value per param (see ``scalars.step_arguments``). Options written as numpy values are
         read as their Python values (``checks.plain_values``), as the native rules and a compiled step read
         them; the group keeps what was written."""
-        options = self._plain_group(group)
-        return scalars.step_arguments(algorithm, options, scalars.one_count(self._step_counts(group, entry).read(group)),
-                                      increment, self._step_inputs(options, entry, grad_scale), traced)
+        options, counts = self._plain_group(group), self._step_counts(group, entry).read(group)
+        return scalars.step_arguments(algorithm, options, scalars.one_count(counts), increment,
+                                      self._step_inputs(options, entry, grad_scale), traced)
 
     def _plain_group(self, group):
         """``group``, or a copy with its numpy options as their Python values (``checks.plain_values``)."""
