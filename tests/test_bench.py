@@ -128,6 +128,16 @@ def test_unknown_names_are_refused_with_the_valid_ones(args, message):
         cli.main(["bench", *args])
 
 
+@pytest.mark.parametrize("command", [["--list"], ["--compare", "a.json", "b.json"]])
+def test_list_and_compare_refuse_the_options_they_would_ignore(command):
+    """``--list`` and ``--compare`` measure nothing: options beside them, which they ignored silently, are
+    refused by name."""
+    with pytest.raises(SystemExit, match=r"takes no other option: it measures nothing \(given: --models, --steps\)"):
+        cli.main(["bench", *command, "--models", "gpt2-tiny", "--steps", "5"])
+    with pytest.raises(SystemExit, match=r"--list takes no other option.*\(given: --compare\)"):
+        cli.main(["bench", "--list", "--compare", "a.json", "b.json"])
+
+
 def test_list_prints_every_model_and_optimizer(capsys):
     cli.main(["bench", "--list"])
     text = capsys.readouterr().out

@@ -68,6 +68,8 @@ def run(args: argparse.Namespace) -> None:
     from . import models, report, run as harness
 
     known = harness.optimizers()
+    if args.list or args.compare:
+        check_alone(args, "list" if args.list else "compare")
     if args.list:
         print("models:", " ".join(models.MODELS))
         print("optimizers:", " ".join(known))
@@ -93,3 +95,20 @@ def run(args: argparse.Namespace) -> None:
                     repeats=args.repeats, baseline=baseline, memory=not args.no_memory,
                     gradients="random" if args.random_grads else "backward")
     harness.main(args.models, names, settings, args.out)
+
+
+def check_alone(args: argparse.Namespace, option: str) -> None:
+    """Raise SystemExit naming the options given beside ``--list`` or ``--compare`` (``option``), which
+    measure nothing and would ignore them.
+
+    Args:
+        args: the parsed arguments.
+        option: "list" or "compare".
+    """
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = vars(parser.parse_args([]))
+    given = [name for name, value in vars(args).items() if name != option and value != defaults.get(name, value)]
+    if given:
+        raise SystemExit(f"--{option} takes no other option: it measures nothing (given: "
+                         + ", ".join("--" + name.replace("_", "-") for name in given) + ")")
