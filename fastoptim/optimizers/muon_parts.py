@@ -312,14 +312,13 @@ def apply_update(engine: str, part: engines.Plan, orthogonal: list[Tensor], buck
     remainders), with the params' rounding, on ``engine``: a fused one's kernel (its tables kept in
     ``bucket``) reads them laid out as their params, in bf16 (a tall matrix's iterations end transposed),
     and warns of what it leaves to foreach where ``part.warn_fallback``."""
-    args = {name: part.args[name] for name in ("lr", "weight_decay", "step_size")}
-    kernel = engine in engines.FUSED
-    if kernel:
+    args, values = {name: part.args[name] for name in ("lr", "weight_decay", "step_size")}, None
+    if engine in engines.FUSED and orthogonal:
         orthogonal = [o if o.is_contiguous() else o.contiguous() for o in orthogonal]
         values = engines.fused.with_common(apply_kernel_scalars(args), part.found_inf, part.stochastic_rounding,
-                                           orthogonal[0].device) if orthogonal else None
+                                           orthogonal[0].device)
     engines.run(engine, replace(part, tensors=part.tensors | {"grad": orthogonal}, update=muon_apply, spec=APPLY_SPEC,
-                                kernel_scalars=apply_kernel_scalars, kernel_values=values if kernel else None,
+                                kernel_scalars=apply_kernel_scalars, kernel_values=values,
                                 flags={}, args=args, absmax={}, bucket=bucket, watched=None, originals=None,
                                 rule="", counts=None))
 
