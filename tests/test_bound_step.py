@@ -280,8 +280,8 @@ def test_an_adan_group_count_tensor_that_is_no_whole_number_is_refused_with_noth
     """An fp32 0-d CPU tensor written into an Adan group's count, assigned or in place: as a number, or a
     tensor of another dtype, it was refused by name, but as the count's own kind it was taken as it was
     (helper-55): 1.5 stepped, NaN made the params NaN, -1 raised ZeroDivisionError after the first group
-    had stepped. It is refused by name before anything changes; an in-place write reaches the checked step
-    (a bound step leaves the count's value to its native call, as a param's count)."""
+    had stepped. It is refused by name before anything changes; written in place, by the checked step that
+    the bound step's native call hands it to (which took 1.5 and inf as they were)."""
     params = [torch.nn.Parameter(torch.randn(4, generator=torch.Generator().manual_seed(i))) for i in range(2)]
     opt = fastoptim.Adan([{"params": params[:1]}, {"params": params[1:]}], lr=1e-2, fused=True)
     for step in range(2):
@@ -292,7 +292,7 @@ def test_an_adan_group_count_tensor_that_is_no_whole_number_is_refused_with_noth
         opt.param_groups[1]["step"] = torch.tensor(value)
     else:
         opt.param_groups[1]["step"].fill_(value)
-    if way == "checked" or write == "in place":
+    if way == "checked":
         opt._plans.bound = None
     before = [param.detach().clone() for param in params], [dict(opt.state[p]) for p in params]
     states = [{key: value.clone() for key, value in state.items()} for state in before[1]]
@@ -410,6 +410,30 @@ def test_a_count_written_below_zero_in_place_fails_as_the_checked_step_does(cls)
         return type(raised.value)
 
     assert run(False) is run(True)
+
+
+@pytest.mark.parametrize("value", [1.5, float("inf")])
+def test_a_param_count_written_in_place_to_no_whole_number_steps_as_torch_steps_it(value):
+    """A param's count (AdamW's ``state["step"]``) filled with 1.5 or inf in place: the bound step's native
+    call hands it to the checked step, so bound and checked steps agree bit for bit, and with 1.5 both are
+    torch.optim.AdamW's step (at inf the fused kernel's step scalars round an ulp apart from torch's)."""
+    def run(optimizer_class, checked, **options):
+        param = torch.nn.Parameter(torch.randn(4, generator=torch.Generator().manual_seed(0)))
+        opt = optimizer_class([param], lr=1e-2, **options)
+        for step in range(3):
+            param.grad = grad_for(param, step)
+            if step == 2:
+                opt.state[param]["step"].fill_(value)
+                if checked:
+                    opt._plans.bound = None
+            opt.step()
+        return param.detach(), opt.state[param]["step"].item()
+
+    torch_param, torch_count = run(torch.optim.AdamW, False, foreach=False)
+    (bound, bound_count), (checked, checked_count) = (run(fastoptim.AdamW, way, fused=True) for way in (False, True))
+    assert torch.equal(bound, checked) and bound_count == checked_count == torch_count
+    if value == 1.5:
+        assert torch.equal(bound, torch_param)
 
 
 def test_two_adan_groups_given_one_count_at_construction_count_as_the_checked_step(monkeypatch):
