@@ -231,6 +231,11 @@ class BoundStep:
     def _step_with_python_scalars(self, optimizer, work, plans, found_inf, amp_scale, max_norm):
         """:meth:`step` where Python computes the scalars, and advances the counts, as a checked step does:
         on a backend that computes no step scalars (Triton's), or for options its rules do not take."""
+        from .optimizers.checks import check_whole_count  # not at the top: the optimizers import this module
+
+        for count in self.group_counts:  # a CPU count written in place, which no native rule reads here
+            if isinstance(count, Tensor) and count.device.type == "cpu":
+                check_whole_count(count.item())
         # the flags as planned: options read as tensors (a β1 that a tensor holds, edited in place) that would
         # set others make their work's structure another (see step_cache.Structure)
         flags = [algorithm.flags(group) for algorithm, group in zip(self.algorithms, self.groups)]

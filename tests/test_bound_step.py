@@ -273,17 +273,19 @@ def test_two_adan_groups_given_one_count_step_as_official_adan_s_two_ints(engine
         assert torch.equal(param, expected) and torch.equal(param, official)
 
 
+@pytest.mark.parametrize("lr", [1e-2, torch.tensor(1e-2)], ids=["number lr", "tensor lr"])
 @pytest.mark.parametrize("way", ["bound", "checked"])
 @pytest.mark.parametrize("write", ["assigned", "in place"])
 @pytest.mark.parametrize("value", [-1.0, 1.5, float("nan"), float("inf")])
-def test_an_adan_group_count_tensor_that_is_no_whole_number_is_refused_with_nothing_changed(value, write, way):
+def test_an_adan_group_count_tensor_that_is_no_whole_number_is_refused_with_nothing_changed(value, write, way, lr):
     """An fp32 0-d CPU tensor written into an Adan group's count, assigned or in place: as a number, or a
     tensor of another dtype, it was refused by name, but as the count's own kind it was taken as it was
     (helper-55): 1.5 stepped, NaN made the params NaN, -1 raised ZeroDivisionError after the first group
     had stepped. It is refused by name before anything changes; written in place, by the checked step that
-    the bound step's native call hands it to (which took 1.5 and inf as they were)."""
+    the bound step's native call hands it to (which took 1.5 and inf as they were), or with a tensor lr (whose
+    scalars Python computes) by the bound step itself."""
     params = [torch.nn.Parameter(torch.randn(4, generator=torch.Generator().manual_seed(i))) for i in range(2)]
-    opt = fastoptim.Adan([{"params": params[:1]}, {"params": params[1:]}], lr=1e-2, fused=True)
+    opt = fastoptim.Adan([{"params": params[:1]}, {"params": params[1:]}], lr=lr, fused=True)
     for step in range(2):
         for param in params:
             param.grad = grad_for(param, step)
