@@ -133,6 +133,8 @@ class BoundStep:
                 return None
             if group.get("step") is not count:  # a group's count (official Adan's) set anew: its tables hold the last
                 return None
+            if not params and isinstance(count, Tensor):  # a count Python advances, which no native rule reads
+                check_counts([count])
             work.append((group, entry, grads))
         return work
 
@@ -231,11 +233,7 @@ class BoundStep:
     def _step_with_python_scalars(self, optimizer, work, plans, found_inf, amp_scale, max_norm):
         """:meth:`step` where Python computes the scalars, and advances the counts, as a checked step does:
         on a backend that computes no step scalars (Triton's), or for options its rules do not take."""
-        from .optimizers.checks import check_whole_count  # not at the top: the optimizers import this module
-
-        for count in self.group_counts:  # a CPU count written in place, which no native rule reads here
-            if isinstance(count, Tensor) and count.device.type == "cpu":
-                check_whole_count(count.item())
+        check_counts(self.group_counts)  # which no native rule reads here
         # the flags as planned: options read as tensors (a β1 that a tensor holds, edited in place) that would
         # set others make their work's structure another (see step_cache.Structure)
         flags = [algorithm.flags(group) for algorithm, group in zip(self.algorithms, self.groups)]
@@ -278,6 +276,17 @@ def set_rng_states(states):
             torch.set_rng_state(state)
         else:
             torch.cuda.set_rng_state(state, device)
+
+
+def check_counts(counts):
+    """Raise a ValueError naming ``step``, before anything changes, for a CPU tensor of ``counts`` (groups'
+    counts that no native rule reads this step: official Adan's, written in place) that is no whole
+    number >= 0, as the checked step does (``step_counts.check_group_count``); None and other devices' pass."""
+    from .optimizers.checks import check_whole_count  # not at the top: the optimizers import this module
+
+    for count in counts:
+        if isinstance(count, Tensor) and count.device.type == "cpu":
+            check_whole_count(count.item())
 
 
 def rule_numbers(group, keys):

@@ -414,6 +414,26 @@ def test_a_count_written_below_zero_in_place_fails_as_the_checked_step_does(cls)
     assert run(False) is run(True)
 
 
+@pytest.mark.parametrize("way", ["bound", "checked"])
+@pytest.mark.parametrize("value", [-1.0, 1.5, float("nan"), float("inf")])
+def test_a_count_of_an_adan_group_without_grads_written_in_place_is_refused_with_nothing_changed(value, way):
+    """A group whose params have no grads this step: Python advances its count, which no native call reads,
+    and a bound step took 1.5 or inf (and -1, NaN) as they were (helper-63), where the checked step refuses."""
+    params = [torch.nn.Parameter(torch.randn(8, generator=torch.Generator().manual_seed(i))) for i in range(2)]
+    opt = fastoptim.Adan([{"params": params[:1]}, {"params": params[1:]}], lr=1e-2, fused=True)
+    for step in range(3):
+        params[0].grad = grad_for(params[0], step)
+        opt.step()
+    assert opt._plans.bound is not None
+    opt.param_groups[1]["step"].fill_(value)
+    if way == "checked":
+        opt._plans.bound = None
+    before = params[0].detach().clone(), opt.param_groups[0]["step"].clone()
+    with pytest.raises(ValueError, match=r"Invalid step: .* \(must be a whole number >= 0\)"):
+        opt.step()
+    assert torch.equal(params[0], before[0]) and torch.equal(opt.param_groups[0]["step"], before[1])
+
+
 @pytest.mark.parametrize("value", [1.5, float("inf")])
 def test_a_param_count_written_in_place_to_no_whole_number_steps_as_torch_steps_it(value):
     """A param's count (AdamW's ``state["step"]``) filled with 1.5 or inf in place: the bound step's native
