@@ -110,9 +110,11 @@ class BoundStep:
         counts = [count for group, entry, _ in work if entry.params for count in entry.context.counts.read(group)]
         return cls(work, algorithms, counts, runs, parts, backend)
 
-    def work(self, state, groups, structure, check):
+    def work(self, state, groups, structure, check, check_counted):
         """This step's (group, GroupWork, grads) per group, or None where the rule no longer holds;
-        ``check(group, params)`` raises for what the group's options may have broken since."""
+        ``check(group, params)`` raises for what the group's options may have broken since, and
+        ``check_counted(group, params)`` (the checked step's checks, its count's value among them) for a
+        group whose count Python advances, which no native rule reads (official Adan's, without grads)."""
         if (type(state) is not OptimizerState or len(groups) != len(self.groups)
                 or not all(map(operator.is_, groups, self.groups))):
             return None
@@ -133,8 +135,8 @@ class BoundStep:
                 return None
             if group.get("step") is not count:  # a group's count (official Adan's) set anew: its tables hold the last
                 return None
-            if not params and isinstance(count, Tensor):  # a count Python advances, which no native rule reads
-                check_counts([count])
+            if not params and isinstance(count, Tensor):
+                check_counted(group, params)
             work.append((group, entry, grads))
         return work
 
@@ -145,7 +147,8 @@ class BoundStep:
         elementwise and have their states: an inf step GradScaler found is skipped on the device."""
         if os.environ.get(FORCING_VARIABLE) != self.forced:
             return False
-        work = self.work(optimizer.state, optimizer.param_groups, optimizer._structure, optimizer._check_between_steps)
+        work = self.work(optimizer.state, optimizer.param_groups, optimizer._structure, optimizer._check_between_steps,
+                         optimizer._check_options)
         if work is None:
             return False
         found_inf, amp_scale, max_norm = optimizer._optimizer_inputs()
@@ -233,7 +236,9 @@ class BoundStep:
     def _step_with_python_scalars(self, optimizer, work, plans, found_inf, amp_scale, max_norm):
         """:meth:`step` where Python computes the scalars, and advances the counts, as a checked step does:
         on a backend that computes no step scalars (Triton's), or for options its rules do not take."""
-        check_counts(self.group_counts)  # which no native rule reads here
+        for group, entry, _ in work:  # a count Python reads and advances here, which no native rule reads
+            if isinstance(group.get("step"), Tensor):
+                optimizer._check_options(group, entry.params)
         # the flags as planned: options read as tensors (a β1 that a tensor holds, edited in place) that would
         # set others make their work's structure another (see step_cache.Structure)
         flags = [algorithm.flags(group) for algorithm, group in zip(self.algorithms, self.groups)]
@@ -276,17 +281,6 @@ def set_rng_states(states):
             torch.set_rng_state(state)
         else:
             torch.cuda.set_rng_state(state, device)
-
-
-def check_counts(counts):
-    """Raise a ValueError naming ``step``, before anything changes, for a CPU tensor of ``counts`` (groups'
-    counts that no native rule reads this step: official Adan's, written in place) that is no whole
-    number >= 0, as the checked step does (``step_counts.check_group_count``); None and other devices' pass."""
-    from .optimizers.checks import check_whole_count  # not at the top: the optimizers import this module
-
-    for count in counts:
-        if isinstance(count, Tensor) and count.device.type == "cpu":
-            check_whole_count(count.item())
 
 
 def rule_numbers(group, keys):
