@@ -138,6 +138,17 @@ def test_list_and_compare_refuse_the_options_they_would_ignore(command):
         cli.main(["bench", "--list", "--compare", "a.json", "b.json"])
 
 
+def test_list_and_compare_do_not_check_the_default_output_folder(tmp_path, monkeypatch, capsys):
+    """They write nothing: a file named as the default ``--out`` does not stop them (helper-63: it did, and
+    ``--list --out x`` there said the default was a file, not that --out was given)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bench-out").write_text("")
+    cli.main(["bench", "--list"])
+    assert "models:" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match=r"--list takes no other option: it measures nothing \(given: --out\)"):
+        cli.main(["bench", "--list", "--out", "elsewhere"])
+
+
 def test_list_prints_every_model_and_optimizer(capsys):
     cli.main(["bench", "--list"])
     text = capsys.readouterr().out

@@ -21,6 +21,7 @@ GPU_PEERS = ["torch-adam-foreach", "torch-adam-fused", "torch-adamw-foreach", "t
 GPU_OURS = ["adan-foreach", "adan-fused-single", "adan-fused-multi", "adamw-fused-multi", "adan-sn-fused-multi",
             "adamwsn-fused-multi", "adan-8bit-fused-multi", "adamw-8bit-fused-multi"]
 GPU_STEPS = 200
+DEFAULT_OUT = "bench-out"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="default cpu")
     parser.add_argument("--threads", type=positive, default=torch.get_num_threads(),
                         help=f"torch threads (default {torch.get_num_threads()}, torch's choice here)")
-    parser.add_argument("--out", type=output_folder, default="bench-out",
+    parser.add_argument("--out", type=output_folder,
                         help="folder for results.json, results.md and bench.png (default bench-out), checked before "
                              "anything is measured")
     parser.add_argument("--random-grads", action="store_true", help="random normal grads instead of one backward pass")
@@ -94,12 +95,17 @@ def run(args: argparse.Namespace) -> None:
     settings = dict(device=args.device, dtype=args.dtype, threads=args.threads, steps=args.steps,
                     repeats=args.repeats, baseline=baseline, memory=not args.no_memory,
                     gradients="random" if args.random_grads else "backward")
+    if args.out is None:  # the default, checked here: --list and --compare write nothing
+        try:
+            args.out = output_folder(DEFAULT_OUT)
+        except argparse.ArgumentTypeError as error:
+            raise SystemExit(f"the default --out {DEFAULT_OUT}: {error}") from None
     harness.main(args.models, names, settings, args.out)
 
 
 def check_alone(args: argparse.Namespace, option: str) -> None:
-    """Raise SystemExit naming the options given beside ``--list`` or ``--compare`` (``option``), which
-    measure nothing and would ignore them.
+    """Raise SystemExit naming the options set beside ``--list`` or ``--compare`` (``option``) to other than
+    their defaults: those measure nothing and would ignore them.
 
     Args:
         args: the parsed arguments.
@@ -107,8 +113,9 @@ def check_alone(args: argparse.Namespace, option: str) -> None:
     """
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    defaults = vars(parser.parse_args([]))
-    given = [name for name, value in vars(args).items() if name != option and value != defaults.get(name, value)]
+    defaults = vars(parser.parse_args([]))  # none checks a folder: --out's default is checked where it is written
+    given = [name for name, value in vars(args).items()
+             if name != option and name in defaults and value != defaults[name]]
     if given:
         raise SystemExit(f"--{option} takes no other option: it measures nothing (given: "
                          + ", ".join("--" + name.replace("_", "-") for name in given) + ")")
