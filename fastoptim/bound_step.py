@@ -186,6 +186,8 @@ class BoundStep:
                 # before anything runs: what raises here (an option made invalid) must change nothing
                 finishing.append((group, parts, *optimizer._arguments(algorithm, group, entry, scale, 1,
                                                                       traced=False)))
+        if self.masters:  # a group's count the native call would hand to the checked step to refuse: not after
+            check_group_counts(optimizer, work)  # the remainders restart (a refused step changes nothing)
         # what the user wrote of a param since restarts its remainders, once nothing left can refuse the step
         writes = optimizer._restart_written(work, plans) if self.masters else None
         grads_in, values, flags, options = [], [], [], []  # per table, in the call's order; the rules' options
@@ -236,9 +238,7 @@ class BoundStep:
     def _step_with_python_scalars(self, optimizer, work, plans, found_inf, amp_scale, max_norm):
         """:meth:`step` where Python computes the scalars, and advances the counts, as a checked step does:
         on a backend that computes no step scalars (Triton's), or for options its rules do not take."""
-        for group, entry, _ in work:  # a count Python reads and advances here, which no native rule reads
-            if isinstance(group.get("step"), Tensor):
-                optimizer._check_options(group, entry.params)
+        check_group_counts(optimizer, work)  # which Python reads and advances here: no native rule reads them
         # the flags as planned: options read as tensors (a β1 that a tensor holds, edited in place) that would
         # set others make their work's structure another (see step_cache.Structure)
         flags = [algorithm.flags(group) for algorithm, group in zip(self.algorithms, self.groups)]
@@ -265,6 +265,15 @@ class BoundStep:
             return False
         optimizer._advance(work, increment, writes)
         return True
+
+
+def check_group_counts(optimizer, work):
+    """Raise, before anything changes, for a group's count (official Adan's) of ``work`` ((group, GroupWork,
+    grads) per group) that the checked step refuses (one written in place that is no whole number >= 0),
+    by ``optimizer``'s checked-step checks of the group."""
+    for group, entry, _ in work:
+        if isinstance(group.get("step"), Tensor):
+            optimizer._check_options(group, entry.params)
 
 
 def rng_state(device):

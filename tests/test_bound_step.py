@@ -434,6 +434,29 @@ def test_a_count_of_an_adan_group_without_grads_written_in_place_is_refused_with
     assert torch.equal(params[0], before[0]) and torch.equal(opt.param_groups[0]["step"], before[1])
 
 
+def test_a_refused_bound_step_leaves_the_master_remainders_of_a_param_written_since():
+    """A bf16 param with master remainders, written in place, and another Adan group's count filled with 1.5:
+    the bound step restarted the written param's remainders, then its native call handed the count to the
+    checked step, which refused it (helper-63): the refusal left the remainders zeroed. Now the counts are
+    checked first, and the refused step changes nothing."""
+    params = [torch.nn.Parameter(torch.randn(64, generator=torch.Generator().manual_seed(i)).bfloat16())
+              for i in range(2)]
+    opt = fastoptim.Adan([{"params": params[:1]}, {"params": params[1:]}], lr=1e-2, master_bits=24, fused=True)
+    for step in range(3):
+        for param in params:
+            param.grad = grad_for(param, step)
+        opt.step()
+    assert opt._plans.bound is not None
+    with torch.no_grad():
+        params[0].mul_(1.5)
+    opt.param_groups[1]["step"].fill_(1.5)
+    before = {key: value.clone() for key, value in opt.state[params[0]].items()}
+    assert before["master_remainder"].abs().sum() > 0
+    with pytest.raises(ValueError, match=r"Invalid step: 1.5"):
+        opt.step()
+    assert all(torch.equal(opt.state[params[0]][key], value) for key, value in before.items())
+
+
 @pytest.mark.parametrize("value", [1.5, float("inf")])
 def test_a_param_count_written_in_place_to_no_whole_number_steps_as_torch_steps_it(value):
     """A param's count (AdamW's ``state["step"]``) filled with 1.5 or inf in place: the bound step's native
