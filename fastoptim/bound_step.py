@@ -270,9 +270,10 @@ class BoundStep:
 def check_group_counts(optimizer, work):
     """Raise, before anything changes, for a group's count (official Adan's) of ``work`` ((group, GroupWork,
     grads) per group) that the checked step refuses (one written in place that is no whole number >= 0),
-    by ``optimizer``'s checked-step checks of the group."""
+    by ``optimizer``'s checked-step checks of the group; of a group with grads: :meth:`BoundStep.work` has
+    checked the others'."""
     for group, entry, _ in work:
-        if isinstance(group.get("step"), Tensor):
+        if entry.params and isinstance(group.get("step"), Tensor):
             optimizer._check_options(group, entry.params)
 
 

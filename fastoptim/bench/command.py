@@ -50,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=positive, default=torch.get_num_threads(),
                         help=f"torch threads (default {torch.get_num_threads()}, torch's choice here)")
     parser.add_argument("--out", type=output_folder,
-                        help="folder for results.json, results.md and bench.png (default bench-out), checked before "
-                             "anything is measured")
+                        help=f"folder for results.json, results.md and bench.png (default {DEFAULT_OUT}), "
+                             "checked before anything is measured")
     parser.add_argument("--random-grads", action="store_true", help="random normal grads instead of one backward pass")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
     parser.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"), help="show two runs side by side")

@@ -314,7 +314,7 @@ def apply_update(engine: str, part: engines.Plan, orthogonal: list[Tensor], buck
     and warns of what it leaves to foreach where ``part.warn_fallback``."""
     args, values = {name: part.args[name] for name in ("lr", "weight_decay", "step_size")}, None
     if engine in engines.FUSED and orthogonal:
-        orthogonal = [o if o.is_contiguous() else o.contiguous() for o in orthogonal]
+        orthogonal = [o.contiguous() for o in orthogonal]  # itself where it is
         values = engines.fused.with_common(apply_kernel_scalars(args), part.found_inf, part.stochastic_rounding,
                                            orthogonal[0].device)
     engines.run(engine, replace(part, tensors=part.tensors | {"grad": orthogonal}, update=muon_apply, spec=APPLY_SPEC,
