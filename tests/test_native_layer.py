@@ -467,7 +467,7 @@ def test_the_norm_is_summed_chunk_by_chunk_in_the_grads_order():
     assert cpu_backend.grad_norm_total(grads, True)[1].isnan() and cpu_backend.grad_norm_total(grads, False)[1].isnan()
 
 
-def test_the_native_ops_refuse_chunks_outside_their_tensors():
+def test_bind_refuses_chunks_outside_their_tensors_and_tables_of_no_kernel():
     chunks = torch.tensor([[0, 5, 6, 0]])
     with pytest.raises(RuntimeError, match="reaches outside its tensor"):
         torch.ops.fastoptim.bind("adan", [torch.ones(10)] * 5, [0, 2, 3, 4, 5], 1, 11, 16, chunks, None, [], [], [],
@@ -475,6 +475,10 @@ def test_the_native_ops_refuse_chunks_outside_their_tensors():
     with pytest.raises(RuntimeError, match="adan kernel reads 11 rows of pointers, not 10"):  # its remainders' too
         torch.ops.fastoptim.bind("adan", [torch.ones(10)] * 5, [0, 2, 3, 4, 5], 1, 10, 16, chunks, None, [], [], [],
                                  "", [])
+    for name in ("", "adamx"):  # every table is a kernel's: one that runs nothing is bound with runs=False
+        with pytest.raises(RuntimeError, match=f"no fused kernel named '{name}'"):
+            torch.ops.fastoptim.bind(name, [torch.ones(10)] * 5, [0, 2, 3, 4, 5], 1, 11, 16,
+                                     torch.tensor([[0, 0, 10, 0]]), None, [], [], [], "", [])
     for owner in (torch.ones(2, 10), torch.ones(20)[::2], torch.ones(0)):  # a flat buffer is contiguous 1-d
         with pytest.raises(RuntimeError, match="an owner must be a non-empty contiguous 1-d tensor"):
             torch.ops.fastoptim.bind("adan", [torch.ones(10)] * 5, [0, 2, 3, 4, 5], 1, 11, 16,

@@ -486,7 +486,7 @@ std::vector<Tensor> ruled_scalars(std::string name, std::vector<double> options,
 // and the kernel's tables over them. ``watched`` tensors are not walked, but what the table holds
 // follows from them (a param that the table holds a view of, a step count): they are checked as held
 // ones are. ``pointers`` is [row][tensor], the grads' row filled in at each call;
-// ``layouts`` is [tensor][3] or empty. A table bound to no kernel (run is null: a GPU kernel's, which
+// ``layouts`` is [tensor][3] or empty. A table that runs nothing (run is null: a GPU kernel's, which
 // Python launches) is only checked, by check_bound.
 struct Bound {
     KernelFn run;
@@ -549,9 +549,9 @@ struct Locked {
 /* Bind ``held`` (row ``rows[k]`` of the table holds tensors held[k * n_tensors ...], in tensor order;
    row 0 holds the params, row GRAD is left to the calls, and the last row, n_rows - 1, holds the master
    remainders of bf16 params where they keep them: fastoptim/specs.py), the chunk table and the layouts
-   ([tensor][3] int64, or None for all dense fp32) to CPU kernel ``kernel``, or with "" to none. With
-   ``runs`` false the table is checked as ``kernel``'s (its rows, its grads' format) and runs nothing: a
-   GPU kernel's, whose tensors may be on any device, as with "". Returns the handle.
+   ([tensor][3] int64, or None for all dense fp32) to CPU kernel ``kernel``. With ``runs`` false the
+   table is checked as ``kernel``'s (its rows, its grads' format) and runs nothing: a GPU kernel's, whose
+   tensors may be on any device. Returns the handle.
 
    ``owners`` are flat state buffers (contiguous 1-d tensors): a state whose elements lie in one is
    checked through it, so a call reads a few buffers' layouts instead of every state's. Its pointer stays
@@ -572,17 +572,17 @@ int64_t bind(std::string kernel, std::vector<Tensor> held, std::vector<int64_t> 
                         && !rows.empty() && rows[0] == PARAM,
                     op, ": held must be the params' row, then other rows, n_tensors each");
     auto table = std::make_shared<Bound>();
-    const Kernel *named = kernel.empty() ? nullptr : find_kernel(kernel);
-    STD_TORCH_CHECK(kernel.empty() || named, op, ": no fused CPU kernel named ", kernel);
-    STD_TORCH_CHECK(!named || n_rows == named->n_rows, op, ": the ", kernel, " kernel reads ",
-                    named ? named->n_rows : 0, " rows of pointers, not ", n_rows);
-    table->run = named && runs ? named->run : nullptr;
+    const Kernel *named = find_kernel(kernel);
+    STD_TORCH_CHECK(named, op, ": no fused kernel named '", kernel, "'");
+    STD_TORCH_CHECK(n_rows == named->n_rows, op, ": the ", kernel, " kernel reads ", named->n_rows,
+                    " rows of pointers, not ", n_rows);
+    table->run = runs ? named->run : nullptr;
     table->kernel = named;
     table->rows_bound.assign(n_rows, false);
     const Read first = read_for(held[0], op);
     table->dtype = kernel_dtype(first.dtype);
     STD_TORCH_CHECK(table->dtype >= 0, op, ": no kernel for the params' dtype");
-    table->grad_dtype = named && named->grad >= 0 ? kernel_dtypes()[named->grad] : first.dtype;
+    table->grad_dtype = named->grad >= 0 ? kernel_dtypes()[named->grad] : first.dtype;
     table->n_tensors = n_tensors;
     table->n_rows = n_rows;
     table->n_scalars = n_scalars;
@@ -701,7 +701,7 @@ int64_t bind_call(std::vector<int64_t> handles, std::vector<int64_t> per_tensor,
     call->views = views;
     int64_t n_tensors = 0;
     for (const std::shared_ptr<Bound> &table : call->tables) {
-        STD_TORCH_CHECK(table->run, op, ": a table bound to no kernel");
+        STD_TORCH_CHECK(table->run, op, ": a table that runs nothing (bound with runs=False)");
         n_tensors += table->n_tensors;
     }
     if (!norm_order.empty()) {

@@ -135,8 +135,8 @@ class BoundTable:
     each step passes the grads. ``watched``, ``originals`` (by role, the tensors it holds in place of
     those of ``tensors`` that are views of them; a checked step's grad may come laid out as either),
     ``rule`` and ``counts``: see :class:`fastoptim.engines.tables.Tables`. With ``runs`` False the
-    table is bound to no kernel and may hold tensors of any device: a GPU kernel's, which
-    :func:`check` checks before Python launches it."""
+    table runs nothing and may hold tensors of any device: a GPU kernel's, which :func:`check` checks
+    before Python launches it."""
 
     def __init__(self, spec, tensors, table, runs=True, watched=(), originals=None, rule="", counts=()):
         grads_like = ()
