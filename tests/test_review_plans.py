@@ -278,6 +278,21 @@ def _nesterov_off(step, box):
         box["opt"].param_groups[0]["nesterov"] = False
 
 
+PARAM_WRITES = {  # a user's write to a param between steps, which the update's tables (bound once) follow
+    "set_": lambda param: param.set_(param.detach().clone() * 0.5),
+    ".data =": lambda param: setattr(param, "data", param.data * 0.5),
+    "copy_": lambda param: param.copy_(param * 0.5),
+    "mul_": lambda param: param.mul_(0.5),
+}
+
+
+def _param_written(write):
+    def change(step, box):
+        if step == 2:
+            PARAM_WRITES[write](box["params"][3])
+    return change
+
+
 SMALL = [(8, 4), (8, 4), (4, 8), (6, 6), (2, 8, 4), (10, 10), (8, 4), (12, 5)]
 MUON_CASES = {  # (shapes, dtype, options, change, Directions made: each bucket's)
     "slices, steady": (SMALL, torch.float32, {}, lambda s, b: None, 1),
@@ -288,6 +303,9 @@ MUON_CASES = {  # (shapes, dtype, options, change, Directions made: each bucket'
     "slices, reordered in place": (SMALL, torch.float32, {}, _reordered, 2),
     "slices, a shape appended": (SMALL, torch.float32, {}, _appended, 2),
     "slices, nesterov turned off": (SMALL, torch.float32, {}, _nesterov_off, 1),
+    # new storage plans the group again, with new Directions; a write in place is read where it is
+    **{f"slices, a param written by {write}": (SMALL, torch.float32, {}, _param_written(write),
+                                               2 if write in ("set_", ".data =") else 1) for write in PARAM_WRITES},
     # flatten: params of other shapes whose matrices agree (4x6) make one batch, 3-D ones beside 2-D ones
     "flatten, one matrix shape": ([(4, 6), (4, 2, 3), (4, 3, 2), (4, 6, 1), (6, 4), (3, 2, 4)], torch.bfloat16,
                                   dict(flatten=True), lambda s, b: None, 1),
