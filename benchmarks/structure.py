@@ -59,7 +59,7 @@ STORES = (
     ("optimizer._plans: step_cache.PlanStore (per optimizer: each group's work and its grads patterns', "
      "the bound step, the traced state, the write notes)", None, r"^class PlanStore\b"),
     ("GroupWork.bucket_caches (per group entry, per bucket)", None, r"\bbucket_caches\s*="),
-    ("GroupWork.bucket_plans (per bucket of a group's work: its BucketPlan, declared fields)", None,
+    ("GroupWork.buckets (per bucket of a group's work: its BucketPlan, declared fields)", None,
      r"^class BucketPlan\b"),
     ("BoundStep / Structure (the bound step's plan)", "bound_step.py", r"^class (BoundStep|Structure)\b"),
     ("engines.step_op._PREPARED (prepared op calls by layout id)", None, r"^_PREPARED\s*="),

@@ -9,6 +9,7 @@ import operator
 import os
 from itertools import repeat
 from numbers import Real
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -25,6 +26,22 @@ from .step_cache import unread
 FOUND_INF, SEED, GRAD_SCALE = map(COMMON_SCALARS.index, ("found_inf", "seed", "grad_scale"))
 
 
+class BoundGroup(NamedTuple):
+    """One group's part of a :class:`BoundStep`: what its steps would otherwise work out again."""
+    group: dict
+    entry: object  # its GroupWork
+    algorithm: object  # its Algorithm
+    # the work's buckets, whose plans hold the tables bound here: a work that takes its states again (a
+    # compiled step's preparation may) makes new ones
+    buckets: list
+    count: object  # group.get("step") when planned: official Adan's count, which its tables hold
+    runs: list  # per bucket: (its tables.Tables, its params' indices or None for all, its BucketPlan)
+    parts: list | None  # its buckets' bound parts (see Algorithm.bound_part), or None
+    positions: list  # per bucket, per table, the positions of the group's grads it takes (None: all)
+    single: bool  # the single-tensor fused engine: each table runs once per tensor
+    flag_bits: int  # its kernels' flag bits but stochastic rounding's (its work's structure holds them)
+
+
 class BoundStep:
     """A step whose every group runs on tables bound to native code (a backend that
     ``CHECKS_NATIVELY``), whose calls check every param, state and grad, so the step checks none in
@@ -33,42 +50,27 @@ class BoundStep:
     and ``GroupWork.holds``, less the layouts: a state dict that counted no change holds its states).
     Native code also checks what the tensors it takes derive from: the params' counts, slots of one
     tensor (``GroupWork.watched``); of a subset-norm param it holds the user's param and states in place
-    of the views the engines take."""
+    of the views the engines take. ``groups``: per group, its :class:`BoundGroup`."""
 
-    def __init__(self, work, algorithms, counts, runs, parts, backend):
-        self.algorithms = algorithms
+    def __init__(self, groups, counts, backend):
+        self.groups = groups
+        self.param_groups = [bound.group for bound in groups]  # what the optimizer's must still be, one by one
         self.forced = os.environ.get(FORCING_VARIABLE)  # that the checked step ran under: a change plans again
-        self.groups = [group for group, _, _ in work]
-        self.entries = [entry for _, entry, _ in work]
-        # each work's bucket plans, which hold the tables bound here: a work that takes its states again (a
-        # compiled step's preparation may) makes new ones
-        self.bucket_plans = [entry.bucket_plans for entry in self.entries]
-        # per group, per bucket: (its tables.Tables, its params' indices or None for all, its BucketPlan)
-        self.runs = runs
-        self.parts = parts  # per group, its buckets' bound parts (see Algorithm.bound_part), or None
         self.backend = backend  # the one backend whose native call runs every table
-        # per group, per bucket, the positions of the group's grads each of its tables takes (None: all)
-        self.positions = [[[taken(bucket, indices, index is None) for indices, index, _, _ in tables.tables]
-                           for tables, bucket, _ in buckets] for buckets in runs]
-        self.single = [entry.engine == engines.fused.SINGLE for entry in self.entries]
-        # per group, its kernels' flag bits but stochastic rounding's (its work's structure holds them)
-        self.flag_bits = [algorithm.spec.flag_bits(algorithm.flags(group)) for algorithm, group in
-                          zip(algorithms, self.groups)]
         # the native call of every table (in the order of the groups, their buckets and tables), where the
         # backend computes the step's scalars (clip, the rules') and advances the counts natively
         self.call = None
         if backend.STEP_SCALARS:
             tables, per_tensor, ruled = [], [], []
-            for buckets, group_parts, single in zip(runs, parts, self.single):
-                for bucket_tables, _, _ in buckets:
-                    for _, _, bound, _ in bucket_tables.tables:
-                        tables.append(bound)
-                        per_tensor.append(single)
-                        ruled.append(group_parts is None)
-            self.call = backend.StepCall(tables, per_tensor, ruled, norm_order=norm_order(self.entries, self.positions))
-        self.group_counts = [group.get("step") for group in self.groups]
+            for bound in groups:
+                for bucket_tables, _, _ in bound.runs:
+                    for _, _, table, _ in bucket_tables.tables:
+                        tables.append(table)
+                        per_tensor.append(bound.single)
+                        ruled.append(bound.parts is None)
+            self.call = backend.StepCall(tables, per_tensor, ruled, norm_order=norm_order(groups))
         self.counts = counts  # those the native call advances, whose version counters a step bumps as add_ would
-        self.masters = any(entry.versions is not None for entry in self.entries)  # see FastOptimizer._restart_written
+        self.masters = any(bound.entry.versions is not None for bound in groups)  # see FastOptimizer._restart_written
 
     @classmethod
     def of(cls, state, work, algorithms):
@@ -87,28 +89,33 @@ class BoundStep:
                 parts.append(None)
                 continue
             if (entry.states is None or entry.local_params is not entry.params or entry.viewed_states
-                    or entry.context.first_reads is not None or any(reduce for _, reduce in entry.buckets)
+                    or entry.context.first_reads is not None or any(plan.reduce for plan in entry.buckets)
                     or entry.traced_reads is not None and unread(entry.traced_reads)):
                 return None
             if algorithm.bound_part is not None:
-                found = [algorithm.bound_part(entry.tensors, bucket, plan, entry.engine)
-                         for (bucket, _), plan in zip(entry.buckets, entry.bucket_plans)]
+                found = [algorithm.bound_part(entry.tensors, plan.indices, plan, entry.engine)
+                         for plan in entry.buckets]
                 if None in found:
                     return None
                 runs.append([(part.tables, part.positions, None) for part in found])
                 parts.append(found)
                 continue
             if (algorithm.run is not engines.run_bucket or algorithm.kernel_scalars is None or algorithm.rule is None
-                    or not all(map(engines.fused.natively_checked, entry.bucket_plans))):
+                    or not all(map(engines.fused.natively_checked, entry.buckets))):
                 return None
-            runs.append([(plan.kernel_split.tables, None if len(bucket) == len(entry.params) else bucket, plan)
-                         for (bucket, _), plan in zip(entry.buckets, entry.bucket_plans)])
+            runs.append([(plan.kernel_split.tables, None if len(plan.indices) == len(entry.params) else plan.indices,
+                          plan) for plan in entry.buckets])
             parts.append(None)
         backend = runs_backend(runs)
         if type(state) is not OptimizerState or backend is None or any(parts) and not backend.STEP_SCALARS:
             return None
         counts = [count for group, entry, _ in work if entry.params for count in entry.context.counts.read(group)]
-        return cls(work, algorithms, counts, runs, parts, backend)
+        groups = [BoundGroup(group, entry, algorithm, entry.buckets, group.get("step"), group_runs, group_parts,
+                             [[taken(bucket, indices, index is None) for indices, index, _, _ in tables.tables]
+                              for tables, bucket, _ in group_runs],
+                             entry.engine == engines.fused.SINGLE, algorithm.spec.flag_bits(algorithm.flags(group)))
+                  for algorithm, (group, entry, _), group_runs, group_parts in zip(algorithms, work, runs, parts)]
+        return cls(groups, counts, backend)
 
     def work(self, state, groups, structure, check, check_counted):
         """This step's (group, GroupWork, grads) per group, or None where the rule no longer holds;
@@ -116,11 +123,11 @@ class BoundStep:
         ``check_counted(group, params)`` (the checked step's checks, its count's value among them) for a
         group whose count Python advances, which no native rule reads (official Adan's, without grads)."""
         if (type(state) is not OptimizerState or len(groups) != len(self.groups)
-                or not all(map(operator.is_, groups, self.groups))):
+                or not all(map(operator.is_, groups, self.param_groups))):
             return None
         work = []
-        for group, entry, bucket_plans, count in zip(groups, self.entries, self.bucket_plans, self.group_counts):
-            params = group["params"]
+        for group, bound in zip(groups, self.groups):
+            params, entry = group["params"], bound.entry
             if flat_params.GRAD_BUFFERS:  # a frozen flat param's grad dropped in the same pass (cold params)
                 grads = [param.grad if param.requires_grad else flat_params.frozen_grad(param) for param in params]
             else:  # each read once: a Parameter's .grad costs 50-100 ns
@@ -129,13 +136,13 @@ class BoundStep:
                 params = [param for param, grad in zip(params, grads) if grad is not None]
                 grads = [grad for grad in grads if grad is not None]
             check(group, params)  # before the structure is computed from what it checks
-            # the work's rule (native code checks the layouts), and the tables its bucket plans held
+            # the work's rule (native code checks the layouts), and the tables its buckets' plans held
             if (not entry.fits(structure, group, params) or entry.params and not entry.holds(state, True)
-                    or entry.bucket_plans is not bucket_plans):
+                    or entry.buckets is not bound.buckets):
                 return None
-            if group.get("step") is not count:  # a group's count (official Adan's) set anew: its tables hold the last
-                return None
-            if not params and isinstance(count, Tensor):
+            if group.get("step") is not bound.count:  # a group's count (official Adan's) set anew: its tables
+                return None  # hold the last
+            if not params and isinstance(bound.count, Tensor):
                 check_counted(group, params)
             work.append((group, entry, grads))
         return work
@@ -156,14 +163,15 @@ class BoundStep:
             return self._step_with_python_scalars(optimizer, work, plans, found_inf, amp_scale, max_norm)
         numbers = []  # every group's, before any seed is drawn: a step that goes the checked way draws its own
         rounds_after_call = False  # a group of bound parts (Muon's) rounds stochastically: it draws after the call
-        for algorithm, (group, entry, _), parts in zip(self.algorithms, work, self.parts):
-            values = rule_numbers(group, algorithm.rule[1]) if entry.params and parts is None else ()
+        for bound, (group, entry, _) in zip(self.groups, work):
+            parts = bound.parts
+            values = rule_numbers(group, bound.algorithm.rule[1]) if entry.params and parts is None else ()
             if any(map(isinstance, values, repeat(Tensor))):
                 # a tensor lr (say), which the native rules do not take: Python computes the scalars as the
                 # checked step does, as tensors, and the counts it advances, which native code then does not
                 # check (see StepCounts.in_place); Muon's parts take the checked way
-                return (not any(self.parts) and all(entry.context.counts.in_place() for _, entry, _ in work
-                                                    if entry.params)
+                return (not any(bound.parts for bound in self.groups)
+                        and all(entry.context.counts.in_place() for _, entry, _ in work if entry.params)
                         and self._step_with_python_scalars(optimizer, work, plans, found_inf, amp_scale, max_norm))
             if parts and found_inf is not None and bool(found_inf):
                 return False  # an inf GradScaler found (a CPU tensor, read without a sync): the checked step skips
@@ -181,19 +189,19 @@ class BoundStep:
         increment, scales, clip = optimizer._grad_scales(work, found_inf, amp_scale, max_norm, eager=True,
                                                             clip_in_step=True)
         finishing = []  # (its parts, its arguments) of each group whose parts finish after the native call
-        for algorithm, (group, entry, _), scale, parts in zip(self.algorithms, work, scales, self.parts):
-            if parts:
+        for bound, (group, entry, _), scale in zip(self.groups, work, scales):
+            if bound.parts:
                 # before anything runs: what raises here (an option made invalid) must change nothing
-                finishing.append((group, parts, *optimizer._arguments(algorithm, group, entry, scale, 1,
-                                                                      traced=False)))
+                finishing.append((group, bound.parts, *optimizer._arguments(bound.algorithm, group, entry, scale, 1,
+                                                                            traced=False)))
         if self.masters:  # a group's count the native call would hand to the checked step to refuse: not after
             check_group_counts(optimizer, work)  # the remainders restart (a refused step changes nothing)
         # what the user wrote of a param since restarts its remainders, once nothing left can refuse the step
         writes = optimizer._restart_written(work, plans) if self.masters else None
         grads_in, values, flags, options = [], [], [], []  # per table, in the call's order; the rules' options
         drawn = {}  # per device a seed is drawn on, its generator's state before (see rng_state)
-        for (group, entry, grads), scale, buckets, group_numbers, parts, flag_bits in zip(
-                work, scales, self.positions, numbers, self.parts, self.flag_bits):
+        for (group, entry, grads), scale, bound, group_numbers in zip(work, scales, self.groups, numbers):
+            buckets, parts, flag_bits = bound.positions, bound.parts, bound.flag_bits
             device = grads[0].device if grads else None
             stochastic = device is not None and group["stochastic_rounding"]  # a group without grads draws nothing
             if parts is not None:
@@ -241,13 +249,13 @@ class BoundStep:
         check_group_counts(optimizer, work)  # which Python reads and advances here: no native rule reads them
         # the flags as planned: options read as tensors (a β1 that a tensor holds, edited in place) that would
         # set others make their work's structure another (see step_cache.Structure)
-        flags = [algorithm.flags(group) for algorithm, group in zip(self.algorithms, self.groups)]
+        flags = [bound.algorithm.flags(bound.group) for bound in self.groups]
         increment, scales, _ = optimizer._grad_scales(work, found_inf, amp_scale, max_norm, eager=True)
         launches, drawn = [], {}
-        for (group, entry, grads), scale, algorithm, buckets, single, group_flags in zip(
-                work, scales, self.algorithms, self.runs, self.single, flags):
+        for (group, entry, grads), scale, bound, group_flags in zip(work, scales, self.groups, flags):
             if not entry.params:
                 continue
+            algorithm, buckets, single = bound.algorithm, bound.runs, bound.single
             args, per_tensor = optimizer._arguments(algorithm, group, entry, scale, increment, traced=False)
             stochastic, device = group["stochastic_rounding"], grads[0].device
             if stochastic and device not in drawn:
@@ -316,16 +324,16 @@ def _a_number(value):
     return isinstance(value, Real) or isinstance(value, (np.generic, np.ndarray)) and type(value.tolist()) is bool
 
 
-def norm_order(entries, positions):
+def norm_order(groups):
     """The order in which a bound step's native call adds its grads' squares for the clip: the tables'
-    tensors (numbered in the call's order: ``positions``, per group, per bucket, per table, each
-    table's positions in its group, None for all) in the order a checked step sums them, by group, then
-    by bucket (see ``StepPath._grad_scales``); empty where that is the tables' own order. (A Muon
+    tensors (numbered in the call's order: per :class:`BoundGroup` of ``groups``, per bucket, per table,
+    each table's positions in its group, None for all) in the order a checked step sums them, by group,
+    then by bucket (see ``StepPath._grad_scales``); empty where that is the tables' own order. (A Muon
     bucket's tables list its matrices by shape.)"""
-    rank = {(g, i): n for n, (g, i) in enumerate((g, i) for g, entry in enumerate(entries)
-                                                 for bucket, _ in entry.buckets for i in bucket)}
-    keys = [rank[g, i] for g, (entry, buckets) in enumerate(zip(entries, positions)) for tables in buckets
-            for taken_positions in tables for i in (range(len(entry.params)) if taken_positions is None
+    rank = {(g, i): n for n, (g, i) in enumerate((g, i) for g, bound in enumerate(groups)
+                                                 for plan in bound.entry.buckets for i in plan.indices)}
+    keys = [rank[g, i] for g, bound in enumerate(groups) for tables in bound.positions
+            for taken_positions in tables for i in (range(len(bound.entry.params)) if taken_positions is None
                                                     else taken_positions)]
     order = sorted(range(len(keys)), key=keys.__getitem__)
     return [] if order == list(range(len(order))) else order

@@ -134,23 +134,26 @@ def holds_any(value, types) -> bool:
 
 
 class BucketPlan:
-    """What the engines made of one bucket of a group's work, kept with it (and made anew with its
-    buckets when the states change): the fused kernel's tables and what it leaves to foreach
+    """One bucket of a group's work: its params' positions among the group's (``indices``), the process
+    group it reduces over (``reduce``: None for none), and what the engines made of it, kept with it (and
+    made anew with the work's buckets when the states change): the fused kernel's tables and what it leaves
+    to foreach
     (``kernel_split``: ``engines.fused.KernelSplit``), a traced step's split (``traced_split``:
     ``engines.step_op.TracedSplit``), the index of its params among the group's on the device
     (``owners``: the cut of per-param arguments), and what Muon's run keeps of it (``directions``: its
     direction buffers, ``sharded_params``: the DTensor params of a bucket whose matrices go whole to
     one owner rank, ``owner_exchange``: the plan of that exchange, ``distributed.OwnerExchange``)."""
 
-    def __init__(self):
+    def __init__(self, indices=None, reduce=None):
+        self.indices, self.reduce = indices, reduce
         self.kernel_split = self.traced_split = self.owners = None
         self.directions = self.sharded_params = self.owner_exchange = None
 
 
 class GroupWork:
     """What a step of one group needs of its params that have grads: the params, their (device,
-    dtype) buckets, their states and state tensors by role, what ``_prepare_states`` made of the
-    states (``context``) and what the engines made of each bucket (``bucket_plans``: :class:`BucketPlan`).
+    dtype) buckets (``buckets``: :class:`BucketPlan`, each with what the engines made of it), their states
+    and state tensors by role and what ``_prepare_states`` made of the states (``context``).
 
     It is reused while the params and their states pass :class:`Signature`'s rule: the same params
     have grads, the params' state dicts hold the very tensors it was built on under every key (a
@@ -167,11 +170,10 @@ class GroupWork:
         self.viewed_states = local_params is not params  # the states' engine_view differs from them
         # the per-tensor scalars (step sizes, bias corrections): float64 where a param's math is float64
         self.scalar_dtype = torch.float64 if any(p.dtype == torch.float64 for p in local_params) else torch.float32
-        self.buckets = [(bucket, None) for bucket in buckets(params)]
+        self.buckets = list(map(BucketPlan, buckets(params)))
         self.states = self.state_values = self.tensors = self.context = self.state_signature = None
         self.watched = self.originals = None  # see read_tensors
         self.seen = None  # the OptimizerState that held the states, and its change count then: see holds
-        self.bucket_plans = [BucketPlan() for _ in self.buckets]
         self.traced_scalars = None  # for a traced CPU step whose scalars an op computes: scalars.TracedScalars
         self.traced_reads = None  # for a traced step: its params' first-read marks (see PlanStore.first_reads)
 
@@ -223,10 +225,9 @@ class GroupWork:
         spanning = {i for i, (param, part) in enumerate(zip(self.params, partitions))
                     if part is not None and distributed.spans_shards(param, part)
                     or whole_tensors and distributed.is_dtensor(param)}
-        self.buckets = [(part, reduce) for bucket in buckets(self.params)
+        self.buckets = [BucketPlan(part, reduce) for bucket in buckets(self.params)
                         for part, reduce in (([i for i in bucket if i not in spanning], None),
                                              ([i for i in bucket if i in spanning], group)) if part]
-        self.bucket_plans = [BucketPlan() for _ in self.buckets]
 
     def read_tensors(self):
         """The tensors by role from the kept states, and the block maxima of the 8-bit ones."""
@@ -250,7 +251,7 @@ class GroupWork:
         work = GroupWork(self.structure, params, local_params)
         if not params:  # no grads in the group this step: nothing to update
             return work
-        work.states, work.context, work.bucket_plans = self.states, self.context, self.bucket_plans
+        work.states, work.context = self.states, self.context
         work.state_values, work.traced_scalars = self.state_values, self.traced_scalars
         work.traced_reads = self.traced_reads
         work.partitions, work.reduced_roles, work.buckets = self.partitions, self.reduced_roles, self.buckets

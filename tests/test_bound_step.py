@@ -232,7 +232,7 @@ def test_a_bound_step_with_bad_flags_on_its_second_table_changes_nothing():
         for p in ps:
             p.grad = torch.randn_like(p)
         opt.step()
-        run_tables, _, _ = opt._plans.bound.runs[0][0]
+        run_tables, _, _ = opt._plans.bound.groups[0].runs[0]
         tables.append((opt, run_tables.tables[0][2]))
         grads += [p.grad for p in ps]
         params += ps

@@ -368,7 +368,7 @@ def a_bound_call():
         patch.setattr(cpu_backend.StepCall, "run", lambda call, *args: calls.append((call, args)) or real(call, *args))
         opt.step()
     (call, args), = calls
-    run_tables, _, _ = opt._plans.bound.runs[0][0]
+    run_tables, _, _ = opt._plans.bound.groups[0].runs[0]
     return params[0], run_tables.tables[0][2], call, args
 
 
@@ -396,7 +396,7 @@ def test_a_call_refuses_a_norm_order_that_is_not_its_tensors_once_each(order):
     for param in params:
         param.grad = torch.ones(8)
     opt.step()
-    (tables, _, _), = opt._plans.bound.runs[0]
+    (tables, _, _), = opt._plans.bound.groups[0].runs
     (_, _, table, _), = tables.tables
     assert cpu_backend.StepCall([table], [False], [True], norm_order=[1, 0]).handle >= 0
     with pytest.raises(RuntimeError, match="norm_order must list each of the 2 tensors of its tables once"):

@@ -161,7 +161,7 @@ def test_the_tables_are_sent_once_and_again_only_when_a_grad_moves():
         for p, g in zip(params, grads):
             p.grad = g
         optimizer.step()
-        table = next(iter(optimizer._plans.current[0].bucket_plans[0].kernel_split.tables.tables))[2].pointers
+        table = next(iter(optimizer._plans.current[0].buckets[0].kernel_split.tables.tables))[2].pointers
         if step == 0:
             first_tables = table.on_device[2:]
     assert table.on_device[2] is first_tables[0] and table.on_device[3] is first_tables[1]
@@ -219,7 +219,7 @@ def test_unaligned_streams_take_the_masked_path():
     param.grad, reference.grad = grad.clone(), grad.clone()
     optimizer.step()
     loop.step()
-    table = optimizer._plans.current[0].bucket_plans[0].kernel_split.tables.tables[0][2].pointers
+    table = optimizer._plans.current[0].buckets[0].kernel_split.tables.tables[0][2].pointers
     assert not table.on_device[1][:, 5].any()
     assert_params_match_loop([param], [reference], torch.float32)
     assert storage[0] == 0

@@ -242,9 +242,9 @@ class Muon(FastOptimizer):
         # a sharded bucket's exchange is planned from its params' global shapes, which its plan's local
         # shards do not tell: its bucket plan (kept between steps, made anew with the buckets) holds them
         super()._use_new_states(group, entry, traced)
-        for index, (bucket, reduce_group) in enumerate(entry.buckets):
-            if reduce_group is not None:
-                entry.bucket_plans[index].sharded_params = [entry.params[i] for i in bucket]
+        for plan in entry.buckets:
+            if plan.reduce is not None:
+                plan.sharded_params = [entry.params[i] for i in plan.indices]
 
     def _check_group(self, group, max_grad_norm=None):
         super()._check_group(group, max_grad_norm)

@@ -145,7 +145,7 @@ class StepPath:
         if found_inf is not None and any(
                 entry.params and (eager and (entry.engine not in engines.FUSED or entry.states is None
                                              or not self._algorithm(group).spec.elementwise)
-                                  or any(reduce for _, reduce in entry.buckets)) for group, entry, _ in work):
+                                  or any(plan.reduce for plan in entry.buckets)) for group, entry, _ in work):
             if found_inf.item():
                 return
             found_inf = None
@@ -181,9 +181,9 @@ class StepPath:
         or None."""
         # each rank joins the reduction, grads or not
         clipped = max_norm > 0 and (self._reduce_group is not None or any(
-            bucket for _, entry, _ in work for bucket, _ in entry.buckets))
+            plan.indices for _, entry, _ in work for plan in entry.buckets))
         # in bucket order, the order every path sums the norm in (a bound step's native call takes them itself)
-        all_grads = [grads[i] for _, entry, grads in work for bucket, _ in entry.buckets for i in bucket
+        all_grads = [grads[i] for _, entry, grads in work for plan in entry.buckets for i in plan.indices
                      ] if clipped and not clip_in_step else None
         # official Adan takes eps for the clip from the last group; an algorithm without an eps (Lion),
         # torch's clip_grad_norm_'s, whatever keys its groups carry (or with no group left)
@@ -242,21 +242,21 @@ class StepPath:
                 self._hand_first_reads(plans, index, group, entry)
             fused = entry.engine in engines.FUSED and entry.params and algorithm.kernel_scalars is not None
             tensors = entry.tensors | {"grad": entry.viewed(grads)} if fused else None
-            for bucket_index, (bucket, _) in enumerate(entry.buckets):
+            for plan in entry.buckets:
+                bucket = plan.indices
                 if fused:
                     part = bucket_tensors(tensors, bucket)
                     absmax = pick(entry.absmax, bucket)
                     originals = [t for key, values in entry.state_values.items() for i in bucket
                                  if isinstance(t := values[i], Tensor) and (key in part or key.endswith(ABSMAX))]
-                    traced = entry.bucket_plans[bucket_index].traced_split = engines.step_op.split(
+                    traced = plan.traced_split = engines.step_op.split(
                         part, absmax, algorithm.spec, originals, functools.partial(_remade, entry, bucket),
                         entry.originals and pick(entry.originals, bucket),
                         entry.watched and [entry.watched[i] for i in bucket])
                     calls += [traced.call] if traced.call is not None else []
             # a CPU kernel that takes every tensor gets its scalars from an op (see scalars.py)
             kernel_takes_all = fused and algorithm.run is engines.run_bucket and all(
-                reduce is None and not entry.bucket_plans[i].traced_split.left
-                for i, (_, reduce) in enumerate(entry.buckets))
+                plan.reduce is None and not plan.traced_split.left for plan in entry.buckets)
             entry.traced_scalars = scalars.traced_scalars(algorithm, group, self.defaults) if (
                 kernel_takes_all and entry.params[0].device.type == "cpu") else None
         for call in calls:  # so that a step refused by one changes nothing, whichever op of the graph runs first
@@ -348,7 +348,8 @@ class StepPath:
                             rule="" if algorithm.rule is None else algorithm.rule[0],
                             counts=self._step_counts(group, entry).per_param(group, len(entry.params)),
                             traced=traced)
-        for index, (bucket, reduce_group) in enumerate(entry.buckets):
+        for bucket_plan in entry.buckets:
+            bucket = bucket_plan.indices
             whole_group = len(bucket) == len(entry.params)
             part = plan if whole_group else plan.subset(bucket)
             if op_scalars is not None:
@@ -358,8 +359,8 @@ class StepPath:
                     [] if reads is None else reads[1])
             if master.keeps_none(part.tensors):
                 part = part.without(master.KEY)
-            part.bucket = entry.bucket_plans[index]
-            algorithm.run(entry.engine, part, reduce_group)
+            part.bucket = bucket_plan
+            algorithm.run(entry.engine, part, bucket_plan.reduce)
         if reads is not None:  # a compiled step reads them again on every call, and a step that counts gave
             scalars.traced_mark_read(reads[0], increment, reads[1])  # every param its optional states
         if entry.context.first_reads is not None:  # for one eager step: then every param has its optional states
