@@ -326,6 +326,38 @@ def test_a_checkpoint_loads_after_amsgrad_was_turned_off_as_torchs_does(engine, 
             fresh.load_state_dict(saved)
 
 
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("cls, turned_on, state_bits", [
+    (fastoptim.AdamW, dict(amsgrad=True), 32), (fastoptim.AdamW, dict(amsgrad=True), 8),
+    (fastoptim.AdamWSN, dict(betas=(0.9, 0.999)), 32)])
+def test_a_checkpoint_loads_after_a_flag_added_a_state_that_a_param_without_grad_lacks(cls, turned_on, engine,
+                                                                                       state_bits):
+    """A flag turned on between steps (amsgrad; AdamWSN's β1 from 0) adds a state to the params a step
+    then takes; one without a grad that step keeps its state without it. Its own state dict loads
+    (helper-64: it was refused as another optimizer's), and the steps after the reload are those of
+    the run without it, where the step creates the missing state for that param as it found it."""
+    runs = []
+    for reload in (False, True):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(64, 80)), torch.nn.Parameter(torch.randn(5000))]  # 8-bit: 4096+
+        options = dict(betas=(0.0, 0.999)) if cls is fastoptim.AdamWSN else {}
+        opt = cls(params, lr=1e-2, state_bits=state_bits, **options, **ENGINES[engine])
+        for step in range(4):
+            if step == 1:
+                opt.param_groups[0].update(turned_on)
+            for index, param in enumerate(params):  # the second param has no grad at the step that turns it on
+                param.grad = None if step == 1 and index == 1 else torch.randn_like(param)
+            opt.step()
+            if step == 1 and reload:
+                saved = copy.deepcopy(opt.state_dict())
+                assert len(saved["state"][1]) < len(saved["state"][0])
+                opt.load_state_dict(saved)
+        runs.append(params)
+        if state_bits == 8:
+            assert opt.state[params[1]]["exp_avg"].dtype == torch.uint8
+    assert all(map(torch.equal, *runs))
+
+
 # --- 10. torch's keywords, tensor lr and betas, and stable state dicts ---------------------------
 
 def test_adamw_takes_torchs_keywords_with_the_values_that_mean_what_it_does():

@@ -169,7 +169,11 @@ class StateDicts:
         unused = {key for algorithm in self._algorithms() for key in (
             *(key for role in algorithm.spec.states for key in (role, role + ABSMAX)),
             *(("step",) if algorithm.counts == PER_PARAM else ()))} - set(expected)
-        missing = set(expected) - set(state) - spec.optional - {master.KEY}  # a step creates a remainder
+        # a step creates a remainder, and a state that a flag turned on since (amsgrad's maximum, AdamWSN's first
+        # moment once β1 > 0) for a param it found without it, as it does for one that had no grad since
+        conditional = {role.name for role in spec.roles if role.when is not None}
+        missing = {key for key in set(expected) - set(state) - spec.optional - {master.KEY}
+                   if key.removesuffix(ABSMAX) not in conditional or key.removesuffix(ABSMAX) in state}
         if set(state) - set(expected) - records - unused or missing:
             raise ValueError(
                 f"state of parameter {saved_id} has keys {sorted(state)}, but {type(self).__name__} "
