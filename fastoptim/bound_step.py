@@ -194,10 +194,10 @@ class BoundStep:
                 # before anything runs: what raises here (an option made invalid) must change nothing
                 finishing.append((group, bound.parts, *optimizer._arguments(bound.algorithm, group, entry, scale, 1,
                                                                             traced=False)))
-        if self.masters:  # a group's count the native call would hand to the checked step to refuse: not after
-            check_group_counts(optimizer, work)  # the remainders restart (a refused step changes nothing)
-        # what the user wrote of a param since restarts its remainders, once nothing left can refuse the step
-        writes = optimizer._restart_written(work, plans) if self.masters else None
+        # what the user wrote of a param since restarts its remainders, which a refused call puts back: the
+        # checked step that follows may refuse what native code did (a count, a sparse grad), changing nothing
+        restarted = []
+        writes = optimizer._restart_written(work, plans, restarted) if self.masters else None
         grads_in, values, flags, options = [], [], [], []  # per table, in the call's order; the rules' options
         drawn = {}  # per device a seed is drawn on, its generator's state before (see rng_state)
         for (group, entry, grads), scale, bound, group_numbers in zip(work, scales, self.groups, numbers):
@@ -231,6 +231,7 @@ class BoundStep:
             all_grads = grads_in[0] if len(grads_in) == 1 else [grad for grads in grads_in for grad in grads]
             if self.call.run(all_grads, values, flags, options, clip, amp_scale) != self.backend.STEPPED:
                 set_rng_states(drawn)
+                put_back(restarted)
                 return False
         for group, parts, args, per_tensor in finishing:  # the rest of the step of those whose kernels ran part
             for part in parts:
@@ -267,9 +268,11 @@ class BoundStep:
                     found_inf, stochastic, device)
                 tables.launch(algorithm.spec, grads if bucket is None else [grads[i] for i in bucket], ordered,
                               group_flags, stochastic, single, launches)
-        writes = optimizer._restart_written(work, plans) if self.masters else None
+        restarted = []
+        writes = optimizer._restart_written(work, plans, restarted) if self.masters else None
         if launches and not self.backend.run_launches(launches):
             set_rng_states(drawn)
+            put_back(restarted)
             return False
         optimizer._advance(work, increment, writes)
         return True
@@ -283,6 +286,13 @@ def check_group_counts(optimizer, work):
     for group, entry, _ in work:
         if entry.params and isinstance(group.get("step"), Tensor):
             optimizer._check_options(group, entry.params)
+
+
+def put_back(restarted):
+    """Give each master remainder that a refused step restarted (``restarted``: (remainder, what it held)
+    pairs) its values back."""
+    for remainder, held in restarted:
+        remainder.copy_(held)
 
 
 def rng_state(device):

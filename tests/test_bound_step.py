@@ -434,14 +434,27 @@ def test_a_count_of_an_adan_group_without_grads_written_in_place_is_refused_with
     assert torch.equal(params[0], before[0]) and torch.equal(opt.param_groups[0]["step"], before[1])
 
 
-def test_a_refused_bound_step_leaves_the_master_remainders_of_a_param_written_since():
-    """A bf16 param with master remainders, written in place, and another Adan group's count filled with 1.5:
-    the bound step restarted the written param's remainders, then its native call handed the count to the
-    checked step, which refused it (helper-63): the refusal left the remainders zeroed. Now the counts are
-    checked first, and the refused step changes nothing."""
-    params = [torch.nn.Parameter(torch.randn(64, generator=torch.Generator().manual_seed(i)).bfloat16())
+REFUSALS = {  # what the checked step refuses once the bound step's native call handed the step to it
+    "a count filled with 1.5": (lambda opt, params: opt.param_groups[1]["step"].fill_(1.5),
+                                ValueError, r"Invalid step: 1.5"),
+    "a sparse grad": (lambda opt, params: setattr(params[1], "grad", params[1].grad.to_sparse()),
+                      RuntimeError, "does not support sparse gradients"),
+}
+
+
+@pytest.mark.parametrize("clipped", [False, True])
+@pytest.mark.parametrize("cls, refusal", [(fastoptim.Adan, "a count filled with 1.5"), *(
+    (cls, "a sparse grad") for cls in (fastoptim.Adan, fastoptim.AdamW, fastoptim.Muon))])
+def test_a_refused_bound_step_leaves_the_master_remainders_of_a_param_written_since(cls, refusal, clipped):
+    """A bf16 param with master remainders, written in place, and in another group what native code refuses
+    and the checked step then refuses too: the bound step restarted the written param's remainders before
+    its native call, and the refusal left them zeroed (helper-63 with a count, helper-64 with a sparse grad).
+    Now a refused call puts them back, and the refused step changes nothing."""
+    write, error, message = REFUSALS[refusal]  # a count of its group's: official Adan's
+    params = [torch.nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(i)).bfloat16())
               for i in range(2)]
-    opt = fastoptim.Adan([{"params": params[:1]}, {"params": params[1:]}], lr=1e-2, master_bits=24, fused=True)
+    opt = cls([{"params": params[:1]}, {"params": params[1:]}], lr=1e-2, master_bits=24, fused=True,
+              max_grad_norm=1.0 if clipped else 0.0)
     for step in range(3):
         for param in params:
             param.grad = grad_for(param, step)
@@ -449,10 +462,10 @@ def test_a_refused_bound_step_leaves_the_master_remainders_of_a_param_written_si
     assert opt._plans.bound is not None
     with torch.no_grad():
         params[0].mul_(1.5)
-    opt.param_groups[1]["step"].fill_(1.5)
+    write(opt, params)
     before = {key: value.clone() for key, value in opt.state[params[0]].items()}
     assert before["master_remainder"].abs().sum() > 0
-    with pytest.raises(ValueError, match=r"Invalid step: 1.5"):
+    with pytest.raises(error, match=message):
         opt.step()
     assert all(torch.equal(opt.state[params[0]][key], value) for key, value in before.items())
 

@@ -156,10 +156,12 @@ class StepPath:
                                  key if whole_step else None)
         self._advance(work, increment, writes, whole_step, traced)
 
-    def _restart_written(self, work, plans):
+    def _restart_written(self, work, plans, undo=None):
         """Zero the master remainders of ``work``'s params written by anyone else since its steps wrote them
         (each starts again from the value written: master.Writes), but states assigned whole since; returns
-        the notes (``plans.writes``), or None where none keeps remainders (a compiled step's would trace)."""
+        the notes (``plans.writes``), or None where none keeps remainders (a compiled step's would trace).
+        ``undo``: a list that takes each remainder zeroed with a copy of what it held, for a step that
+        native code may yet refuse, which puts them back (``bound_step.put_back``)."""
         writes = plans.writes
         if writes is None:
             if all(entry.versions is None or not entry.versions.params for _, entry, _ in work):
@@ -168,7 +170,7 @@ class StepPath:
         writes.forget_assigned(self.state.assigned)
         for _, entry, _ in work:
             if entry.versions is not None:
-                self._restart_masters(writes.written(entry.versions))
+                self._restart_masters(writes.written(entry.versions), undo)
         return writes
 
     def _grad_scales(self, work, found_inf, amp_scale, max_norm, eager, clip_in_step=False):
@@ -432,12 +434,15 @@ class StepPath:
         plans.bound = None  # the next normal step is checked again
         self._apply([(group, *self._group_work(plans, key, group, params))], plans, whole_step=False)
 
-    def _restart_masters(self, params):
+    def _restart_masters(self, params, undo=None):
         """Zero the master remainders of ``params``, written by someone else since this optimizer's step
-        last wrote them, each to start again from the value written (see master.Writes)."""
+        last wrote them, each to start again from the value written (see master.Writes); ``undo``: see
+        :meth:`_restart_written`."""
         for param in params:
             remainder = self.state.get(param, {}).get(master.KEY)
             if remainder is not None:
+                if undo is not None:
+                    undo.append((remainder, remainder.clone()))
                 remainder.zero_()
 
     def _restart_written_masters(self):
