@@ -599,3 +599,27 @@ def test_a_param_without_a_grad_written_into_a_second_group_is_refused():
     opt.param_groups[0]["params"].append(params[2])
     with pytest.raises(ValueError, match="a parameter appears in more than one param group"):
         opt.step()
+
+
+@pytest.mark.parametrize("engine", ["foreach", "fused"])
+@pytest.mark.parametrize("value", [None, [0.0] * 7, 0.0])
+def test_a_state_set_to_no_tensor_between_steps_is_refused_by_name_with_nothing_changed(engine, value):
+    """A state of the second group's param set to what no step reads as a tensor (None, a list, a number):
+    refused naming the state before any group steps (helper-64: an AttributeError from inside the fused
+    engine), and the step goes on once the state is deleted, which the step makes anew."""
+    params = [torch.nn.Parameter(torch.randn(7, generator=torch.Generator().manual_seed(i))) for i in range(2)]
+    flags = dict(foreach=True, fused=engine == "fused")
+    opt = fastoptim.AdamW([{"params": params[:1]}, {"params": params[1:]}], lr=1e-2, **flags)
+    for step in range(2):
+        for param in params:
+            param.grad = torch.randn(7, generator=torch.Generator().manual_seed(10 + step))
+        opt.step()
+    opt.state[params[1]]["exp_avg"] = value
+    before = [param.detach().clone() for param in params], {k: v.clone() for k, v in opt.state[params[0]].items()}
+    with pytest.raises(RuntimeError, match=r"AdamW: state 'exp_avg' of a param of shape \(7,\) is .*not a tensor"):
+        opt.step()
+    assert all(map(torch.equal, params, before[0]))
+    assert all(torch.equal(opt.state[params[0]][key], held) for key, held in before[1].items())
+    del opt.state[params[1]]["exp_avg"]
+    opt.step()
+    assert torch.equal(opt.state[params[1]]["exp_avg"], params[1].grad * 0.1)
