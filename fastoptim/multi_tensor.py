@@ -126,12 +126,30 @@ def spans_disjoint(starts, nbytes):
     return bool((ends[order][:-1] <= starts[order][1:]).all())
 
 
+def _span_bytes(tensor):
+    """The bytes from ``tensor``'s first element to its last, as its strides reach (0 for no element)."""
+    if tensor.is_contiguous():
+        return tensor.nbytes
+    return tensor.element_size() * (1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()))
+                                    ) if tensor.numel() else 0
+
+
 def disjoint(tensors):
     """Whether no two of ``tensors`` share a byte of memory (each one's span, from its first element
     to its last, as its strides reach)."""
-    tensors = [t for t in tensors if t.numel()]
-    return spans_disjoint([t.data_ptr() for t in tensors], [t.element_size() * (1 + sum(
-        (n - 1) * s for n, s in zip(t.shape, t.stride()))) for t in tensors])
+    return spans_disjoint([t.data_ptr() for t in tensors], list(map(_span_bytes, tensors)))
+
+
+def overlapping(tensors):
+    """The pairs of positions (i, j), i < j, of ``tensors`` whose spans (see :func:`disjoint`) share a
+    byte: one sweep over the spans by their first bytes."""
+    pairs, reaching = [], []  # the spans seen whose ends lie past the next one's start: (end, position)
+    for start, nbytes, i in sorted((t.data_ptr(), _span_bytes(t), i) for i, t in enumerate(tensors)):
+        if nbytes:
+            reaching = [(end, j) for end, j in reaching if end > start]
+            pairs += [(min(i, j), max(i, j)) for _, j in reaching]
+            reaching.append((start + nbytes, i))
+    return pairs
 
 
 def chunk_plan(numels, layouts=None, chunk_numel=CHUNK_NUMEL, blocks=None, column_numel=CHUNK_NUMEL,

@@ -623,3 +623,56 @@ def test_a_state_set_to_no_tensor_between_steps_is_refused_by_name_with_nothing_
     del opt.state[params[1]]["exp_avg"]
     opt.step()
     assert torch.equal(opt.state[params[1]]["exp_avg"], params[1].grad * 0.1)
+
+
+def _set_state(param_index, key, to):
+    """A write of ``optimizer.state[params[param_index]][key]`` to what ``to(optimizer, params)`` gives."""
+    return lambda opt, params: opt.state[params[param_index]].__setitem__(key, to(opt, params))
+
+
+ALIASES = {  # a state written between steps as memory that a step also updates through another tensor
+    "its param": (_set_state(1, "exp_avg", lambda opt, params: params[1].detach()),
+                  r"state 'exp_avg' of a param of shape \(7,\) and its param share memory"),
+    "another state": (_set_state(1, "exp_avg_sq", lambda opt, params: opt.state[params[1]]["exp_avg"]),
+                      r"state 'exp_avg(_sq)?' of a param of shape \(7,\) and its 'exp_avg(_sq)?' share memory"),
+    "another param's state": (_set_state(1, "exp_avg", lambda opt, params: opt.state[params[0]]["exp_avg"]),
+                              r"state 'exp_avg' of a param of shape \(7,\) and state 'exp_avg' of a param"),
+}
+
+
+@pytest.mark.parametrize("engine", ["loop", "foreach", "fused"])
+@pytest.mark.parametrize("alias", ALIASES)
+def test_a_state_that_shares_memory_with_what_a_step_updates_is_refused_with_nothing_changed(alias, engine):
+    """The fused kernels read every element before they write any, the other engines in their ops' order
+    (torch's): a state that shares memory with its param or another state made them differ silently
+    (helper-64). Refused by name before anything changes; params that share memory step as before."""
+    params = [torch.nn.Parameter(torch.randn(7, generator=torch.Generator().manual_seed(n))) for n in range(2)]
+    flags = dict(foreach=engine != "loop", fused=engine == "fused")
+    opt = fastoptim.AdamW(params, lr=1e-2, **flags)
+    for step in range(2):
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(step))
+        opt.step()
+    write, message = ALIASES[alias]
+    write(opt, params)
+    before = [param.detach().clone() for param in params], [
+        {key: value.clone() for key, value in opt.state[param].items()} for param in params]
+    with pytest.raises(RuntimeError, match=message):
+        opt.step()
+    assert all(map(torch.equal, params, before[0]))
+    assert all(torch.equal(opt.state[param][key], held) for param, state in zip(params, before[1])
+               for key, held in state.items())
+
+
+def test_params_that_share_memory_step_as_before_on_foreach():
+    """Two params that overlap (not tied: two Parameters) are taken as before, in torch's ops' order."""
+    ours, theirs = ([torch.nn.Parameter(base[0:10]), torch.nn.Parameter(base[5:15])]
+                    for base in (torch.randn(20, generator=torch.Generator().manual_seed(0)) for _ in range(2)))
+    for params, opt in ((ours, fastoptim.AdamW(ours, lr=1e-2, foreach=True, fused=False)),
+                        (theirs, torch.optim.AdamW(theirs, lr=1e-2, foreach=True))):
+        for step in range(3):
+            for index, param in enumerate(params):
+                param.grad = torch.randn(10, generator=torch.Generator().manual_seed(10 * step + index))
+            opt.step()
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)

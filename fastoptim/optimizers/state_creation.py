@@ -9,9 +9,10 @@ import torch
 from torch import Tensor
 
 from .. import distributed
-from ..multi_tensor import FlatStates
+from ..multi_tensor import FlatStates, disjoint, overlapping
 from ..specs import ABSMAX
 from ..states import formats, master, subset_norm
+from ..step_cache import engine_view
 from .algorithm import PER_PARAM
 from .checks import is_step_count, one_value, step_count
 from .step_counts import StepCounts
@@ -106,6 +107,36 @@ class StateCreation:
         return {role: formats.for_state(param, algorithm.spec.role(role), one_value("state_bits", group["state_bits"]),
                                    partition)
                 for role in algorithm.spec.kept(algorithm.flags(group))}, partition
+
+    def _check_apart(self, params, local_params, states):
+        """Raise where a state that a step of ``params`` (``local_params``: what the engines update of them;
+        ``states``: their state dicts) updates shares memory with a param or another state (``state["exp_avg"] = p.detach()``,
+        ``state["exp_avg_sq"] = state["exp_avg"]``): the fused kernels read each element of them all before
+        they write any, the other engines in their ops' order, so such steps differ (torch's is its ops'
+        order). Params that share memory with each other step as they did. One sort of the spans where none
+        does, which the states made in flat buffers never do."""
+        view = engine_view if local_params is not params else None  # DTensors' or complex params' (step_cache)
+        tensors = []
+        for param, local, state in zip(params, local_params, states):
+            tensors.append((param, None, local))
+            for key, value in state.items():
+                if key != "step" and isinstance(value, Tensor):
+                    tensors.append((param, key, value if view is None else view(value)))
+        spans = [tensor for _, _, tensor in tensors]
+        if disjoint(spans):
+            return
+
+        def named(param, key):
+            shape = f"a param of shape {tuple(param.shape)}"
+            return shape if key is None else f"state {key!r} of {shape}"
+        for first, second in overlapping(spans):
+            (param, key, _), (other_param, other_key, _) = tensors[second], tensors[first]
+            if key is None and other_key is None:
+                continue
+            pair = (f"{named(param, key)} and its {'param' if other_key is None else repr(other_key)}"
+                    if other_param is param else f"{named(param, key)} and {named(other_param, other_key)}")
+            raise RuntimeError(f"{type(self).__name__}: {pair} share memory: a step updates each, so each state "
+                               "must own its memory; clone it, or clear it with optimizer.state[param].clear()")
 
     def _ensure_state(self, param, group, place=None):
         """The param's state with every role of the group present: missing ones are zeros in their

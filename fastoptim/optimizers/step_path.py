@@ -302,8 +302,10 @@ class StepPath:
         self._check_grads(local_params, grads, entry.signature)
         if not entry.holds(self.state):
             entry.states = None
-            for param in params:
-                self._check_state(param, self.state.get(param) or {}, group)
+            states = [self.state.get(param) or {} for param in params]
+            for param, state in zip(params, states):
+                self._check_state(param, state, group)
+            self._check_apart(params, local_params, states)
         return entry, grads
 
     def _check_grads(self, params, grads, signature=None):
