@@ -676,3 +676,32 @@ def test_params_that_share_memory_step_as_before_on_foreach():
             opt.step()
     for a, b in zip(ours, theirs):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("engine", ["loop", "foreach", "fused-single", "fused"])
+@pytest.mark.parametrize("when", ["first step", "after bound steps"])
+def test_a_grad_that_is_its_param_s_memory_is_refused_with_nothing_changed(when, engine):
+    """``param.grad = param.detach()``: the fused kernels read each grad element as they write the param's,
+    the other engines (and torch) decay the param first and read the grad after: they differed silently
+    (helper-64). Refused on every engine, the checked step's way and the bound step's native check."""
+    params = [torch.nn.Parameter(torch.randn(7, generator=torch.Generator().manual_seed(n))) for n in range(2)]
+    flags = dict(foreach=engine != "loop", fused=engine.startswith("fused"))
+    if engine == "fused-single":
+        flags["foreach"] = False
+    opt = fastoptim.AdamW(params, lr=1e-2, **flags)
+    for step in range(2 if when == "after bound steps" else 0):
+        for param in params:
+            param.grad = torch.randn(7, generator=torch.Generator().manual_seed(step))
+        opt.step()
+    assert (opt._plans.bound is not None) == (when == "after bound steps" and engine.startswith("fused"))
+    params[0].grad = torch.randn(7)
+    params[1].grad = params[1].detach()
+    before = [param.detach().clone() for param in params], [
+        {key: value.clone() for key, value in opt.state[param].items()} for param in params]
+    with pytest.raises(RuntimeError, match=r"AdamW: a gradient is its param's own memory \(param.grad = param\?\)"):
+        opt.step()
+    assert all(map(torch.equal, params, before[0]))
+    assert all(torch.equal(opt.state[param][key], held) for param, state in zip(params, before[1])
+               for key, held in state.items())
+    params[1].grad = params[1].detach().clone()  # memory of its own: it steps
+    opt.step()

@@ -200,9 +200,10 @@ bool walked_as(const Read &r, const Layout &param) {
 }
 
 // A grad fits its param when it has shim dtype ``dtype`` (the param's, unless its kernel reads grads of
-// its own format) and is walked as the param is, from ``pointer`` (0 for an empty one, which is never read).
+// its own format) and is walked as the param is, from ``pointer`` (0 for an empty one, which is never read),
+// and is not the param's own memory (``param.grad = param``), which the kernel would read as it writes it.
 bool fits(const Read &r, const Layout &param, int32_t dtype, int64_t *pointer) {
-    if (!r.readable || r.dtype != dtype || !walked_as(r, param)) return false;
+    if (!r.readable || r.dtype != dtype || !walked_as(r, param) || (!param.empty && r.data == param.data)) return false;
     *pointer = param.empty ? 0 : reinterpret_cast<int64_t>(r.data);
     return true;
 }

@@ -313,12 +313,16 @@ class StepPath:
         device (one device for the whole group). The fast test runs over all of them at once."""
         if (signature is not None and signature.one_device
                 and all(map(operator.is_, map(attrgetter("layout"), grads), repeat(torch.strided)))
-                and signature.matches(grads, SHAPE, DTYPE, DEVICE)):
+                and signature.matches(grads, SHAPE, DTYPE, DEVICE)
+                and not any(map(operator.eq, map(Tensor.data_ptr, grads), signature.values[Tensor.data_ptr]))):
             return
         name = type(self).__name__
         for param, grad in zip(params, grads):
             if grad.layout != torch.strided:
                 raise RuntimeError(f"{name} does not support sparse gradients")
+            if grad.numel() and grad.data_ptr() == param.data_ptr():
+                raise RuntimeError(f"{name}: a gradient is its param's own memory (param.grad = param?), which a step "
+                                   "reads as it writes the param: give the grad memory of its own (.clone())")
             if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
                 raise RuntimeError(
                     f"{name}: a gradient must match its parameter; got grad {grad.dtype} {tuple(grad.shape)} "
