@@ -176,7 +176,8 @@ def test_load_state_dict_mismatches_raise_without_partial_load(cls):
 @pytest.mark.parametrize("source, target", [
     (torch.optim.Adam, fastoptim.Adan), (fastoptim.AdamW, fastoptim.Adan), (fastoptim.Adan, fastoptim.AdamW),
     (torch.optim.SGD, fastoptim.AdamW), (fastoptim.Adan, fastoptim.Lion), (torch.optim.SGD, fastoptim.Lion),
-    (fastoptim.AdamW, fastoptim.Lion)])
+    (fastoptim.AdamW, fastoptim.Lion),
+    (fastoptim.RMSPropSN, fastoptim.AdamW)])  # no exp_avg in any state: AdamW keeps one always (helper-65)
 def test_state_dicts_of_other_optimizers_are_refused(source, target):
     params = oracle.make_params()
     options = dict(momentum=0.9) if source is torch.optim.SGD else {}
