@@ -40,6 +40,9 @@ class BoundGroup(NamedTuple):
     positions: list  # per bucket, per table, the positions of the group's grads it takes (None: all)
     single: bool  # the single-tensor fused engine: each table runs once per tensor
     flag_bits: int  # its kernels' flag bits but stochastic rounding's (its work's structure holds them)
+    # of a group of bound parts, whose tables pair no grad with its param: its params' data pointers then (-1
+    # for an empty one), which no grad may have (native code refuses a moved param); else None
+    param_pointers: list | None
 
 
 class BoundStep:
@@ -113,7 +116,8 @@ class BoundStep:
         groups = [BoundGroup(group, entry, algorithm, entry.buckets, group.get("step"), group_runs, group_parts,
                              [[taken(bucket, indices, index is None) for indices, index, _, _ in tables.tables]
                               for tables, bucket, _ in group_runs],
-                             entry.engine == engines.fused.SINGLE, algorithm.spec.flag_bits(algorithm.flags(group)))
+                             entry.engine == engines.fused.SINGLE, algorithm.spec.flag_bits(algorithm.flags(group)),
+                             None if group_parts is None else [p.data_ptr() if p.numel() else -1 for p in entry.params])
                   for algorithm, (group, entry, _), group_runs, group_parts in zip(algorithms, work, runs, parts)]
         return cls(groups, counts, backend)
 
@@ -142,6 +146,9 @@ class BoundStep:
                 return None
             if group.get("step") is not bound.count:  # a group's count (official Adan's) set anew: its tables
                 return None  # hold the last
+            if bound.param_pointers is not None and any(map(operator.eq, map(Tensor.data_ptr, grads),
+                                                            bound.param_pointers)):
+                return None  # a grad that is its param's memory, which the checked step refuses
             if not params and isinstance(bound.count, Tensor):
                 check_counted(group, params)
             work.append((group, entry, grads))

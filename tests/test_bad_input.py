@@ -681,25 +681,27 @@ def test_params_that_share_memory_step_as_before_on_foreach():
 
 @pytest.mark.parametrize("engine", ["loop", "foreach", "fused-single", "fused"])
 @pytest.mark.parametrize("when", ["first step", "after bound steps"])
-def test_a_grad_that_is_its_param_s_memory_is_refused_with_nothing_changed(when, engine):
+@pytest.mark.parametrize("cls, shape", [(fastoptim.AdamW, (7,)), (fastoptim.Muon, (7, 3))])
+def test_a_grad_that_is_its_param_s_memory_is_refused_with_nothing_changed(cls, shape, when, engine):
     """``param.grad = param.detach()``: the fused kernels read each grad element as they write the param's,
     the other engines (and torch) decay the param first and read the grad after: they differed silently
-    (helper-64). Refused on every engine, the checked step's way and the bound step's native check."""
-    params = [torch.nn.Parameter(torch.randn(7, generator=torch.Generator().manual_seed(n))) for n in range(2)]
+    (helper-64). Refused on every engine, the checked step's way, and the bound step's: its native check,
+    and for Muon, whose tables pair no grad with its param, by the params' pointers (helper-65)."""
+    params = [torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(n))) for n in range(2)]
     flags = dict(foreach=engine != "loop", fused=engine.startswith("fused"))
     if engine == "fused-single":
         flags["foreach"] = False
-    opt = fastoptim.AdamW(params, lr=1e-2, **flags)
+    opt = cls(params, lr=1e-2, **flags)
     for step in range(2 if when == "after bound steps" else 0):
         for param in params:
-            param.grad = torch.randn(7, generator=torch.Generator().manual_seed(step))
+            param.grad = torch.randn(shape, generator=torch.Generator().manual_seed(step))
         opt.step()
     assert (opt._plans.bound is not None) == (when == "after bound steps" and engine.startswith("fused"))
-    params[0].grad = torch.randn(7)
+    params[0].grad = torch.randn(shape)
     params[1].grad = params[1].detach()
     before = [param.detach().clone() for param in params], [
         {key: value.clone() for key, value in opt.state[param].items()} for param in params]
-    with pytest.raises(RuntimeError, match=r"AdamW: a gradient is its param's own memory \(param.grad = param\?\)"):
+    with pytest.raises(RuntimeError, match=rf"{cls.__name__}: a gradient is its param.s own memory"):
         opt.step()
     assert all(map(torch.equal, params, before[0]))
     assert all(torch.equal(opt.state[param][key], held) for param, state in zip(params, before[1])
