@@ -642,14 +642,17 @@ ALIASES = {  # a state written between steps as memory that a step also updates 
 
 
 @pytest.mark.parametrize("engine", ["loop", "foreach", "fused"])
+@pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("alias", ALIASES)
-def test_a_state_that_shares_memory_with_what_a_step_updates_is_refused_with_nothing_changed(alias, engine):
+def test_a_state_that_shares_memory_with_what_a_step_updates_is_refused_with_nothing_changed(alias, groups, engine):
     """The fused kernels read every element before they write any, the other engines in their ops' order
     (torch's): a state that shares memory with its param or another state made them differ silently
-    (helper-64). Refused by name before anything changes; params that share memory step as before."""
+    (helper-64). Refused by name before anything changes, in one group or across two (helper-65); params
+    that share memory step as before."""
     params = [torch.nn.Parameter(torch.randn(7, generator=torch.Generator().manual_seed(n))) for n in range(2)]
     flags = dict(foreach=engine != "loop", fused=engine == "fused")
-    opt = fastoptim.AdamW(params, lr=1e-2, **flags)
+    opt = fastoptim.AdamW([{"params": params[:1]}, {"params": params[1:]}] if groups == 2 else params, lr=1e-2,
+                          **flags)
     for step in range(2):
         for param in params:
             param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(step))

@@ -414,6 +414,24 @@ def test_a_sparse_grad_in_a_compiled_step_raises_the_eager_error_and_changes_not
     assert all(torch.equal(a, b) for a, b in zip(params, before)) and not any(opt.state.values())
 
 
+def test_a_grad_that_is_its_param_s_memory_in_a_compiled_fused_step_is_refused_by_the_op_with_nothing_changed():
+    """The compiled graph's op checks its grads as the eager step does (helper-65: its fused kernel refused
+    the tables without saying why). (A compiled foreach step's ops are torch's: they take it.)"""
+    params = model_params()
+    opt = fastoptim.AdamW(params, lr=1e-2, fused=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(opt.step)  # inductor hands the op the grads themselves (aot_eager, copies)
+    for step in range(2):
+        set_grads(params, step)
+        compiled()
+    params[1].grad = params[1].detach()
+    before = [p.detach().clone() for p in params], [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    with pytest.raises(ValueError, match=r"grad\[\d+\] is its param's own memory"):
+        compiled()
+    assert all(map(torch.equal, params, before[0]))
+    assert all(torch.equal(opt.state[p][k], v) for p, state in zip(params, before[1]) for k, v in state.items())
+
+
 def test_adan_loaded_without_a_step_count_compiles_to_one_graph():
     """Official Adan saves no 'step' before its first step: the load makes it, so that the
     compiled step finds it rather than creating it (which would trace a second graph)."""

@@ -299,12 +299,16 @@ def _check_op_scalars(op, spec, scalars, flag_bits, n_params, device):
 
 
 def _check_op_grads(op, param, grad):
-    """Raise a ValueError if a grad is not a dense tensor of its param's shape, dtype and device."""
+    """Raise a ValueError if a grad is not a dense tensor of its param's shape, dtype and device, or is
+    its param's own memory (the kernel would read it as it writes the param)."""
     for i, (p, g) in enumerate(zip(param, grad)):
         if g.layout != torch.strided or g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
             raise ValueError(f"{op}: grad[{i}] must be a strided tensor of its param's shape, dtype and device "
                              f"({p.dtype} {tuple(p.shape)} on {p.device}); got {g.layout} {g.dtype} "
                              f"{tuple(g.shape)} on {g.device}")
+        if g.numel() and g.data_ptr() == p.data_ptr():
+            raise ValueError(f"{op}: grad[{i}] is its param's own memory (param.grad = param?): give the grad "
+                             "memory of its own (.clone())")
 
 
 def _check_op_states(op, spec, flags, tensors, absmax):

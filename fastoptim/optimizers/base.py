@@ -298,6 +298,7 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
         if flat_params.GRAD_BUFFERS:
             flat_params.drop_frozen_grads(self.param_groups)
         work = [(group, *self._group_work(plans, index, group)) for index, group in enumerate(self.param_groups)]
+        self._check_apart([entry for _, entry, _ in work])
         self._apply(work, plans)
         # not where the step reduces over ranks: a step run again would reduce twice on this rank alone
         plans.bound = None if self._reduce_group is not None else BoundStep.of(

@@ -108,20 +108,24 @@ class StateCreation:
                                    partition)
                 for role in algorithm.spec.kept(algorithm.flags(group))}, partition
 
-    def _check_apart(self, params, local_params, states):
-        """Raise where a state that a step of ``params`` (``local_params``: what the engines update of them;
-        ``states``: their state dicts) updates shares memory with a param or another state (``state["exp_avg"] = p.detach()``,
+    def _check_apart(self, works):
+        """Raise where a state that a step of ``works`` (a GroupWork per group, checked) updates shares memory
+        with a param or another state, of any group (``state["exp_avg"] = p.detach()``,
         ``state["exp_avg_sq"] = state["exp_avg"]``): the fused kernels read each element of them all before
         they write any, the other engines in their ops' order, so such steps differ (torch's is its ops'
-        order). Params that share memory with each other step as they did. One sort of the spans where none
-        does, which the states made in flat buffers never do."""
-        view = engine_view if local_params is not params else None  # DTensors' or complex params' (step_cache)
+        order). Params that share memory with each other step as they did. Only where a group takes its
+        states again (``GroupWork.holds`` failed: a work whose states were not written holds them); then one
+        sort of all the spans, which the states made in flat buffers never share."""
+        if all(entry.states is not None or not entry.params for entry in works):
+            return
         tensors = []
-        for param, local, state in zip(params, local_params, states):
-            tensors.append((param, None, local))
-            for key, value in state.items():
-                if key != "step" and isinstance(value, Tensor):
-                    tensors.append((param, key, value if view is None else view(value)))
+        for entry in works:
+            view = engine_view if entry.viewed_states else None  # DTensors' or complex params' (step_cache)
+            for param, local in zip(entry.params, entry.local_params):
+                tensors.append((param, None, local))
+                for key, value in (self.state.get(param) or {}).items():
+                    if key != "step" and isinstance(value, Tensor):
+                        tensors.append((param, key, value if view is None else view(value)))
         spans = [tensor for _, _, tensor in tensors]
         if disjoint(spans):
             return

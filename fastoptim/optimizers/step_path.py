@@ -230,6 +230,7 @@ class StepPath:
         own_counts(self.state.values())
         calls = []  # the step ops' prepared calls, each of which checks the others before it runs (see refuse)
         works = [self._group_work(plans, index, group) for index, group in enumerate(self.param_groups)]
+        self._check_apart([entry for entry, _ in works])
         for entry, _ in works:  # every group, before any states are made
             if entry.structure.writable:  # a graph reads no value that decides what it does
                 raise ValueError(f"Invalid {', '.join(entry.structure.writable)}: a tensor holds what decides the "
@@ -302,10 +303,8 @@ class StepPath:
         self._check_grads(local_params, grads, entry.signature)
         if not entry.holds(self.state):
             entry.states = None
-            states = [self.state.get(param) or {} for param in params]
-            for param, state in zip(params, states):
-                self._check_state(param, state, group)
-            self._check_apart(params, local_params, states)
+            for param in params:
+                self._check_state(param, self.state.get(param) or {}, group)
         return entry, grads
 
     def _check_grads(self, params, grads, signature=None):
@@ -438,7 +437,9 @@ class StepPath:
         per-group count advances at ``step()``."""
         plans, group = self._plans, self.param_groups[group_index]
         plans.bound = None  # the next normal step is checked again
-        self._apply([(group, *self._group_work(plans, key, group, params))], plans, whole_step=False)
+        work = [(group, *self._group_work(plans, key, group, params))]
+        self._check_apart([entry for _, entry, _ in work])
+        self._apply(work, plans, whole_step=False)
 
     def _restart_masters(self, params, undo=None):
         """Zero the master remainders of ``params``, written by someone else since this optimizer's step
