@@ -146,8 +146,13 @@ class BoundStep:
                 return None
             if group.get("step") is not bound.count:  # a group's count (official Adan's) set anew: its tables
                 return None  # hold the last
-            if bound.param_pointers is not None and not apart(grads, bound.param_pointers):
-                return None  # a grad that is its param's memory, which the checked step refuses
+            if bound.param_pointers is not None:  # inline: Muon's step stays within issue 51's Python calls
+                try:
+                    aliased = any(map(operator.eq, map(Tensor.data_ptr, grads), bound.param_pointers))
+                except RuntimeError:  # a grad with no pointer to read (a sparse one), which the checked step names
+                    aliased = True
+                if aliased:  # a grad that is its param's memory, which the checked step refuses
+                    return None
             if not params and isinstance(bound.count, Tensor):
                 check_counted(group, params)
             work.append((group, entry, grads))
@@ -292,15 +297,6 @@ def check_group_counts(optimizer, work):
     for group, entry, _ in work:
         if entry.params and isinstance(group.get("step"), Tensor):
             optimizer._check_options(group, entry.params)
-
-
-def apart(grads, pointers):
-    """Whether no grad of ``grads`` has its param's data pointer (``pointers``); False where one has no
-    pointer to read (a sparse grad), which the checked step names."""
-    try:
-        return not any(map(operator.eq, map(Tensor.data_ptr, grads), pointers))
-    except RuntimeError:
-        return False
 
 
 def put_back(restarted):
