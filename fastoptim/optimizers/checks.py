@@ -4,8 +4,11 @@ import functools
 import inspect
 import math
 import numbers
+import operator
 import sys
 import types
+from itertools import repeat
+from operator import attrgetter
 
 import numpy as np
 import torch
@@ -13,6 +16,7 @@ from torch import Tensor
 
 from .. import distributed
 from ..states import master, subset_norm
+from ..step_cache import DEVICE, DTYPE, SHAPE
 
 
 def normalize_betas(group):
@@ -313,3 +317,35 @@ def plain_options(group: dict, keys) -> None:
             group[key] = held._make(value) if hasattr(held, "_make") else tuple(value)
         else:
             group[key] = value
+
+
+def check_grads(name: str, params: list, grads: list, signature=None) -> None:
+    """Raise a RuntimeError if a gradient is sparse, is its param's own memory (``param.grad = param``:
+    the fused kernels would read it as they write the param) or does not match its param: the same
+    shape, dtype and device (one device for the whole group). The fast test runs over all of them at
+    once, against the params' ``signature`` (``step_cache.Signature``) where there is one.
+
+    Args:
+        name: the optimizer's class name, which the messages begin with.
+        params: the params with grads, as the engines update them.
+        grads: their grads, alike.
+        signature: the params' layouts when their step work was made, or None.
+    """
+    if (signature is not None and signature.one_device
+            and all(map(operator.is_, map(attrgetter("layout"), grads), repeat(torch.strided)))
+            and signature.matches(grads, SHAPE, DTYPE, DEVICE)
+            and not any(map(operator.eq, map(Tensor.data_ptr, grads), signature.values[Tensor.data_ptr]))):
+        return
+    for param, grad in zip(params, grads):
+        if grad.layout != torch.strided:
+            raise RuntimeError(f"{name} does not support sparse gradients")
+        if grad.numel() and grad.data_ptr() == param.data_ptr():
+            raise RuntimeError(f"{name}: a gradient is its param's own memory (param.grad = param?), which a step "
+                               "reads as it writes the param: give the grad memory of its own (.clone())")
+        if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
+            raise RuntimeError(
+                f"{name}: a gradient must match its parameter; got grad {grad.dtype} {tuple(grad.shape)} "
+                f"on {grad.device} for param {param.dtype} {tuple(param.shape)} on {param.device}")
+    devices = {param.device for param in params}
+    if len(devices) > 1:
+        raise RuntimeError(f"{name}: all params of a group must be on one device, got {sorted(map(str, devices))}")

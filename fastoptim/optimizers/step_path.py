@@ -4,10 +4,7 @@ found in the optimizer's plan store or made (and checked), the step's scalars an
 plan handed to its engine, and the traced step's preparation. Its other half (base.py) is the
 torch.optim contract and the states' creation."""
 import functools
-import operator
 import weakref
-from itertools import repeat
-from operator import attrgetter
 
 import torch
 from torch import Tensor
@@ -17,7 +14,7 @@ from ..clip import CLIP_EPS, clip_backend, clip_coefficient
 from ..multi_tensor import pick
 from ..specs import ABSMAX
 from ..states import master
-from ..step_cache import DEVICE, DTYPE, SHAPE, GroupStructure, PlanStore, engine_view
+from ..step_cache import GroupStructure, PlanStore, engine_view
 from . import checks, scalars
 from .algorithm import PER_GROUP, StepInputs
 from .checks import check_in_one_group, check_params, check_tensor_lr, flag_value, one_value
@@ -300,35 +297,12 @@ class StepPath:
         if fresh:  # a param's storage may have changed since it was added, or the param gone into another group
             check_params(params, type(self).__name__)
             check_in_one_group(group, self.param_groups, type(self).__name__)
-        self._check_grads(local_params, grads, entry.signature)
+        checks.check_grads(type(self).__name__, local_params, grads, entry.signature)
         if not entry.holds(self.state):
             entry.states = None
             for param in params:
                 self._check_state(param, self.state.get(param) or {}, group)
         return entry, grads
-
-    def _check_grads(self, params, grads, signature=None):
-        """Raise if a gradient is sparse or does not match its parameter: the same shape, dtype and
-        device (one device for the whole group). The fast test runs over all of them at once."""
-        if (signature is not None and signature.one_device
-                and all(map(operator.is_, map(attrgetter("layout"), grads), repeat(torch.strided)))
-                and signature.matches(grads, SHAPE, DTYPE, DEVICE)
-                and not any(map(operator.eq, map(Tensor.data_ptr, grads), signature.values[Tensor.data_ptr]))):
-            return
-        name = type(self).__name__
-        for param, grad in zip(params, grads):
-            if grad.layout != torch.strided:
-                raise RuntimeError(f"{name} does not support sparse gradients")
-            if grad.numel() and grad.data_ptr() == param.data_ptr():
-                raise RuntimeError(f"{name}: a gradient is its param's own memory (param.grad = param?), which a step "
-                                   "reads as it writes the param: give the grad memory of its own (.clone())")
-            if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
-                raise RuntimeError(
-                    f"{name}: a gradient must match its parameter; got grad {grad.dtype} {tuple(grad.shape)} "
-                    f"on {grad.device} for param {param.dtype} {tuple(param.shape)} on {param.device}")
-        devices = {param.device for param in params}
-        if len(devices) > 1:
-            raise RuntimeError(f"{name}: all params of a group must be on one device, got {sorted(map(str, devices))}")
 
     def _step_group(self, group, entry, grads, grad_scale, found_inf, increment, traced, key=None):
         """Step ``group``'s params with grads (``entry``: their work; ``key``: the group's in the plan store,
