@@ -327,15 +327,16 @@ def test_a_checkpoint_loads_after_amsgrad_was_turned_off_as_torchs_does(engine, 
 
 
 @pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("saved", ["after a step without one param's grad", "before a step since"])
 @pytest.mark.parametrize("cls, turned_on, state_bits", [
     (fastoptim.AdamW, dict(amsgrad=True), 32), (fastoptim.AdamW, dict(amsgrad=True), 8),
     (fastoptim.AdamWSN, dict(betas=(0.9, 0.999)), 32)])
-def test_a_checkpoint_loads_after_a_flag_added_a_state_that_a_param_without_grad_lacks(cls, turned_on, engine,
-                                                                                       state_bits):
-    """A flag turned on between steps (amsgrad; AdamWSN's β1 from 0) adds a state to the params a step
-    then takes; one without a grad that step keeps its state without it. Its own state dict loads
-    (helper-64: it was refused as another optimizer's), and the steps after the reload are those of
-    the run without it, where the step creates the missing state for that param as it found it."""
+def test_a_checkpoint_loads_after_a_flag_added_a_state_that_a_param_lacks(cls, turned_on, state_bits, saved, engine):
+    """A flag that an option turns on between steps (amsgrad; AdamWSN's β1 from 0) adds a state to the params a
+    step then takes: one without a grad that step, or every param where the save comes before any step
+    since, keeps its state without it. Its own state dict loads (helper-64, helper-66: it was refused as
+    another optimizer's), and the steps after the reload are those of the run without it, where the step
+    creates the missing state for each param as it found it."""
     runs = []
     for reload in (False, True):
         torch.manual_seed(0)
@@ -345,17 +346,30 @@ def test_a_checkpoint_loads_after_a_flag_added_a_state_that_a_param_without_grad
         for step in range(4):
             if step == 1:
                 opt.param_groups[0].update(turned_on)
+                if reload and saved == "before a step since":
+                    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
             for index, param in enumerate(params):  # the second param has no grad at the step that turns it on
                 param.grad = None if step == 1 and index == 1 else torch.randn_like(param)
             opt.step()
-            if step == 1 and reload:
-                saved = copy.deepcopy(opt.state_dict())
-                assert len(saved["state"][1]) < len(saved["state"][0])
-                opt.load_state_dict(saved)
+            if step == 1 and reload and saved != "before a step since":
+                state_dict = copy.deepcopy(opt.state_dict())
+                assert len(state_dict["state"][1]) < len(state_dict["state"][0])
+                opt.load_state_dict(state_dict)
         runs.append(params)
         if state_bits == 8:
             assert opt.state[params[1]]["exp_avg"].dtype == torch.uint8
     assert all(map(torch.equal, *runs))
+
+
+def test_a_state_that_an_algorithm_always_keeps_is_not_taken_as_missing_on_load():
+    """AdamW keeps a first moment whatever its options (its flag is fixed): a state dict with a param's
+    ``exp_avg`` missing is another optimizer's, as torch's step would fail on it (helper-66)."""
+    params, optimizer = make(fastoptim.AdamW)
+    run(optimizer, params)
+    saved = copy.deepcopy(optimizer.state_dict())
+    del saved["state"][1]["exp_avg"]
+    with pytest.raises(ValueError, match="another optimizer"):
+        fastoptim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in params], lr=1e-2).load_state_dict(saved)
 
 
 # --- 10. torch's keywords, tensor lr and betas, and stable state dicts ---------------------------

@@ -199,6 +199,19 @@ def test_a_bucket_whose_params_got_no_grad_is_stepped_by_step():
     assert opt.param_groups[0]["step"] == plain.param_groups[0]["step"] == 3
 
 
+def test_a_state_shared_across_two_released_buckets_is_refused_by_name():
+    """A state set to another param's, where the two params step in separate released buckets (one param
+    each): refused as the normal step refuses it (helper-66: each bucket's step checked its own params
+    alone). As any state a released bucket refuses, it surfaces from backward."""
+    released = model()
+    opt = fastoptim.AdamW(released.parameters(), lr=1e-2)
+    opt.enable_gradient_release(bucket_numel=1)
+    train(released, opt, steps=2)
+    opt.state[released[0].bias]["exp_avg"] = opt.state[released[2].bias]["exp_avg"]  # both (24,)
+    with pytest.raises(RuntimeError, match=r"state 'exp_avg' of a param of shape \(24,\) and state 'exp_avg' of"):
+        train(released, opt, steps=1)
+
+
 def test_remove_turns_release_off():
     normal, released = model(), model()
     plain, opt = fastoptim.AdamW(normal.parameters(), lr=1e-2), fastoptim.AdamW(released.parameters(), lr=1e-2)

@@ -91,7 +91,8 @@ def adamw_kernel_scalars(args: dict) -> dict:
 
 
 ADAMW = Algorithm(SPEC, adamw_update, adamw_arguments, adamw_kernel_scalars,
-                  flags=lambda group: dict(amsgrad=group["amsgrad"], first_moment=True), counts=PER_PARAM,
+                  fixed_flags=dict(first_moment=True), option_flags=lambda group: dict(amsgrad=group["amsgrad"]),
+                  counts=PER_PARAM,
                   rule=("adamw", ("lr", "betas", "eps", "weight_decay")))
 
 

@@ -29,7 +29,8 @@ def adamwsn_arguments(group: dict, inputs: StepInputs) -> tuple[dict, set[str]]:
 
 # AdamW's kernel family, with no bias correction inside the root and no first moment where β1 = 0
 ADAMWSN = ADAMW._replace(arguments=adamwsn_arguments,
-                         flags=lambda group: dict(amsgrad=False, first_moment=group["betas"][0] != 0),
+                         fixed_flags=dict(amsgrad=False),
+                         option_flags=lambda group: dict(first_moment=group["betas"][0] != 0),
                          rule=("adamwsn", ("lr", "betas", "eps", "weight_decay", "correct_bias")))
 
 

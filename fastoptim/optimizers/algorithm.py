@@ -2,7 +2,8 @@
 base class (fastoptim.optimizers.base) reads it to create the states, count the steps, compute each
 step's arguments and hand the engines their plan. An optimizer class adds its signature, its
 defaults and the checks of its own options."""
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 import torch
@@ -47,7 +48,7 @@ class StepInputs(NamedTuple):
 
 
 def no_flags(group: dict) -> dict:
-    """The feature flags of an algorithm whose spec declares none."""
+    """The feature flags that the options of an algorithm's groups set where they set none."""
     return {}
 
 
@@ -61,7 +62,8 @@ class Algorithm(NamedTuple):
     a :class:`StepInputs`, and the names of those that hold one value per param.
     ``kernel_scalars(args)``: those arguments as its fused kernels take them (by the spec's scalar
     names); None: its fused engines run it on foreach.
-    ``flags(group)``: the spec's feature flags (name: bool) that a group's options set.
+    ``fixed_flags``: the spec's feature flags (name: bool) that no option of its groups sets;
+    ``option_flags(group)``: the others, as a group's options set them (see :meth:`flags`).
     ``counts``: where it counts steps: ``PER_PARAM``, ``PER_GROUP`` or None.
     ``param_factors(group, param)``: a number per param that its arguments read, computed when the
     params' states change rather than every step (Muon's lr factor of a matrix's shape); None.
@@ -86,7 +88,8 @@ class Algorithm(NamedTuple):
     update: Callable
     arguments: Callable[[dict, StepInputs], tuple[dict, Collection[str]]]
     kernel_scalars: Callable[[dict], dict] | None = None
-    flags: Callable[[dict], dict] = no_flags
+    fixed_flags: Mapping = MappingProxyType({})
+    option_flags: Callable[[dict], dict] = no_flags
     counts: str | None = None
     param_factors: Callable[[dict, Tensor], float] | None = None
     factor_options: tuple[str, ...] = ()
@@ -94,3 +97,11 @@ class Algorithm(NamedTuple):
     run: Callable = engines.run_bucket
     rule: tuple[str, tuple[str, ...]] | None = None
     bound_part: Callable | None = None
+
+    def flags(self, group: dict) -> dict:
+        """The spec's feature flags (name: bool) under ``group``'s options: the fixed ones and the options'.
+
+        Args:
+            group: the param group whose options set them.
+        """
+        return {**self.fixed_flags, **self.option_flags(group)}

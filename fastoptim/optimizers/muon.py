@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from .adamw import ADAMW
-from .algorithm import Algorithm, StepInputs
+from .algorithm import Algorithm, StepInputs, no_flags
 from .base import FastOptimizer
 from .checks import check_number, one_value
 from .muon_parts import (SPEC, bound_momentum, iterations, matrix_shape, muon_apply, muon_momentum,
@@ -114,7 +114,7 @@ def muon_arguments(group: dict, inputs: StepInputs) -> tuple[dict, set[str]]:
 MUON = Algorithm(SPEC, muon_update, muon_arguments, param_factors=lr_factor,
                  factor_options=("adjust_lr_fn", "flatten", "split_sizes", "num_heads"),
                  run=run_muon_bucket, bound_part=bound_momentum)
-COMPANIONS = ADAMW._replace(flags=lambda group: dict(amsgrad=False, first_moment=True))  # use_muon=False groups
+COMPANIONS = ADAMW._replace(fixed_flags=dict(amsgrad=False, first_moment=True), option_flags=no_flags)  # AdamW's
 
 
 def eps_apart(group: dict) -> bool:

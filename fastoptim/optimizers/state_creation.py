@@ -108,9 +108,10 @@ class StateCreation:
                                    partition)
                 for role in algorithm.spec.kept(algorithm.flags(group))}, partition
 
-    def _check_apart(self, works):
+    def _check_apart(self, works, others=()):
         """Raise where a state that a step of ``works`` (a GroupWork per group, checked) updates shares memory
-        with a param or another state, of any group (``state["exp_avg"] = p.detach()``,
+        with a param or another state, of any group or of the works ``others`` (the other released buckets'
+        of a released bucket's step) (``state["exp_avg"] = p.detach()``,
         ``state["exp_avg_sq"] = state["exp_avg"]``): the fused kernels read each element of them all before
         they write any, the other engines in their ops' order, so such steps differ (torch's is its ops'
         order). Params that share memory with each other step as they did. Only where a group takes its
@@ -118,10 +119,13 @@ class StateCreation:
         sort of all the spans, which the states made in flat buffers never share."""
         if all(entry.states is not None or not entry.params for entry in works):
             return
-        tensors = []
-        for entry in works:
+        tensors, seen = [], set()  # a param of two works (a group's and a released bucket's) is listed once
+        for entry in (*works, *others):
             view = engine_view if entry.viewed_states else None  # DTensors' or complex params' (step_cache)
             for param, local in zip(entry.params, entry.local_params):
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
                 tensors.append((param, None, local))
                 for key, value in (self.state.get(param) or {}).items():
                     if key != "step" and isinstance(value, Tensor):

@@ -127,12 +127,9 @@ class StateDicts:
                 n_betas = self._algorithm(merged).n_betas
                 raise ValueError(f"loaded param group {index}: {error}. Is it a state dict of another "
                                  f"optimizer? {type(self).__name__} expects {n_betas} betas.") from None
-            # the keys of the group's saved states: a flag's state that one has was made by this algorithm
-            in_group = {key for saved_id in saved["params"] for key in state_dict["state"].get(saved_id) or ()}
             for saved_id, param in zip(saved["params"], group["params"]):
                 if state_dict["state"].get(saved_id):
-                    new_state[param] = self._load_state(dict(state_dict["state"][saved_id]), merged, param, saved_id,
-                                                        in_group)
+                    new_state[param] = self._load_state(dict(state_dict["state"][saved_id]), merged, param, saved_id)
                 elif saved_id in state_dict["state"]:  # a state cleared by hand: the next step makes it anew
                     new_state[param] = {}
             new_groups.append(merged)
@@ -147,14 +144,15 @@ class StateDicts:
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
-    def _load_state(self, state, group, param, saved_id, in_group):
+    def _load_state(self, state, group, param, saved_id):
         """One saved per-parameter state, checked and converted into this optimizer's formats, on
-        ``param``'s device; ``in_group``: the keys of its group's saved states."""
+        ``param``'s device."""
         try:
             subset_norm.check_record(param.shape, state)
         except ValueError as error:
             raise ValueError(f"state of parameter {saved_id}: {error}") from None
-        spec = self._algorithm(group).spec
+        algorithm = self._algorithm(group)
+        spec = algorithm.spec
         for role, state_format in self._formats(group, param, state)[0].items():  # into this optimizer's formats
             if role in state:
                 try:
@@ -172,11 +170,10 @@ class StateDicts:
         unused = {key for algorithm in self._algorithms() for key in (
             *(key for role in algorithm.spec.states for key in (role, role + ABSMAX)),
             *(("step",) if algorithm.counts == PER_PARAM else ()))} - set(expected)
-        # a step creates a remainder, and a state that a flag turned on since (amsgrad's maximum, AdamWSN's first
-        # moment once β1 > 0) for a param it found without it, as it does for one that had no grad since: where
-        # another param of the group has it (a state dict without it anywhere, an RMSPropSN's loaded into
-        # AdamW, is another optimizer's)
-        flagged = {role.name for role in spec.roles if role.when is not None and role.name in in_group}
+        # a step creates a remainder, and a state that an option's flag turned on since (amsgrad's maximum, AdamWSN's
+        # first moment once β1 > 0) for a param it found without it, as it does for one that had no grad since; not
+        # one that the algorithm always keeps (AdamW's first moment: an RMSPropSN state dict is another's)
+        flagged = {role.name for role in spec.roles if role.when is not None and role.when not in algorithm.fixed_flags}
         missing = {key for key in set(expected) - set(state) - spec.optional - {master.KEY}
                    if key.removesuffix(ABSMAX) not in flagged or key.removesuffix(ABSMAX) in state}
         if set(state) - set(expected) - records - unused or missing:

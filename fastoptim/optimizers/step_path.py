@@ -412,7 +412,7 @@ class StepPath:
         plans, group = self._plans, self.param_groups[group_index]
         plans.bound = None  # the next normal step is checked again
         work = [(group, *self._group_work(plans, key, group, params))]
-        self._check_apart([entry for _, entry, _ in work])
+        self._check_apart([work[0][1]], [entry for other, entry in plans.current.items() if other != key])
         self._apply(work, plans, whole_step=False)
 
     def _restart_masters(self, params, undo=None):
