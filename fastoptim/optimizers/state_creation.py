@@ -57,7 +57,7 @@ class StateCreation:
                 # (another device's value is not read: that would wait for it)
                 step_count(value, param.device, f"step of a param of shape {tuple(param.shape)}")
                 continue
-            if value is None and key in state or value is not None and not isinstance(value, Tensor):
+            if key in state and not isinstance(value, Tensor):  # None, a list, a number
                 raise RuntimeError(
                     f"{type(self).__name__}: state '{key}' of a param of shape {tuple(param.shape)} is {value!r:.60}, "
                     "not a tensor: delete the key (a step makes the state anew), or clear the param's state with "
