@@ -34,7 +34,6 @@ class BoundGroup(NamedTuple):
     # the work's buckets, whose plans hold the tables bound here: a work that takes its states again (a
     # compiled step's preparation may) makes new ones
     buckets: list
-    count: object  # group.get("step") when planned: official Adan's count, which its tables hold
     runs: list  # per bucket: (its tables.Tables, its params' indices or None for all, its BucketPlan)
     parts: list | None  # its buckets' bound parts (see Algorithm.bound_part), or None
     positions: list  # per bucket, per table, the positions of the group's grads it takes (None: all)
@@ -58,7 +57,6 @@ class BoundStep:
     def __init__(self, groups, counts, backend):
         self.groups = groups
         self.param_groups = [bound.group for bound in groups]  # what the optimizer's must still be, one by one
-        self.forced = os.environ.get(FORCING_VARIABLE)  # that the checked step ran under: a change plans again
         self.backend = backend  # the one backend whose native call runs every table
         # the native call of every table (in the order of the groups, their buckets and tables), where the
         # backend computes the step's scalars (clip, the rules') and advances the counts natively
@@ -113,7 +111,7 @@ class BoundStep:
         if type(state) is not OptimizerState or backend is None or any(parts) and not backend.STEP_SCALARS:
             return None
         counts = [count for group, entry, _ in work if entry.params for count in entry.context.counts.read(group)]
-        groups = [BoundGroup(group, entry, algorithm, entry.buckets, group.get("step"), group_runs, group_parts,
+        groups = [BoundGroup(group, entry, algorithm, entry.buckets, group_runs, group_parts,
                              [[taken(bucket, indices, index is None) for indices, index, _, _ in tables.tables]
                               for tables, bucket, _ in group_runs],
                              entry.engine == engines.fused.SINGLE, algorithm.spec.flag_bits(algorithm.flags(group)),
@@ -144,8 +142,6 @@ class BoundStep:
             if (not entry.fits(structure, group, params) or entry.params and not entry.holds(state, True)
                     or entry.buckets is not bound.buckets):
                 return None
-            if group.get("step") is not bound.count:  # a group's count (official Adan's) set anew: its tables
-                return None  # hold the last
             if bound.param_pointers is not None:  # inline: Muon's step stays within issue 51's Python calls
                 try:
                     aliased = any(map(operator.eq, map(Tensor.data_ptr, grads), bound.param_pointers))
@@ -153,7 +149,7 @@ class BoundStep:
                     aliased = True
                 if aliased:  # a grad that is its param's memory, which the checked step refuses
                     return None
-            if not params and isinstance(bound.count, Tensor):
+            if not params and isinstance(entry.count, Tensor):
                 check_counted(group, params)
             work.append((group, entry, grads))
         return work
@@ -163,8 +159,8 @@ class BoundStep:
         runs (and clips their grads, where asked); False, having changed nothing, where the rule of
         :meth:`work` no longer holds or that call found a tensor changed. Its groups are fused,
         elementwise and have their states: an inf step GradScaler found is skipped on the device."""
-        if os.environ.get(FORCING_VARIABLE) != self.forced:
-            return False
+        if os.environ.get(FORCING_VARIABLE) != plans.forcing:  # the tables are another backend's: the
+            return False  # checked step drops them (PlanStore.follow_forcing)
         work = self.work(optimizer.state, optimizer.param_groups, optimizer._structure, optimizer._check_between_steps,
                          optimizer._check_options)
         if work is None:

@@ -162,8 +162,9 @@ class GroupWork:
     never kept: they are checked and listed afresh every step.
     """
 
-    def __init__(self, structure, params, local_params, signature=None, versions=None):
+    def __init__(self, structure, params, local_params, signature=None, versions=None, count=None):
         self.structure, self.params, self.signature = structure, params, signature
+        self.count = count  # group.get("step") when made: official Adan's count, which its tables read
         self.roles, self.engine = structure.value.roles, structure.value.engine
         self.versions = versions  # of the params that keep master remainders (states.master.Versions), or None
         self.local_params = local_params  # what the engines update: the params, or their engine_view
@@ -178,15 +179,17 @@ class GroupWork:
         self.traced_reads = None  # for a traced step: its params' first-read marks (see PlanStore.first_reads)
 
     def fits(self, structure, group, params, local_params=None):
-        """The work's rule, over ``group``'s ``params`` that have grads now: the same param objects, and
-        ``structure(group)`` still its :class:`Structure`'s; with ``local_params`` (what the engines
-        update of them), each in the same layout too (see :class:`Signature`): a bound step leaves that
-        to native code, which checks every tensor it binds at each call. (The states: :meth:`holds`.)"""
+        """The work's rule, over ``group``'s ``params`` that have grads now: the same param objects, the
+        group's count the same object (official Adan's ``group["step"]``, which the work's tables read and
+        advance: one set anew makes a new work), and ``structure(group)`` still its :class:`Structure`'s;
+        with ``local_params`` (what the engines update of them), each in the same layout too (see
+        :class:`Signature`): a bound step leaves that to native code, which checks every tensor it binds
+        at each call. (The states: :meth:`holds`.)"""
         if local_params is None:
             same = len(params) == len(self.params) and all(map(operator.is_, params, self.params))
         else:
             same = self.signature.describes(params, local_params)
-        return same and self.structure.holds(structure, group)
+        return same and group.get("step") is self.count and self.structure.holds(structure, group)
 
     def holds(self, state, natively_checked=False):
         """Whether ``state`` (the optimizer's: param to state dict) holds the states this work was built
@@ -248,7 +251,7 @@ class GroupWork:
         its decisions (engine, buckets, partitions, caches) and states over ``params``, which a
         compiled step reads afresh on every call. The state tensors are this work's lists, untouched:
         a traced step that looked at each would make it an input of the graph."""
-        work = GroupWork(self.structure, params, local_params)
+        work = GroupWork(self.structure, params, local_params, count=self.count)
         if not params:  # no grads in the group this step: nothing to update
             return work
         work.states, work.context = self.states, self.context
@@ -284,12 +287,24 @@ class PlanStore:
     found (one per pattern: a value that another graph's tracing rewrote would pass this one's
     guard); ``writes``: the notes of the params' version counters after the optimizer's own writes
     (``states.master.Writes``), or None; ``reads``: per group key, the first-read marks of its params
-    that every graph of a compiled step reads and writes (see :meth:`first_reads`)."""
+    that every graph of a compiled step reads and writes (see :meth:`first_reads`); ``forcing``: the
+    fused backend that ``FASTOPTIM_FUSED_BACKEND`` named when the works were made (see
+    :meth:`follow_forcing`)."""
 
     def __init__(self):
         self.current, self.patterns = {}, {}
         self.traced_states, self.reads = {}, {}
-        self.bound = self.writes = None
+        self.bound = self.writes = self.forcing = None
+
+    def follow_forcing(self, forcing):
+        """Drop every work and the bound step where ``forcing`` (the fused backend that
+        ``FASTOPTIM_FUSED_BACKEND`` names now, or None) is not what they were made under: their tables
+        are that backend's. The notes of the params' writes stay: they are the params', not the plans'."""
+        if forcing != self.forcing:
+            self.forcing = forcing
+            self.current.clear()
+            self.patterns.clear()
+            self.bound = None
 
     def first_reads(self, key, group_params, params, created):
         """A traced step's first-read marks of ``params`` (those of group ``key`` with grads): one fp32
@@ -329,7 +344,7 @@ class PlanStore:
                     del self.patterns[other]
             versions = master.Versions(params) if master.KEY in shape.value.roles else None
             entry = self.patterns[seen] = GroupWork(shape, params, local_params, Signature(params, local_params),
-                                                    versions)
+                                                    versions, group.get("step"))
         self.current[key] = entry
         return entry, True
 

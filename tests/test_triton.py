@@ -151,6 +151,26 @@ def test_one_launch_per_bucket_whatever_the_tensor_count(launches):
         for actual, expected in zip(runs[engine], runs["loop"]):
             assert_params_match_loop([actual], [expected], actual.dtype)
 
+@needs_interpreter
+@pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.Adan])
+def test_a_backend_forced_between_steps_runs_the_next_step(cls, monkeypatch, launches):
+    """``FASTOPTIM_FUSED_BACKEND`` changed between steps of one optimizer: each step runs on the backend
+    forced then (the plan store drops the plans made under the other, whose tables are its own), and
+    the params stay the loop engine's. Adan keeps a count per group, which both backends' tables read."""
+    shapes = [(2500,), (40, 70)]
+    initial = oracle.make_params(shapes)
+    ours, reference = clone(initial), clone(initial)
+    optimizer, loop = cls(ours, lr=0.01, **FUSED["fused-multi"]), cls(reference, lr=0.01, **LOOP)
+    for step, (backend, grads) in enumerate(zip(("cpu", "triton", "cpu", "triton", "triton"),
+                                                oracle.grad_sequence(shapes, 5))):
+        monkeypatch.setenv("FASTOPTIM_FUSED_BACKEND", backend)
+        launched = len(launches)
+        oracle.run(optimizer, ours, [grads])
+        oracle.run(loop, reference, [grads])
+        assert len(launches) == launched + (backend == "triton"), (step, backend)
+        assert_params_match_loop(ours, reference, torch.float32)
+
+
 
 @needs_interpreter
 def test_the_tables_are_sent_once_and_again_only_when_a_grad_moves():

@@ -19,7 +19,6 @@ asked for: no build (or no Triton), a dtype other than fp32/bf16/fp16, a device 
 run on, a layout where param, grad and states are not dense with the same strides, or 8-bit states
 of a param that is not contiguous (the codes are in row-major order).
 """
-import operator
 import warnings
 
 import torch
@@ -86,27 +85,19 @@ class KernelSplit:
 
     def __init__(self, plan, backend):
         self.backend = backend
-        self.counts = plan.counts  # the count tensors its tables read and advance natively (see _kernel_split)
         self.taken, taken_formats, self.left, self.reason = split_taken(plan.tensors, plan.spec, backend)
         taken = plan if not self.left else plan.subset(self.taken)
         self.tables = Tables(taken.tensors, taken.absmax, plan.spec, backend, taken_formats, taken.watched,
                              taken.originals, plan.rule, taken.counts) if self.taken else None
 
 
-def _same_counts(held, given):
-    """Whether the count tensors that tables were bound with (``held``) are the plan's now: a group's
-    count set anew (official Adan's int, or another tensor) leaves the states as they were, and a
-    bound step's native call would read and advance the old one."""
-    return held is given or (held is not None and given is not None and len(held) == len(given)
-                             and all(map(operator.is_, held, given)))
-
-
 def _kernel_split(plan, backend, again=False):
-    """What ``backend``'s kernel takes of ``plan``, kept in ``plan.bucket`` (made anew whenever a param or
-    state tensor changes), built ``again`` when a launch found a tensor
-    moved, and, for a backend that does not check natively, when the grads changed their layouts."""
+    """What ``backend``'s kernel takes of ``plan``, kept in ``plan.bucket``, which is made anew with its work's
+    buckets (whenever a param, state, count or the forced backend changes: ``step_cache.PlanStore``), built
+    ``again`` when a launch found a tensor moved, and, for a backend that does not check natively, when the
+    grads changed their layouts."""
     split = plan.bucket.kernel_split
-    if again or split is None or split.backend is not backend or not _same_counts(split.counts, plan.counts) or (
+    if again or split is None or (
             not backend.CHECKS_NATIVELY and split.tables is not None and not split.tables.fit(
                 plan.tensors["grad"] if not split.left else [plan.tensors["grad"][i] for i in split.taken])):
         split = plan.bucket.kernel_split = KernelSplit(plan, backend)

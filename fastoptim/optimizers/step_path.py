@@ -4,6 +4,7 @@ found in the optimizer's plan store or made (and checked), the step's scalars an
 plan handed to its engine, and the traced step's preparation. Its other half (base.py) is the
 torch.optim contract and the states' creation."""
 import functools
+import os
 import weakref
 
 import torch
@@ -11,6 +12,7 @@ from torch import Tensor
 
 from .. import engines, flat_params
 from ..clip import CLIP_EPS, clip_backend, clip_coefficient
+from ..engines.backends import FORCING_VARIABLE
 from ..multi_tensor import pick
 from ..specs import ABSMAX
 from ..states import master
@@ -292,6 +294,7 @@ class StepPath:
         of its params (a released bucket), with ``index`` a key of their own."""
         params, local_params, grads = self._with_grads(group, some)
         self._check_options(group, params)
+        plans.follow_forcing(os.environ.get(FORCING_VARIABLE))
         entry, fresh = plans.work(index, grads_pattern(group["params"] if some is None else some), self._structure,
                                   group, params, local_params)
         if fresh:  # a param's storage may have changed since it was added, or the param gone into another group
