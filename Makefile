@@ -1,7 +1,7 @@
 VENV := .venv
 # Each command sets up what it needs: `make bench` no test tools and (without a GPU) no Triton.
 SETUP_INPUTS := pyproject.toml setup.py scripts/setup.sh scripts/install_torch.py \
-	fastoptim/kernels/fused_cpu.c fastoptim/kernels/native.cpp fastoptim/kernels/fused_cpu_specs.h
+	$(shell find fastoptim/kernels -name '*.c' -o -name '*.cpp' -o -name '*.h')
 
 .PHONY: bench test docs explore
 

@@ -6,12 +6,15 @@ torch must be importable when this runs (its headers are compiled against): inst
 ``pip install --no-build-isolation``, after torch. Without torch or a compiler the package still
 installs, and the fused CPU engine falls back to foreach with a warning."""
 import os
+from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 KERNEL = "fastoptim/kernels/fused_cpu.c"
-KERNEL_HEADER = "fastoptim/kernels/fused_cpu_specs.h"  # generated from the kernel specs: see fastoptim/kernels/header.py
+# the kernel's headers: its parts (kernels/cpu/) and its view of the kernel specs (fused_cpu_specs.h, generated:
+# see fastoptim/kernels/header.py)
+HEADERS = sorted(map(str, Path("fastoptim/kernels").rglob("*.h")))
 TORCH_TARGET = "0x020a000000000000"  # 2.10, the first torch with the stable ABI's list and library shims
 # Link-time optimisation spreads the kernel's code generation (its chunk functions, each cloned for three
 # CPU levels) over the cores: 2 min 56 s of one core became 1 min 26 s on two here, and the steps time
@@ -38,7 +41,7 @@ class BuildNative(build_ext):
 
     def build_extension(self, ext):
         ext.extra_objects = self.compiler.compile([KERNEL], output_dir=self.build_temp, extra_postargs=KERNEL_FLAGS,
-                                                  depends=[KERNEL_HEADER])
+                                                  depends=HEADERS)
         super().build_extension(ext)
 
 
@@ -49,7 +52,7 @@ setup(
     ext_modules=[] if paths is None else [Extension(
         "fastoptim._C",
         sources=["fastoptim/kernels/native.cpp"],
-        depends=[KERNEL, KERNEL_HEADER],
+        depends=[KERNEL, *HEADERS],
         include_dirs=paths[0] + ["fastoptim/kernels"],
         library_dirs=paths[1],
         libraries=["torch_cpu"],

@@ -80,7 +80,7 @@ def check_codec(prototype):
 
 
 def library_codecs():
-    """The addresses of the library's blockwise quantizer and dequantizer (fastoptim/kernels/fused_cpu.c)."""
+    """The addresses of the library's blockwise quantizer and dequantizer (fastoptim/kernels/cpu/formats.h)."""
     library = ctypes.CDLL(str(cpu_backend.PATH))
     return [ctypes.cast(getattr(library, name), ctypes.c_void_p).value
             for name in ("fastoptim_quantize", "fastoptim_dequantize")]

@@ -36,9 +36,9 @@ pip=(.venv/bin/python -m pip install --quiet)
 # kernel is newer than what it is built from (as after the other command's set-up), only the
 # requirements of pyproject.toml (its dependencies and these extras) are installed.
 kernel=$(ls fastoptim/_C*.so 2>/dev/null | head -1 || true)  # none in a fresh clone
-if .venv/bin/python -c "import fastoptim" 2>/dev/null && [ -n "$kernel" ] && [ "$kernel" -nt fastoptim/kernels/fused_cpu.c ] \
-        && [ "$kernel" -nt fastoptim/kernels/native.cpp ] && [ "$kernel" -nt fastoptim/kernels/fused_cpu_specs.h ] \
-        && [ "$kernel" -nt setup.py ]; then
+# (what it is built from: setup.py and every C, C++ and header file under fastoptim/kernels)
+if .venv/bin/python -c "import fastoptim" 2>/dev/null && [ -n "$kernel" ] && [ -z "$(find setup.py fastoptim/kernels \
+        \( -name setup.py -o -name '*.c' -o -name '*.cpp' -o -name '*.h' \) -newer "$kernel")" ]; then
     mapfile -t requirements < <(.venv/bin/python -c 'import sys, tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 print("\n".join(project["dependencies"] + [r for extra in sys.argv[1].split(",")
