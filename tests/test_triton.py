@@ -20,7 +20,7 @@ from fastoptim.engines.backends.triton import fused_triton
 from . import oracle
 from . import test_state_bits as state_bits
 from .registry import OPTIMIZERS
-from . import test_fused, test_master_bits
+from . import test_compile, test_fused, test_master_bits
 from .test_fused import FUSED, LOOP, assert_params_match_loop, clone, fallback_warnings
 
 triton = pytest.importorskip("triton", reason="Triton is an optional extra: pip install fastoptim[triton]")
@@ -170,6 +170,23 @@ def test_a_backend_forced_between_steps_runs_the_next_step(cls, monkeypatch, lau
         assert len(launches) == launched + (backend == "triton"), (step, backend)
         assert_params_match_loop(ours, reference, torch.float32)
 
+
+
+@needs_interpreter
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.Adan])
+def test_a_compiled_step_of_two_buckets_is_the_eager_step(cls, backend):
+    """A compiled step of one group of two buckets (fp32 and bf16 params): each bucket's op checks the
+    other's tables before it runs, through the backend's ``holds``, which once read Triton's tables as
+    the CPU's and raised AttributeError at the first call. Its params and states are the eager step's."""
+    eager, traced = test_compile.pair(cls, {}, test_compile.mixed_params)
+    torch._dynamo.reset()
+    compiled = torch.compile(traced[1].step, backend=backend, fullgraph=True)
+    for step in range(3):
+        for (params, _), run in ((eager, eager[1].step), (traced, compiled)):
+            test_compile.set_grads(params, step)
+            run()
+    test_compile.assert_same(eager, traced)
 
 
 @needs_interpreter

@@ -100,7 +100,10 @@ def bind(spec, tensors, table, watched=(), originals=None, rule="", counts=()):
                  tensors["param"], 0 if remainders is None else remainders[0].element_size() * 8)
 
 
-holds = cpu.holds  # its tables are bound to native code for checking, as the CPU's are
+def holds(tables):
+    """Whether the tensors of ``tables`` (:class:`Table`) are where and as they were bound: their native
+    bindings, which check them as the CPU's tables are checked (see ``cpu.holds``), say so."""
+    return cpu.holds([table.native for table in tables])
 
 
 def launch(spec, bound, grads, per_tensor, state_format, values, flag_bits, options=None):
