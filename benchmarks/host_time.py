@@ -7,7 +7,10 @@ default threads. Each sample is the mean of ``--steps`` back-to-back steps; the 
 gives the median over ``--repeats`` samples, min..max, and the median ratio to torch's fused AdamW.
 A second table times the options that must cost little beyond the plain step, each against its twin
 without it on the same params: clipping (``max_grad_norm``), subset-norm second moments (``sn``, on 148
-8x8 matrices), 8-bit states (on 148 params of 4096 elements, the smallest that keep 8-bit states).
+8x8 matrices), 8-bit states (on 148 params of 4096 elements, the smallest that keep 8-bit states);
+and a step checked in Python every time (its bound step dropped first) and its bound step planned again
+after it, against the bound step: the checked part is what each released bucket's step and every step of
+an optimizer that reduces over ranks cost (they plan no bound step).
 A third table times each optimizer on 2000 params of 1,000-5,000 elements, as tensors of their own
 and moved into one buffer by ``fastoptim.flatten_parameters``, against one param of the same numel,
 interleaved: what many tensors cost beyond their elements. With ``--device cuda`` the
@@ -81,8 +84,21 @@ def flattened(params):
     return params
 
 
+class Checked:
+    """An optimizer whose every step is checked in Python (its bound step dropped first), as each released
+    bucket's step and every step of an optimizer that reduces over ranks is."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def step(self):
+        self.optimizer._plans.bound = None
+        self.optimizer.step()
+
+
 # (row, its twin, make(params), shape of each of the 148 params)
 VARIANTS = [
+    ("AdamW, every step checked and planned again", "AdamW", lambda p: Checked(fastoptim.AdamW(p, lr=1e-3)), (16,)),
     ("AdamW max_grad_norm=1", "AdamW", lambda p: fastoptim.AdamW(p, lr=1e-3, max_grad_norm=1.0), (16,)),
     ("AdamW", None, lambda p: fastoptim.AdamW(p, lr=1e-3), (16,)),
     ("Adan max_grad_norm=1", "Adan", lambda p: fastoptim.Adan(p, lr=1e-3, max_grad_norm=1.0), (16,)),

@@ -139,7 +139,7 @@ class BoundStep:
                 grads = [grad for grad in grads if grad is not None]
             check(group, params)  # before the structure is computed from what it checks
             # the work's rule (native code checks the layouts), and the tables its buckets' plans held
-            if (not entry.fits(structure, group, params) or entry.params and not entry.holds(state, True)
+            if (not entry.fits(structure, group, params) or entry.params and not entry.holds(state, True, True)
                     or entry.buckets is not bound.buckets):
                 return None
             if bound.param_pointers is not None:  # inline: Muon's step stays within issue 51's Python calls

@@ -191,13 +191,13 @@ class GroupWork:
             same = self.signature.describes(params, local_params)
         return same and group.get("step") is self.count and self.structure.holds(structure, group)
 
-    def holds(self, state, natively_checked=False):
+    def holds(self, state, natively_checked=False, by_count=False):
         """Whether ``state`` (the optimizer's: param to state dict) holds the states this work was built
         on: the same state dicts, holding the same tensors under every key, each where and as it was. Where
-        native code checks every tensor it binds, and the params' counts (``natively_checked``: a bound
-        step), it is left their layouts, and an ``OptimizerState`` that counted no change since this
-        work last found its states there holds them."""
-        if natively_checked and self.seen is not None and self.seen[0] is state and self.seen[1] == state.changes:
+        native code checks every tensor it binds, and the params' counts (``natively_checked``), it is left
+        their layouts; ``by_count`` (a bound step's, natively checked), an ``OptimizerState`` that counted no
+        change since this work last found its states there holds them (a checked step compares each)."""
+        if by_count and self.seen is not None and self.seen[0] is state and self.seen[1] == state.changes:
             return True
         states = list(map(state.get, self.params))
         if not (self.states is not None and all(map(operator.is_, states, self.states))
@@ -325,15 +325,19 @@ class PlanStore:
                 marks[at] = 0.0
         return (marks, positions) if unread((marks, positions)) else None
 
-    def work(self, key, pattern, structure, group, params, local_params):
+    def work(self, key, pattern, structure, group, params, local_params, held_natively):
         """The :class:`GroupWork` of key ``key`` over ``group``'s ``params`` that have grads (``local_params``:
         what the engines update of them), at positions ``pattern`` of the group's, under ``structure(group)``
         (``StepPath._structure``): the one in use, or the one kept for that pattern, where it fits, else a
-        new one; and whether it was not the one in use (its params are then to be checked again: one may
-        have new storage)."""
+        new one; whether it was not the one in use (its params are then to be checked again: one may
+        have new storage); and whether native code found every tensor the one in use holds where and as it
+        was (``held_natively(work)``: one native check of them all), which then needs no layout compared in
+        Python, here or by :meth:`GroupWork.holds`."""
         entry = self.current.get(key)
-        if entry is not None and entry.fits(structure, group, params, local_params):
-            return entry, False
+        if entry is not None:
+            held = held_natively(entry)
+            if entry.fits(structure, group, params, None if held else local_params):
+                return entry, False, held
         seen = (key, pattern)
         entry = self.patterns.get(seen)
         if entry is None or not entry.fits(structure, group, params, local_params):
@@ -346,7 +350,7 @@ class PlanStore:
             entry = self.patterns[seen] = GroupWork(shape, params, local_params, Signature(params, local_params),
                                                     versions, group.get("step"))
         self.current[key] = entry
-        return entry, True
+        return entry, True, False
 
 
 def unread(reads: tuple) -> bool:

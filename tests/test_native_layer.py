@@ -632,6 +632,49 @@ def test_lean_and_clipped_steps_run_bound_as_the_checked_step_runs_them(cls, opt
         torch.testing.assert_close(ours, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("options", [{}, dict(sn=True), dict(state_bits=8)], ids=str)
+def test_a_checked_step_leaves_the_layouts_to_native_code_that_holds_its_tables(options, monkeypatch):
+    """A checked step (each released bucket's, every step of an optimizer that reduces over ranks) whose
+    work runs on tables that native code holds compares no param's or state's layout in Python: one native
+    check of every tensor the tables hold stands for those compares (which were most of such a step's
+    time). Where that check finds a tensor moved (a state given new storage in place), the step compares
+    them in Python and takes the state where it now lives: bit for bit its bound twin's step."""
+    from fastoptim import step_cache
+
+    runs = []
+    for checked in (True, False):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(shape)) for shape in LEAN_SHAPES]
+        opt = fastoptim.AdamW(params, lr=1e-2, **options)
+        for step in range(4):
+            for param in params:
+                param.grad = grad_for(param, step)
+            if step == 3:
+                state = opt.state[params[1]]["exp_avg"]
+                state.set_(state.clone())  # new storage, in place
+            if checked:
+                opt._plans.bound = None
+            compared = []
+            with monkeypatch.context() as patch:
+                if checked and step == 2:  # the work and its tables are made: native code vouches for them
+                    patch.setattr(step_cache.Signature, "describes", _refuse_python_layouts)
+                    patch.setattr(step_cache.GroupWork, "_local_states", _refuse_python_layouts)
+                elif checked and step == 3:
+                    real = step_cache.GroupWork._local_states
+                    patch.setattr(step_cache.GroupWork, "_local_states",
+                                  lambda work: compared.append(work) or real(work))
+                opt.step()
+            assert bool(compared) == (checked and step == 3)
+        runs.append([p.detach().clone() for p in params] + [value.clone() for p in params
+                                                             for value in opt.state[p].values() if torch.is_tensor(value)])
+    for ours, expected in zip(*runs):
+        torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+
+
+def _refuse_python_layouts(*args, **kwargs):
+    raise AssertionError("the checked step compared layouts in Python that native code checks")
+
+
 def _subset_norm_changes():
     def param_data(opt, params):
         params[0].data = params[0].detach() * 0.5

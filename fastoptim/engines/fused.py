@@ -119,6 +119,21 @@ def natively_checked(bucket):
     return split is not None and split.backend.CHECKS_NATIVELY and split.tables is not None and not split.left
 
 
+def held_natively(work):
+    """Whether native code finds every param, state and count that the tables of ``work`` (a group's
+    ``GroupWork``) hold where and as they were bound, in one check of them all: where each of its buckets
+    runs wholly on tables of one backend that ``CHECKS_NATIVELY``, bound to the user's own tensors (not
+    to views of them that the work made: a DTensor's local shard, a complex param's real view)."""
+    if not work.params or work.states is None or work.viewed_states or work.local_params is not work.params:
+        return False
+    if not all(map(natively_checked, work.buckets)):
+        return False
+    splits = [bucket.kernel_split for bucket in work.buckets]
+    backend = splits[0].backend
+    return all(split.backend is backend for split in splits) and backend.holds(
+        [bound for split in splits for bound in split.tables.bound()])
+
+
 def _run(plan, per_tensor_calls):
     if plan.kernel_scalars is None:
         _fallback(plan, f"no fused kernel for {plan.spec.name} yet")

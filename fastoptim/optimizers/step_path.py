@@ -295,13 +295,13 @@ class StepPath:
         params, local_params, grads = self._with_grads(group, some)
         self._check_options(group, params)
         plans.follow_forcing(os.environ.get(FORCING_VARIABLE))
-        entry, fresh = plans.work(index, grads_pattern(group["params"] if some is None else some), self._structure,
-                                  group, params, local_params)
+        entry, fresh, held = plans.work(index, grads_pattern(group["params"] if some is None else some),
+                                        self._structure, group, params, local_params, engines.fused.held_natively)
         if fresh:  # a param's storage may have changed since it was added, or the param gone into another group
             check_params(params, type(self).__name__)
             check_in_one_group(group, self.param_groups, type(self).__name__)
         checks.check_grads(type(self).__name__, local_params, grads, entry.signature)
-        if not entry.holds(self.state):
+        if not entry.holds(self.state, held):
             entry.states = None
             for param in params:
                 self._check_state(param, self.state.get(param) or {}, group)
