@@ -4,8 +4,10 @@ found in the optimizer's plan store or made (and checked), the step's scalars an
 plan handed to its engine, and the traced step's preparation. Its other half (base.py) is the
 torch.optim contract and the states' creation."""
 import functools
+import operator
 import os
 import weakref
+from itertools import repeat
 
 import torch
 from torch import Tensor
@@ -276,27 +278,34 @@ class StepPath:
         params and grads the compiled step reads (and dynamo guards) at every call. The states are not
         read one by one (guards on each would cost as much as the step): the guard on the state dicts'
         change count stands for them, and native code checks their storage at every call."""
-        params, local_params, grads = self._with_grads(group)
+        params, local_params, grads, _ = self._with_grads(group)
         return entry.traced(params, local_params), grads
 
     def _with_grads(self, group, params=None):
         """The group's params (of ``params``, if given) that have grads, what the engines update of them
-        (``engine_view``: DTensors' local shards, complex params' real views) and their grads, viewed alike."""
-        params = [param for param in (group["params"] if params is None else params) if param.grad is not None]
-        grads = [param.grad for param in params]
+        (``engine_view``: DTensors' local shards, complex params' real views), their grads, viewed alike, and
+        their positions among those (:func:`grads_pattern`). Each grad is read once: a Parameter's ``.grad``
+        costs 50-100 ns."""
+        params = list(group["params"] if params is None else params)  # a copy: the work keeps it, the user may
+        grads = [param.grad for param in params]  # append to the group's list in place
+        if all(map(operator.is_not, grads, repeat(None))):
+            pattern = tuple(range(len(params)))
+        else:
+            pattern = tuple(i for i, grad in enumerate(grads) if grad is not None)
+            params, grads = [params[i] for i in pattern], [grads[i] for i in pattern]
         if not self._viewed:
-            return params, params, grads
-        return params, list(map(engine_view, params)), list(map(engine_view, grads))
+            return params, params, grads, pattern
+        return params, list(map(engine_view, params)), list(map(engine_view, grads)), pattern
 
     def _group_work(self, plans, index, group, some=None):
         """The group's :class:`GroupWork` (in ``plans``, the optimizer's :class:`PlanStore`) and its
         params' grads (local shards of DTensors), all checked; nothing is changed. ``some``: only these
         of its params (a released bucket), with ``index`` a key of their own."""
-        params, local_params, grads = self._with_grads(group, some)
+        params, local_params, grads, pattern = self._with_grads(group, some)
         self._check_options(group, params)
         plans.follow_forcing(os.environ.get(FORCING_VARIABLE))
-        entry, fresh, held = plans.work(index, grads_pattern(group["params"] if some is None else some),
-                                        self._structure, group, params, local_params, engines.fused.held_natively)
+        entry, fresh, held = plans.work(index, pattern, self._structure, group, params, local_params,
+                                        engines.fused.held_natively)
         if fresh:  # a param's storage may have changed since it was added, or the param gone into another group
             check_params(params, type(self).__name__)
             check_in_one_group(group, self.param_groups, type(self).__name__)
