@@ -258,6 +258,8 @@ class BoundStep:
         # the flags as planned: options read as tensors (a β1 that a tensor holds, edited in place) that would
         # set others make their work's structure another (see step_cache.Structure)
         flags = [bound.algorithm.flags(bound.group) for bound in self.groups]
+        if max_norm > 0 and not all(grad.layout == torch.strided for _, _, grads in work for grad in grads):
+            return False  # a sparse grad, which the checked step names: the norm would raise torch's own error
         increment, scales, _ = optimizer._grad_scales(work, found_inf, amp_scale, max_norm, eager=True)
         launches, drawn = [], {}
         for (group, entry, grads), scale, bound, group_flags in zip(work, scales, self.groups, flags):

@@ -2,6 +2,7 @@
 Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py), with ``FASTOPTIM_FUSED_BACKEND=triton``;
 with one they also run on CUDA tensors. Sizes stay small: the interpreter runs each program in numpy.
 Tiles are 1024 elements, so sizes like 2500 have full tiles and a masked tail."""
+import copy
 import json
 import math
 import os
@@ -187,6 +188,26 @@ def test_a_compiled_step_of_two_buckets_is_the_eager_step(cls, backend):
             test_compile.set_grads(params, step)
             run()
     test_compile.assert_same(eager, traced)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.5])
+def test_a_sparse_grad_is_refused_by_name_with_nothing_changed(max_grad_norm):
+    """A sparse grad on a bound Triton step, clipped or not: the step names it, as the checked step and
+    the CPU's do, and changes nothing. Clipped, it once raised torch's own error from the norm, which
+    Python computes for Triton's tables before they check the grads (helper-69)."""
+    params = oracle.make_params([(2500,), (40, 70)])
+    optimizer = fastoptim.Adan(params, lr=0.01, max_grad_norm=max_grad_norm, **FUSED["fused-multi"])
+    oracle.run(optimizer, params, oracle.grad_sequence([(2500,), (40, 70)], 2))
+    assert optimizer._plans.bound is not None
+    params[-1].grad = params[-1].grad.to_sparse()
+    before = [p.detach().clone() for p in params], copy.deepcopy(optimizer.state_dict())
+    with pytest.raises(RuntimeError, match="does not support sparse gradients"):
+        optimizer.step()
+    assert all(map(torch.equal, before[0], params))
+    assert all(torch.equal(value, optimizer.state_dict()["state"][k][name]) if torch.is_tensor(value)
+               else value == optimizer.state_dict()["state"][k][name]
+               for k, state in before[1]["state"].items() for name, value in state.items())
 
 
 @needs_interpreter
