@@ -325,19 +325,21 @@ class PlanStore:
                 marks[at] = 0.0
         return (marks, positions) if unread((marks, positions)) else None
 
-    def work(self, key, pattern, structure, group, params, local_params, held_natively):
+    def work(self, key, pattern, structure, group, params, local_params, held_natively, check_params):
         """The :class:`GroupWork` of key ``key`` over ``group``'s ``params`` that have grads (``local_params``:
         what the engines update of them), at positions ``pattern`` of the group's, under ``structure(group)``
         (``StepPath._structure``): the one in use, or the one kept for that pattern, where it fits, else a
-        new one; whether it was not the one in use (its params are then to be checked again: one may
-        have new storage); and whether native code found every tensor the one in use holds where and as it
-        was (``held_natively(work)``: one native check of them all), which then needs no layout compared in
-        Python, here or by :meth:`GroupWork.holds`."""
+        new one; and whether native code found every tensor the one in use holds where and as it was
+        (``held_natively(work)``: one native check of them all), which then needs no layout compared in
+        Python, here or by :meth:`GroupWork.holds`. A work not in use takes ``params`` only once
+        ``check_params(params)`` has not raised for them (a param listed twice, in another group, or given
+        new storage since it was added): one kept before its check would pass the next step unchecked."""
         entry = self.current.get(key)
         if entry is not None:
             held = held_natively(entry)
             if entry.fits(structure, group, params, None if held else local_params):
-                return entry, False, held
+                return entry, held
+        check_params(params)
         seen = (key, pattern)
         entry = self.patterns.get(seen)
         if entry is None or not entry.fits(structure, group, params, local_params):
@@ -350,7 +352,7 @@ class PlanStore:
             entry = self.patterns[seen] = GroupWork(shape, params, local_params, Signature(params, local_params),
                                                     versions, group.get("step"))
         self.current[key] = entry
-        return entry, True, False
+        return entry, False
 
 
 def unread(reads: tuple) -> bool:

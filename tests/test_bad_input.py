@@ -588,6 +588,37 @@ def test_a_param_group_listed_twice_is_refused_with_nothing_changed(way):
     assert all(torch.equal(after[k][name], value) for k, state in before[1].items() for name, value in state.items())
 
 
+DUPLICATES = {
+    "in two groups": lambda opt, params: opt.param_groups[1]["params"].append(params[0]),
+    "twice in its group": lambda opt, params: opt.param_groups[0]["params"].append(params[0]),
+    "a group listed twice": lambda opt, params: opt.param_groups.append(opt.param_groups[0]),
+}
+
+
+@pytest.mark.parametrize("write", DUPLICATES)
+@pytest.mark.parametrize("engine", [dict(fused=True), dict(foreach=False, fused=False)], ids=["fused", "loop"])
+@pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.Adan])
+def test_a_param_listed_twice_is_refused_at_every_step_while_it_is(cls, engine, write):
+    """A duplicate was refused once, and the next step took it: the refused step's plan was kept before its
+    params were checked, and a kept plan's params are not checked again (helper-71: Adan then stepped a param
+    twice, and fused AdamW raised from native code). A plan takes its params only once they are checked."""
+    params = [torch.nn.Parameter(torch.randn(4, 3, generator=torch.Generator().manual_seed(i))) for i in range(2)]
+    opt = cls([{"params": params[:1]}, {"params": params[1:]}], lr=1e-2, **engine)
+    for step in range(2):
+        for param in params:
+            param.grad = torch.full_like(param, step + 1.0)
+        opt.step()
+    DUPLICATES[write](opt, params)
+    before = [param.detach().clone() for param in params], copy.deepcopy(opt.state_dict()["state"])
+    for _ in range(3):
+        with pytest.raises(ValueError, match="appears (in more than one param group|twice in its param group)"):
+            opt.step()
+        assert all(map(torch.equal, params, before[0]))
+        after = opt.state_dict()["state"]
+        assert all(torch.equal(after[k][name], value) if torch.is_tensor(value) else after[k][name] == value
+                   for k, state in before[1].items() for name, value in state.items())
+
+
 def test_a_param_without_a_grad_written_into_a_second_group_is_refused():
     """The check looked at the params with grads alone: a param of another group whose grad is None this
     step (gradient release had freed it, helper-56) passed unseen. It is a duplicate all the same."""

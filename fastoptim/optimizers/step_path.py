@@ -4,10 +4,8 @@ found in the optimizer's plan store or made (and checked), the step's scalars an
 plan handed to its engine, and the traced step's preparation. Its other half (base.py) is the
 torch.optim contract and the states' creation."""
 import functools
-import operator
 import os
 import weakref
-from itertools import repeat
 
 import torch
 from torch import Tensor
@@ -288,10 +286,8 @@ class StepPath:
         costs 50-100 ns."""
         params = list(group["params"] if params is None else params)  # a copy: the work keeps it, the user may
         grads = [param.grad for param in params]  # append to the group's list in place
-        if all(map(operator.is_not, grads, repeat(None))):
-            pattern = tuple(range(len(params)))
-        else:
-            pattern = tuple(i for i, grad in enumerate(grads) if grad is not None)
+        pattern = tuple(i for i, grad in enumerate(grads) if grad is not None)
+        if len(pattern) < len(params):
             params, grads = [params[i] for i in pattern], [grads[i] for i in pattern]
         if not self._viewed:
             return params, params, grads, pattern
@@ -304,17 +300,20 @@ class StepPath:
         params, local_params, grads, pattern = self._with_grads(group, some)
         self._check_options(group, params)
         plans.follow_forcing(os.environ.get(FORCING_VARIABLE))
-        entry, fresh, held = plans.work(index, pattern, self._structure, group, params, local_params,
-                                        engines.fused.held_natively)
-        if fresh:  # a param's storage may have changed since it was added, or the param gone into another group
-            check_params(params, type(self).__name__)
-            check_in_one_group(group, self.param_groups, type(self).__name__)
+        entry, held = plans.work(index, pattern, self._structure, group, params, local_params,
+                                 engines.fused.held_natively, functools.partial(self._check_new_params, group))
         checks.check_grads(type(self).__name__, local_params, grads, entry.signature)
         if not entry.holds(self.state, held):
             entry.states = None
             for param in params:
                 self._check_state(param, self.state.get(param) or {}, group)
         return entry, grads
+
+    def _check_new_params(self, group, params):
+        """Raise for ``group``'s ``params`` (those with grads) that a new work may not take: a param listed
+        twice, in another group too, or one whose storage changed since it was added."""
+        check_params(params, type(self).__name__)
+        check_in_one_group(group, self.param_groups, type(self).__name__)
 
     def _step_group(self, group, entry, grads, grad_scale, found_inf, increment, traced, key=None):
         """Step ``group``'s params with grads (``entry``: their work; ``key``: the group's in the plan store,
