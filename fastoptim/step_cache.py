@@ -329,15 +329,16 @@ class PlanStore:
         """The :class:`GroupWork` of key ``key`` over ``group``'s ``params`` that have grads (``local_params``:
         what the engines update of them), at positions ``pattern`` of the group's, under ``structure(group)``
         (``StepPath._structure``): the one in use, or the one kept for that pattern, where it fits, else a
-        new one; and whether native code found every tensor the one in use holds where and as it was
-        (``held_natively(work)``: one native check of them all), which then needs no layout compared in
-        Python, here or by :meth:`GroupWork.holds`. A work not in use takes ``params`` only once
+        new one; and what native code found of the one in use (``held_natively(work)``, one check of them all):
+        None where a tensor it holds is not where and as it was, else whether this step's grads fit. A work
+        whose tensors native code found needs no layout compared in Python, here or by :meth:`GroupWork.holds`.
+        A work not in use takes ``params`` only once
         ``check_params(params)`` has not raised for them (a param listed twice, in another group, or given
         new storage since it was added): one kept before its check would pass the next step unchecked."""
         entry = self.current.get(key)
         if entry is not None:
             held = held_natively(entry)
-            if entry.fits(structure, group, params, None if held else local_params):
+            if entry.fits(structure, group, params, None if held is not None else local_params):
                 return entry, held
         check_params(params)
         seen = (key, pattern)
@@ -352,7 +353,7 @@ class PlanStore:
             entry = self.patterns[seen] = GroupWork(shape, params, local_params, Signature(params, local_params),
                                                     versions, group.get("step"))
         self.current[key] = entry
-        return entry, False
+        return entry, None
 
 
 def unread(reads: tuple) -> bool:

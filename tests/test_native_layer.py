@@ -637,9 +637,11 @@ def test_a_checked_step_leaves_the_layouts_to_native_code_that_holds_its_tables(
     """A checked step (each released bucket's, every step of an optimizer that reduces over ranks) whose
     work runs on tables that native code holds compares no param's or state's layout in Python: one native
     check of every tensor the tables hold stands for those compares (which were most of such a step's
-    time). Where that check finds a tensor moved (a state given new storage in place), the step compares
-    them in Python and takes the state where it now lives: bit for bit its bound twin's step."""
+    time), and for the grads' checks where it finds every grad fit. Where that check finds a tensor moved
+    (a state given new storage in place), the step compares them in Python and takes the state where it now
+    lives: bit for bit its bound twin's step."""
     from fastoptim import step_cache
+    from fastoptim.optimizers import checks
 
     runs = []
     for checked in (True, False):
@@ -659,6 +661,8 @@ def test_a_checked_step_leaves_the_layouts_to_native_code_that_holds_its_tables(
                 if checked and step == 2:  # the work and its tables are made: native code vouches for them
                     patch.setattr(step_cache.Signature, "describes", _refuse_python_layouts)
                     patch.setattr(step_cache.GroupWork, "_local_states", _refuse_python_layouts)
+                    if not options.get("sn"):  # and for the grads (a subset-norm table takes its view's too)
+                        patch.setattr(checks, "check_grads", _refuse_python_layouts)
                 elif checked and step == 3:
                     real = step_cache.GroupWork._local_states
                     patch.setattr(step_cache.GroupWork, "_local_states",

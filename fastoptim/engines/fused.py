@@ -119,19 +119,29 @@ def natively_checked(bucket):
     return split is not None and split.backend.CHECKS_NATIVELY and split.tables is not None and not split.left
 
 
-def held_natively(work):
-    """Whether native code finds every param, state and count that the tables of ``work`` (a group's
-    ``GroupWork``) hold where and as they were bound, in one check of them all: where each of its buckets
-    runs wholly on tables of one backend that ``CHECKS_NATIVELY``, bound to the user's own tensors (not
-    to views of them that the work made: a DTensor's local shard, a complex param's real view)."""
-    if not work.params or work.states is None or work.viewed_states or work.local_params is not work.params:
-        return False
-    if not all(map(natively_checked, work.buckets)):
-        return False
+def held_natively(work, grads):
+    """What native code finds, in one check of them all, of the tables of ``work`` (a group's ``GroupWork``)
+    and ``grads`` (one per param of the work, in its order): None where a param, state or count they hold
+    moved or changed its layout since they were bound, or they are not all of one backend that
+    ``CHECKS_NATIVELY``, bound to the user's own tensors (not to views of them that the work made: a
+    DTensor's local shard, a complex param's real view); else whether every grad fits its param as the
+    kernel walks it (its dtype, sizes and strides, and not its param's memory: see ``check_grads``)."""
+    if (not work.params or len(grads) != len(work.params) or work.states is None or work.viewed_states
+            or work.local_params is not work.params or not all(map(natively_checked, work.buckets))):
+        return None
     splits = [bucket.kernel_split for bucket in work.buckets]
     backend = splits[0].backend
-    return all(split.backend is backend for split in splits) and backend.holds(
-        [bound for split in splits for bound in split.tables.bound()])
+    if any(split.backend is not backend for split in splits):
+        return None
+    tables, taken = [], []  # the grads each table takes, in the tables' order
+    for bucket, split in zip(work.buckets, splits):
+        for indices, _, bound, _ in split.tables.tables:
+            tables.append(bound)
+            taken += [grads[bucket.indices[i]] for i in indices]
+    status, _ = backend.check(tables, taken)
+    # a subset-norm param's table also takes a grad laid out as the engines' (a, b, c) view of it, which is
+    # no grad of the param's: Python checks those
+    return None if status == backends.cpu.STALE else status == backends.cpu.STEPPED and work.partitions is None
 
 
 def _run(plan, per_tensor_calls):

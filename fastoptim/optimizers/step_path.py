@@ -301,9 +301,11 @@ class StepPath:
         self._check_options(group, params)
         plans.follow_forcing(os.environ.get(FORCING_VARIABLE))
         entry, held = plans.work(index, pattern, self._structure, group, params, local_params,
-                                 engines.fused.held_natively, functools.partial(self._check_new_params, group))
-        checks.check_grads(type(self).__name__, local_params, grads, entry.signature)
-        if not entry.holds(self.state, held):
+                                 functools.partial(engines.fused.held_natively, grads=grads),
+                                 functools.partial(self._check_new_params, group))
+        if not held:  # else native code found every grad fit: no check here could refuse it
+            checks.check_grads(type(self).__name__, local_params, grads, entry.signature)
+        if not entry.holds(self.state, held is not None):
             entry.states = None
             for param in params:
                 self._check_state(param, self.state.get(param) or {}, group)

@@ -106,6 +106,11 @@ def holds(tables):
     return cpu.holds([table.native for table in tables])
 
 
+def check(tables, grads):
+    """``cpu.check`` of the native bindings of ``tables`` (:class:`Table`), with their ``grads``."""
+    return cpu.check([table.native for table in tables], grads)
+
+
 def launch(spec, bound, grads, per_tensor, state_format, values, flag_bits, options=None):
     return Launch(spec, bound, grads, per_tensor, state_format, values, *spec.unpack_flags(flag_bits))
 
@@ -116,7 +121,7 @@ def run_launches(launches):
     False, having changed nothing, when a tensor moved or a grad does not fit."""
     grads = [grad for launch in launches for grad in launch.grads]
     if CHECKS_NATIVELY:
-        status, pointers = cpu.check([launch.table.native for launch in launches], grads)
+        status, pointers = check([launch.table for launch in launches], grads)
         if status != cpu.STEPPED:
             return False
     else:  # the step work and the engine checked the tensors
