@@ -675,6 +675,41 @@ def test_a_checked_step_leaves_the_layouts_to_native_code_that_holds_its_tables(
         torch.testing.assert_close(ours, expected, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("write", ["count set_", "state of another shape"])
+def test_a_grad_the_kernel_cannot_walk_does_not_hide_a_later_table_s_moved_tensor(write):
+    """A checked step's native check of a group of two tables (fp32 and bf16 params) stopped at the first
+    table's transposed grad (which foreach steps) and never looked at the second table's tensors, so a
+    count given new storage there was stepped stale, and a state of another shape raised from inside the
+    engine after the first table stepped (helper-72). Every table's tensors are checked: the step is a
+    fresh optimizer's bit for bit, or refuses the state by name with nothing changed."""
+    runs = []
+    for fresh in (False, True):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(4, 4).bfloat16())]
+        opt = fastoptim.AdamW(params, lr=1e-2)
+        for step in range(3):
+            for param in params:
+                param.grad = torch.randn(4, 4, dtype=param.dtype)
+            if step == 2:
+                params[0].grad = params[0].grad.t()
+                if write == "count set_":
+                    opt.state[params[1]]["step"].set_(torch.tensor(7.0))
+                else:
+                    opt.state[params[1]]["exp_avg"].set_(torch.zeros(2))
+                opt._plans.bound = None
+                if fresh:
+                    opt._plans = type(opt._plans)()
+            if step == 2 and write != "count set_":
+                before = [param.detach().clone() for param in params]
+                with pytest.raises(RuntimeError, match=r"state 'exp_avg' is torch.float32 \(2,\)"):
+                    opt.step()
+                assert all(map(torch.equal, before, params))
+                return
+            opt.step()
+        runs.append([param.detach().clone() for param in params])
+    assert all(map(torch.equal, *runs))
+
+
 def _refuse_python_layouts(*args, **kwargs):
     raise AssertionError("the checked step compared layouts in Python that native code checks")
 
