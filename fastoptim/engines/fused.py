@@ -138,12 +138,10 @@ def held_natively(work, grads):
         for indices, _, bound, _ in split.tables.tables:
             tables.append(bound)
             taken += [grads[bucket.indices[i]] for i in indices]
-    status, _ = backend.check(tables, taken)
-    if status == backends.cpu.GRADS_UNFIT:  # found at a table whose grad does not fit: the later ones' tensors
-        return False if backend.holds(tables) else None  # are not checked yet (helper-72)
+    status, _ = backend.check(tables, taken)  # STALE where any table's tensors moved, before any grad is read
     # a subset-norm param's table also takes a grad laid out as the engines' (a, b, c) view of it, which is
     # no grad of the param's: Python checks those
-    return None if status == backends.cpu.STALE else work.partitions is None
+    return None if status == backends.cpu.STALE else status == backends.cpu.STEPPED and work.partitions is None
 
 
 def _run(plan, per_tensor_calls):

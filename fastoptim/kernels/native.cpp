@@ -783,13 +783,20 @@ int64_t check_held(const Bound &table) {
     return STEPPED;
 }
 
-// Whether ``table`` may run with ``grads`` from ``first``: STALE when a held tensor moved or changed
-// its layout, GRADS_UNFIT when a grad is not walked as its param (or, with ``views``, as its grads_like
-// view), else STEPPED, with the table's grads' row refreshed.
+// STALE where a tensor that any of ``tables`` holds, watches or counts with moved or changed its layout.
+// Every table's, before any grad is looked at: a caller told GRADS_UNFIT learns that they all hold.
+int64_t check_all_held(const std::vector<std::shared_ptr<Bound>> &tables) {
+    for (const std::shared_ptr<Bound> &table : tables)
+        if (check_held(*table) != STEPPED) return STALE;
+    return STEPPED;
+}
+
+// Whether ``table``'s grads, from ``first`` of ``grads``, fit (its held tensors checked already: see
+// check_all_held): GRADS_UNFIT when a grad is not walked as its param (or, with ``views``, as its
+// grads_like view), else STEPPED, with the table's grads' row refreshed.
 int64_t check(Bound &table, const std::vector<AtenTensorHandle> &grads, size_t first, bool views, const char *op) {
     const int64_t n = table.n_tensors;
     STD_TORCH_CHECK(first + n <= grads.size(), op, ": fewer grads than the tables take");
-    if (check_held(table) != STEPPED) return STALE;
     for (int64_t t = 0; t < n; t++) {
         prefetch_ahead(grads.data() + first, t, n, handle_of_handle);
         int64_t *pointer = &table.pointers[GRAD * n + t];
@@ -899,11 +906,12 @@ int64_t bound_step(int64_t handle, const std::vector<AtenTensorHandle> &grads, s
     for (int64_t bits : flags)
         STD_TORCH_CHECK(bits >= 0 && bits <= INT32_MAX, op, ": flags ", bits, " are not a kernel's flag bits");
     const Locked locked(*call);
+    if (check_all_held(tables) != STEPPED) return STALE;  // a refused call runs none
     std::vector<int64_t> tensors_of_slot, first_scalars;
     size_t first_grad = 0;
     for (const std::shared_ptr<Bound> &held_table : tables) {
         Bound &table = *held_table;
-        const int64_t status = check(table, grads, first_grad, call->views, op);  // a refused call runs none
+        const int64_t status = check(table, grads, first_grad, call->views, op);
         if (status != STEPPED) return status;
         if (!keeps_bound_rows(table, flags[&held_table - tables.data()])) return STALE;
         first_grad += table.n_tensors;
@@ -1027,7 +1035,8 @@ int64_t bound_step(int64_t handle, const std::vector<AtenTensorHandle> &grads, s
 
 /* Check tables ``handles`` (as bound_step does, each taking the next n_tensors of ``grads``) and
    write their grads' data pointers, in order, into ``grad_pointers`` (int64, one per grad): what a
-   GPU kernel's launch needs. STEPPED when all fit, else STALE or GRADS_UNFIT (see check). */
+   GPU kernel's launch needs. STEPPED when all fit, else STALE (a table's tensor moved: every table's are
+   checked first) or GRADS_UNFIT. */
 int64_t check_bound(std::vector<int64_t> handles, const std::vector<AtenTensorHandle> &grads, Tensor grad_pointers) {
     const char *op = "fastoptim::check_bound";
     STD_TORCH_CHECK(grad_pointers.is_cpu() && grad_pointers.scalar_type() == ScalarType::Long
@@ -1036,6 +1045,7 @@ int64_t check_bound(std::vector<int64_t> handles, const std::vector<AtenTensorHa
     const std::shared_ptr<Call> call =
         make_call(handles, std::vector<int64_t>(handles.size()), std::vector<int64_t>(handles.size()), op);
     const Locked locked(*call);
+    if (check_all_held(call->tables) != STEPPED) return STALE;
     int64_t *out = static_cast<int64_t *>(grad_pointers.data_ptr());
     size_t first_grad = 0;
     for (const std::shared_ptr<Bound> &held_table : call->tables) {
@@ -1057,9 +1067,7 @@ int64_t holds_bound(std::vector<int64_t> handles) {
     const std::shared_ptr<Call> call =
         make_call(handles, std::vector<int64_t>(handles.size()), std::vector<int64_t>(handles.size()), op);
     const Locked locked(*call);
-    for (const std::shared_ptr<Bound> &table : call->tables)
-        if (check_held(*table) != STEPPED) return STALE;
-    return STEPPED;
+    return check_all_held(call->tables);
 }
 
 // A step's grads as the boxed call hands them: one tensor handle each, owned here and deleted with

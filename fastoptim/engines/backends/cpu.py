@@ -239,7 +239,8 @@ class StepCall:
 
 def check(tables, grads):
     """Check bound ``tables`` (each taking the next of ``grads``, as a :class:`StepCall` does) without running
-    them: STEPPED and the grads' data pointers (an int64 array), or STALE or GRADS_UNFIT and None."""
+    them: STEPPED and the grads' data pointers (an int64 array), or STALE (any table's tensor moved) or GRADS_UNFIT
+    (they all hold; a grad does not fit) and None."""
     pointers = torch.empty(len(grads), dtype=torch.int64, device="cpu")  # host memory whatever the default device
     status = torch.ops.fastoptim.check_bound([table.handle for table in tables], grads, pointers)
     return status, pointers.numpy() if status == STEPPED else None
