@@ -202,14 +202,18 @@ def test_a_bucket_whose_params_got_no_grad_is_stepped_by_step():
 def test_a_state_shared_across_two_released_buckets_is_refused_by_name():
     """A state set to another param's, where the two params step in separate released buckets (one param
     each): refused as the normal step refuses it (helper-66: each bucket's step checked its own params
-    alone). As any state a released bucket refuses, it surfaces from backward."""
+    alone). As any state a step refuses, it is found at backward's first grad, which then steps nothing, and
+    ``step()`` refuses it with nothing changed."""
     released = model()
     opt = fastoptim.AdamW(released.parameters(), lr=1e-2)
     opt.enable_gradient_release(bucket_numel=1)
     train(released, opt, steps=2)
     opt.state[released[0].bias]["exp_avg"] = opt.state[released[2].bias]["exp_avg"]  # both (24,)
+    before = snapshot(list(released.parameters()), opt)
+    released(batches(1)[0]).square().mean().backward()
     with pytest.raises(RuntimeError, match=r"state 'exp_avg' of a param of shape \(24,\) and state 'exp_avg' of"):
-        train(released, opt, steps=1)
+        opt.step()
+    assert_unchanged(list(released.parameters()), opt, before)
 
 
 def test_remove_turns_release_off():
@@ -997,3 +1001,54 @@ def test_an_adan_count_written_between_backward_and_step_under_release_is_checke
     opt.param_groups[0]["step"] = torch.tensor(2.5)
     with pytest.raises(ValueError, match=r"Invalid step: 2.5"):
         opt.step()
+
+
+def _first_layer_state_writes():
+    """Writes to the state of a param of the first layer (the bucket backward reaches last) that a step refuses."""
+    return {
+        "a state of another shape": lambda opt, param: opt.state[param].update(exp_avg=torch.zeros(3)),
+        "a state given other storage in place": lambda opt, param: opt.state[param]["exp_avg"].set_(torch.zeros(3)),
+        "a count of 2.5": lambda opt, param: opt.state[param].update(step=torch.tensor(2.5)),
+        "a state of another dtype": lambda opt, param: opt.state[param].update(
+            exp_avg_sq=opt.state[param]["exp_avg_sq"].double()),
+        "a subset-norm record deleted": lambda opt, param: opt.state[param].pop("reduce_dim"),
+    }
+
+
+@pytest.mark.parametrize("write", list(_first_layer_state_writes()))
+def test_a_state_written_invalid_is_refused_under_release_before_any_bucket_steps(write):
+    """A state that a step refuses, written into a param of the bucket backward reaches last: its bucket's
+    step raised inside autograd's hook, after the other buckets had stepped (helper-71). Every bucket's
+    states are checked at backward's first grad where their plan no longer holds them: backward then steps
+    nothing, and ``step()`` refuses it with nothing changed."""
+    released = model()
+    options = dict(sn=True) if write == "a subset-norm record deleted" else {}
+    opt = fastoptim.AdamW(released.parameters(), lr=1e-2, **options)
+    opt.enable_gradient_release(bucket_numel=SMALL_BUCKETS)
+    train(released, opt, steps=2)
+    params = list(released.parameters())
+    _first_layer_state_writes()[write](opt, params[0])
+    before = snapshot(params, opt)
+    released(batches(1)[0]).square().mean().backward()  # steps nothing: the refusal is step()'s
+    assert all(map(torch.equal, params, before[0]))
+    with pytest.raises((RuntimeError, ValueError)):
+        opt.step()
+    assert_unchanged(params, opt, before)
+
+
+def test_what_step_steps_under_release_is_checked_in_every_group_before_any_steps():
+    """``step()`` under release steps what backward did not (here every param: grads set by hand, which no
+    hook sees), group by group: a sparse grad in the second group was refused after the first group had
+    stepped. Every group's rest is checked before any steps."""
+    module = model()
+    params = list(module.parameters())
+    opt = fastoptim.AdamW([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2)
+    opt.enable_gradient_release(bucket_numel=SMALL_BUCKETS)
+    train(module, opt, steps=1)
+    for param in params:
+        param.grad = torch.ones_like(param)
+    params[-1].grad = torch.ones_like(params[-1]).to_sparse()
+    before = snapshot(params, opt)
+    with pytest.raises(RuntimeError, match="sparse"):
+        opt.step()
+    assert_unchanged(params, opt, before)

@@ -119,14 +119,16 @@ def natively_checked(bucket):
     return split is not None and split.backend.CHECKS_NATIVELY and split.tables is not None and not split.left
 
 
-def held_natively(work, grads):
+def held_natively(work, grads=None):
     """What native code finds, in one check of them all, of the tables of ``work`` (a group's ``GroupWork``)
     and ``grads`` (one per param of the work, in its order): None where a param, state or count they hold
     moved or changed its layout since they were bound, or they are not all of one backend that
     ``CHECKS_NATIVELY``, bound to the user's own tensors (not to views of them that the work made: a
     DTensor's local shard, a complex param's real view); else whether every grad fits its param as the
-    kernel walks it (its dtype, sizes and strides, and not its param's memory: see ``check_grads``)."""
-    if (not work.params or len(grads) != len(work.params) or work.states is None or work.viewed_states
+    kernel walks it (its dtype, sizes and strides, and not its param's memory: see ``check_grads``), or
+    True without ``grads`` (the tables alone checked: before backward has made them)."""
+    if (not work.params or grads is not None and len(grads) != len(work.params) or work.states is None
+            or work.viewed_states
             or work.local_params is not work.params or not all(map(natively_checked, work.buckets))):
         return None
     splits = [bucket.kernel_split for bucket in work.buckets]
@@ -137,7 +139,10 @@ def held_natively(work, grads):
     for bucket, split in zip(work.buckets, splits):
         for indices, _, bound, _ in split.tables.tables:
             tables.append(bound)
-            taken += [grads[bucket.indices[i]] for i in indices]
+            if grads is not None:
+                taken += [grads[bucket.indices[i]] for i in indices]
+    if grads is None:
+        return True if backend.holds(tables) else None
     status, _ = backend.check(tables, taken)  # STALE where any table's tensors moved, before any grad is read
     # a subset-norm param's table also takes a grad laid out as the engines' (a, b, c) view of it, which is
     # no grad of the param's: Python checks those

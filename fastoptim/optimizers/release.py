@@ -246,18 +246,21 @@ class GradientRelease:
         ready.add(id(param))
         group_index, params = self.buckets[bucket]
         if len(ready) == len(params) and not any(id(p) in self.late for p in params):
-            self._step(group_index, params, ("released", bucket))
+            self._step([(("released", bucket), group_index, params)])
 
     def _check_buckets(self, optimizer) -> None:
         """At the first grad of a step: check every group's options (a bucket steps as soon as its grads are
         final, so a refusal found by a later bucket's step would come after the earlier ones had stepped),
-        then make the buckets again where the groups changed. What it refuses is not raised here, inside
-        autograd's (or FSDP2's, or DDP's) hook, which would leave backward, and their state, half done:
-        backward steps nothing, and ``step()``, which checks the same, raises it (having changed nothing)."""
+        make the buckets again where the groups changed, and check their params' states. What it refuses is
+        not raised here, inside autograd's (or FSDP2's, or DDP's) hook, which would leave backward, and their
+        state, half done: backward steps nothing, and ``step()``, which checks the same of what it steps,
+        raises it (having changed nothing)."""
         if not self.checked:
             self.checked = True
             try:
                 self._check_groups(optimizer)
+                optimizer._check_released_states([(("released", bucket), group_index, params)
+                                                  for bucket, (group_index, params) in enumerate(self.buckets)])
             except (ValueError, TypeError, RuntimeError):
                 self.refused = True
 
@@ -299,17 +302,19 @@ class GradientRelease:
             flat_params.zero_grads(self.viewed.values())
             self.viewed.clear()
 
-    def _step(self, group_index, params, key):
-        """Step ``params`` of group ``group_index`` (``key``: their step work's in the optimizer's plan store),
-        then free their grads (under DDP, at ``step()``: they are views of DDP's buckets, which DDP writes
-        again at the end of backward)."""
+    def _step(self, parts):
+        """Step ``parts`` (per part: its step work's key in the optimizer's plan store, its group's index and
+        its params), all checked before any steps, then free their grads (under DDP, at ``step()``: they are
+        views of DDP's buckets, which DDP writes again at the end of backward)."""
         optimizer = self.optimizer
-        if group_index not in self.options:
-            self.options[group_index] = _options(optimizer.param_groups[group_index])
-        optimizer._step_released(key, group_index, params)
-        self.stepped.update(map(id, params))
-        if self.mode != "ddp":
-            self._free(params)
+        for _, group_index, _ in parts:
+            if group_index not in self.options:
+                self.options[group_index] = _options(optimizer.param_groups[group_index])
+        optimizer._step_released(parts)
+        for _, _, params in parts:
+            self.stepped.update(map(id, params))
+            if self.mode != "ddp":
+                self._free(params)
 
     def _free(self, params):
         """Free the grads of ``params``: a flat grad is zeroed in place (its buffer is held anyway)."""
@@ -344,10 +349,11 @@ class GradientRelease:
         self._warn_of_options_set_since_backward(optimizer)
         self._check_groups(optimizer)  # written since backward (an Adan count), or refused in it: first
         self._zero_freed(optimizer)
-        for index, group in enumerate(optimizer.param_groups):
-            rest = [param for param in group["params"] if param.grad is not None and id(param) not in self.stepped]
-            if rest:
-                self._step(index, rest, ("released rest", index))
+        rests = [(("released rest", index), index, rest) for index, group in enumerate(optimizer.param_groups)
+                 if (rest := [param for param in group["params"]
+                              if param.grad is not None and id(param) not in self.stepped])]
+        if rests:  # every group's checked before any steps
+            self._step(rests)
         if self.mode == "ddp":
             self._drop_ddp_views()
             self._free([param for group in optimizer.param_groups for param in group["params"]

@@ -3,12 +3,13 @@
 role its group's options keep (zeros in their format, second moments in its subset-norm partition,
 new states in flat buffers), and the check that a state still fits its param."""
 import functools
+import operator
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from .. import distributed
+from .. import distributed, engines
 from ..multi_tensor import FlatStates, disjoint, overlapping
 from ..specs import ABSMAX
 from ..states import formats, master, subset_norm
@@ -111,25 +112,27 @@ class StateCreation:
     def _check_apart(self, works, others=()):
         """Raise where a state that a step of ``works`` (a GroupWork per group, checked) updates shares memory
         with a param or another state, of any group or of the works ``others`` (the other released buckets'
-        of a released bucket's step) (``state["exp_avg"] = p.detach()``,
-        ``state["exp_avg_sq"] = state["exp_avg"]``): the fused kernels read each element of them all before
-        they write any, the other engines in their ops' order, so such steps differ (torch's is its ops'
-        order). Params that share memory with each other step as they did. Only where a group takes its
-        states again (``GroupWork.holds`` failed: a work whose states were not written holds them); then one
-        sort of all the spans, which the states made in flat buffers never share."""
-        if all(entry.states is not None or not entry.params for entry in works):
-            return
+        of a released bucket's step): see :meth:`_check_states_apart`. Only where a group takes its states
+        again (``GroupWork.holds`` failed: a work whose states were not written holds them)."""
+        if not all(entry.states is not None or not entry.params for entry in works):
+            self._check_states_apart([param for entry in (*works, *others) for param in entry.params])
+
+    def _check_states_apart(self, params):
+        """Raise where a state of ``params`` shares memory with a param or another state of theirs
+        (``state["exp_avg"] = p.detach()``, ``state["exp_avg_sq"] = state["exp_avg"]``): the fused kernels
+        read each element of them all before they write any, the other engines in their ops' order, so such
+        steps differ (torch's is its ops' order). Params that share memory with each other step as they did.
+        One sort of all the spans, which the states made in flat buffers never share."""
+        view = engine_view if self._viewed else None  # DTensors' or complex params' (step_cache)
         tensors, seen = [], set()  # a param of two works (a group's and a released bucket's) is listed once
-        for entry in (*works, *others):
-            view = engine_view if entry.viewed_states else None  # DTensors' or complex params' (step_cache)
-            for param, local in zip(entry.params, entry.local_params):
-                if id(param) in seen:
-                    continue
-                seen.add(id(param))
-                tensors.append((param, None, local))
-                for key, value in (self.state.get(param) or {}).items():
-                    if key != "step" and isinstance(value, Tensor):
-                        tensors.append((param, key, value if view is None else view(value)))
+        for param in params:
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            tensors.append((param, None, param if view is None else view(param)))
+            for key, value in (self.state.get(param) or {}).items():
+                if key != "step" and isinstance(value, Tensor):
+                    tensors.append((param, key, value if view is None else view(value)))
         spans = [tensor for _, _, tensor in tensors]
         if disjoint(spans):
             return
@@ -145,6 +148,26 @@ class StateCreation:
                     if other_param is param else f"{named(param, key)} and {named(other_param, other_key)}")
             raise RuntimeError(f"{type(self).__name__}: {pair} share memory: a step updates each, so each state "
                                "must own its memory; clone it, or clear it with optimizer.state[param].clear()")
+
+    def _check_released_states(self, parts):
+        """Raise what the steps of ``parts`` (per released bucket: its step work's key in the plan store, its
+        group's index, its params) would refuse of their params' states, before backward steps any of them:
+        each param's state (:meth:`_check_state`) where its bucket's work no longer holds them
+        (``GroupWork.holds``, with native code checking the tensors its tables hold), and then that no state
+        of theirs shares memory with another's (:meth:`_check_states_apart`)."""
+        unheld = False
+        for key, index, params in parts:
+            entry = self._plans.current.get(key)
+            if (entry is not None and entry.states is not None and len(entry.params) == len(params)
+                    and all(map(operator.is_, entry.params, params))):
+                native = engines.fused.held_natively(entry) is not None
+                if entry.holds(self.state, native, by_count=native):
+                    continue
+            unheld = True
+            for param in params:
+                self._check_state(param, self.state.get(param) or {}, self.param_groups[index])
+        if unheld:
+            self._check_states_apart([param for _, _, params in parts for param in params])
 
     def _ensure_state(self, param, group, place=None):
         """The param's state with every role of the group present: missing ones are zeros in their

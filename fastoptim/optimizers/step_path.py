@@ -418,14 +418,14 @@ class StepPath:
                 and (clipped_grads is None or clip_backend(clipped_grads) is not None))
 
     @without_grad
-    def _step_released(self, key, group_index, params):
-        """Step ``params`` of group ``group_index`` on their grads (a released bucket, or what backward
-        left; ``key``: their step work's in the plan store), checked as a step checks them; the group's
-        per-group count advances at ``step()``."""
-        plans, group = self._plans, self.param_groups[group_index]
+    def _step_released(self, parts):
+        """Step ``parts`` on their grads, checked as a step checks them, all before any steps: per part (a
+        released bucket, or what backward left of a group), its step work's key in the plan store, its
+        group's index and its params. The per-group counts advance at ``step()``."""
+        plans, keys = self._plans, {key for key, _, _ in parts}
         plans.bound = None  # the next normal step is checked again
-        work = [(group, *self._group_work(plans, key, group, params))]
-        self._check_apart([work[0][1]], [entry for other, entry in plans.current.items() if other != key])
+        work = [(self.param_groups[i], *self._group_work(plans, key, self.param_groups[i], ps)) for key, i, ps in parts]
+        self._check_apart([entry for _, entry, _ in work], [e for key, e in plans.current.items() if key not in keys])
         self._apply(work, plans, whole_step=False)
 
     def _restart_masters(self, params, undo=None):
