@@ -86,10 +86,11 @@ class _Hooks:
     def __init__(self):
         self.handles = {}
 
-    def follow(self, params: dict, hook: Callable[[Tensor], None] | None) -> None:
-        """Hook exactly ``params`` (a dict keyed by them): unhook those that left, hook those that came
-        (``hook`` None: mark them only, as under DDP, whose comm hook tells release of their grads)."""
-        for param in [param for param in self.handles if param not in params]:
+    def follow(self, params: list[Tensor], hook: Callable[[Tensor], None] | None) -> None:
+        """Hook exactly ``params``: unhook those that left, hook those that came (``hook`` None: mark them
+        only, as under DDP, whose comm hook tells release of their grads)."""
+        kept = {id(param): param for param in params}
+        for param in [param for param in self.handles if kept.get(id(param)) is not param]:
             handle = self.handles.pop(param)
             if handle is not None:
                 handle.remove()
@@ -101,7 +102,7 @@ class _Hooks:
                 RELEASED[id(param)] = param
 
     def clear(self) -> None:
-        self.follow({}, None)
+        self.follow([], None)
 
 
 def _weak_hook(release: GradientRelease, reduced: bool = False) -> Callable[[Tensor], None]:
@@ -177,6 +178,7 @@ class GradientRelease:
             check_in_one_group(group, optimizer.param_groups, name)
         self.layout = [(list(group["params"]), list(map(flat_params.REQUIRES_GRAD, group["params"])))
                        for group in optimizer.param_groups]
+        # by the params' ids (a Tensor's hash is a Python call): those of params hooked now, which hold them
         self.buckets, self.bucket_of = [], {}
         for index, group in enumerate(optimizer.param_groups):
             whole = not optimizer._algorithm(group).spec.elementwise
@@ -190,11 +192,11 @@ class GradientRelease:
             if params:
                 self._add(index, params)
         self.ready = [set() for _ in self.buckets]  # ids of the params whose grads arrived this step
-        self.hooks.follow(self.bucket_of, self._hook)
+        self.hooks.follow([param for _, params in self.buckets for param in params], self._hook)
 
     def _add(self, group_index, params):
         for param in params:
-            self.bucket_of[param] = len(self.buckets)
+            self.bucket_of[id(param)] = len(self.buckets)
         self.buckets.append((group_index, params))
 
     def _made_for(self, optimizer) -> bool:
@@ -221,8 +223,9 @@ class GradientRelease:
         optimizer = self.optimizer
         if optimizer is None:
             return
-        self._check_buckets(optimizer)
-        bucket = self.bucket_of.get(param)
+        if not self.checked:
+            self._check_buckets(optimizer)
+        bucket = self.bucket_of.get(id(param))
         if bucket is None or self.refused:  # left its group, or frozen: step() steps it if it has a grad
             return
         if not reduced:
@@ -285,7 +288,7 @@ class GradientRelease:
                 return
             self._check_buckets(optimizer)
             for param, grad in zip(params, grads):
-                if param not in self.bucket_of:
+                if id(param) not in self.bucket_of:
                     continue
                 if param.grad is None or (param.grad.stride() == grad.stride() and not flat_params.flat_grad(param)):
                     param.grad = grad
@@ -318,6 +321,11 @@ class GradientRelease:
 
     def _free(self, params):
         """Free the grads of ``params``: a flat grad is zeroed in place (its buffer is held anyway)."""
+        if not flat_params.GRAD_BUFFERS:  # no flat grad anywhere
+            self.freed.update(map(id, params))
+            for param in params:
+                param.grad = None
+            return
         self.freed.update(id(param) for param in params if not flat_params.flat_grad(param))
         flat_params.zero_grads(params)
 
