@@ -1012,6 +1012,10 @@ def _first_layer_state_writes():
         "a state of another dtype": lambda opt, param: opt.state[param].update(
             exp_avg_sq=opt.state[param]["exp_avg_sq"].double()),
         "a subset-norm record deleted": lambda opt, param: opt.state[param].pop("reduce_dim"),
+        # helper-74: not through the state dict's counted methods, and a count's value written in place
+        "a state of another shape through dict's own method": lambda opt, param: dict.__setitem__(
+            opt.state[param], "exp_avg", torch.zeros(3)),
+        "a count filled with -1 in place": lambda opt, param: opt.state[param]["step"].fill_(-1),
     }
 
 
