@@ -970,3 +970,40 @@ def test_a_subclass_s_own_number_option_is_its_own_to_read():
     before = param.detach().clone()
     opt.step()
     assert not torch.equal(param.grad[0], param.grad[1]) and not torch.equal(param, before)
+
+
+@pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.Adan, fastoptim.Lion], ids=lambda cls: cls.__name__)
+@pytest.mark.parametrize("odd", ["transposed", "expanded"])
+def test_a_grad_the_kernel_cannot_walk_leaves_only_its_own_step_to_foreach(cls, odd):
+    """A grad the fused kernel cannot walk (transposed against its param, or expanded) is stepped by
+    foreach that step. The kernel's split kept leaving that param to foreach at every later step, on
+    grads it can walk (helper-74: the next steps differed from an optimizer loaded with the same state
+    dict), and the group never ran bound again. The split follows the grads: the next step is the
+    kernel's again, and bound."""
+    def params():
+        return [torch.nn.Parameter(torch.randn(6, 5, generator=torch.Generator().manual_seed(i))) for i in range(2)]
+    ran, fresh_params = params(), params()
+    opt = cls(ran, lr=1e-2, fused=True)
+    for step in range(4):
+        for param in ran:
+            param.grad = grad_for(param, step)
+        if step == 1:
+            grad = ran[0].grad
+            ran[0].grad = grad.t().contiguous().t() if odd == "transposed" else grad[:1].expand_as(grad)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            opt.step()
+        if step == 1:
+            with torch.no_grad():
+                for mine, theirs in zip(fresh_params, ran):
+                    mine.copy_(theirs)
+            fresh = cls(fresh_params, lr=1e-2, fused=True)
+            fresh.load_state_dict(opt.state_dict())
+        elif step > 1:
+            for param in fresh_params:
+                param.grad = grad_for(param, step)
+            fresh.step()
+    assert all(map(torch.equal, ran, fresh_params))
+    assert all(torch.equal(value, fresh.state[theirs][key]) for mine, theirs in zip(ran, fresh_params)
+               for key, value in opt.state[mine].items() if isinstance(value, torch.Tensor))
+    assert opt._plans.bound is not None

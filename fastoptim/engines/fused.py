@@ -94,10 +94,12 @@ class KernelSplit:
 def _kernel_split(plan, backend, again=False):
     """What ``backend``'s kernel takes of ``plan``, kept in ``plan.bucket``, which is made anew with its work's
     buckets (whenever a param, state, count or the forced backend changes: ``step_cache.PlanStore``), built
-    ``again`` when a launch found a tensor moved, and, for a backend that does not check natively, when the
-    grads changed their layouts."""
+    ``again`` when a launch found a tensor moved or a grad it cannot walk, when the kernel would now take a
+    tensor it left (its grad, transposed or expanded at one step, is walkable again), and, for a backend
+    that does not check natively, when the grads changed their layouts."""
     split = plan.bucket.kernel_split
-    if again or split is None or (
+    if again or split is None or split.left and split_taken(
+            plan.subset(split.left).tensors, plan.spec, backend)[0] or (
             not backend.CHECKS_NATIVELY and split.tables is not None and not split.tables.fit(
                 plan.tensors["grad"] if not split.left else [plan.tensors["grad"][i] for i in split.taken])):
         split = plan.bucket.kernel_split = KernelSplit(plan, backend)
