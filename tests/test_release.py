@@ -1056,3 +1056,28 @@ def test_what_step_steps_under_release_is_checked_in_every_group_before_any_step
     with pytest.raises(RuntimeError, match="sparse"):
         opt.step()
     assert_unchanged(params, opt, before)
+
+
+@pytest.mark.parametrize("release", [False, True], ids=["unreleased", "released"])
+@pytest.mark.parametrize("order", ["count's owner first", "count's owner last"])
+def test_a_count_given_to_another_param_is_each_param_s_own_from_that_step_on(order, release):
+    """A param's count set to another param's count tensor (``state[p]["step"] = state[q]["step"]``): a step
+    gives each its own, of the value it holds then, as it does for a count shared by hand. Where ``q``'s
+    group (or released bucket) still held its plan and stepped first, it advanced that tensor in place,
+    and ``p`` then read it one step ahead (helper-74: a released run differed from an unreleased one)."""
+    def run(shared):
+        module = model()
+        params = list(module.parameters())
+        groups = [{"params": params[:2]}, {"params": params[2:]}]
+        opt = fastoptim.AdamW(groups if order == "count's owner last" else groups[::-1], lr=1e-2)
+        if release:
+            opt.enable_gradient_release(bucket_numel=SMALL_BUCKETS)
+        train(module, opt, steps=2)
+        owner = opt.state[params[-1]]["step"]
+        opt.state[params[0]]["step"] = owner if shared else owner.clone()
+        train(module, opt, steps=2)
+        return params, opt
+
+    (params, opt), (twin_params, twin) = run(shared=True), run(shared=False)
+    assert_same((params, opt), (twin_params, twin))
+    assert opt.state[params[0]]["step"].item() == opt.state[params[-1]]["step"].item() == 4

@@ -16,7 +16,7 @@ from ..states import formats, master, subset_norm
 from ..step_cache import engine_view
 from .algorithm import PER_PARAM
 from .checks import is_step_count, one_value, step_count
-from .step_counts import StepCounts
+from .step_counts import StepCounts, own_counts
 
 
 class StateContext(NamedTuple):
@@ -155,7 +155,8 @@ class StateCreation:
         each param's state (:meth:`_check_state`) where its bucket's work no longer holds them
         (``GroupWork.holds``, with native code checking the tensors its tables hold) or a count of theirs was
         written below 0 in place (``StepCounts.below_zero``), and then that no state
-        of theirs shares memory with another's (:meth:`_check_states_apart`)."""
+        of theirs shares memory with another's (:meth:`_check_states_apart`). Nothing refused, a count that
+        several of them share is made each one's own (``own_counts``), as a step of their group makes it."""
         unheld = False
         for key, index, params in parts:
             entry = self._plans.current.get(key)
@@ -170,7 +171,11 @@ class StateCreation:
             for param in params:
                 self._check_state(param, self.state.get(param) or {}, self.param_groups[index])
         if unheld:
-            self._check_states_apart([param for _, _, params in parts for param in params])
+            params = [param for _, _, params in parts for param in params]
+            self._check_states_apart(params)
+            # each bucket steps alone: one that holds its plan would advance a count another param now shares
+            # before that param's bucket packs it (a step of the whole group packs them all first)
+            own_counts([self.state[param] for param in params if param in self.state])
 
     def _ensure_state(self, param, group, place=None):
         """The param's state with every role of the group present: missing ones are zeros in their
