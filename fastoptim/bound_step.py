@@ -255,6 +255,8 @@ class BoundStep:
         """:meth:`step` where Python computes the scalars, and advances the counts, as a checked step does:
         on a backend that computes no step scalars (Triton's), or for options its rules do not take."""
         check_group_counts(optimizer, work)  # which Python reads and advances here: no native rule reads them
+        if not all(entry.context.counts.whole() for _, entry, _ in work if entry.params):
+            return False  # a param's count written in place to no whole number: the checked step refuses it
         # the flags as planned: options read as tensors (a β1 that a tensor holds, edited in place) that would
         # set others make their work's structure another (see step_cache.Structure)
         flags = [bound.algorithm.flags(bound.group) for bound in self.groups]

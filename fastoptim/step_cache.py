@@ -196,7 +196,9 @@ class GroupWork:
         on: the same state dicts, holding the same tensors under every key, each where and as it was. Where
         native code checks every tensor it binds, and the params' counts (``natively_checked``), it is left
         their layouts; ``by_count`` (a bound step's, natively checked), an ``OptimizerState`` that counted no
-        change since this work last found its states there holds them (a checked step compares each)."""
+        change since this work last found its states there holds them (a checked step compares each). A
+        param's count on the host written in place to no whole number >= 0 makes them not held: the checked
+        step then checks each state, which refuses it by name (a bound step's native call reads the counts)."""
         if by_count and self.seen is not None and self.seen[0] is state and self.seen[1] == state.changes:
             return True
         states = list(map(state.get, self.params))
@@ -204,10 +206,13 @@ class GroupWork:
                 and all(all(map(operator.is_, map(dict.get, states, repeat(key)), tensors))
                         for key, tensors in self.state_values.items())):
             return False
-        if natively_checked:
+        if natively_checked:  # the params' counts are read: one written in place to no whole number is refused
+            if not self.context.counts.whole():
+                return False
             self.seen = state, state.changes
             return True
-        return self.state_signature.matches(self._local_states(), *LAYOUT) and self.context.counts.in_place()
+        return (self.state_signature.matches(self._local_states(), *LAYOUT) and self.context.counts.in_place()
+                and self.context.counts.whole())
 
     def _local_states(self):
         """The state tensors this work was built on, as the engines see them (their ``engine_view``)."""

@@ -470,28 +470,31 @@ def test_a_refused_bound_step_leaves_the_master_remainders_of_a_param_written_si
     assert all(torch.equal(opt.state[params[0]][key], value) for key, value in before.items())
 
 
-@pytest.mark.parametrize("value", [1.5, float("inf")])
-def test_a_param_count_written_in_place_to_no_whole_number_steps_as_torch_steps_it(value):
-    """A param's count (AdamW's ``state["step"]``) filled with 1.5 or inf in place: the bound step's native
-    call hands it to the checked step, so bound and checked steps agree bit for bit, and with 1.5 both are
-    torch.optim.AdamW's step (at inf the fused kernel's step scalars round an ulp apart from torch's)."""
-    def run(optimizer_class, checked, **options):
-        param = torch.nn.Parameter(torch.randn(4, generator=torch.Generator().manual_seed(0)))
-        opt = optimizer_class([param], lr=1e-2, **options)
-        for step in range(3):
+@pytest.mark.parametrize("value", [1.5, float("inf"), -1.0, float("nan")])
+@pytest.mark.parametrize("plan", ["bound", "checked", "made again"])
+def test_a_param_count_written_in_place_to_no_whole_number_is_refused_by_name(value, plan):
+    """A param's count (AdamW's ``state["step"]``) filled in place with what is no whole number >= 0 is refused
+    by name with nothing changed, as a count set anew is, whether the step is bound, checked, or makes its
+    plan again (a grad dropped: another pattern of grads). A step held by its plan took 1.5 as torch.optim
+    does, and one that made its plan again refused it, so a released run (whose ``step()`` makes a plan of
+    what backward left) and an unreleased one parted (helper-74)."""
+    params = [torch.nn.Parameter(torch.randn(4, generator=torch.Generator().manual_seed(i))) for i in range(2)]
+    opt = fastoptim.AdamW(params, lr=1e-2, fused=True)
+    for step in range(3):
+        for param in params:
             param.grad = grad_for(param, step)
-            if step == 2:
-                opt.state[param]["step"].fill_(value)
-                if checked:
-                    opt._plans.bound = None
-            opt.step()
-        return param.detach(), opt.state[param]["step"].item()
-
-    torch_param, torch_count = run(torch.optim.AdamW, False, foreach=False)
-    (bound, bound_count), (checked, checked_count) = (run(fastoptim.AdamW, way, fused=True) for way in (False, True))
-    assert torch.equal(bound, checked) and bound_count == checked_count == torch_count
-    if value == 1.5:
-        assert torch.equal(bound, torch_param)
+        opt.step()
+    opt.state[params[0]]["step"].fill_(value)
+    if plan == "checked":
+        opt._plans.bound = None
+    elif plan == "made again":
+        params[1].grad = None
+    before = [param.detach().clone() for param in params], [opt.state[param]["step"].clone() for param in params]
+    with pytest.raises(ValueError, match=r"Invalid step of a param of shape \(4,\): .* \(must be a whole number >= 0\)"):
+        opt.step()
+    assert all(map(torch.equal, params, before[0]))
+    assert all(torch.allclose(opt.state[param]["step"], count, rtol=0, atol=0, equal_nan=True)  # NaN as NaN
+               for param, count in zip(params, before[1]))
 
 
 def test_two_adan_groups_given_one_count_at_construction_count_as_the_checked_step(monkeypatch):

@@ -1016,6 +1016,7 @@ def _first_layer_state_writes():
         "a state of another shape through dict's own method": lambda opt, param: dict.__setitem__(
             opt.state[param], "exp_avg", torch.zeros(3)),
         "a count filled with -1 in place": lambda opt, param: opt.state[param]["step"].fill_(-1),
+        "a count filled with 2.5 in place": lambda opt, param: opt.state[param]["step"].fill_(2.5),
     }
 
 

@@ -940,8 +940,8 @@ int64_t bound_step(int64_t handle, const std::vector<AtenTensorHandle> &grads, s
             float *value = static_cast<float *>(count.data);
             reached.push_back(static_cast<double>(*value) + 1);
             // a count written in place that is no whole number >= 0 (below 0 or NaN: its bias corrections
-            // divide by zero; 1.5 or inf): the checked step answers for it, as it does for a count set anew
-            // (it refuses a group's by name, and steps a param's as torch.optim does); nothing has run yet
+            // divide by zero; 1.5 or inf): the checked step refuses it by name, as it does a count set anew;
+            // nothing has run yet
             const double whole = reached.back();
             if (!(whole >= 1 && std::isfinite(whole) && whole == std::floor(whole))) return STALE;
             advanced.emplace_back(value, increment);

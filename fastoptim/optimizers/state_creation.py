@@ -153,9 +153,9 @@ class StateCreation:
         """Raise what the steps of ``parts`` (per released bucket: its step work's key in the plan store, its
         group's index, its params) would refuse of their params' states, before backward steps any of them:
         each param's state (:meth:`_check_state`) where its bucket's work no longer holds them
-        (``GroupWork.holds``, with native code checking the tensors its tables hold) or a count of theirs was
-        written below 0 in place (``StepCounts.below_zero``), and then that no state
-        of theirs shares memory with another's (:meth:`_check_states_apart`). Nothing refused, a count that
+        (``GroupWork.holds``, with native code checking the tensors its tables hold; a count written in place
+        to no whole number makes them not held), and then that no state of theirs shares memory with
+        another's (:meth:`_check_states_apart`). Nothing refused, a count that
         several of them share is made each one's own (``own_counts``), as a step of their group makes it."""
         unheld = False
         for key, index, params in parts:
@@ -163,9 +163,8 @@ class StateCreation:
             if (entry is not None and entry.states is not None and len(entry.params) == len(params)
                     and all(map(operator.is_, entry.params, params))):
                 # each state compared by identity, as the bucket's step compares them (a change count misses
-                # dict's own methods); a count written in place below 0 (whose step divides by zero) is checked
-                if (entry.holds(self.state, engines.fused.held_natively(entry) is not None)
-                        and not entry.context.counts.below_zero()):
+                # dict's own methods), and the counts' values read
+                if entry.holds(self.state, engines.fused.held_natively(entry) is not None):
                     continue
             unheld = True
             for param in params:

@@ -148,12 +148,16 @@ class StepCounts:
         no native check (native code holds the params and states, not the counts). ~50 ns a param."""
         return self._owners is None or list(map(Tensor.data_ptr, self._owners)) == self._pointers
 
-    def below_zero(self) -> bool:
-        """Whether a param's count on the host is below 0 or NaN, written in place (a step's bias corrections
-        would divide by zero; the checked step refuses it). A count on another device is not read: that
-        would wait for it."""
-        counts = [self.packed] if self.packed is not None else self.slots or []
-        return any(not (count.reshape(-1).numpy() >= 0).all() for count in counts if count.device.type == "cpu")
+    def whole(self) -> bool:
+        """Whether each param's count on the host is a whole number >= 0, as a step takes one: a count written
+        in place may be 2.5, -1 (its bias corrections divide by zero) or NaN, which a step refuses by name
+        (``_check_state``). A count on another device is not read: that would wait for it."""
+        for count in [self.packed] if self.packed is not None else self.slots or []:
+            if count.device.type == "cpu":
+                values = count.numpy().tolist() if count.dim() else [count.item()]
+                if not (all(map(float.is_integer, values)) and min(values) >= 0):  # NaN and inf are no integers
+                    return False
+        return True
 
     def watched(self) -> list[list[Tensor]] | None:
         """Per param, what native code checks of its count beside the tensors the engines take: its
