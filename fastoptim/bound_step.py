@@ -54,9 +54,10 @@ class BoundStep:
     tensor (``GroupWork.watched``); of a subset-norm param it holds the user's param and states in place
     of the views the engines take. ``groups``: per group, its :class:`BoundGroup`."""
 
-    def __init__(self, groups, counts, backend):
+    def __init__(self, groups, counts, backend, whole_step=True):
         self.groups = groups
         self.param_groups = [bound.group for bound in groups]  # what the optimizer's must still be, one by one
+        self.whole_step = whole_step  # False: a released bucket's, whose groups' counts advance at step()
         self.backend = backend  # the one backend whose native call runs every table
         # the native call of every table (in the order of the groups, their buckets and tables), where the
         # backend computes the step's scalars (clip, the rules') and advances the counts natively
@@ -74,7 +75,7 @@ class BoundStep:
         self.masters = any(bound.entry.versions is not None for bound in groups)  # see FastOptimizer._restart_written
 
     @classmethod
-    def of(cls, state, work, algorithms):
+    def of(cls, state, work, algorithms, whole_step=True):
         """The BoundStep of a checked step's ``work`` ((group, GroupWork, grads) per group) whose groups
         run ``algorithms`` and read and advance their step counts (``StepCounts.read``), under their
         work's structure (which holds the group's kernel flag bits); None where a group's step is not
@@ -82,7 +83,9 @@ class BoundStep:
         bucket reduces over ranks or left some tensors to foreach) or its ``bound_part`` (Muon's), its
         states are new or not all read yet (the first-read marks of a compiled step's group: native
         rules read no marks), its tensors views, or the tables are of two backends. (Two groups that
-        held one count tensor hold one each since the checked step: ``check_group_count``.)"""
+        held one count tensor hold one each since the checked step: ``check_group_count``.) Not a
+        ``whole_step``: a released bucket's, whose groups' counts its caller advances at ``step()`` (it
+        plans none for official Adan's group count, which a native call would advance)."""
         runs, parts = [], []
         for algorithm, (group, entry, _) in zip(algorithms, work):
             if not entry.params:
@@ -117,19 +120,20 @@ class BoundStep:
                              entry.engine == engines.fused.SINGLE, algorithm.spec.flag_bits(algorithm.flags(group)),
                              None if group_parts is None else [p.data_ptr() if p.numel() else -1 for p in entry.params])
                   for algorithm, (group, entry, _), group_runs, group_parts in zip(algorithms, work, runs, parts)]
-        return cls(groups, counts, backend)
+        return cls(groups, counts, backend, whole_step)
 
-    def work(self, state, groups, structure, check, check_counted):
-        """This step's (group, GroupWork, grads) per group, or None where the rule no longer holds;
+    def work(self, state, parts, structure, check, check_counted):
+        """This step's (group, GroupWork, grads) per group, or None where the rule no longer holds; ``parts``:
+        per group, the group and the params it steps (its ``params``, or a released bucket's);
         ``check(group, params)`` raises for what the group's options may have broken since, and
         ``check_counted(group, params)`` (the checked step's checks, its count's value among them) for a
         group whose count Python advances, which no native rule reads (official Adan's, without grads)."""
-        if (type(state) is not OptimizerState or len(groups) != len(self.groups)
-                or not all(map(operator.is_, groups, self.param_groups))):
+        if (type(state) is not OptimizerState or len(parts) != len(self.groups)
+                or not all(group is bound_group for (group, _), bound_group in zip(parts, self.param_groups))):
             return None
         work = []
-        for group, bound in zip(groups, self.groups):
-            params, entry = group["params"], bound.entry
+        for (group, params), bound in zip(parts, self.groups):
+            entry = bound.entry
             if flat_params.GRAD_BUFFERS:  # a frozen flat param's grad dropped in the same pass (cold params)
                 grads = [param.grad if param.requires_grad else flat_params.frozen_grad(param) for param in params]
             else:  # each read once: a Parameter's .grad costs 50-100 ns
@@ -154,14 +158,17 @@ class BoundStep:
             work.append((group, entry, grads))
         return work
 
-    def step(self, optimizer, plans):
+    def step(self, optimizer, plans, parts=None):
         """A step of ``optimizer`` on these tables, in one native call that checks them all before any
         runs (and clips their grads, where asked); False, having changed nothing, where the rule of
         :meth:`work` no longer holds or that call found a tensor changed. Its groups are fused,
-        elementwise and have their states: an inf step GradScaler found is skipped on the device."""
+        elementwise and have their states: an inf step GradScaler found is skipped on the device.
+        ``parts``: a released bucket's (its group and params: see :meth:`work`); None: every group's."""
         if os.environ.get(FORCING_VARIABLE) != plans.forcing:  # the tables are another backend's: the
             return False  # checked step drops them (PlanStore.follow_forcing)
-        work = self.work(optimizer.state, optimizer.param_groups, optimizer._structure, optimizer._check_between_steps,
+        if parts is None:
+            parts = [(group, group["params"]) for group in optimizer.param_groups]
+        work = self.work(optimizer.state, parts, optimizer._structure, optimizer._check_between_steps,
                          optimizer._check_options)
         if work is None:
             return False
@@ -245,7 +252,7 @@ class BoundStep:
                 part.finish(group, args, per_tensor)
         bump_versions(self.counts)  # advanced natively, as add_ would have: their version counters
         for group, entry, _ in work:
-            if not entry.params:  # a group's count (official Adan's) advances whether or not it had grads
+            if not entry.params and self.whole_step:  # a group's count (official Adan's), grads or not
                 optimizer._count_step(group, entry, increment)
             if writes is not None and entry.versions is not None:
                 writes.note(entry.versions)
@@ -285,7 +292,7 @@ class BoundStep:
             set_rng_states(drawn)
             put_back(restarted)
             return False
-        optimizer._advance(work, increment, writes)
+        optimizer._advance(work, increment, writes, self.whole_step)
         return True
 
 

@@ -287,7 +287,8 @@ class PlanStore:
     ``patterns``: the work of each pattern of grads seen per key, kept up to ``GRADS_PATTERNS_KEPT``
     (a model whose frozen parts alternate, a GAN's, comes back to one, and a compiled step to the
     graph it traced for it); ``bound``: the bound step planned from the last checked step
-    (``bound_step.BoundStep``), or None; ``traced_states``: per pattern of grads of every group (the
+    (``bound_step.BoundStep``), or None; ``released``: per released bucket's key, the bound step
+    planned from its last checked step, or None; ``traced_states``: per pattern of grads of every group (the
     graph a compiled step traced for it), the state dict and its change count that its eager part
     found (one per pattern: a value that another graph's tracing rewrote would pass this one's
     guard); ``writes``: the notes of the params' version counters after the optimizer's own writes
@@ -297,18 +298,19 @@ class PlanStore:
     :meth:`follow_forcing`)."""
 
     def __init__(self):
-        self.current, self.patterns = {}, {}
+        self.current, self.patterns, self.released = {}, {}, {}
         self.traced_states, self.reads = {}, {}
         self.bound = self.writes = self.forcing = None
 
     def follow_forcing(self, forcing):
-        """Drop every work and the bound step where ``forcing`` (the fused backend that
+        """Drop every work and the bound steps where ``forcing`` (the fused backend that
         ``FASTOPTIM_FUSED_BACKEND`` names now, or None) is not what they were made under: their tables
         are that backend's. The notes of the params' writes stay: they are the params', not the plans'."""
         if forcing != self.forcing:
             self.forcing = forcing
             self.current.clear()
             self.patterns.clear()
+            self.released.clear()
             self.bound = None
 
     def first_reads(self, key, group_params, params, created):

@@ -1082,3 +1082,28 @@ def test_a_count_given_to_another_param_is_each_param_s_own_from_that_step_on(or
     (params, opt), (twin_params, twin) = run(shared=True), run(shared=False)
     assert_same((params, opt), (twin_params, twin))
     assert opt.state[params[0]]["step"].item() == opt.state[params[-1]]["step"].item() == 4
+
+
+@pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.Lion, fastoptim.AdamWSN], ids=lambda cls: cls.__name__)
+def test_a_released_bucket_steps_on_its_bound_step(cls, monkeypatch):
+    """A released bucket's step is planned as a whole step is: after its first (checked) step, it runs on
+    tables bound to native code, and Python checks none of its tensors (the checked step is made to raise),
+    bit for bit the unreleased run. (Official Adan's group count, which advances once at ``step()``, keeps
+    its buckets on the checked step: test_a_released_run_is_a_normal_run_bit_for_bit.)"""
+    from fastoptim.optimizers.step_path import StepPath
+
+    normal, released = model(), model()
+    plain = cls(normal.parameters(), lr=1e-2, weight_decay=0.05, fused=True)
+    opt = cls(released.parameters(), lr=1e-2, weight_decay=0.05, fused=True)
+    opt.enable_gradient_release(bucket_numel=SMALL_BUCKETS)
+    train(normal, plain, steps=2)
+    train(released, opt, steps=2)
+    assert len(opt._plans.released) > 1 and all(opt._plans.released.values())
+
+    def checked(*args, **kwargs):
+        raise AssertionError("a released bucket's step checked its tensors in Python")
+    monkeypatch.setattr(StepPath, "_group_work", checked)
+    train(released, opt, steps=3)
+    monkeypatch.undo()
+    train(normal, plain, steps=3)
+    assert_equal_runs(normal, plain, released, opt)

@@ -349,3 +349,12 @@ def check_grads(name: str, params: list, grads: list, signature=None) -> None:
     devices = {param.device for param in params}
     if len(devices) > 1:
         raise RuntimeError(f"{name}: all params of a group must be on one device, got {sorted(map(str, devices))}")
+
+
+def beta_fits(beta) -> bool:
+    """Whether ``beta`` is a number in [0, 1), or a 0-d floating-point tensor (a step's scalar tensors of
+    one dimension hold one value per param): in [0, 1) where it is on the CPU (a step reads another
+    device's there: looking here would wait for it)."""
+    if isinstance(beta, Tensor):
+        return beta.dim() == 0 and beta.is_floating_point() and (beta.device.type != "cpu" or 0 <= beta.item() < 1)
+    return 0.0 <= beta < 1.0

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .. import engines, flat_params
+from ..bound_step import BoundStep
 from ..clip import CLIP_EPS, clip_backend, clip_coefficient
 from ..engines.backends import FORCING_VARIABLE
 from ..multi_tensor import pick
@@ -66,27 +67,18 @@ def without_grad(function):
     return wrapper
 
 
-def _beta_fits(beta):
-    """Whether ``beta`` is a number in [0, 1), or a 0-d floating-point tensor (a step's scalar tensors of
-    one dimension hold one value per param): in [0, 1) where it is on the CPU (a step reads another
-    device's there: looking here would wait for it)."""
-    if isinstance(beta, Tensor):
-        return beta.dim() == 0 and beta.is_floating_point() and (beta.device.type != "cpu" or 0 <= beta.item() < 1)
-    return 0.0 <= beta < 1.0
-
-
 class StepPath:
     """The step path of :class:`~fastoptim.optimizers.base.FastOptimizer` (see the module docstring)."""
 
     def _check_between_steps(self, group, params):
         """Raise if what a scheduler or the user may have set in ``group`` since the last step does not
         fit ``params`` (those with grads) or its algorithm: a tensor lr, betas other than ``n_betas`` of
-        what ``_beta_fits`` takes (the kernels' arguments are laid out by their number, and a beta of 1
+        what ``checks.beta_fits`` takes (the kernels' arguments are laid out by their number, and a beta of 1
         divides by zero), and a number option that holds no number. (A ``PER_GROUP`` count set anew is
         checked by the step that plans with it, see ``_group_work``: a bound step holds its own.)"""
         betas, n_betas = group["betas"], self._algorithm(group).n_betas
         try:
-            fits = len(betas) == n_betas and all(type(beta) is float and 0.0 <= beta < 1.0 or _beta_fits(beta)
+            fits = len(betas) == n_betas and all(type(beta) is float and 0.0 <= beta < 1.0 or checks.beta_fits(beta)
                                                  for beta in betas)
         except (TypeError, ValueError):  # no length (a number, None, a 0-d tensor or array), or no number
             fits = False
@@ -421,12 +413,20 @@ class StepPath:
     def _step_released(self, parts):
         """Step ``parts`` on their grads, checked as a step checks them, all before any steps: per part (a
         released bucket, or what backward left of a group), its step work's key in the plan store, its
-        group's index and its params. The per-group counts advance at ``step()``."""
+        group's index and its params. One part steps on its bound step (``PlanStore.released``) where its
+        rule holds, and plans one from its checked step. The per-group counts advance at ``step()``."""
         plans, keys = self._plans, {key for key, _, _ in parts}
         plans.bound = None  # the next normal step is checked again
+        bound = plans.released.pop(parts[0][0], None) if len(parts) == 1 else None
+        if bound is not None and bound.step(self, plans, [(self.param_groups[i], ps) for _, i, ps in parts]):
+            plans.released[parts[0][0]] = bound
+            return
         work = [(self.param_groups[i], *self._group_work(plans, key, self.param_groups[i], ps)) for key, i, ps in parts]
         self._check_apart([entry for _, entry, _ in work], [e for key, e in plans.current.items() if key not in keys])
         self._apply(work, plans, whole_step=False)
+        algorithm = self._algorithm(work[0][0])  # not where it reduces (run again, it would reduce twice), nor
+        if len(parts) == 1 and self._reduce_group is None and algorithm.counts != PER_GROUP:  # a group count
+            plans.released[parts[0][0]] = BoundStep.of(self.state, work, [algorithm], False)
 
     def _restart_masters(self, params, undo=None):
         """Zero the master remainders of ``params``, written by someone else since this optimizer's step
