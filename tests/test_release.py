@@ -1107,3 +1107,26 @@ def test_a_released_bucket_steps_on_its_bound_step(cls, monkeypatch):
     monkeypatch.undo()
     train(normal, plain, steps=3)
     assert_equal_runs(normal, plain, released, opt)
+
+
+def test_state_bits_set_anew_under_release_is_refused_before_any_bucket_steps():
+    """``state_bits=8`` set between steps, where a param's fp32 states were made before: a step refuses them
+    by name. The first-grad check compared the states by identity alone, which still held, and the 80x80
+    weight's bucket raised from inside backward after the last layer's bucket had stepped (helper-76). The
+    check applies the plan's whole rule: options that give another structure make it check the states."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(12, 80), torch.nn.Linear(80, 80), torch.nn.Linear(80, 3))
+    params = list(module.parameters())
+    opt = fastoptim.AdamW(params, lr=1e-2, fused=True)
+    opt.enable_gradient_release(bucket_numel=5000)
+    x = torch.randn(6, 12)
+    for _ in range(3):
+        module(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.param_groups[0]["state_bits"] = 8  # the 80x80 weight's states (6,400 elements) would be 8-bit
+    before = snapshot(params, opt)
+    module(x).square().mean().backward()  # steps nothing: the refusal is step()'s
+    with pytest.raises(RuntimeError, match=r"state 'exp_avg' is torch.float32 \(80, 80\)"):
+        opt.step()
+    assert_unchanged(params, opt, before)

@@ -3,7 +3,6 @@
 role its group's options keep (zeros in their format, second moments in its subset-norm partition,
 new states in flat buffers), and the check that a state still fits its param."""
 import functools
-import operator
 from typing import NamedTuple
 
 import torch
@@ -152,20 +151,21 @@ class StateCreation:
     def _check_released_states(self, parts):
         """Raise what the steps of ``parts`` (per released bucket: its step work's key in the plan store, its
         group's index, its params) would refuse of their params' states, before backward steps any of them:
-        each param's state (:meth:`_check_state`) where its bucket's work no longer holds them
-        (``GroupWork.holds``, with native code checking the tensors its tables hold; a count written in place
-        to no whole number makes them not held), and then that no state of theirs shares memory with
+        each param's state (:meth:`_check_state`) where its bucket's work no longer fits or holds them
+        (``GroupWork.fits``, ``GroupWork.holds``, with native code checking the tensors its tables hold; a count
+        written in place to no whole number makes them not held), and then that no state of theirs shares memory with
         another's (:meth:`_check_states_apart`). Nothing refused, a count that
         several of them share is made each one's own (``own_counts``), as a step of their group makes it."""
         unheld = False
         for key, index, params in parts:
             entry = self._plans.current.get(key)
-            if (entry is not None and entry.states is not None and len(entry.params) == len(params)
-                    and all(map(operator.is_, entry.params, params))):
-                # each state compared by identity, as the bucket's step compares them (a change count misses
-                # dict's own methods), and the counts' values read
-                if entry.holds(self.state, engines.fused.held_natively(entry) is not None):
-                    continue
+            # the plan's rule, as the bucket's step applies it: the same params under options that still give
+            # its structure (state_bits set anew makes states of another format), and each state compared by
+            # identity (a change count misses dict's own methods), the counts' values read
+            if (entry is not None and entry.states is not None
+                    and entry.fits(self._structure, self.param_groups[index], params)
+                    and entry.holds(self.state, engines.fused.held_natively(entry) is not None)):
+                continue
             unheld = True
             for param in params:
                 self._check_state(param, self.state.get(param) or {}, self.param_groups[index])
