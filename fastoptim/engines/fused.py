@@ -130,8 +130,8 @@ def held_natively(work, grads=None):
     kernel walks it (its dtype, sizes and strides, and not its param's memory: see ``check_grads``), or
     True without ``grads`` (the tables alone checked: before backward has made them)."""
     if (not work.params or grads is not None and len(grads) != len(work.params) or work.states is None
-            or work.viewed_states
-            or work.local_params is not work.params or not all(map(natively_checked, work.buckets))):
+            or work.viewed_states or work.local_params is not work.params
+            or not all(map(natively_checked, work.buckets))):
         return None
     splits = [bucket.kernel_split for bucket in work.buckets]
     backend = splits[0].backend

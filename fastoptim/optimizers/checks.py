@@ -155,9 +155,15 @@ def step_count(value, device, name="step"):
     return count.to(device=device, copy=True)
 
 
+def whole_counts(values: list[float]) -> bool:
+    """Whether each of ``values`` (step counts read as Python floats) is a whole number >= 0: not 2.5, -1
+    (a bias correction would divide by zero), NaN or inf (no float of those is an integer)."""
+    return all(map(float.is_integer, values)) and min(values, default=0.0) >= 0
+
+
 def check_whole_count(value: float, name: str = "step") -> None:
     """Refuse a step count's ``value`` that is no whole number >= 0, naming ``name``."""
-    if not (math.isfinite(value) and value >= 0 and value == math.floor(value)):
+    if not whole_counts([value]):
         raise ValueError(f"Invalid {name}: {value!r} (must be a whole number >= 0)")
 
 

@@ -199,6 +199,11 @@ class GradientRelease:
             self.bucket_of[id(param)] = len(self.buckets)
         self.buckets.append((group_index, params))
 
+    def _part(self, bucket: int) -> tuple:
+        """Bucket ``bucket`` as a step takes it: its step work's key in the optimizer's plan store, its
+        group's index and its params."""
+        return ("released", bucket), *self.buckets[bucket]
+
     def _made_for(self, optimizer) -> bool:
         """Whether the buckets were made for ``optimizer``'s groups as they are: the same params, with
         the same ``requires_grad``."""
@@ -249,7 +254,7 @@ class GradientRelease:
         ready.add(id(param))
         group_index, params = self.buckets[bucket]
         if len(ready) == len(params) and not any(id(p) in self.late for p in params):
-            self._step([(("released", bucket), group_index, params)])
+            self._step([self._part(bucket)])
 
     def _check_buckets(self, optimizer) -> None:
         """At the first grad of a step: check every group's options (a bucket steps as soon as its grads are
@@ -262,8 +267,7 @@ class GradientRelease:
             self.checked = True
             try:
                 self._check_groups(optimizer)
-                optimizer._check_released_states([(("released", bucket), group_index, params)
-                                                  for bucket, (group_index, params) in enumerate(self.buckets)])
+                optimizer._check_released_states(list(map(self._part, range(len(self.buckets)))))
             except (ValueError, TypeError, RuntimeError):
                 self.refused = True
 

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from .algorithm import PER_GROUP, PER_PARAM
-from .checks import check_whole_count, is_step_count, step_count
+from .checks import check_whole_count, is_step_count, step_count, whole_counts
 
 _LIBRARY = torch.library.Library("fastoptim", "FRAGMENT")
 _LIBRARY.define("count_up(Tensor(a!)[] counts, Tensor? increment) -> ()")
@@ -154,8 +154,7 @@ class StepCounts:
         (``_check_state``). A count on another device is not read: that would wait for it."""
         for count in [self.packed] if self.packed is not None else self.slots or []:
             if count.device.type == "cpu":
-                values = count.numpy().tolist() if count.dim() else [count.item()]
-                if not (all(map(float.is_integer, values)) and min(values) >= 0):  # NaN and inf are no integers
+                if not whole_counts(count.numpy().tolist() if count.dim() else [count.item()]):
                     return False
         return True
 

@@ -415,17 +415,17 @@ class StepPath:
         released bucket, or what backward left of a group), its step work's key in the plan store, its
         group's index and its params. One part steps on its bound step (``PlanStore.released``) where its
         rule holds, and plans one from its checked step. The per-group counts advance at ``step()``."""
-        plans, keys = self._plans, {key for key, _, _ in parts}
+        plans, keys, one = self._plans, {key for key, _, _ in parts}, len(parts) == 1
         plans.bound = None  # the next normal step is checked again
-        bound = plans.released.pop(parts[0][0], None) if len(parts) == 1 else None
+        bound = plans.released.pop(parts[0][0], None) if one else None
         if bound is not None and bound.step(self, plans, [(self.param_groups[i], ps) for _, i, ps in parts]):
             plans.released[parts[0][0]] = bound
             return
         work = [(self.param_groups[i], *self._group_work(plans, key, self.param_groups[i], ps)) for key, i, ps in parts]
         self._check_apart([entry for _, entry, _ in work], [e for key, e in plans.current.items() if key not in keys])
         self._apply(work, plans, whole_step=False)
-        algorithm = self._algorithm(work[0][0])  # not where it reduces (run again, it would reduce twice), nor
-        if len(parts) == 1 and self._reduce_group is None and algorithm.counts != PER_GROUP:  # a group count
+        # none where it reduces (run again, it would twice), nor for a group count (native code would advance it)
+        if one and self._reduce_group is None and (algorithm := self._algorithm(work[0][0])).counts != PER_GROUP:
             plans.released[parts[0][0]] = BoundStep.of(self.state, work, [algorithm], False)
 
     def _restart_masters(self, params, undo=None):
