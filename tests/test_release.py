@@ -1130,3 +1130,41 @@ def test_state_bits_set_anew_under_release_is_refused_before_any_bucket_steps():
     with pytest.raises(RuntimeError, match=r"state 'exp_avg' is torch.float32 \(80, 80\)"):
         opt.step()
     assert_unchanged(params, opt, before)
+
+
+RELEASED_BOUND_WRITES = {  # between steps, once the released buckets step bound
+    "param.data = a copy": lambda module, opt: setattr(module[0].weight, "data", module[0].weight.detach().clone()),
+    "param.set_ to a copy": lambda module, opt: module[2].bias.data.set_(module[2].bias.detach().clone()),
+    "state set_ to a copy": lambda module, opt: opt.state[module[0].bias]["exp_avg"].set_(
+        opt.state[module[0].bias]["exp_avg"].clone()),
+    "state replaced": lambda module, opt: opt.state[module[4].weight].update(
+        exp_avg_sq=opt.state[module[4].weight]["exp_avg_sq"] * 2),
+    "count filled in place": lambda module, opt: opt.state[module[2].weight]["step"].fill_(7),
+    "lr and betas changed": lambda module, opt: opt.param_groups[0].update(lr=3e-2, betas=(0.8, 0.99)),
+    "a param frozen": lambda module, opt: module[2].weight.requires_grad_(False),
+    "params reordered": lambda module, opt: opt.param_groups[0]["params"].reverse(),
+    "a param group added": lambda module, opt: opt.add_param_group({"params": [module.extra]}),
+}
+
+
+@pytest.mark.parametrize("write", list(RELEASED_BOUND_WRITES))
+def test_a_released_bucket_s_bound_step_follows_what_the_user_writes(write):
+    """Each released bucket keeps a bound step (PlanStore.released): a write between steps to what it was
+    planned from is followed, bit for bit as by the unreleased run given the same write."""
+    def run(release):
+        module = model()
+        opt = fastoptim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.05, fused=True)
+        module.extra = torch.nn.Parameter(torch.ones(3))  # after the optimizer: no param of its groups yet
+        if release:
+            opt.enable_gradient_release(bucket_numel=SMALL_BUCKETS)
+        train(module, opt, steps=3)
+        if release:
+            assert len(opt._plans.released) > 1 and all(opt._plans.released.values())
+        RELEASED_BOUND_WRITES[write](module, opt)
+        for x in batches(3):
+            (module(x).square().mean() + module.extra.sum()).backward()
+            opt.step()
+            opt.zero_grad()
+        return list(module.parameters()), opt
+
+    assert_same(run(False), run(True))
