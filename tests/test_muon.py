@@ -283,6 +283,34 @@ def test_the_fused_engines_run_the_update_on_the_kernel_as_foreach_computes_it(e
     assert_equal(fused, foreach)
 
 
+@pytest.mark.parametrize("options", [dict(), dict(weight_decay=0.1, nesterov=False), dict(max_grad_norm=0.5),
+                                     dict(state_bits=8), dict(scaled=True)], ids=str)
+@pytest.mark.parametrize("engine", FUSED)
+def test_fp16_params_step_on_the_fused_engines_as_on_the_loop_engine(engine, options):
+    """fp16 grads reach the momentum kernel in fp32, so each direction is rounded once, to the iterations'
+    bf16, as the loop engine rounds it: written in fp16 first, a direction was rounded twice, and a step
+    moved 31 of a 16x8 matrix's 128 elements apart from the loop engine's. One matrix a shape: batches of
+    one, which the batched iterations round as the loop's do. ``scaled``: under GradScaler's scale (and an
+    inf step skipped)."""
+    params = make_params([(16, 8), (8, 8), (4, 12)], torch.float16)
+    grads = grads_of(params, steps=5, scale=1e-3)  # fp16 subnormals below 6e-5: bits a direction in fp16 drops
+    scaled = options.pop("scaled", False)
+    runs = []
+    for flags in (ENGINES["loop"], ENGINES[engine]):
+        copies = clone(params)
+        optimizer = fastoptim.Muon(copies, lr=0.02, **options, **flags)
+        for index, step_grads in enumerate(grads):
+            if scaled:  # as GradScaler hands its inverse scale and found_inf to the step
+                optimizer.grad_scale = torch.tensor(1024.0)
+                optimizer.found_inf = torch.tensor(float(index == 2))
+            for param, grad in zip(copies, step_grads):
+                param.grad = (grad * (1024 if scaled else 1)).to(torch.float16)
+            optimizer.step()
+        runs.append(copies)
+    assert not any(torch.equal(a, b) for a, b in zip(runs[0], params))
+    assert_equal(runs[1], runs[0])
+
+
 @pytest.mark.parametrize("engine", FUSED)
 def test_a_param_only_the_update_kernel_refuses_takes_foreach_with_one_warning_a_step(engine):
     """A param given a transposed layout after its first step, whose grads stay contiguous: the momentum
@@ -367,7 +395,7 @@ def test_the_momentum_kernels_tables_are_bound_once_and_step_as_tables_made_anew
 
 
 @pytest.mark.parametrize("state_bits", [32, 8])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_triton_kernel_runs_the_momentum_as_foreach_computes_it(dtype, state_bits, monkeypatch):
     """On Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py), which rounds no product into
     a sum as a GPU's FMA does: equal to a few ulps of the directions, so of the params."""
@@ -381,7 +409,8 @@ def test_the_triton_kernel_runs_the_momentum_as_foreach_computes_it(dtype, state
         monkeypatch.setattr(module, "muon_apply", lambda ops, **kwargs: pytest.fail("muon_apply ran on ops"))
     triton = stepped(fastoptim.Muon, params, grads, lr=0.02, state_bits=state_bits, fused=True)
     for a, b in zip(triton, foreach):
-        torch.testing.assert_close(a.float(), b.float(), rtol=2**-7 if dtype == torch.bfloat16 else 1e-5, atol=2e-5)
+        torch.testing.assert_close(a.float(), b.float(), rtol={torch.bfloat16: 2**-7, torch.float16: 2**-10}.get(
+            dtype, 1e-5), atol=2e-5)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

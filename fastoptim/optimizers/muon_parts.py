@@ -239,10 +239,18 @@ def scaled_first(part: engines.Plan) -> bool:
             and not engines.backends.for_device(part.tensors["grad"][0].device).ROUNDS_SCALED_GRADS)
 
 
+def widened_first(part: engines.Plan) -> bool:
+    """Whether fused bucket ``part``'s grads go to its momentum kernel in fp32 (float64 for float64
+    ones): where they are scaled first, and fp16 grads, whose directions in fp16 the iterations would
+    round to bf16 a second time (the reference rounds the fp32 direction once, to bf16: fp16's rounding
+    of it can land on a bf16 tie, and its subnormals drop bits that bf16 keeps)."""
+    return part.tensors["grad"][0].dtype == torch.float16 or scaled_first(part)
+
+
 def direction_dtype(part: engines.Plan) -> torch.dtype:
     """The dtype of fused bucket ``part``'s directions: its grads' as its momentum kernel takes them."""
     dtype = part.tensors["grad"][0].dtype
-    return torch.promote_types(dtype, torch.float32) if scaled_first(part) else dtype
+    return torch.promote_types(dtype, torch.float32) if widened_first(part) else dtype
 
 
 def directions_of(part: engines.Plan) -> Directions:
@@ -280,10 +288,10 @@ def run_in_three_parts(momentum_engine: str, part: engines.Plan, reduce_group=No
     ``muon_apply`` on ``momentum_engine`` (the update kernel's tables kept in ``piece``)."""
     grads, args = part.tensors["grad"], part.args
     grad_scale = args["grad_scale"]
-    if momentum_engine in engines.FUSED and scaled_first(part):
-        grads = torch._foreach_mul([grad.to(torch.promote_types(grad.dtype, torch.float32)) for grad in grads],
-                                   grad_scale)
-        grad_scale = None
+    if momentum_engine in engines.FUSED and widened_first(part):
+        grads = [grad.to(torch.promote_types(grad.dtype, torch.float32)) for grad in grads]
+        if scaled_first(part):
+            grads, grad_scale = torch._foreach_mul(grads, grad_scale), None
     directions = [torch.empty_like(grad) for grad in grads] if piece is None else piece.directions
     momentum = BucketPlan() if piece is None else piece.momentum
     # the params too are watched by native code, though the kernel does not walk them: a bound step updates
@@ -363,7 +371,9 @@ def bound_momentum(tensors: dict, bucket: list[int], plan: BucketPlan, engine: s
     natively checked tables (a param the update kernel leaves to foreach takes the checked way, which
     warns of it); else None."""
     directions = plan.directions
-    if directions is None or len(directions.slices) != 1:
+    # directions wider than the grads are written from converted grads (widened_first), which a bound
+    # step, handing the kernel the user's grads, does not make
+    if directions is None or len(directions.slices) != 1 or directions.dtype != tensors["param"][bucket[0]].dtype:
         return None
     piece = directions.slices[0]
     if not (engines.fused.natively_checked(piece.momentum) and engines.fused.natively_checked(piece.update)):
