@@ -910,19 +910,23 @@ def test_the_matrices_of_one_shape_are_orthogonalized_as_one_batch(engine, monke
     assert sorted(batches) == [(1, 8, 4), (2, 4, 8), (2, 8, 4)]
 
 
+@pytest.mark.parametrize("saved_bits, loaded_bits", [(32, 32), (8, 8), (32, 16), (8, 32), (16, 8)])
 @pytest.mark.parametrize("switch", ["use_muon", "moved"])
-def test_a_state_dict_saved_after_a_param_changed_algorithm_loads_and_steps_on_as_the_original(switch):
+def test_a_state_dict_saved_after_a_param_changed_algorithm_loads_and_steps_on_as_the_original(switch, saved_bits,
+                                                                                               loaded_bits):
     """A Muon group's matrix stepped by the AdamW companions (its group's use_muon written False, or the param
     moved into a companions' group), whose state keeps the other algorithm's states as AdamW's keeps an
-    unused maximum: its state dict loads into the same optimizer and into a fresh one, which then step as the
-    original, back to Muon too (the load refused the other algorithm's keys: helper-50)."""
+    unused maximum: its state dict saves (with 8-bit states it raised: helper-77) and loads into the same
+    optimizer and into a fresh one, which then step as the original, back to Muon too (the load refused the
+    other algorithm's keys: helper-50); into one of other ``state_bits``, the kept momentum too takes that
+    optimizer's format (it kept the saved one, and every step back to Muon was refused: helper-77)."""
     torch.manual_seed(0)
-    weight, bias = torch.nn.Parameter(torch.randn(24, 16)), torch.nn.Parameter(torch.randn(16))
+    weight, bias = torch.nn.Parameter(torch.randn(64, 80)), torch.nn.Parameter(torch.randn(16))  # 8-bit from 4096
     grads = [(torch.randn_like(weight), torch.randn_like(bias)) for _ in range(6)]
 
-    def build(w, b):
+    def build(w, b, bits=saved_bits):
         return fastoptim.Muon([dict(params=[w]), dict(params=[b], use_muon=False, eps=1e-8, adamw_eps=1e-8)],
-                              lr=0.02, eps=1e-8)
+                              lr=0.02, eps=1e-8, state_bits=bits)
 
     def step(opt, w, b, i):
         w.grad, b.grad = grads[i][0].clone(), grads[i][1].clone()
@@ -937,19 +941,25 @@ def test_a_state_dict_saved_after_a_param_changed_algorithm_loads_and_steps_on_a
         step(opt, weight, bias, i)
     assert {"momentum_buffer", "exp_avg", "exp_avg_sq"} <= set(opt.state[weight])
     twin_weight, twin_bias = (torch.nn.Parameter(p.detach().clone()) for p in (weight, bias))
-    twin = build(twin_weight, twin_bias)
+    twin = build(twin_weight, twin_bias, loaded_bits)
     if switch == "use_muon":
         twin.param_groups[0].update(use_muon=False, adamw_eps=1e-8)
     else:
         twin.param_groups[1]["params"].append(twin.param_groups[0]["params"].pop())
     twin.load_state_dict(copy.deepcopy(opt.state_dict()))
     opt.load_state_dict(opt.state_dict())
+    loaded = twin.state[twin_weight]  # each state in the loading optimizer's format, kept ones too
+    assert {key: loaded[key].dtype for key in ("momentum_buffer", "exp_avg")} == dict.fromkeys(
+        ("momentum_buffer", "exp_avg"), {32: torch.float32, 16: torch.bfloat16, 8: torch.uint8}[loaded_bits])
     for i in range(3, 6):
         for optimizer, w, b in ((opt, weight, bias), (twin, twin_weight, twin_bias)):
             if i == 4 and switch == "use_muon":
                 optimizer.param_groups[0]["use_muon"] = True
             step(optimizer, w, b, i)
-    assert torch.equal(weight, twin_weight) and torch.equal(bias, twin_bias)
+    if saved_bits == loaded_bits:
+        assert torch.equal(weight, twin_weight) and torch.equal(bias, twin_bias)
+    else:  # the states rounded into another format: a step's rounding apart
+        torch.testing.assert_close(twin_weight, weight, rtol=0, atol=0.02 * 3 * 2**-4)
 
 
 def test_a_0d_tensor_momentum_given_to_the_constructor_steps_as_torch_s_muon():

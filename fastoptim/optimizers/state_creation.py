@@ -89,21 +89,22 @@ class StateCreation:
         spec = self._algorithm(group).spec
         entry.use_states(states, context, partitions, spec.reduced, self._reduce_group, not spec.elementwise)
 
-    def _partition(self, param, state, group):
-        """The subset-norm partition of a param: the one its state records; for a state without a
-        second moment yet, the group's (``sn``, ``subset_size``); None: a dense second moment, which
-        a complex param always keeps (as its states, see ``formats.for_state``)."""
+    def _partition(self, param, state, group, algorithm=None):
+        """The subset-norm partition of a param under ``algorithm`` (None: its group's): the one its state
+        records; for a state without a second moment yet, the group's (``sn``, ``subset_size``); None: a
+        dense second moment, which a complex param always keeps (as its states, see ``formats.for_state``)."""
         if param.is_complex():
             return None
-        if any(key in state for key in (*subset_norm.RECORDS, *self._algorithm(group).spec.reduced)):
+        if any(key in state for key in (*subset_norm.RECORDS, *(algorithm or self._algorithm(group)).spec.reduced)):
             return subset_norm.from_record(param.shape, state)
         return (subset_norm.from_options(param.shape, one_value("subset_size", group.get("subset_size")))
                 if one_value("sn", group.get("sn")) else None)
 
-    def _formats(self, group, param, state):
-        """The format of each state role of ``param`` that ``group``'s options keep (see
-        fastoptim.states.formats), and its subset-norm partition (None: dense)."""
-        partition, algorithm = self._partition(param, state, group), self._algorithm(group)
+    def _formats(self, group, param, state, algorithm=None):
+        """The format of each state role of ``param`` that ``group``'s options keep under ``algorithm``
+        (None: the group's; see fastoptim.states.formats), and its subset-norm partition (None: dense)."""
+        algorithm = algorithm or self._algorithm(group)
+        partition = self._partition(param, state, group, algorithm)
         return {role: formats.for_state(param, algorithm.spec.role(role), one_value("state_bits", group["state_bits"]),
                                    partition)
                 for role in algorithm.spec.kept(algorithm.flags(group))}, partition
@@ -207,13 +208,14 @@ class StateCreation:
             add({master.KEY: master.zeros(like, master_bits)})
         return state
 
-    def _expected_state(self, group, param, state):
-        """The (shape, dtype) of each state tensor that a param's state must have, companions
-        (an 8-bit state's block maxima) included."""
-        states_formats, partition = self._formats(group, param, state)
-        expected = {"step": (torch.Size([]), torch.float32)} if self._algorithm(group).counts == PER_PARAM else {}
+    def _expected_state(self, group, param, state, algorithm=None):
+        """The (shape, dtype) of each state tensor that a param's state must have under ``algorithm``
+        (None: its group's), companions (an 8-bit state's block maxima) included."""
+        algorithm = algorithm or self._algorithm(group)
+        states_formats, partition = self._formats(group, param, state, algorithm)
+        expected = {"step": (torch.Size([]), torch.float32)} if algorithm.counts == PER_PARAM else {}
         for role, state_format in states_formats.items():
-            expected |= state_format.expected(param, self._algorithm(group).spec.role(role), partition)
+            expected |= state_format.expected(param, algorithm.spec.role(role), partition)
         remainder = master.dtype(param, one_value("master_bits", group["master_bits"]))
         if remainder is not None:
             expected[master.KEY] = (param.shape, remainder)

@@ -49,13 +49,15 @@ class StateDicts:
         state_dict["state"] = {key: dict(state) if isinstance(state, dict) else state
                                for key, state in state_dict["state"].items()}
         specs = {key: self._algorithm(group).spec for group in state_dict["param_groups"] for key in group["params"]}
+        # a param's states of the other algorithm, kept since its group changed algorithm (Muon's), by name
+        roles = {role.name: role for algorithm in self._algorithms() for role in algorithm.spec.roles}
         for key in self._unread_keys(state_dict):
             state_dict["state"][key] = {role: value for role, value in state_dict["state"][key].items()
                                         if role.removesuffix(ABSMAX) not in specs[key].optional}
         for key, state in state_dict["state"].items():
             if key not in specs:
                 continue
-            for role in [specs[key].role(role) for role in state if role + ABSMAX in state]:  # 8-bit codes
+            for role in [roles[role] for role in state if role + ABSMAX in state]:  # 8-bit codes
                 state = state | formats.named_codes(role)
                 if self._sharded:
                     state = formats.convert(state, role, formats.FP32)
@@ -153,17 +155,26 @@ class StateDicts:
             raise ValueError(f"state of parameter {saved_id}: {error}") from None
         algorithm = self._algorithm(group)
         spec = algorithm.spec
-        for role, state_format in self._formats(group, param, state)[0].items():  # into this optimizer's formats
-            if role in state:
-                try:
-                    state = formats.convert(state, spec.role(role), state_format)
-                except (ValueError, RuntimeError) as error:
-                    raise ValueError(f"state of parameter {saved_id}: {error}") from None
+        # into this optimizer's formats: the group's algorithm's states, and those a param kept of the other's
+        # (Muon's, whose group changed algorithm), as a step back to it takes them
+        for each in (algorithm, *(other for other in self._algorithms() if other is not algorithm)):
+            for role, state_format in self._formats(group, param, state, each)[0].items():
+                if role in state and (each is algorithm or role not in spec.states):
+                    try:
+                        state = formats.convert(state, each.spec.role(role), state_format)
+                    except (ValueError, RuntimeError) as error:
+                        raise ValueError(f"state of parameter {saved_id}: {error}") from None
         remainder = state.pop(master.KEY, None)
         master_bits = one_value("master_bits", group["master_bits"])
         if remainder is not None and master.dtype(param, master_bits) is not None:
             state[master.KEY] = master.convert(torch.as_tensor(remainder), master_bits)
         expected = self._expected_state(group, param, state)
+        # the states a param kept of the other algorithm (Muon's, whose group changed algorithm), in the formats a
+        # step back to it takes
+        kept = {key: shape_dtype for other in self._algorithms() if other is not algorithm
+                for key, shape_dtype in self._expected_state(group, param, state, other).items()
+                if key.removesuffix(ABSMAX) in state and key.removesuffix(ABSMAX) in other.spec.states
+                and key.removesuffix(ABSMAX) not in spec.states}
         records = {key for key in subset_norm.RECORDS if key in state}  # the partition: Python ints
         # the states its options leave unused (AdamW's maximum without amsgrad), or the other algorithm's (a Muon
         # group's param stepped by the AdamW companions before), kept as the step keeps them
@@ -180,6 +191,7 @@ class StateDicts:
             raise ValueError(
                 f"state of parameter {saved_id} has keys {sorted(state)}, but {type(self).__name__} "
                 f"expects {sorted(expected)}: is it a state dict of another optimizer?")
+        expected |= kept
         for key in [key for key in state if key not in records]:
             if key not in expected:  # a state the saved options leave unused: kept as saved
                 state[key] = torch.as_tensor(state[key]).to(param.device, copy=True)
@@ -191,7 +203,8 @@ class StateDicts:
             if value.shape != shape:
                 raise ValueError(f"state '{key}' of parameter {saved_id} has shape {tuple(value.shape)}, "
                                  f"expected {tuple(shape)}")
-            if key in spec.states and distributed.is_dtensor(param) and not distributed.is_dtensor(value):
+            if (key in spec.states or key in kept and not key.endswith(ABSMAX)) and distributed.is_dtensor(param) \
+                    and not distributed.is_dtensor(value):
                 raise ValueError(f"state '{key}' of parameter {saved_id} is a plain tensor, but its param "
                                  "is a DTensor: load sharded states through torch.distributed.checkpoint "
                                  "(see the README)")
