@@ -4,7 +4,10 @@ engine against the loop engine (hypothesis), low-bit momenta, master weights, Gr
 dicts (torch's Muon checkpoints included), torch.compile, and bad input."""
 import copy
 import math
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -311,6 +314,45 @@ def test_fp16_params_step_on_the_fused_engines_as_on_the_loop_engine(engine, opt
     assert_equal(runs[1], runs[0])
 
 
+SHARDED_FP16 = """
+import sys, torch, torch.distributed as dist, fastoptim
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import distribute_tensor
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+generator = torch.Generator().manual_seed(0)
+start = torch.randn(64, 48, generator=generator)
+grads = [torch.randn(64, 48, generator=generator) * 1e-5 for _ in range(3)]
+
+def stepped(sharded, **flags):
+    model = torch.nn.Linear(48, 64, bias=False).half()
+    with torch.no_grad():
+        model.weight.copy_(start)
+    if sharded:
+        fully_shard(model, mesh=mesh)
+    optimizer = fastoptim.Muon(model.parameters(), lr=0.02, **flags)
+    for grad in grads:
+        weight = model.weight
+        weight.grad = distribute_tensor(grad.half(), mesh, weight.placements) if sharded else grad.half()
+        optimizer.step()
+    return model.weight.full_tensor() if sharded else model.weight.detach()
+
+loop = stepped(False, foreach=False, fused=False)
+print([torch.equal(stepped(True, **flags), loop) for flags in (dict(foreach=True, fused=False), dict(fused=True))])
+dist.destroy_process_group()
+"""
+
+
+def test_fp16_params_sharded_by_fsdp2_step_as_on_the_loop_engine(tmp_path):
+    """The sharded path's momentum (a bucket of DTensor params, on foreach or the kernel) takes fp16 grads in fp32
+    too: on foreach it wrote the directions in fp16, and 1252 of a 64x48 matrix's elements came apart from the
+    loop engine's after 3 steps. One rank, in a process of its own (it makes a process group)."""
+    run = subprocess.run([sys.executable, "-c", SHARDED_FP16, str(tmp_path / "rendezvous")], capture_output=True,
+                         text=True, timeout=300, cwd=Path(__file__).parents[1])
+    assert run.returncode == 0 and run.stdout.split()[-2:] == ["[True,", "True]"], run.stdout + run.stderr[-3000:]
+
+
 @pytest.mark.parametrize("engine", FUSED)
 def test_a_param_only_the_update_kernel_refuses_takes_foreach_with_one_warning_a_step(engine):
     """A param given a transposed layout after its first step, whose grads stay contiguous: the momentum
@@ -375,8 +417,8 @@ def test_the_momentum_kernels_tables_are_bound_once_and_step_as_tables_made_anew
     runs = []
     for fresh in (False, True):
         if fresh:  # fresh direction buffers every step, so tables made anew every step (as before they were kept)
-            monkeypatch.setattr(muon_parts, "directions_of", lambda part: muon_parts.Directions.of(
-                part, muon_parts.direction_dtype(part)))
+            monkeypatch.setattr(muon_parts, "directions_of", lambda part, engine: muon_parts.Directions.of(
+                part, muon_parts.direction_dtype(part, engine)))
         params = clone(matrices)
         optimizer = fastoptim.Muon(params, lr=0.02, **ENGINES[engine])
         made.clear()

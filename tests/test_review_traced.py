@@ -187,7 +187,7 @@ def test_a_traced_muon_bucket_runs_muon_update_on_foreach_by_its_plan(monkeypatc
     monkeypatch.setattr(engines, "run_bucket", lambda engine, part, reduce_group=None: ran.append(
         (engine, part.traced)))
     monkeypatch.setattr(muon_parts, "by_matrix_shape", lambda part: part)
-    monkeypatch.setattr(muon_parts, "directions_of", lambda part: ran.append("directions") or
+    monkeypatch.setattr(muon_parts, "directions_of", lambda part, engine: ran.append("directions") or
                         muon_parts.Directions(torch.float32, []))
     plan = engines.Plan({"param": [torch.zeros(2, 2)]}, None, muon_parts.SPEC, traced=True)
     muon_parts.run_muon_bucket("fused-multi", plan)

@@ -239,23 +239,24 @@ def scaled_first(part: engines.Plan) -> bool:
             and not engines.backends.for_device(part.tensors["grad"][0].device).ROUNDS_SCALED_GRADS)
 
 
-def widened_first(part: engines.Plan) -> bool:
-    """Whether fused bucket ``part``'s grads go to its momentum kernel in fp32 (float64 for float64
-    ones): where they are scaled first, and fp16 grads, whose directions in fp16 the iterations would
-    round to bf16 a second time (the reference rounds the fp32 direction once, to bf16: fp16's rounding
-    of it can land on a bf16 tie, and its subnormals drop bits that bf16 keeps)."""
-    return part.tensors["grad"][0].dtype == torch.float16 or scaled_first(part)
+def widened_first(part: engines.Plan, engine: str) -> bool:
+    """Whether bucket ``part``'s grads go to its momentum, run on ``engine``, in fp32 (float64 for float64
+    ones): fp16 grads, whose directions in fp16 the iterations would round to bf16 a second time (the
+    reference rounds the fp32 direction once, to bf16: fp16's rounding of it can land on a bf16 tie, and
+    its subnormals drop bits that bf16 keeps), and on a fused engine grads scaled first (:func:`scaled_first`)."""
+    return part.tensors["grad"][0].dtype == torch.float16 or engine in engines.FUSED and scaled_first(part)
 
 
-def direction_dtype(part: engines.Plan) -> torch.dtype:
-    """The dtype of fused bucket ``part``'s directions: its grads' as its momentum kernel takes them."""
+def direction_dtype(part: engines.Plan, engine: str) -> torch.dtype:
+    """The dtype of bucket ``part``'s directions, its momentum run on ``engine``: its grads' as that takes them."""
     dtype = part.tensors["grad"][0].dtype
-    return torch.promote_types(dtype, torch.float32) if widened_first(part) else dtype
+    return torch.promote_types(dtype, torch.float32) if widened_first(part, engine) else dtype
 
 
-def directions_of(part: engines.Plan) -> Directions:
-    """The :class:`Directions` of fused bucket ``part``, kept in its bucket plan for their dtype."""
-    dtype = direction_dtype(part)
+def directions_of(part: engines.Plan, engine: str) -> Directions:
+    """The :class:`Directions` of fused bucket ``part`` (on fused ``engine``), kept in its bucket plan for
+    their dtype."""
+    dtype = direction_dtype(part, engine)
     kept = part.bucket.directions
     if kept is None or kept.dtype != dtype:
         kept = part.bucket.directions = Directions.of(part, dtype)
@@ -274,7 +275,7 @@ def run_muon_bucket(engine: str, part: engines.Plan, reduce_group=None) -> None:
     elif not kernel:  # a traced fused step runs muon_update on foreach, as documented (no fallback warning)
         engines.run_bucket("foreach" if engine in engines.FUSED else engine, by_matrix_shape(part))
     else:
-        for piece in directions_of(part).slices:
+        for piece in directions_of(part, engine).slices:
             whole = piece.indices == list(range(len(part)))
             run_in_three_parts(engine, part if whole else part.cut(piece.indices, owners_bucket=piece.cut),
                                None, piece)
@@ -288,9 +289,9 @@ def run_in_three_parts(momentum_engine: str, part: engines.Plan, reduce_group=No
     ``muon_apply`` on ``momentum_engine`` (the update kernel's tables kept in ``piece``)."""
     grads, args = part.tensors["grad"], part.args
     grad_scale = args["grad_scale"]
-    if momentum_engine in engines.FUSED and widened_first(part):
+    if widened_first(part, momentum_engine):
         grads = [grad.to(torch.promote_types(grad.dtype, torch.float32)) for grad in grads]
-        if scaled_first(part):
+        if momentum_engine in engines.FUSED and scaled_first(part):
             grads, grad_scale = torch._foreach_mul(grads, grad_scale), None
     directions = [torch.empty_like(grad) for grad in grads] if piece is None else piece.directions
     momentum = BucketPlan() if piece is None else piece.momentum
