@@ -223,7 +223,8 @@ class BoundStep:
                 for part, tables in zip(parts, buckets):
                     part_values, part_flags = part.launch_values(plain_group, scale, found_inf, device)
                     for positions in tables:
-                        grads_in.append([grads[i] for i in positions])
+                        taken = [grads[i] for i in positions]
+                        grads_in.append(list(map(Tensor.float, taken)) if part.widen else taken)
                         values.append(part_values)
                         flags.append(part.spec.flag_bits(part_flags))
                 continue

@@ -293,23 +293,25 @@ def test_fp16_params_step_on_the_fused_engines_as_on_the_loop_engine(engine, opt
     """fp16 grads reach the momentum kernel in fp32, so each direction is rounded once, to the iterations'
     bf16, as the loop engine rounds it: written in fp16 first, a direction was rounded twice, and a step
     moved 31 of a 16x8 matrix's 128 elements apart from the loop engine's. One matrix a shape: batches of
-    one, which the batched iterations round as the loop's do. ``scaled``: under GradScaler's scale (and an
-    inf step skipped)."""
-    params = make_params([(16, 8), (8, 8), (4, 12)], torch.float16)
+    one, which the batched iterations round as the loop's do. Beside an fp32 group, the steps stay bound:
+    the bound step converts the fp16 grads as the checked one does (it took the checked way every step,
+    helper-80). ``scaled``: under GradScaler's scale (and an inf step skipped)."""
+    params = make_params([(16, 8), (8, 8), (4, 12)], torch.float16) + make_params([(8, 4)], seed=3)
     grads = grads_of(params, steps=5, scale=1e-3)  # fp16 subnormals below 6e-5: bits a direction in fp16 drops
     scaled = options.pop("scaled", False)
     runs = []
     for flags in (ENGINES["loop"], ENGINES[engine]):
         copies = clone(params)
-        optimizer = fastoptim.Muon(copies, lr=0.02, **options, **flags)
+        optimizer = fastoptim.Muon([{"params": copies[:3]}, {"params": copies[3:]}], lr=0.02, **options, **flags)
         for index, step_grads in enumerate(grads):
             if scaled:  # as GradScaler hands its inverse scale and found_inf to the step
                 optimizer.grad_scale = torch.tensor(1024.0)
                 optimizer.found_inf = torch.tensor(float(index == 2))
             for param, grad in zip(copies, step_grads):
-                param.grad = (grad * (1024 if scaled else 1)).to(torch.float16)
+                param.grad = (grad * (1024 if scaled else 1)).to(param.dtype)
             optimizer.step()
         runs.append(copies)
+    assert optimizer._plans.bound is not None and optimizer._plans.bound.groups[0].parts[0].widen
     assert not any(torch.equal(a, b) for a, b in zip(runs[0], params))
     assert_equal(runs[1], runs[0])
 

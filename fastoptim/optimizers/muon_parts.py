@@ -239,12 +239,17 @@ def scaled_first(part: engines.Plan) -> bool:
             and not engines.backends.for_device(part.tensors["grad"][0].device).ROUNDS_SCALED_GRADS)
 
 
+def widened(dtype: torch.dtype) -> bool:
+    """Whether grads of ``dtype`` go to Muon's momentum in fp32 on every engine: fp16 ones, whose directions
+    in fp16 the iterations would round to bf16 a second time (the reference rounds the fp32 direction once,
+    to bf16: fp16's rounding of it can land on a bf16 tie, and its subnormals drop bits that bf16 keeps)."""
+    return dtype == torch.float16
+
+
 def widened_first(part: engines.Plan, engine: str) -> bool:
     """Whether bucket ``part``'s grads go to its momentum, run on ``engine``, in fp32 (float64 for float64
-    ones): fp16 grads, whose directions in fp16 the iterations would round to bf16 a second time (the
-    reference rounds the fp32 direction once, to bf16: fp16's rounding of it can land on a bf16 tie, and
-    its subnormals drop bits that bf16 keeps), and on a fused engine grads scaled first (:func:`scaled_first`)."""
-    return part.tensors["grad"][0].dtype == torch.float16 or engine in engines.FUSED and scaled_first(part)
+    ones): :func:`widened` ones, and on a fused engine grads scaled first (:func:`scaled_first`)."""
+    return widened(part.tensors["grad"][0].dtype) or engine in engines.FUSED and scaled_first(part)
 
 
 def direction_dtype(part: engines.Plan, engine: str) -> torch.dtype:
@@ -346,6 +351,7 @@ class BoundMomentum(NamedTuple):
     # whose index counts from its bucket's first param (a group of two dtypes has two buckets)
     group_cut: BucketPlan
     spec: KernelSpec = MOMENTUM_SPEC
+    widen: bool = False  # whether its tables take the grads in fp32 (:func:`widened`), which the step converts
 
     def launch_values(self, group: dict, grad_scale: float | None, found_inf: Tensor | None,
                       device: torch.device) -> tuple[list, dict]:
@@ -372,9 +378,12 @@ def bound_momentum(tensors: dict, bucket: list[int], plan: BucketPlan, engine: s
     natively checked tables (a param the update kernel leaves to foreach takes the checked way, which
     warns of it); else None."""
     directions = plan.directions
-    # directions wider than the grads are written from converted grads (widened_first), which a bound
-    # step, handing the kernel the user's grads, does not make
-    if directions is None or len(directions.slices) != 1 or directions.dtype != tensors["param"][bucket[0]].dtype:
+    if directions is None or len(directions.slices) != 1:
+        return None
+    # directions wider than the grads: of fp16 ones, which the bound step converts as the checked one does, or
+    # of grads scaled first, which it does not scale
+    widen = directions.dtype != tensors["param"][bucket[0]].dtype
+    if widen and not widened(tensors["param"][bucket[0]].dtype):
         return None
     piece = directions.slices[0]
     if not (engines.fused.natively_checked(piece.momentum) and engines.fused.natively_checked(piece.update)):
@@ -383,7 +392,8 @@ def bound_momentum(tensors: dict, bucket: list[int], plan: BucketPlan, engine: s
     params = {role: [tensors[role][i] for i in positions] for role in ("param", master.KEY) if role in tensors}
     if master.keeps_none(params):
         del params[master.KEY]
-    return BoundMomentum(piece.momentum.kernel_split.tables, positions, piece, params, engine, BucketPlan())
+    return BoundMomentum(piece.momentum.kernel_split.tables, positions, piece, params, engine, BucketPlan(),
+                         widen=widen)
 
 
 def orthogonalize_shards(function, directions: list[Tensor], params: list[Tensor], flatten: bool,
