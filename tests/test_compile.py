@@ -31,6 +31,8 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*script_method:DeprecationWarni
 CASES = [case for info in OPTIMIZERS for case in ((info.cls, {}), (info.cls, info.variant()))] + [
     (fastoptim.Adan, dict(state_bits=16, foreach=False, fused=True)),
     (fastoptim.Adan, dict(foreach=True, fused=False)),
+    # subset norms beside dense moments in one foreach op's lists (helper-79: they rounded apart traced)
+    (fastoptim.AdamWSN, dict(sn=True, foreach=True, fused=False)),
 ]
 INDUCTOR_CASES = [(ADAN.cls, ADAN.variant()), (ADAMW.cls, ADAMW.variant())]
 
@@ -150,6 +152,48 @@ def test_an_option_that_changes_every_step_compiles_as_eager(cls, key, value):
             opt.param_groups[0][key] = value(step)
 
     run_both(cls, {}, "aot_eager", steps=6, before_step=schedule)
+
+
+PYTHON_ENGINES = {"foreach": (dict(foreach=True, fused=False), model_params),
+                  "loop": (dict(foreach=False, fused=False), model_params),
+                  "fused beside a float64 param": ({}, with_a_float64_param)}  # which the kernels leave to foreach
+
+
+@pytest.mark.parametrize("engine", PYTHON_ENGINES)
+@pytest.mark.parametrize("cls, written", [
+    (fastoptim.AdamW, dict(weight_decay=torch.tensor(0.1))), (fastoptim.Adan, dict(weight_decay=torch.tensor(0.02))),
+    (fastoptim.Adan, dict(weight_decay=torch.tensor(0.02), no_prox=True)), (fastoptim.Lion, dict(weight_decay=torch.tensor(0.1))),
+    (fastoptim.Adan, dict(betas=(torch.tensor(0.02), torch.tensor(0.08), torch.tensor(0.01))))],
+    ids=["AdamW wd", "Adan wd", "Adan wd no_prox", "Lion wd", "Adan betas"])
+def test_options_written_as_0d_tensors_compile_on_the_python_engines_as_eager(cls, written, engine):
+    """Options that contract.md takes as 0-d tensors, written between steps, on the engines whose math runs in
+    Python: the compiled step is the eager one, bit for bit. A tensor weight decay's truth test was a
+    data-dependent branch (dynamo refused to trace), and Adan's ``sub_`` with a tensor β's alpha failed in
+    its decomposition, which compares the alpha with 1 (helper-79). The loop engine's traced Tensor methods
+    round apart from its eager ones by an ulp (docs/compile.md promises the foreach engine's and the fused
+    ones' steps bit for bit), with options written as numbers too."""
+    options, make_params = PYTHON_ENGINES[engine]
+
+    def write(opt, step):
+        if step == 1:
+            opt.param_groups[0].update({key: value.clone() if isinstance(value, torch.Tensor) else
+                                        tuple(map(torch.clone, value)) if isinstance(value, tuple) else value
+                                        for key, value in written.items()})
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the float64 param's fallback
+        run_both(cls, options, "aot_eager", before_step=write, make_params=make_params, exact=engine != "loop")
+
+
+def test_a_muon_weight_decay_written_as_a_0d_tensor_compiles_as_eager():
+    """Muon's update too (its truth test of the weight decay: helper-79), on its default engine, which a
+    traced step runs on foreach."""
+    def matrices():
+        torch.manual_seed(0)
+        return [torch.nn.Parameter(torch.randn(shape)) for shape in ((24, 16), (16, 24), (20, 20))]
+
+    run_both(fastoptim.Muon, {}, "aot_eager", make_params=matrices,
+             before_step=lambda opt, step: step == 1 and opt.param_groups[0].update(weight_decay=torch.tensor(0.1)))
 
 
 @pytest.mark.parametrize("where, value", [("groups", 1e-3), ("defaults", 1e-3), ("groups", np.float64(1e-3))],

@@ -44,8 +44,14 @@ def _foreach_add_squares_(moments, xs, value):
     if all(dense):
         torch._foreach_addcmul_(moments, xs, xs, value=value)
         return
-    for moment, x in zip(moments, xs):  # the subset norms, one reduction per tensor
-        _tensor_add_squares_(moment, x, value)
+    # the dense moments in one foreach op too: a traced Tensor.addcmul_ is decomposed into a product and
+    # an FMA, which rounds otherwise than the eager kernel (helper-79), where the foreach op stays itself
+    if any(dense):
+        torch._foreach_addcmul_([m for m, d in zip(moments, dense) if d], [x for x, d in zip(xs, dense) if d],
+                                [x for x, d in zip(xs, dense) if d], value=value)
+    for moment, x, whole in zip(moments, xs, dense):  # the subset norms, one reduction per tensor
+        if not whole:
+            _tensor_add_squares_(moment, x, value)
 
 
 def _tensor_per_matrix(function, x, shape_of):

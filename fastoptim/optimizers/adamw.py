@@ -8,7 +8,7 @@ from torch.optim.optimizer import ParamsT
 
 from ..engines.ops import sqrt
 from ..specs import KernelSpec, Role
-from .algorithm import PER_PARAM, Algorithm, StepInputs
+from .algorithm import PER_PARAM, Algorithm, StepInputs, decays
 from .base import FastOptimizer, in_dtype
 
 if TYPE_CHECKING:
@@ -44,7 +44,7 @@ def adamw_update(ops, *, param, grad, scratch, exp_avg=None, exp_avg_sq, max_exp
         ops.copy_(scratch, grad)
         ops.mul_(scratch, grad_scale)
         grad = scratch
-    if weight_decay and not decay_after:
+    if decays(weight_decay) and not decay_after:
         ops.mul_(param, 1 - lr * weight_decay)
     if exp_avg is not None:
         ops.lerp_(exp_avg, grad, 1 - beta1)
@@ -64,7 +64,7 @@ def adamw_update(ops, *, param, grad, scratch, exp_avg=None, exp_avg_sq, max_exp
     ops.add_(denominator, eps)
     ops.div_(denominator, step_size)
     ops.addcdiv_(param, numerator, denominator, value=-1)
-    if weight_decay and decay_after:
+    if decays(weight_decay) and decay_after:
         ops.mul_(param, 1 - lr * weight_decay)
 
 

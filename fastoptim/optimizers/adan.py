@@ -9,7 +9,7 @@ from torch.optim.optimizer import ParamsT
 
 from ..specs import KernelSpec, Role
 from ..engines.ops import sqrt
-from .algorithm import PER_GROUP, Algorithm, StepInputs
+from .algorithm import PER_GROUP, Algorithm, StepInputs, decays
 from .base import FastOptimizer, in_dtype
 from .step_counts import group_count
 
@@ -52,7 +52,9 @@ def adan_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, exp_avg_diff,
     ops.sub_(neg_pre_grad, scratch)
     ops.mul_(neg_pre_grad, pre_grad_weight)  # d
     ops.mul_(exp_avg, beta1)
-    ops.sub_(exp_avg, scratch, alpha=1 - beta1)
+    # m − (1−β1)·(−g), as torch's sub_ computes it (an add of the negated alpha), whose traced
+    # decomposition takes an alpha that a tensor β1 holds, where sub's compares it with 1 on the host
+    ops.add_(exp_avg, scratch, alpha=-(1 - beta1))
     ops.mul_(exp_avg_diff, beta2)
     ops.add_(exp_avg_diff, neg_pre_grad, alpha=1 - beta2)
     ops.mul_(neg_pre_grad, beta2)
@@ -66,13 +68,13 @@ def adan_update(ops, *, param, grad, scratch, exp_avg, exp_avg_sq, exp_avg_diff,
     ops.div_(scratch, bias_correction3_sqrt)
     ops.add_(scratch, eps)
     ops.reciprocal_(scratch)  # 1/denom
-    if weight_decay and no_prox:
+    if decays(weight_decay) and no_prox:
         ops.mul_(param, 1 - lr * weight_decay)
     ops.mul_(scratch, step_size)
     ops.addcmul_(param, exp_avg, scratch, value=-1)
     ops.mul_(scratch, diff_ratio)
     ops.addcmul_(param, exp_avg_diff, scratch, value=-1)
-    if weight_decay and not no_prox:
+    if decays(weight_decay) and not no_prox:
         ops.div_(param, 1 + lr * weight_decay)
 
 

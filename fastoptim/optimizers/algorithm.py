@@ -16,6 +16,17 @@ PER_PARAM = "param"  # a 0-d fp32 ``step`` in each param's state, as torch.optim
 PER_GROUP = "group"  # the group's ``step``, advanced on every step, grads or not, as official Adan keeps it
 
 
+def decays(weight_decay: float | Tensor) -> bool:
+    """Whether an update applies ``weight_decay``: a number other than 0, or a tensor, whose value no step
+    reads on the host (a truth test would sync, and a traced one branch on data: helper-79); one of 0
+    multiplies by 1 − lr·0 = 1, which leaves the param as it is.
+
+    Args:
+        weight_decay: the group's option, as the update function is handed it.
+    """
+    return isinstance(weight_decay, Tensor) or bool(weight_decay)
+
+
 class StepInputs(NamedTuple):
     """What a step's arguments are computed from, besides the group's options.
 

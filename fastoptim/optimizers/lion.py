@@ -7,7 +7,7 @@ from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
 from ..specs import KernelSpec, Role
-from .algorithm import Algorithm, StepInputs
+from .algorithm import Algorithm, StepInputs, decays
 from .base import FastOptimizer
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ def lion_update(ops, *, param, grad, scratch, exp_avg, beta1, beta2, lr, weight_
         ops.copy_(scaled, grad)
         ops.mul_(scaled, grad_scale)
         grad = scaled
-    if weight_decay:
+    if decays(weight_decay):
         ops.mul_(param, 1 - lr * weight_decay)
     ops.copy_(scratch, exp_avg)
     ops.mul_(scratch, beta1)

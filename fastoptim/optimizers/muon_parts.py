@@ -24,6 +24,7 @@ from ..multi_tensor import aligned_offset
 from ..specs import KernelSpec, Role
 from ..states import master
 from ..step_cache import BucketPlan
+from .algorithm import decays
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -133,7 +134,7 @@ def muon_apply(ops, *, param, grad, scratch, lr, weight_decay, step_size):
         p = p − step_size·O             step_size = lr · adjust_lr_fn(rows, cols)
     """
     ops.copy_(scratch, grad)  # in fp32: a traced addcmul would round bf16 · step_size to bf16
-    if weight_decay:
+    if decays(weight_decay):
         ops.mul_(param, 1 - lr * weight_decay)
     ops.addcmul_(param, scratch, step_size, value=-1)
 
