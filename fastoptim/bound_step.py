@@ -42,6 +42,9 @@ class BoundGroup(NamedTuple):
     # of a group of bound parts, whose tables pair no grad with its param: its params' data pointers then (-1
     # for an empty one), which no grad may have (native code refuses a moved param); else None
     param_pointers: list | None
+    # the positions of the grads its parts take in fp32 (BoundMomentum.widen), which the step converts: each must
+    # be fp16 and contiguous, as native code would find a grad its tables take as it is (the copy hides both)
+    widened: list
 
 
 class BoundStep:
@@ -118,7 +121,8 @@ class BoundStep:
                              [[taken(bucket, indices, index is None) for indices, index, _, _ in tables.tables]
                               for tables, bucket, _ in group_runs],
                              entry.engine == engines.fused.SINGLE, algorithm.spec.flag_bits(algorithm.flags(group)),
-                             None if group_parts is None else [p.data_ptr() if p.numel() else -1 for p in entry.params])
+                             None if group_parts is None else [p.data_ptr() if p.numel() else -1 for p in entry.params],
+                             [i for part in group_parts or () if part.widen for i in part.positions])
                   for algorithm, (group, entry, _), group_runs, group_parts in zip(algorithms, work, runs, parts)]
         return cls(groups, counts, backend, whole_step)
 
@@ -153,6 +157,9 @@ class BoundStep:
                     aliased = True
                 if aliased:  # a grad that is its param's memory, which the checked step refuses
                     return None
+                if bound.widened and not all(grads[i].dtype == torch.float16 and grads[i].is_contiguous()
+                                             for i in bound.widened):
+                    return None  # the checked step refuses it, or takes it on foreach
             if not params and isinstance(entry.count, Tensor):
                 check_counted(group, params)
             work.append((group, entry, grads))

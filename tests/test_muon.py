@@ -316,6 +316,41 @@ def test_fp16_params_step_on_the_fused_engines_as_on_the_loop_engine(engine, opt
     assert_equal(runs[1], runs[0])
 
 
+@pytest.mark.parametrize("write", ["bf16", "fp32", "strided", "expanded"])
+def test_a_bound_fp16_step_takes_or_refuses_a_grad_as_the_loop_engine(write):
+    """The bound step hands fp16 grads to the momentum tables as fp32 copies, which hid a grad of another
+    dtype (stepped, where every other way refuses it) and a strided or expanded one (copied contiguous, so
+    the native clip summed it apart from the checked step's norm: helper-81): such grads take the checked way,
+    which refuses the first two as the loop engine does, with nothing changed, and steps the others as it."""
+    params = make_params([(16, 8), (8, 8), (4, 12)], torch.float16) + make_params([(16, 8)], seed=3)
+    grads = grads_of(params, steps=3, scale=0.1)
+    runs = []
+    for flags in (ENGINES["loop"], ENGINES["fused-multi"]):
+        copies = clone(params)
+        optimizer = fastoptim.Muon([{"params": copies[:3]}, {"params": copies[3:]}], lr=0.02, max_grad_norm=0.05,
+                                   **flags)
+        for index, step_grads in enumerate(grads):
+            for param, grad in zip(copies, step_grads):
+                param.grad = grad.to(param.dtype)
+            if index == 2 and write in ("bf16", "fp32"):
+                # as .data: torch refuses a grad of another dtype assigned as it is
+                copies[0].grad.data = copies[0].grad.data.to({"bf16": torch.bfloat16, "fp32": torch.float32}[write])
+                before = [p.detach().clone() for p in copies] + [optimizer.state[p]["momentum_buffer"].clone()
+                                                                 for p in copies[:3]]
+                with pytest.raises(RuntimeError, match="a gradient must match its parameter"):
+                    optimizer.step()
+                assert_equal([p.detach() for p in copies] + [optimizer.state[p]["momentum_buffer"] for p in copies[:3]],
+                             before)
+                continue
+            if index == 2:
+                wide = torch.zeros(16, 16, dtype=torch.float16)
+                wide[:, ::2] = step_grads[0].to(torch.float16)
+                copies[0].grad = wide[:, ::2] if write == "strided" else step_grads[0][:1].to(torch.float16).expand(16, 8)
+            optimizer.step()
+        runs.append(copies + [optimizer.state[p]["momentum_buffer"] for p in copies[:3]])
+    assert_equal(runs[1], runs[0])
+
+
 SHARDED_FP16 = """
 import sys, torch, torch.distributed as dist, fastoptim
 from torch.distributed.device_mesh import init_device_mesh
