@@ -142,10 +142,15 @@ def check_flattened(param, partition):
     those of its shard of the second moment: then no subset needs another rank."""
     world, rows = shard_world(param), param.shape[0]
     row, size = param.numel() // rows, partition.b
-    if [n * row for n in shard_sizes(rows, world)] != [n * size for n in shard_sizes(param.numel() // size, world)]:
+    held = [n * row for n in shard_sizes(rows, world)]  # the elements each rank's rows hold
+    chunks = [n * size for n in shard_sizes(param.numel() // size, world)]  # its second moment's shards'
+    if held != chunks:
         raise ValueError(f"subset_size cuts a DTensor param of shape {tuple(param.shape)} into subsets of {size} "
-                         f"elements, which straddle its {world} dim-0 shards; use subset_size=None (rows or "
-                         "columns) or a subset size that divides its rows")
+                         f"elements, but its {world} dim-0 shards hold {' + '.join(f'{n / size:g}' for n in held)} "
+                         f"subsets, where its second moment, a DTensor cut as torch.chunk cuts its "
+                         f"{param.numel() // size} subsets, holds {' + '.join(str(n // size) for n in chunks)}; use "
+                         "subset_size=None (rows or columns), or a subset size whose subsets split over the ranks "
+                         "as the rows do")
 
 
 class OwnerExchange:
