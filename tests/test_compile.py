@@ -185,6 +185,18 @@ def test_options_written_as_0d_tensors_compile_on_the_python_engines_as_eager(cl
         run_both(cls, options, "aot_eager", before_step=write, make_params=make_params, exact=engine != "loop")
 
 
+@pytest.mark.parametrize("cls", [fastoptim.AdamW, fastoptim.Adan])
+def test_subset_norms_with_a_tensor_beta_compile_on_foreach_as_eager(cls):
+    """A subset-norm second moment adds its squares with a tensor β's factor, which a traced add's alpha
+    multiplied apart from the eager kernel's fused add (helper-81): it is multiplied apart in both now."""
+    def write(opt, step):
+        betas = opt.param_groups[0]["betas"]
+        opt.param_groups[0]["betas"] = (*betas[:-1], torch.tensor(0.999 - 0.001 * step if len(betas) == 2 else
+                                                                  0.01 * (step + 1)))
+
+    run_both(cls, dict(sn=True, foreach=True, fused=False), "aot_eager", before_step=write)
+
+
 def test_a_muon_weight_decay_written_as_a_0d_tensor_compiles_as_eager():
     """Muon's update too (its truth test of the weight decay: helper-79), on its default engine, which a
     traced step runs on foreach."""

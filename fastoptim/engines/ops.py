@@ -35,8 +35,12 @@ def _tensor_add_squares_(moment, x, value):
     own shape has one subset per element."""
     if moment.shape == x.shape:
         moment.addcmul_(x, x, value=value)
-    else:  # the norm reduces in one pass, with no x-sized temporary
-        moment.add_(torch.linalg.vector_norm(x, dim=1, keepdim=True).square_(), alpha=value)
+        return
+    squares = torch.linalg.vector_norm(x, dim=1, keepdim=True).square_()  # one pass, no x-sized temporary
+    if isinstance(value, torch.Tensor):  # a tensor β's: multiplied apart, as a traced add with its alpha is
+        moment.add_(squares.mul_(value))
+    else:
+        moment.add_(squares, alpha=value)
 
 
 def _foreach_add_squares_(moments, xs, value):
