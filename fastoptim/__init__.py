@@ -8,6 +8,8 @@ __version__ = "0.1.0"
 _DEFINED_IN = {"Adan": "optimizers", "AdamW": "optimizers", "AdamWSN": "optimizers", "RMSPropSN": "optimizers",
                "Lion": "optimizers", "Muon": "optimizers", "clip_grad_norm_": "clip",
                "flatten_parameters": "flat_params"}
+# Submodules the docs use as attributes (``fastoptim.frameworks.muon_param_groups``), imported at first use too
+_SUBMODULES = ("frameworks",)
 __all__ = [*_DEFINED_IN, "__version__"]
 
 if TYPE_CHECKING:  # what type checkers and editors see
@@ -17,7 +19,9 @@ if TYPE_CHECKING:  # what type checkers and editors see
 
 
 def __getattr__(name: str):
-    """A public name, imported from its module at first use (then a plain attribute)."""
+    """A public name or submodule, imported from its module at first use (then a plain attribute)."""
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)  # which sets it as an attribute
     if name not in _DEFINED_IN:
         raise AttributeError(f"module 'fastoptim' has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{_DEFINED_IN[name]}", __name__), name)
@@ -26,4 +30,4 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_DEFINED_IN})
+    return sorted({*globals(), *_DEFINED_IN, *_SUBMODULES})

@@ -278,3 +278,11 @@ def test_timm_builds_fastoptim_muon_on_muon_param_groups_and_refuses_its_own_gro
     assert "layer2.0.downsample.0.weight" in filter_names and len(filter_names) == 19
     assert {"conv1.weight", "fc.weight", "fc.bias", "bn1.weight", "layer1.0.bn1.bias"} <= set(adamw_names)
     assert checked["scheduled"] == [[0.01, 0.95], [1.5e-4, 0.95]]  # timm scales each group's own lr
+
+
+def test_the_frameworks_module_is_an_attribute_after_import_fastoptim_as_the_docs_use_it():
+    """docs/frameworks.md calls ``fastoptim.frameworks.muon_param_groups`` after ``import fastoptim``, which
+    raised AttributeError unless the submodule was imported by name first (helper-83). A fresh process."""
+    run = subprocess.run([sys.executable, "-c", "import fastoptim; print(fastoptim.frameworks.muon_param_groups.__name__)"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.split() == ["muon_param_groups"], run.stderr[-3000:]
