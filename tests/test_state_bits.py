@@ -209,6 +209,31 @@ def test_codes_without_their_block_maxima_are_refused_before_anything_changes():
         assert torch.equal(torch.as_tensor(value), torch.as_tensor(after["state"][0][key]))
 
 
+@pytest.mark.parametrize("state_bits", [8, 32])
+@pytest.mark.parametrize("broken, message", [
+    (lambda state: state.update(exp_avg_absmax=state["exp_avg_absmax"][:1]), r"has shape \(1,\): the maxima"),
+    (lambda state: state.update(exp_avg_absmax=state["exp_avg_absmax"][:-1]), r"has shape \(29,\): the maxima"),
+    (lambda state: state.update(exp_avg=state["exp_avg"].float()), "is torch.float32 beside its block maxima"),
+    (lambda state: state.update(exp_avg=state["exp_avg"].long()), "is torch.int64 beside its block maxima")],
+    ids=["maxima of one value", "maxima one short", "codes as fp32", "codes as int64"])
+def test_8_bit_codes_and_maxima_that_do_not_fit_are_refused_before_anything_changes(broken, message, state_bits):
+    """A saved maximum of one value broadcast over every block, and codes cast to another dtype (by a
+    checkpoint tool) loaded as values beside their orphan maxima; both loaded into either format, and the
+    run went on with other values (helper-85)."""
+    params, optimizer = make(fastoptim.AdamW, 8)
+    run(params, optimizer, 1)
+    saved = copy.deepcopy(optimizer.state_dict())
+    broken(saved["state"][0])  # the (96, 80) param: 30 blocks
+    target_params, target = make(fastoptim.AdamW, state_bits)
+    run(target_params, target, 1)
+    before = copy.deepcopy(target.state_dict())
+    with pytest.raises(ValueError, match=message):
+        target.load_state_dict(saved)
+    after = target.state_dict()
+    for key, value in before["state"][0].items():
+        assert torch.equal(torch.as_tensor(value), torch.as_tensor(after["state"][0][key]))
+
+
 def muon(state_bits):
     """One 8-bit-sized matrix and a fastoptim.Muon over it."""
     params = [torch.nn.Parameter(torch.randn(96, 80, generator=torch.Generator().manual_seed(0)))]

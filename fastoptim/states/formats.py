@@ -126,8 +126,12 @@ class Blockwise8(Dense):
         if not isinstance(name, str) or name not in blockwise8.TABLES:
             raise ValueError(f"state '{role.name}' names 8-bit code table {name!r}; there are "
                              f"{sorted(blockwise8.TABLES)}")
-        return blockwise8.dequantize(torch.as_tensor(saved[role.name]), torch.as_tensor(absmax).float(),
-                                     blockwise8.TABLES[name])
+        codes, absmax = torch.as_tensor(saved[role.name]), torch.as_tensor(absmax)
+        blocks = (blockwise8.n_blocks(codes.numel()),)
+        if absmax.shape != blocks:  # a maximum that would broadcast over every block (helper-85)
+            raise ValueError(f"state '{role.name}{ABSMAX}' has shape {tuple(absmax.shape)}: the maxima of "
+                             f"'{role.name}''s {blocks[0]} blocks of 8-bit codes must have shape {blocks}")
+        return blockwise8.dequantize(codes, absmax.float(), blockwise8.TABLES[name])
 
     def encode(self, role, value):
         codes, absmax = blockwise8.quantize(value.float(), self.codes(role))
@@ -189,5 +193,8 @@ def convert(saved, role, target):
         converted = convert(local, role, target)
         return converted | {role.name: distributed.like(converted[role.name], value)}
     source = of(value) or FP32
+    if role.name + ABSMAX in saved and source is not Q8:  # codes cast by a tool would load as values (helper-85)
+        raise ValueError(f"state '{role.name}' is {value.dtype} beside its block maxima '{role.name}{ABSMAX}': "
+                         f"8-bit codes are {Q8.dtype}")
     rest = {key: v for key, v in saved.items() if key not in {role.name + c for c in (*source.companions, CODES)}}
     return rest | target.encode(role, source.decode(role, saved))
