@@ -8,6 +8,7 @@ with the tensors of one shape stacked into one batch.
 import math
 import operator
 from collections import defaultdict
+from itertools import compress
 from operator import attrgetter
 
 import numpy as np
@@ -51,8 +52,8 @@ def _foreach_add_squares_(moments, xs, value):
     # the dense moments in one foreach op too: a traced Tensor.addcmul_ is decomposed into a product and
     # an FMA, which rounds otherwise than the eager kernel (helper-79), where the foreach op stays itself
     if any(dense):
-        torch._foreach_addcmul_([m for m, d in zip(moments, dense) if d], [x for x, d in zip(xs, dense) if d],
-                                [x for x, d in zip(xs, dense) if d], value=value)
+        dense_xs = list(compress(xs, dense))
+        torch._foreach_addcmul_(list(compress(moments, dense)), dense_xs, dense_xs, value=value)
     for moment, x, whole in zip(moments, xs, dense):  # the subset norms, one reduction per tensor
         if not whole:
             _tensor_add_squares_(moment, x, value)

@@ -383,8 +383,9 @@ def bound_momentum(tensors: dict, bucket: list[int], plan: BucketPlan, engine: s
         return None
     # directions wider than the grads: of fp16 ones, which the bound step converts as the checked one does, or
     # of grads scaled first, which it does not scale
-    widen = directions.dtype != tensors["param"][bucket[0]].dtype
-    if widen and not widened(tensors["param"][bucket[0]].dtype):
+    dtype = tensors["param"][bucket[0]].dtype
+    widen = directions.dtype != dtype
+    if widen and not widened(dtype):
         return None
     piece = directions.slices[0]
     if not (engines.fused.natively_checked(piece.momentum) and engines.fused.natively_checked(piece.update)):

@@ -155,9 +155,10 @@ class StateDicts:
             raise ValueError(f"state of parameter {saved_id}: {error}") from None
         algorithm = self._algorithm(group)
         spec = algorithm.spec
+        others = [other for other in self._algorithms() if other is not algorithm]  # Muon's companions, say
         # into this optimizer's formats: the group's algorithm's states, and those a param kept of the other's
         # (Muon's, whose group changed algorithm), as a step back to it takes them
-        for each in (algorithm, *(other for other in self._algorithms() if other is not algorithm)):
+        for each in (algorithm, *others):
             for role, state_format in self._formats(group, param, state, each)[0].items():
                 if role in state and (each is algorithm or role not in spec.states):
                     try:
@@ -171,7 +172,7 @@ class StateDicts:
         expected = self._expected_state(group, param, state)
         # the states a param kept of the other algorithm (Muon's, whose group changed algorithm), in the formats a
         # step back to it takes
-        kept = {key: shape_dtype for other in self._algorithms() if other is not algorithm
+        kept = {key: shape_dtype for other in others
                 for key, shape_dtype in self._expected_state(group, param, state, other).items()
                 if key.removesuffix(ABSMAX) in state and key.removesuffix(ABSMAX) in other.spec.states
                 and key.removesuffix(ABSMAX) not in spec.states}
