@@ -58,8 +58,9 @@ class Signature:
 
 
 class _Reading(dict):
-    """A copy of a param group that notes which of its options are read: not its params, which a change
-    of makes a new work (and structure) by the work's own rule."""
+    """A copy of a param group that notes which of its options are read (``read``: key to None where the
+    whole value was, else the positions read of a tuple or list option, AdamWSN's β1 of its betas): not
+    its params, which a change of makes a new work (and structure) by the work's own rule."""
 
     def __init__(self, group):
         super().__init__(group)
@@ -70,16 +71,58 @@ class _Reading(dict):
             self.read[key] = None
 
     def __getitem__(self, key):
+        value = super().__getitem__(key)
+        if key != "params" and type(value) in (tuple, list):
+            self.read.setdefault(key, set())
+            return _ReadItems(value, self.read, key)
         self._note(key)
-        return super().__getitem__(key)
+        return value
 
     def get(self, key, default=None):
-        self._note(key)
-        return super().get(key, default)
+        return self[key] if super().__contains__(key) else (self._note(key), default)[1]
 
     def __contains__(self, key):
         self._note(key)
         return super().__contains__(key)
+
+
+class _ReadItems(tuple):
+    """A tuple or list option as :class:`_Reading` hands it out: it notes the positions read, and the whole
+    option once it is iterated, measured or compared."""
+
+    def __new__(cls, items, read, key):
+        self = super().__new__(cls, items)
+        self.read, self.key = read, key
+        return self
+
+    def __getitem__(self, index):
+        if self.read[self.key] is not None:
+            n = tuple.__len__(self)
+            self.read[self.key].update(range(n)[index] if isinstance(index, slice) else (index % n,))
+        return super().__getitem__(index)
+
+    def _read_whole(self):
+        self.read[self.key] = None
+
+    def __iter__(self):
+        self._read_whole()
+        return super().__iter__()
+
+    def __len__(self):
+        self._read_whole()
+        return super().__len__()
+
+    def __eq__(self, other):
+        self._read_whole()
+        return super().__eq__(other)
+
+    def __ne__(self, other):
+        self._read_whole()
+        return super().__ne__(other)
+
+    def __hash__(self):
+        self._read_whole()
+        return super().__hash__()
 
 
 class GroupStructure(NamedTuple):
@@ -104,11 +147,14 @@ class Structure:
         self.value = structure(reading)
         self.keys = list(reading.read)
         self.held = list(map(group.get, self.keys, repeat(_MISSING)))
+        read = [value if positions is None else [value[i] for i in positions]
+                for value, positions in zip(self.held, reading.read.values())]
         # a list option (betas) may be edited in place: its items, as they were, are compared too
         self.items = [(key, tuple(value)) for key, value in zip(self.keys, self.held) if type(value) is list]
         # the options a tensor or an array holds (a β1 in a 0-d tensor, amsgrad in a 0-d array), or a sequence of
         # them: they may be written in place, and the structure is then computed again at every check
-        self.writable = [key for key, value in zip(self.keys, self.held) if holds_any(value, WRITABLE)]
+        # (of a tuple or list option, the items the structure read)
+        self.writable = [key for key, value in zip(self.keys, read) if holds_any(value, WRITABLE)]
 
     def holds(self, structure, group):
         """Whether ``structure(group)`` is still this one."""

@@ -517,6 +517,23 @@ def test_betas_of_0d_tensors_written_between_compiled_steps_step_as_eager(cls):
     assert_same(eager, traced)
 
 
+@pytest.mark.parametrize("cls, options", [(fastoptim.AdamWSN, dict(sn=True)), (fastoptim.AdamWSN, {}),
+                                          (fastoptim.RMSPropSN, {})], ids=["AdamWSN sn", "AdamWSN", "RMSPropSN"])
+def test_a_beta2_of_a_0d_tensor_written_between_compiled_steps_steps_as_eager(cls, options):
+    """AdamWSN's plan reads β1 alone: a β2 written as a 0-d tensor (and then edited in place) is a number a
+    compiled step reads, as it reads AdamW's. It was refused as a tensor that decides the plan, since
+    the whole ``betas`` option was marked read (helper-81, helper-84)."""
+    def tensor_beta2(params, opt, step):
+        group = opt.param_groups[0]
+        if step == 1:
+            group["betas"] = (group["betas"][0], torch.tensor(0.99))
+        if step == 3:
+            group["betas"][1].fill_(0.95)
+
+    eager, traced, _ = run_pair(cls, dict(fused=True, **options), fullgraph=False, before_step=tensor_beta2, steps=5)
+    assert_same(eager, traced)
+
+
 @pytest.mark.parametrize("fullgraph", [True, False])
 def test_a_tensor_that_decides_the_plan_is_refused_by_name_when_the_step_is_traced(fullgraph):
     """AdamWSN's β1 decides whether it keeps a first moment: a graph cannot follow it written in place (it
