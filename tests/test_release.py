@@ -362,6 +362,89 @@ def test_an_optimizer_dropped_without_remove_lets_go_of_the_model(info):
     assert_equal_runs(normal, plain, module, second)
 
 
+REFUSED_TWICE = "another optimizer's release .* steps some of these params in backward"
+
+
+@pytest.mark.parametrize("flat", [False, True], ids=["plain", "flat"])
+def test_a_second_release_of_params_another_live_release_steps_is_refused(flat):
+    """A new optimizer for a second phase, released while the first one's release lives on (its lr scheduler
+    holds it): both stepped the model in backward, the second found the grads freed (flat ones zeroed, which
+    its weight decay stepped), and the next backward raised about gradient accumulation (helper-87). Refused,
+    with nothing hooked; once the first handle is removed, the second release runs as without release."""
+    released, normal = model(), model()
+    if flat:
+        fastoptim.flatten_parameters(released)
+        fastoptim.flatten_parameters(normal)
+    first = fastoptim.AdamW(released.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(first, lambda step: 1.0)  # noqa: F841 (holds first)
+    handle = first.enable_gradient_release(bucket_numel=SMALL_BUCKETS)
+    train(released, first, steps=2)
+    train(normal, fastoptim.AdamW(normal.parameters(), lr=1e-2), steps=2)
+    second = fastoptim.AdamW(released.parameters(), lr=1e-3, weight_decay=0.5)
+    with pytest.raises(RuntimeError, match=REFUSED_TWICE):
+        second.enable_gradient_release(bucket_numel=SMALL_BUCKETS)
+    handle.remove()
+    second.enable_gradient_release(bucket_numel=SMALL_BUCKETS)
+    plain = fastoptim.AdamW(normal.parameters(), lr=1e-3, weight_decay=0.5)
+    train(released, second, steps=2, check_freed=not flat)
+    train(normal, plain, steps=2)
+    assert_equal_runs(normal, plain, released, second)
+    del first, handle, scheduler
+    gc.collect()  # the first optimizer gone: the second release's params stay refused by clip_grad_norm_
+    with pytest.raises(RuntimeError, match="gradient release stepped these params"):
+        fastoptim.clip_grad_norm_(released.parameters(), 1.0)
+
+
+def test_a_param_added_to_a_group_that_another_live_release_steps_is_refused_and_hooks_nothing():
+    """Found as the buckets are made again, at backward's first grad: that backward steps none of the second
+    optimizer's buckets and its ``step()`` raises, having changed nothing; the first release steps on."""
+    module, normal = model(), model()
+    first = fastoptim.AdamW(list(module[0].parameters()), lr=1e-2)
+    first.enable_gradient_release(bucket_numel=SMALL_BUCKETS)
+    second = fastoptim.AdamW(list(module[2].parameters()), lr=1e-2)
+    second.enable_gradient_release(bucket_numel=SMALL_BUCKETS)
+    second.param_groups[0]["params"].append(module[0].weight)  # first's
+    before = snapshot(list(module[2].parameters()), second)
+    module(batches(1)[0]).square().mean().backward()
+    with pytest.raises(RuntimeError, match=REFUSED_TWICE):
+        second.step()
+    assert_unchanged(list(module[2].parameters()), second, before)
+    second.param_groups[0]["params"].pop()
+    first.zero_grad()
+    second.zero_grad()
+    plains = [fastoptim.AdamW(list(normal[i].parameters()), lr=1e-2) for i in (0, 2)]
+    for step, x in enumerate(batches(3)):
+        if step:
+            module(x).square().mean().backward()
+            for opt in (first, second):
+                opt.step()
+                opt.zero_grad()
+        normal(x).square().mean().backward()
+        for plain in plains if step else plains[:1]:
+            plain.step()
+        normal.zero_grad()
+    assert all(map(torch.equal, normal.parameters(), module.parameters()))
+
+
+def test_an_optimizer_dropped_in_a_cycle_does_not_hold_its_params_released():
+    """One dropped in a reference cycle (a trainer object that refers to itself), which only the collector
+    frees, steps nothing more: a new release of its params is not refused for it."""
+    module = model()
+    trainer = {"optimizer": fastoptim.AdamW(module.parameters(), lr=1e-2)}
+    trainer["self"] = trainer
+    trainer["optimizer"].enable_gradient_release(bucket_numel=SMALL_BUCKETS)
+    train(module, trainer["optimizer"], steps=1)
+    dropped = weakref.ref(trainer["optimizer"])
+    gc.disable()
+    try:
+        del trainer
+        assert dropped() is not None  # alive until collected
+        fastoptim.AdamW(module.parameters(), lr=1e-2).enable_gradient_release(bucket_numel=SMALL_BUCKETS)
+    finally:
+        gc.enable()
+    assert dropped() is None
+
+
 @pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
 def test_release_on_a_flat_model_is_the_unreleased_flat_run_bit_for_bit(info):
     """Flat grads are always there (zeros where backward gave none), so a param that backward leaves out

@@ -359,7 +359,8 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
         Refused, before anything changes, where release cannot be exact: ``max_grad_norm`` (the
         norm of all grads), a process group without ``model=`` (DDP and FSDP reduce the grads after
         backward), FSDP1, a DDP with another comm hook or ``find_unused_parameters=True``, an FSDP2
-        model that does not hold every trained param, ZeRO's ``shard_group``, or release already on.
+        model that does not hold every trained param, ZeRO's ``shard_group``, release already on, or params
+        that another optimizer's live release steps (``remove()`` its handle first).
         After it, a second backward before ``step()`` (gradient accumulation) raises in
         backward, ``fastoptim.clip_grad_norm_`` refuses the released params, and ``step()`` refuses
         GradScaler's scale (the steps in backward took the scaled grads); torch's own

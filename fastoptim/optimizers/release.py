@@ -19,6 +19,7 @@ A grad is final where it is known to be:
 Which models' reductions it follows, and what it refuses up front: ``release_reductions.py``."""
 from __future__ import annotations
 
+import gc
 import operator
 import sys
 import threading
@@ -88,7 +89,15 @@ class _Hooks:
 
     def follow(self, params: list[Tensor], hook: Callable[[Tensor], None] | None) -> None:
         """Hook exactly ``params``: unhook those that left, hook those that came (``hook`` None: mark them
-        only, as under DDP, whose comm hook tells release of their grads)."""
+        only, as under DDP, whose comm hook tells release of their grads). A param that another live
+        release hooks is refused, before anything changes: both would step it in backward."""
+        came = [param for param in params if param not in self.handles]
+        if any(RELEASED.get(id(param)) is param for param in came):
+            gc.collect()  # an optimizer dropped in a cycle (with its scheduler, say) but not collected yet
+            if any(RELEASED.get(id(param)) is param for param in came):
+                raise RuntimeError("fastoptim: gradient release is refused: another optimizer's release (alive, "
+                                   "maybe held by its lr scheduler) steps some of these params in backward; "
+                                   "call remove() on its handle first")
         kept = {id(param): param for param in params}
         for param in [param for param in self.handles if kept.get(id(param)) is not param]:
             handle = self.handles.pop(param)
@@ -176,28 +185,25 @@ class GradientRelease:
         for group in optimizer.param_groups:
             check_params(group["params"], name)
             check_in_one_group(group, optimizer.param_groups, name)
-        self.layout = [(list(group["params"]), list(map(flat_params.REQUIRES_GRAD, group["params"])))
-                       for group in optimizer.param_groups]
-        # by the params' ids (a Tensor's hash is a Python call): those of params hooked now, which hold them
-        self.buckets, self.bucket_of = [], {}
+        layout = [(list(group["params"]), list(map(flat_params.REQUIRES_GRAD, group["params"])))
+                  for group in optimizer.param_groups]
+        buckets = []
         for index, group in enumerate(optimizer.param_groups):
             whole = not optimizer._algorithm(group).spec.elementwise
             params, numel = [], 0
             for param in reversed([p for p in group["params"] if p.requires_grad]):
                 if params and not whole and numel + param.numel() > self.bucket_numel:
-                    self._add(index, params)
+                    buckets.append((index, params))
                     params, numel = [], 0
                 params.append(param)
                 numel += param.numel()
             if params:
-                self._add(index, params)
+                buckets.append((index, params))
+        self.hooks.follow([param for _, params in buckets for param in params], self._hook)  # may refuse them
+        self.layout, self.buckets = layout, buckets
+        # by the params' ids (a Tensor's hash is a Python call): those of params hooked now, which hold them
+        self.bucket_of = {id(param): at for at, (_, params) in enumerate(buckets) for param in params}
         self.ready = [set() for _ in self.buckets]  # ids of the params whose grads arrived this step
-        self.hooks.follow([param for _, params in self.buckets for param in params], self._hook)
-
-    def _add(self, group_index, params):
-        for param in params:
-            self.bucket_of[id(param)] = len(self.buckets)
-        self.buckets.append((group_index, params))
 
     def _part(self, bucket: int) -> tuple:
         """Bucket ``bucket`` as a step takes it: its step work's key in the optimizer's plan store, its
