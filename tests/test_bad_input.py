@@ -2,6 +2,7 @@
 import copy
 import inspect
 import pickle
+import warnings
 
 import numpy as np
 import pytest
@@ -670,6 +671,9 @@ ALIASES = {  # a state written between steps as memory that a step also updates 
                       r"state 'exp_avg(_sq)?' of a param of shape \(7,\) and its 'exp_avg(_sq)?' share memory"),
     "another param's state": (_set_state(1, "exp_avg", lambda opt, params: opt.state[params[0]]["exp_avg"]),
                               r"state 'exp_avg' of a param of shape \(7,\) and state 'exp_avg' of a param"),
+    # torch's own error came midway, after the param or other states had changed (helper-88)
+    "itself": (_set_state(1, "exp_avg_sq", lambda opt, params: torch.zeros(1).expand(7)),
+               r"state 'exp_avg_sq' of a param of shape \(7,\) has elements that share memory \(strides \(0,\)\)"),
 }
 
 
@@ -698,6 +702,56 @@ def test_a_state_that_shares_memory_with_what_a_step_updates_is_refused_with_not
     assert all(map(torch.equal, params, before[0]))
     assert all(torch.equal(opt.state[param][key], held) for param, state in zip(params, before[1])
                for key, held in state.items())
+
+
+def _eight_bit_adamw(engine):
+    param = torch.nn.Parameter(torch.randn(64, 80, generator=torch.Generator().manual_seed(0)))
+    opt = fastoptim.AdamW([param], lr=1e-2, state_bits=8, **ENGINE_FLAGS[engine])
+    for step in range(2):
+        param.grad = torch.randn(64, 80, generator=torch.Generator().manual_seed(step))
+        opt.step()
+    param.grad = torch.randn(64, 80, generator=torch.Generator().manual_seed(2))
+    return param, opt
+
+
+ENGINE_FLAGS = {"loop": dict(foreach=False, fused=False), "foreach": dict(foreach=True, fused=False),
+                "fused-single": dict(foreach=False, fused=True), "fused": dict(foreach=True, fused=True)}
+
+
+@pytest.mark.parametrize("engine", ENGINE_FLAGS)
+def test_8bit_block_maxima_that_overlap_themselves_are_refused_with_nothing_written(engine):
+    """An expanded view as an 8-bit state's block maxima: the fused kernels wrote every block's maximum
+    through its one element, into the memory after it (a corrupted heap where that was the allocation's
+    end: helper-88). Refused by name before anything changes."""
+    param, opt = _eight_bit_adamw(engine)
+    storage = torch.zeros(32)
+    opt.state[param]["exp_avg_absmax"] = storage[:1].expand(20)
+    before = snapshot([param], opt)
+    with pytest.raises(RuntimeError, match=r"state 'exp_avg_absmax' of a param of shape \(64, 80\) has elements "
+                                           "that share memory"):
+        opt.step()
+    assert_unchanged([param], opt, before)
+    assert not storage.any()
+
+
+@pytest.mark.parametrize("engine", ENGINE_FLAGS)
+def test_strided_8bit_block_maxima_are_read_and_written_where_they_are(engine):
+    """Block maxima given as a strided view (every other float of a buffer): the fused kernels read them as
+    contiguous, so the gaps (1e30 here) moved the params by 4e28 and took the writes (helper-88). They are
+    left to foreach, which steps them where they are."""
+    param, opt = _eight_bit_adamw(engine)
+    twin_param, twin = _eight_bit_adamw(engine)
+    held = opt.state[param]["exp_avg_absmax"]
+    buffer = torch.full((2 * held.numel(),), 1e30)
+    buffer[::2] = held
+    opt.state[param]["exp_avg_absmax"] = buffer[::2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fused engines' fallback warning
+        opt.step()
+    twin.step()
+    assert torch.equal(buffer[1::2], torch.full_like(buffer[1::2], 1e30))
+    torch.testing.assert_close(buffer[::2], twin.state[twin_param]["exp_avg_absmax"], rtol=1e-6, atol=0)
+    torch.testing.assert_close(param, twin_param, rtol=1e-6, atol=1e-6)
 
 
 def test_params_that_share_memory_step_as_before_on_foreach():

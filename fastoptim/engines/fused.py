@@ -85,7 +85,7 @@ class KernelSplit:
 
     def __init__(self, plan, backend):
         self.backend = backend
-        self.taken, taken_formats, self.left, self.reason = split_taken(plan.tensors, plan.spec, backend)
+        self.taken, taken_formats, self.left, self.reason = split_taken(plan.tensors, plan.absmax, plan.spec, backend)
         taken = plan if not self.left else plan.subset(self.taken)
         self.tables = Tables(taken.tensors, taken.absmax, plan.spec, backend, taken_formats, taken.watched,
                              taken.originals, plan.rule, taken.counts) if self.taken else None
@@ -99,7 +99,7 @@ def _kernel_split(plan, backend, again=False):
     that does not check natively, when the grads changed their layouts."""
     split = plan.bucket.kernel_split
     if again or split is None or split.left and split_taken(
-            plan.subset(split.left).tensors, plan.spec, backend)[0] or (
+            (left := plan.subset(split.left)).tensors, left.absmax, plan.spec, backend)[0] or (
             not backend.CHECKS_NATIVELY and split.tables is not None and not split.tables.fit(
                 plan.tensors["grad"] if not split.left else [plan.tensors["grad"][i] for i in split.taken])):
         split = plan.bucket.kernel_split = KernelSplit(plan, backend)

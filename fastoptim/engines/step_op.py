@@ -131,7 +131,7 @@ def split(tensors, absmax, spec, originals=None, remake=None, viewed=None, count
     are), and ``remake(taken)`` makes the taken tensors' (tensors, absmax, viewed) afresh from them
     (see :class:`PreparedCall`). ``counts``: per param, its count and the tensor the graph reads it
     from (``StepCounts.watched``), or None."""
-    taken, _, left, reason = split_taken(tensors, spec, backends.for_device(tensors["param"][0].device))
+    taken, _, left, reason = split_taken(tensors, absmax, spec, backends.for_device(tensors["param"][0].device))
     # a graph cannot hand an op that mutates it a view of a tensor of another dtype: a complex param's real view
     complex_views = {i for i in taken for role, values in tensors.items() if role != "grad"
                      if values[i] is not None and values[i]._base is not None and values[i]._base.dtype != values[i].dtype}
@@ -410,7 +410,7 @@ def _op_step(spec, param, grad, holders, layout, scalars, flag_bits, per_tensor_
     absmax = {role: ts for role, ts in call.absmax.items() if any(t is not None for t in ts)}
     _check_op_grads(op, param, grad)
     _check_op_states(op, spec, flags, tensors, absmax)
-    _, taken_formats, left, reason = split_taken(tensors, spec, backend)
+    _, taken_formats, left, reason = split_taken(tensors, absmax, spec, backend)
     if left:
         raise RuntimeError(f"{op}: the {backend.NAME} kernel cannot take a tensor: {reason}")
     call.build(spec, backend, flag_bits, tensors, absmax, taken_formats)

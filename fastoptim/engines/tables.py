@@ -28,9 +28,10 @@ def state_format(param, states, spec):
     return kept
 
 
-def _refusal(backend, param, grad, states, states_format, remainder):
+def _refusal(backend, param, grad, states, states_format, remainder, maxima):
     """Why ``backend``'s kernel cannot take this tensor (``states``: role to tensor,
-    ``states_format``: their state_format, ``remainder``: its master remainder or None), or None."""
+    ``states_format``: their state_format, ``remainder``: its master remainder or None, ``maxima``: its
+    8-bit states' block maxima), or None."""
     why = backend.refusal(param)
     if why:
         return why
@@ -40,6 +41,8 @@ def _refusal(backend, param, grad, states, states_format, remainder):
         return None
     if remainder is not None and not same_layout(remainder, param):
         return "a master remainder is not laid out as its param"
+    if not all(t.is_contiguous() for t in maxima):  # walked as one block after another
+        return "8-bit states' block maxima must be contiguous"
     if states_format.block > 1 and not all(t.is_contiguous() for t in (param, grad, *states.values())):
         return f"{states_format} states need a contiguous param, grad and states"
     states = list(states.values())
@@ -57,9 +60,10 @@ def same_layout(a, b):
     return all(sa == sb for sa, sb, n in zip(a.stride(), b.stride(), a.shape) if n != 1)
 
 
-def split_taken(tensors, spec, backend):
-    """Indices of the tensors (``tensors``: role to one tensor per param) that ``backend``'s kernel
-    takes, with their states' formats, and those left to the foreach engine with the first reason."""
+def split_taken(tensors, absmax, spec, backend):
+    """Indices of the tensors (``tensors``: role to one tensor per param; ``absmax``: role to each param's
+    block maxima or None) that ``backend``'s kernel takes, with their states' formats, and those left to
+    the foreach engine with the first reason."""
     remainders = tensors.get(master.KEY)
     if remainders is not None and not backend.REMAINDERS:
         return [], [], list(range(len(tensors["param"]))), f"the {backend.NAME} kernels keep no master_bits remainders"
@@ -68,7 +72,9 @@ def split_taken(tensors, spec, backend):
     for i, (param, grad) in enumerate(zip(tensors["param"], tensors["grad"])):
         states = {role: tensors[role][i] for role in state_roles}
         states_format = state_format(param, states, spec)
-        why = _refusal(backend, param, grad, states, states_format, None if remainders is None else remainders[i])
+        maxima = [values[i] for values in absmax.values() if values[i] is not None]
+        why = _refusal(backend, param, grad, states, states_format, None if remainders is None else remainders[i],
+                       maxima)
         if why:
             left.append(i)
             reason = reason or why

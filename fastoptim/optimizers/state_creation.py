@@ -14,7 +14,7 @@ from ..specs import ABSMAX
 from ..states import formats, master, subset_norm
 from ..step_cache import engine_view
 from .algorithm import PER_PARAM
-from .checks import is_step_count, one_value, step_count
+from .checks import is_step_count, one_value, overlaps_itself, step_count
 from .step_counts import StepCounts, own_counts
 
 
@@ -119,7 +119,8 @@ class StateCreation:
 
     def _check_states_apart(self, params):
         """Raise where a state of ``params`` shares memory with a param or another state of theirs
-        (``state["exp_avg"] = p.detach()``, ``state["exp_avg_sq"] = state["exp_avg"]``): the fused kernels
+        (``state["exp_avg"] = p.detach()``, ``state["exp_avg_sq"] = state["exp_avg"]``), or with itself (an
+        expanded view, whose writes would land on one element, or past its memory in a kernel): the fused kernels
         read each element of them all before they write any, the other engines in their ops' order, so such
         steps differ (torch's is its ops' order). Params that share memory with each other step as they did.
         One sort of all the spans, which the states made in flat buffers never share."""
@@ -133,6 +134,11 @@ class StateCreation:
             for key, value in (self.state.get(param) or {}).items():
                 if key != "step" and isinstance(value, Tensor):
                     tensors.append((param, key, value if view is None else view(value)))
+                    if not value.is_contiguous() and overlaps_itself(tensors[-1][2]):
+                        raise RuntimeError(f"{type(self).__name__}: state {key!r} of a param of shape "
+                                           f"{tuple(param.shape)} has elements that share memory (strides "
+                                           f"{value.stride()}): a step writes each, so a state must own its "
+                                           "memory; clone it, or clear it with optimizer.state[param].clear()")
         spans = [tensor for _, _, tensor in tensors]
         if disjoint(spans):
             return
