@@ -1079,3 +1079,30 @@ def test_ns_steps_given_as_a_numpy_int_steps_as_its_value(way):
 
     for checked in (False, True):
         assert torch.equal(run(np.int64(4), checked), run(4, checked))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8], ids=["fp32", "int8"])
+@pytest.mark.parametrize("companion", [False, True], ids=["alone", "with AdamW companions"])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_master_remainder_given_storage_of_another_dtype_is_refused_with_nothing_changed(engine, companion, dtype):
+    """``state["master_remainder"].data = ...`` of another dtype: the bound fused step ran the momentum kernel
+    (and the companions) before the update kernel's tables met it, and then raised native bind's error
+    (fp32) or stepped on it read as another format (int8 under master_bits=32) (helper-89). Native code
+    watches the remainders with the params: the step is refused by name, as on the other engines."""
+    matrix = torch.nn.Parameter(torch.randn(16, 8, generator=torch.Generator().manual_seed(0)).bfloat16())
+    vector = torch.nn.Parameter(torch.randn(6, generator=torch.Generator().manual_seed(1)))
+    groups = [{"params": [matrix]}] + ([{"params": [vector], "use_muon": False}] if companion else [])
+    optimizer = fastoptim.Muon(groups, lr=1e-2, master_bits=32, **ENGINES[engine])
+    for step in range(2):
+        for param in (matrix, vector):
+            param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(10 + step)).to(param.dtype)
+        optimizer.step()
+    remainder = optimizer.state[matrix]["master_remainder"]
+    remainder.data = remainder.detach().to(dtype)
+    params, states = _snapshot(optimizer)
+    with pytest.raises(RuntimeError, match=r"Muon: state 'master_remainder' is torch\.(float32|int8)"):
+        optimizer.step()
+    after_params, after_states = _snapshot(optimizer)
+    assert all(map(torch.equal, params, after_params))
+    assert all(torch.equal(value, after_states[key][name]) for key, state in states.items()
+               for name, value in state.items())

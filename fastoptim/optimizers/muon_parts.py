@@ -301,9 +301,12 @@ def run_in_three_parts(momentum_engine: str, part: engines.Plan, reduce_group=No
             grads, grad_scale = torch._foreach_mul(grads, grad_scale), None
     directions = [torch.empty_like(grad) for grad in grads] if piece is None else piece.directions
     momentum = BucketPlan() if piece is None else piece.momentum
-    # the params too are watched by native code, though the kernel does not walk them: a bound step updates
-    # them after its native call (see BoundMomentum), which must refuse a param given other storage
-    watched = [[param, *others] for param, others in zip(part.tensors["param"], part.watched or repeat(()))]
+    # the params and their master remainders too are watched by native code, though the kernel does not walk
+    # them: a bound step updates them after its native call (see BoundMomentum), which must refuse one given
+    # other storage (or dtype) before anything runs
+    remainders = part.tensors.get(master.KEY) or repeat(None)
+    watched = [[param, *(() if remainder is None else (remainder,)), *others] for param, remainder, others
+               in zip(part.tensors["param"], remainders, part.watched or repeat(()))]
     momentum_args, flags = momentum_inputs(args, grad_scale)
     engines.run(momentum_engine, replace(
         part, tensors={"param": directions, "grad": grads, "momentum_buffer": part.tensors["momentum_buffer"]},
