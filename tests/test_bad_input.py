@@ -797,3 +797,32 @@ def test_a_grad_that_is_its_param_s_memory_is_refused_with_nothing_changed(cls, 
                for key, held in state.items())
     params[1].grad = params[1].detach().clone()  # memory of its own: it steps
     opt.step()
+
+
+SEVERAL_VALUES = [(fastoptim.AdamW, "amsgrad", torch.tensor([1.0, 2.0]), r"Invalid amsgrad: a tensor of shape \(2,\)"),
+                  (fastoptim.Adan, "no_prox", torch.tensor([1.0, 0.0]), r"Invalid no_prox: a tensor of shape \(2,\)"),
+                  (fastoptim.Lion, "maximize", torch.ones(2, 1), r"Invalid maximize: a tensor of shape \(2, 1\)"),
+                  (fastoptim.Muon, "use_muon", torch.tensor([1.0, 2.0]), r"Invalid use_muon: tensor"),
+                  (fastoptim.Muon, "adjust_lr_fn", [], r"Invalid adjust_lr_fn: \[\]"),
+                  (fastoptim.Muon, "adjust_lr_fn", {"a": 1}, r"Invalid adjust_lr_fn: \{'a': 1\}")]
+
+
+@pytest.mark.parametrize("when", ["constructor", "between steps"])
+@pytest.mark.parametrize("cls, key, value, message", SEVERAL_VALUES,
+                         ids=[f"{cls.__name__}.{key}={type(value).__name__}" for cls, key, value, _ in SEVERAL_VALUES])
+def test_an_option_of_one_value_given_several_or_an_unhashable_one_is_refused_by_name(cls, key, value, message, when):
+    """A flag given as a tensor of several values raised torch's "Boolean value of Tensor ... is ambiguous",
+    and Muon's adjust_lr_fn as a list "unhashable type" (helper-89), naming no option."""
+    param = torch.nn.Parameter(torch.randn(3, 4, generator=torch.Generator().manual_seed(0)))
+    if when == "constructor":
+        with pytest.raises(ValueError, match=message):
+            cls([param], **{key: value})
+        return
+    opt = cls([param], lr=1e-2)
+    param.grad = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    opt.step()
+    before = snapshot([param], opt)
+    opt.param_groups[0][key] = value
+    with pytest.raises(ValueError, match=message):
+        opt.step()
+    assert all(map(torch.equal, [param], before[0]))

@@ -46,7 +46,11 @@ def plain(value):
 
 def one_value(name, value):
     """The value of option ``name``, which holds one: :func:`plain`'s, and of an array of one element (any
-    shape) its element, as of a one-element tensor lr; a ValueError naming ``name`` for an array of more."""
+    shape) its element, as of a one-element tensor lr; a ValueError naming ``name`` for an array or a
+    tensor of more (whose truth is no value)."""
+    if isinstance(value, Tensor) and value.numel() != 1:
+        raise ValueError(f"Invalid {name}: a tensor of shape {tuple(value.shape)} (give a number, or a tensor of "
+                         "one element)")
     if isinstance(value, np.ndarray) and value.ndim:
         if value.size != 1:
             raise ValueError(f"Invalid {name}: {value!r} (an array of shape {value.shape}: give a number, or an "
@@ -288,7 +292,8 @@ def plain_values(group: dict, keys) -> dict:
     number's arithmetic rounds to fp32, where the native rules and a compiled step take its value.
 
     An option whose default is no sequence, written as an array of one element (``lr=np.array([1e-3])``),
-    is its one value, as a one-element tensor lr is; of more elements, a ValueError names it.
+    is its one value, as a one-element tensor lr is; an array or a tensor of more elements, a ValueError
+    names it.
 
     Args:
         group: the param group, read.
@@ -302,6 +307,8 @@ def plain_values(group: dict, keys) -> dict:
             found[key] = plain(value) if isinstance(keys[key], (tuple, list)) else one_value(key, value)
         elif isinstance(value, (tuple, list)) and any(isinstance(v, NUMPY_VALUES) for v in value):
             found[key] = [plain(v) if isinstance(v, NUMPY_VALUES) else v for v in value]
+        elif isinstance(value, Tensor) and not isinstance(keys[key], (tuple, list)):
+            one_value(key, value)  # a tensor of several values, whose truth no step reads
     return found
 
 

@@ -70,7 +70,8 @@ def check_schedule(group: dict) -> None:
     if type(steps) is not int or not 1 <= steps < 100:
         raise ValueError(f"Invalid ns_steps: {steps!r} (must be an int from 1 to 99)")
     coefficients(group)
-    if group["adjust_lr_fn"] is not None and group["adjust_lr_fn"] not in ADJUST_LR:
+    if group["adjust_lr_fn"] is not None and (type(group["adjust_lr_fn"]) is not str
+                                              or group["adjust_lr_fn"] not in ADJUST_LR):
         *others, last = map(repr, ADJUST_LR)
         raise ValueError(f"Invalid adjust_lr_fn: {group['adjust_lr_fn']!r} (must be None, {', '.join(others)} "
                          f"or {last})")
@@ -233,7 +234,10 @@ class Muon(FastOptimizer):
                              "group, where adamw_eps is an alias of eps (AdamW's): set both")
 
     def _algorithm(self, group):
-        return MUON if group["use_muon"] else COMPANIONS
+        use_muon = group["use_muon"]
+        if type(use_muon) is not bool:
+            check_flags(group)  # which names it, before its truth is read
+        return MUON if use_muon else COMPANIONS
 
     def _algorithms(self):
         return MUON, COMPANIONS
