@@ -147,7 +147,7 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
 
     def _check_group(self, group, max_grad_norm=None):
         check_hyperparameters(group, self._algorithm(group).n_betas)
-        plain_values(group, self.__dict__.get("defaults", group))  # one option given several values (in __init__: its own)
+        plain_values(group, self.__dict__.get("defaults", group))  # an option of one value given several
         self._check_plan(group)
         held = self.defaults["max_grad_norm"] if max_grad_norm is None else max_grad_norm
         if group["max_grad_norm"] != held:
