@@ -507,3 +507,42 @@ def test_resume_in_a_new_process_is_bit_identical(cls, foreach, tmp_path):
 
     uninterrupted = run("save")
     assert run("resume") == uninterrupted
+
+
+def _adamw_run(betas_given, edit, reload=False, cls=fastoptim.AdamW, **options):
+    """Three steps of lr 0.1 on one param; betas (0.81, 0.999) as tensors ``betas_given`` "at construction"
+    or "between steps" (before the second), ``edit``: β1 written in place to 0.7 before the third."""
+    param = torch.nn.Parameter(torch.randn(7, generator=torch.Generator().manual_seed(0)))
+    betas = (torch.tensor(0.81), torch.tensor(0.999))
+    opt = cls([param], lr=0.1, **({"betas": betas} if betas_given == "at construction" else {}), **options)
+    grads = torch.Generator().manual_seed(1)
+    for step in range(3):
+        if step == 1 and betas_given == "between steps":
+            opt.param_groups[0]["betas"] = betas
+        if step == 1 and reload:
+            saved = copy.deepcopy(opt.state_dict())
+            opt = cls([param], lr=0.1, **options)
+            opt.load_state_dict(saved)
+        if step == 2 and edit:
+            opt.param_groups[0]["betas"][0].fill_(0.7)
+        param.grad = torch.randn(7, generator=grads)
+        opt.step()
+    return param.detach()
+
+
+@pytest.mark.parametrize("edit", [False, True], ids=["as given", "edited in place"])
+@pytest.mark.parametrize("engine", ["loop", "default"])
+def test_tensor_betas_are_read_at_every_step_however_they_reached_the_group(engine, edit):
+    """Given to the constructor or loaded, tensor betas were taken as the numbers they held: a write in place
+    was not followed, the step differed from torch's with the same tensors by 8 ulps, and a resume after
+    tensor betas were written between steps differed from the run it resumed (helper-89). They are read at
+    every step, as torch.optim reads them: the same run however they came, and a resumed run bit for bit."""
+    options = dict(foreach=False, fused=False) if engine == "loop" else {}
+    given = _adamw_run("at construction", edit, **options)
+    assert torch.equal(given, _adamw_run("at construction", edit, reload=True, **options))
+    assert torch.equal(_adamw_run("between steps", edit, **options),
+                       _adamw_run("between steps", edit, reload=True, **options))
+    theirs = _adamw_run("at construction", edit, cls=torch.optim.AdamW, foreach=False)
+    torch.testing.assert_close(given, theirs, rtol=0, atol=2.5e-7)  # 2 ulp at these magnitudes
+    if edit:
+        assert not torch.equal(given, _adamw_run("at construction", False, **options))

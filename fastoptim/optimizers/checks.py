@@ -20,16 +20,21 @@ from ..step_cache import DEVICE, DTYPE, SHAPE
 
 
 def normalize_betas(group):
-    """Take one-element tensor betas as the numbers they hold (as torch.optim accepts them): the
-    step's math reads betas as numbers, so a tensor beta is read once, when its group is added or
-    loaded, and later changes to it in place are not followed."""
+    """Take tensor betas as torch.optim does: each holds one floating-point number, which every step reads
+    (so a write in place is followed, as one written between steps is); one of several dimensions (shape
+    (1,)) as its 0-d view, which shares its memory."""
     betas = group["betas"]
     if isinstance(betas, (tuple, list)) and any(isinstance(beta, Tensor) for beta in betas):
         for i, beta in enumerate(betas):
             if isinstance(beta, Tensor) and (beta.numel() != 1 or not beta.is_floating_point()):
                 raise ValueError(f"Invalid betas[{i}]: a Tensor beta must hold one floating-point number, got "
                                  f"{beta.dtype} of shape {tuple(beta.shape)}")
-        group["betas"] = tuple(beta.item() if isinstance(beta, Tensor) else beta for beta in betas)
+        if any(isinstance(beta, Tensor) and beta.dim() for beta in betas):
+            values = [beta.view(()) if isinstance(beta, Tensor) else beta for beta in betas]
+            if isinstance(betas, list):
+                betas[:] = values
+            else:
+                group["betas"] = betas._make(values) if hasattr(betas, "_make") else tuple(values)
 
 
 NUMPY_VALUES = (np.generic, np.ndarray)  # numpy's numbers, bools and arrays
@@ -79,7 +84,7 @@ def check_hyperparameters(group, n_betas):
     if not isinstance(betas, (tuple, list)) or len(betas) != n_betas:
         raise ValueError(f"Invalid betas: {betas!r} (expected {n_betas} numbers)")
     for i, beta in enumerate(betas):
-        check_number(f"betas[{i}]", beta, below=1.0)
+        check_number(f"betas[{i}]", beta, below=1.0, tensor=True)
 
 
 def check_plan_options(group):
