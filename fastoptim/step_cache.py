@@ -72,7 +72,7 @@ class _Reading(dict):
 
     def __getitem__(self, key):
         value = super().__getitem__(key)
-        if key != "params" and type(value) in (tuple, list):
+        if key != "params" and isinstance(value, (tuple, list)):  # a namedtuple or a list subclass too
             self.read.setdefault(key, set())
             return _ReadItems(value, self.read, key)
         self._note(key)
@@ -150,7 +150,7 @@ class Structure:
         read = [value if positions is None else [value[i] for i in positions]
                 for value, positions in zip(self.held, reading.read.values())]
         # a list option (betas) may be edited in place: its items, as they were, are compared too
-        self.items = [(key, tuple(value)) for key, value in zip(self.keys, self.held) if type(value) is list]
+        self.items = [(key, tuple(value)) for key, value in zip(self.keys, self.held) if isinstance(value, list)]
         # the options a tensor or an array holds (a β1 in a 0-d tensor, amsgrad in a 0-d array), or a sequence of
         # them: they may be written in place, and the structure is then computed again at every check
         # (of a tuple or list option, the items the structure read)

@@ -826,3 +826,16 @@ def test_an_option_of_one_value_given_several_or_an_unhashable_one_is_refused_by
     with pytest.raises(ValueError, match=message):
         opt.step()
     assert all(map(torch.equal, [param], before[0]))
+
+
+def test_sequence_options_keep_their_own_messages_and_a_numpy_string_is_a_string():
+    """The check of one-value options given several (helper-90): Muon's ns_coefficients and split_sizes are
+    sequences, named with what they take; adjust_lr_fn as numpy's str (a str subclass) is taken, as torch's."""
+    param = torch.nn.Parameter(torch.randn(4, 4))
+    with pytest.raises(ValueError, match=r"Invalid ns_coefficients: tensor.* \(must be three finite numbers"):
+        fastoptim.Muon([param], ns_coefficients=torch.tensor([3.4445, -4.7750, 2.0315]))
+    with pytest.raises(ValueError, match=r"Invalid split_sizes: array\(\[2, 2\]\) \(must be None or a non-empty"):
+        fastoptim.Muon([param], split_sizes=np.array([2, 2]))
+    opt = fastoptim.Muon([param], adjust_lr_fn=np.str_("match_rms_adamw"))
+    param.grad = torch.ones(4, 4)
+    opt.step()

@@ -7,6 +7,7 @@ that differ between params (the numpy sqrt, now traced by dynamo), GradScaler's 
 on the engines that skip in the graph and on the fused fallback, 8-bit and subset-norm states, fp32 and
 bf16 params in one group with master remainders, Muon with its AdamW companions; grad mode off in the
 step and back after it, a closure's backward with grad on; the fused fallback's warning once."""
+import collections
 import warnings
 from dataclasses import replace
 
@@ -517,16 +518,20 @@ def test_betas_of_0d_tensors_written_between_compiled_steps_step_as_eager(cls):
     assert_same(eager, traced)
 
 
+Betas = collections.namedtuple("Betas", "beta1 beta2")
+
+
+@pytest.mark.parametrize("container", [tuple, Betas._make], ids=["tuple", "namedtuple"])
 @pytest.mark.parametrize("cls, options", [(fastoptim.AdamWSN, dict(sn=True)), (fastoptim.AdamWSN, {}),
                                           (fastoptim.RMSPropSN, {})], ids=["AdamWSN sn", "AdamWSN", "RMSPropSN"])
-def test_a_beta2_of_a_0d_tensor_written_between_compiled_steps_steps_as_eager(cls, options):
+def test_a_beta2_of_a_0d_tensor_written_between_compiled_steps_steps_as_eager(cls, options, container):
     """AdamWSN's plan reads β1 alone: a β2 written as a 0-d tensor (and then edited in place) is a number a
     compiled step reads, as it reads AdamW's. It was refused as a tensor that decides the plan, since
-    the whole ``betas`` option was marked read (helper-81, helper-84)."""
+    the whole ``betas`` option was marked read (helper-81, helper-84; of a namedtuple, helper-90)."""
     def tensor_beta2(params, opt, step):
         group = opt.param_groups[0]
         if step == 1:
-            group["betas"] = (group["betas"][0], torch.tensor(0.99))
+            group["betas"] = container((group["betas"][0], torch.tensor(0.99)))
         if step == 3:
             group["betas"][1].fill_(0.95)
 

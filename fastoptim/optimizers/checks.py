@@ -222,16 +222,28 @@ NUMBER_TERMS = "an int or a float, a real numpy number, or a floating-point tens
 
 
 @functools.cache
-def number_options(cls) -> tuple:
+def number_options(cls, defaults=is_number) -> tuple:
     """The options that fastoptim's optimizer classes among ``cls`` and those it derives from give a number
-    by default in their signatures (a float, or an int that is no bool): those its steps read as numbers,
-    whatever a user gave the constructor. A subclass that passes ``**kwargs`` on keeps its base's; a
-    subclass's own options are its own to read."""
+    by default in their signatures (a float, or an int that is no bool; with ``defaults``, what it takes):
+    those its steps read as numbers, whatever a user gave the constructor. A subclass that passes
+    ``**kwargs`` on keeps its base's; a subclass's own options are its own to read."""
     return tuple(dict.fromkeys(
         name for klass in cls.__mro__ if klass.__module__.startswith("fastoptim.")
         and isinstance(vars(klass).get("__init__"), types.FunctionType)
         for name, parameter in inspect.signature(klass.__init__).parameters.items()
-        if is_number(parameter.default)))
+        if defaults(parameter.default)))
+
+
+def check_flags(group: dict, cls) -> None:
+    """Raise a ValueError naming the first option of ``group`` whose default in ``cls``'s signature is a bool
+    (``amsgrad``, ``no_prox``, ``use_muon``), given a tensor of several values, whose truth no step reads."""
+    for name in number_options(cls, _is_bool):
+        if isinstance(group.get(name), Tensor):
+            one_value(name, group[name])
+
+
+def _is_bool(value) -> bool:
+    return isinstance(value, bool)
 
 
 @functools.cache
@@ -297,8 +309,7 @@ def plain_values(group: dict, keys) -> dict:
     number's arithmetic rounds to fp32, where the native rules and a compiled step take its value.
 
     An option whose default is no sequence, written as an array of one element (``lr=np.array([1e-3])``),
-    is its one value, as a one-element tensor lr is; an array or a tensor of more elements, a ValueError
-    names it.
+    is its one value, as a one-element tensor lr is; of more elements, a ValueError names it.
 
     Args:
         group: the param group, read.
@@ -312,8 +323,6 @@ def plain_values(group: dict, keys) -> dict:
             found[key] = plain(value) if isinstance(keys[key], (tuple, list)) else one_value(key, value)
         elif isinstance(value, (tuple, list)) and any(isinstance(v, NUMPY_VALUES) for v in value):
             found[key] = [plain(v) if isinstance(v, NUMPY_VALUES) else v for v in value]
-        elif isinstance(value, Tensor) and not isinstance(keys[key], (tuple, list)):
-            one_value(key, value)  # a tensor of several values, whose truth no step reads
     return found
 
 

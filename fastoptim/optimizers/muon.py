@@ -70,7 +70,7 @@ def check_schedule(group: dict) -> None:
     if type(steps) is not int or not 1 <= steps < 100:
         raise ValueError(f"Invalid ns_steps: {steps!r} (must be an int from 1 to 99)")
     coefficients(group)
-    if group["adjust_lr_fn"] is not None and (type(group["adjust_lr_fn"]) is not str
+    if group["adjust_lr_fn"] is not None and (not isinstance(group["adjust_lr_fn"], str)
                                               or group["adjust_lr_fn"] not in ADJUST_LR):
         *others, last = map(repr, ADJUST_LR)
         raise ValueError(f"Invalid adjust_lr_fn: {group['adjust_lr_fn']!r} (must be None, {', '.join(others)} "

@@ -94,6 +94,7 @@ class StepPath:
         ``PER_GROUP`` count (which a number written makes a tensor, see ``check_group_count``)."""
         self._check_between_steps(group, params)
         checks.plain_values(group, self.defaults)
+        checks.check_flags(group, type(self))
         if self._algorithm(group).counts == PER_GROUP:
             check_group_count(group, self.param_groups)
 
