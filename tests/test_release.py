@@ -499,6 +499,23 @@ def test_an_lr_set_between_backward_and_step_warns_once(lr):
         opt.step()
 
 
+@pytest.mark.parametrize("betas", ["tensor filled in place", "list item replaced"])
+def test_betas_edited_in_place_between_backward_and_step_warn_too(betas):
+    """A β1 filled in place (a tensor beta) or set in its list: release held the betas option by reference
+    and compared it with itself, so it said nothing (helper-90)."""
+    module = model()
+    given = [torch.tensor(0.9), torch.tensor(0.999)] if betas.startswith("tensor") else [0.9, 0.999]
+    opt = fastoptim.AdamW(module.parameters(), lr=1e-2, betas=given)
+    opt.enable_gradient_release(bucket_numel=SMALL_BUCKETS)
+    module(batches(1)[0]).sum().backward()
+    if betas.startswith("tensor"):
+        opt.param_groups[0]["betas"][0].fill_(0.5)
+    else:
+        opt.param_groups[0]["betas"][0] = 0.5
+    with pytest.warns(UserWarning, match="betas.*after backward"):
+        opt.step()
+
+
 class SharedBlock(torch.nn.Module):
     """A block applied twice, each time under a reentrant checkpoint: its params' grads accumulate in
     two inner backwards within one backward. No params before it: a bucket of the block's and the last

@@ -58,22 +58,37 @@ def in_reentrant_backward() -> bool:
 
 
 def _options(group: dict) -> dict:
-    """A param group's options as a step reads them: each value, with a tensor's version (a scheduler
-    may write a tensor lr in place), a numpy array's copy (or an edit in place would go unseen). Not its
-    params, nor a per-group count, which step() advances."""
-    return {key: (value.copy() if isinstance(value, np.ndarray) else value,
-                  value._version if isinstance(value, Tensor) else None)
-            for key, value in group.items() if key not in ("params", "step")}
+    """A param group's options as a step reads them (see :func:`_held`). Not its params, nor a per-group
+    count, which step() advances."""
+    return {key: _held(value) for key, value in group.items() if key not in ("params", "step")}
+
+
+_SEQUENCE = object()  # the mark of a tuple or list option held item by item
+
+
+def _held(value) -> tuple:
+    """An option's value as held to compare a later one with: a tensor with its version (a scheduler may
+    write a tensor lr in place), a numpy array's copy, and a tuple or list item by item (a β1 set in a list
+    of betas, or a tensor beta filled in place), or an edit in place would go unseen."""
+    if isinstance(value, Tensor):
+        return value, value._version
+    if isinstance(value, np.ndarray):
+        return value.copy(), None
+    if isinstance(value, (tuple, list)):
+        return _SEQUENCE, tuple(map(_held, value))
+    return value, None
 
 
 def _same(before, now) -> bool:
-    """Whether an option held in ``_options`` is unchanged: the same tensor at the same version, or an
-    equal value."""
+    """Whether an option held by :func:`_held` is unchanged: the same tensor at the same version, an equal
+    value, or of a sequence, each item so."""
     if before is None or now is None:
         return before is now
-    (value, version), (value_now, version_now) = before, now
+    (value, mark), (value_now, mark_now) = before, now
+    if value is _SEQUENCE or value_now is _SEQUENCE:
+        return value is value_now and len(mark) == len(mark_now) and all(map(_same, mark, mark_now))
     if isinstance(value, Tensor) or isinstance(value_now, Tensor):
-        return value is value_now and version == version_now
+        return value is value_now and mark == mark_now
     if isinstance(value, np.ndarray) or isinstance(value_now, np.ndarray):  # its == compares element-wise
         return np.array_equal(value, value_now)
     return value == value_now
