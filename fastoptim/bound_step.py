@@ -43,7 +43,8 @@ class BoundGroup(NamedTuple):
     # for an empty one), which no grad may have (native code refuses a moved param); else None
     param_pointers: list | None
     # the positions of the grads its parts take in fp32 (BoundMomentum.widen), which the step converts: each must
-    # be fp16 and contiguous, as native code would find a grad its tables take as it is (the copy hides both)
+    # be of its param's dtype and contiguous, as native code would find a grad its tables take as it is (the copy
+    # hides both)
     widened: list
 
 
@@ -157,7 +158,7 @@ class BoundStep:
                     aliased = True
                 if aliased:  # a grad that is its param's memory, which the checked step refuses
                     return None
-                if bound.widened and not all(grads[i].dtype == torch.float16 and grads[i].is_contiguous()
+                if bound.widened and not all(grads[i].dtype == params[i].dtype and grads[i].is_contiguous()
                                              for i in bound.widened):
                     return None  # the checked step refuses it, or takes it on foreach
             if not params and isinstance(entry.count, Tensor):
