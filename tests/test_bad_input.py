@@ -839,3 +839,24 @@ def test_sequence_options_keep_their_own_messages_and_a_numpy_string_is_a_string
     opt = fastoptim.Muon([param], adjust_lr_fn=np.str_("match_rms_adamw"))
     param.grad = torch.ones(4, 4)
     opt.step()
+
+
+TENSOR_OPTIONS = [(cls, key, value) for cls, key in [(fastoptim.Muon, "momentum"), (fastoptim.AdamW, "eps"),
+                                                      (fastoptim.AdamW, "weight_decay"), (fastoptim.AdamW, "lr")]
+                  for value in (float("nan"), float("inf"), *((1.5,) if key == "momentum" else ()))]
+
+
+@pytest.mark.parametrize("cls, key, value", TENSOR_OPTIONS,
+                         ids=[f"{cls.__name__}.{key}={value}" for cls, key, value in TENSOR_OPTIONS])
+def test_a_0d_tensor_option_written_between_steps_is_checked_as_a_number_is(cls, key, value):
+    """A tensor momentum of NaN written between steps made the params NaN, where the same float, and a tensor
+    given to the constructor, were refused (helper-92): a CPU tensor's value is checked as a tensor beta's."""
+    param = torch.nn.Parameter(torch.randn(4, 4, generator=torch.Generator().manual_seed(0)))
+    opt = cls([param], lr=1e-2)
+    param.grad = torch.ones(4, 4)
+    opt.step()
+    before = snapshot([param], opt)
+    opt.param_groups[0][key] = torch.tensor(value)
+    with pytest.raises(ValueError, match=f"Invalid {key}"):
+        opt.step()
+    assert all(map(torch.equal, [param], before[0]))

@@ -272,7 +272,7 @@ def check_numbers(group: dict, names: tuple) -> None:
     params NaN) or not below its bound (:data:`BELOW`: Muon's momentum from 1), before any group steps.
     Not the constructor's lower bound: a schedule's float arithmetic may take a decay to 0 a hair below it
     (torch's ``LinearLR(end_factor=0)`` ends at -4e-22), which torch.optim steps with. A tensor's value is
-    not looked at. An option the group does not hold (a subclass's own argument, kept under another key)
+    looked at where it is on the CPU, as a tensor beta's. An option the group does not hold (a subclass's own argument, kept under another key)
     is left alone.
 
     Args:
@@ -288,8 +288,14 @@ def check_numbers(group: dict, names: tuple) -> None:
         elif kind is int:
             if value < below and -_FLOAT_MAX <= value <= _FLOAT_MAX:  # not past float's range
                 continue
-        elif kind is bool or isinstance(value, Tensor) and a_real_number(name, value):
-            continue  # a tensor's value is not looked at
+        elif kind is bool:
+            continue
+        elif isinstance(value, Tensor) and a_real_number(name, value):
+            if value.device.type != "cpu":  # another device's is read by the step there: looking would wait
+                continue
+            value = value.item()
+            if -_FLOAT_MAX <= value < below and value <= _FLOAT_MAX:
+                continue
         elif not a_real_number(name, value):
             raise ValueError(f"Invalid {name}: {value!r} (must be {NUMBER_TERMS})")
         else:
