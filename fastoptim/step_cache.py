@@ -92,8 +92,11 @@ class _ReadItems(tuple):
 
     def __new__(cls, items, read, key):
         self = super().__new__(cls, items)
-        self.read, self.key = read, key
+        self.read, self.key, self.given = read, key, items
         return self
+
+    def __repr__(self):  # as given (an error message may quote it)
+        return repr(self.given)
 
     def __getitem__(self, index):
         if self.read[self.key] is not None:

@@ -860,3 +860,15 @@ def test_a_0d_tensor_option_written_between_steps_is_checked_as_a_number_is(cls,
     with pytest.raises(ValueError, match=f"Invalid {key}"):
         opt.step()
     assert all(map(torch.equal, [param], before[0]))
+
+
+def test_a_list_flag_is_quoted_as_written():
+    """The plan's structure reads a group through a copy that notes the items read: an error quoted a list
+    flag as a tuple (helper-93)."""
+    param = torch.nn.Parameter(torch.randn(4))
+    opt = fastoptim.AdamW([param], lr=1e-2)
+    param.grad = torch.ones(4)
+    opt.step()
+    opt.param_groups[0]["amsgrad"] = [True]
+    with pytest.raises(ValueError, match=r"Invalid amsgrad: \[True\]"):
+        opt.step()

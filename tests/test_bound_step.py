@@ -554,13 +554,33 @@ def test_betas_of_another_length_or_range_set_between_steps_are_refused_by_name_
         assert all(torch.equal(opt.state[param][key], value) for key, value in state.items())
 
 
-@pytest.mark.parametrize("value", [None, "0", (0,), ()])
+@pytest.mark.parametrize("cls, key", [(fastoptim.AdamWSN, "correct_bias"), (fastoptim.Adan, "no_prox")])
+@pytest.mark.parametrize("value", ["0", "False", (0,), ()])
+def test_a_flag_set_to_text_or_a_sequence_is_refused_by_name_with_nothing_changed(cls, key, value):
+    """A flag read only by its truth: "0" and "False" (a config file's) are true, so Adan's no_prox="False"
+    switched its weight decay rule silently (helper-93), and the bound step once read "0" as 0."""
+    params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(i)))
+              for i, s in enumerate(SHAPES)]
+    with pytest.raises(ValueError, match=f"Invalid {key}"):
+        cls(params, lr=0.1, **{key: value})
+    opt = cls(params, lr=0.1)
+    for step in range(2):
+        for param in params:
+            param.grad = grad_for(param, step)
+        opt.step()
+    before = [param.detach().clone() for param in params]
+    opt.param_groups[0][key] = value
+    with pytest.raises(ValueError, match=f"Invalid {key}"):
+        opt.step()
+    assert all(map(torch.equal, params, before))
+
+
+@pytest.mark.parametrize("value", [None])
 def test_an_option_set_to_what_no_rule_reads_steps_bound_as_checked_and_compiled(value, monkeypatch):
     """``correct_bias`` written into an AdamWSN group between steps as what is no number (the constructor
     takes only a bool; the checked step reads its truth): the bound step raised a TypeError reading None
-    as a number, read "0" as 0 (no bias correction, where the checked step corrects), and a tuple as
-    its items (none: its native call failed as "table 0 has no rule"). Now the bound step leaves such an
-    option to the checked step, and bound, checked and compiled steps agree bit for bit."""
+    as a number. Now the bound step leaves such an option to the checked step, and bound, checked and
+    compiled steps agree bit for bit. (Text and sequences are refused: the test above.)"""
     def change(step, opt, params):
         if step == 2:
             opt.param_groups[0]["correct_bias"] = value

@@ -516,6 +516,22 @@ def test_betas_edited_in_place_between_backward_and_step_warn_too(betas):
         opt.step()
 
 
+def test_options_release_holds_are_taken_as_they_come_without_a_false_warning():
+    """Betas made under inference mode (no version counter: backward's hook raised reading it), and an
+    option of the user's holding NaN, never written (compared item by item, NaN is no NaN: a warning at
+    the first step) (helper-93)."""
+    module = model()
+    with torch.inference_mode():
+        betas = (torch.tensor(0.9), torch.tensor(0.999))
+    opt = fastoptim.AdamW(module.parameters(), lr=1e-2, betas=betas)
+    opt.param_groups[0]["clip_range"] = (float("nan"), 1.0)
+    opt.param_groups[0]["limits"] = [np.array([np.nan, 1.0])]
+    opt.enable_gradient_release(bucket_numel=SMALL_BUCKETS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train(module, opt, steps=2)
+
+
 class SharedBlock(torch.nn.Module):
     """A block applied twice, each time under a reentrant checkpoint: its params' grads accumulate in
     two inner backwards within one backward. No params before it: a bucket of the block's and the last

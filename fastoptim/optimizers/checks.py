@@ -236,10 +236,14 @@ def number_options(cls, defaults=is_number) -> tuple:
 
 def check_flags(group: dict, cls) -> None:
     """Raise a ValueError naming the first option of ``group`` whose default in ``cls``'s signature is a bool
-    (``amsgrad``, ``no_prox``, ``use_muon``), given a tensor of several values, whose truth no step reads."""
+    (``amsgrad``, ``no_prox``, ``correct_bias``) given what a step would read only the truth of: text (a
+    config file's ``"False"`` is true), a sequence, a mapping, or a tensor of several values."""
     for name in number_options(cls, _is_bool):
-        if isinstance(group.get(name), Tensor):
-            one_value(name, group[name])
+        value = group.get(name)
+        if isinstance(value, (str, bytes, tuple, list, dict, set)):
+            raise ValueError(f"Invalid {name}: {value!r} (must be True or False)")
+        if isinstance(value, Tensor):
+            one_value(name, value)
 
 
 def _is_bool(value) -> bool:

@@ -70,8 +70,8 @@ def _held(value) -> tuple:
     """An option's value as held to compare a later one with: a tensor with its version (a scheduler may
     write a tensor lr in place), a numpy array's copy, and a tuple or list item by item (a β1 set in a list
     of betas, or a tensor beta filled in place), or an edit in place would go unseen."""
-    if isinstance(value, Tensor):
-        return value, value._version
+    if isinstance(value, Tensor):  # an inference tensor has no version (and a write to it needs inference mode)
+        return value, None if value.is_inference() else value._version
     if isinstance(value, np.ndarray):
         return value.copy(), None
     if isinstance(value, (tuple, list)):
@@ -90,8 +90,9 @@ def _same(before, now) -> bool:
     if isinstance(value, Tensor) or isinstance(value_now, Tensor):
         return value is value_now and mark == mark_now
     if isinstance(value, np.ndarray) or isinstance(value_now, np.ndarray):  # its == compares element-wise
-        return np.array_equal(value, value_now)
-    return value == value_now
+        return np.array_equal(value, value_now, equal_nan=all(np.asarray(v).dtype.kind in "fc"
+                                                              for v in (value, value_now)))
+    return value is value_now or value == value_now  # the same NaN is unchanged
 
 
 class _Hooks:
