@@ -276,8 +276,8 @@ def check_numbers(group: dict, names: tuple) -> None:
     params NaN) or not below its bound (:data:`BELOW`: Muon's momentum from 1), before any group steps.
     Not the constructor's lower bound: a schedule's float arithmetic may take a decay to 0 a hair below it
     (torch's ``LinearLR(end_factor=0)`` ends at -4e-22), which torch.optim steps with. A tensor's value is
-    looked at where it is on the CPU, as a tensor beta's. An option the group does not hold (a subclass's own argument, kept under another key)
-    is left alone.
+    looked at where it is on the CPU, as a tensor beta's. An option the group does not hold (a subclass's own
+    argument, kept under another key) is left alone.
 
     Args:
         group: the param group, read.
