@@ -36,7 +36,7 @@ from torch.optim import Optimizer
 from .. import flat_params
 from ..clip import RELEASED
 from .checks import check_in_one_group, check_params
-from .release_reductions import DDPState, ddp_comm_hook, reduction_mode
+from .release_reductions import DDPState, hook_ddp, reduction_mode
 
 BUCKET_NUMEL = 1 << 22  # elements per released bucket (16 MiB of fp32 grads): DDP's default is 25 MiB
 
@@ -144,17 +144,6 @@ def _weak_hook(release: GradientRelease, reduced: bool = False) -> Callable[[Ten
     return grad_ready
 
 
-def _hook_ddp(model, release: GradientRelease) -> None:
-    """Add ``release`` to those that ``model``'s release comm hook tells, registering it the first time."""
-    for hook, state in getattr(model, "_comm_hooks", []):
-        if isinstance(state, DDPState):
-            break
-    else:
-        state = DDPState(model.process_group)
-        model.register_comm_hook(state, ddp_comm_hook)
-    state.releases.add(release)
-
-
 class GradientRelease:
     """The handle that ``optimizer.enable_gradient_release()`` returns; ``remove()`` turns it off.
 
@@ -187,7 +176,7 @@ class GradientRelease:
         self._new_step()
         if self.mode == "ddp":
             self._ddp = weakref.ref(model)
-            _hook_ddp(model, self)
+            hook_ddp(model, self)
 
     @property
     def optimizer(self) -> Optimizer | None:

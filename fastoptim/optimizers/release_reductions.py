@@ -131,3 +131,14 @@ def ddp_comm_hook(state, bucket):  # unannotated: DDP checks the annotation's ob
             release._ddp_reduced(bucket.parameters(), bucket.gradients())
         return tensor
     return future.then(reduced)
+
+
+def hook_ddp(model, release) -> None:
+    """Add ``release`` to those that ``model``'s release comm hook tells, registering it the first time."""
+    for _, state in getattr(model, "_comm_hooks", []):
+        if isinstance(state, DDPState):
+            break
+    else:
+        state = DDPState(model.process_group)
+        model.register_comm_hook(state, ddp_comm_hook)
+    state.releases.add(release)

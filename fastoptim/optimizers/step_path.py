@@ -89,9 +89,8 @@ class StepPath:
         checks.check_numbers(group, checks.number_bounds(type(self)))  # written since: before any group steps
 
     def _check_options(self, group, params):
-        """Raise, before any group steps, for what was written into ``group`` since the last step that a
-        checked step cannot take: :meth:`_check_between_steps`, an array no step reads one value of, and a
-        ``PER_GROUP`` count (which a number written makes a tensor, see ``check_group_count``)."""
+        """Raise, before any group steps, for what was written into ``group`` since the last step that a checked
+        step cannot take: :meth:`_check_between_steps`, flags and arrays, and a ``PER_GROUP`` count."""
         self._check_between_steps(group, params)
         checks.plain_values(group, self.defaults)
         checks.check_flags(group, type(self))
