@@ -20,7 +20,7 @@ from ..step_cache import PlanStore
 from .algorithm import PER_GROUP, Algorithm
 from . import release
 from .release_reductions import refusal
-from .checks import (check_flags, check_hyperparameters, check_number, check_params, check_plan_options,
+from .checks import (check_bool_options, check_hyperparameters, check_number, check_params, check_plan_options,
                      check_tensor_lr, flag_value, normalize_betas, one_value)
 from .state_creation import StateCreation
 from .step_counts import group_count
@@ -147,7 +147,7 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
 
     def _check_group(self, group, max_grad_norm=None):
         check_hyperparameters(group, self._algorithm(group).n_betas)
-        check_flags(group, type(self))
+        check_bool_options(group, type(self))
         self._check_plan(group)
         held = self.defaults["max_grad_norm"] if max_grad_norm is None else max_grad_norm
         if group["max_grad_norm"] != held:

@@ -30,11 +30,7 @@ def normalize_betas(group):
                 raise ValueError(f"Invalid betas[{i}]: a Tensor beta must hold one floating-point number, got "
                                  f"{beta.dtype} of shape {tuple(beta.shape)}")
         if any(isinstance(beta, Tensor) and beta.dim() for beta in betas):
-            values = [beta.view(()) if isinstance(beta, Tensor) else beta for beta in betas]
-            if isinstance(betas, list):
-                betas[:] = values
-            else:
-                group["betas"] = betas._make(values) if hasattr(betas, "_make") else tuple(values)
+            set_option(group, "betas", [beta.view(()) if isinstance(beta, Tensor) else beta for beta in betas])
 
 
 NUMPY_VALUES = (np.generic, np.ndarray)  # numpy's numbers, bools and arrays
@@ -234,7 +230,7 @@ def number_options(cls, defaults=is_number) -> tuple:
         if defaults(parameter.default)))
 
 
-def check_flags(group: dict, cls) -> None:
+def check_bool_options(group: dict, cls) -> None:
     """Raise a ValueError naming the first option of ``group`` whose default in ``cls``'s signature is a bool
     (``amsgrad``, ``no_prox``, ``correct_bias``) given what a step would read only the truth of: text (a
     config file's ``"False"`` is true), a sequence, a mapping, or a tensor of several values."""
@@ -347,13 +343,19 @@ def plain_options(group: dict, keys) -> None:
         keys: the options to look at (see ``plain_values``).
     """
     for key, value in plain_values(group, keys).items():
-        held = group[key]
-        if isinstance(held, list):
-            held[:] = value
-        elif isinstance(held, tuple):
-            group[key] = held._make(value) if hasattr(held, "_make") else tuple(value)
-        else:
-            group[key] = value
+        set_option(group, key, value)
+
+
+def set_option(group: dict, key: str, value) -> None:
+    """Give ``group``'s option ``key`` the value ``value``: a list it holds keeps its identity (items set in
+    place), a tuple its type (a namedtuple's too)."""
+    held = group[key]
+    if isinstance(held, list):
+        held[:] = value
+    elif isinstance(held, tuple):
+        group[key] = held._make(value) if hasattr(held, "_make") else tuple(value)
+    else:
+        group[key] = value
 
 
 def check_grads(name: str, params: list, grads: list, signature=None) -> None:

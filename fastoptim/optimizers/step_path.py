@@ -93,7 +93,7 @@ class StepPath:
         step cannot take: :meth:`_check_between_steps`, flags and arrays, and a ``PER_GROUP`` count."""
         self._check_between_steps(group, params)
         checks.plain_values(group, self.defaults)
-        checks.check_flags(group, type(self))
+        checks.check_bool_options(group, type(self))
         if self._algorithm(group).counts == PER_GROUP:
             check_group_count(group, self.param_groups)
 
