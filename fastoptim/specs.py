@@ -17,7 +17,6 @@ REMAINDER = "master_remainder"  # the role and state-dict key of a bf16 param's 
 # The 8-bit code tables (fastoptim/states/blockwise8.py) by name; a table's position is its number in the kernels
 CODE_TABLES = ("unsigned", "signed", "linear")
 CODES = "_codes"  # the suffix of the key naming a saved 8-bit state's code table (fastoptim/states/formats.py)
-QUANTIZED = "_q8"  # the suffix of the key a state dict saves a state's 8-bit codes under (its format's name)
 STOCHASTIC_ROUNDING = 1  # the flag bit every kernel has
 # The fused kernels' element formats, by their code (the position): of params fp32, bf16, fp16, and a
 # bf16 param beside its 8- or 16-bit master remainder (fastoptim/states/master.py); of states fp32,

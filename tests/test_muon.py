@@ -906,7 +906,7 @@ def test_a_state_dict_moves_between_engines_and_state_bits_with_its_companions()
     optimizer = fastoptim.Muon(model_groups(first[:2], first[2:]), state_bits=8)
     run(optimizer, first, grads[:3])
     saved = optimizer.state_dict()
-    assert saved["state"][0]["momentum_buffer_q8"].dtype == torch.uint8
+    assert saved["state"][0]["momentum_buffer"].dtype == torch.uint8
     moved = clone(first)
     wide = fastoptim.Muon(model_groups(moved[:2], moved[2:]), foreach=False, fused=False)
     wide.load_state_dict(saved)

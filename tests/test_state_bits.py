@@ -213,13 +213,9 @@ def test_codes_without_their_block_maxima_are_refused_before_anything_changes():
 @pytest.mark.parametrize("broken, message", [
     (lambda state: state.update(exp_avg_absmax=state["exp_avg_absmax"][:1]), r"has shape \(1,\): the maxima"),
     (lambda state: state.update(exp_avg_absmax=state["exp_avg_absmax"][:-1]), r"has shape \(29,\): the maxima"),
-    (lambda state: state.update(exp_avg_q8=state["exp_avg_q8"].float()), "'exp_avg_q8' is torch.float32: 8-bit codes"),
-    (lambda state: state.update(exp_avg_q8=state["exp_avg_q8"].long()), "'exp_avg_q8' is torch.int64: 8-bit codes"),
-    (lambda state: state.update(exp_avg=state.pop("exp_avg_q8").float()), "is torch.float32 beside its block maxima"),
-    (lambda state: state.update(exp_avg=state.pop("exp_avg_q8").long()), "is torch.int64 beside its block maxima"),
-    (lambda state: state.update(exp_avg=state["exp_avg_q8"]), "'exp_avg' is saved twice")],
-    ids=["maxima of one value", "maxima one short", "codes as fp32", "codes as int64", "old layout's codes as fp32",
-         "old layout's codes as int64", "codes and values"])
+    (lambda state: state.update(exp_avg=state["exp_avg"].float()), "is torch.float32 beside its block maxima"),
+    (lambda state: state.update(exp_avg=state["exp_avg"].long()), "is torch.int64 beside its block maxima")],
+    ids=["maxima of one value", "maxima one short", "codes as fp32", "codes as int64"])
 def test_8_bit_codes_and_maxima_that_do_not_fit_are_refused_before_anything_changes(broken, message, state_bits):
     """A saved maximum of one value broadcast over every block, and codes cast to another dtype (by a
     checkpoint tool) loaded as values beside their orphan maxima; both loaded into either format, and the
@@ -310,42 +306,16 @@ def test_8_bit_states_train_as_well_as_32_bit(cls):
     assert abs(eight - full) / full < 0.02, (eight, full)
 
 
-def test_a_state_dict_saves_8_bit_codes_apart_from_values_and_loads_those_saved_under_the_state_key():
-    """A state dict holds a state's 8-bit codes under ``{role}_q8``, never under the role's key, which holds
-    values in every other format; a state dict from before (codes under the role's key, beside their block
-    maxima) loads into the same states, in either format."""
-    params, optimizer = make(fastoptim.AdamW, 8)
-    run(params, optimizer, 2)
-    saved = optimizer.state_dict()
-    state = saved["state"][0]  # the (96, 80) param's
-    assert {"exp_avg", "exp_avg_sq"}.isdisjoint(state)
-    assert state["exp_avg_q8"].dtype == state["exp_avg_sq_q8"].dtype == torch.uint8
-    assert torch.equal(state["exp_avg_q8"], optimizer.state[params[0]]["exp_avg"])
-    old = copy.deepcopy(saved)
-    for each in old["state"].values():
-        for key in [key for key in each if key.endswith("_q8")]:
-            each[key.removesuffix("_q8")] = each.pop(key)
-    for state_bits in (8, 32):
-        loaded = []
-        for layout in (saved, old):
-            twin_params, twin = make(fastoptim.AdamW, state_bits)
-            twin.load_state_dict(copy.deepcopy(layout))
-            loaded.append([twin.state[param] for param in twin_params])
-        for new_state, old_state in zip(*loaded):
-            assert new_state.keys() == old_state.keys()
-            assert all(torch.equal(new_state[key], old_state[key]) for key in new_state)
-
-
-def _dcp_round_trip(tmp_path, state_bits, into_bits):
-    """An AdamW of ``state_bits`` stepped twice and saved through DCP, and the load of that checkpoint into
-    an AdamW of ``into_bits`` over the same model, through DCP's template; (the model, the saved optimizer,
-    the loaded one)."""
+@pytest.mark.xfail(strict=True, reason="known defect (docs/distributed.md, helper-92): DCP fills a template by key and "
+                   "converts dtypes silently, so an 8-bit checkpoint's uint8 codes load into a 32-bit optimizer's "
+                   "fp32 template as numbers, and its block maxima are dropped")
+def test_an_8bit_dcp_checkpoint_loads_into_a_32bit_optimizer_as_its_values(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 80)
-    opt = fastoptim.AdamW(model.parameters(), lr=1e-2, state_bits=state_bits)
+    opt = fastoptim.AdamW(model.parameters(), lr=1e-2, state_bits=8)
     for _ in range(2):
         model(torch.randn(4, 64)).square().mean().backward()
         opt.step()
@@ -353,33 +323,10 @@ def _dcp_round_trip(tmp_path, state_bits, into_bits):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP's "assuming ... a single process"
         dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=tmp_path)
-        loaded = fastoptim.AdamW(model.parameters(), lr=1e-2, state_bits=into_bits)
+        loaded = fastoptim.AdamW(model.parameters(), lr=1e-2)
         state = {"optim": get_optimizer_state_dict(model, loaded)}
         dcp.load(state, checkpoint_id=tmp_path)
         set_optimizer_state_dict(model, loaded, state["optim"])
-    return model, opt, loaded
-
-
-@pytest.mark.parametrize("state_bits, into_bits", [(8, 32), (32, 8)])
-def test_a_dcp_checkpoint_of_8_bit_codes_is_refused_by_a_template_that_wants_values(tmp_path, state_bits, into_bits):
-    """DCP fills a template by key and converts dtypes without a word: an 8-bit checkpoint's codes, under the
-    state's key, loaded into an fp32 template as numbers (helper-92). Under their own key, the template's
-    key is missing from the checkpoint, and DCP says so."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    with pytest.raises(CheckpointException, match="Missing key in checkpoint state_dict: optim.state.weight.exp_avg"):
-        _dcp_round_trip(tmp_path, state_bits, into_bits)
-
-
-def test_an_8_bit_dcp_checkpoint_resumes_exactly_and_takes_the_documented_detour_into_fp32(tmp_path):
-    model, opt, loaded = _dcp_round_trip(tmp_path, 8, 8)
-    for param in model.parameters():
-        saved, resumed = opt.state[param], loaded.state[param]
-        assert saved.keys() == resumed.keys()
-        assert all(torch.equal(saved[key], resumed[key]) for key in saved)
-    twin = fastoptim.AdamW(model.parameters(), lr=1e-2)  # docs/distributed.md's detour
-    twin.load_state_dict(loaded.state_dict())
     converted = fastoptim.AdamW(model.parameters(), lr=1e-2)
-    converted.load_state_dict(opt.state_dict())
-    assert twin.state[model.weight]["exp_avg"].dtype == torch.float32
-    assert torch.equal(twin.state[model.weight]["exp_avg"], converted.state[model.weight]["exp_avg"])
+    converted.load_state_dict(opt.state_dict())  # the conversion load_state_dict makes
+    assert torch.equal(loaded.state[model.weight]["exp_avg"], converted.state[model.weight]["exp_avg"])

@@ -33,11 +33,9 @@ class StateDicts:
     def state_dict(self):
         """torch's, except that the 8-bit states of DTensor params come dequantized, as fp32 DTensors:
         their blocks are per local shard, so only their values can be resharded. Loading quantizes
-        them again, into the very codes and block maxima on the same shards. Other 8-bit states are
-        saved under ``{role}_q8``, not the role's key, which holds values in every other format (DCP fills a
-        template by key: an fp32 one then misses the key instead of reading codes as values), and name
+        them again, into the very codes and block maxima on the same shards. Other 8-bit states name
         their code table where a state naming none would be read in another (Muon's momentum:
-        fastoptim.states.formats.saved_codes). Each param's state is a
+        fastoptim.states.formats.named_codes). Each param's state is a
         plain dict (``torch.load(weights_only=True)`` knows no other kind); other entries of
         ``state`` (a hook's) are saved as they are, as torch saves them. The master remainder of a
         param written since the last step is saved as zeros, which its written value goes with.
@@ -60,10 +58,9 @@ class StateDicts:
             if key not in specs:
                 continue
             for role in [roles[role] for role in state if role + ABSMAX in state]:  # 8-bit codes
+                state = state | formats.named_codes(role)
                 if self._sharded:
-                    state = formats.convert(state | formats.named_codes(role), role, formats.FP32)
-                else:
-                    state = formats.saved_codes(state, role)
+                    state = formats.convert(state, role, formats.FP32)
             state_dict["state"][key] = state
         return state_dict
 
@@ -154,8 +151,6 @@ class StateDicts:
         ``param``'s device."""
         try:
             subset_norm.check_record(param.shape, state)
-            for name in dict.fromkeys(name for algorithm in self._algorithms() for name in algorithm.spec.states):
-                state = formats.kept_codes(state, name)
         except ValueError as error:
             raise ValueError(f"state of parameter {saved_id}: {error}") from None
         algorithm = self._algorithm(group)

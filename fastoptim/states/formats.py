@@ -13,17 +13,14 @@ Roles are :class:`fastoptim.specs.Role`: a role's ``codes`` picks its 8-bit code
 keeps it in bf16 under 8-bit states, and ``reduced`` keeps it per subset under ``sn``, in the
 :class:`SubsetNorm` format (fp32, or float64 for a float64 param).
 
-A state dict saves 8-bit codes under ``{role}_q8``, never under the role's own key, which holds values in
-every other format (:func:`saved_codes`): a tool that fills a template by key (DCP) then finds no codes
-where it wants values. It names their code table under ``{role}_codes`` (:func:`named_codes`) where a
-state that names none would be read in another table: state dicts from before the linear table name
-none, and their codes are the float-like table of the role's sign (``UNNAMED``). Those from before
-``{role}_q8`` hold the codes under the role's key, beside their block maxima, and load as they are.
+A saved 8-bit state names its code table under ``{role}_codes`` (:func:`named_codes`) where a state
+that names none would be read in another table: state dicts from before the linear table name none,
+and their codes are the float-like table of the role's sign (``UNNAMED``).
 """
 import torch
 
 from .. import distributed
-from ..specs import ABSMAX, CODES, ELEMENT_FORMATS, QUANTIZED
+from ..specs import ABSMAX, CODES, ELEMENT_FORMATS
 from . import blockwise8
 
 # The code table of a saved 8-bit state that names none, by its role's table: Muon's momentum was
@@ -184,27 +181,6 @@ def named_codes(role):
     """The entries that name ``role``'s code table in a saved state of its 8-bit codes: none where
     a state naming none is read in that table (``UNNAMED``), so that those state dicts are as before."""
     return {} if UNNAMED[role.codes] == role.codes else {role.name + CODES: role.codes}
-
-
-def saved_codes(state, role):
-    """``state`` (one param's, as kept, holding ``role``'s 8-bit codes) as a state dict saves it: its codes
-    under ``{role}_q8`` in place of the role's key, and their code table named (:func:`named_codes`)."""
-    return {key + QUANTIZED if key == role.name else key: value for key, value in state.items()} | named_codes(role)
-
-
-def kept_codes(saved, name):
-    """``saved`` (one param's saved state) with the 8-bit codes of role ``name`` that it holds under
-    ``{name}_q8`` (:func:`saved_codes`) back under the role's key, as the optimizer keeps them; a
-    ValueError where it holds the role twice, or codes of another dtype (cast by a checkpoint tool)."""
-    key = name + QUANTIZED
-    if key not in saved:
-        return saved
-    if name in saved:
-        raise ValueError(f"state '{name}' is saved twice: as '{name}' and as 8-bit codes under '{key}'")
-    codes = torch.as_tensor(saved[key])
-    if codes.dtype != Q8.dtype:
-        raise ValueError(f"state '{key}' is {codes.dtype}: 8-bit codes are {Q8.dtype}")
-    return {name if k == key else k: value for k, value in saved.items()}
 
 
 def convert(saved, role, target):
