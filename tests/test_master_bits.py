@@ -581,3 +581,34 @@ def test_a_param_written_after_its_state_was_made_or_read_restarts_its_remainder
         return param.detach().clone()
 
     assert torch.equal(run(False), run(True))
+
+
+@pytest.mark.xfail(strict=True, reason="known defect (docs/distributed.md, helper-95): master_bits=24 and 32 keep their "
+                   "remainders (int8, int16) under one key, and DCP fills a template by key and casts dtypes "
+                   "silently, so a remainder loads into the other width as the wrong number")
+@pytest.mark.parametrize("saved_bits, into_bits", [(24, 32), (32, 24)])
+def test_a_dcp_checkpoint_of_master_remainders_loads_into_the_other_width_as_load_state_dict_converts(
+        tmp_path, saved_bits, into_bits):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 80).to(torch.bfloat16)
+    opt = fastoptim.AdamW(model.parameters(), lr=1e-2, master_bits=saved_bits)
+    for _ in range(3):
+        model(torch.randn(4, 64, dtype=torch.bfloat16)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    saved = copy.deepcopy(opt.state_dict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's "assuming ... a single process"
+        dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=tmp_path)
+        loaded = fastoptim.AdamW(model.parameters(), lr=1e-2, master_bits=into_bits)
+        state = {"optim": get_optimizer_state_dict(model, loaded)}
+        dcp.load(state, checkpoint_id=tmp_path)
+        set_optimizer_state_dict(model, loaded, state["optim"])
+    converted = fastoptim.AdamW(model.parameters(), lr=1e-2, master_bits=into_bits)
+    converted.load_state_dict(saved)
+    assert torch.equal(loaded.state[model.weight][master.KEY], converted.state[model.weight][master.KEY])
