@@ -3,6 +3,8 @@ import copy
 import inspect
 import pickle
 import warnings
+from decimal import Decimal
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -872,3 +874,75 @@ def test_a_list_flag_is_quoted_as_written():
     opt.param_groups[0]["amsgrad"] = [True]
     with pytest.raises(ValueError, match=r"Invalid amsgrad: \[True\]"):
         opt.step()
+
+
+BETA_WRITES = {"Fraction": Fraction(1, 2), "Decimal": Decimal("0.5"), "array of two": np.array([0.5, 0.5]),
+               "text": "0.5"}
+ENGINE_OPTIONS = {"loop": dict(foreach=False, fused=False), "foreach": dict(foreach=True, fused=False),
+                  "fused-multi": dict(fused=True)}
+
+
+@pytest.mark.parametrize("engine", list(ENGINE_OPTIONS))
+@pytest.mark.parametrize("write", list(BETA_WRITES))
+@pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW, fastoptim.AdamWSN, fastoptim.Lion])
+def test_a_beta_written_between_steps_as_what_the_constructor_refuses_is_refused_before_any_group_steps(
+        cls, write, engine):
+    """A Fraction or Decimal beta passed the check between steps (it compares with floats): the fused kernels
+    stepped with float(beta), and the loop and foreach engines' ops refused it midway, the weight decay or
+    the first group already applied (helper-96). Refused by name, as the constructor refuses it."""
+    params = [torch.nn.Parameter(torch.randn(4, 4, generator=torch.Generator().manual_seed(i))) for i in range(2)]
+    opt = cls([{"params": params[:1]}, {"params": params[1:]}], lr=0.01, weight_decay=0.1, **ENGINE_OPTIONS[engine])
+    for step in range(2):
+        for param in params:
+            param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(10 + step))
+        opt.step()
+    before = snapshot(params, opt)
+    opt.param_groups[-1]["betas"] = (BETA_WRITES[write], *opt.param_groups[-1]["betas"][1:])
+    with pytest.raises(ValueError, match="Invalid betas"):
+        opt.step()
+    opt.param_groups[-1]["betas"] = before[1]["param_groups"][-1]["betas"]
+    assert_unchanged(params, opt, before)
+
+
+ONE_ELEMENT = {"betas": lambda betas: (np.array([betas[0]]), *betas[1:]),
+               "betas, 2-d": lambda betas: (np.array([[betas[0]]]), *betas[1:]),
+               "eps": lambda eps: np.array([eps])}
+
+
+@pytest.mark.parametrize("engine", list(ENGINE_OPTIONS))
+@pytest.mark.parametrize("write", list(ONE_ELEMENT))
+@pytest.mark.parametrize("cls", [fastoptim.Adan, fastoptim.AdamW, fastoptim.AdamWSN, fastoptim.Lion])
+def test_a_numpy_array_of_one_element_written_between_steps_steps_as_its_value(cls, write, engine):
+    """An array of one element is its value, as the contract says: a beta was kept a list of one number by the
+    checked step (its scalars then raised, after the first group stepped), and the clip read an eps array as
+    it was, which the foreach and fused norms refused (helper-96). Both groups, clipped, step as with the
+    value."""
+    key = write.split(",")[0]
+    if key not in inspect.signature(cls).parameters:
+        pytest.skip(f"{cls.__name__} takes no {key}")
+    runs = []
+    for written in (False, True):
+        params = [torch.nn.Parameter(torch.randn(4, 4, generator=torch.Generator().manual_seed(i))) for i in range(2)]
+        opt = cls([{"params": params[:1]}, {"params": params[1:]}], lr=0.01, max_grad_norm=0.1,
+                  **ENGINE_OPTIONS[engine])
+        for step in range(4):
+            for param in params:
+                param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(10 + step))
+            if step == 2 and written:
+                for group in opt.param_groups:
+                    group[key] = ONE_ELEMENT[write](group[key])
+            opt.step()
+        runs.append(params)
+    assert all(map(torch.equal, *runs))
+
+
+def test_a_tensor_eps_of_one_dimension_written_between_steps_is_refused_by_what_it_may_be():
+    """The message named "a floating-point tensor of one value", which is what it refused (helper-96): an option
+    other than lr takes a 0-d one."""
+    params, opt = stepped(fastoptim.AdamW)
+    before = snapshot(params, opt)
+    opt.param_groups[0]["eps"] = torch.tensor([1e-3])
+    with pytest.raises(ValueError, match=r"Invalid eps: .* \(must be .*a 0-d floating-point tensor\)"):
+        opt.step()
+    opt.param_groups[0]["eps"] = before[1]["param_groups"][0]["eps"]
+    assert_unchanged(params, opt, before)

@@ -214,7 +214,8 @@ def is_number(value) -> bool:
 
 
 _NUMBERS = (float, int, bool)  # as the constructor's checks and a step read them
-NUMBER_TERMS = "an int or a float, a real numpy number, or a floating-point tensor of one value"
+NUMBER_TERMS = "an int or a float, a real numpy number, or a floating-point tensor of one value"  # an lr's
+OPTION_TERMS = "an int or a float, a real numpy number, or a 0-d floating-point tensor"  # any other option's
 
 
 @functools.cache
@@ -297,7 +298,7 @@ def check_numbers(group: dict, names: tuple) -> None:
             if -_FLOAT_MAX <= value < below and value <= _FLOAT_MAX:
                 continue
         elif not a_real_number(name, value):
-            raise ValueError(f"Invalid {name}: {value!r} (must be {NUMBER_TERMS})")
+            raise ValueError(f"Invalid {name}: {value!r} (must be {NUMBER_TERMS if name == 'lr' else OPTION_TERMS})")
         else:
             value = one_value(name, value)  # a numpy number, or an array of one
             if -_FLOAT_MAX <= value < below and value <= _FLOAT_MAX:
@@ -311,7 +312,8 @@ _FLOAT_MAX = sys.float_info.max
 
 def plain_values(group: dict, keys) -> dict:
     """The Python values of ``group``'s options ``keys`` that hold numpy values (``np.float32(0.1)``,
-    ``np.True_``, an array of betas, a sequence of numpy numbers, as a list), by key: a numpy fp32
+    ``np.True_``, an array of betas, a sequence of numpy numbers or arrays of one element, as a list), by key:
+    a numpy fp32
     number's arithmetic rounds to fp32, where the native rules and a compiled step take its value.
 
     An option whose default is no sequence, written as an array of one element (``lr=np.array([1e-3])``),
@@ -328,7 +330,7 @@ def plain_values(group: dict, keys) -> dict:
         if isinstance(value, NUMPY_VALUES):
             found[key] = plain(value) if isinstance(keys[key], (tuple, list)) else one_value(key, value)
         elif isinstance(value, (tuple, list)) and any(isinstance(v, NUMPY_VALUES) for v in value):
-            found[key] = [plain(v) if isinstance(v, NUMPY_VALUES) else v for v in value]
+            found[key] = [one_value(key, v) if isinstance(v, NUMPY_VALUES) else v for v in value]
     return found
 
 
@@ -391,9 +393,15 @@ def check_grads(name: str, params: list, grads: list, signature=None) -> None:
 
 
 def beta_fits(beta) -> bool:
-    """Whether ``beta`` is a number in [0, 1), or a 0-d floating-point tensor (a step's scalar tensors of
-    one dimension hold one value per param): in [0, 1) where it is on the CPU (a step reads another
+    """Whether ``beta`` is a number in [0, 1) as the constructor takes one: an int or a float, a real numpy
+    number or array of one element (its value: :func:`one_value`), not a Fraction or a Decimal (which a
+    foreach step's ops refuse midway, helper-96), or a 0-d floating-point tensor (a step's scalar tensors
+    of one dimension hold one value per param), in [0, 1) where it is on the CPU (a step reads another
     device's there: looking here would wait for it)."""
     if isinstance(beta, Tensor):
         return beta.dim() == 0 and beta.is_floating_point() and (beta.device.type != "cpu" or 0 <= beta.item() < 1)
-    return 0.0 <= beta < 1.0
+    if isinstance(beta, NUMPY_VALUES):
+        if beta.size != 1 or beta.dtype.kind not in "biuf":
+            return False
+        beta = one_value("betas", beta)
+    return isinstance(beta, (float, int)) and 0.0 <= beta < 1.0
