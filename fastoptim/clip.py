@@ -182,7 +182,7 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
 
     Returns:
         The total norm of the grads before clipping, as a 0-d tensor (float64 where a grad is
-        float64, else fp32).
+        float64, else fp32; torch's, in the grads' dtype, where torch's function takes them).
     """
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     if RELEASED and any(RELEASED.get(id(param)) is param for param in parameters):

@@ -119,6 +119,24 @@ def test_clipping_is_torch_muon_after_clip_grad_norm():
         torch.testing.assert_close(a.detach(), e.detach(), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_clipping_takes_torch_s_eps_whatever_the_groups_order(engine):
+    """The clip added the last group's eps to the norm: a Muon group's Newton-Schulz floor, or a companion's
+    AdamW eps, by the order the groups were listed in (helper-98). It takes clip_grad_norm_'s 1e-6."""
+    runs = []
+    for reverse in (False, True):
+        generator = torch.Generator().manual_seed(0)
+        matrix, bias = (torch.nn.Parameter(torch.randn(shape, generator=generator)) for shape in ((8, 8), (8,)))
+        groups = [{"params": [matrix]}, {"params": [bias], "use_muon": False}]
+        opt = fastoptim.Muon(groups[::-1] if reverse else groups, lr=0.02, max_grad_norm=1e-6, **ENGINES[engine])
+        for step in range(2):
+            for param in (matrix, bias):
+                param.grad = torch.randn(param.shape, generator=generator) * 1e-5  # a norm near the eps
+            opt.step()
+        runs.append((matrix.detach(), bias.detach()))
+    assert all(map(torch.equal, *runs))
+
+
 def model_groups(params, companions):
     return [{"params": params}, {"params": companions, "use_muon": False, "lr": 3e-3, "betas": (0.8, 0.9),
                                  "adamw_eps": 1e-6, "weight_decay": 0.05}]

@@ -91,6 +91,18 @@ def test_unknown_optimizers_and_options_beside_resume_are_refused_with_the_valid
         cli.main(["train", "--resume", str(tmp_path)])
 
 
+@pytest.mark.parametrize("text, message", [("{", "settings.json is no JSON"), ('{"x": 1}', r"holds \['x'\], not a run's"),
+                                           ("[1]", "holds list, not a run's"), (None, "no settings.json and checkpoints/")])
+def test_a_resume_of_a_folder_without_a_run_s_settings_is_one_clear_line(tmp_path, text, message):
+    """A settings.json truncated or of another version ended in a traceback (JSONDecodeError, KeyError), and one
+    without checkpoints/ trained every run anew, then failed to save (helper-98)."""
+    (tmp_path / "settings.json").write_text(text or json.dumps(loop.DEFAULTS))
+    if text is not None:
+        (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(SystemExit, match=message):
+        cli.main(["train", "--resume", str(tmp_path)])
+
+
 @pytest.mark.parametrize("name", [name for name, recipe in loop.RECIPES.items() if recipe.release])
 def test_a_released_run_is_the_same_run_without_release_and_a_recipe_cannot_both_release_and_clip(
         tmp_path, monkeypatch, name):

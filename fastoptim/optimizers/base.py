@@ -79,10 +79,13 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
     - ``algorithm``: its :class:`Algorithm` (fastoptim.optimizers.algorithm), declared beside its math;
     - ``__init__``: its signature and defaults, collected into ``defaults`` for this one's;
     - optionally ``_check_group`` (its own options), and ``_algorithm(group)`` where some groups run
-      another algorithm (Muon's AdamW companions).
+      another algorithm (Muon's AdamW companions);
+    - optionally ``clip_eps``: the option whose last group's value ``max_grad_norm``'s clip adds to the norm
+      (official Adan's rule), or None for torch's clip_grad_norm_'s 1e-6 (an algorithm without one).
     """
 
     algorithm: Algorithm
+    clip_eps: str | None = "eps"
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

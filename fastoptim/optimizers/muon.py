@@ -182,6 +182,8 @@ class Muon(FastOptimizer):
     """
 
     algorithm = MUON
+    clip_eps = None  # a Muon group's eps is the Newton-Schulz floor, a companion's AdamW's: the last group's was
+    # the one or the other by the groups' order (helper-98); torch.optim.Muon is clipped by clip_grad_norm_
 
     def __init__(self, params: ParamsT, lr: float | Tensor = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True,

@@ -178,9 +178,9 @@ class StepPath:
         # in bucket order, the order every path sums the norm in (a bound step's native call takes them itself)
         all_grads = [grads[i] for _, entry, grads in work for plan in entry.buckets for i in plan.indices
                      ] if clipped and not clip_in_step else None
-        # official Adan takes eps for the clip from the last group (a numpy one as its value); an algorithm without
-        # an eps (Lion), torch's clip_grad_norm_'s, whatever keys its groups carry (or with no group left)
-        eps = one_value("eps", self.param_groups[-1]["eps"]) if "eps" in self.defaults and self.param_groups else CLIP_EPS
+        # the clip's eps: the last group's (official Adan's rule; a numpy one as its value) or torch's (FastOptimizer)
+        eps = (one_value(self.clip_eps, self.param_groups[-1][self.clip_eps])
+               if self.clip_eps in self.defaults and self.param_groups else CLIP_EPS)
         maximize = [group["maximize"] for group, _, _ in work]
         if clip_in_step:
             counted = not all(entry.params for _, entry, _ in work)  # official Adan's count, in Python

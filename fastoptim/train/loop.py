@@ -225,6 +225,15 @@ def main(settings, out, stop_after=None, resume=False):
 def resume(out, stop_after=None):
     """Continue the runs in folder ``out`` with the settings they were started with."""
     path = Path(out) / "settings.json"
-    if not path.exists():
-        raise SystemExit(f"--resume {out}: no settings.json there, so no `fastoptim train` run to continue")
-    return main(json.loads(path.read_text()), out, stop_after, resume=True)
+    if not path.exists() or not (Path(out) / "checkpoints").is_dir():
+        raise SystemExit(f"--resume {out}: no settings.json and checkpoints/ there, so no `fastoptim train` run to "
+                         "continue")
+    try:
+        settings = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise SystemExit(f"--resume {out}: settings.json is no JSON ({error})") from None
+    if not isinstance(settings, dict) or settings.keys() != DEFAULTS.keys():
+        found = sorted(settings) if isinstance(settings, dict) else type(settings).__name__
+        raise SystemExit(f"--resume {out}: settings.json holds {found}, not a run's settings {sorted(DEFAULTS)} "
+                         "(of another version of fastoptim?)")
+    return main(settings, out, stop_after, resume=True)
