@@ -221,7 +221,7 @@ class BoundStep:
         restarted = []
         writes = optimizer._restart_written(work, plans, restarted) if self.masters else None
         grads_in, values, flags, options = [], [], [], []  # per table, in the call's order; the rules' options
-        drawn = {}  # per device a seed is drawn on, its generator's state before (see rng_state)
+        drawn = {}  # per device a seed is drawn on, its generator's state before (see engines.fused.rng_state)
         for (group, entry, grads), scale, bound, group_numbers in zip(work, scales, self.groups, numbers):
             buckets, parts, flag_bits = bound.positions, bound.parts, bound.flag_bits
             device = grads[0].device if grads else None
@@ -239,7 +239,7 @@ class BoundStep:
             if stochastic:
                 flag_bits |= STOCHASTIC_ROUNDING
                 if device not in drawn:
-                    drawn[device] = rng_state(device)
+                    drawn[device] = engines.fused.rng_state(device)
             for tables in buckets:  # a seed per bucket, in bucket order, as a checked step draws them
                 common = [0.0] * len(COMMON_SCALARS)
                 common[FOUND_INF] = 0.0 if found_inf is None else found_inf
@@ -253,7 +253,7 @@ class BoundStep:
         if grads_in:
             all_grads = grads_in[0] if len(grads_in) == 1 else [grad for grads in grads_in for grad in grads]
             if self.call.run(all_grads, values, flags, options, clip, amp_scale) != self.backend.STEPPED:
-                set_rng_states(drawn)
+                engines.fused.set_rng_states(drawn)
                 put_back(restarted)
                 return False
         for group, parts, args, per_tensor in finishing:  # the rest of the step of those whose kernels ran part
@@ -287,7 +287,7 @@ class BoundStep:
             args, per_tensor = optimizer._arguments(algorithm, group, entry, scale, increment, traced=False)
             stochastic, device = group["stochastic_rounding"], grads[0].device
             if stochastic and device not in drawn:
-                drawn[device] = rng_state(device)
+                drawn[device] = engines.fused.rng_state(device)
             for tables, bucket, plan in buckets:  # a seed per bucket, in bucket order, as a checked step draws them
                 ordered = engines.fused.ordered_scalars(
                     algorithm.spec, algorithm.kernel_scalars,
@@ -298,7 +298,7 @@ class BoundStep:
         restarted = []
         writes = optimizer._restart_written(work, plans, restarted) if self.masters else None
         if launches and not self.backend.run_launches(launches):
-            set_rng_states(drawn)
+            engines.fused.set_rng_states(drawn)
             put_back(restarted)
             return False
         optimizer._advance(work, increment, writes, self.whole_step)
@@ -320,22 +320,6 @@ def put_back(restarted):
     pairs) its values back."""
     for remainder, held in restarted:
         remainder.copy_(held)
-
-
-def rng_state(device):
-    """The state of the generator that a seed drawn on ``device`` advances. A refused native call
-    gives it back (:func:`set_rng_states`): the checked step that follows draws the seeds again, as a
-    step checked from the start draws them once."""
-    return torch.get_rng_state() if device.type == "cpu" else torch.cuda.get_rng_state(device)
-
-
-def set_rng_states(states):
-    """Set each device's generator to its state in ``states`` (device to :func:`rng_state`)."""
-    for device, state in states.items():
-        if device.type == "cpu":
-            torch.set_rng_state(state)
-        else:
-            torch.cuda.set_rng_state(state, device)
 
 
 def rule_numbers(group, keys):

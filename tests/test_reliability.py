@@ -4,6 +4,7 @@ variants of an algorithm are refused at load, Lion clips with torch's eps, compl
 optimized as torch.optim optimizes them, and a compiled step reuses the graph of a grads pattern
 it has seen. The cases that used to crash the process run in a subprocess."""
 import copy
+import functools
 import math
 import inspect
 import warnings
@@ -514,3 +515,110 @@ def test_a_saved_count_that_is_no_count_is_refused_at_load_which_changes_nothing
     with pytest.raises(ValueError, match="Invalid step"):
         optimizer.load_state_dict(saved)
     assert_unchanged(params, optimizer, before)
+
+
+# --- inference mode and stochastic rounding's seeds (helper-97) --------------------------------------------
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+@pytest.mark.parametrize("how", ["step", "load_state_dict"])
+@pytest.mark.parametrize("info", OPTIMIZERS, ids=repr)
+def test_states_made_under_inference_mode_step_as_any_others(info, how, engine):
+    """A step (an evaluation helper's) or a load under torch.inference_mode() made inference-tensor states,
+    which the loop and foreach engines' next step refused midway, params or states written, while the fused
+    kernels stepped them. They are made outside inference mode: the run is the one without it."""
+    runs = []
+    for inference in (False, True):
+        params = [torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(i)))
+                  for i, shape in enumerate([(4, 3), (5, 2)])]
+        opt = info.cls(params, lr=1e-2, **ENGINES[engine])
+        for step in range(3):
+            for param in params:
+                param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(10 + step))
+            with torch.inference_mode(inference and step == 0 and how == "step"):
+                opt.step()
+            if step == 0 and how == "load_state_dict":
+                with torch.inference_mode(inference):
+                    opt.load_state_dict(opt.state_dict())
+        assert not any(value.is_inference() for state in opt.state.values() for value in state.values()
+                       if isinstance(value, torch.Tensor))
+        runs.append(params)
+    assert all(map(torch.equal, *runs))
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_a_state_given_as_an_inference_tensor_is_refused_by_name_with_nothing_changed(engine):
+    params = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5, 2))]
+    opt = fastoptim.AdamW(params, lr=1e-2, **ENGINES[engine])
+    for param in params:
+        param.grad = torch.randn_like(param)
+    opt.step()
+    with torch.inference_mode():
+        made = opt.state[params[1]]["exp_avg"].clone()
+    opt.state[params[1]]["exp_avg"] = made
+    before = snapshot(params, opt)
+    with pytest.raises(RuntimeError, match="state 'exp_avg' of a param of shape \\(5, 2\\) is an inference tensor"):
+        opt.step()
+    assert_unchanged(params, opt, before)
+
+
+def _bf16_run(engine, grads, steps, resume_at=None, scaler=False):
+    """bf16 AdamW with stochastic rounding over 2 params, stepped on ``grads(step)``; with ``resume_at``, saved
+    after that many steps (the optimizer's, GradScaler's and torch's generator's states) and resumed in a new
+    optimizer, as docs/contract.md says a resumed run is the uninterrupted one."""
+    def make():
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(shape).bfloat16()) for shape in ((80, 64), (33, 7))]
+        return params, fastoptim.AdamW(params, lr=1e-2, stochastic_rounding=True, **ENGINES[engine]), (
+            torch.amp.GradScaler("cpu", init_scale=4.0) if scaler else None)
+
+    params, opt, amp = make()
+    for step in range(steps):
+        if step == resume_at:
+            saved = opt.state_dict(), amp and amp.state_dict(), torch.get_rng_state(), [p.detach().clone() for p in params]
+            params, opt, amp = make()
+            with torch.no_grad():
+                for param, value in zip(params, saved[3]):
+                    param.copy_(value)
+            opt.load_state_dict(saved[0])
+            if amp:
+                amp.load_state_dict(saved[1])
+            torch.set_rng_state(saved[2])
+        if amp:
+            amp.scale(torch.ones(()))  # as scaling a loss would, before backward
+        for param, grad in zip(params, grads(step)):
+            param.grad = grad
+        if amp:
+            amp.step(opt)
+            amp.update()
+        else:
+            opt.step()
+    return params
+
+
+def _seeded_bf16_grads(step, transposed_from=None, inf_at=None):
+    generator = torch.Generator().manual_seed(step)
+    grads = [torch.randn(shape, generator=generator).bfloat16() for shape in ((80, 64), (33, 7))]
+    if transposed_from is not None and step >= transposed_from:  # laid out as its transpose: left to foreach
+        grads[0] = grads[0].t().contiguous().t()
+    if step == inf_at:
+        grads[1][0, 0] = float("inf")  # an overflow: GradScaler skips the step
+    return grads
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_a_refused_launch_gives_back_its_stochastic_rounding_seed(engine):
+    """A fused launch that its tables refused (a grad come transposed) drew a seed, and the launch of the split
+    made again drew another: the step and the generator hung on whether the tables were kept, so a resumed run
+    parted from the uninterrupted one."""
+    grads = functools.partial(_seeded_bf16_grads, transposed_from=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the transposed grad's fallback to foreach
+        assert all(map(torch.equal, _bf16_run(engine, grads, 5), _bf16_run(engine, grads, 5, resume_at=3)))
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_a_step_gradscaler_skips_draws_the_same_seeds_after_a_resume(engine):
+    """A skipped step drew its seeds on the bound step (the kernels skip on the device), and none on the checked
+    step of a new work over existing states, which took it for a step that creates states."""
+    grads = functools.partial(_seeded_bf16_grads, inf_at=3)
+    assert all(map(torch.equal, _bf16_run(engine, grads, 6, scaler=True), _bf16_run(engine, grads, 6, 3, scaler=True)))

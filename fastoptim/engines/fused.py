@@ -53,6 +53,22 @@ def draw_seed(device):
     return torch.randint(1 << 24, (), device=device)
 
 
+def rng_state(device):
+    """The state of the generator that a seed drawn on ``device`` advances. A refused native call or launch
+    gives it back (:func:`set_rng_states`): the step, or launch, that follows draws the seeds again, as one
+    that was not refused draws them once."""
+    return torch.get_rng_state() if device.type == "cpu" else torch.cuda.get_rng_state(device)
+
+
+def set_rng_states(states):
+    """Set each device's generator to its state in ``states`` (device to :func:`rng_state`)."""
+    for device, state in states.items():
+        if device.type == "cpu":
+            torch.set_rng_state(state)
+        else:
+            torch.cuda.set_rng_state(state, device)
+
+
 def with_common(values, found_inf, stochastic, device):
     """A kernel's scalars by name (``values``: its algorithm's) with GradScaler's ``found_inf`` (None: 0)
     and, with ``stochastic`` rounding, its seed, drawn on ``device``."""
@@ -160,7 +176,10 @@ def _run(plan, per_tensor_calls):
         return
     backend = backends.for_device(plan.tensors["param"][0].device)
     split = _kernel_split(plan, backend)
+    device = plan.tensors["param"][0].device
+    drawn = {device: rng_state(device)} if plan.stochastic_rounding and split.tables is not None else {}
     if split.tables is not None and not _launch(plan, split, per_tensor_calls):
+        set_rng_states(drawn)  # the refused launch's seed: the next draws the one a launch of a new split draws
         split = _kernel_split(plan, backend, again=True)  # what moved or no longer fits is split again
         if split.tables is not None and not _launch(plan, split, per_tensor_calls):
             raise RuntimeError("fastoptim: the fused kernel refused tables built from the tensors just now")

@@ -28,6 +28,20 @@ class StateContext(NamedTuple):
     first_reads: Tensor | None = None
 
 
+def outside_inference_mode(method):
+    """``method``, run outside ``torch.inference_mode()`` where a caller is in it: the states it makes (a step's,
+    a load's copies) are written in place by every later step, which torch refuses for an inference tensor
+    outside inference mode, midway through a loop or foreach step (helper-97). Without grad mode, as in inference
+    mode (leaving it turns grad mode on)."""
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        if not torch.is_inference_mode_enabled():
+            return method(*args, **kwargs)
+        with torch.inference_mode(False), torch.no_grad():
+            return method(*args, **kwargs)
+    return wrapper
+
+
 class StateCreation:
     """The states' half of :class:`~fastoptim.optimizers.base.FastOptimizer` (see the module docstring)."""
 
@@ -50,6 +64,11 @@ class StateCreation:
         expected = self._expected_state(group, param, state)
         for key, (shape, dtype) in expected.items():
             value = state.get(key)
+            if isinstance(value, Tensor) and value.is_inference():
+                raise RuntimeError(
+                    f"{type(self).__name__}: state '{key}' of a param of shape {tuple(param.shape)} is an inference "
+                    "tensor (made under torch.inference_mode()), which a step cannot write in place: give it a "
+                    "copy made outside inference mode, or clear the param's state with optimizer.state[param].clear()")
             if key == "step" and value is not None and (not is_step_count(value, param.device)
                                                          or value.device.type == "cpu"):
                 # a count set by hand (``state["step"] = 1``): _prepare_states takes it as torch takes one;
@@ -213,6 +232,11 @@ class StateCreation:
         if master.dtype(param, master_bits) is not None and master.KEY not in state:
             add({master.KEY: master.zeros(like, master_bits)})
         return state
+
+    def _creates_states(self, group, params):
+        """Whether a step of ``group``'s ``params`` would create a state: one that its options need is missing."""
+        return any(not self._expected_state(group, param, state := self.state.get(param, {})).keys() <= state.keys()
+                   for param in params)
 
     def _expected_state(self, group, param, state, algorithm=None):
         """The (shape, dtype) of each state tensor that a param's state must have under ``algorithm``

@@ -12,6 +12,7 @@ from ..specs import ABSMAX
 from ..states import formats, master, subset_norm
 from .algorithm import PER_GROUP, PER_PARAM
 from .checks import normalize_betas, one_value, step_count
+from .state_creation import outside_inference_mode
 
 # Options that say how a step runs, not what it computes: a loaded state dict leaves them as they are.
 EXECUTION_OPTIONS = ("foreach", "fused", "state_bits", "master_bits", "capturable", "differentiable")
@@ -73,6 +74,7 @@ class StateDicts:
                 yield from (key for key, mark in zip(saved["params"], held[1].tolist())
                             if mark == 0 and key in state_dict["state"])
 
+    @outside_inference_mode
     def load_state_dict(self, state_dict):
         """Load a state dict of this optimizer or of its peers' layout (see the class docstring).
 

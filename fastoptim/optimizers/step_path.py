@@ -128,14 +128,14 @@ class StepPath:
         found_inf, amp_scale, max_norm = self._optimizer_inputs(traced)
         eager = not traced
         writes = self._restart_written(work, plans) if eager else None  # a traced step does not look
-        # Eagerly, only the fused kernels skip an inf step on the device. The other engines look at
-        # found_inf, and so do a step that would create states and one whose math is not elementwise
-        # (Muon's kernel is half its step): a skipped step must leave no trace.
-        # A traced step has its states, and every engine skips in the graph (engines.amp), but the loop
-        # engine of subsets that span shards, which all-reduces as it goes.
+        # Eagerly, only the fused kernels skip an inf step on the device. The other engines look at found_inf, and
+        # so do a step that would create states (a new work over them draws its seeds as the bound step, helper-97)
+        # and one whose math is not elementwise (Muon's kernel is half its step): a skipped step leaves no trace. A
+        # traced step has its states; every engine skips in the graph but the loop engine of shard-spanning subsets.
         if found_inf is not None and any(
-                entry.params and (eager and (entry.engine not in engines.FUSED or entry.states is None
-                                             or not self._algorithm(group).spec.elementwise)
+                entry.params and (eager and (entry.engine not in engines.FUSED
+                                             or not self._algorithm(group).spec.elementwise
+                                             or entry.states is None and self._creates_states(group, entry.params))
                                   or any(plan.reduce for plan in entry.buckets)) for group, entry, _ in work):
             if found_inf.item():
                 return
