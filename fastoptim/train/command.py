@@ -21,8 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     others = " ".join(sorted(set(training.RECIPES) - set(training.DEFAULT_RECIPES)))
     parser.add_argument("--optimizers", nargs="+",
                         help=f"default: {' '.join(training.DEFAULT_RECIPES)} (adamw is torch's AdamW, the others "
-                             f"fastoptim's); also: {others} (a bf16 model); the first is the reference whose final "
-                             "validation loss the others race to")
+                             f"fastoptim's); also: {others} (those named bf16 train the model in bf16); the first is the "
+                             "reference whose final validation loss the others race to")
     parser.add_argument("--steps", type=positive, help=f"training steps of each run (default {defaults['steps']})")
     parser.add_argument("--lr-sweep", action=argparse.BooleanOptionalAction, default=None,
                         help=f"a run per optimizer at each of {', '.join(f'{f:g}' for f in training.LR_SWEEP)} times "
