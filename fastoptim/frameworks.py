@@ -4,6 +4,7 @@ Muon needs a model's params split into its groups, which :func:`muon_param_group
 import inspect
 
 import torch
+from torch.nn.utils import parametrize
 
 import fastoptim
 
@@ -26,6 +27,11 @@ def named_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return layers
 
 
+def parametrized_leaf(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s only submodules hold its parametrized params (torch.nn.utils.parametrize)."""
+    return parametrize.is_parametrized(module) and [name for name, _ in module.named_children()] == ["parametrizations"]
+
+
 def muon_param_groups(model: torch.nn.Module, **companion_options) -> list[dict]:
     """``model``'s trainable params as :class:`fastoptim.Muon`'s param groups, split as Keller
     Jordan's examples split them: the hidden matrices with Muon (convolution filters, of
@@ -39,15 +45,24 @@ def muon_param_groups(model: torch.nn.Module, **companion_options) -> list[dict]
     ``get_input_embeddings()`` and ``get_output_embeddings()``, timm's ``get_classifier()``. Frozen
     params are left out, and so is an empty group; each group sets ``use_muon``.
 
+    A module whose params torch's parametrizations hold (``weight_norm``, ``spectral_norm``) is one without
+    submodules, and its ``original`` params are its own. ``companion_options`` may not set what this function
+    decides: ``params``, ``use_muon``, or Muon's own ``flatten``, ``split_sizes`` and ``num_heads``.
+
     Also timm's ``param_group_fn`` (see :func:`register_timm`)."""
+    decided = sorted(set(companion_options) & {"params", "use_muon", "flatten", "split_sizes", "num_heads"})
+    if decided:
+        raise ValueError(f"muon_param_groups decides {', '.join(decided)}: companion_options are the AdamW groups' "
+                         "other options (lr, betas, weight_decay, ...)")
     layers = [module for module in model.modules()
-              if not next(module.children(), None) and any(p.dim() >= 2 for p in module.parameters())]
+              if (not next(module.children(), None) or parametrized_leaf(module))
+              and any(p.dim() >= 2 for p in module.parameters())]
     nonhidden = [*layers[:1], *layers[-1:], *named_layers(model),
                  *(module for module in model.modules() if isinstance(module, EMBEDDINGS))]
     nonhidden_ids = {id(param) for module in nonhidden for param in module.parameters()}
     nonhidden_ids |= set(map(id, model.parameters(recurse=False)))
     filters = {id(param) for module in model.modules() if isinstance(module, torch.nn.modules.conv._ConvNd)
-               for param in module.parameters(recurse=False)}
+               for param in module.parameters()}  # a parametrized filter's originals too
     groups = {"hidden": [], "filters": [], "companions": []}
     for param in model.parameters():
         if not param.requires_grad:

@@ -946,3 +946,27 @@ def test_a_tensor_eps_of_one_dimension_written_between_steps_is_refused_by_what_
         opt.step()
     opt.param_groups[0]["eps"] = before[1]["param_groups"][0]["eps"]
     assert_unchanged(params, opt, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.complex32])
+@pytest.mark.parametrize("cls", ALL)
+def test_a_param_of_a_dtype_no_step_takes_is_refused_by_name_with_nothing_changed(cls, dtype):
+    """float8 params failed midway through a step, an fp32 param already stepped, and complex32 ones with a bare
+    KeyError (helper-100): refused when added, and when given such data between steps."""
+    def odd():
+        return torch.nn.Parameter(torch.zeros(4, 4).to(dtype))
+
+    message = f"is {dtype}; the optimizers step float32"
+    with pytest.raises(ValueError, match=message):
+        cls([torch.nn.Parameter(torch.randn(4, 4)), odd()])
+    params, opt = stepped(cls)
+    with pytest.raises(ValueError, match=message):
+        opt.add_param_group({"params": [odd()]})
+    before = snapshot(params, opt)
+    held = params[-1].data
+    params[-1].data = torch.zeros(params[-1].shape).to(dtype)
+    params[-1].grad = torch.zeros(params[-1].shape).to(dtype)
+    with pytest.raises(ValueError, match=message):
+        opt.step()
+    params[-1].data, params[-1].grad = held, torch.zeros_like(held)
+    assert_unchanged(params, opt, before)

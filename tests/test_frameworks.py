@@ -88,6 +88,31 @@ def test_muon_param_groups_split_a_model_as_keller_jordans_examples():
     fastoptim.Muon(groups, lr=0.02)
 
 
+@pytest.mark.parametrize("wrap", [torch.nn.utils.parametrizations.weight_norm,
+                                  torch.nn.utils.parametrizations.spectral_norm])
+def test_muon_param_groups_take_a_parametrized_layer_as_the_layer_it_is(wrap):
+    """A Linear whose weight torch's parametrizations hold has a submodule (their holder): a head wrapped so was
+    no layer, its originals went to Muon and the hidden layer before it to AdamW as the last (helper-100). A
+    parametrized filter is still a filter."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 8), torch.nn.Conv1d(8, 8, 1),
+                                torch.nn.Flatten(), torch.nn.Linear(8, 8), wrap(torch.nn.Linear(8, 3)))
+    wrap(model[2])
+    names = {id(param): name for name, param in model.named_parameters()}
+    groups = frameworks.muon_param_groups(model)
+    muon = [[names[id(p)] for p in group["params"]] for group in groups if group["use_muon"]]
+    assert muon == [["1.weight", "4.weight"], [name for name in names.values() if name.startswith("2.parametrizations")]]
+    companions = [names[id(p)] for group in groups if not group["use_muon"] for p in group["params"]]
+    assert {name for name in names.values() if name.startswith("5.")} <= set(companions)
+
+
+@pytest.mark.parametrize("option", ["params", "use_muon", "flatten", "split_sizes", "num_heads"])
+def test_muon_param_groups_refuse_companion_options_that_they_decide(option):
+    """They were merged last into the AdamW group: use_muon=True orthogonalized the embeddings and head,
+    params=[] dropped them (helper-100)."""
+    with pytest.raises(ValueError, match=f"muon_param_groups decides {option}"):
+        frameworks.muon_param_groups(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), **{option: 1})
+
+
 @pytest.mark.parametrize("how", ["optimizer_cls_and_kwargs", "optimizers"])
 def test_hugging_face_trainer_steps_fastoptim_and_resumes_from_its_checkpoint(tmp_path, how):
     straight, trainer = hf_train(tmp_path / "straight", how)

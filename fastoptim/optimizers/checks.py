@@ -196,12 +196,20 @@ def check_in_one_group(group, groups, name):
                              "in one group")
 
 
+# The dtypes of params a step takes (states.formats has a format for each): others (float8, complex32) failed
+# midway through a step, an earlier param already stepped (helper-100)
+PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.complex64, torch.complex128)
+
+
 def check_params(params, name):
-    """Refuse a param listed twice or one that overlaps itself: an update would be applied twice to
-    the same memory (from two threads, in the fused engines)."""
+    """Refuse a param listed twice or one that overlaps itself (an update would be applied twice to the same
+    memory, from two threads in the fused engines), and one of a dtype no step takes (``PARAM_DTYPES``)."""
     if len(set(map(id, params))) != len(params):
         raise ValueError(f"{name}: a parameter appears twice in its param group; list each parameter once")
     for param in params:
+        if param.dtype not in PARAM_DTYPES:
+            raise ValueError(f"{name}: a parameter of shape {tuple(param.shape)} is {param.dtype}; the optimizers "
+                             f"step {', '.join(str(dtype).removeprefix('torch.') for dtype in PARAM_DTYPES)} params")
         if overlaps_itself(distributed.local(param)):
             raise ValueError(f"{name}: a parameter of shape {tuple(param.shape)} with strides {param.stride()} "
                              "overlaps itself (an expanded view?), so its elements cannot be updated one by "
