@@ -180,7 +180,7 @@ class StepPath:
                      ] if clipped and not clip_in_step else None
         # the clip's eps: the last group's (official Adan's rule; a numpy one as its value) or torch's (FastOptimizer)
         eps = (one_value(self.clip_eps, self.param_groups[-1][self.clip_eps])
-               if self.clip_eps in self.defaults and self.param_groups else CLIP_EPS)
+               if clipped and self.clip_eps in self.defaults and self.param_groups else CLIP_EPS)
         maximize = [group["maximize"] for group, _, _ in work]
         if clip_in_step:
             counted = not all(entry.params for _, entry, _ in work)  # official Adan's count, in Python
