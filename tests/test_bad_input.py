@@ -877,7 +877,7 @@ def test_a_list_flag_is_quoted_as_written():
 
 
 BETA_WRITES = {"Fraction": Fraction(1, 2), "Decimal": Decimal("0.5"), "array of two": np.array([0.5, 0.5]),
-               "text": "0.5"}
+               "text": "0.5", "bool": False, "numpy bool": np.False_}  # bools: as the constructor (helper-99)
 ENGINE_OPTIONS = {"loop": dict(foreach=False, fused=False), "foreach": dict(foreach=True, fused=False),
                   "fused-multi": dict(fused=True)}
 
@@ -906,6 +906,7 @@ def test_a_beta_written_between_steps_as_what_the_constructor_refuses_is_refused
 
 ONE_ELEMENT = {"betas": lambda betas: (np.array([betas[0]]), *betas[1:]),
                "betas, 2-d": lambda betas: (np.array([[betas[0]]]), *betas[1:]),
+               "betas, a column": lambda betas: np.array(betas).reshape(-1, 1),  # helper-99: nested lists
                "eps": lambda eps: np.array([eps])}
 
 

@@ -622,3 +622,38 @@ def test_a_step_gradscaler_skips_draws_the_same_seeds_after_a_resume(engine):
     step of a new work over existing states, which took it for a step that creates states."""
     grads = functools.partial(_seeded_bf16_grads, inf_at=3)
     assert all(map(torch.equal, _bf16_run(engine, grads, 6, scaler=True), _bf16_run(engine, grads, 6, 3, scaler=True)))
+
+
+def test_gradient_release_under_inference_mode_makes_states_as_any_others():
+    """Release steps in backward, and step() steps what backward left: under torch.inference_mode() they made
+    inference-tensor states, which the next step refused midway (helper-99)."""
+    runs = []
+    for inference in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        opt = fastoptim.AdamW(model.parameters(), lr=1e-2, foreach=False, fused=False)
+        opt.enable_gradient_release()
+        for step in range(3):
+            loss = model(torch.randn(2, 4, generator=torch.Generator().manual_seed(step))).square().sum()
+            with torch.inference_mode(inference and step == 0):
+                loss.backward()
+                opt.step()
+            opt.zero_grad()
+        assert not any(value.is_inference() for state in opt.state.values() for value in state.values())
+        runs.append([param.detach().clone() for param in model.parameters()])
+    assert all(map(torch.equal, *runs))
+
+
+def test_an_adan_group_count_given_as_an_inference_tensor_is_refused_by_name_with_nothing_changed():
+    params = [torch.nn.Parameter(torch.randn(4, 3))]
+    opt = fastoptim.Adan(params, lr=1e-2)
+    params[0].grad = torch.randn(4, 3)
+    opt.step()
+    with torch.inference_mode():
+        count = torch.tensor(5.0)
+    opt.param_groups[0]["step"] = count
+    before = snapshot(params, opt)
+    with pytest.raises(ValueError, match="Invalid step: the group's count is an inference tensor"):
+        opt.step()
+    opt.param_groups[0]["step"] = before[1]["param_groups"][0]["step"]
+    assert_unchanged(params, opt, before)

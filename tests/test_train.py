@@ -3,6 +3,7 @@ one, the train/validation split, and its name checks."""
 import dataclasses
 import json
 import random
+import re
 
 import pytest
 
@@ -91,11 +92,19 @@ def test_unknown_optimizers_and_options_beside_resume_are_refused_with_the_valid
         cli.main(["train", "--resume", str(tmp_path)])
 
 
-@pytest.mark.parametrize("text, message", [("{", "settings.json is no JSON"), ('{"x": 1}', r"holds \['x'\], not a run's"),
-                                           ("[1]", "holds list, not a run's"), (None, "no settings.json and checkpoints/")])
+BAD_SETTINGS = [("{", "settings.json cannot be read as JSON"), ('{"x": 1}', r"holds \['x'\], not a run's"),
+                ("[1]", "holds list, not a run's"), (None, "no settings.json and checkpoints/"),
+                *((json.dumps(loop.DEFAULTS | {key: value}), re.escape(f"does not take: {key} {value!r}"))
+                  for key, value in [("model_size", "huge"), ("threads", 0), ("optimizers", "adamw"), ("steps", True),
+                                     ("optimizers", ["adamw", "sgd"]), ("seed", -1), ("lr_sweep", 1)])]
+
+
+@pytest.mark.parametrize("text, message", BAD_SETTINGS, ids=range(len(BAD_SETTINGS)))
 def test_a_resume_of_a_folder_without_a_run_s_settings_is_one_clear_line(tmp_path, text, message):
-    """A settings.json truncated or of another version ended in a traceback (JSONDecodeError, KeyError), and one
-    without checkpoints/ trained every run anew, then failed to save (helper-98)."""
+    """A settings.json truncated, of another version or holding what the command line refuses ended in a
+    traceback (JSONDecodeError, KeyError, set_num_threads' RuntimeError), and one without checkpoints/ trained
+    every run anew, then failed to save (helper-98, helper-99). Every setting has its check."""
+    assert loop.SETTINGS.keys() == loop.DEFAULTS.keys()
     (tmp_path / "settings.json").write_text(text or json.dumps(loop.DEFAULTS))
     if text is not None:
         (tmp_path / "checkpoints").mkdir()

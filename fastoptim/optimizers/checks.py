@@ -336,10 +336,17 @@ def plain_values(group: dict, keys) -> dict:
     for key in keys:  # no call per option: a bound Muon step reads its groups' options every step
         value = group.get(key)
         if isinstance(value, NUMPY_VALUES):
-            found[key] = plain(value) if isinstance(keys[key], (tuple, list)) else one_value(key, value)
+            found[key] = (list(map(functools.partial(item_value, key), value)) if isinstance(keys[key], (tuple, list))
+                          and value.ndim else one_value(key, value))
         elif isinstance(value, (tuple, list)) and any(isinstance(v, NUMPY_VALUES) for v in value):
-            found[key] = [one_value(key, v) if isinstance(v, NUMPY_VALUES) else v for v in value]
+            found[key] = [item_value(key, v) if isinstance(v, NUMPY_VALUES) else v for v in value]
     return found
+
+
+def item_value(name, item):
+    """The Python value of ``item``, a numpy item of sequence option ``name``: its one value (an array of one
+    element, a beta of a column of betas), or its list (a row of Muon's per-step coefficient triples)."""
+    return one_value(name, item) if item.size == 1 else plain(item)
 
 
 def plain_options(group: dict, keys) -> None:
@@ -409,7 +416,7 @@ def beta_fits(beta) -> bool:
     if isinstance(beta, Tensor):
         return beta.dim() == 0 and beta.is_floating_point() and (beta.device.type != "cpu" or 0 <= beta.item() < 1)
     if isinstance(beta, NUMPY_VALUES):
-        if beta.size != 1 or beta.dtype.kind not in "biuf":
+        if beta.size != 1 or beta.dtype.kind not in "iuf":
             return False
         beta = one_value("betas", beta)
-    return isinstance(beta, (float, int)) and 0.0 <= beta < 1.0
+    return isinstance(beta, (float, int)) and not isinstance(beta, bool) and 0.0 <= beta < 1.0

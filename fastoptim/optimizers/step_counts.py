@@ -50,6 +50,9 @@ def check_group_count(group: dict, groups: list[dict]) -> None:
         groups: every param group of the optimizer.
     """
     count = group_count(group)
+    if count.is_inference():  # the step would advance it in place midway, its params already written (helper-99)
+        raise ValueError("Invalid step: the group's count is an inference tensor (made under torch.inference_mode()), "
+                         "which a step cannot advance in place: give it one made outside inference mode")
     if any(other is not group and isinstance(held := other.get("step"), Tensor) and held.data_ptr() == count.data_ptr()
            for other in groups):
         group["step"] = count = count.clone()

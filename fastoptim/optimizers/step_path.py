@@ -18,7 +18,7 @@ from ..multi_tensor import pick
 from ..specs import ABSMAX
 from ..states import master
 from ..step_cache import GroupStructure, PlanStore, engine_view
-from . import checks, scalars
+from . import checks, scalars, state_creation
 from .algorithm import PER_GROUP, StepInputs
 from .checks import check_in_one_group, check_params, check_tensor_lr, flag_value, one_value
 from .step_counts import StepCounts, check_group_count, own_counts
@@ -166,12 +166,10 @@ class StepPath:
 
     def _grad_scales(self, work, found_inf, amp_scale, max_norm, eager, clip_in_step=False):
         """What a step of ``work`` adds to the counts (1, or a tensor: 0 on a step GradScaler skipped), each
-        group's grad scale (the coefficient of a clip by ``max_norm`` where it is > 0, GradScaler's 1/scale,
-        −1 to maximize: see
-        ``scalars.grad_scale``) and None; with ``clip_in_step`` (a bound step, whose native call clips,
-        unscales and advances the counts itself), the increment only where a group without grads counts
-        (else None), each group's −1 to maximize (or None), and what that call clips by: (max_norm, eps),
-        or None."""
+        group's grad scale (the coefficient of a clip by ``max_norm`` where it is > 0, GradScaler's 1/scale, −1 to
+        maximize: see ``scalars.grad_scale``) and None; with ``clip_in_step`` (a bound step, whose native call
+        clips, unscales and advances the counts itself), the increment only where a group without grads counts
+        (else None), each group's −1 to maximize (or None), and what that call clips by: (max_norm, eps), or None."""
         # each rank joins the reduction, grads or not
         clipped = max_norm > 0 and (self._reduce_group is not None or any(
             plan.indices for _, entry, _ in work for plan in entry.buckets))
@@ -409,6 +407,7 @@ class StepPath:
                 and all(entry.traced_scalars is not None for _, entry, _ in work if entry.params)
                 and (clipped_grads is None or clip_backend(clipped_grads) is not None))
 
+    @state_creation.outside_inference_mode  # its states (release steps in backward; step() steps the rest)
     @without_grad
     def _step_released(self, parts):
         """Step ``parts`` on their grads, checked as a step checks them, all before any steps: per part (a

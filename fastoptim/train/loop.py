@@ -230,10 +230,26 @@ def resume(out, stop_after=None):
                          "continue")
     try:
         settings = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as error:
-        raise SystemExit(f"--resume {out}: settings.json is no JSON ({error})") from None
+    except (ValueError, OSError) as error:  # no JSON, or not a readable file (a folder)
+        raise SystemExit(f"--resume {out}: settings.json cannot be read as JSON ({error})") from None
     if not isinstance(settings, dict) or settings.keys() != DEFAULTS.keys():
         found = sorted(settings) if isinstance(settings, dict) else type(settings).__name__
         raise SystemExit(f"--resume {out}: settings.json holds {found}, not a run's settings {sorted(DEFAULTS)} "
                          "(of another version of fastoptim?)")
+    wrong = [key for key, fits in SETTINGS.items() if not fits(settings[key])]
+    if wrong:
+        raise SystemExit(f"--resume {out}: settings.json holds values `fastoptim train` does not take: "
+                         + ", ".join(f"{key} {settings[key]!r}" for key in wrong))
     return main(settings, out, stop_after, resume=True)
+
+
+def _whole(least):
+    return lambda value: type(value) is int and value >= least
+
+
+# What `fastoptim train`'s arguments take of each setting (train/command.py), which a resumed settings.json must hold
+SETTINGS = {"optimizers": lambda names: type(names) is list and names != [] and all(
+                type(name) is str and name in RECIPES for name in names),
+            "steps": _whole(1), "lr_sweep": lambda value: type(value) is bool,
+            "model_size": lambda size: type(size) is str and size in model.SIZES, "batch_size": _whole(1),
+            "eval_every": _whole(1), "checkpoint_every": _whole(1), "seed": _whole(0), "threads": _whole(1)}
