@@ -45,11 +45,16 @@ def _total(grads, inf, kernel):
     wide = widest(grads)
     device, parts = grads[0].device, []
     for bucket in buckets(grads):
-        part = [grads[i] for i in bucket]
+        # an empty grad has no largest element: torch's inf norm refuses it, the kernel's maximum skips it (helper-102)
+        part = [grads[i] for i in bucket if not inf or grads[i].numel()]
+        if not part:
+            continue
         # a complex grad's norm is of its magnitudes (as torch's), in its own precision: no real dtype is asked
         norms = torch.stack(torch._foreach_norm(part, math.inf if inf else 2.0,
                                                 **({} if part[0].is_complex() else {"dtype": wide}))).to(wide)
         parts.append((norms.max() if inf else norms.square().sum()).to(device, wide, non_blocking=True))
+    if not parts:  # every grad empty
+        return torch.zeros((), dtype=wide, device=device)
     parts = torch.stack(parts)
     return parts.max() if inf else parts.sum()
 

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fastoptim
+from fastoptim import clip
 from fastoptim.engines.backends import cpu as cpu_backend
 
 shapes = st.lists(st.lists(st.integers(0, 70), min_size=0, max_size=3).map(tuple), min_size=1, max_size=12)
@@ -199,3 +200,18 @@ def test_meta_grads_give_a_meta_norm_as_torch_s(norm_type):
     param.grad = torch.empty(4, device="meta")
     norm = fastoptim.clip_grad_norm_([param], 1.0, norm_type)
     assert norm.device.type == "meta" and norm.shape == () and norm.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("kernel", [True, False])
+def test_an_empty_grad_counts_as_0_in_the_inf_norm_on_every_path(dtype, kernel, monkeypatch):
+    """The native kernel's maximum skipped an empty grad, while the foreach path (float64 grads, or no native
+    build) handed it to torch's inf norm, which refuses it (helper-102). Both skip it, all empty or not."""
+    if not kernel:
+        monkeypatch.setattr(clip, "clip_backend", lambda grads: None)
+    for shapes in ([(0,), (3,), (2, 0)], [(0,), (2, 0)]):
+        params = [torch.nn.Parameter(torch.zeros(shape, dtype=dtype)) for shape in shapes]
+        for param in params:
+            param.grad = torch.full_like(param, -5.0)
+        norm = fastoptim.clip_grad_norm_(params, 1.0, math.inf)
+        assert norm.item() == (5.0 if any(map(torch.Tensor.numel, params)) else 0.0)

@@ -1124,3 +1124,21 @@ def test_a_master_remainder_given_storage_of_another_dtype_is_refused_with_nothi
     assert all(map(torch.equal, params, after_params))
     assert all(torch.equal(value, after_states[key][name]) for key, state in states.items()
                for name, value in state.items())
+
+
+def test_a_stochastically_rounded_update_the_kernel_leaves_to_foreach_is_foreach_s():
+    """The fused update drew its kernel's seed before the kernel took nothing (a transposed bf16 param), which
+    moved the generator of the foreach fallback's rounding, and of everything after (helper-102)."""
+    runs = []
+    for flags in (ENGINES["fused-multi"], ENGINES["foreach"]):
+        generator = torch.Generator().manual_seed(0)
+        param = torch.nn.Parameter(torch.randn(30, 40, generator=generator).bfloat16().t())  # no kernel takes it
+        opt = fastoptim.Muon([param], lr=1e-2, stochastic_rounding=True, **flags)
+        for step in range(2):
+            param.grad = torch.randn(40, 30, generator=generator).bfloat16()
+            torch.manual_seed(step)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the fallback's
+                opt.step()
+        runs.append((param.detach().clone(), torch.rand(1)))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])

@@ -542,3 +542,20 @@ def test_8_bit_column_subsets_in_runs_of_whole_blocks_match_the_loop_engine(cls,
     state = optimizers["fused-multi"].state[runs["fused-multi"][0]]
     assert state["exp_avg"].dtype == torch.uint8 and state["exp_avg_sq"].shape == (1, 768)  # 8-bit, per column
     assert max(programs for _, _, programs in launches) == 3
+
+
+def test_the_interpreter_turned_on_after_import_is_refused_as_off(monkeypatch):
+    """The kernels are made for the interpreter where it is on at import: turned on later, CPU tensors reached
+    compiled kernels, which raised Triton's "0 active drivers" (helper-102). They take foreach, with the reason."""
+    monkeypatch.setattr(fastoptim.engines.backends.triton, "INTERPRETED", False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    params = oracle.make_params([(50,)])
+    twin = [torch.nn.Parameter(params[0].detach().clone())]
+    optimizer = fastoptim.AdamW(params, lr=0.01, **FUSED["fused-multi"])
+    reference = fastoptim.AdamW(twin, lr=0.01, foreach=True, fused=False)
+    params[0].grad = torch.randn(50)
+    twin[0].grad = params[0].grad.clone()
+    with pytest.warns(UserWarning, match="set before fastoptim is imported"):
+        optimizer.step()
+    reference.step()
+    assert torch.equal(params[0], twin[0])

@@ -330,13 +330,13 @@ def apply_update(engine: str, part: engines.Plan, orthogonal: list[Tensor], buck
     remainders), with the params' rounding, on ``engine``: a fused one's kernel (its tables kept in
     ``bucket``) reads them laid out as their params, in bf16 (a tall matrix's iterations end transposed),
     and warns of what it leaves to foreach where ``part.warn_fallback``."""
-    args, values = {name: part.args[name] for name in ("lr", "weight_decay", "step_size")}, None
+    args = {name: part.args[name] for name in ("lr", "weight_decay", "step_size")}
     if engine in engines.FUSED and orthogonal:
         orthogonal = [o.contiguous() for o in orthogonal]  # itself where it is
-        values = engines.fused.with_common(apply_kernel_scalars(args), part.found_inf, part.stochastic_rounding,
-                                           orthogonal[0].device)
+    # the fused engine draws the rounding's seed where its kernel takes tensors: a seed drawn here, for a kernel
+    # that took none, moved the generator of the foreach fallback's rounding (helper-102)
     engines.run(engine, replace(part, tensors=part.tensors | {"grad": orthogonal}, update=muon_apply, spec=APPLY_SPEC,
-                                kernel_scalars=apply_kernel_scalars, kernel_values=values,
+                                kernel_scalars=apply_kernel_scalars, kernel_values=None,
                                 flags={}, args=args, absmax={}, bucket=bucket, watched=None, originals=None,
                                 rule="", counts=None))
 

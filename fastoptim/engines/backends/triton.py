@@ -19,6 +19,9 @@ except ModuleNotFoundError as error:  # Triton is an optional extra: pip install
     if error.name != "triton":
         raise
     fused_triton = None
+# Triton's kernels are made for its interpreter where it is on when they are decorated, at import: set later,
+# CPU tensors would reach compiled kernels (Triton's "0 active drivers", helper-102)
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 NAME = "triton"
 DEVICE_TYPES = ("cuda",)
@@ -39,8 +42,8 @@ def available():
 def refusal(param):
     if not available():
         return "Triton is not installed (pip install fastoptim[triton])"
-    if param.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        return "Triton runs CPU tensors only in its interpreter (TRITON_INTERPRET=1)"
+    if param.device.type == "cpu" and not (INTERPRETED and os.environ.get("TRITON_INTERPRET") == "1"):
+        return "Triton runs CPU tensors only in its interpreter (TRITON_INTERPRET=1, set before fastoptim is imported)"
     if param.device.type not in ("cpu", "cuda"):
         return f"no Triton kernel for {param.device.type} tensors"
     if param.dtype not in fused_triton.PARAM_TYPES:
