@@ -971,3 +971,15 @@ def test_a_param_of_a_dtype_no_step_takes_is_refused_by_name_with_nothing_change
         opt.step()
     params[-1].data, params[-1].grad = held, torch.zeros_like(held)
     assert_unchanged(params, opt, before)
+
+
+@pytest.mark.parametrize("cls", ALL)
+def test_a_frozen_param_of_a_dtype_no_step_takes_is_taken_and_never_stepped(cls):
+    """A quantized model's int8 weights, frozen, passed with its other params: torch.optim takes them, and the
+    dtype check refused them when added (helper-103)."""
+    params = oracle.make_params()
+    frozen = [torch.nn.Parameter(torch.ones(4, 4, dtype=torch.int8), requires_grad=False),
+              torch.nn.Parameter(torch.ones(4, 4).to(torch.float8_e4m3fn), requires_grad=False)]
+    opt = cls(params + frozen, lr=0.1)
+    oracle.run(opt, params, oracle.grad_sequence(oracle.SHAPES, 2))
+    assert all(torch.equal(param.float(), torch.ones(4, 4)) for param in frozen)

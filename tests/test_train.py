@@ -96,7 +96,8 @@ BAD_SETTINGS = [("{", "settings.json cannot be read as JSON"), ('{"x": 1}', r"ho
                 ("[1]", "holds list, not a run's"), (None, "no settings.json and checkpoints/"),
                 *((json.dumps(loop.DEFAULTS | {key: value}), re.escape(f"does not take: {key} {value!r}"))
                   for key, value in [("model_size", "huge"), ("threads", 0), ("optimizers", "adamw"), ("steps", True),
-                                     ("optimizers", ["adamw", "sgd"]), ("seed", -1), ("lr_sweep", 1)])]
+                                     ("optimizers", ["adamw", "sgd"]), ("optimizers", ["lion", "lion"]),
+                                     ("seed", -1), ("lr_sweep", 1)])]
 
 
 @pytest.mark.parametrize("text, message", BAD_SETTINGS, ids=range(len(BAD_SETTINGS)))

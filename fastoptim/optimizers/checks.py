@@ -203,11 +203,12 @@ PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, tor
 
 def check_params(params, name):
     """Refuse a param listed twice or one that overlaps itself (an update would be applied twice to the same
-    memory, from two threads in the fused engines), and one of a dtype no step takes (``PARAM_DTYPES``)."""
+    memory, from two threads in the fused engines), and one that requires or has a grad, of a dtype no step
+    takes (``PARAM_DTYPES``): a frozen one (a quantized model's int8 weights) is never stepped, as in torch.optim."""
     if len(set(map(id, params))) != len(params):
         raise ValueError(f"{name}: a parameter appears twice in its param group; list each parameter once")
     for param in params:
-        if param.dtype not in PARAM_DTYPES:
+        if param.dtype not in PARAM_DTYPES and (param.requires_grad or param.grad is not None):
             raise ValueError(f"{name}: a parameter of shape {tuple(param.shape)} is {param.dtype}; the optimizers "
                              f"step {', '.join(str(dtype).removeprefix('torch.') for dtype in PARAM_DTYPES)} params")
         if overlaps_itself(distributed.local(param)):

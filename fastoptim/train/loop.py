@@ -248,8 +248,8 @@ def _whole(least):
 
 
 # What `fastoptim train`'s arguments take of each setting (train/command.py), which a resumed settings.json must hold
-SETTINGS = {"optimizers": lambda names: type(names) is list and names != [] and all(
-                type(name) is str and name in RECIPES for name in names),
+SETTINGS = {"optimizers": lambda names: type(names) is list and names != [] and len(set(map(str, names))) == len(names)
+            and all(type(name) is str and name in RECIPES for name in names),
             "steps": _whole(1), "lr_sweep": lambda value: type(value) is bool,
             "model_size": lambda size: type(size) is str and size in model.SIZES, "batch_size": _whole(1),
             "eval_every": _whole(1), "checkpoint_every": _whole(1), "seed": _whole(0), "threads": _whole(1)}
