@@ -22,7 +22,7 @@ from . import release
 from .release_reductions import refusal
 from .checks import (check_bool_options, check_hyperparameters, check_number, check_params, check_plan_options,
                      check_tensor_lr, flag_value, normalize_betas, one_value)
-from .state_creation import StateCreation, outside_inference_mode
+from .state_creation import StateCreation
 from .step_counts import group_count
 from .step_path import StepPath, without_grad
 from .state_dict import StateDicts
@@ -299,12 +299,6 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
         if bound is not None and bound.step(self, plans):  # which drops frozen flat grads as it reads the grads
             plans.bound = bound
             return loss
-        self._checked_step(plans)
-        return loss
-
-    @outside_inference_mode
-    def _checked_step(self, plans):
-        """An eager step that checks every group in Python (see :meth:`step`), then plans the bound step."""
         if flat_params.GRAD_BUFFERS:
             flat_params.drop_frozen_grads(self.param_groups)
         work = [(group, *self._group_work(plans, index, group)) for index, group in enumerate(self.param_groups)]
@@ -313,6 +307,7 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
         # not where the step reduces over ranks: a step run again would reduce twice on this rank alone
         plans.bound = None if self._reduce_group is not None else BoundStep.of(
             self.state, work, [self._algorithm(group) for group, _, _ in work])
+        return loss
 
     @torch._disable_dynamo
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -31,8 +31,9 @@ class StateContext(NamedTuple):
 def outside_inference_mode(method):
     """``method``, run outside ``torch.inference_mode()`` where a caller is in it: the states it makes (a step's,
     a load's copies) are written in place by every later step, which torch refuses for an inference tensor
-    outside inference mode, midway through a loop or foreach step (helper-97). Without grad mode, as in inference
-    mode (leaving it turns grad mode on)."""
+    outside inference mode, midway through a loop or foreach step (helper-97). Only what makes states: a step
+    under inference mode updates params that may be inference tensors, in place, which needs the mode. Without
+    grad mode, as in inference mode (leaving it turns grad mode on)."""
     @functools.wraps(method)
     def wrapper(*args, **kwargs):
         if not torch.is_inference_mode_enabled():
@@ -251,6 +252,7 @@ class StateCreation:
             expected[master.KEY] = (param.shape, remainder)
         return expected
 
+    @outside_inference_mode
     def _prepare_states(self, params, group, traced):
         """The state dicts of a group's params with grads, with missing states created, and their
         :class:`StateContext`, which ``_step_inputs`` reads. Called when they change, not every

@@ -18,7 +18,7 @@ from ..multi_tensor import pick
 from ..specs import ABSMAX
 from ..states import master
 from ..step_cache import GroupStructure, PlanStore, engine_view
-from . import checks, scalars, state_creation
+from . import checks, scalars
 from .algorithm import PER_GROUP, StepInputs
 from .checks import check_in_one_group, check_params, check_tensor_lr, flag_value, one_value
 from .step_counts import StepCounts, check_group_count, own_counts
@@ -407,7 +407,6 @@ class StepPath:
                 and all(entry.traced_scalars is not None for _, entry, _ in work if entry.params)
                 and (clipped_grads is None or clip_backend(clipped_grads) is not None))
 
-    @state_creation.outside_inference_mode  # its states (release steps in backward; step() steps the rest)
     @without_grad
     def _step_released(self, parts):
         """Step ``parts`` on their grads, checked as a step checks them, all before any steps: per part (a
