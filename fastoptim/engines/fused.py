@@ -174,9 +174,9 @@ def _run(plan, per_tensor_calls):
     if plan.traced:
         _run_traced(plan, per_tensor_calls)
         return
-    backend = backends.for_device(plan.tensors["param"][0].device)
-    split = _kernel_split(plan, backend)
     device = plan.tensors["param"][0].device
+    backend = backends.for_device(device)
+    split = _kernel_split(plan, backend)
     drawn = {device: rng_state(device)} if plan.stochastic_rounding and split.tables is not None else {}
     if split.tables is not None and not _launch(plan, split, per_tensor_calls):
         set_rng_states(drawn)  # the refused launch's seed: the next draws the one a launch of a new split draws

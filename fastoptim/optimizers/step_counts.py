@@ -33,7 +33,9 @@ def group_count(group: dict) -> Tensor:
     count = group.get("step", 0)
     device = group["params"][0].device if group["params"] else getattr(count, "device", None)
     if not is_step_count(count, device):
-        with torch.inference_mode(False):  # a count every later step advances in place, whatever its mode
+        # a count every later step advances in place, whatever its mode; inline, not outside_inference_mode's
+        # check of the mode, which dynamo cannot trace (a traced step reads the count here)
+        with torch.inference_mode(False):
             group["step"] = count = step_count(count, device)
     return count
 
