@@ -290,8 +290,8 @@ class BoundStep:
                 drawn[device] = engines.fused.rng_state(device)
             for tables, bucket, plan in buckets:  # a seed per bucket, in bucket order, as a checked step draws them
                 ordered = engines.fused.ordered_scalars(
-                    algorithm.spec, algorithm.kernel_scalars,
-                    args if bucket is None else engines.args_of(args, per_tensor, bucket, device, plan),
+                    algorithm.spec, algorithm.kernel_scalars(
+                        args if bucket is None else engines.args_of(args, per_tensor, bucket, device, plan)),
                     found_inf, stochastic, device)
                 tables.launch(algorithm.spec, grads if bucket is None else [grads[i] for i in bucket], ordered,
                               group_flags, stochastic, single, launches)

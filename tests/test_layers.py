@@ -167,3 +167,35 @@ def test_a_fused_muon_step_makes_no_python_call_per_param():
     few, many = calls(148), calls(296)
     assert few == many, (few, many)
     assert few <= 80, few
+
+
+def test_the_engines_never_call_back_into_an_algorithm(monkeypatch):
+    """A fused engine runs a plan and never calls into ``optimizers/`` (the loop and foreach engines call the
+    algorithm's math, which is theirs to run): the fused kernel's scalars are the plan's data
+    (``Plan.kernel_values``), made on the algorithm's side. The engines called each algorithm's
+    ``kernel_scalars`` before, from every checked fused step and from a bound Muon step's update. Counted
+    on the bound step and on a step checked and planned again, of every optimizer, on both fused engines."""
+    import torch
+
+    from benchmarks.structure import count_calls
+    from fastoptim import flat_params
+
+    monkeypatch.setattr(flat_params, "GRAD_BUFFERS", weakref.WeakValueDictionary())
+
+    class Checked:  # every step checked in Python: the bound step dropped first
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        def step(self):
+            self.optimizer._plans.bound = None
+            self.optimizer.step()
+
+    for cls in (fastoptim.AdamW, fastoptim.Adan, fastoptim.AdamWSN, fastoptim.Lion, fastoptim.Muon):
+        for flags in (dict(fused=True), dict(foreach=False, fused=True)):
+            for wrap in (lambda optimizer: optimizer, Checked):
+                params = [torch.nn.Parameter(torch.randn(4, 4, device="cpu")) for _ in range(3)]
+                params.append(torch.nn.Parameter(torch.randn(4, 2, dtype=torch.bfloat16, device="cpu")))
+                for param in params:
+                    param.grad = torch.randn_like(param)
+                found = count_calls(wrap(cls(params, lr=1e-3, stochastic_rounding=True, **flags)))
+                assert not found["engines -> optimizers calls"], (cls.__name__, flags, found)

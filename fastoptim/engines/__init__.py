@@ -19,8 +19,8 @@ class Plan:
     """One bucket (one device and dtype) of one group's step.
 
     ``tensors`` maps a role (``param``, ``grad``, ``exp_avg``, ...) to one tensor per parameter.
-    ``update``, ``spec``, ``kernel_scalars`` and ``flags`` are the algorithm's (see
-    ``FastOptimizer``): an engine runs the math of the plan, and never sees the optimizer.
+    ``update``, ``spec`` and ``flags`` are the algorithm's (see ``FastOptimizer``): an engine runs the
+    math of the plan, and never sees the optimizer or calls into it.
     ``args`` holds the rest of ``update``'s keyword arguments: Python numbers and bools, 0-d tensors
     shared by every parameter, or 1-d tensors with one entry per parameter (named in ``per_tensor``).
     The fused engines also read ``found_inf`` (GradScaler's, or None), ``stochastic_rounding``,
@@ -37,15 +37,16 @@ class Plan:
     from (see :class:`tables.Tables`); None or "": nothing.
     ``traced``: the plan is of a step that torch.compile traces (decided once, at ``step()``): the fused
     engines call their ops, and found_inf is not read on the host.
-    ``kernel_values``: the fused kernel's scalars by name, found_inf and seed included, where an op made
-    them (a traced CPU step's, ``fastoptim::step_scalars``, for a plan the kernel takes whole, whose
-    ``args`` are then empty); None: the fused engine makes them from ``args``.
+    ``kernel_values``: the fused kernel's scalars by name (the algorithm's ``kernel_scalars`` of
+    ``args``), which the fused engine completes with found_inf and the rounding's seed at launch; where an
+    op made them, those too (a traced CPU step's, ``fastoptim::step_scalars``, for a plan the kernel takes
+    whole, whose ``args`` are then empty). None: the algorithm has no fused kernel, and the fused engines
+    leave the plan to foreach.
     """
 
     tensors: dict[str, list[Tensor]]
     update: Callable  # the algorithm's math, ``update(ops, scratch=..., **tensors, **args)``
     spec: KernelSpec  # what its fused kernels take
-    kernel_scalars: Callable | None = None  # ``args`` as the fused kernels take them (None: no kernel)
     flags: dict = field(default_factory=dict)  # the spec's feature flags
     args: dict = field(default_factory=dict)
     per_tensor: frozenset = frozenset()
@@ -55,7 +56,7 @@ class Plan:
     bucket: BucketPlan | None = None  # None: one of its own (made in __post_init__: dynamo traces no default_factory)
     absmax: dict = field(default_factory=dict)  # role: the block maxima of each 8-bit state (None for others)
     sum_group: object = None
-    kernel_values: dict | None = None
+    kernel_values: dict | None = None  # see above: made by the algorithm's side, never by an engine
     watched: list | None = None
     originals: dict | None = None
     rule: str = ""

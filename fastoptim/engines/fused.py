@@ -75,24 +75,18 @@ def with_common(values, found_inf, stochastic, device):
     return values | dict(found_inf=0.0 if found_inf is None else found_inf, seed=draw_seed(device) if stochastic else 0)
 
 
-def kernel_values(kernel_scalars, args, found_inf, stochastic, device):
-    """The kernel's scalars by name, ``kernel_scalars(args)`` :func:`with_common` ones: Python numbers,
-    0-d tensors, or 1-d tensors with one value per tensor."""
-    return with_common(kernel_scalars(args), found_inf, stochastic, device)
-
-
-def ordered_scalars(spec, kernel_scalars, args, found_inf, stochastic, device, values=None):
-    """The kernel's scalars in ``spec.all_scalars`` order: ``values`` (by name), or by default
-    :func:`kernel_values` of the other arguments."""
-    if values is None:
-        values = kernel_values(kernel_scalars, args, found_inf, stochastic, device)
+def ordered_scalars(spec, values, found_inf, stochastic, device):
+    """The kernel's scalars in ``spec.all_scalars`` order: ``values`` (by name: Python numbers, 0-d
+    tensors, or 1-d tensors with one value per tensor), :func:`with_common` ones where an op did not
+    make those."""
+    if "seed" not in values:
+        values = with_common(values, found_inf, stochastic, device)
     return [values[name] for name in spec.all_scalars]
 
 
 def _scalar_values(plan, device):
     """The kernel's scalars of ``plan`` in its spec's order (see :func:`ordered_scalars`)."""
-    return ordered_scalars(plan.spec, plan.kernel_scalars, plan.args, plan.found_inf, plan.stochastic_rounding,
-                           device, plan.kernel_values)
+    return ordered_scalars(plan.spec, plan.kernel_values, plan.found_inf, plan.stochastic_rounding, device)
 
 
 class KernelSplit:
@@ -168,7 +162,7 @@ def held_natively(work, grads=None):
 
 
 def _run(plan, per_tensor_calls):
-    if plan.kernel_scalars is None:
+    if plan.kernel_values is None:
         _fallback(plan, f"no fused kernel for {plan.spec.name} yet")
         return
     if plan.traced:

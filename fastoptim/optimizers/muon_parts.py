@@ -310,8 +310,8 @@ def run_in_three_parts(momentum_engine: str, part: engines.Plan, reduce_group=No
     momentum_args, flags = momentum_inputs(args, grad_scale)
     engines.run(momentum_engine, replace(
         part, tensors={"param": directions, "grad": grads, "momentum_buffer": part.tensors["momentum_buffer"]},
-        watched=watched, update=muon_momentum, spec=MOMENTUM_SPEC, kernel_scalars=momentum_kernel_scalars,
-        flags=flags, per_tensor=frozenset(), stochastic_rounding=False, args=momentum_args,
+        watched=watched, update=muon_momentum, spec=MOMENTUM_SPEC, flags=flags,
+        kernel_values=momentum_kernel_scalars(momentum_args) if momentum_engine in engines.FUSED else None, per_tensor=frozenset(), stochastic_rounding=False, args=momentum_args,
         bucket=momentum))
     if piece is None:
         orthogonal = orthogonalize_shards(iterations(args), directions, part.bucket.sharded_params, args["flatten"],
@@ -336,7 +336,7 @@ def apply_update(engine: str, part: engines.Plan, orthogonal: list[Tensor], buck
     # the fused engine draws the rounding's seed where its kernel takes tensors: a seed drawn here, for a kernel
     # that took none, moved the generator of the foreach fallback's rounding (helper-102)
     engines.run(engine, replace(part, tensors=part.tensors | {"grad": orthogonal}, update=muon_apply, spec=APPLY_SPEC,
-                                kernel_scalars=apply_kernel_scalars, kernel_values=None,
+                                kernel_values=apply_kernel_scalars(args) if engine in engines.FUSED else None,
                                 flags={}, args=args, absmax={}, bucket=bucket, watched=None, originals=None,
                                 rule="", counts=None))
 

@@ -264,7 +264,7 @@ def _scalars(algorithm_name, options, numbers, lr, grad_scale, counts, increment
     # counts alone could round apart: Python's and torch's pow differ in the last bit)
     args, per_param = step_arguments(algorithm, group, count, 1 if increment is None else increment, inputs,
                                      traced=False)
-    values = engines.fused.kernel_values(algorithm.kernel_scalars, args, found_inf, stochastic, device)
+    values = engines.fused.with_common(algorithm.kernel_scalars(args), found_inf, stochastic, device)
     out = []
     for name in algorithm.spec.all_scalars:
         value = _output(values[name], device)

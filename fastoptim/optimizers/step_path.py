@@ -324,9 +324,11 @@ class StepPath:
             counts, inputs = self._step_counts(group, entry).read(group), self._step_inputs(group, entry, grad_scale)
             if reads is not None:
                 inputs = inputs._replace(first_reads=reads[0])
+        fused = op_scalars is None and entry.engine in engines.FUSED and algorithm.kernel_scalars is not None
+        kernel_values = algorithm.kernel_scalars(args) if fused else None  # the op's, made per bucket below
         plan = engines.Plan(entry.tensors | {"grad": entry.viewed(grads)}, algorithm.update, algorithm.spec,
-                            algorithm.kernel_scalars, algorithm.flags(group), args,
-                            frozenset(per_tensor), found_inf, group["stochastic_rounding"],
+                            algorithm.flags(group), args, frozenset(per_tensor), found_inf,
+                            group["stochastic_rounding"], kernel_values=kernel_values,
                             warn_fallback=flag_value("fused", group["fused"]) is True, absmax=entry.absmax,
                             watched=entry.watched, originals=entry.originals,
                             rule="" if algorithm.rule is None else algorithm.rule[0],
