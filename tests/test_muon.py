@@ -83,16 +83,18 @@ def test_defaults_are_torchs():
         assert ours[name].default == torchs[name].default, name
 
 
-@pytest.mark.parametrize("tensor_lr", [False, True])
+# a half-precision tensor lr times a factor: torch computes in fp32 and rounds once (helper-104: the factor was
+# rounded to the lr's dtype first, a second rounding)
+@pytest.mark.parametrize("lr_dtype", [None, torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("options", TORCH_OPTIONS, ids=str)
 @pytest.mark.parametrize("engine", ENGINES)
-def test_every_engine_steps_as_torch_muon(engine, options, tensor_lr):
+def test_every_engine_steps_as_torch_muon(engine, options, lr_dtype):
     if not torch_takes(options):
         pytest.skip(f"torch {torch.__version__}'s Muon does not take {options}")
     params = make_params()
     grads = grads_of(params)
     lr = options.get("lr", 1e-3)
-    options = options | (dict(lr=torch.tensor(lr)) if tensor_lr else {})
+    options = options | (dict(lr=torch.tensor(lr, dtype=lr_dtype)) if lr_dtype else {})
     expected = stepped(torch.optim.Muon, params, grads, **options)
     assert_equal(stepped(fastoptim.Muon, params, grads, **options, **ENGINES[engine]), expected)
 

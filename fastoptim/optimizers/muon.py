@@ -9,6 +9,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 from torch import Tensor
 from torch.optim.optimizer import ParamsT
 
@@ -102,11 +103,16 @@ def lr_factor(group: dict, param: Tensor) -> float:
 def muon_arguments(group: dict, inputs: StepInputs) -> tuple[dict, set[str]]:
     """``muon_update``'s arguments for a step of Muon: each matrix's step size is lr times its factor,
     rounded where torch.optim.Muon rounds it: a number lr times the factor in float64, a tensor lr
-    times it in the lr's dtype (a tensor times a Python number)."""
-    factors = inputs.factors.to(inputs.lr.dtype) if isinstance(inputs.lr, Tensor) else inputs.factors
-    args = dict(momentum=group["momentum"], nesterov=group["nesterov"], lr=inputs.lr,
+    times it as a tensor times a Python number (in at least float32, rounded once to the lr's dtype)."""
+    lr, factors = inputs.lr, inputs.factors
+    if isinstance(lr, Tensor):
+        compute = torch.promote_types(lr.dtype, torch.float32)
+        step_size = (lr.to(compute) * factors.to(compute)).to(lr.dtype)
+    else:
+        step_size = lr * factors
+    args = dict(momentum=group["momentum"], nesterov=group["nesterov"], lr=lr,
                 weight_decay=group["weight_decay"], grad_scale=inputs.grad_scale,
-                step_size=(inputs.lr * factors).to(inputs.wide), coefficients=coefficients(group),
+                step_size=step_size.to(inputs.wide), coefficients=coefficients(group),
                 eps=group["eps"], flatten=group["flatten"], split_sizes=group["split_sizes"],
                 num_heads=group["num_heads"])
     return args, {"step_size"}
