@@ -112,7 +112,7 @@ def measure_one(make, params, probe_step, steps, repeats, device):
     step, first_calls = compiled(optimizer.step, fullgraph=isinstance(optimizer, FastOptimizer))
     graphs = counters["stats"]["unique_graphs"]
     counters.clear()
-    samples, errors = run.time_steps({"probe": probe_step, "eager": eager.step, "compiled": step}, steps, repeats,
+    samples, errors, _ = run.time_steps({"probe": probe_step, "eager": eager.step, "compiled": step}, steps, repeats,
                                      device)
     recompiles = counters["stats"]["unique_graphs"]
     python = python_seconds(eager, steps) if isinstance(eager, FastOptimizer) and device == "cpu" else None
@@ -171,7 +171,7 @@ def measure_training(steps, repeats, device):
         eager = training_step(make, clip, device)
         torch._dynamo.reset()
         step, (first, second) = compiled(training_step(make, clip, device))
-        samples, errors = run.time_steps({"eager": eager, "compiled": step}, steps, repeats, device)
+        samples, errors, _ = run.time_steps({"eager": eager, "compiled": step}, steps, repeats, device)
         torch._dynamo.reset()
         if errors:
             rows.append(f"| {name} | {errors} |")

@@ -83,7 +83,7 @@ def time_formats(params, sn, names, steps, repeats):
     """ms per step (median) of the probe and each format, interleaved; the probe's GB/s; traffic."""
     probe_step, probe_bytes = run.probe(params, "cpu")
     format_steps, traffic = formats_steps(params, sn, names)
-    samples, errors = run.time_steps({"probe": probe_step, **format_steps}, steps, repeats)
+    samples, errors, _ = run.time_steps({"probe": probe_step, **format_steps}, steps, repeats)
     if errors:
         raise RuntimeError(errors)
     return samples, probe_bytes / statistics.median(samples["probe"]) / 1e9, traffic

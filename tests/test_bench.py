@@ -176,6 +176,26 @@ def test_a_missing_or_failing_peer_is_reported_not_dropped(tmp_path, monkeypatch
     assert 'pip install "fastoptim[peers-gpu]"' in text
 
 
+def test_a_fused_row_whose_engine_fell_back_to_foreach_says_so(tmp_path, monkeypatch):
+    """A fused engine that left tensors to foreach (no native build, a backend that cannot run the
+    tensors) measured foreach's speed under the fused row's name, with nothing in the results to say so.
+    Its row now carries the reason; rows that ran their kernels carry none."""
+    from fastoptim.engines.backends import cpu as cpu_backend
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cpu_backend, "AVAILABLE", False)  # as without a native build
+        results = bench(tmp_path, "--optimizers", "adamw-fused-multi", "adamw-foreach", "--no-memory")
+    rows = {r["optimizer"]: r for r in results["models"][0]["optimizers"]}
+    assert rows["adamw-fused-multi"]["status"] == "ok"
+    assert rows["adamw-fused-multi"]["message"] == ("its fused engine left tensors to foreach: the native library is "
+                                                    "not built or not loaded (see `fastoptim info`)")
+    assert rows["adamw-foreach"]["message"] is None
+    assert "- adamw-fused-multi: ok: its fused engine left tensors to foreach" in (tmp_path / "results.md").read_text()
+    rows = {r["optimizer"]: r for r in bench(tmp_path, "--optimizers", "adamw-fused-multi",
+                                            "--no-memory")["models"][0]["optimizers"]}
+    assert rows["adamw-fused-multi"]["message"] is None
+
+
 def test_a_model_too_large_for_free_memory_is_skipped_before_it_is_built(tmp_path, monkeypatch):
     monkeypatch.setattr(run, "free_bytes", lambda device: 1 << 20)
     monkeypatch.setattr(run, "with_gradients", lambda *a, **k: pytest.fail("built a model that does not fit"))

@@ -156,17 +156,40 @@ def probe(params, device):
     return lambda: torch._foreach_copy_(targets, sources), 2 * 4 * numel
 
 
+FALLBACK_WARNING = "fastoptim: fused=True, but "  # how a fused engine's fallback to foreach begins
+
+
+def first_step(step):
+    """``step()``, and the reason a fused engine gave for leaving tensors to foreach in it, or None; its
+    other warnings are warned again."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step()
+    reasons = []
+    for warning in caught:
+        message = str(warning.message)
+        if message.startswith(FALLBACK_WARNING):
+            reasons.append(message[len(FALLBACK_WARNING):].rsplit("; those tensors take", 1)[0])
+        else:
+            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return "; ".join(dict.fromkeys(reasons)) or None
+
+
 def time_steps(steps_by_name, steps, repeats, device="cpu", on_sample=None):
     """Seconds per step of each step function, in ``repeats`` interleaved samples of ``steps`` steps,
-    each after an untimed step (the first after switching engines rebuilds caches). A step function
-    that raises is dropped from later repeats, and its error kept."""
+    each after an untimed step (the first after switching engines rebuilds caches), and the reasons a
+    fused engine gave in its first untimed step for leaving tensors to foreach (name to reason). A step
+    function that raises is dropped from later repeats, and its error kept."""
     samples = {name: [] for name in steps_by_name}
-    errors = {}
-    for _ in range(repeats):
+    errors, fallbacks = {}, {}
+    for repeat in range(repeats):
         for name, step in steps_by_name.items():
             if name not in errors:
                 try:
-                    step()
+                    if repeat:
+                        step()
+                    elif (reason := first_step(step)) is not None:
+                        fallbacks[name] = reason
                     synchronize(device)
                     start = time.perf_counter()
                     for _ in range(steps):
@@ -177,7 +200,7 @@ def time_steps(steps_by_name, steps, repeats, device="cpu", on_sample=None):
                     errors[name] = f"{type(error).__name__}: {error}"
             if on_sample:
                 on_sample(name)
-    return samples, errors
+    return samples, errors, fallbacks
 
 
 def new_result(name):
@@ -252,12 +275,14 @@ def measure_model(entry, names, settings, progress):
     while pending:
         table, sizes = next_round(pending, unbuilt, params, sn, results, settings, advance)
         table["probe"] = probe_step
-        samples, errors = time_steps(table, settings["steps"], settings["repeats"], device,
-                                     on_sample=lambda name: name == "probe" or advance(name))
+        samples, errors, fallbacks = time_steps(table, settings["steps"], settings["repeats"], device,
+                                                on_sample=lambda name: name == "probe" or advance(name))
         probe_samples += samples.pop("probe")
         for name, times in samples.items():
             results[name] |= dict(samples_ms=[t * 1e3 for t in times], state_bytes=sizes[name])
             results[name] |= dict(status="failed", message=errors[name]) if name in errors else dict(status="ok")
+            if name in fallbacks and name not in errors:  # its figures are foreach's, in part or in whole
+                results[name]["message"] = f"its fused engine left tensors to foreach: {fallbacks[name]}"
         del table  # and with it this round's optimizers and states
         release_memory()
     if probe_samples:
