@@ -136,11 +136,12 @@ class BoundStep:
         if (type(state) is not OptimizerState or len(parts) != len(self.groups)
                 or not all(group is bound_group for (group, _), bound_group in zip(parts, self.param_groups))):
             return None
-        work = []
+        work, frozen = [], []  # frozen: params whose flat grads are dropped once every group is checked
         for (group, params), bound in zip(parts, self.groups):
             entry = bound.entry
-            if flat_params.GRAD_BUFFERS:  # a frozen flat param's grad dropped in the same pass (cold params)
-                grads = [param.grad if param.requires_grad else flat_params.frozen_grad(param) for param in params]
+            if flat_params.GRAD_BUFFERS:  # a frozen flat param's grad found in the same pass (cold params)
+                grads = [param.grad if param.requires_grad else flat_params.frozen_grad(param, frozen)
+                         for param in params]
             else:  # each read once: a Parameter's .grad costs 50-100 ns
                 grads = [param.grad for param in params]
             if not all(map(operator.is_not, grads, repeat(None))):
@@ -164,6 +165,8 @@ class BoundStep:
             if not params and isinstance(entry.count, Tensor):
                 check_counted(group, params)
             work.append((group, entry, grads))
+        for param in frozen:  # every group passed: a step that raised changed nothing
+            param.grad = None
         return work
 
     def step(self, optimizer, plans, parts=None):

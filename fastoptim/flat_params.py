@@ -5,6 +5,7 @@ instead of thousands of short ones, which the CPU's prefetchers cannot follow fr
 (measured in docs/results/flat-params-2026-11-26.md)."""
 import warnings
 import weakref
+from contextlib import contextmanager
 from operator import attrgetter
 
 import torch
@@ -55,8 +56,8 @@ def flatten_parameters(module: torch.nn.Module, grads: bool = True) -> list[Tens
     params it changes and their grads data of their own: they are then no longer flat, and
     fastoptim's ``zero_grad()`` drops those grads as torch's does, with a warning; flatten after
     converting (or again). A param frozen since (``requires_grad_(False)``) loses its flat grad at
-    the next ``step()`` or ``zero_grad()``, so that it is not stepped, as torch's ``zero_grad`` leaves
-    an unflattened model's.
+    the next ``step()`` or ``zero_grad()`` (not to a step that raises), so that it is not stepped, as
+    torch's ``zero_grad`` leaves an unflattened model's.
 
     So, with ``grads``, every param that requires grad always has one, zeros where a backward gave
     it none, as after torch's ``zero_grad(set_to_none=False)``: an optimizer steps it (its weight
@@ -145,26 +146,47 @@ def flat_grad(param: Tensor) -> bool:
     return start <= grad.data_ptr() <= end
 
 
-def frozen_grad(param: Tensor) -> Tensor | None:
-    """The grad that a step takes of ``param``, which no longer requires grad: none where it was a flat
-    grad, which is dropped (see :func:`drop_frozen_grads`), else its own."""
-    if flat_grad(param):
-        param.grad = None
-    return param.grad
+def frozen_grad(param: Tensor, frozen: list) -> Tensor | None:
+    """The grad that a step takes of ``param``, which no longer requires grad: none where it is a flat
+    grad, whose param is listed in ``frozen``, for the step to drop once its checks have passed (see
+    :func:`drop_frozen_grads`), else its own."""
+    grad = param.grad
+    if grad is not None and flat_grad(param):
+        frozen.append(param)
+        return None
+    return grad
 
 
-def drop_frozen_grads(groups) -> None:
+def drop_frozen_grads(groups, dropped: list) -> None:
     """Drop the flat grads of the params of ``groups`` (param groups) that no longer require grad:
     frozen since they were flattened (``requires_grad_(False)``), they get no grad from backward, and a
     step would take the zeros that zero_grad left there for their weight decay and momentum, where
-    torch's zero_grad leaves an unflattened model's frozen params no grad to step. (A bound step reads
-    each param's grad with :func:`frozen_grad` instead: one pass over the params, not two.)"""
+    torch's zero_grad leaves an unflattened model's frozen params no grad to step. Each is listed in
+    ``dropped`` with its grad (see :func:`frozen_grads_dropped`). (A bound step reads each param's grad with :func:`frozen_grad` instead: one pass over the
+    params, not two.)"""
     for group in groups:
         params = group["params"]
         if not all(map(REQUIRES_GRAD, params)):
             for param in params:
-                if not param.requires_grad:
-                    frozen_grad(param)
+                if not param.requires_grad and param.grad is not None and flat_grad(param):
+                    dropped.append((param, param.grad))
+                    param.grad = None
+
+
+@contextmanager
+def frozen_grads_dropped(groups):
+    """Within the block, the flat grads of the params of ``groups`` (param groups) that no longer require
+    grad are dropped (:func:`drop_frozen_grads`); where it raises, each is given back: a step that raises
+    changes nothing (helper-105: it lost a frozen param's grad, which unfrozen again went unstepped)."""
+    dropped = []
+    if GRAD_BUFFERS:
+        drop_frozen_grads(groups, dropped)
+    try:
+        yield
+    except BaseException:
+        for param, grad in dropped:
+            param.grad = grad
+        raise
 
 
 def zero_grads(params) -> None:

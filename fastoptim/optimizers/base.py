@@ -299,11 +299,10 @@ class FastOptimizer(StepPath, StateCreation, StateDicts, torch.optim.Optimizer):
         if bound is not None and bound.step(self, plans):  # which drops frozen flat grads as it reads the grads
             plans.bound = bound
             return loss
-        if flat_params.GRAD_BUFFERS:
-            flat_params.drop_frozen_grads(self.param_groups)
-        work = [(group, *self._group_work(plans, index, group)) for index, group in enumerate(self.param_groups)]
-        self._check_apart([entry for _, entry, _ in work])
-        self._apply(work, plans)
+        with flat_params.frozen_grads_dropped(self.param_groups):
+            work = [(group, *self._group_work(plans, index, group)) for index, group in enumerate(self.param_groups)]
+            self._check_apart([entry for _, entry, _ in work])
+            self._apply(work, plans)
         # not where the step reduces over ranks: a step run again would reduce twice on this rank alone
         plans.bound = None if self._reduce_group is not None else BoundStep.of(
             self.state, work, [self._algorithm(group) for group, _, _ in work])

@@ -359,8 +359,6 @@ class GradientRelease:
         bucket did not fill, a reentrant backward accumulated into it, or it is new to its group), on
         the grads they have, then the per-group step counts."""
         optimizer = self.optimizer
-        if flat_params.GRAD_BUFFERS:
-            flat_params.drop_frozen_grads(optimizer.param_groups)
         # GradScaler hands its scale, or found_inf alone where scaler.unscale_(optimizer) came first; it takes
         # them back only after a step that returns, and the next backward's steps would read them
         if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
@@ -371,12 +369,13 @@ class GradientRelease:
                                "GradScaler")
         self._warn_of_options_set_since_backward(optimizer)
         self._check_groups(optimizer)  # written since backward (an Adan count), or refused in it: first
-        self._zero_freed(optimizer)
-        rests = [(("released rest", index), index, rest) for index, group in enumerate(optimizer.param_groups)
-                 if (rest := [param for param in group["params"]
-                              if param.grad is not None and id(param) not in self.stepped])]
-        if rests:  # every group's checked before any steps
-            self._step(rests)
+        with flat_params.frozen_grads_dropped(optimizer.param_groups):
+            self._zero_freed(optimizer)
+            rests = [(("released rest", index), index, rest) for index, group in enumerate(optimizer.param_groups)
+                     if (rest := [param for param in group["params"]
+                                  if param.grad is not None and id(param) not in self.stepped])]
+            if rests:  # every group's checked before any steps
+                self._step(rests)
         if self.mode == "ddp":
             self._drop_ddp_views()
             self._free([param for group in optimizer.param_groups for param in group["params"]

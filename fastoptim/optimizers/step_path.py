@@ -213,19 +213,19 @@ class StepPath:
         skips (zeros, the count unchanged), as eagerly."""
         self._optimizer_inputs()  # a max_grad_norm written since goes into the options the graph reads
         plans = self._plans
-        flat_params.drop_frozen_grads(self.param_groups)  # a step traced again once a param is frozen (guarded)
-        for group in self.param_groups:
-            checks.plain_options(group, self.defaults)
-        own_counts(self.state.values())
         calls = []  # the step ops' prepared calls, each of which checks the others before it runs (see refuse)
-        works = [self._group_work(plans, index, group) for index, group in enumerate(self.param_groups)]
-        self._check_apart([entry for entry, _ in works])
-        for entry, _ in works:  # every group, before any states are made
-            if entry.structure.writable:  # a graph reads no value that decides what it does
-                raise ValueError(f"Invalid {', '.join(entry.structure.writable)}: a tensor holds what decides the "
-                                 "step's kernels and states (AdamWSN's β1 whether it keeps a first moment, AdamW's "
-                                 "amsgrad a maximum), which a compiled step cannot follow when it is written in "
-                                 "place: give it as a number")
+        with flat_params.frozen_grads_dropped(self.param_groups):  # a step traced again once a param is frozen
+            for group in self.param_groups:
+                checks.plain_options(group, self.defaults)
+            own_counts(self.state.values())
+            works = [self._group_work(plans, index, group) for index, group in enumerate(self.param_groups)]
+            self._check_apart([entry for entry, _ in works])
+            for entry, _ in works:  # every group, before any states are made
+                if entry.structure.writable:  # a graph reads no value that decides what it does
+                    raise ValueError(f"Invalid {', '.join(entry.structure.writable)}: a tensor holds what decides "
+                                     "the step's kernels and states (AdamWSN's β1 whether it keeps a first moment, "
+                                     "AdamW's amsgrad a maximum), which a compiled step cannot follow when it is "
+                                     "written in place: give it as a number")
         for index, (group, (entry, grads)) in enumerate(zip(self.param_groups, works)):
             if entry.states is None and entry.params:
                 self._use_new_states(group, entry, traced=True)
