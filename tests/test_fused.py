@@ -240,6 +240,33 @@ def test_adamw_fused_matches_torch(engine, amsgrad, maximize):
     assert oracle.relative_error(params, peer_params) < 2e-5
 
 
+def adamw_first_moments_of_torch_and_fused(beta1, engine):
+    """torch.optim.AdamW's exp_avg and the fused engine's after grads that cancel (a 1e8 step, then 1.0
+    steps) and an inf element, with ``beta1``: each is torch's lerp_ of the grad."""
+    grads = [torch.tensor([1e8, 1e8, 1.0, 3.0]), torch.tensor([1.0, 2.0, 1.0, 3.0]),
+             torch.tensor([1.0, float("inf"), -2.0, 3.0]), torch.tensor([0.5, 1.0, 1e-30, 3.0])]
+    moments = []
+    for cls, flags in ((torch.optim.AdamW, {}), (fastoptim.AdamW, FUSED[engine])):
+        param = torch.nn.Parameter(torch.ones(4))
+        optimizer = cls([param], lr=0.01, betas=(beta1, 0.999), **flags)
+        for grad in grads:
+            param.grad = grad.clone()
+            optimizer.step()
+            moments.append(optimizer.state[param]["exp_avg"].clone())
+    return moments[:len(grads)], moments[len(grads):]
+
+
+@pytest.mark.parametrize("engine", FUSED)
+@pytest.mark.parametrize("beta1", [0.0, 0.3, 0.5, 0.9])
+def test_adamw_fused_first_moment_is_torchs_lerp_bit_for_bit(beta1, engine):
+    """The kernels wrote m + (g − m)·(1 − β1) for every β1: at β1 = 0 a 1e8 moment then a grad of 1.0 left
+    0.0 (torch: 1.0), and an inf grad made inf (torch: NaN); at β1 <= 0.5, torch's lerp_ takes its other
+    branch (helper-106)."""
+    expected, actual = adamw_first_moments_of_torch_and_fused(beta1, engine)
+    for step, (a, e) in enumerate(zip(actual, expected)):
+        assert torch.equal(a.isnan(), e.isnan()) and torch.equal(a.nan_to_num(), e.nan_to_num()), (step, a, e)
+
+
 @pytest.mark.parametrize("engine", FUSED)
 def test_adamw_fused_counts_steps_per_param_like_torch(engine):
     """A param without a grad keeps its own step count; the kernel reads one step size per tensor."""

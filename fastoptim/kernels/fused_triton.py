@@ -573,13 +573,21 @@ def _adan_step_scale(moments, S, K: tl.constexpr, F: tl.constexpr):
 
 
 @triton.jit
+def _lerp(start, end, w):
+    """torch's lerp: start + w·(end − start) for |w| < 0.5, else end − (1 − w)·(end − start), each one
+    FMA as torch's and the C kernel's (the interpreter too: a separate product rounds once more)."""
+    difference = end - start
+    return tl.where(tl.abs(w) < 0.5, tl.fma(w, difference, start), tl.fma(w - 1.0, difference, end))
+
+
+@triton.jit
 def _adamw_update(p, terms, states, scale, S, K: tl.constexpr, F: tl.constexpr):
     """Weight decay multiplies before the update (AdamW) or after it (AdamWSN)."""
     g = terms[0]
     m = states[0]
     numerator = g
     if F.first_moment:
-        m = m + (g - m) * tl.load(S + K.one_minus_beta1)  # lerp
+        m = _lerp(m, g, tl.load(S + K.one_minus_beta1))  # torch's lerp_, exact at β1 = 0 (helper-106)
         numerator = m
     return (p * tl.load(S + K.decay_mul) - numerator * scale) * tl.load(S + K.decay_after), (m,)
 
@@ -623,14 +631,6 @@ def _lion_update(p, terms, states, scale, S, K: tl.constexpr, F: tl.constexpr):
 
 # Muon's momentum (``fastoptim.optimizers.muon_parts.muon_momentum``). States: momentum_buffer; the param
 # row holds the direction it writes (the Newton–Schulz iterations' input), not a param.
-
-
-@triton.jit
-def _lerp(start, end, w):
-    """torch's lerp: start + w·(end − start) for |w| < 0.5, else end − (1 − w)·(end − start), each one
-    FMA as torch's and the C kernel's (the interpreter too: a separate product rounds once more)."""
-    difference = end - start
-    return tl.where(tl.abs(w) < 0.5, tl.fma(w, difference, start), tl.fma(w - 1.0, difference, end))
 
 
 @triton.jit

@@ -93,6 +93,13 @@ INLINE void adan_update(const adan_scalars *s, float *x, float scale, int flags)
 
 /* --- AdamW, AdamWSN and RMSPropSN ------------------------------------------------------------- */
 
+/* torch's lerp, start + w·(end − start) for |w| < 0.5, else end − (1 − w)·(end − start) with 1 − w
+   taken in fp32; each is one FMA where the CPU has it, as torch's vectorized lerp. */
+INLINE float lerp(float start, float end, float w) {
+    const float difference = end - start;
+    return fabsf(w) < 0.5f ? w * difference + start : (w - 1.f) * difference + end;
+}
+
 typedef struct {
     float one_minus_beta1, beta2, one_minus_beta2, eps, grad_scale, decay_mul, decay_after, step_size;
     float inv_bias_correction2_sqrt;
@@ -127,7 +134,9 @@ INLINE void adamw_update(const adamw_scalars *s, float *x, float scale, int flag
     const float g = adamw_squared(s, x);
     float numerator = g;
     if (flags & ADAMW_FIRST_MOMENT) {
-        x[ADAMW_EXP_AVG] += (g - x[ADAMW_EXP_AVG]) * s->one_minus_beta1;  /* lerp */
+        /* torch's lerp_: its second branch is exact where β1 <= 0.5 (m = g at β1 = 0, where m + (g − m)·1
+           cancelled a large m to 0 and made inf of an inf grad, not torch's NaN: helper-106) */
+        x[ADAMW_EXP_AVG] = lerp(x[ADAMW_EXP_AVG], g, s->one_minus_beta1);
         numerator = x[ADAMW_EXP_AVG];
     }
     x[PARAM] = (x[PARAM] * s->decay_mul - numerator * scale) * s->decay_after;
@@ -185,13 +194,6 @@ INLINE muon_momentum_scalars muon_momentum_scalars_of(const Work *w, int64_t t) 
 INLINE float muon_momentum_squared(const muon_momentum_scalars *s, const float *x) { return 0; }
 INLINE void muon_momentum_second_moments(const muon_momentum_scalars *s, float *x, float q, int form, int flags) {}
 INLINE float muon_momentum_step_scale(const muon_momentum_scalars *s, const float *x, int flags) { return 0; }
-
-/* torch's lerp, start + w·(end − start) for |w| < 0.5, else end − (1 − w)·(end − start) with 1 − w
-   taken in fp32; each is one FMA where the CPU has it, as torch's vectorized lerp. */
-INLINE float lerp(float start, float end, float w) {
-    const float difference = end - start;
-    return fabsf(w) < 0.5f ? w * difference + start : (w - 1.f) * difference + end;
-}
 
 /* The grad times its scale, rounded to fp32 as the reference's scaled grad is: a plain product here
    would be contracted into the lerps' FMAs that are its only uses, unrounded (fma with -0 keeps the
