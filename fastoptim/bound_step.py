@@ -127,16 +127,18 @@ class BoundStep:
                   for algorithm, (group, entry, _), group_runs, group_parts in zip(algorithms, work, runs, parts)]
         return cls(groups, counts, backend, whole_step)
 
-    def work(self, state, parts, structure, check, check_counted):
+    def work(self, state, parts, structure, check, check_counted, frozen):
         """This step's (group, GroupWork, grads) per group, or None where the rule no longer holds; ``parts``:
         per group, the group and the params it steps (its ``params``, or a released bucket's);
         ``check(group, params)`` raises for what the group's options may have broken since, and
         ``check_counted(group, params)`` (the checked step's checks, its count's value among them) for a
-        group whose count Python advances, which no native rule reads (official Adan's, without grads)."""
+        group whose count Python advances, which no native rule reads (official Adan's, without grads).
+        A frozen param's flat grad is no grad of the step: the param is listed in ``frozen``, whose grads
+        the step drops once it has run (see :func:`stepped_dropping`)."""
         if (type(state) is not OptimizerState or len(parts) != len(self.groups)
                 or not all(group is bound_group for (group, _), bound_group in zip(parts, self.param_groups))):
             return None
-        work, frozen = [], []  # frozen: params whose flat grads are dropped once every group is checked
+        work = []
         for (group, params), bound in zip(parts, self.groups):
             entry = bound.entry
             if flat_params.GRAD_BUFFERS:  # a frozen flat param's grad found in the same pass (cold params)
@@ -165,8 +167,6 @@ class BoundStep:
             if not params and isinstance(entry.count, Tensor):
                 check_counted(group, params)
             work.append((group, entry, grads))
-        for param in frozen:  # every group passed: a step that raised changed nothing
-            param.grad = None
         return work
 
     def step(self, optimizer, plans, parts=None):
@@ -179,13 +179,15 @@ class BoundStep:
             return False  # checked step drops them (PlanStore.follow_forcing)
         if parts is None:
             parts = [(group, group["params"]) for group in optimizer.param_groups]
+        frozen = []
         work = self.work(optimizer.state, parts, optimizer._structure, optimizer._check_between_steps,
-                         optimizer._check_options)
+                         optimizer._check_options, frozen)
         if work is None:
             return False
         found_inf, amp_scale, max_norm = optimizer._optimizer_inputs()
         if self.call is None:
-            return self._step_with_python_scalars(optimizer, work, plans, found_inf, amp_scale, max_norm)
+            return stepped_dropping(
+                frozen, self._step_with_python_scalars(optimizer, work, plans, found_inf, amp_scale, max_norm))
         numbers = []  # every group's, before any seed is drawn: a step that goes the checked way draws its own
         rounds_after_call = False  # a group of bound parts (Muon's) rounds stochastically: it draws after the call
         for bound, (group, entry, _) in zip(self.groups, work):
@@ -195,9 +197,9 @@ class BoundStep:
                 # a tensor lr (say), which the native rules do not take: Python computes the scalars as the
                 # checked step does, as tensors, and the counts it advances, which native code then does not
                 # check (see StepCounts.in_place); Muon's parts take the checked way
-                return (not any(bound.parts for bound in self.groups)
-                        and all(entry.context.counts.in_place() for _, entry, _ in work if entry.params)
-                        and self._step_with_python_scalars(optimizer, work, plans, found_inf, amp_scale, max_norm))
+                return stepped_dropping(frozen, not any(bound.parts for bound in self.groups) and all(
+                    entry.context.counts.in_place() for _, entry, _ in work if entry.params) and
+                    self._step_with_python_scalars(optimizer, work, plans, found_inf, amp_scale, max_norm))
             if parts and found_inf is not None and bool(found_inf):
                 return False  # an inf GradScaler found (a CPU tensor, read without a sync): the checked step skips
             if group["stochastic_rounding"] and entry.params:
@@ -268,6 +270,8 @@ class BoundStep:
                 optimizer._count_step(group, entry, increment)
             if writes is not None and entry.versions is not None:
                 writes.note(entry.versions)
+        for param in frozen:  # their flat grads, once the step has run (see stepped_dropping)
+            param.grad = None
         return True
 
     def _step_with_python_scalars(self, optimizer, work, plans, found_inf, amp_scale, max_norm):
@@ -306,6 +310,15 @@ class BoundStep:
             return False
         optimizer._advance(work, increment, writes, self.whole_step)
         return True
+
+
+def stepped_dropping(frozen: list, stepped: bool) -> bool:
+    """``stepped``, having dropped the flat grads of the ``frozen`` params where it is True: a bound step that
+    raised, or left the step to the checked way (which drops them itself), changed nothing (helper-107)."""
+    if stepped:
+        for param in frozen:
+            param.grad = None
+    return stepped
 
 
 def check_group_counts(optimizer, work):

@@ -148,7 +148,7 @@ def flat_grad(param: Tensor) -> bool:
 
 def frozen_grad(param: Tensor, frozen: list) -> Tensor | None:
     """The grad that a step takes of ``param``, which no longer requires grad: none where it is a flat
-    grad, whose param is listed in ``frozen``, for the step to drop once its checks have passed (see
+    grad, whose param is listed in ``frozen``, for the step to drop once it has run (see
     :func:`drop_frozen_grads`), else its own."""
     grad = param.grad
     if grad is not None and flat_grad(param):

@@ -370,3 +370,37 @@ def test_a_step_that_raises_keeps_a_frozen_layers_flat_grad(info, path):
 
     for after, clean in zip(run(True), run(False)):
         assert torch.equal(after, clean)
+
+
+@pytest.mark.parametrize("refusal", ["grad_scale", "max_grad_norm"])
+def test_a_bound_step_refused_after_its_rule_keeps_a_frozen_layers_flat_grad(refusal):
+    """A bound step whose layer is frozen, holding flat grads again, refused after its rule held (GradScaler's
+    scale written as a number, a max_grad_norm made invalid): the grads stay, and the step that follows is the
+    checked one's (helper-107: the bound step dropped them once its groups' checks passed)."""
+    torch.manual_seed(0)
+    inputs = torch.randn(5, 4)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 6), torch.nn.Linear(6, 3))
+    fastoptim.flatten_parameters(net)
+    opt = fastoptim.AdamW(net.parameters(), fused=True, max_grad_norm=1.0)
+    flat = [param.grad for param in net[0].parameters()]
+
+    def backward():
+        opt.zero_grad()
+        net(inputs).square().sum().backward()
+
+    for index in range(4):
+        if index == 2:
+            net[0].requires_grad_(False)
+        backward()
+        opt.step()
+    backward()
+    for param, grad in zip(net[0].parameters(), flat):
+        param.grad = grad  # frozen, holding its flat grad again
+    assert opt._plans.bound is not None
+    if refusal == "grad_scale":
+        opt.grad_scale = 2.0  # not GradScaler's (a tensor)
+    else:
+        opt.param_groups[0]["max_grad_norm"] = float("nan")
+    with pytest.raises(ValueError, match=refusal):
+        opt.step()
+    assert all(param.grad is grad for param, grad in zip(net[0].parameters(), flat))
