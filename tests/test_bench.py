@@ -196,6 +196,35 @@ def test_a_fused_row_whose_engine_fell_back_to_foreach_says_so(tmp_path, monkeyp
     assert rows["adamw-fused-multi"]["message"] is None
 
 
+def test_the_first_steps_other_warnings_are_shown_once_even_where_it_raises():
+    """Noting a fused engine's fallback leaves a step's other warnings to the filters in force: a warning given
+    before the step raised was lost, and one under the default filter was shown again (helper-107)."""
+    def failing_step():
+        warnings.warn("peer: this device is unsupported", UserWarning)
+        raise RuntimeError("boom")
+
+    def warning_step():
+        warnings.warn("peer advice", UserWarning)
+
+    def fused_step():
+        warnings.warn(f"{run.FALLBACK_WARNING}no kernel for this; those tensors take the foreach engine")
+
+    for fused in ([], ["failing", "warning", "fused"]):  # the rows whose first step notes a fallback, or none
+        with warnings.catch_warnings(record=True) as shown:
+            warnings.simplefilter("default")
+            _, errors, _ = run.time_steps({"failing": failing_step}, 1, 2, fused=fused)
+            _, _, fallbacks = run.time_steps({"warning": warning_step, "fused": fused_step}, 1, 3, fused=fused)
+        assert errors == {"failing": "RuntimeError: boom"}
+        assert fallbacks == ({"fused": "no kernel for this"} if fused else {})
+        messages, fallback = [str(w.message) for w in shown], f"{run.FALLBACK_WARNING}no kernel for this; those " \
+                                                                 "tensors take the foreach engine"
+        assert messages[0] == "peer: this device is unsupported"
+        if fused:  # a row that notes fallbacks sets filters, after which a warning shown once may show again
+            assert "peer advice" in messages and set(messages[1:]) == {"peer advice", fallback}
+        else:
+            assert messages[1:] == ["peer advice", fallback]
+
+
 def test_a_model_too_large_for_free_memory_is_skipped_before_it_is_built(tmp_path, monkeypatch):
     monkeypatch.setattr(run, "free_bytes", lambda device: 1 << 20)
     monkeypatch.setattr(run, "with_gradients", lambda *a, **k: pytest.fail("built a model that does not fit"))

@@ -11,6 +11,7 @@ import ctypes
 import functools
 import gc
 import math
+import re
 import statistics
 import time
 import warnings
@@ -160,33 +161,38 @@ FALLBACK_WARNING = "fastoptim: fused=True, but "  # how a fused engine's fallbac
 
 
 def first_step(step):
-    """``step()``, and the reason a fused engine gave for leaving tensors to foreach in it, or None; its
-    other warnings are warned again."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        step()
+    """``step()``, and the reason a fused engine gave for leaving tensors to foreach in it, or None. Its
+    other warnings go their usual way, under the filters in force (helper-107: warned again after the
+    step, they were lost where it raised); leaving the filters set for its own, though, makes a warning
+    shown once before show once more."""
     reasons = []
-    for warning in caught:
-        message = str(warning.message)
-        if message.startswith(FALLBACK_WARNING):
-            reasons.append(message[len(FALLBACK_WARNING):].rsplit("; those tensors take", 1)[0])
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if str(message).startswith(FALLBACK_WARNING):
+            reasons.append(str(message)[len(FALLBACK_WARNING):].rsplit("; those tensors take", 1)[0])
         else:
-            warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+            shown(message, category, filename, lineno, file, line)
+
+    with warnings.catch_warnings():
+        shown, warnings.showwarning = warnings.showwarning, show
+        warnings.filterwarnings("always", message=re.escape(FALLBACK_WARNING))  # whether shown before or not
+        step()
     return "; ".join(dict.fromkeys(reasons)) or None
 
 
-def time_steps(steps_by_name, steps, repeats, device="cpu", on_sample=None):
+def time_steps(steps_by_name, steps, repeats, device="cpu", on_sample=None, fused=()):
     """Seconds per step of each step function, in ``repeats`` interleaved samples of ``steps`` steps,
-    each after an untimed step (the first after switching engines rebuilds caches), and the reasons a
-    fused engine gave in its first untimed step for leaving tensors to foreach (name to reason). A step
-    function that raises is dropped from later repeats, and its error kept."""
+    each after an untimed step (the first after switching engines rebuilds caches), and the reasons that
+    the step functions named in ``fused`` (fastoptim's fused engines) gave in their first untimed step for
+    leaving tensors to foreach (name to reason). A step function that raises is dropped from later
+    repeats, and its error kept."""
     samples = {name: [] for name in steps_by_name}
     errors, fallbacks = {}, {}
     for repeat in range(repeats):
         for name, step in steps_by_name.items():
             if name not in errors:
                 try:
-                    if repeat:
+                    if repeat or name not in fused:
                         step()
                     elif (reason := first_step(step)) is not None:
                         fallbacks[name] = reason
@@ -272,11 +278,14 @@ def measure_model(entry, names, settings, progress):
     probe_step, probe_bytes = probe(params, device)
     probe_samples = []
     pending, unbuilt, advance = list(names), {}, functools.partial(progress.advance, model)
+    known = optimizers()
     while pending:
         table, sizes = next_round(pending, unbuilt, params, sn, results, settings, advance)
         table["probe"] = probe_step
+        fused = [name for name in table if name in known and known[name].library == "fastoptim"
+                 and known[name].flags.get("fused")]
         samples, errors, fallbacks = time_steps(table, settings["steps"], settings["repeats"], device,
-                                                on_sample=lambda name: name == "probe" or advance(name))
+                                                on_sample=lambda name: name == "probe" or advance(name), fused=fused)
         probe_samples += samples.pop("probe")
         for name, times in samples.items():
             results[name] |= dict(samples_ms=[t * 1e3 for t in times], state_bytes=sizes[name])
