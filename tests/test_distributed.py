@@ -610,6 +610,24 @@ def worker(rank, directory, world=WORLD, checkpoints=None):
                 fastoptim.Adan(params, **options)
             except ValueError as error:
                 messages.append(str(error))
+        # appended to a group between steps: refused at step(), which changes nothing (helper-108: the step took
+        # them with the reductions found at construction, a Shard(1) param after Muon's momentum had run)
+        for cls, appended in ((fastoptim.Muon, by_columns), (fastoptim.AdamW, torch.nn.Parameter(torch.zeros(3)))):
+            optimizer = cls([param for param in model.parameters() if param.dim() == 2 or cls is not fastoptim.Muon],
+                            max_grad_norm=0.5)
+            for param in (*model.parameters(), appended):
+                param.grad = torch.ones_like(param)
+            optimizer.step()
+            optimizer.param_groups[0]["params"].append(appended)
+            before = [[t.to_local().clone() if hasattr(t, "to_local") else t.clone() for t in (param, *state.values())]
+                      for param, state in optimizer.state.items()] + [[p.to_local().clone() for p in model.parameters()]]
+            try:
+                optimizer.step()
+            except ValueError as error:
+                after = [[t.to_local() if hasattr(t, "to_local") else t for t in (param, *state.values())]
+                         for param, state in optimizer.state.items()] + [[p.to_local() for p in model.parameters()]]
+                unchanged = all(torch.equal(a, b) for rows in zip(before, after) for a, b in zip(*rows))
+                messages.append(f"{unchanged} {error}")
         return messages
     record("refusals", refusals)
     dist.destroy_process_group()
@@ -829,9 +847,12 @@ def test_flattened_subsets_that_straddle_shards_are_refused(runs):
 
 def test_dtensor_params_with_shard_group_plain_params_or_another_placement_are_refused(runs):
     for messages in result(runs, "refusals"):
-        assert len(messages) == 3
+        assert len(messages) == 5, messages
         assert "leave shard_group unset" in messages[0] and "not a mix" in messages[1]
         assert f"param {len(SHAPES)} (shape (4, 6))" in messages[2] and "Shard(dim=1)" in messages[2]
+        # appended to a group between steps: refused at step(), nothing changed
+        assert messages[3].startswith("True ") and "Shard(dim=1)" in messages[3]
+        assert messages[4].startswith("True ") and "not a mix" in messages[4]
 
 
 def test_the_docs_port_of_a_muon_with_aux_adam_script_runs_as_one_process_bit_for_bit(runs):

@@ -143,8 +143,7 @@ class StepPath:
         increment, scales, _ = self._grad_scales(work, found_inf, amp_scale, max_norm, eager)
         for key, ((group, entry, grads), scale) in enumerate(zip(work, scales)):
             if entry.params:
-                self._step_group(group, entry, grads, scale, found_inf, increment, traced,
-                                 key if whole_step else None)
+                self._step_group(group, entry, grads, scale, found_inf, increment, traced, key if whole_step else None)
         self._advance(work, increment, writes, whole_step, traced)
 
     def _restart_written(self, work, plans, undo=None):
@@ -303,9 +302,11 @@ class StepPath:
 
     def _check_new_params(self, group, params):
         """Raise for ``group``'s ``params`` (those with grads) that a new work may not take: a param listed
-        twice, in another group too, or one whose storage changed since it was added."""
+        twice, in another group too, changed in storage since added, or sharing no reductions with the others
+        (a plain param or a DTensor placed otherwise among FSDP2's: helper-108), whose group is found anew."""
         check_params(params, type(self).__name__)
         check_in_one_group(group, self.param_groups, type(self).__name__)
+        self._find_reduce_group()
 
     def _step_group(self, group, entry, grads, grad_scale, found_inf, increment, traced, key=None):
         """Step ``group``'s params with grads (``entry``: their work; ``key``: the group's in the plan store,
@@ -330,8 +331,7 @@ class StepPath:
                             algorithm.flags(group), args, frozenset(per_tensor), found_inf,
                             group["stochastic_rounding"], kernel_values=kernel_values,
                             warn_fallback=flag_value("fused", group["fused"]) is True, absmax=entry.absmax,
-                            watched=entry.watched, originals=entry.originals,
-                            rule="" if algorithm.rule is None else algorithm.rule[0],
+                            watched=entry.watched, originals=entry.originals, rule=(algorithm.rule or ("",))[0],
                             counts=self._step_counts(group, entry).per_param(group, len(entry.params)),
                             traced=traced)
         for bucket_plan in entry.buckets:
