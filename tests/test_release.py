@@ -885,6 +885,40 @@ def ddp_remove_and_again(rank, world):
     return equal(*runs)
 
 
+def second_backward(mode, rank, world):
+    """A second backward before step() (AdamW and Muon, several DDP buckets): refused by step(), not inside
+    DDP's comm hook or FSDP2's reduction, which a raise would leave half done (helper-108: DDP's reducer then
+    failed every backward after, FSDP2's module kept other params); zero_grad() ends the step, and the run goes
+    on as one without that backward (bit for bit). Returns each optimizer's [refused, differing tensors]."""
+    out = []
+    for name in ("AdamW", "Muon"):
+        runs, refused = [], None
+        for twice in (False, True):
+            module = wrapped(mode, dist_model(torch.float32), {})
+            inner = module.module if mode == "ddp" else module
+            groups = [{"params": [p for p in inner.parameters() if p.ndim == 2 or name == "AdamW"]}] + (
+                [{"params": [p for p in inner.parameters() if p.ndim < 2], "use_muon": False}] if name == "Muon" else [])
+            optimizer = getattr(fastoptim, name)(groups, lr=1e-2, fused=True)
+            optimizer.enable_gradient_release(300, model=module)
+            module(dist_batch(0, rank, world, torch.float32)).square().mean().backward()
+            if twice:
+                try:
+                    module(dist_batch(1, rank, world, torch.float32)).square().mean().backward()
+                    optimizer.step()
+                except RuntimeError as error:
+                    refused = "accumulated into it again" in str(error)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # zero_grad() says it ends the step backward began
+                optimizer.zero_grad()
+            for step in range(2, 4):
+                module(dist_batch(step, rank, world, torch.float32)).square().mean().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            runs.append(local_tensors(module, optimizer))
+        out.append([refused, equal(*runs)])
+    return out
+
+
 def two_optimizers(mode, rank, world):
     """Muon on the matrices and AdamW on the rest, two optimizers on one model, both released (under
     DDP, on one comm hook): equal to both unreleased bit for bit."""
@@ -951,6 +985,7 @@ def dist_worker(rank, directory, world):
     record("ddp remove and again", lambda: ddp_remove_and_again(rank, world))
     for mode in ("ddp", "fsdp"):
         record(f"{mode} two optimizers", lambda: two_optimizers(mode, rank, world))
+        record(f"{mode} second backward", lambda: second_backward(mode, rank, world))
     if world == 2:
         record("refusals", lambda: refusals(rank, world))
         record("kept bytes", lambda: kept_bytes(rank, world))
@@ -975,6 +1010,13 @@ def test_a_released_sharded_run_is_the_unreleased_run_bit_for_bit(dist_runs, nam
         pytest.skip("HSDP runs on 4 ranks, 2 x 2")
     for differing in result(dist_runs, name):
         assert differing == [], f"tensors {differing} differ"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_a_second_backward_under_release_is_refused_and_zero_grad_goes_on_as_without_it(dist_runs, mode):
+    for per_optimizer in result(dist_runs, f"{mode} second backward"):
+        assert per_optimizer == [[True, []], [True, []]]
 
 
 @pytest.mark.distributed

@@ -16,12 +16,12 @@ A grad is final where it is known to be:
   bucket's params' grads a view of the reduced bucket and marks them final. DDP keeps its bucket buffers
   whatever happens, so there the grads are views of them until ``step()``, which drops them.
 
-Which models' reductions it follows, and what it refuses up front: ``release_reductions.py``."""
+Which models' reductions it follows, what it refuses up front, and which backward is reentrant:
+``release_reductions.py``."""
 from __future__ import annotations
 
 import gc
 import operator
-import sys
 import threading
 import warnings
 import weakref
@@ -30,32 +30,14 @@ from collections.abc import Callable
 import numpy as np
 import torch
 from torch import Tensor
-from torch.autograd.function import BackwardCFunction
 from torch.optim import Optimizer
 
 from .. import flat_params
 from ..clip import RELEASED
 from .checks import check_in_one_group, check_params
-from .release_reductions import DDPState, hook_ddp, reduction_mode
+from .release_reductions import DDPState, hook_ddp, in_reentrant_backward, reduction_mode
 
 BUCKET_NUMEL = 1 << 22  # elements per released bucket (16 MiB of fp32 grads): DDP's default is 25 MiB
-
-# The frame of an autograd Function's backward: a backward run from inside it is reentrant.
-FUNCTION_BACKWARD = BackwardCFunction.apply.__code__
-
-
-def in_reentrant_backward() -> bool:
-    """Whether the backward running now was started by the backward of an autograd Function, as
-    ``torch.utils.checkpoint(use_reentrant=True)`` runs its block's: that Function's frame is then on
-    this thread's stack (also on a GPU's autograd thread, where the reentrant backward runs too). Its
-    accumulations are not the last of the backward around it: a block used twice accumulates again."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is FUNCTION_BACKWARD:
-            return True
-        frame = frame.f_back
-    return False
-
 
 def _options(group: dict) -> dict:
     """A param group's options as a step reads them (see :func:`_held`). Not its params, nor a per-group
@@ -231,6 +213,7 @@ class GradientRelease:
         self.options = {}  # group index: its options when backward first stepped one of its buckets
         self.checked = False  # whether this step's first grad has checked the buckets against the groups
         self.refused = False  # whether it found what step() refuses: backward then steps nothing, step() raises
+        self.accumulated = None  # a grad accumulated again, found in DDP's or FSDP2's hooks: step() raises it
         self.task, self.reentrant = None, False  # the autograd graph task last seen, and whether it is reentrant
 
     def _grad_ready(self, param: Tensor, reduced: bool = False) -> None:
@@ -242,7 +225,7 @@ class GradientRelease:
         if not self.checked:
             self._check_buckets(optimizer)
         bucket = self.bucket_of.get(id(param))
-        if bucket is None or self.refused:  # left its group, or frozen: step() steps it if it has a grad
+        if bucket is None or self.refused or self.accumulated:  # left its group, or frozen: step() steps it
             return
         if not reduced:
             task = torch._C._current_graph_task_id()
@@ -253,7 +236,7 @@ class GradientRelease:
         if id(param) in self.stepped:
             accumulate = {"ddp": "accumulate in DDP's no_sync(), ",
                           "fsdp": "accumulate under set_requires_gradient_sync(False), "}.get(self.mode, "")
-            raise RuntimeError(
+            error = RuntimeError(
                 "fastoptim: gradient release stepped this param since the last optimizer.step(), and a grad was "
                 "accumulated into it again: a second backward (gradient accumulation), or in one backward a "
                 "reentrant checkpoint (use_reentrant=True) of a param also used outside it (from the next backward "
@@ -261,6 +244,13 @@ class GradientRelease:
                 "optimizer's zero_grad(), which ends that step; model.zero_grad() does not). Call optimizer.step() "
                 f"after each backward, {accumulate}use use_reentrant=False, or remove the release handle to "
                 "accumulate")
+            if self.mode == "local":
+                raise error
+            # not inside DDP's comm hook or FSDP2's reduction, which would leave their other buckets and units half
+            # done (helper-108: every backward after failed, or stepped other params): backward steps nothing
+            # more, and step() raises it
+            self.accumulated = error
+            return
         ready = self.ready[bucket]
         ready.add(id(param))
         group_index, params = self.buckets[bucket]
@@ -359,6 +349,8 @@ class GradientRelease:
         bucket did not fill, a reentrant backward accumulated into it, or it is new to its group), on
         the grads they have, then the per-group step counts."""
         optimizer = self.optimizer
+        if self.accumulated is not None:
+            raise self.accumulated
         # GradScaler hands its scale, or found_inf alone where scaler.unscale_(optimizer) came first; it takes
         # them back only after a step that returns, and the next backward's steps would read them
         if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:

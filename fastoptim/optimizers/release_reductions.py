@@ -1,14 +1,19 @@
 """Which reductions gradient release follows, and what it refuses: a step is released where a grad is
 known to be final (see ``release.py``), in one process, under DDP (through release's comm hook, which
 averages and all-reduces a bucket as DDP does without one) or under FSDP2 (whose reduce-scatter hands
-each sharded param its grad)."""
+each sharded param its grad), and where a grad is not final yet: in a reentrant backward."""
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
 from torch import Tensor
+from torch.autograd.function import BackwardCFunction
 from torch.optim import Optimizer
+
+# The frame of an autograd Function's backward: a backward run from inside it is reentrant.
+FUNCTION_BACKWARD = BackwardCFunction.apply.__code__
 
 
 def refusal(optimizer: Optimizer, model: torch.nn.Module | None = None) -> str | None:
@@ -142,3 +147,16 @@ def hook_ddp(model, release) -> None:
         state = DDPState(model.process_group)
         model.register_comm_hook(state, ddp_comm_hook)
     state.releases.add(release)
+
+
+def in_reentrant_backward() -> bool:
+    """Whether the backward running now was started by the backward of an autograd Function, as
+    ``torch.utils.checkpoint(use_reentrant=True)`` runs its block's: that Function's frame is then on
+    this thread's stack (also on a GPU's autograd thread, where the reentrant backward runs too). Its
+    accumulations are not the last of the backward around it: a block used twice accumulates again."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is FUNCTION_BACKWARD:
+            return True
+        frame = frame.f_back
+    return False
