@@ -489,3 +489,29 @@ print("counted")
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "counted", result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("engine", ["loop", "foreach", "fused-multi"])
+def test_a_complex_param_appended_to_a_group_of_real_ones_steps_as_torch_steps_it(engine):
+    """Whether the engines take a param's real view was decided when the params were added: a complex param
+    appended to a group between steps raised torch's dtype error from lerp_ midway, the real params already
+    stepped (helper-109). It now steps as torch.optim.AdamW steps it (its real view)."""
+    flags = {"loop": dict(foreach=False, fused=False), "foreach": dict(foreach=True, fused=False),
+             "fused-multi": dict(foreach=True, fused=True)}[engine]
+    results = []
+    for cls, options in ((torch.optim.AdamW, dict(foreach=False)), (fastoptim.AdamW, flags)):
+        torch.manual_seed(0)
+        real = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+        appended = torch.nn.Parameter(torch.randn(4, 2, dtype=torch.complex64))
+        optimizer = cls(real, lr=0.01, **options)
+        for param in real:
+            param.grad = torch.randn_like(param)
+        optimizer.step()
+        optimizer.param_groups[0]["params"].append(appended)
+        for _ in range(2):
+            for param in (*real, appended):
+                param.grad = torch.randn_like(param)
+            optimizer.step()
+        results.append([param.detach().clone() for param in (*real, appended)])
+    for ours, torchs in zip(*reversed(results)):
+        assert torch.equal(ours, torchs) if engine == "loop" else torch.allclose(ours, torchs, rtol=1e-6, atol=1e-7)

@@ -278,7 +278,7 @@ class StepPath:
         pattern = tuple(i for i, grad in enumerate(grads) if grad is not None)
         if len(pattern) < len(params):
             params, grads = [params[i] for i in pattern], [grads[i] for i in pattern]
-        if not self._viewed:
+        if not self._viewed and not any(map(Tensor.is_complex, params)):  # one appended since: viewed (helper-109)
             return params, params, grads, pattern
         return params, list(map(engine_view, params)), list(map(engine_view, grads)), pattern
 
