@@ -27,11 +27,9 @@ SANITIZE = ["-O1", "-g", "-fno-var-tracking", "-fno-omit-frame-pointer", "-fsani
 
 # The tests of the CPU kernel, less: Triton's; the peak-memory ones, since ASan's allocator keeps freed
 # memory resident, so a step's peak cannot be read from /proc; the loop and foreach engines' variants,
-# which never call the kernel; the 8-bit training runs (a minute and more under ASan, for kernel
-# paths the other tests cover); and the lerp's bits, which are torch's where the build contracts it into
-# an FMA, as the CPU-level clones do and an empty VECTORISED does not.
-DESELECT = ["triton", "allocates_nothing", "foreach_scratch", "loop]", "foreach]", "train_as_well",
-            "lerp_bit_for_bit"]
+# which never call the kernel; and the 8-bit training runs (a minute and more under ASan, for kernel
+# paths the other tests cover).
+DESELECT = ["triton", "allocates_nothing", "foreach_scratch", "loop]", "foreach]", "train_as_well"]
 # With the states-moved test, whose cache bug wrote into freed memory: ASan reported it (heap-use-after-free);
 # and the torch ops' tests, whose unchecked arguments once made the kernel read and write out of bounds.
 OP_TESTS = ["test_the_step_ops_refuse_bad_arguments_by_name_and_change_nothing",

@@ -240,14 +240,18 @@ def test_adamw_fused_matches_torch(engine, amsgrad, maximize):
     assert oracle.relative_error(params, peer_params) < 2e-5
 
 
-def adamw_first_moments_of_torch_and_fused(beta1, engine):
-    """torch.optim.AdamW's exp_avg and the fused engine's after grads that cancel (a 1e8 step, then 1.0
-    steps) and an inf element, with ``beta1``: each is torch's lerp_ of the grad."""
+def adamw_first_moments_of_torch_and_fused(beta1, engine, shape=(4,), options=None):
+    """torch.optim.AdamW's exp_avg and the fused engine's (with ``options``) after grads that cancel (a 1e8
+    step, then 1.0 steps) and an inf element, and random ones, with ``beta1``: each is torch's lerp_ of the
+    grad. ``shape``: the param's, its grads the same values repeated."""
+    generator = torch.Generator().manual_seed(0)
     grads = [torch.tensor([1e8, 1e8, 1.0, 3.0]), torch.tensor([1.0, 2.0, 1.0, 3.0]),
              torch.tensor([1.0, float("inf"), -2.0, 3.0]), torch.tensor([0.5, 1.0, 1e-30, 3.0])]
+    grads = [grad.repeat(math.prod(shape) // 4).reshape(shape) for grad in grads] + [
+        torch.randn(shape, generator=generator) * 10 for _ in range(2)]
     moments = []
-    for cls, flags in ((torch.optim.AdamW, {}), (fastoptim.AdamW, FUSED[engine])):
-        param = torch.nn.Parameter(torch.ones(4))
+    for cls, flags in ((torch.optim.AdamW, {}), (fastoptim.AdamW, FUSED[engine] | (options or {}))):
+        param = torch.nn.Parameter(torch.ones(shape))
         optimizer = cls([param], lr=0.01, betas=(beta1, 0.999), **flags)
         for grad in grads:
             param.grad = grad.clone()
@@ -258,11 +262,14 @@ def adamw_first_moments_of_torch_and_fused(beta1, engine):
 
 @pytest.mark.parametrize("engine", FUSED)
 @pytest.mark.parametrize("beta1", [0.0, 0.3, 0.5, 0.9])
-def test_adamw_fused_first_moment_is_torchs_lerp_bit_for_bit(beta1, engine):
+@pytest.mark.parametrize("layout", ["dense", "sn rows", "sn columns"])
+def test_adamw_fused_first_moment_is_torchs_lerp_bit_for_bit(beta1, engine, layout):
     """The kernels wrote m + (g − m)·(1 − β1) for every β1: at β1 = 0 a 1e8 moment then a grad of 1.0 left
     0.0 (torch: 1.0), and an inf grad made inf (torch: NaN); at β1 <= 0.5, torch's lerp_ takes its other
-    branch (helper-106)."""
-    expected, actual = adamw_first_moments_of_torch_and_fused(beta1, engine)
+    branch (helper-106), which a subset-norm param's column walk left unfused (helper-109)."""
+    shape, options = {"dense": ((4,), None), "sn rows": ((16,), dict(sn=True, subset_size=4)),
+                      "sn columns": ((8, 8), dict(sn=True))}[layout]
+    expected, actual = adamw_first_moments_of_torch_and_fused(beta1, engine, shape, options)
     for step, (a, e) in enumerate(zip(actual, expected)):
         assert torch.equal(a.isnan(), e.isnan()) and torch.equal(a.nan_to_num(), e.nan_to_num()), (step, a, e)
 

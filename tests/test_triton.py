@@ -565,4 +565,5 @@ def test_the_interpreter_turned_on_after_import_is_refused_as_off(monkeypatch):
 @pytest.mark.parametrize("beta1", [0.0, 0.3, 0.9])
 def test_adamw_first_moment_is_torchs_lerp_bit_for_bit(beta1):
     """As the C kernel's (test_fused): torch's lerp_, whose two branches are each one FMA."""
-    test_fused.test_adamw_fused_first_moment_is_torchs_lerp_bit_for_bit(beta1, "fused-multi")
+    for layout in ("dense", "sn columns"):
+        test_fused.test_adamw_fused_first_moment_is_torchs_lerp_bit_for_bit(beta1, "fused-multi", layout)

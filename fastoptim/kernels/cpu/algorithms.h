@@ -94,10 +94,11 @@ INLINE void adan_update(const adan_scalars *s, float *x, float scale, int flags)
 /* --- AdamW, AdamWSN and RMSPropSN ------------------------------------------------------------- */
 
 /* torch's lerp, start + w·(end − start) for |w| < 0.5, else end − (1 − w)·(end − start) with 1 − w
-   taken in fp32; each is one FMA where the CPU has it, as torch's vectorized lerp. */
+   taken in fp32; each is one FMA, as torch's vectorized lerp: written out, as the compiler left a column
+   walk's second branch a product and a sum (helper-109). */
 INLINE float lerp(float start, float end, float w) {
     const float difference = end - start;
-    return fabsf(w) < 0.5f ? w * difference + start : (w - 1.f) * difference + end;
+    return fabsf(w) < 0.5f ? fmaf(w, difference, start) : fmaf(w - 1.f, difference, end);
 }
 
 typedef struct {
