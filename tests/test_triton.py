@@ -567,3 +567,21 @@ def test_adamw_first_moment_is_torchs_lerp_bit_for_bit(beta1):
     """As the C kernel's (test_fused): torch's lerp_, whose two branches are each one FMA."""
     for layout in ("dense", "sn columns"):
         test_fused.test_adamw_fused_first_moment_is_torchs_lerp_bit_for_bit(beta1, "fused-multi", layout)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("sn", [False, True])
+def test_amsgrad_keeps_a_nan_second_moment_as_torch_maximum_does(sn):
+    """tl.maximum drops a NaN (fmax): amsgrad's maximum kept its old value where the grad was NaN, and under sn
+    the subset's finite params then stepped by m / eps (1e6) where the loop engine and the C kernel make them
+    NaN (helper-110)."""
+    results = []
+    for flags in (LOOP, FUSED["fused-multi"]):
+        param = torch.nn.Parameter(torch.linspace(-1, 1, 128).reshape(8, 16))
+        optimizer = fastoptim.AdamW([param], lr=1e-2, amsgrad=True, sn=sn, **flags)
+        param.grad = torch.linspace(-2, 2, 128).reshape(8, 16)
+        param.grad[0, 0] = float("nan")
+        optimizer.step()
+        results.append((param.detach().clone(), optimizer.state[param]["max_exp_avg_sq"].clone()))
+    for loop, triton in zip(*results):
+        assert torch.equal(loop.isnan(), triton.isnan()) and torch.allclose(loop.nan_to_num(), triton.nan_to_num())

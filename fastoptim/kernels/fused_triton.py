@@ -597,7 +597,7 @@ def _adamw_second_moments(moments, g, S, K: tl.constexpr, F: tl.constexpr, SUMS:
     v = _second_moment(moments[0], g, S, K.beta2, K.one_minus_beta2, SUMS)
     v_max = moments[1]
     if F.amsgrad:
-        v_max = tl.maximum(v_max, v)
+        v_max = tl.maximum(v_max, v, propagate_nan=tl.PropagateNan.ALL)  # torch.maximum: a NaN stays (helper-110)
     return v, v_max
 
 
