@@ -114,7 +114,9 @@ INLINE adamw_scalars adamw_scalars_of(const Work *w, int64_t t) {
         1 / scalar(w, ADAMW_BIAS_CORRECTION2_SQRT, t)};
 }
 
-INLINE float adamw_squared(const adamw_scalars *s, const float *x) { return x[GRAD] * s->grad_scale; }  /* g */
+/* g: the grad times its scale, rounded, as the reference's scaled grad is (a plain product would be contracted
+   into the lerp's FMA in some specialisations and not others: a bf16 param's step then left its fp32 twin's) */
+INLINE float adamw_squared(const adamw_scalars *s, const float *x) { return fmaf(x[GRAD], s->grad_scale, -0.0f); }
 
 /* exp_avg_sq: v = β2·v + (1−β2)·g²; with amsgrad, max_exp_avg_sq: v̂ = max(v̂, v). */
 INLINE void adamw_second_moments(const adamw_scalars *s, float *x, float g, int form, int flags) {
