@@ -162,8 +162,8 @@ def drop_frozen_grads(groups, dropped: list) -> None:
     frozen since they were flattened (``requires_grad_(False)``), they get no grad from backward, and a
     step would take the zeros that zero_grad left there for their weight decay and momentum, where
     torch's zero_grad leaves an unflattened model's frozen params no grad to step. Each is listed in
-    ``dropped`` with its grad (see :func:`frozen_grads_dropped`). (A bound step reads each param's grad with :func:`frozen_grad` instead: one pass over the
-    params, not two.)"""
+    ``dropped`` with its grad (see :func:`frozen_grads_dropped`). (A bound step reads each param's grad
+    with :func:`frozen_grad` instead: one pass over the params, not two.)"""
     for group in groups:
         params = group["params"]
         if not all(map(REQUIRES_GRAD, params)):

@@ -311,8 +311,8 @@ def run_in_three_parts(momentum_engine: str, part: engines.Plan, reduce_group=No
     engines.run(momentum_engine, replace(
         part, tensors={"param": directions, "grad": grads, "momentum_buffer": part.tensors["momentum_buffer"]},
         watched=watched, update=muon_momentum, spec=MOMENTUM_SPEC, flags=flags,
-        kernel_values=momentum_kernel_scalars(momentum_args) if momentum_engine in engines.FUSED else None, per_tensor=frozenset(), stochastic_rounding=False, args=momentum_args,
-        bucket=momentum))
+        kernel_values=momentum_kernel_scalars(momentum_args) if momentum_engine in engines.FUSED else None,
+        per_tensor=frozenset(), stochastic_rounding=False, args=momentum_args, bucket=momentum))
     if piece is None:
         orthogonal = orthogonalize_shards(iterations(args), directions, part.bucket.sharded_params, args["flatten"],
                                           reduce_group, part.bucket)
